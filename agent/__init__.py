@@ -1,0 +1,108 @@
+"""trainwarden's per-rank agent. Import it as ``import trainwarden.agent as tw``.
+
+    tw.init(run="my-run", url="http://collector:8000")
+    for step, batch in enumerate(loader):
+        with tw.step(step, tokens=batch.numel()) as s:
+            loss = model(batch); loss.backward(); opt.step(); opt.zero_grad()
+            s.loss(loss)
+    tw.shutdown()
+
+This module stays light: it never imports fastapi, sqlalchemy, dash or plotly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from . import core as _core
+from .config import AgentConfig, ConfigError
+from .core import Agent, Step
+from .exporter import Transport
+
+__all__ = [
+    "Agent",
+    "AgentConfig",
+    "ConfigError",
+    "Step",
+    "Transport",
+    "event",
+    "init",
+    "recent",
+    "shutdown",
+    "stats",
+    "step",
+]
+
+
+def init(
+    run: str | None = None,
+    url: str | None = None,
+    token: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    queue_size: int | None = None,
+    flush_interval_s: float | None = None,
+    batch_size: int | None = None,
+    request_timeout_s: float | None = None,
+    transport: Transport | None = None,
+) -> Agent:
+    """Start the agent for this process.
+
+    Every argument falls back to a ``TRAINWARDEN_*`` environment variable
+    (``TRAINWARDEN_RUN``, ``TRAINWARDEN_URL``, ``TRAINWARDEN_TOKEN``, ...); rank,
+    world size and local rank come from ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
+    With no URL the agent still works and keeps its last records in memory.
+    Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
+    shuts the previous agent down first.
+    """
+    config = AgentConfig.resolve(
+        run=run,
+        url=url,
+        token=token,
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        queue_size=queue_size,
+        flush_interval_s=flush_interval_s,
+        batch_size=batch_size,
+        request_timeout_s=request_timeout_s,
+    )
+    if _core._agent is not None:
+        _core._agent.shutdown()
+    agent = Agent(config, transport=transport)
+    _core.set_current(agent)
+    return agent
+
+
+def step(step: int, tokens: Any = None) -> Step:
+    """Time one training step: ``with tw.step(i, tokens=n) as s: ...``.
+
+    ``tokens`` is the number of tokens this rank processed in the step (an int, or a
+    CPU tensor's ``numel()``); it feeds tokens/s and, later, MFU.
+    """
+    return _core.current().step(step, tokens)
+
+
+def event(kind: str, *, step: int | None = None, severity: str = "info", **data: Any) -> None:
+    """Record an event of this rank (kept with the run and shown on its timeline)."""
+    _core.current().event(kind, step=step, severity=severity, **data)
+
+
+def stats() -> dict[str, int]:
+    """Counters of this process's agent: recorded, sent, dropped (and why)."""
+    return dict(_core.current().stats)
+
+
+def recent(n: int = 100) -> list[Any]:
+    """The last ``n`` records kept in memory when running without a collector."""
+    return _core.current().recent(n)
+
+
+def shutdown(timeout_s: float = 5.0) -> None:
+    """Flush what is queued (waiting at most ``timeout_s``) and stop the agent."""
+    agent = _core._agent
+    if agent is not None:
+        agent.shutdown(timeout_s)
+        _core.set_current(None)

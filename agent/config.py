@@ -1,0 +1,160 @@
+"""Agent configuration: explicit argument, else ``TRAINWARDEN_*`` variable, else default.
+
+Every check runs at ``tw.init`` time so a wrong argument fails at once, with the fix
+in the message, instead of surfacing as missing data an hour into the run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+
+
+class ConfigError(ValueError):
+    """A ``tw.init`` argument or ``TRAINWARDEN_*`` variable is wrong; the message says how to fix it."""
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value not in (None, "") else None
+
+
+def _pick(explicit: Any, env_name: str) -> Any:
+    return explicit if explicit is not None else _env(env_name)
+
+
+def _as_int(value: Any, what: str, *, minimum: int) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} must be an integer, got {value!r}") from None
+    if number < minimum:
+        raise ConfigError(f"{what} must be >= {minimum}, got {number}")
+    return number
+
+
+def _as_float(value: Any, what: str, *, minimum: float) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{what} must be a number, got {value!r}") from None
+    if not number > minimum:
+        raise ConfigError(f"{what} must be > {minimum}, got {number}")
+    return number
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """What one rank's agent needs to know. Build it with :meth:`resolve`."""
+
+    run: str
+    """Logical run name. A restarted process with the same name continues the run."""
+    url: str | None
+    """Collector base URL (``http://host:8000``); ``None`` keeps records local only."""
+    token: str | None
+    """Bearer token sent to the collector, if it asks for one."""
+    rank: int
+    """Global rank (``RANK``)."""
+    world_size: int
+    """Number of ranks in the job (``WORLD_SIZE``)."""
+    local_rank: int
+    """Rank within the node (``LOCAL_RANK``)."""
+    host: str
+    """Host name of this process."""
+    node: str
+    """Scheduler node name (``SLURMD_NODENAME`` / ``NODE_NAME``), else the host name."""
+    queue_size: int = 10_000
+    """Records held in memory before the oldest are dropped (and counted)."""
+    flush_interval_s: float = 1.0
+    """How often the exporter sends a batch."""
+    batch_size: int = 512
+    """Records per HTTP request at most."""
+    request_timeout_s: float = 5.0
+    """Timeout of one HTTP request to the collector."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        run: str | None = None,
+        url: str | None = None,
+        token: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        local_rank: int | None = None,
+        queue_size: int | None = None,
+        flush_interval_s: float | None = None,
+        batch_size: int | None = None,
+        request_timeout_s: float | None = None,
+    ) -> AgentConfig:
+        run = _pick(run, "TRAINWARDEN_RUN")
+        if run is None:
+            raise ConfigError(
+                "no run name: pass tw.init(run='my-run') or set TRAINWARDEN_RUN; "
+                "all ranks of one job must use the same name"
+            )
+        if not isinstance(run, str) or not _RUN_NAME.match(run):
+            raise ConfigError(
+                f"run name {run!r} is not valid: use 1-128 characters from letters, digits "
+                "and . _ : -, starting with a letter or digit (e.g. 'llama-8b-2026-11-21')"
+            )
+
+        url = _pick(url, "TRAINWARDEN_URL")
+        if url is not None:
+            if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
+                raise ConfigError(
+                    f"collector url {url!r} is not valid: use http://host:port or https://host"
+                )
+            url = url.rstrip("/")
+
+        rank_v = _as_int(_pick(rank, "RANK") or 0, "rank (RANK)", minimum=0)
+        world_v = _as_int(
+            _pick(world_size, "WORLD_SIZE") or 1, "world_size (WORLD_SIZE)", minimum=1
+        )
+        if rank_v >= world_v:
+            raise ConfigError(
+                f"rank {rank_v} is outside world_size {world_v}: check RANK and WORLD_SIZE "
+                "(torchrun and srun set both)"
+            )
+        local_v = _as_int(
+            _pick(local_rank, "LOCAL_RANK") or 0, "local_rank (LOCAL_RANK)", minimum=0
+        )
+        host = socket.gethostname()
+        node = _env("SLURMD_NODENAME") or _env("NODE_NAME") or host
+
+        return cls(
+            run=run,
+            url=url,
+            token=_pick(token, "TRAINWARDEN_TOKEN"),
+            rank=rank_v,
+            world_size=world_v,
+            local_rank=local_v,
+            host=host,
+            node=node,
+            queue_size=_as_int(
+                _pick(queue_size, "TRAINWARDEN_QUEUE_SIZE") or cls.queue_size,
+                "queue_size (TRAINWARDEN_QUEUE_SIZE)",
+                minimum=1,
+            ),
+            flush_interval_s=_as_float(
+                _pick(flush_interval_s, "TRAINWARDEN_FLUSH_INTERVAL") or cls.flush_interval_s,
+                "flush_interval_s (TRAINWARDEN_FLUSH_INTERVAL)",
+                minimum=0.0,
+            ),
+            batch_size=_as_int(
+                _pick(batch_size, "TRAINWARDEN_BATCH_SIZE") or cls.batch_size,
+                "batch_size (TRAINWARDEN_BATCH_SIZE)",
+                minimum=1,
+            ),
+            request_timeout_s=_as_float(
+                _pick(request_timeout_s, "TRAINWARDEN_REQUEST_TIMEOUT") or cls.request_timeout_s,
+                "request_timeout_s (TRAINWARDEN_REQUEST_TIMEOUT)",
+                minimum=0.0,
+            ),
+        )

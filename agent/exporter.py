@@ -1,0 +1,192 @@
+"""Background exporter: drains the agent's queue and POSTs batches to the collector.
+
+Modelled on OpenTelemetry's BatchProcessor: a daemon thread woken by a timer or an
+``Event``, exports wrapped so nothing ever raises into the trainer, and a
+``shutdown(timeout)`` that flushes what it can before its deadline. Until the spool
+lands (issue 10), a batch the collector does not take is dropped and counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .values import NOT_READY, issue_of, json_number, resolve
+
+log = logging.getLogger(__name__)
+
+INGEST_PATH = "/api/v1/ingest"
+# A record whose device copy has not completed after this long is sent without it.
+_MAX_PENDING_S = 10.0
+
+
+class Transport(Protocol):
+    """Sends one JSON body; returns the collector's JSON reply or raises."""
+
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class HttpTransport:
+    """The real transport: one keep-alive httpx client."""
+
+    def __init__(self, url: str, *, token: str | None, timeout_s: float) -> None:
+        import httpx  # imported here so that `import trainwarden.agent` stays light
+
+        headers = {"User-Agent": "trainwarden-agent"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._client = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
+
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        response = self._client.post(path, json=body)
+        if response.status_code >= 400:
+            raise CollectorError(response.status_code, response.text[:500])
+        return response.json() if response.content else {}
+
+    def close(self) -> None:
+        self._client.close()
+
+
+class CollectorError(RuntimeError):
+    def __init__(self, status: int, body: str) -> None:
+        super().__init__(f"collector answered {status}: {body}")
+        self.status = status
+
+
+def step_to_json(record: Any) -> dict[str, Any] | None:
+    """Turn a StepRecord into the wire form, or ``None`` if a value is still in flight."""
+    loss = resolve(record.loss)
+    if loss is NOT_READY:
+        return None
+    out: dict[str, Any] = {
+        "step": record.step,
+        "ts": record.wall_start_ns / 1e9,
+        "duration_s": record.duration_ns / 1e9,
+        "data_wait_s": None if record.data_wait_ns is None else record.data_wait_ns / 1e9,
+        "tokens": record.tokens,
+        "loss": json_number(loss),
+    }
+    issues = {}
+    if (why := issue_of(record.loss)) is not None:
+        issues["loss"] = why
+    if record.error is not None:
+        issues["exception"] = record.error
+    if issues:
+        out["issues"] = issues
+    return out
+
+
+class Exporter:
+    """Owns the background thread. All public methods are safe from any thread."""
+
+    def __init__(
+        self,
+        *,
+        queue: deque[Any],
+        header: Callable[[], dict[str, Any]],
+        transport: Transport,
+        run: str,
+        batch_size: int,
+        interval_s: float,
+        stats: dict[str, int],
+    ) -> None:
+        self._queue = queue
+        self._header = header
+        self._transport = transport
+        self._run = run
+        self._batch_size = batch_size
+        self._interval_s = interval_s
+        self._stats = stats
+        self._wake = threading.Event()
+        self._stopping = threading.Event()
+        self._held: list[Any] = []  # records waiting for a device copy, in order
+        self._failing = False
+        self._thread = threading.Thread(target=self._loop, name="trainwarden-exporter", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def shutdown(self, timeout_s: float) -> None:
+        """Send what is queued, within ``timeout_s``, then stop the thread."""
+        self._stopping.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning(
+                "trainwarden: exporter did not finish within %.1fs; unsent records dropped",
+                timeout_s,
+            )
+        self._transport.close()
+
+    # -- the thread ---------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait(self._interval_s)
+            self._wake.clear()
+            stopping = self._stopping.is_set()
+            try:
+                while self._export_once(final=stopping):
+                    pass
+            except Exception:  # never let the thread die: the trainer must not notice
+                log.exception("trainwarden: exporter error (records dropped)")
+            if stopping:
+                return
+
+    def _take_batch(self, *, final: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        steps: list[dict[str, Any]] = []
+        events: list[dict[str, Any]] = []
+        now = time.monotonic()
+        while self._queue and len(self._held) < self._batch_size:
+            self._held.append(self._queue.popleft())  # deque.popleft is atomic
+        keep: list[Any] = []
+        for record in self._held:
+            if len(steps) + len(events) >= self._batch_size or keep:
+                keep.append(record)  # preserve order behind a record still in flight
+                continue
+            if record.kind == "event":
+                events.append(record.body)
+                continue
+            body = step_to_json(record)
+            if body is None and not final and now - record.queued_at < _MAX_PENDING_S:
+                keep.append(record)
+                continue
+            if body is None:
+                record.loss = None
+                body = step_to_json(record)
+                body["issues"] = {**body.get("issues", {}), "loss": "device copy did not complete"}
+            steps.append(body)
+        self._held = keep
+        return steps, events
+
+    def _export_once(self, *, final: bool) -> bool:
+        """Send one batch. Returns True when more is ready to send right away."""
+        steps, events = self._take_batch(final=final)
+        if not steps and not events:
+            return False
+        body = {"run": self._run, "agent": self._header(), "steps": steps, "events": events}
+        try:
+            self._transport.send(INGEST_PATH, body)
+        except Exception as exc:
+            self._stats["dropped_send_failed"] += len(steps) + len(events)
+            self._stats["batches_failed"] += 1
+            if not self._failing:
+                log.warning(
+                    "trainwarden: collector unreachable (%s); dropping records until it answers",
+                    exc,
+                )
+                self._failing = True
+            return False  # wait for the next tick instead of spinning on a dead collector
+        if self._failing:
+            log.warning("trainwarden: collector reachable again")
+            self._failing = False
+        self._stats["sent"] += len(steps) + len(events)
+        self._stats["batches_sent"] += 1
+        return bool(self._queue) or (bool(self._held) and final)

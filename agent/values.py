@@ -1,0 +1,84 @@
+"""Read scalar telemetry (loss, grad norm) without stalling the training thread.
+
+The training thread calls :func:`capture`, which never synchronizes with a device:
+a CUDA tensor is copied device-to-host with ``non_blocking=True`` and a CUDA event is
+recorded behind the copy. The exporter thread later calls :func:`resolve`, which
+returns the value once the event has completed and says "not yet" otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from typing import Any
+
+NOT_READY = object()
+"""Returned by :func:`resolve` while a device copy is still in flight."""
+
+
+class Captured:
+    """A value taken on the training thread, read later on the exporter thread."""
+
+    __slots__ = ("tensor", "event", "issue")
+
+    def __init__(self, tensor: Any = None, event: Any = None, issue: str | None = None) -> None:
+        self.tensor = tensor
+        self.event = event
+        self.issue = issue
+
+
+def capture(value: Any) -> float | Captured | None:
+    """Take ``value`` (a number or a tensor) on the training thread. Never syncs.
+
+    Returns a float for plain numbers, a :class:`Captured` for tensors, ``None`` for
+    ``None``. A tensor with no elements is captured as an issue, not an error.
+    """
+    if value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(value, torch.Tensor):
+        try:
+            return float(value)  # numpy scalars and friends
+        except (TypeError, ValueError):
+            return Captured(issue=f"not a number or tensor: {type(value).__name__}")
+    if value.numel() == 0:  # metadata only, no sync
+        return Captured(issue="empty tensor")
+    tensor = value.detach()
+    if tensor.numel() != 1:
+        tensor = tensor.float().mean()  # queued on the tensor's stream; no sync
+    if tensor.device.type == "cuda":
+        # non_blocking D2H lands in pinned memory; the event tells the exporter when.
+        host = tensor.to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return Captured(host, event)
+    return Captured(tensor)
+
+
+def resolve(captured: float | Captured | None) -> Any:
+    """On the exporter thread: the float value, ``None``, or :data:`NOT_READY`."""
+    if captured is None or isinstance(captured, float):
+        return captured
+    if captured.issue is not None:
+        return None
+    if captured.event is not None and not captured.event.query():
+        return NOT_READY
+    return float(captured.tensor.item())
+
+
+def issue_of(captured: float | Captured | None) -> str | None:
+    """Why a captured value has no number (empty tensor, non-finite), else ``None``."""
+    if isinstance(captured, Captured):
+        return captured.issue
+    return None
+
+
+def json_number(value: float | None) -> float | str | None:
+    """JSON has no NaN/Inf: send them as the strings the collector understands."""
+    if value is None or math.isfinite(value):
+        return value
+    if math.isnan(value):
+        return "nan"
+    return "inf" if value > 0 else "-inf"

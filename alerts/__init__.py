@@ -1,0 +1,1 @@
+"""trainwarden alerts: rules, evaluation and notifiers (issue 6)."""

@@ -1,0 +1,1 @@
+"""trainwarden collector: FastAPI app, ingest, storage, queries and the CLI."""

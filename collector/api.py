@@ -1,0 +1,127 @@
+"""HTTP routes of ``/api/v1`` plus ``/healthz`` and ``/metrics``. Routes stay thin:
+validation is pydantic's, work is in ``ingest`` and ``queries``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Query, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import Engine, text
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from . import queries
+from .db import write
+from .ingest import ingest as store_batch
+from .prom import CollectorMetrics
+from .schemas import EventOut, IngestBatch, IngestResult, RankInfo, RunDetail, RunSummary, Series
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = "5"
+
+router = APIRouter()
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+def _metrics(request: Request) -> CollectorMetrics:
+    return request.app.state.metrics
+
+
+def _unavailable(exc: Exception) -> HTTPException:
+    log.warning("database unavailable: %s", str(exc).splitlines()[0])
+    return HTTPException(
+        503, "database unavailable; retry later", headers={"Retry-After": RETRY_AFTER_S}
+    )
+
+
+@router.post("/api/v1/ingest", response_model=IngestResult, tags=["ingest"])
+def ingest(batch: IngestBatch, request: Request) -> IngestResult:
+    """Store a batch of one rank's step records and events."""
+    metrics = _metrics(request)
+    started = time.perf_counter()
+    try:
+        with write(_engine(request)) as conn:
+            result = store_batch(conn, batch=batch)
+    except (OperationalError, DBAPIError) as exc:
+        metrics.ingest_requests.labels("unavailable").inc()
+        raise _unavailable(exc) from exc
+    metrics.ingest_seconds.observe(time.perf_counter() - started)
+    metrics.ingest_requests.labels("ok").inc()
+    metrics.ingest_records.labels("step").inc(result.accepted_steps)
+    metrics.ingest_records.labels("event").inc(result.accepted_events)
+    return result
+
+
+@router.get("/api/v1/runs", response_model=list[RunSummary], tags=["runs"])
+def list_runs(
+    request: Request, limit: Annotated[int, Query(ge=1, le=10_000)] = 200
+) -> list[RunSummary]:
+    """Retrieve runs, most recently updated first."""
+    with _engine(request).connect() as conn:
+        return queries.list_runs(conn, limit=limit)
+
+
+@router.get("/api/v1/runs/{run}", response_model=RunDetail, tags=["runs"])
+def get_run(run: str, request: Request) -> RunDetail:
+    """Retrieve one run with its ranks."""
+    with _engine(request).connect() as conn:
+        return queries.get_run(conn, run=run)
+
+
+@router.get("/api/v1/runs/{run}/ranks", response_model=list[RankInfo], tags=["runs"])
+def get_ranks(run: str, request: Request) -> list[RankInfo]:
+    """Retrieve the ranks of a run: host, node, process session, state, last step."""
+    with _engine(request).connect() as conn:
+        return queries.ranks(conn, run=run)
+
+
+@router.get("/api/v1/runs/{run}/events", response_model=list[EventOut], tags=["runs"])
+def get_events(
+    run: str,
+    request: Request,
+    kind: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 1000,
+) -> list[EventOut]:
+    """Retrieve a run's events (start, shutdown, restart, ...) in time order."""
+    with _engine(request).connect() as conn:
+        return queries.events(conn, run=run, kind=kind, limit=limit)
+
+
+@router.get("/api/v1/runs/{run}/series", response_model=Series, tags=["runs"])
+def get_series(
+    run: str,
+    request: Request,
+    metric: str,
+    from_step: Annotated[int | None, Query(alias="from", ge=0)] = None,
+    to_step: Annotated[int | None, Query(alias="to", ge=0)] = None,
+    last: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
+) -> Series:
+    """Retrieve one metric per step: min / median / max across ranks and the run total."""
+    with _engine(request).connect() as conn:
+        return queries.series(
+            conn, run=run, metric=metric, from_step=from_step, to_step=to_step, last=last
+        )
+
+
+@router.get("/healthz", tags=["ops"])
+def healthz(request: Request, response: Response) -> dict[str, str]:
+    """Liveness and database reachability."""
+    try:
+        with _engine(request).connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception:
+        response.status_code = 503
+        response.headers["Retry-After"] = RETRY_AFTER_S
+        return {"status": "degraded", "database": "unreachable"}
+    return {"status": "ok", "database": "ok"}
+
+
+@router.get("/metrics", tags=["ops"], response_class=Response)
+def metrics(request: Request) -> Response:
+    """Prometheus metrics."""
+    return Response(generate_latest(_metrics(request).registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,63 @@
+"""``create_app``: the FastAPI application with the API, ``/metrics`` and the Dash UI at ``/``."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from sqlalchemy import Engine
+
+from .api import router
+from .prom import CollectorMetrics
+from .queries import NotFound, UnknownMetric
+from .settings import Settings
+
+
+def _location(loc: tuple[object, ...] | list[object]) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    out = ""
+    for part in parts:
+        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
+    return out or "body"
+
+
+def create_app(engine: Engine, settings: Settings | None = None, *, ui: bool = True) -> FastAPI:
+    """Build the app on an engine whose schema is already at head (see ``db.upgrade``)."""
+    settings = settings or Settings()
+    app = FastAPI(
+        title="trainwarden collector",
+        version="0.1.0",
+        description="Stores what trainwarden agents send and serves it to the UI and to tools.",
+    )
+    app.state.engine = engine
+    app.state.settings = settings
+    app.state.metrics = CollectorMetrics(engine)
+    app.include_router(router)
+
+    @app.exception_handler(NotFound)
+    async def _not_found(_request: Request, exc: NotFound) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=404)
+
+    @app.exception_handler(UnknownMetric)
+    async def _unknown_metric(_request: Request, exc: UnknownMetric) -> JSONResponse:
+        return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        if request.url.path == "/api/v1/ingest":
+            app.state.metrics.ingest_requests.labels("invalid").inc()
+        summary = "; ".join(f"{_location(e['loc'])}: {e['msg']}" for e in errors[:5])
+        detail = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in errors]
+        return JSONResponse({"error": summary, "detail": detail}, status_code=422)
+
+    if ui:
+        from a2wsgi import WSGIMiddleware
+
+        from trainwarden.webui.app import create_dash
+        from trainwarden.webui.client import LocalClient
+
+        dash_app = create_dash(LocalClient(engine), refresh_s=settings.ui_refresh_s)
+        app.state.dash = dash_app
+        app.mount("/", WSGIMiddleware(dash_app.server))  # last: API routes match first
+    return app

@@ -1,0 +1,149 @@
+"""The ``trainwarden`` command: ``serve``, ``demo`` and ``db upgrade``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from .settings import Settings
+
+
+class CliError(Exception):
+    """Ends the command with one clear line on stderr and exit status 2."""
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {
+        k: v
+        for k, v in (
+            ("db", args.db),
+            ("host", getattr(args, "host", None)),
+            ("port", getattr(args, "port", None)),
+        )
+        if v is not None
+    }
+    return Settings(**overrides)
+
+
+def _open_database(url: str):  # type: ignore[no-untyped-def]
+    """Connect and bring the schema to head; a failure is one line naming the URL."""
+    from .db import DatabaseError, check_connection, make_engine, masked, upgrade
+
+    try:
+        engine = make_engine(url)
+        check_connection(engine)
+        upgrade(engine)
+    except DatabaseError as exc:
+        raise CliError(str(exc)) from None
+    except Exception as exc:  # a migration that fails: still one line, URL masked
+        raise CliError(f"cannot prepare database {masked(url)}: {exc}") from None
+    return engine
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    from .app import create_app
+    from .db import masked
+
+    settings = _settings(args)
+    engine = _open_database(settings.db)
+    app = create_app(engine, settings)
+    base = f"http://{settings.host}:{settings.port}"
+    print(
+        f"trainwarden collector: dashboard {base}/  API {base}/api/v1  docs {base}/docs", flush=True
+    )
+    print(f"trainwarden collector: database {masked(settings.db)}", flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+
+
+def cmd_demo(args: argparse.Namespace) -> None:
+    from .demo import run_demo
+
+    settings = _settings(args)
+    engine = _open_database(settings.db)
+    run_demo(
+        engine,
+        settings,
+        ranks=args.ranks,
+        steps=args.steps,
+        data_delay=args.data_delay,
+        keep_serving=not args.exit_when_done,
+    )
+
+
+def cmd_db_upgrade(args: argparse.Namespace) -> None:
+    from .db import masked
+
+    settings = _settings(args)
+    _open_database(settings.db)
+    print(f"trainwarden: database {masked(settings.db)} is at the latest schema")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="trainwarden",
+        description="Observability and self-healing for distributed training runs.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    db_help = (
+        "SQLAlchemy URL: sqlite:///PATH or postgresql+psycopg://USER:PASS@HOST:PORT/DB "
+        "(default: TRAINWARDEN_DB, else an SQLite file in ~/.local/share/trainwarden)"
+    )
+
+    serve = sub.add_parser(
+        "serve", help="run the collector: API, /metrics and the web UI on one port"
+    )
+    serve.add_argument("--db", help=db_help)
+    serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.set_defaults(func=cmd_serve)
+
+    demo = sub.add_parser(
+        "demo", help="serve + a live 2-rank CPU training run (gloo) with the agent"
+    )
+    demo.add_argument("--db", help=db_help)
+    demo.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    demo.add_argument("--port", type=int, help="port (default 8000; a free one if that is taken)")
+    demo.add_argument(
+        "--ranks", type=int, default=2, help="number of training processes (default 2)"
+    )
+    demo.add_argument("--steps", type=int, default=3000, help="training steps (default 3000)")
+    demo.add_argument(
+        "--data-delay",
+        type=float,
+        default=0.05,
+        help="seconds the demo's data loader takes per batch (default 0.05)",
+    )
+    demo.add_argument(
+        "--exit-when-done",
+        action="store_true",
+        help="stop serving when training ends (default: keep the dashboard up)",
+    )
+    demo.set_defaults(func=cmd_demo)
+
+    db = sub.add_parser("db", help="database maintenance")
+    db_sub = db.add_subparsers(dest="db_command", required=True)
+    up = db_sub.add_parser("upgrade", help="create or upgrade the schema (Alembic)")
+    up.add_argument("--db", help=db_help)
+    up.set_defaults(func=cmd_db_upgrade)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        args.func(args)
+    except CliError as exc:
+        print(f"trainwarden: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

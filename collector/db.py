@@ -1,0 +1,122 @@
+"""Database URLs, engines and migrations.
+
+SQLite (the embedded default) and PostgreSQL share one schema. On SQLite the engine
+runs in WAL mode, and ingest transactions start with ``BEGIN IMMEDIATE`` so two
+concurrent writers queue on the lock instead of failing on a stale snapshot.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from sqlalchemy import Connection, Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+IMMEDIATE = {"tw_immediate": True}
+"""Execution options for a write transaction (``BEGIN IMMEDIATE`` on SQLite)."""
+
+
+class DatabaseError(RuntimeError):
+    """The database URL is wrong or the database cannot be reached."""
+
+
+def default_db_path() -> Path:
+    """The embedded default: an SQLite file in the per-user data directory."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(Path.home(), ".local", "share")
+    return Path(base) / "trainwarden" / "trainwarden.db"
+
+
+def default_db_url() -> str:
+    return f"sqlite:///{default_db_path()}"
+
+
+def masked(url: str) -> str:
+    """The URL with its password replaced by ``***``, for messages and logs."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except ArgumentError:
+        return url
+
+
+def is_sqlite(engine: Engine | Connection) -> bool:
+    return engine.dialect.name == "sqlite"
+
+
+def make_engine(url: str) -> Engine:
+    """An engine for ``url``; for SQLite, creates the file's folder and sets WAL mode."""
+    try:
+        parsed = make_url(url)
+    except ArgumentError:
+        raise DatabaseError(
+            f"database URL {url!r} is not valid: use sqlite:///PATH or "
+            "postgresql+psycopg://USER:PASSWORD@HOST:PORT/DB"
+        ) from None
+    if parsed.get_backend_name() == "postgresql" and parsed.drivername == "postgresql":
+        parsed = parsed.set(drivername="postgresql+psycopg")  # psycopg 3 is what we ship
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 30})
+        _sqlite_setup(engine)
+        return engine
+    if parsed.get_backend_name() != "postgresql":
+        raise DatabaseError(f"database {masked(url)} is not supported: use SQLite or PostgreSQL")
+    return create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=10)
+
+
+def _sqlite_setup(engine: Engine) -> None:
+    # pysqlite's own transaction handling is off so that we control BEGIN (the recipe
+    # from SQLAlchemy's SQLite documentation).
+    @event.listens_for(engine, "connect")
+    def _on_connect(dbapi_connection, _record):  # type: ignore[no-untyped-def]
+        dbapi_connection.isolation_level = None
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA journal_mode=WAL")
+        cursor.execute("PRAGMA synchronous=NORMAL")
+        cursor.execute("PRAGMA foreign_keys=ON")
+        cursor.close()
+
+    @event.listens_for(engine, "begin")
+    def _on_begin(conn):  # type: ignore[no-untyped-def]
+        immediate = conn.get_execution_options().get("tw_immediate")
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def check_connection(engine: Engine) -> None:
+    """Raise :class:`DatabaseError` with one clear line if the database does not answer."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        raise DatabaseError(
+            f"cannot connect to database {engine.url.render_as_string(hide_password=True)}: {reason}"
+        ) from None
+
+
+@contextmanager
+def write(engine: Engine) -> Iterator[Connection]:
+    """A write transaction: committed on success, rolled back on error."""
+    with engine.connect().execution_options(**IMMEDIATE) as conn, conn.begin():
+        yield conn
+
+
+def upgrade(engine: Engine, revision: str = "head") -> None:
+    """Create or upgrade the schema with the Alembic migrations shipped in the package."""
+    from alembic import command
+    from alembic.config import Config
+
+    import trainwarden.migrations as migrations
+
+    config = Config()
+    config.set_main_option("script_location", os.path.dirname(migrations.__file__))
+    config.set_main_option(
+        "sqlalchemy.url", engine.url.render_as_string(hide_password=False).replace("%", "%%")
+    )
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.upgrade(config, revision)

@@ -1,0 +1,133 @@
+"""``trainwarden demo``: the collector plus a live multi-rank CPU training run.
+
+The collector runs in this process (uvicorn on a thread); each rank is its own
+``python -m trainwarden.agent.demo_trainer`` process joined by a gloo process group,
+exactly as a user's trainer would run under torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from sqlalchemy import Engine
+
+from .settings import Settings
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def start_server(engine: Engine, settings: Settings):  # type: ignore[no-untyped-def]
+    """Start uvicorn on a thread; returns the server once it accepts connections."""
+    import uvicorn
+
+    from .app import create_app
+
+    app = create_app(engine, settings)
+    server = uvicorn.Server(
+        uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, name="trainwarden-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the collector did not start on {settings.host}:{settings.port}")
+        time.sleep(0.05)
+    return server
+
+
+def launch_ranks(
+    *, run: str, url: str, ranks: int, steps: int, data_delay: float
+) -> list[subprocess.Popen]:
+    master_port = free_port()
+    procs = []
+    for rank in range(ranks):
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(ranks),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(master_port),
+            OMP_NUM_THREADS="1",
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainwarden.agent.demo_trainer",
+            "--run",
+            run,
+            "--url",
+            url,
+            "--steps",
+            str(steps),
+            "--data-delay",
+            str(data_delay),
+        ]
+        procs.append(subprocess.Popen(cmd, env=env))
+    return procs
+
+
+def run_demo(
+    engine: Engine,
+    settings: Settings,
+    *,
+    ranks: int,
+    steps: int,
+    data_delay: float,
+    keep_serving: bool,
+) -> None:
+    if not _port_free(settings.host, settings.port):
+        port = free_port(settings.host)
+        print(f"trainwarden demo: port {settings.port} is taken; using {port}", flush=True)
+        settings = settings.model_copy(update={"port": port})
+    server = start_server(engine, settings)
+    base = f"http://{settings.host}:{settings.port}"
+    run = time.strftime("demo-%Y%m%d-%H%M%S")
+    print(f"trainwarden demo: dashboard {base}/runs/{run}", flush=True)
+    print(
+        f"trainwarden demo: {ranks} ranks training for {steps} steps (Ctrl-C to stop)", flush=True
+    )
+    procs = launch_ranks(run=run, url=base, ranks=ranks, steps=steps, data_delay=data_delay)
+    try:
+        codes = [p.wait() for p in procs]
+        if any(codes):
+            print(f"trainwarden demo: training exited with {codes}", file=sys.stderr, flush=True)
+        else:
+            print("trainwarden demo: training finished", flush=True)
+        if keep_serving:
+            print(
+                f"trainwarden demo: dashboard still at {base}/runs/{run} (Ctrl-C to stop)",
+                flush=True,
+            )
+            while True:
+                time.sleep(3600)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        server.should_exit = True
+        time.sleep(0.3)

@@ -1,0 +1,212 @@
+"""Ingest: store one agent batch, keep run and rank state, and roll steps up.
+
+Idempotent: a step replayed after a restart (same run, rank and step) overwrites the
+earlier row, and an event whose id was seen before is ignored. A rank that comes
+back with a new process session is recorded as a ``restart`` event.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from typing import Any
+
+from sqlalchemy import Connection, case, func, select, update
+from sqlalchemy.dialects import postgresql, sqlite
+
+from . import models as m
+from .db import is_sqlite
+from .rollups import aggregate
+from .schemas import IngestBatch, IngestResult
+
+
+def _insert(conn: Connection, table: Any) -> Any:
+    return (sqlite.insert if is_sqlite(conn) else postgresql.insert)(table)
+
+
+def upsert(conn: Connection, table: Any, rows: list[dict[str, Any]], *, key: list[str]) -> None:
+    """Insert ``rows``; on a key conflict, overwrite every other column."""
+    if not rows:
+        return
+    stmt = _insert(conn, table)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=key,
+        set_={c: stmt.excluded[c] for c in rows[0] if c not in key},
+    )
+    conn.execute(stmt, rows)
+
+
+def _lock_run(conn: Connection, *, name: str, world_size: int, now: float) -> int:
+    """Return the run's id, creating it if needed, and hold its row lock until commit.
+
+    The lock serializes ingest of one run on PostgreSQL so that the rollup of a step
+    always sees every rank's committed row (SQLite's BEGIN IMMEDIATE does the same).
+    """
+    stmt = _insert(conn, m.runs).on_conflict_do_nothing(index_elements=["name"])
+    conn.execute(
+        stmt, {"name": name, "created_at": now, "updated_at": now, "world_size": world_size}
+    )
+    query = select(m.runs.c.id).where(m.runs.c.name == name)
+    if not is_sqlite(conn):
+        query = query.with_for_update()
+    return int(conn.execute(query).scalar_one())
+
+
+def _track_rank(conn: Connection, *, run_id: int, batch: IngestBatch, now: float) -> None:
+    agent = batch.agent
+    previous = conn.execute(
+        select(m.ranks.c.session).where(m.ranks.c.run_id == run_id, m.ranks.c.rank == agent.rank)
+    ).scalar_one_or_none()
+    if previous is not None and previous != agent.session:
+        conn.execute(
+            _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
+            {
+                # Derived from both sessions so that a replayed batch cannot add it twice.
+                "uid": uuid.uuid5(uuid.NAMESPACE_OID, f"restart:{previous}:{agent.session}").hex,
+                "run_id": run_id,
+                "rank": agent.rank,
+                "step": None,
+                "ts": agent.started_at or now,
+                "recv_ts": now,
+                "kind": "restart",
+                "severity": "warning",
+                "data": {"previous_session": previous, "session": agent.session, "pid": agent.pid},
+            },
+        )
+    last_step = max((s.step for s in batch.steps), default=None)
+    row = {
+        "run_id": run_id,
+        "rank": agent.rank,
+        "local_rank": agent.local_rank,
+        "host": agent.host,
+        "node": agent.node or agent.host,
+        "pid": agent.pid,
+        "session": agent.session,
+        "first_seen": now,
+        "last_seen": now,
+        "last_step": last_step,
+        "state": "running",
+    }
+    if previous is None:
+        conn.execute(_insert(conn, m.ranks), row)
+        return
+    changes: dict[str, Any] = {
+        k: row[k] for k in ("local_rank", "host", "node", "pid", "session", "last_seen")
+    }
+    if previous != agent.session:
+        changes["state"] = "running"
+    if last_step is not None:
+        changes["last_step"] = last_step
+    conn.execute(
+        update(m.ranks)
+        .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == agent.rank)
+        .values(changes)
+    )
+
+
+def _step_rows(*, run_id: int, batch: IngestBatch, now: float) -> list[dict[str, Any]]:
+    rows = []
+    for s in batch.steps:
+        issues = dict(s.issues or {})
+        loss = s.loss
+        if loss is not None and not math.isfinite(loss):
+            # SQLite cannot store NaN: keep the fact in `issues` on every backend.
+            issues["loss"] = "nan" if math.isnan(loss) else ("inf" if loss > 0 else "-inf")
+            loss = None
+        rows.append(
+            {
+                "run_id": run_id,
+                "step": s.step,
+                "rank": batch.agent.rank,
+                "ts": s.ts,
+                "recv_ts": now,
+                "duration_s": s.duration_s,
+                "data_wait_s": s.data_wait_s,
+                "tokens": s.tokens,
+                "loss": loss,
+                "issues": issues or None,
+            }
+        )
+    # A batch may carry the same step twice (a replay inside one batch): last one wins.
+    return list({row["step"]: row for row in rows}.values())
+
+
+def _roll_up(conn: Connection, *, run_id: int, steps: set[int]) -> None:
+    if not steps:
+        return
+    rows = (
+        conn.execute(
+            select(m.rank_steps).where(
+                m.rank_steps.c.run_id == run_id, m.rank_steps.c.step.in_(steps)
+            )
+        )
+        .mappings()
+        .all()
+    )
+    by_step: dict[int, list[Any]] = {}
+    for row in rows:
+        by_step.setdefault(row["step"], []).append(row)
+    stats = [stat for step, group in by_step.items() for stat in aggregate(run_id, step, group)]
+    upsert(conn, m.step_stats, stats, key=["run_id", "metric", "step"])
+
+
+def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) -> IngestResult:
+    """Store ``batch`` in the caller's transaction."""
+    now = time.time() if now is None else now
+    run_id = _lock_run(conn, name=batch.run, world_size=batch.agent.world_size, now=now)
+    _track_rank(conn, run_id=run_id, batch=batch, now=now)
+
+    rows = _step_rows(run_id=run_id, batch=batch, now=now)
+    upsert(conn, m.rank_steps, rows, key=["run_id", "step", "rank"])
+    _roll_up(conn, run_id=run_id, steps={row["step"] for row in rows})
+
+    accepted_events = 0
+    if batch.events:
+        result = conn.execute(
+            _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
+            [
+                {
+                    "uid": e.id,
+                    "run_id": run_id,
+                    "rank": batch.agent.rank,
+                    "step": e.step,
+                    "ts": e.ts,
+                    "recv_ts": now,
+                    "kind": e.kind,
+                    "severity": e.severity,
+                    "data": e.data,
+                }
+                for e in batch.events
+            ],
+        )
+        accepted_events = (
+            max(result.rowcount, 0) if result.rowcount is not None else len(batch.events)
+        )
+        if any(e.kind == "shutdown" for e in batch.events):
+            conn.execute(
+                update(m.ranks)
+                .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == batch.agent.rank)
+                .values(state="finished")
+            )
+
+    _update_run(conn, run_id=run_id, batch=batch, now=now)
+    return IngestResult(accepted_steps=len(rows), accepted_events=accepted_events)
+
+
+def _update_run(conn: Connection, *, run_id: int, batch: IngestBatch, now: float) -> None:
+    counts = conn.execute(
+        select(
+            func.count(),
+            func.sum(case((m.ranks.c.state == "finished", 1), else_=0)),
+            func.max(m.ranks.c.last_step),
+        ).where(m.ranks.c.run_id == run_id)
+    ).one()
+    seen, finished, last_step = counts[0], counts[1] or 0, counts[2]
+    world = batch.agent.world_size
+    status = "finished" if seen >= world and finished == seen else "running"
+    conn.execute(
+        update(m.runs)
+        .where(m.runs.c.id == run_id)
+        .values(updated_at=now, world_size=world, last_step=last_step, status=status)
+    )

@@ -1,0 +1,107 @@
+"""Storage schema (SQLAlchemy 2 Core). Alembic migrations in ``migrations/`` create it.
+
+Times are epoch seconds (double precision) everywhere: the agent stamps wall-clock
+time, the collector stamps receive time, and the two can be compared for skew.
+Per-rank step data is one wide row per (run, step, rank); the key starts with the
+step so inserts land at the right edge of the b-tree (see shared/RECIPES.md).
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Column,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+)
+
+metadata = MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+runs = Table(
+    "runs",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("name", String(128), nullable=False, unique=True),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("world_size", Integer, nullable=False),
+    Column("last_step", BigInteger),
+    Column("status", String(16), nullable=False, server_default="running"),
+)
+
+ranks = Table(
+    "ranks",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("local_rank", Integer),
+    Column("host", String(255)),
+    Column("node", String(255)),
+    Column("pid", Integer),
+    Column("session", String(64), nullable=False),
+    Column("first_seen", Float, nullable=False),
+    Column("last_seen", Float, nullable=False),
+    Column("last_step", BigInteger),
+    Column("state", String(16), nullable=False, server_default="running"),
+)
+
+rank_steps = Table(
+    "rank_steps",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", BigInteger, primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("ts", Float, nullable=False),
+    Column("recv_ts", Float, nullable=False),
+    Column("duration_s", Float, nullable=False),
+    Column("data_wait_s", Float),
+    Column("tokens", BigInteger),
+    Column("loss", Float),
+    Column("issues", JSON),
+)
+
+step_stats = Table(
+    "step_stats",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("metric", String(32), primary_key=True),
+    Column("step", BigInteger, primary_key=True),
+    Column("ts", Float, nullable=False),
+    Column("n", Integer, nullable=False),
+    Column("nonfinite", Integer, nullable=False, server_default="0"),
+    Column("min", Float),
+    Column("median", Float),
+    Column("max", Float),
+    Column("mean", Float),
+    Column("total", Float),
+    Column("argmax_rank", Integer),
+)
+
+events = Table(
+    "events",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("uid", String(64), nullable=False, unique=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("rank", Integer),
+    Column("step", BigInteger),
+    Column("ts", Float, nullable=False),
+    Column("recv_ts", Float, nullable=False),
+    Column("kind", String(64), nullable=False),
+    Column("severity", String(16), nullable=False),
+    Column("data", JSON),
+    Index("ix_events_run_id_ts", "run_id", "ts"),
+)

@@ -1,0 +1,123 @@
+"""Read side: the queries the API and the web UI share (the UI never writes its own SQL)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import Connection, func, select
+
+from . import models as m
+from .rollups import METRICS
+from .schemas import EventOut, RankInfo, RunDetail, RunSummary, Series
+
+
+class NotFound(LookupError):
+    """The named run (or other object) does not exist."""
+
+
+class UnknownMetric(ValueError):
+    def __init__(self, metric: str) -> None:
+        super().__init__(f"unknown metric {metric!r}; known metrics: {', '.join(METRICS)}")
+
+
+def _ranks_seen():  # type: ignore[no-untyped-def]
+    return (
+        select(func.count())
+        .where(m.ranks.c.run_id == m.runs.c.id)
+        .correlate(m.runs)
+        .scalar_subquery()
+        .label("ranks_seen")
+    )
+
+
+def list_runs(conn: Connection, *, limit: int = 200) -> list[RunSummary]:
+    """Runs, most recently updated first."""
+    rows = conn.execute(
+        select(m.runs, _ranks_seen()).order_by(m.runs.c.updated_at.desc()).limit(limit)
+    ).mappings()
+    return [RunSummary.model_validate(dict(row)) for row in rows]
+
+
+def _run_row(conn: Connection, name: str) -> Any:
+    row = (
+        conn.execute(select(m.runs, _ranks_seen()).where(m.runs.c.name == name)).mappings().first()
+    )
+    if row is None:
+        raise NotFound(f"run {name!r} not found")
+    return row
+
+
+def get_run(conn: Connection, *, run: str) -> RunDetail:
+    row = _run_row(conn, run)
+    return RunDetail(
+        **dict(row),
+        ranks=list_ranks(conn, run_id=row["id"]),
+        metrics=list(METRICS),
+    )
+
+
+def list_ranks(conn: Connection, *, run_id: int) -> list[RankInfo]:
+    rows = conn.execute(
+        select(m.ranks).where(m.ranks.c.run_id == run_id).order_by(m.ranks.c.rank)
+    ).mappings()
+    return [RankInfo.model_validate(dict(row)) for row in rows]
+
+
+def ranks(conn: Connection, *, run: str) -> list[RankInfo]:
+    return list_ranks(conn, run_id=_run_row(conn, run)["id"])
+
+
+def events(
+    conn: Connection, *, run: str, kind: str | None = None, limit: int = 1000
+) -> list[EventOut]:
+    run_id = _run_row(conn, run)["id"]
+    query = select(m.events).where(m.events.c.run_id == run_id)
+    if kind is not None:
+        query = query.where(m.events.c.kind == kind)
+    rows = conn.execute(query.order_by(m.events.c.ts, m.events.c.id).limit(limit)).mappings()
+    return [EventOut.model_validate(dict(row)) for row in rows]
+
+
+def series(
+    conn: Connection,
+    *,
+    run: str,
+    metric: str,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    last: int | None = None,
+) -> Series:
+    """Per-step min / median / max / total of ``metric`` across ranks, oldest step first.
+
+    ``last`` keeps only the newest N steps (after the from/to filter).
+    """
+    if metric not in METRICS:
+        raise UnknownMetric(metric)
+    run_id = _run_row(conn, run)["id"]
+    s = m.step_stats.c
+    query = select(s.step, s.ts, s.n, s.min, s.median, s.max, s.total, s.argmax_rank).where(
+        s.run_id == run_id, s.metric == metric
+    )
+    if from_step is not None:
+        query = query.where(s.step >= from_step)
+    if to_step is not None:
+        query = query.where(s.step <= to_step)
+    if last is not None:
+        query = query.order_by(s.step.desc()).limit(last)
+        rows = list(reversed(conn.execute(query).all()))
+    else:
+        rows = conn.execute(query.order_by(s.step)).all()
+    columns = list(zip(*rows, strict=False)) if rows else [[] for _ in range(8)]
+    return Series(
+        run=run,
+        metric=metric,
+        unit=METRICS[metric].unit,
+        step=list(columns[0]),
+        ts=list(columns[1]),
+        n=list(columns[2]),
+        min=list(columns[3]),
+        median=list(columns[4]),
+        max=list(columns[5]),
+        total=list(columns[6]),
+        argmax_rank=list(columns[7]),
+    )

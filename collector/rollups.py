@@ -1,0 +1,129 @@
+"""Per-step aggregates across ranks (``step_stats``), computed as records arrive.
+
+Each metric is defined once here: where its per-rank value comes from and what its
+run-level ``total`` means. The UI and the series API read only these rollups, never
+every rank's row.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str
+    label: str
+    unit: str
+    value: Callable[[Mapping[str, Any]], float | None]
+    """The per-rank value from a ``rank_steps`` row."""
+    total: Callable[[list[Mapping[str, Any]]], float | None]
+    """The run-level value at one step, from all ranks' rows."""
+    source: str | None = None
+    """The ``rank_steps`` column the value comes from, if it is one column."""
+
+
+def _col(name: str) -> Callable[[Mapping[str, Any]], float | None]:
+    return lambda row: row[name]
+
+
+def _sum_of(name: str) -> Callable[[list[Mapping[str, Any]]], float | None]:
+    def total(rows: list[Mapping[str, Any]]) -> float | None:
+        values = [row[name] for row in rows if row[name] is not None]
+        return float(sum(values)) if values else None
+
+    return total
+
+
+def _max_of(name: str) -> Callable[[list[Mapping[str, Any]]], float | None]:
+    def total(rows: list[Mapping[str, Any]]) -> float | None:
+        values = [row[name] for row in rows if row[name] is not None]
+        return float(max(values)) if values else None
+
+    return total
+
+
+def _rank_tokens_per_s(row: Mapping[str, Any]) -> float | None:
+    if row["tokens"] is None or not row["duration_s"]:
+        return None
+    return row["tokens"] / row["duration_s"]
+
+
+def _run_tokens_per_s(rows: list[Mapping[str, Any]]) -> float | None:
+    # The step finishes when its slowest rank does: all tokens over the longest duration.
+    tokens = [r["tokens"] for r in rows if r["tokens"] is not None]
+    longest = max((r["duration_s"] for r in rows), default=0.0)
+    if not tokens or not longest:
+        return None
+    return sum(tokens) / longest
+
+
+def _mean_of(name: str) -> Callable[[list[Mapping[str, Any]]], float | None]:
+    def total(rows: list[Mapping[str, Any]]) -> float | None:
+        values = [row[name] for row in rows if row[name] is not None and math.isfinite(row[name])]
+        return statistics.fmean(values) if values else None
+
+    return total
+
+
+METRICS: dict[str, MetricDef] = {
+    m.name: m
+    for m in [
+        # total = the slowest rank's time: the whole job waits for it.
+        MetricDef(
+            "step_time", "Step time", "s", _col("duration_s"), _max_of("duration_s"), "duration_s"
+        ),
+        MetricDef(
+            "data_wait",
+            "Data wait",
+            "s",
+            _col("data_wait_s"),
+            _max_of("data_wait_s"),
+            "data_wait_s",
+        ),
+        MetricDef("loss", "Loss", "", _col("loss"), _mean_of("loss"), "loss"),
+        MetricDef(
+            "tokens", "Tokens per step", "tokens", _col("tokens"), _sum_of("tokens"), "tokens"
+        ),
+        MetricDef("tokens_per_s", "Throughput", "tokens/s", _rank_tokens_per_s, _run_tokens_per_s),
+    ]
+}
+
+
+NONFINITE = frozenset({"nan", "inf", "-inf"})
+"""How a non-finite value is marked in a row's ``issues`` (SQLite cannot store NaN)."""
+
+
+def _nonfinite(rows: list[Mapping[str, Any]], column: str | None) -> int:
+    if column is None:
+        return 0
+    return sum(1 for row in rows if (row["issues"] or {}).get(column) in NONFINITE)
+
+
+def aggregate(run_id: int, step: int, rows: list[Mapping[str, Any]]) -> Iterable[dict[str, Any]]:
+    """One ``step_stats`` row per metric for the rows of all ranks at ``step``."""
+    ts = min(row["ts"] for row in rows)
+    for metric in METRICS.values():
+        ranked = [(metric.value(row), row["rank"]) for row in rows]
+        present = [(v, r) for v, r in ranked if v is not None]
+        finite = [(v, r) for v, r in present if math.isfinite(v)]
+        values = sorted(v for v, _ in finite)
+        top = max(finite, default=None)
+        yield {
+            "run_id": run_id,
+            "metric": metric.name,
+            "step": step,
+            "ts": ts,
+            "n": len(present),
+            "nonfinite": len(present) - len(finite) + _nonfinite(rows, metric.source),
+            "min": values[0] if values else None,
+            "median": statistics.median(values) if values else None,
+            "max": values[-1] if values else None,
+            "mean": statistics.fmean(values) if values else None,
+            "total": metric.total(rows),
+            "argmax_rank": top[1] if top else None,
+        }

@@ -1,0 +1,143 @@
+"""Request and response bodies of the HTTP API (pydantic), validated at the edge.
+
+Unknown fields are ignored rather than refused so that a newer agent can talk to an
+older collector; every known field is checked, and a wrong one is a 422 naming it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+MAX_RECORDS_PER_BATCH = 20_000
+
+
+class AgentInfo(BaseModel):
+    """Who sent the batch: one process of one rank."""
+
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1, le=1_000_000)
+    local_rank: int = Field(default=0, ge=0)
+    host: str = Field(min_length=1, max_length=255)
+    node: str | None = Field(default=None, max_length=255)
+    pid: int | None = None
+    session: str = Field(min_length=1, max_length=64, description="Unique per process lifetime")
+    started_at: float | None = None
+    version: str | None = Field(default=None, max_length=32)
+    sent_at: float | None = None
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> AgentInfo:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        return self
+
+
+class StepIn(BaseModel):
+    """One rank's record of one step."""
+
+    step: int = Field(ge=0, le=2**62)
+    ts: float = Field(description="Wall-clock start of the step, epoch seconds")
+    duration_s: float = Field(ge=0)
+    data_wait_s: float | None = Field(default=None, ge=0)
+    tokens: int | None = Field(default=None, ge=0)
+    loss: float | None = Field(
+        default=None, description='NaN/Inf may be sent as "nan", "inf", "-inf"'
+    )
+    issues: dict[str, str] | None = None
+
+    @field_validator("ts", "duration_s")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class EventIn(BaseModel):
+    """Something that happened on a rank at a time (start, shutdown, restart, ...)."""
+
+    id: str = Field(
+        min_length=1, max_length=64, description="Unique id; a replayed event is ignored"
+    )
+    kind: str = Field(min_length=1, max_length=64)
+    ts: float
+    step: int | None = Field(default=None, ge=0)
+    severity: Literal["info", "warning", "critical"] = "info"
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class IngestBatch(BaseModel):
+    """``POST /api/v1/ingest``: one agent's batch of step records and events."""
+
+    run: str = Field(pattern=RUN_NAME_PATTERN)
+    agent: AgentInfo
+    steps: list[StepIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
+    events: list[EventIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
+
+
+class IngestResult(BaseModel):
+    accepted_steps: int
+    accepted_events: int
+    commands: list[dict[str, Any]] = Field(
+        default_factory=list, description="Commands for this agent (rollback, stop, ...)"
+    )
+
+
+class RunSummary(BaseModel):
+    model_config = ConfigDict(from_attributes=True)
+
+    name: str
+    status: str
+    world_size: int
+    ranks_seen: int
+    last_step: int | None
+    created_at: float
+    updated_at: float
+
+
+class RankInfo(BaseModel):
+    rank: int
+    local_rank: int | None
+    host: str | None
+    node: str | None
+    pid: int | None
+    session: str
+    state: str
+    first_seen: float
+    last_seen: float
+    last_step: int | None
+
+
+class RunDetail(RunSummary):
+    ranks: list[RankInfo]
+    metrics: list[str]
+
+
+class EventOut(BaseModel):
+    id: int
+    kind: str
+    severity: str
+    ts: float
+    rank: int | None
+    step: int | None
+    data: dict[str, Any] | None
+
+
+class Series(BaseModel):
+    """One metric per step across ranks, column-wise (ready for plotting)."""
+
+    run: str
+    metric: str
+    unit: str
+    step: list[int]
+    ts: list[float]
+    n: list[int]
+    min: list[float | None]
+    median: list[float | None]
+    max: list[float | None]
+    total: list[float | None]
+    argmax_rank: list[int | None]

@@ -1,0 +1,19 @@
+"""Collector settings: command-line flag, else ``TRAINWARDEN_*`` variable, else default."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from .db import default_db_url
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRAINWARDEN_", extra="ignore")
+
+    db: str = Field(default_factory=default_db_url, description="SQLAlchemy URL (TRAINWARDEN_DB)")
+    host: str = Field(default="127.0.0.1", description="Address to listen on (TRAINWARDEN_HOST)")
+    port: int = Field(default=8000, ge=1, le=65535, description="Port (TRAINWARDEN_PORT)")
+    ui_refresh_s: float = Field(
+        default=2.0, gt=0, description="How often the UI polls for new data"
+    )

@@ -1,0 +1,1 @@
+"""Alembic environment and versions for trainwarden's schema (run by ``trainwarden db upgrade``)."""

@@ -1,0 +1,1 @@
+"""trainwarden web UI (Dash)."""

@@ -1,0 +1,197 @@
+"""The Dash app: a runs list at ``/`` and a live run page at ``/runs/<name>``.
+
+Pages are small layouts plus one callback each; component ids carry the page prefix
+(``runs-``, ``run-``); figures come from :mod:`.figures`. A data error shows as a
+message in the page, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import os
+from typing import Any
+from urllib.parse import unquote
+
+import dash
+from dash import Input, Output, State, dcc, html
+
+from trainwarden.collector.queries import NotFound
+
+from . import figures
+from .client import Client
+
+log = logging.getLogger(__name__)
+ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+LIVE_WINDOW_STEPS = 5_000  # the run page draws the newest steps; older ones by zooming (issue 8)
+
+
+def _ago(ts: float) -> str:
+    seconds = max(0.0, dt.datetime.now().timestamp() - ts)
+    if seconds < 90:
+        return f"{seconds:.0f}s ago"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min ago"
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+
+
+def _notice(text: str, kind: str = "info") -> html.Div:
+    return html.Div(text, className=f"notice notice-{kind}")
+
+
+# -- pages -----------------------------------------------------------------------
+
+
+def runs_layout() -> html.Div:
+    return html.Div(
+        [
+            html.H2("Runs"),
+            html.Div(id="runs-table", children=_notice("Loading runs…")),
+            dcc.Interval(id="runs-interval", interval=5_000),
+        ]
+    )
+
+
+def runs_table(client: Client) -> Any:
+    runs = client.list_runs()
+    if not runs:
+        return _notice(
+            "No runs yet. Add the agent to a trainer (tw.init(run=..., url=...)) "
+            "or start `trainwarden demo`; runs appear here within seconds."
+        )
+    header = html.Tr(
+        [html.Th(h) for h in ("Run", "Status", "World size", "Ranks seen", "Last step", "Updated")]
+    )
+    rows = [
+        html.Tr(
+            [
+                html.Td(dcc.Link(r.name, href=f"/runs/{r.name}", className="run-link")),
+                html.Td(html.Span(r.status, className=f"status status-{r.status}")),
+                html.Td(r.world_size),
+                html.Td(r.ranks_seen),
+                html.Td("—" if r.last_step is None else r.last_step),
+                html.Td(_ago(r.updated_at)),
+            ]
+        )
+        for r in runs
+    ]
+    return html.Table([html.Thead(header), html.Tbody(rows)], className="runs-table")
+
+
+def run_layout(name: str, *, refresh_s: float) -> html.Div:
+    graph = {"config": {"displaylogo": False}, "figure": figures.empty_figure("Loading…")}
+    return html.Div(
+        [
+            dcc.Store(id="run-name", data=name),
+            html.Div(id="run-header", children=html.H2(name)),
+            html.Div(id="run-notice"),
+            dcc.Graph(id="run-loss", **graph),
+            dcc.Graph(id="run-step-time", **graph),
+            dcc.Graph(id="run-throughput", **graph),
+            dcc.Interval(id="run-interval", interval=int(refresh_s * 1000)),
+        ]
+    )
+
+
+def run_header(client: Client, name: str) -> Any:
+    run = client.get_run(name)
+    facts = [
+        ("status", html.Span(run.status, className=f"status status-{run.status}")),
+        ("ranks", f"{run.ranks_seen} / {run.world_size}"),
+        ("step", "—" if run.last_step is None else str(run.last_step)),
+        ("updated", _ago(run.updated_at)),
+    ]
+    return html.Div(
+        [
+            html.H2(name),
+            html.Div(
+                [
+                    html.Span([html.Span(k, className="fact-key"), v], className="fact")
+                    for k, v in facts
+                ],
+                className="facts",
+            ),
+        ]
+    )
+
+
+# -- app -------------------------------------------------------------------------
+
+
+def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
+    """The UI on ``client``; mount ``app.server`` (a Flask WSGI app) at ``/``."""
+    app = dash.Dash(
+        __name__,
+        title="trainwarden",
+        assets_folder=ASSETS,
+        suppress_callback_exceptions=True,  # page components appear after routing
+        update_title=None,
+    )
+    app.layout = html.Div(
+        [
+            dcc.Location(id="url"),
+            html.Header(
+                [
+                    dcc.Link("trainwarden", href="/", className="brand"),
+                    dcc.Link("Runs", href="/", className="nav"),
+                ],
+                className="topbar",
+            ),
+            html.Main(id="page", className="page"),
+        ]
+    )
+
+    @app.callback(Output("page", "children"), Input("url", "pathname"))
+    def route(pathname: str | None) -> Any:
+        path = (pathname or "/").rstrip("/") or "/"
+        if path == "/":
+            return runs_layout()
+        if path.startswith("/runs/"):
+            return run_layout(unquote(path[len("/runs/") :]), refresh_s=refresh_s)
+        return _notice(f"No page at {path}. Go to the runs list.", "error")
+
+    @app.callback(Output("runs-table", "children"), Input("runs-interval", "n_intervals"))
+    def refresh_runs(_n: int | None) -> Any:
+        try:
+            return runs_table(client)
+        except Exception as exc:
+            log.exception("runs page")
+            return _notice(
+                f"Cannot read runs from the collector's database: {exc.__class__.__name__}. "
+                "It retries by itself.",
+                "error",
+            )
+
+    @app.callback(
+        Output("run-header", "children"),
+        Output("run-notice", "children"),
+        Output("run-loss", "figure"),
+        Output("run-step-time", "figure"),
+        Output("run-throughput", "figure"),
+        Input("run-interval", "n_intervals"),
+        State("run-name", "data"),
+    )
+    def refresh_run(_n: int | None, name: str) -> Any:
+        try:
+            header = run_header(client, name)
+            loss = client.series(name, "loss", last=LIVE_WINDOW_STEPS)
+            step_time = client.series(name, "step_time", last=LIVE_WINDOW_STEPS)
+            throughput = client.series(name, "tokens_per_s", last=LIVE_WINDOW_STEPS)
+        except NotFound:
+            message = f"Run {name!r} not found. It appears once its first agent reports."
+            empty = figures.empty_figure("No data")
+            return html.H2(name), _notice(message, "error"), empty, empty, empty
+        except Exception as exc:
+            log.exception("run page %s", name)
+            empty = figures.empty_figure("Data unavailable")
+            message = f"Cannot read run data: {exc.__class__.__name__}. Retrying."
+            return html.H2(name), _notice(message, "error"), empty, empty, empty
+        return (
+            header,
+            None,
+            figures.band_figure(loss, title="Loss", revision=name),
+            figures.band_figure(step_time, title="Step time", revision=name),
+            figures.total_figure(throughput, title="Throughput (tokens/s)", revision=name),
+        )
+
+    return app
