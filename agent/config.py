@@ -24,8 +24,12 @@ def _env(name: str) -> str | None:
     return value if value not in (None, "") else None
 
 
-def _pick(explicit: Any, env_name: str) -> Any:
-    return explicit if explicit is not None else _env(env_name)
+def _pick(explicit: Any, env_name: str, default: Any = None) -> Any:
+    """The explicit argument, else the environment variable, else ``default``."""
+    if explicit is not None:
+        return explicit
+    from_env = _env(env_name)
+    return from_env if from_env is not None else default
 
 
 def _as_int(value: Any, what: str, *, minimum: int) -> int:
@@ -113,9 +117,9 @@ class AgentConfig:
                 )
             url = url.rstrip("/")
 
-        rank_v = _as_int(_pick(rank, "RANK") or 0, "rank (RANK)", minimum=0)
+        rank_v = _as_int(_pick(rank, "RANK", 0), "rank (RANK)", minimum=0)
         world_v = _as_int(
-            _pick(world_size, "WORLD_SIZE") or 1, "world_size (WORLD_SIZE)", minimum=1
+            _pick(world_size, "WORLD_SIZE", 1), "world_size (WORLD_SIZE)", minimum=1
         )
         if rank_v >= world_v:
             raise ConfigError(
@@ -123,7 +127,7 @@ class AgentConfig:
                 "(torchrun and srun set both)"
             )
         local_v = _as_int(
-            _pick(local_rank, "LOCAL_RANK") or 0, "local_rank (LOCAL_RANK)", minimum=0
+            _pick(local_rank, "LOCAL_RANK", 0), "local_rank (LOCAL_RANK)", minimum=0
         )
         host = socket.gethostname()
         node = _env("SLURMD_NODENAME") or _env("NODE_NAME") or host
@@ -138,22 +142,22 @@ class AgentConfig:
             host=host,
             node=node,
             queue_size=_as_int(
-                _pick(queue_size, "TRAINWARDEN_QUEUE_SIZE") or cls.queue_size,
+                _pick(queue_size, "TRAINWARDEN_QUEUE_SIZE", cls.queue_size),
                 "queue_size (TRAINWARDEN_QUEUE_SIZE)",
                 minimum=1,
             ),
             flush_interval_s=_as_float(
-                _pick(flush_interval_s, "TRAINWARDEN_FLUSH_INTERVAL") or cls.flush_interval_s,
+                _pick(flush_interval_s, "TRAINWARDEN_FLUSH_INTERVAL", cls.flush_interval_s),
                 "flush_interval_s (TRAINWARDEN_FLUSH_INTERVAL)",
                 minimum=0.0,
             ),
             batch_size=_as_int(
-                _pick(batch_size, "TRAINWARDEN_BATCH_SIZE") or cls.batch_size,
+                _pick(batch_size, "TRAINWARDEN_BATCH_SIZE", cls.batch_size),
                 "batch_size (TRAINWARDEN_BATCH_SIZE)",
                 minimum=1,
             ),
             request_timeout_s=_as_float(
-                _pick(request_timeout_s, "TRAINWARDEN_REQUEST_TIMEOUT") or cls.request_timeout_s,
+                _pick(request_timeout_s, "TRAINWARDEN_REQUEST_TIMEOUT", cls.request_timeout_s),
                 "request_timeout_s (TRAINWARDEN_REQUEST_TIMEOUT)",
                 minimum=0.0,
             ),

@@ -3,7 +3,7 @@
 Run one process per rank with ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and
 ``MASTER_PORT`` set (torchrun or srun do this), e.g.::
 
-    torchrun --nproc-per-node 2 -m trainwarden.agent.demo_trainer --run demo --url http://127.0.0.1:8000
+    torchrun --nproc-per-node 2 -m trainwarden.agent.demo_trainer --run-name demo --url http://127.0.0.1:8000
 
 The model learns the next token of sequences drawn from a fixed Markov chain, so the
 loss falls from ln(vocab) towards the chain's entropy. Each rank samples its own
@@ -58,7 +58,7 @@ class MarkovData:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--run", default=os.environ.get("TRAINWARDEN_RUN", "demo"))
+    p.add_argument("--run-name", dest="run", default=os.environ.get("TRAINWARDEN_RUN", "demo"))
     p.add_argument("--url", default=os.environ.get("TRAINWARDEN_URL"))
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--start-step", type=int, default=0, help="first step number (a resumed run)")

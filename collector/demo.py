@@ -73,7 +73,7 @@ def launch_ranks(
             sys.executable,
             "-m",
             "trainwarden.agent.demo_trainer",
-            "--run",
+            "--run-name",
             run,
             "--url",
             url,

@@ -163,8 +163,10 @@ def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) ->
 
     accepted_events = 0
     if batch.events:
-        result = conn.execute(
-            _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
+        inserted = conn.execute(
+            _insert(conn, m.events)
+            .on_conflict_do_nothing(index_elements=["uid"])
+            .returning(m.events.c.id),
             [
                 {
                     "uid": e.id,
@@ -180,9 +182,7 @@ def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) ->
                 for e in batch.events
             ],
         )
-        accepted_events = (
-            max(result.rowcount, 0) if result.rowcount is not None else len(batch.events)
-        )
+        accepted_events = len(inserted.all())  # events seen before are not counted again
         if any(e.kind == "shutdown" for e in batch.events):
             conn.execute(
                 update(m.ranks)

@@ -1,0 +1,197 @@
+"""The agent on its own, through its transport seam (no network). The real HTTP path is
+exercised against a real ``serve`` in tests/e2e."""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+import trainwarden.agent as tw
+from trainwarden.agent import core
+
+
+class RecordingTransport:
+    def __init__(self, fail: bool = False, delay_s: float = 0.0) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.fail = fail
+        self.delay_s = delay_s
+        self.threads: set[str] = set()
+
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.threads.add(threading.current_thread().name)
+        time.sleep(self.delay_s)
+        if self.fail:
+            raise ConnectionError("collector down")
+        self.bodies.append(body)
+        return {"accepted_steps": len(body["steps"]), "accepted_events": len(body["events"])}
+
+    def close(self) -> None:
+        pass
+
+    def steps(self) -> list[dict[str, Any]]:
+        return [s for b in self.bodies for s in b["steps"]]
+
+    def events(self) -> list[dict[str, Any]]:
+        return [e for b in self.bodies for e in b["events"]]
+
+
+@pytest.fixture(autouse=True)
+def _clean_agent(monkeypatch: pytest.MonkeyPatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRAINWARDEN_URL", "TRAINWARDEN_RUN"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    tw.shutdown(timeout_s=1)
+
+
+def test_steps_are_timed_and_sent_off_the_training_thread() -> None:
+    transport = RecordingTransport()
+    tw.init(run="unit", transport=transport, flush_interval_s=0.05)
+    for i in range(5):
+        time.sleep(0.01)  # the "data loader": shows as data wait of the next step
+        with tw.step(i, tokens=128) as s:
+            time.sleep(0.02)
+            s.loss(torch.tensor(2.0 - i * 0.1))
+    tw.shutdown()
+    steps = transport.steps()
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
+    assert all(0.02 <= s["duration_s"] < 0.5 for s in steps)
+    assert steps[0]["data_wait_s"] is None  # nothing before the first step
+    assert all(0.01 <= s["data_wait_s"] < 0.5 for s in steps[1:])
+    assert [round(s["loss"], 3) for s in steps] == [2.0, 1.9, 1.8, 1.7, 1.6]
+    assert all(s["tokens"] == 128 for s in steps)
+    assert transport.threads == {"trainwarden-exporter"}
+    kinds = [e["kind"] for e in transport.events()]
+    assert kinds == ["start", "shutdown"]
+    assert transport.events()[1]["step"] == 4
+    header = transport.bodies[0]["agent"]
+    assert (header["rank"], header["world_size"]) == (0, 1)
+    assert header["session"]
+
+
+def test_loss_tensor_is_read_by_the_exporter_not_on_the_training_thread(monkeypatch) -> None:
+    reads: list[str] = []
+    original = torch.Tensor.item
+
+    def spy(self):  # type: ignore[no-untyped-def]
+        reads.append(threading.current_thread().name)
+        return original(self)
+
+    monkeypatch.setattr(torch.Tensor, "item", spy)
+    transport = RecordingTransport()
+    tw.init(run="unit", transport=transport, flush_interval_s=0.05)
+    with tw.step(0) as s:
+        s.loss(torch.tensor([1.0, 3.0]))  # not a scalar: the mean is reported
+    tw.shutdown()
+    assert reads and set(reads) == {"trainwarden-exporter"}
+    assert transport.steps()[0]["loss"] == 2.0
+
+
+def test_odd_values_are_recorded_as_what_they_are() -> None:
+    transport = RecordingTransport()
+    tw.init(run="unit", transport=transport, flush_interval_s=0.05)
+    with tw.step(0) as s:
+        s.loss(torch.tensor(float("nan")))
+    with tw.step(1, tokens=torch.ones(3, 4).numel()) as s:
+        s.loss(torch.empty(0))
+    with tw.step(2) as s:
+        s.loss(float("inf"))
+    tw.shutdown()
+    steps = transport.steps()
+    assert steps[0]["loss"] == "nan" and steps[0]["tokens"] is None
+    assert steps[1]["loss"] is None and steps[1]["issues"] == {"loss": "empty tensor"}
+    assert steps[1]["tokens"] == 12
+    assert steps[2]["loss"] == "inf"
+
+
+def test_an_exception_in_the_step_propagates_and_is_recorded() -> None:
+    transport = RecordingTransport()
+    tw.init(run="unit", transport=transport, flush_interval_s=0.05)
+    with pytest.raises(ZeroDivisionError), tw.step(0):
+        1 / 0  # noqa: B018
+    tw.shutdown()
+    assert transport.steps()[0]["issues"] == {"exception": "ZeroDivisionError"}
+
+
+def test_collector_down_drops_and_counts_without_stalling_the_trainer(caplog) -> None:
+    transport = RecordingTransport(fail=True)
+    caplog.set_level(logging.WARNING, logger="trainwarden.agent")
+    tw.init(run="unit", transport=transport, flush_interval_s=0.01)
+    for i in range(50):
+        with tw.step(i):
+            pass
+    time.sleep(0.2)
+    stats = tw.stats()
+    tw.shutdown(timeout_s=2)
+    assert stats["recorded"] == 51  # 50 steps + the start event
+    assert stats["dropped_send_failed"] > 0 and stats["sent"] == 0
+    warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
+    assert len(warnings) == 1  # said once, not once per batch
+
+
+def test_a_slow_collector_never_blocks_the_training_thread() -> None:
+    transport = RecordingTransport(delay_s=0.5)
+    tw.init(run="unit", transport=transport, flush_interval_s=0.01, batch_size=1)
+    started = time.perf_counter()
+    for i in range(200):
+        with tw.step(i):
+            pass
+    elapsed = time.perf_counter() - started
+    # 200 steps while every send takes 0.5 s: the trainer went on regardless.
+    assert elapsed < 0.5
+    tw.shutdown(timeout_s=0.1)
+
+
+def test_full_queue_drops_the_oldest_and_counts_it() -> None:
+    transport = RecordingTransport(delay_s=0.3)
+    tw.init(run="unit", transport=transport, queue_size=10, flush_interval_s=5, batch_size=1000)
+    for i in range(100):
+        with tw.step(i):
+            pass
+    stats = tw.stats()
+    assert stats["dropped_queue_full"] >= 80
+    tw.shutdown(timeout_s=3)
+    sent = [s["step"] for s in transport.steps()]
+    assert sent and sent[-1] == 99  # the newest records survive
+
+
+def test_without_url_runs_locally_and_says_so_once(caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="trainwarden.agent")
+    tw.init(run="local-only")
+    for i in range(3):
+        with tw.step(i) as s:
+            s.loss(1.5)
+    recent = tw.recent()
+    assert [r.step for r in recent if r.kind == "step"] == [0, 1, 2]
+    assert sum("no collector URL" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_step_before_init_says_what_to_do() -> None:
+    tw.shutdown()
+    with pytest.raises(RuntimeError, match="tw.init"):
+        tw.step(0)
+
+
+def test_shutdown_is_bounded_by_its_timeout() -> None:
+    transport = RecordingTransport(delay_s=5)
+    tw.init(run="unit", transport=transport, flush_interval_s=0.01)
+    with tw.step(0):
+        pass
+    time.sleep(0.05)
+    started = time.monotonic()
+    tw.shutdown(timeout_s=0.5)
+    assert time.monotonic() - started < 1.5
+    assert core._agent is None
+
+
+def test_json_numbers_survive_the_wire() -> None:
+    from trainwarden.agent.values import json_number
+
+    assert json_number(1.5) == 1.5
+    assert json_number(float("nan")) == "nan"
+    assert json_number(-math.inf) == "-inf"

@@ -1,0 +1,139 @@
+"""The HTTP API on a real database: every test runs on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from trainwarden.collector.app import create_app
+
+from .helpers import batch, step
+
+
+@pytest.fixture
+def client(engine):  # type: ignore[no-untyped-def]
+    with TestClient(create_app(engine, ui=False)) as c:
+        yield c
+
+
+def ingest(client: TestClient, body: dict) -> dict:
+    response = client.post("/api/v1/ingest", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_both_ranks_steps_roll_up_per_step(client: TestClient) -> None:
+    ingest(client, batch(rank=0, steps=[step(0, loss=2.0, duration=0.10), step(1, loss=1.8, duration=0.10)]))
+    ingest(client, batch(rank=1, steps=[step(0, loss=2.4, duration=0.30), step(1, loss=1.6, duration=0.12)]))
+
+    loss = client.get("/api/v1/runs/r1/series", params={"metric": "loss"}).json()
+    assert loss["step"] == [0, 1]
+    assert loss["n"] == [2, 2]
+    assert loss["min"] == [2.0, 1.6]
+    assert loss["max"] == [2.4, 1.8]
+    assert loss["median"] == pytest.approx([2.2, 1.7])
+
+    step_time = client.get("/api/v1/runs/r1/series", params={"metric": "step_time"}).json()
+    assert step_time["total"] == [0.30, 0.12]  # the job waits for its slowest rank
+    assert step_time["argmax_rank"] == [1, 1]
+
+    throughput = client.get("/api/v1/runs/r1/series", params={"metric": "tokens_per_s"}).json()
+    assert throughput["total"] == pytest.approx([200 / 0.30, 200 / 0.12])
+
+
+def test_run_detail_lists_ranks_and_status(client: TestClient) -> None:
+    ingest(client, batch(rank=0, steps=[step(0)]))
+    run = client.get("/api/v1/runs/r1").json()
+    assert (run["world_size"], run["ranks_seen"], run["last_step"], run["status"]) == (2, 1, 0, "running")
+    assert run["ranks"][0]["host"] == "host0" and run["ranks"][0]["node"] == "node0"
+    assert "loss" in run["metrics"]
+
+    for rank in (0, 1):
+        ingest(client, batch(rank=rank, steps=[step(1)],
+                             events=[{"id": f"s{rank}", "kind": "shutdown", "ts": 1.0, "step": 1}]))
+    run = client.get("/api/v1/runs/r1").json()
+    assert run["status"] == "finished"
+    assert [r["state"] for r in client.get("/api/v1/runs/r1/ranks").json()] == ["finished", "finished"]
+    assert [r["name"] for r in client.get("/api/v1/runs").json()] == ["r1"]
+
+
+def test_replayed_steps_overwrite_and_restart_is_an_event(client: TestClient) -> None:
+    ingest(client, batch(rank=0, session="first", steps=[step(i, loss=3.0) for i in range(5)]))
+    # The process dies and restarts from a checkpoint at step 3: steps 3 and 4 are replayed.
+    ingest(client, batch(rank=0, session="second", steps=[step(i, loss=1.0) for i in range(3, 7)]))
+    ingest(client, batch(rank=0, session="second", steps=[step(i, loss=1.0) for i in range(3, 7)]))  # a duplicate batch
+
+    loss = client.get("/api/v1/runs/r1/series", params={"metric": "loss"}).json()
+    assert loss["step"] == [0, 1, 2, 3, 4, 5, 6]
+    assert loss["n"] == [1] * 7
+    assert loss["max"] == [3.0, 3.0, 3.0, 1.0, 1.0, 1.0, 1.0]
+
+    restarts = client.get("/api/v1/runs/r1/events", params={"kind": "restart"}).json()
+    assert len(restarts) == 1
+    assert restarts[0]["rank"] == 0
+    assert restarts[0]["data"]["previous_session"] == "first"
+
+
+def test_events_are_idempotent_by_id(client: TestClient) -> None:
+    event = {"id": "e-1", "kind": "start", "ts": 1_700_000_000.0, "data": {"pid": 1}}
+    assert ingest(client, batch(events=[event]))["accepted_events"] == 1
+    assert ingest(client, batch(events=[event]))["accepted_events"] == 0
+    assert len(client.get("/api/v1/runs/r1/events").json()) == 1
+
+
+def test_non_finite_loss_is_stored_as_such_and_rolled_up_without_crashing(client: TestClient) -> None:
+    ingest(client, batch(rank=0, steps=[step(0, loss="nan")]))
+    ingest(client, batch(rank=1, steps=[step(0, loss=2.0)]))
+    loss = client.get("/api/v1/runs/r1/series", params={"metric": "loss"}).json()
+    assert loss["min"] == [2.0] and loss["max"] == [2.0]
+    assert loss["n"] == [1]
+
+
+def test_series_window_parameters(client: TestClient) -> None:
+    ingest(client, batch(steps=[step(i) for i in range(10)]))
+    get = lambda **p: client.get("/api/v1/runs/r1/series", params={"metric": "loss", **p}).json()["step"]  # noqa: E731
+    assert get(last=3) == [7, 8, 9]
+    assert get(**{"from": 2, "to": 4}) == [2, 3, 4]
+
+
+@pytest.mark.parametrize(
+    ("body_change", "field"),
+    [
+        (lambda b: b["steps"][0].update(duration_s="fast"), "steps[0].duration_s"),
+        (lambda b: b["steps"][0].update(step=-1), "steps[0].step"),
+        (lambda b: b["agent"].update(rank=5), "rank 5 is outside world_size 2"),
+        (lambda b: b.update(run="no spaces allowed"), "run"),
+        (lambda b: b["agent"].pop("session"), "agent.session"),
+    ],
+)
+def test_malformed_ingest_is_a_422_naming_the_field(client: TestClient, body_change, field: str) -> None:
+    body = batch(steps=[step(0)])
+    body_change(body)
+    response = client.post("/api/v1/ingest", json=body)
+    assert response.status_code == 422
+    assert field in response.json()["error"]
+    # Nothing of a refused batch is stored.
+    assert client.get("/api/v1/runs").json() == []
+
+
+def test_unknown_run_is_404_and_unknown_metric_is_422(client: TestClient) -> None:
+    assert client.get("/api/v1/runs/nope").status_code == 404
+    assert client.get("/api/v1/runs/nope/series", params={"metric": "loss"}).status_code == 404
+    ingest(client, batch(steps=[step(0)]))
+    response = client.get("/api/v1/runs/r1/series", params={"metric": "lossy"})
+    assert response.status_code == 422
+    assert "known metrics" in response.json()["detail"]
+
+
+def test_healthz_metrics_and_openapi(client: TestClient) -> None:
+    ingest(client, batch(steps=[step(0)]))
+    client.post("/api/v1/ingest", json={"run": "x"})
+    assert client.get("/healthz").json() == {"status": "ok", "database": "ok"}
+    text = client.get("/metrics").text
+    assert 'trainwarden_ingest_requests_total{outcome="ok"} 1.0' in text
+    assert 'trainwarden_ingest_requests_total{outcome="invalid"} 1.0' in text
+    assert 'trainwarden_ingest_records_total{kind="step"} 1.0' in text
+    assert 'trainwarden_runs{status="running"} 1.0' in text
+    paths = client.get("/openapi.json").json()["paths"]
+    for path in ("/api/v1/ingest", "/api/v1/runs", "/api/v1/runs/{run}", "/api/v1/runs/{run}/series"):
+        assert path in paths

@@ -1,0 +1,52 @@
+"""The ``trainwarden`` command as a user runs it (real subprocesses)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from sqlalchemy import create_engine, inspect
+
+from ..conftest import free_port
+
+
+def trainwarden(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "trainwarden.collector.cli", *args],
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def test_serve_with_an_unreachable_database_exits_with_one_line_and_no_password() -> None:
+    port = free_port()  # nothing listens there
+    url = f"postgresql+psycopg://trainer:s3cret-pw@127.0.0.1:{port}/tw"
+    result = trainwarden("serve", "--db", url, "--port", str(free_port()))
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("trainwarden: error: cannot connect to database")
+    assert f"postgresql+psycopg://trainer:***@127.0.0.1:{port}/tw" in lines[0]
+    assert "s3cret-pw" not in result.stderr + result.stdout
+
+
+def test_a_malformed_database_url_is_named() -> None:
+    result = trainwarden("db", "upgrade", "--db", "not a url")
+    assert result.returncode == 2
+    assert "database URL 'not a url' is not valid" in result.stderr
+
+
+def test_db_upgrade_creates_the_schema(db_url: str) -> None:
+    result = trainwarden("db", "upgrade", "--db", db_url)
+    assert result.returncode == 0, result.stderr
+    assert "latest schema" in result.stdout
+    tables = set(inspect(create_engine(db_url)).get_table_names())
+    assert {"runs", "ranks", "rank_steps", "step_stats", "events", "alembic_version"} <= tables
+
+
+def test_default_database_is_an_sqlite_file_in_the_user_data_dir(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.delenv("TRAINWARDEN_DB", raising=False)
+    result = trainwarden("db", "upgrade")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "trainwarden" / "trainwarden.db").exists()

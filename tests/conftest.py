@@ -1,0 +1,213 @@
+"""Shared fixtures: real PostgreSQL and SQLite, a real ``trainwarden serve``, a real browser.
+
+PostgreSQL comes from ``TRAINWARDEN_TEST_DATABASE_URL``, else the server on
+127.0.0.1:5432, else a throwaway cluster started with the local PostgreSQL binaries.
+If none of these works the tests that need it ERROR with the reason: they never skip.
+The same holds for Chromium. Only GPU tests may skip.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from trainwarden.collector import models
+from trainwarden.collector.db import make_engine, upgrade
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+CHROMIUM = "/usr/bin/chromium"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pg_answers(url: str) -> str | None:
+    """None if the server answers, else the reason."""
+    try:
+        engine = create_engine(url, connect_args={"connect_timeout": 3})
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+        engine.dispose()
+        return None
+    except Exception as exc:
+        return str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+
+
+def _throwaway_cluster() -> tuple[str, callable]:  # type: ignore[valid-type]
+    """Start a PostgreSQL cluster from the local binaries (Debian's pg_createcluster)."""
+    if shutil.which("pg_createcluster") is None:
+        raise RuntimeError("pg_createcluster not found (install postgresql)")
+    version = sorted(os.listdir("/usr/lib/postgresql"))[-1]
+    name = f"tw{os.getpid()}"
+    port = free_port()
+    datadir = tempfile.mkdtemp(prefix="tw-pg-")
+    subprocess.run(
+        ["pg_createcluster", version, name, "--port", str(port), "--datadir", f"{datadir}/pg",
+         "--", "--auth-local=trust", "--auth-host=trust"],
+        check=True, capture_output=True,
+    )
+    subprocess.run(["pg_ctlcluster", version, name, "start"], check=True, capture_output=True)
+
+    def stop() -> None:
+        subprocess.run(["pg_ctlcluster", version, name, "stop"], capture_output=True)
+        subprocess.run(["pg_dropcluster", version, name], capture_output=True)
+        shutil.rmtree(datadir, ignore_errors=True)
+
+    return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", stop
+
+
+@pytest.fixture(scope="session")
+def pg_server() -> Iterator[str]:
+    """URL of a PostgreSQL server the tests may create databases on."""
+    url = os.environ.get("TRAINWARDEN_TEST_DATABASE_URL")
+    stop = None
+    if url:
+        reason = _pg_answers(url)
+        if reason:
+            pytest.fail(f"POSTGRES MISSING: TRAINWARDEN_TEST_DATABASE_URL={url} does not answer: {reason}",
+                        pytrace=False)
+    else:
+        url = DEFAULT_PG
+        reason = _pg_answers(url)
+        if reason:
+            try:
+                url, stop = _throwaway_cluster()
+            except Exception as exc:
+                pytest.fail(
+                    f"POSTGRES MISSING: nothing answers at {DEFAULT_PG} ({reason}) and a throwaway "
+                    f"cluster could not be started ({exc}). Set TRAINWARDEN_TEST_DATABASE_URL.",
+                    pytrace=False,
+                )
+            deadline = time.monotonic() + 20
+            while (reason := _pg_answers(url)) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if reason:
+                pytest.fail(f"POSTGRES MISSING: throwaway cluster does not answer: {reason}", pytrace=False)
+    yield url
+    if stop is not None:
+        stop()
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server: str) -> Iterator[str]:
+    """A fresh database for this test session, at the latest schema."""
+    name = f"tw_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(pg_server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(pg_server).set(database=name).render_as_string(hide_password=False)
+    engine = make_engine(url)
+    upgrade(engine)
+    engine.dispose()
+    yield url
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """Each test using it runs once on SQLite and once on PostgreSQL, on empty tables."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'tw.db'}"
+        return
+    url = request.getfixturevalue("pg_url")
+    yield url
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        tables = ", ".join(t.name for t in models.metadata.sorted_tables)
+        conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture
+def engine(db_url: str):  # type: ignore[no-untyped-def]
+    engine = make_engine(db_url)
+    upgrade(engine)
+    yield engine
+    engine.dispose()
+
+
+class Server:
+    def __init__(self, url: str, proc: subprocess.Popen, log: Path) -> None:
+        self.url = url
+        self.proc = proc
+        self.log = log
+
+    def get(self, path: str, **params: object) -> httpx.Response:
+        return httpx.get(self.url + path, params=params, timeout=10)
+
+
+def start_serve(db_url: str, log: Path, *, env: dict[str, str] | None = None) -> Server:
+    """``trainwarden serve`` as a user runs it: a real process on loopback."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "trainwarden.collector.cli", "serve", "--db", db_url,
+           "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"serve exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return Server(url, proc, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"serve did not answer on {url}:\n{log.read_text()}")
+
+
+def stop_serve(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(10)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+
+
+@pytest.fixture
+def live_server(db_url: str, tmp_path: Path) -> Iterator[Server]:
+    server = start_serve(db_url, tmp_path / "serve.log")
+    yield server
+    stop_serve(server)
+
+
+@pytest.fixture(scope="session")
+def browser():  # type: ignore[no-untyped-def]
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(
+            f"BROWSER MISSING: {CHROMIUM} not found. Install it: apt-get install -y chromium chromium-driver",
+            pytrace=False,
+        )
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM,
+            headless=True,
+            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                  "--disable-background-networking", "--disable-component-update",
+                  "--disable-sync", "--no-first-run"],
+        )
+        yield browser
+        browser.close()
