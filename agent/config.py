@@ -118,17 +118,13 @@ class AgentConfig:
             url = url.rstrip("/")
 
         rank_v = _as_int(_pick(rank, "RANK", 0), "rank (RANK)", minimum=0)
-        world_v = _as_int(
-            _pick(world_size, "WORLD_SIZE", 1), "world_size (WORLD_SIZE)", minimum=1
-        )
+        world_v = _as_int(_pick(world_size, "WORLD_SIZE", 1), "world_size (WORLD_SIZE)", minimum=1)
         if rank_v >= world_v:
             raise ConfigError(
                 f"rank {rank_v} is outside world_size {world_v}: check RANK and WORLD_SIZE "
                 "(torchrun and srun set both)"
             )
-        local_v = _as_int(
-            _pick(local_rank, "LOCAL_RANK", 0), "local_rank (LOCAL_RANK)", minimum=0
-        )
+        local_v = _as_int(_pick(local_rank, "LOCAL_RANK", 0), "local_rank (LOCAL_RANK)", minimum=0)
         host = socket.gethostname()
         node = _env("SLURMD_NODENAME") or _env("NODE_NAME") or host
 

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -50,24 +50,74 @@ def _pg_answers(url: str) -> str | None:
         return str(getattr(exc, "orig", exc)).strip().splitlines()[0]
 
 
-def _throwaway_cluster() -> tuple[str, callable]:  # type: ignore[valid-type]
-    """Start a PostgreSQL cluster from the local binaries (Debian's pg_createcluster)."""
-    if shutil.which("pg_createcluster") is None:
-        raise RuntimeError("pg_createcluster not found (install postgresql)")
-    version = sorted(os.listdir("/usr/lib/postgresql"))[-1]
-    name = f"tw{os.getpid()}"
+def _run(cmd: list[str], **kwargs: object) -> None:
+    result = subprocess.run(cmd, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
+    if result.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(cmd[:2])} failed: {(result.stderr or result.stdout).strip()[-500:]}"
+        )
+
+
+def _throwaway_cluster() -> tuple[str, Callable[[], None]]:
+    """Start a PostgreSQL cluster from the local binaries on a free port.
+
+    As root, Debian's pg_createcluster runs it as the postgres user; as anyone else,
+    initdb and pg_ctl run it as that user.
+    """
+    versions = (
+        sorted(os.listdir("/usr/lib/postgresql")) if os.path.isdir("/usr/lib/postgresql") else []
+    )
+    bindir = Path(f"/usr/lib/postgresql/{versions[-1]}/bin") if versions else None
     port = free_port()
     datadir = tempfile.mkdtemp(prefix="tw-pg-")
-    subprocess.run(
-        ["pg_createcluster", version, name, "--port", str(port), "--datadir", f"{datadir}/pg",
-         "--", "--auth-local=trust", "--auth-host=trust"],
-        check=True, capture_output=True,
+    os.chmod(datadir, 0o755)  # the postgres user must be able to enter it
+    if os.geteuid() == 0 and shutil.which("pg_createcluster") and versions:
+        name = f"tw{os.getpid()}"
+        _run(
+            [
+                "pg_createcluster",
+                versions[-1],
+                name,
+                "--port",
+                str(port),
+                "--datadir",
+                f"{datadir}/pg",
+                "--",
+                "--auth-local=trust",
+                "--auth-host=trust",
+            ]
+        )
+        _run(["pg_ctlcluster", versions[-1], name, "start"])
+
+        def stop() -> None:
+            subprocess.run(["pg_ctlcluster", versions[-1], name, "stop"], capture_output=True)
+            subprocess.run(["pg_dropcluster", versions[-1], name], capture_output=True)
+            shutil.rmtree(datadir, ignore_errors=True)
+
+        return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", stop
+    initdb = bindir / "initdb" if bindir else Path(shutil.which("initdb") or "initdb")
+    pg_ctl = initdb.with_name("pg_ctl")
+    if not initdb.exists():
+        raise RuntimeError("no PostgreSQL binaries found (install postgresql)")
+    _run([str(initdb), "-D", f"{datadir}/pg", "-U", "postgres", "--auth=trust"])
+    _run(
+        [
+            str(pg_ctl),
+            "-D",
+            f"{datadir}/pg",
+            "-l",
+            f"{datadir}/log",
+            "-w",
+            "-o",
+            f"-p {port} -k {datadir} -c listen_addresses=127.0.0.1",
+            "start",
+        ]
     )
-    subprocess.run(["pg_ctlcluster", version, name, "start"], check=True, capture_output=True)
 
     def stop() -> None:
-        subprocess.run(["pg_ctlcluster", version, name, "stop"], capture_output=True)
-        subprocess.run(["pg_dropcluster", version, name], capture_output=True)
+        subprocess.run(
+            [str(pg_ctl), "-D", f"{datadir}/pg", "-m", "fast", "stop"], capture_output=True
+        )
         shutil.rmtree(datadir, ignore_errors=True)
 
     return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", stop
@@ -81,8 +131,10 @@ def pg_server() -> Iterator[str]:
     if url:
         reason = _pg_answers(url)
         if reason:
-            pytest.fail(f"POSTGRES MISSING: TRAINWARDEN_TEST_DATABASE_URL={url} does not answer: {reason}",
-                        pytrace=False)
+            pytest.fail(
+                f"POSTGRES MISSING: TRAINWARDEN_TEST_DATABASE_URL={url} does not answer: {reason}",
+                pytrace=False,
+            )
     else:
         url = DEFAULT_PG
         reason = _pg_answers(url)
@@ -99,7 +151,9 @@ def pg_server() -> Iterator[str]:
             while (reason := _pg_answers(url)) and time.monotonic() < deadline:
                 time.sleep(0.2)
             if reason:
-                pytest.fail(f"POSTGRES MISSING: throwaway cluster does not answer: {reason}", pytrace=False)
+                pytest.fail(
+                    f"POSTGRES MISSING: throwaway cluster does not answer: {reason}", pytrace=False
+                )
     yield url
     if stop is not None:
         stop()
@@ -158,10 +212,21 @@ class Server:
 def start_serve(db_url: str, log: Path, *, env: dict[str, str] | None = None) -> Server:
     """``trainwarden serve`` as a user runs it: a real process on loopback."""
     port = free_port()
-    cmd = [sys.executable, "-m", "trainwarden.collector.cli", "serve", "--db", db_url,
-           "--port", str(port), "--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, **(env or {})})
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainwarden.collector.cli",
+        "serve",
+        "--db",
+        db_url,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -205,9 +270,15 @@ def browser():  # type: ignore[no-untyped-def]
         browser = p.chromium.launch(
             executable_path=CHROMIUM,
             headless=True,
-            args=["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                  "--disable-background-networking", "--disable-component-update",
-                  "--disable-sync", "--no-first-run"],
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-dev-shm-usage",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
         )
         yield browser
         browser.close()

@@ -31,7 +31,9 @@ def batch(
     }
 
 
-def step(n: int, *, loss: Any = 1.0, duration: float = 0.1, tokens: int | None = 100, wait: float = 0.01) -> dict[str, Any]:
+def step(
+    n: int, *, loss: Any = 1.0, duration: float = 0.1, tokens: int | None = 100, wait: float = 0.01
+) -> dict[str, Any]:
     return {
         "step": n,
         "ts": 1_700_000_000.0 + n,

@@ -23,8 +23,14 @@ def ingest(client: TestClient, body: dict) -> dict:
 
 
 def test_both_ranks_steps_roll_up_per_step(client: TestClient) -> None:
-    ingest(client, batch(rank=0, steps=[step(0, loss=2.0, duration=0.10), step(1, loss=1.8, duration=0.10)]))
-    ingest(client, batch(rank=1, steps=[step(0, loss=2.4, duration=0.30), step(1, loss=1.6, duration=0.12)]))
+    ingest(
+        client,
+        batch(rank=0, steps=[step(0, loss=2.0, duration=0.10), step(1, loss=1.8, duration=0.10)]),
+    )
+    ingest(
+        client,
+        batch(rank=1, steps=[step(0, loss=2.4, duration=0.30), step(1, loss=1.6, duration=0.12)]),
+    )
 
     loss = client.get("/api/v1/runs/r1/series", params={"metric": "loss"}).json()
     assert loss["step"] == [0, 1]
@@ -44,16 +50,30 @@ def test_both_ranks_steps_roll_up_per_step(client: TestClient) -> None:
 def test_run_detail_lists_ranks_and_status(client: TestClient) -> None:
     ingest(client, batch(rank=0, steps=[step(0)]))
     run = client.get("/api/v1/runs/r1").json()
-    assert (run["world_size"], run["ranks_seen"], run["last_step"], run["status"]) == (2, 1, 0, "running")
+    assert (run["world_size"], run["ranks_seen"], run["last_step"], run["status"]) == (
+        2,
+        1,
+        0,
+        "running",
+    )
     assert run["ranks"][0]["host"] == "host0" and run["ranks"][0]["node"] == "node0"
     assert "loss" in run["metrics"]
 
     for rank in (0, 1):
-        ingest(client, batch(rank=rank, steps=[step(1)],
-                             events=[{"id": f"s{rank}", "kind": "shutdown", "ts": 1.0, "step": 1}]))
+        ingest(
+            client,
+            batch(
+                rank=rank,
+                steps=[step(1)],
+                events=[{"id": f"s{rank}", "kind": "shutdown", "ts": 1.0, "step": 1}],
+            ),
+        )
     run = client.get("/api/v1/runs/r1").json()
     assert run["status"] == "finished"
-    assert [r["state"] for r in client.get("/api/v1/runs/r1/ranks").json()] == ["finished", "finished"]
+    assert [r["state"] for r in client.get("/api/v1/runs/r1/ranks").json()] == [
+        "finished",
+        "finished",
+    ]
     assert [r["name"] for r in client.get("/api/v1/runs").json()] == ["r1"]
 
 
@@ -61,7 +81,9 @@ def test_replayed_steps_overwrite_and_restart_is_an_event(client: TestClient) ->
     ingest(client, batch(rank=0, session="first", steps=[step(i, loss=3.0) for i in range(5)]))
     # The process dies and restarts from a checkpoint at step 3: steps 3 and 4 are replayed.
     ingest(client, batch(rank=0, session="second", steps=[step(i, loss=1.0) for i in range(3, 7)]))
-    ingest(client, batch(rank=0, session="second", steps=[step(i, loss=1.0) for i in range(3, 7)]))  # a duplicate batch
+    ingest(
+        client, batch(rank=0, session="second", steps=[step(i, loss=1.0) for i in range(3, 7)])
+    )  # a duplicate batch
 
     loss = client.get("/api/v1/runs/r1/series", params={"metric": "loss"}).json()
     assert loss["step"] == [0, 1, 2, 3, 4, 5, 6]
@@ -81,7 +103,9 @@ def test_events_are_idempotent_by_id(client: TestClient) -> None:
     assert len(client.get("/api/v1/runs/r1/events").json()) == 1
 
 
-def test_non_finite_loss_is_stored_as_such_and_rolled_up_without_crashing(client: TestClient) -> None:
+def test_non_finite_loss_is_stored_as_such_and_rolled_up_without_crashing(
+    client: TestClient,
+) -> None:
     ingest(client, batch(rank=0, steps=[step(0, loss="nan")]))
     ingest(client, batch(rank=1, steps=[step(0, loss=2.0)]))
     loss = client.get("/api/v1/runs/r1/series", params={"metric": "loss"}).json()
@@ -91,7 +115,9 @@ def test_non_finite_loss_is_stored_as_such_and_rolled_up_without_crashing(client
 
 def test_series_window_parameters(client: TestClient) -> None:
     ingest(client, batch(steps=[step(i) for i in range(10)]))
-    get = lambda **p: client.get("/api/v1/runs/r1/series", params={"metric": "loss", **p}).json()["step"]  # noqa: E731
+    get = lambda **p: client.get("/api/v1/runs/r1/series", params={"metric": "loss", **p}).json()[
+        "step"
+    ]  # noqa: E731
     assert get(last=3) == [7, 8, 9]
     assert get(**{"from": 2, "to": 4}) == [2, 3, 4]
 
@@ -106,7 +132,9 @@ def test_series_window_parameters(client: TestClient) -> None:
         (lambda b: b["agent"].pop("session"), "agent.session"),
     ],
 )
-def test_malformed_ingest_is_a_422_naming_the_field(client: TestClient, body_change, field: str) -> None:
+def test_malformed_ingest_is_a_422_naming_the_field(
+    client: TestClient, body_change, field: str
+) -> None:
     body = batch(steps=[step(0)])
     body_change(body)
     response = client.post("/api/v1/ingest", json=body)
@@ -135,5 +163,10 @@ def test_healthz_metrics_and_openapi(client: TestClient) -> None:
     assert 'trainwarden_ingest_records_total{kind="step"} 1.0' in text
     assert 'trainwarden_runs{status="running"} 1.0' in text
     paths = client.get("/openapi.json").json()["paths"]
-    for path in ("/api/v1/ingest", "/api/v1/runs", "/api/v1/runs/{run}", "/api/v1/runs/{run}/series"):
+    for path in (
+        "/api/v1/ingest",
+        "/api/v1/runs",
+        "/api/v1/runs/{run}",
+        "/api/v1/runs/{run}/series",
+    ):
         assert path in paths

@@ -14,7 +14,9 @@ from ..conftest import free_port
 def trainwarden(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "trainwarden.collector.cli", *args],
-        capture_output=True, text=True, timeout=timeout,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -44,7 +46,9 @@ def test_db_upgrade_creates_the_schema(db_url: str) -> None:
     assert {"runs", "ranks", "rank_steps", "step_stats", "events", "alembic_version"} <= tables
 
 
-def test_default_database_is_an_sqlite_file_in_the_user_data_dir(tmp_path: Path, monkeypatch) -> None:
+def test_default_database_is_an_sqlite_file_in_the_user_data_dir(
+    tmp_path: Path, monkeypatch
+) -> None:
     monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
     monkeypatch.delenv("TRAINWARDEN_DB", raising=False)
     result = trainwarden("db", "upgrade")

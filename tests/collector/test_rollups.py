@@ -3,9 +3,18 @@ from __future__ import annotations
 from trainwarden.collector.rollups import aggregate
 
 
-def row(rank: int, *, loss: float | None, duration: float = 1.0, tokens: int | None = 10, issues=None) -> dict:
-    return {"rank": rank, "ts": 100.0 + rank, "duration_s": duration, "data_wait_s": 0.0,
-            "tokens": tokens, "loss": loss, "issues": issues}
+def row(
+    rank: int, *, loss: float | None, duration: float = 1.0, tokens: int | None = 10, issues=None
+) -> dict:
+    return {
+        "rank": rank,
+        "ts": 100.0 + rank,
+        "duration_s": duration,
+        "data_wait_s": 0.0,
+        "tokens": tokens,
+        "loss": loss,
+        "issues": issues,
+    }
 
 
 def by_metric(rows: list[dict]) -> dict[str, dict]:
@@ -23,7 +32,13 @@ def test_min_median_max_and_argmax_across_ranks() -> None:
 
 
 def test_missing_and_non_finite_values_are_counted_not_aggregated() -> None:
-    stats = by_metric([row(0, loss=None, issues={"loss": "nan"}), row(1, loss=2.0), row(2, loss=None, tokens=None)])
+    stats = by_metric(
+        [
+            row(0, loss=None, issues={"loss": "nan"}),
+            row(1, loss=2.0),
+            row(2, loss=None, tokens=None),
+        ]
+    )
     loss = stats["loss"]
     assert (loss["n"], loss["nonfinite"], loss["min"], loss["max"]) == (1, 1, 2.0, 2.0)
     assert stats["tokens"]["n"] == 2

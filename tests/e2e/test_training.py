@@ -12,9 +12,20 @@ from ..conftest import Server, free_port
 
 def torchrun(server: Server, *args: str, nproc: int = 2) -> None:
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "trainwarden.agent.demo_trainer", "--url", server.url, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "trainwarden.agent.demo_trainer",
+        "--url",
+        server.url,
+        *args,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINWARDEN_FLUSH_INTERVAL": "0.2"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
@@ -45,7 +56,10 @@ def test_both_ranks_steps_arrive(live_server: Server) -> None:
 
     events = live_server.get("/api/v1/runs/e2e/events").json()
     assert sorted((e["kind"], e["rank"]) for e in events) == [
-        ("shutdown", 0), ("shutdown", 1), ("start", 0), ("start", 1)
+        ("shutdown", 0),
+        ("shutdown", 1),
+        ("start", 0),
+        ("start", 1),
     ]
 
 

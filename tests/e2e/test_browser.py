@@ -1,0 +1,101 @@
+"""The dashboard in a real headless Chromium, served by a real ``trainwarden serve``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from trainwarden.agent import Agent, AgentConfig
+
+from ..conftest import Server, start_serve, stop_serve
+
+MEDIAN_POINTS = "document.querySelector('#run-loss .js-plotly-plot').data[2].x.length"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("ui")
+    server = start_serve(f"sqlite:///{tmp / 'ui.db'}", tmp / "serve.log")
+    yield server
+    stop_serve(server)
+
+
+def agents(server: Server, run: str, world: int = 2) -> list[Agent]:
+    return [
+        Agent(
+            AgentConfig.resolve(
+                run=run, url=server.url, rank=r, world_size=world, flush_interval_s=0.1
+            )
+        )
+        for r in range(world)
+    ]
+
+
+def train(ranks: list[Agent], steps: range) -> None:
+    for step in steps:
+        for rank, agent in enumerate(ranks):
+            with agent.step(step, tokens=512) as s:
+                s.loss(4.0 / (1 + step * 0.1) + 0.05 * rank)
+
+
+@pytest.fixture
+def page(browser):  # type: ignore[no-untyped-def]
+    page = browser.new_page(viewport={"width": 1280, "height": 1000})
+    page.errors = []  # type: ignore[attr-defined]
+    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda e: page.errors.append(str(e)))
+    yield page
+    page.close()
+
+
+def test_run_page_draws_the_loss_and_updates_live(server: Server, page) -> None:  # type: ignore[no-untyped-def]
+    ranks = agents(server, "ui-live")
+    train(ranks, range(20))
+    for agent in ranks:
+        agent._exporter.wake()  # type: ignore[union-attr]
+    page.wait_for_timeout(500)
+
+    page.goto(f"{server.url}/runs/ui-live")
+    page.wait_for_selector("#run-loss .scatterlayer .trace", timeout=20_000)
+    page.wait_for_function(f"{MEDIAN_POINTS} >= 20", timeout=10_000)
+    assert page.locator("#run-step-time .scatterlayer .trace").count() >= 1
+    assert page.locator("#run-throughput .scatterlayer .trace").count() == 1
+    assert "2 / 2" in page.locator("#run-header").inner_text()
+    if os.environ.get("TRAINWARDEN_SCREENSHOTS"):
+        page.screenshot(
+            path=str(Path(os.environ["TRAINWARDEN_SCREENSHOTS"]) / "run-page.png"), full_page=True
+        )
+
+    # New steps arrive while the page is open: the graph grows without a reload.
+    train(ranks, range(20, 35))
+    page.wait_for_function(f"{MEDIAN_POINTS} >= 35", timeout=15_000)
+    for agent in ranks:
+        agent.shutdown()
+    assert page.errors == []
+
+
+def test_runs_list_links_to_the_run(server: Server, page) -> None:  # type: ignore[no-untyped-def]
+    ranks = agents(server, "ui-list", world=1)
+    train(ranks, range(3))
+    ranks[0].shutdown()
+    page.goto(server.url + "/")
+    link = page.locator("a.run-link", has_text="ui-list")
+    link.wait_for(timeout=20_000)
+    if os.environ.get("TRAINWARDEN_SCREENSHOTS"):
+        page.screenshot(path=str(Path(os.environ["TRAINWARDEN_SCREENSHOTS"]) / "runs-page.png"))
+    link.click()
+    page.wait_for_url("**/runs/ui-list")
+    page.wait_for_selector("#run-loss .scatterlayer .trace", timeout=20_000)
+    assert page.errors == []
+
+
+def test_an_unknown_run_shows_a_clear_state_not_a_traceback(server: Server, page) -> None:  # type: ignore[no-untyped-def]
+    page.goto(server.url + "/runs/no-such-run")
+    notice = page.locator("#run-notice .notice-error")
+    notice.wait_for(timeout=20_000)
+    assert "not found" in notice.inner_text()
+    assert "Traceback" not in page.content()
+    assert page.errors == []
