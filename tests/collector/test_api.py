@@ -115,9 +115,11 @@ def test_non_finite_loss_is_stored_as_such_and_rolled_up_without_crashing(
 
 def test_series_window_parameters(client: TestClient) -> None:
     ingest(client, batch(steps=[step(i) for i in range(10)]))
-    get = lambda **p: client.get("/api/v1/runs/r1/series", params={"metric": "loss", **p}).json()[
-        "step"
-    ]  # noqa: E731
+
+    def get(**params: object) -> list[int]:
+        query = {"metric": "loss", **params}
+        return client.get("/api/v1/runs/r1/series", params=query).json()["step"]
+
     assert get(last=3) == [7, 8, 9]
     assert get(**{"from": 2, "to": 4}) == [2, 3, 4]
 
