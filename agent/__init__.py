@@ -18,6 +18,7 @@ from . import core as _core
 from .config import AgentConfig, ConfigError
 from .core import Agent, Step
 from .exporter import Transport
+from .watch import Watch
 
 __all__ = [
     "Agent",
@@ -25,12 +26,14 @@ __all__ = [
     "ConfigError",
     "Step",
     "Transport",
+    "Watch",
     "event",
     "init",
     "recent",
     "shutdown",
     "stats",
     "step",
+    "watch",
 ]
 
 
@@ -46,6 +49,10 @@ def init(
     flush_interval_s: float | None = None,
     batch_size: int | None = None,
     request_timeout_s: float | None = None,
+    peak_flops: float | None = None,
+    flops_per_step: float | None = None,
+    flops_per_token: float | None = None,
+    dtype: Any = None,
     transport: Transport | None = None,
 ) -> Agent:
     """Start the agent for this process.
@@ -54,6 +61,11 @@ def init(
     (``TRAINWARDEN_RUN``, ``TRAINWARDEN_URL``, ``TRAINWARDEN_TOKEN``, ...); rank,
     world size and local rank come from ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
     With no URL the agent still works and keeps its last records in memory.
+
+    MFU: give ``flops_per_step`` or ``flops_per_token`` (e.g. 6 x parameters for a
+    dense transformer), or call :func:`watch`, which counts one step's FLOPs with
+    ``FlopCounterMode``. The peak comes from ``peak_flops``, else the table entry for
+    this GPU and ``dtype`` (default bf16), else, on a CPU, a short matmul measurement.
     Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
     shuts the previous agent down first.
     """
@@ -68,6 +80,10 @@ def init(
         flush_interval_s=flush_interval_s,
         batch_size=batch_size,
         request_timeout_s=request_timeout_s,
+        peak_flops=peak_flops,
+        flops_per_step=flops_per_step,
+        flops_per_token=flops_per_token,
+        dtype=dtype,
     )
     if _core._agent is not None:
         _core._agent.shutdown()
@@ -83,6 +99,31 @@ def step(step: int, tokens: Any = None) -> Step:
     CPU tensor's ``numel()``); it feeds tokens/s and, later, MFU.
     """
     return _core.current().step(step, tokens)
+
+
+def watch(
+    model: Any,
+    optimizer: Any = None,
+    *,
+    grad_norm: bool = False,
+    comm: bool = True,
+    count_flops: bool | None = None,
+) -> Watch:
+    """Install hooks that time forward / backward / optimizer and split communication.
+
+    - ``model``: the module the trainer calls (a ``DistributedDataParallel`` wrapper gets
+      a communication hook that times each gradient bucket's collective; call this
+      before your own ``register_comm_hook``, which is then chained, not replaced);
+    - ``optimizer``: its step hooks mark the optimizer phase;
+    - ``grad_norm=True``: the agent computes the global gradient norm on the device
+      (foreach norms) before each optimizer step, for spike flags;
+    - ``count_flops``: count one step's FLOPs for MFU (default: when no FLOPs were given).
+    """
+    from .watch import watch as _watch
+
+    return _watch(
+        _core.current(), model, optimizer, grad_norm=grad_norm, comm=comm, count_flops=count_flops
+    )
 
 
 def event(kind: str, *, step: int | None = None, severity: str = "info", **data: Any) -> None:

@@ -12,6 +12,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+from .mfu import dtype_name
+
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
@@ -80,6 +82,14 @@ class AgentConfig:
     """Records per HTTP request at most."""
     request_timeout_s: float = 5.0
     """Timeout of one HTTP request to the collector."""
+    peak_flops: float | None = None
+    """Peak FLOP/s of one device; default: the table entry for this GPU and ``dtype``."""
+    flops_per_step: float | None = None
+    """Model FLOPs of one step on this rank (forward + backward)."""
+    flops_per_token: float | None = None
+    """Model FLOPs per token (e.g. 6N for a dense transformer of N parameters)."""
+    dtype: str = "bf16"
+    """Compute dtype that selects the peak: bf16, fp16, fp8, tf32 or fp32."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -96,6 +106,10 @@ class AgentConfig:
         flush_interval_s: float | None = None,
         batch_size: int | None = None,
         request_timeout_s: float | None = None,
+        peak_flops: float | None = None,
+        flops_per_step: float | None = None,
+        flops_per_token: float | None = None,
+        dtype: Any = None,
     ) -> AgentConfig:
         run = _pick(run, "TRAINWARDEN_RUN")
         if run is None:
@@ -125,10 +139,37 @@ class AgentConfig:
                 "(torchrun and srun set both)"
             )
         local_v = _as_int(_pick(local_rank, "LOCAL_RANK", 0), "local_rank (LOCAL_RANK)", minimum=0)
+        peak_flops = _pick(peak_flops, "TRAINWARDEN_PEAK_FLOPS")
+        flops_per_step = _pick(flops_per_step, "TRAINWARDEN_FLOPS_PER_STEP")
+        flops_per_token = _pick(flops_per_token, "TRAINWARDEN_FLOPS_PER_TOKEN")
+        if flops_per_step is not None and flops_per_token is not None:
+            raise ConfigError(
+                "give flops_per_step or flops_per_token, not both "
+                "(flops_per_token x tokens is used when tw.step gets tokens=...)"
+            )
+        dtype_v = _pick(dtype, "TRAINWARDEN_DTYPE", "bf16")
+        try:
+            dtype_v = dtype_name(dtype_v)
+        except ValueError as exc:
+            raise ConfigError(f"dtype: {exc}") from None
         host = socket.gethostname()
         node = _env("SLURMD_NODENAME") or _env("NODE_NAME") or host
 
         return cls(
+            peak_flops=None
+            if peak_flops is None
+            else _as_float(peak_flops, "peak_flops (TRAINWARDEN_PEAK_FLOPS)", minimum=0.0),
+            flops_per_step=None
+            if flops_per_step is None
+            else _as_float(
+                flops_per_step, "flops_per_step (TRAINWARDEN_FLOPS_PER_STEP)", minimum=0.0
+            ),
+            flops_per_token=None
+            if flops_per_token is None
+            else _as_float(
+                flops_per_token, "flops_per_token (TRAINWARDEN_FLOPS_PER_TOKEN)", minimum=0.0
+            ),
+            dtype=dtype_v,
             run=run,
             url=url,
             token=_pick(token, "TRAINWARDEN_TOKEN"),

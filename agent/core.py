@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import time
 import uuid
 from collections import deque
@@ -17,7 +18,10 @@ from typing import Any
 
 from .config import AgentConfig
 from .exporter import Exporter, HttpTransport, Transport
-from .values import Captured, capture
+from .mfu import Peak, resolve_peak
+from .report import FlopModel, StepEncoder
+from .spikes import SpikeDetector
+from .values import Captured, capture, resolve_now
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +34,39 @@ class StepRecord:
         "kind",
         "step",
         "wall_start_ns",
+        "start_ns",
         "duration_ns",
         "data_wait_ns",
         "tokens",
         "loss",
+        "grad_norm",
+        "phases",
+        "comm",
+        "split",
+        "flops",
+        "memory",
         "error",
+        "note",
         "queued_at",
     )
 
-    def __init__(
-        self, step: int, wall_start_ns: int, data_wait_ns: int | None, tokens: Any
-    ) -> None:
+    def __init__(self, step: int, tokens: Any) -> None:
         self.kind = "step"
         self.step = step
-        self.wall_start_ns = wall_start_ns
+        self.wall_start_ns = 0
+        self.start_ns = 0
         self.duration_ns = 0
-        self.data_wait_ns = data_wait_ns
+        self.data_wait_ns: int | None = None
         self.tokens = tokens
         self.loss: float | Captured | None = None
+        self.grad_norm: float | Captured | None = None
+        self.phases: list[tuple[str, int]] = []  # (phase, perf_counter_ns) marks
+        self.comm: list[tuple[int, int]] = []  # (bucket ready, collective done) from the DDP hook
+        self.split: dict[str, int] | None = None  # from a sampled profiler window
+        self.flops: float | None = None  # counted on this step (FlopCounterMode)
+        self.memory: tuple[int, int] | None = None  # CUDA (max allocated, reserved)
         self.error: str | None = None
+        self.note: str | None = None
         self.queued_at = 0.0
 
 
@@ -64,7 +82,7 @@ class EventRecord:
 class Step:
     """One training step. Use as ``with tw.step(i, tokens=n) as s: ... s.loss(loss)``."""
 
-    __slots__ = ("_agent", "_record", "_t0")
+    __slots__ = ("_agent", "_record", "_counter")
 
     def __init__(self, agent: Agent, step: int, tokens: Any) -> None:
         self._agent = agent
@@ -73,27 +91,36 @@ class Step:
                 tokens = int(tokens)  # a tensor's numel() or a numpy int; a CUDA tensor would sync
             except (TypeError, ValueError):
                 tokens = None
-        self._record = StepRecord(int(step), 0, None, tokens)
-        self._t0 = 0
+        self._record = StepRecord(int(step), tokens)
+        self._counter: Any = None
 
     def __enter__(self) -> Step:
-        t0 = time.perf_counter_ns()
+        agent = self._agent
         record = self._record
+        if agent._count_flops_next:
+            self._counter = agent._start_flop_count()
+        t0 = time.perf_counter_ns()
         record.wall_start_ns = time.time_ns()
-        last_end = self._agent._last_step_end_ns
+        last_end = agent._last_step_end_ns
         if last_end is not None:
             record.data_wait_ns = t0 - last_end  # the gap since the previous step ended
-        self._t0 = t0
+        record.start_ns = t0
+        agent._current = record
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         t1 = time.perf_counter_ns()
         record = self._record
-        record.duration_ns = t1 - self._t0
+        agent = self._agent
+        agent._current = None
+        record.duration_ns = t1 - record.start_ns
         if exc_type is not None:
             record.error = exc_type.__name__
+        if self._counter is not None:
+            agent._finish_flop_count(self._counter, record)
+        if agent._cuda_memory is not None:
+            record.memory = agent._cuda_memory()  # host-side counters: no sync
         record.queued_at = time.monotonic()
-        agent = self._agent
         agent._last_step_end_ns = t1
         agent._last_step = record.step
         agent._enqueue(record)
@@ -101,6 +128,34 @@ class Step:
     def loss(self, value: Any) -> None:
         """Record this rank's loss: a tensor (read later, off this thread) or a number."""
         self._record.loss = capture(value)
+
+    def grad_norm(self, value: Any) -> None:
+        """Record the global gradient norm (e.g. what ``clip_grad_norm_`` returned)."""
+        self._record.grad_norm = capture(value)
+
+    def phase(self, name: str) -> None:
+        """Mark the start of a phase: ``forward``, ``backward``, ``optimizer`` or ``other``.
+
+        The manual alternative to ``tw.watch``: a phase lasts until the next mark.
+        """
+        self._record.phases.append((name, time.perf_counter_ns()))
+
+    def should_skip_step(self) -> bool:
+        """True when this step's gradient norm is non-finite or over 20x its running mean.
+
+        **This synchronizes with the device** to read the norm (``.item()``): call it only
+        when you act on the answer (skip ``optimizer.step()``), not for telemetry. Call it
+        on every step: its running mean is built from the norms it is shown (after a
+        warm-up of 20 steps). Needs ``s.grad_norm(...)`` or ``tw.watch(..., grad_norm=True)``.
+        """
+        value = self._record.grad_norm
+        if value is None:
+            return False
+        number = value if isinstance(value, float) else resolve_now(value)
+        if number is None:
+            return False
+        flags = self._agent.skip_spikes.observe(loss=None, grad_norm=number)
+        return "skip_suggested" in flags or "nonfinite_grad_norm" in flags
 
     @property
     def step(self) -> int:
@@ -116,6 +171,30 @@ class Agent:
         self.started_at = time.time()
         self._last_step_end_ns: int | None = None
         self._last_step: int | None = None
+        self._current: StepRecord | None = None  # the step in progress; hooks write into it
+        self._count_flops_next = False
+        self._cuda_memory: Any = None
+        self.spikes = SpikeDetector()  # exporter thread: flags on every step
+        self.skip_spikes = SpikeDetector()  # training thread: s.should_skip_step()
+        self.flop_model = FlopModel()
+        if config.flops_per_step is not None:
+            self.flop_model = FlopModel(
+                per_step=config.flops_per_step, source="given: flops_per_step"
+            )
+        elif config.flops_per_token is not None:
+            self.flop_model = FlopModel(
+                per_token=config.flops_per_token, source="given: flops_per_token"
+            )
+        self.peak: Peak | None = Peak(config.peak_flops, "given") if config.peak_flops else None
+        if self.peak is None and self.flop_model.source is not None:
+            self.peak = resolve_peak(config.dtype, local_rank=config.local_rank)
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            self._cuda_memory = lambda: (
+                torch.cuda.max_memory_allocated(),
+                torch.cuda.memory_reserved(),
+            )
+        self._encode = StepEncoder(spikes=self.spikes, flop_model=self.flop_model, peak=self.peak)
         self._queue: deque[Any] = deque()
         self._local: deque[Any] = deque(maxlen=config.queue_size)
         self.stats = {
@@ -135,6 +214,7 @@ class Agent:
             self._exporter = Exporter(
                 queue=self._queue,
                 header=self._header,
+                encode=self._encode,
                 transport=transport,
                 run=config.run,
                 batch_size=config.batch_size,
@@ -181,6 +261,33 @@ class Agent:
         queue.append(record)
         if len(queue) >= self.config.batch_size:
             self._exporter.wake()
+
+    # -- FLOPs counted once, on one step (tw.watch without flops_per_step/token) --------
+
+    def count_flops_on_next_step(self) -> None:
+        if self.peak is None:
+            self.peak = resolve_peak(self.config.dtype, local_rank=self.config.local_rank)
+            self._encode.peak = self.peak
+        self._count_flops_next = True
+
+    def _start_flop_count(self) -> Any:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self._count_flops_next = False
+        counter = FlopCounterMode(display=False)
+        counter.__enter__()
+        return counter
+
+    def _finish_flop_count(self, counter: Any, record: StepRecord) -> None:
+        counter.__exit__(None, None, None)
+        flops = float(counter.get_total_flops())
+        record.flops = flops
+        record.note = "flops counted on this step (slower): no MFU"
+        if record.tokens:
+            self.flop_model.per_token = flops / record.tokens
+        else:
+            self.flop_model.per_step = flops
+        self.flop_model.source = "counted: FlopCounterMode over one step"
 
     def step(self, step: int, tokens: Any = None) -> Step:
         return Step(self, step, tokens)

@@ -15,8 +15,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from .values import NOT_READY, issue_of, json_number, resolve
-
 log = logging.getLogger(__name__)
 
 INGEST_PATH = "/api/v1/ingest"
@@ -59,29 +57,6 @@ class CollectorError(RuntimeError):
         self.status = status
 
 
-def step_to_json(record: Any) -> dict[str, Any] | None:
-    """Turn a StepRecord into the wire form, or ``None`` if a value is still in flight."""
-    loss = resolve(record.loss)
-    if loss is NOT_READY:
-        return None
-    out: dict[str, Any] = {
-        "step": record.step,
-        "ts": record.wall_start_ns / 1e9,
-        "duration_s": record.duration_ns / 1e9,
-        "data_wait_s": None if record.data_wait_ns is None else record.data_wait_ns / 1e9,
-        "tokens": record.tokens,
-        "loss": json_number(loss),
-    }
-    issues = {}
-    if (why := issue_of(record.loss)) is not None:
-        issues["loss"] = why
-    if record.error is not None:
-        issues["exception"] = record.error
-    if issues:
-        out["issues"] = issues
-    return out
-
-
 class Exporter:
     """Owns the background thread. All public methods are safe from any thread."""
 
@@ -90,6 +65,7 @@ class Exporter:
         *,
         queue: deque[Any],
         header: Callable[[], dict[str, Any]],
+        encode: Callable[..., dict[str, Any] | None],
         transport: Transport,
         run: str,
         batch_size: int,
@@ -98,6 +74,7 @@ class Exporter:
     ) -> None:
         self._queue = queue
         self._header = header
+        self._encode = encode
         self._transport = transport
         self._run = run
         self._batch_size = batch_size
@@ -154,14 +131,11 @@ class Exporter:
             if record.kind == "event":
                 events.append(record.body)
                 continue
-            body = step_to_json(record)
-            if body is None and not final and now - record.queued_at < _MAX_PENDING_S:
-                keep.append(record)
-                continue
+            waited = now - record.queued_at >= _MAX_PENDING_S
+            body = self._encode(record, force=final or waited)
             if body is None:
-                record.loss = None
-                body = step_to_json(record)
-                body["issues"] = {**body.get("issues", {}), "loss": "device copy did not complete"}
+                keep.append(record)  # a device copy is still in flight
+                continue
             steps.append(body)
         self._held = keep
         return steps, events

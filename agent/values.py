@@ -68,6 +68,15 @@ def resolve(captured: float | Captured | None) -> Any:
     return float(captured.tensor.item())
 
 
+def resolve_now(captured: Captured) -> float | None:
+    """Read a captured value at once. **Synchronizes** with the device: not for telemetry."""
+    if captured.issue is not None:
+        return None
+    if captured.event is not None:
+        captured.event.synchronize()
+    return float(captured.tensor.item())
+
+
 def issue_of(captured: float | Captured | None) -> str | None:
     """Why a captured value has no number (empty tensor, non-finite), else ``None``."""
     if isinstance(captured, Captured):

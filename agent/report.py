@@ -1,0 +1,124 @@
+"""Turn a finished step record into its wire form. Runs on the exporter thread, in step order.
+
+This is where the deferred work happens: tensor values are read, phases and the
+compute / communication split are computed from timestamps, MFU is derived, and the
+spike detector sees each value once.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from .mfu import Peak, mfu
+from .spikes import SpikeDetector
+from .timing import phase_durations, split_from_hook
+from .values import NOT_READY, issue_of, json_number, resolve
+
+_PHASE_KEYS = {"forward": "fwd_s", "backward": "bwd_s", "optimizer": "opt_s", "other": "other_s"}
+_SPLIT_KEYS = {
+    "compute": "compute_s",
+    "exposed_comm": "exposed_comm_s",
+    "overlapped_comm": "overlapped_comm_s",
+    "idle": "idle_s",
+}
+
+
+@dataclass
+class FlopModel:
+    """How many model FLOPs a step does, and where that number comes from."""
+
+    per_step: float | None = None
+    per_token: float | None = None
+    source: str | None = None
+
+    def flops(self, tokens: int | None) -> float | None:
+        if self.per_token is not None and tokens is not None:
+            return self.per_token * tokens
+        return self.per_step
+
+
+def _rss_bytes() -> int:
+    # ru_maxrss is KiB on Linux, bytes on macOS; the peak RSS of this process.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+class StepEncoder:
+    def __init__(self, *, spikes: SpikeDetector, flop_model: FlopModel, peak: Peak | None) -> None:
+        self.spikes = spikes
+        self.flop_model = flop_model
+        self.peak = peak
+
+    def __call__(self, record: Any, *, force: bool) -> dict[str, Any] | None:
+        """The JSON body of ``record``; ``None`` while a device value is in flight (unless ``force``)."""
+        loss = resolve(record.loss)
+        grad = resolve(record.grad_norm)
+        issues: dict[str, str] = {}
+        if loss is NOT_READY or grad is NOT_READY:
+            if not force:
+                return None
+            if loss is NOT_READY:
+                loss, issues["loss"] = None, "device copy did not complete"
+            if grad is NOT_READY:
+                grad, issues["grad_norm"] = None, "device copy did not complete"
+        for name, captured in (("loss", record.loss), ("grad_norm", record.grad_norm)):
+            if (why := issue_of(captured)) is not None:
+                issues[name] = why
+        if record.error is not None:
+            issues["exception"] = record.error
+        if record.note is not None:
+            issues["timing"] = record.note
+
+        duration = record.duration_ns / 1e9
+        out: dict[str, Any] = {
+            "step": record.step,
+            "ts": record.wall_start_ns / 1e9,
+            "duration_s": duration,
+            "data_wait_s": None if record.data_wait_ns is None else record.data_wait_ns / 1e9,
+            "tokens": record.tokens,
+            "loss": json_number(loss),
+            "grad_norm": json_number(grad),
+        }
+        start, end = record.start_ns, record.start_ns + record.duration_ns
+        if record.phases:
+            for name, ns in phase_durations(record.phases, start, end).items():
+                if name in _PHASE_KEYS:
+                    out[_PHASE_KEYS[name]] = ns / 1e9
+        split, source = record.split, "profiler"
+        if split is None:
+            split, source = split_from_hook(record.comm, start, end), "hook"
+        if split is not None:
+            for name, ns in split.items():
+                out[_SPLIT_KEYS[name]] = ns / 1e9
+            out["comm_source"] = source
+
+        flops = record.flops if record.flops is not None else self.flop_model.flops(record.tokens)
+        if flops is not None:
+            out["flops"] = flops
+            out["flops_source"] = (
+                "counted this step" if record.flops is not None else self.flop_model.source
+            )
+            if self.peak is not None and record.note is None:  # a counted step is slowed: no MFU
+                out["mfu"] = mfu(flops, duration, self.peak.flops)
+                out["peak_flops"] = self.peak.flops
+                out["peak_source"] = self.peak.source
+        elif self.flop_model.per_token is not None and record.tokens is None:
+            issues["mfu"] = "no tokens given: flops_per_token needs tw.step(..., tokens=n)"
+
+        if record.memory is not None:
+            out["mem_allocated_bytes"], out["mem_reserved_bytes"] = record.memory
+        else:
+            out["rss_bytes"] = _rss_bytes()
+
+        flags = self.spikes.observe(
+            loss=loss if isinstance(loss, float) and not record.error else None,
+            grad_norm=grad if isinstance(grad, float) else None,
+        )
+        if flags:
+            out["flags"] = flags
+        if issues:
+            out["issues"] = issues
+        return out

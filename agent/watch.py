@@ -1,0 +1,145 @@
+"""``tw.watch(model, optimizer)``: automatic phase timing, grad norm and the DDP comm split.
+
+Hooks only take a timestamp and append it to the step in progress:
+
+- the model's forward pre-hook starts ``forward``; its forward hook starts ``backward``
+  (which therefore holds the loss computation and the wait for the last gradient
+  buckets: the communication split below tells those apart);
+- the optimizer's step pre-hook starts ``optimizer``; its post-hook starts ``other``.
+
+For ``DistributedDataParallel``, a communication hook records when each gradient
+bucket is ready and when its collective completes. It wraps the default allreduce,
+or the user's hook: if the user registers one after ``tw.watch``, it is chained
+inside ours, never replaced. A hook registered *before* ``tw.watch`` cannot be
+wrapped (DDP takes one hook); then the always-on split is off and a warning says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+class Watch:
+    """What ``tw.watch`` installed; ``remove()`` takes the hooks off again (not the comm hook)."""
+
+    def __init__(self) -> None:
+        self.handles: list[Any] = []
+        self.comm_hook = False
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
+def _mark(agent: Any, name: str) -> Callable[..., None]:
+    perf = time.perf_counter_ns
+
+    def hook(*_args: Any) -> None:
+        record = agent._current
+        if record is not None:
+            record.phases.append((name, perf()))
+
+    return hook
+
+
+def _grad_norm_hook(agent: Any, optimizer: Any) -> Callable[..., None]:
+    import torch
+
+    from .values import capture
+
+    mark = _mark(agent, "optimizer")
+
+    def hook(*_args: Any) -> None:
+        mark()
+        record = agent._current
+        if record is None or record.grad_norm is not None:
+            return
+        grads = [
+            p.grad
+            for group in optimizer.param_groups
+            for p in group["params"]
+            if p.grad is not None
+        ]
+        if not grads:
+            return
+        # On-device: foreach norms then the norm of norms; queued, never synced here.
+        norms = torch._foreach_norm(grads)
+        total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
+        record.grad_norm = capture(total)
+
+    return hook
+
+
+def install_comm_hook(agent: Any, ddp: Any) -> bool:
+    """Time every gradient bucket's collective; returns False if DDP already had a hook."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    if getattr(ddp, "_comm_hooks", None):
+        log.warning(
+            "trainwarden: this DDP model already has a comm hook, which cannot be wrapped; "
+            "call tw.watch() before register_comm_hook() to get the always-on comm split"
+        )
+        return False
+    inner: list[Any] = [default_hooks.allreduce_hook, ddp.process_group]
+    perf = time.perf_counter_ns
+
+    # No annotations: DDP checks them, and this module's are strings.
+    def hook(_state, bucket):  # type: ignore[no-untyped-def]
+        record = agent._current
+        ready = perf()
+        future = inner[0](inner[1], bucket)
+        if record is None:
+            return future
+        intervals = record.comm
+
+        def done(fut: Any) -> Any:  # runs on the communication thread
+            intervals.append((ready, perf()))
+            return fut.value()
+
+        return future.then(done)
+
+    ddp.register_comm_hook(None, hook)
+
+    def register_comm_hook(state: object, user_hook: Callable[..., Any]) -> None:
+        """Chains the user's hook inside trainwarden's instead of replacing it."""
+        inner[:] = [user_hook, state]
+
+    ddp.register_comm_hook = register_comm_hook
+    return True
+
+
+def watch(
+    agent: Any,
+    model: Any,
+    optimizer: Any = None,
+    *,
+    grad_norm: bool = False,
+    comm: bool = True,
+    count_flops: bool | None = None,
+) -> Watch:
+    import torch
+
+    installed = Watch()
+    installed.handles.append(model.register_forward_pre_hook(_mark(agent, "forward")))
+    installed.handles.append(model.register_forward_hook(_mark(agent, "backward")))
+    if optimizer is not None:
+        pre = _grad_norm_hook(agent, optimizer) if grad_norm else _mark(agent, "optimizer")
+        installed.handles.append(optimizer.register_step_pre_hook(pre))
+        installed.handles.append(optimizer.register_step_post_hook(_mark(agent, "other")))
+    elif grad_norm:
+        raise ValueError(
+            "tw.watch(model, grad_norm=True) needs the optimizer: tw.watch(model, optimizer, ...)"
+        )
+    if comm and isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        installed.comm_hook = install_comm_hook(agent, model)
+    if count_flops is None:
+        count_flops = agent.flop_model.source is None
+    if count_flops:
+        agent.count_flops_on_next_step()
+    return installed

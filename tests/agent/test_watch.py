@@ -1,0 +1,162 @@
+"""tw.watch and MFU on a real (single-process) training loop; the DDP comm hook is
+tested on two gloo ranks in tests/e2e/test_comm_split.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import trainwarden.agent as tw
+
+from .test_agent import RecordingTransport
+
+BATCH, D_IN, D_HIDDEN, D_OUT = 64, 256, 512, 128
+
+
+def hand_flops(batch: int) -> int:
+    # forward 2*B*(in*h + h*out); backward: weight grads of both layers + input grad of the second
+    return 4 * batch * (D_IN * D_HIDDEN + D_HIDDEN * D_OUT) + 2 * batch * D_HIDDEN * D_OUT
+
+
+HAND_FLOPS = hand_flops(BATCH)
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(D_IN, D_HIDDEN), nn.ReLU(), nn.Linear(D_HIDDEN, D_OUT))
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch):
+    for name in ("RANK", "WORLD_SIZE", "TRAINWARDEN_URL"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    tw.shutdown(timeout_s=1)
+
+
+def train(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: range,
+    *,
+    scale_at: int | None = None,
+    tokens: int | None = BATCH,
+    batch: int = BATCH,
+) -> dict[int, float]:
+    x, y = torch.randn(batch, D_IN), torch.randn(batch, D_OUT)
+    outside: dict[int, float] = {}
+    for i in steps:
+        t0 = time.perf_counter()
+        with tw.step(i, tokens=tokens) as s:
+            loss = (model(x) - y).square().mean()
+            if i == scale_at:
+                loss = loss * 1000  # a real gradient spike: 1000x the gradients
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            s.loss(loss)
+        outside[i] = time.perf_counter() - t0
+    return outside
+
+
+def test_mfu_with_given_flops_and_peak_matches_the_hand_formula() -> None:
+    transport = RecordingTransport()
+    peak, batch = 50e9, 2048  # a step of some milliseconds, as real steps are
+    flops = hand_flops(batch)
+    tw.init(run="mfu", transport=transport, flops_per_step=flops, peak_flops=peak)
+    model = mlp()
+    wall = train(model, torch.optim.SGD(model.parameters(), lr=1e-3), range(20), batch=batch)
+    tw.shutdown()
+    for s in transport.steps():
+        expected = flops / (wall[s["step"]] * peak)  # step time measured outside the agent
+        assert s["mfu"] == pytest.approx(expected, rel=0.02)
+        assert (s["flops"], s["peak_flops"]) == (flops, peak)
+        assert s["peak_source"] == "given" and s["flops_source"] == "given: flops_per_step"
+
+
+def test_watch_counts_flops_once_then_reports_mfu_on_a_measured_cpu_peak() -> None:
+    transport = RecordingTransport()
+    tw.init(run="auto", transport=transport)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tw.watch(model, opt)
+    train(model, opt, range(6))
+    tw.shutdown()
+    steps = transport.steps()
+    assert steps[0]["flops"] == HAND_FLOPS  # the counted step
+    assert "mfu" not in steps[0] and "counted" in steps[0]["issues"]["timing"]
+    for s in steps[1:]:
+        assert s["flops"] == pytest.approx(HAND_FLOPS)  # flops/token x tokens
+        assert s["flops_source"] == "counted: FlopCounterMode over one step"
+        assert s["peak_source"].startswith("measured: cpu")
+        assert 0 < s["mfu"] < 1.5
+
+
+def test_watch_times_forward_backward_and_optimizer() -> None:
+    transport = RecordingTransport()
+    tw.init(run="phases", transport=transport)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tw.watch(model, opt, count_flops=False)
+    train(model, opt, range(5))
+    tw.shutdown()
+    for s in transport.steps():
+        parts = [s["fwd_s"], s["bwd_s"], s["opt_s"], s["other_s"]]
+        assert all(p >= 0 for p in parts) and s["fwd_s"] > 0 and s["bwd_s"] > 0 and s["opt_s"] > 0
+        assert sum(parts) == pytest.approx(s["duration_s"], abs=1e-6)
+        assert "mfu" not in s and "compute_s" not in s  # no FLOPs asked for; no DDP here
+
+
+def test_an_injected_gradient_spike_is_flagged_on_that_step_not_before() -> None:
+    transport = RecordingTransport()
+    tw.init(run="spike", transport=transport)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    tw.watch(model, opt, grad_norm=True, count_flops=False)
+    train(model, opt, range(60), scale_at=45)
+    tw.shutdown()
+    steps = transport.steps()
+    assert all(s["grad_norm"] > 0 for s in steps)
+    flagged = [s["step"] for s in steps if "grad_norm_spike" in s.get("flags", [])]
+    assert flagged == [45]
+    assert "skip_suggested" in steps[45]["flags"]
+    assert "loss_spike" in steps[45]["flags"]
+
+
+def test_should_skip_step_answers_synchronously() -> None:
+    tw.init(run="skip", transport=RecordingTransport())
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    tw.watch(model, opt, count_flops=False)
+    x = torch.randn(BATCH, D_IN)
+    answers = []
+    for i in range(40):
+        with tw.step(i) as s:
+            loss = model(x).square().mean() * (1000 if i == 35 else 1)
+            loss.backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+            s.grad_norm(norm)
+            answers.append(s.should_skip_step())
+            opt.zero_grad()
+    assert answers[35] is True and not any(answers[21:35])
+
+
+def test_mfu_needs_tokens_when_flops_are_per_token() -> None:
+    transport = RecordingTransport()
+    tw.init(run="pt", transport=transport, flops_per_token=1e6, peak_flops=1e12)
+    model = mlp()
+    train(model, torch.optim.SGD(model.parameters(), lr=1e-3), range(2), tokens=None)
+    tw.shutdown()
+    assert "flops_per_token needs" in transport.steps()[0]["issues"]["mfu"]
+
+
+def test_wrong_mfu_arguments_raise_with_the_fix() -> None:
+    with pytest.raises(tw.ConfigError, match="not both"):
+        tw.init(run="x", flops_per_step=1, flops_per_token=1)
+    with pytest.raises(tw.ConfigError, match="dtype"):
+        tw.init(run="x", dtype="int4")
+    with pytest.raises(tw.ConfigError, match="peak_flops"):
+        tw.init(run="x", peak_flops=-1)
