@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> None:
     data = MarkovData(vocab, context, chain_seed=args.seed, sample_seed=args.seed + 1 + rank)
 
     tw.init(run=args.run, url=args.url)
+    tw.watch(model, opt, grad_norm=True)  # phases, comm split (DDP), MFU, grad-norm spikes
     for step in range(args.start_step, args.start_step + args.steps):
         if args.data_delay:
             time.sleep(args.data_delay)  # shows up as data wait: the gap between steps

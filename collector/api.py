@@ -7,7 +7,7 @@ import logging
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -16,7 +16,17 @@ from . import queries
 from .db import write
 from .ingest import ingest as store_batch
 from .prom import CollectorMetrics
-from .schemas import EventOut, IngestBatch, IngestResult, RankInfo, RunDetail, RunSummary, Series
+from .schemas import (
+    EventOut,
+    FlaggedStep,
+    IngestBatch,
+    IngestResult,
+    RankInfo,
+    RankSeries,
+    RunDetail,
+    RunSummary,
+    Series,
+)
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "5"
@@ -106,6 +116,32 @@ def get_series(
         return queries.series(
             conn, run=run, metric=metric, from_step=from_step, to_step=to_step, last=last
         )
+
+
+@router.get("/api/v1/runs/{run}/ranks/{rank}/series", response_model=RankSeries, tags=["runs"])
+def get_rank_series(
+    run: str,
+    rank: Annotated[int, Path(ge=0)],
+    request: Request,
+    metric: str,
+    from_step: Annotated[int | None, Query(alias="from", ge=0)] = None,
+    to_step: Annotated[int | None, Query(alias="to", ge=0)] = None,
+    last: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
+) -> RankSeries:
+    """Retrieve one metric of one rank per step (e.g. each rank's own loss)."""
+    with _engine(request).connect() as conn:
+        return queries.rank_series(
+            conn, run=run, metric=metric, rank=rank, from_step=from_step, to_step=to_step, last=last
+        )
+
+
+@router.get("/api/v1/runs/{run}/flags", response_model=list[FlaggedStep], tags=["runs"])
+def get_flags(
+    run: str, request: Request, limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000
+) -> list[FlaggedStep]:
+    """Retrieve the steps on which a rank flagged a spike or a non-finite value."""
+    with _engine(request).connect() as conn:
+        return queries.flagged_steps(conn, run=run, limit=limit)
 
 
 @router.get("/healthz", tags=["ops"])

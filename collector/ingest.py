@@ -105,29 +105,23 @@ def _track_rank(conn: Connection, *, run_id: int, batch: IngestBatch, now: float
     )
 
 
+# Every wire field of a step that is a rank_steps column of the same name.
+_STEP_COLUMNS = {c.name for c in m.rank_steps.columns} - {"run_id", "rank", "recv_ts", "issues"}
+
+
 def _step_rows(*, run_id: int, batch: IngestBatch, now: float) -> list[dict[str, Any]]:
     rows = []
     for s in batch.steps:
+        row = s.model_dump(include=_STEP_COLUMNS)
         issues = dict(s.issues or {})
-        loss = s.loss
-        if loss is not None and not math.isfinite(loss):
-            # SQLite cannot store NaN: keep the fact in `issues` on every backend.
-            issues["loss"] = "nan" if math.isnan(loss) else ("inf" if loss > 0 else "-inf")
-            loss = None
-        rows.append(
-            {
-                "run_id": run_id,
-                "step": s.step,
-                "rank": batch.agent.rank,
-                "ts": s.ts,
-                "recv_ts": now,
-                "duration_s": s.duration_s,
-                "data_wait_s": s.data_wait_s,
-                "tokens": s.tokens,
-                "loss": loss,
-                "issues": issues or None,
-            }
-        )
+        for name in ("loss", "grad_norm"):
+            value = row[name]
+            if value is not None and not math.isfinite(value):
+                # SQLite cannot store NaN: keep the fact in `issues` on every backend.
+                issues[name] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+                row[name] = None
+        row.update(run_id=run_id, rank=batch.agent.rank, recv_ts=now, issues=issues or None)
+        rows.append(row)
     # A batch may carry the same step twice (a replay inside one batch): last one wins.
     return list({row["step"]: row for row in rows}.values())
 

@@ -19,6 +19,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    text,
 )
 
 metadata = MetaData(
@@ -70,7 +71,35 @@ rank_steps = Table(
     Column("data_wait_s", Float),
     Column("tokens", BigInteger),
     Column("loss", Float),
-    Column("issues", JSON),
+    Column("issues", JSON(none_as_null=True)),
+    # Step telemetry (migration 0002): phases, communication split, MFU, grad norm, memory.
+    Column("fwd_s", Float),
+    Column("bwd_s", Float),
+    Column("opt_s", Float),
+    Column("other_s", Float),
+    Column("compute_s", Float),
+    Column("exposed_comm_s", Float),
+    Column("overlapped_comm_s", Float),
+    Column("idle_s", Float),
+    Column("comm_source", String(16)),
+    Column("grad_norm", Float),
+    Column("flops", Float),
+    Column("mfu", Float),
+    Column("peak_flops", Float),
+    Column("flops_source", String(128)),
+    Column("peak_source", String(255)),
+    Column("mem_allocated_bytes", BigInteger),
+    Column("mem_reserved_bytes", BigInteger),
+    Column("rss_bytes", BigInteger),
+    Column("flags", JSON(none_as_null=True)),
+    # Spike flags are rare: a partial index finds a run's flagged steps without a scan.
+    Index(
+        "ix_rank_steps_flagged",
+        "run_id",
+        "step",
+        postgresql_where=text("flags IS NOT NULL"),
+        sqlite_where=text("flags IS NOT NULL"),
+    ),
 )
 
 step_stats = Table(

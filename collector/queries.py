@@ -8,7 +8,7 @@ from sqlalchemy import Connection, func, select
 
 from . import models as m
 from .rollups import METRICS
-from .schemas import EventOut, RankInfo, RunDetail, RunSummary, Series
+from .schemas import EventOut, FlaggedStep, RankInfo, RankSeries, RunDetail, RunSummary, Series
 
 
 class NotFound(LookupError):
@@ -121,3 +121,54 @@ def series(
         total=list(columns[6]),
         argmax_rank=list(columns[7]),
     )
+
+
+def rank_series(
+    conn: Connection,
+    *,
+    run: str,
+    metric: str,
+    rank: int,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    last: int | None = None,
+) -> RankSeries:
+    """``metric`` of one rank per step, from the per-rank rows."""
+    if metric not in METRICS:
+        raise UnknownMetric(metric)
+    definition = METRICS[metric]
+    run_id = _run_row(conn, run)["id"]
+    r = m.rank_steps.c
+    query = select(m.rank_steps).where(r.run_id == run_id, r.rank == rank)
+    if from_step is not None:
+        query = query.where(r.step >= from_step)
+    if to_step is not None:
+        query = query.where(r.step <= to_step)
+    if last is not None:
+        rows = list(
+            reversed(conn.execute(query.order_by(r.step.desc()).limit(last)).mappings().all())
+        )
+    else:
+        rows = conn.execute(query.order_by(r.step)).mappings().all()
+    return RankSeries(
+        run=run,
+        metric=metric,
+        unit=definition.unit,
+        rank=rank,
+        step=[row["step"] for row in rows],
+        ts=[row["ts"] for row in rows],
+        value=[definition.value(row) for row in rows],
+    )
+
+
+def flagged_steps(conn: Connection, *, run: str, limit: int = 10_000) -> list[FlaggedStep]:
+    """Steps with spike flags, oldest first (the partial index keeps this cheap)."""
+    run_id = _run_row(conn, run)["id"]
+    r = m.rank_steps.c
+    rows = conn.execute(
+        select(r.step, r.rank, r.flags, r.loss, r.grad_norm)
+        .where(r.run_id == run_id, r.flags.is_not(None))
+        .order_by(r.step, r.rank)
+        .limit(limit)
+    ).mappings()
+    return [FlaggedStep.model_validate(dict(row)) for row in rows]

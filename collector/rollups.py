@@ -70,6 +70,36 @@ def _mean_of(name: str) -> Callable[[list[Mapping[str, Any]]], float | None]:
     return total
 
 
+def _run_mfu(rows: list[Mapping[str, Any]]) -> float | None:
+    # Across the world: all ranks' FLOPs over the slowest rank's time x all ranks' peaks.
+    rated = [r for r in rows if r["flops"] is not None and r["peak_flops"]]
+    longest = max((r["duration_s"] for r in rows), default=0.0)
+    if not rated or not longest:
+        return None
+    return sum(r["flops"] for r in rated) / (longest * sum(r["peak_flops"] for r in rated))
+
+
+def _exposed_fraction(row: Mapping[str, Any]) -> float | None:
+    if row["exposed_comm_s"] is None or not row["duration_s"]:
+        return None
+    return row["exposed_comm_s"] / row["duration_s"]
+
+
+def _mean_by(
+    value: Callable[[Mapping[str, Any]], float | None],
+) -> Callable[[list[Mapping[str, Any]]], float | None]:
+    def total(rows: list[Mapping[str, Any]]) -> float | None:
+        values = [v for v in map(value, rows) if v is not None and math.isfinite(v)]
+        return statistics.fmean(values) if values else None
+
+    return total
+
+
+def _part(name: str, label: str, column: str) -> MetricDef:
+    """A part of the step-time breakdown: its run-level value is the mean over ranks."""
+    return MetricDef(name, label, "s", _col(column), _mean_of(column), column)
+
+
 METRICS: dict[str, MetricDef] = {
     m.name: m
     for m in [
@@ -90,6 +120,41 @@ METRICS: dict[str, MetricDef] = {
             "tokens", "Tokens per step", "tokens", _col("tokens"), _sum_of("tokens"), "tokens"
         ),
         MetricDef("tokens_per_s", "Throughput", "tokens/s", _rank_tokens_per_s, _run_tokens_per_s),
+        MetricDef("mfu", "MFU", "", _col("mfu"), _run_mfu, "mfu"),
+        MetricDef(
+            "grad_norm", "Grad norm", "", _col("grad_norm"), _max_of("grad_norm"), "grad_norm"
+        ),
+        _part("compute", "Compute", "compute_s"),
+        _part("exposed_comm", "Exposed comm", "exposed_comm_s"),
+        _part("overlapped_comm", "Overlapped comm", "overlapped_comm_s"),
+        _part("idle", "Idle", "idle_s"),
+        _part("forward", "Forward", "fwd_s"),
+        _part("backward", "Backward", "bwd_s"),
+        _part("optimizer", "Optimizer", "opt_s"),
+        _part("other", "Other", "other_s"),
+        MetricDef(
+            "exposed_comm_frac",
+            "Exposed comm / step",
+            "",
+            _exposed_fraction,
+            _mean_by(_exposed_fraction),
+        ),
+        MetricDef(
+            "mem_allocated",
+            "GPU memory (max allocated)",
+            "bytes",
+            _col("mem_allocated_bytes"),
+            _max_of("mem_allocated_bytes"),
+            "mem_allocated_bytes",
+        ),
+        MetricDef(
+            "rss",
+            "Host memory (peak RSS)",
+            "bytes",
+            _col("rss_bytes"),
+            _max_of("rss_bytes"),
+            "rss_bytes",
+        ),
     ]
 }
 
@@ -105,12 +170,15 @@ def _nonfinite(rows: list[Mapping[str, Any]], column: str | None) -> int:
 
 
 def aggregate(run_id: int, step: int, rows: list[Mapping[str, Any]]) -> Iterable[dict[str, Any]]:
-    """One ``step_stats`` row per metric for the rows of all ranks at ``step``."""
+    """One ``step_stats`` row per metric that some rank reports at ``step``."""
     ts = min(row["ts"] for row in rows)
     for metric in METRICS.values():
         ranked = [(metric.value(row), row["rank"]) for row in rows]
         present = [(v, r) for v, r in ranked if v is not None]
         finite = [(v, r) for v, r in present if math.isfinite(v)]
+        nonfinite = len(present) - len(finite) + _nonfinite(rows, metric.source)
+        if not present and not nonfinite:
+            continue  # no rank reports this metric at this step
         values = sorted(v for v, _ in finite)
         top = max(finite, default=None)
         yield {
@@ -119,7 +187,7 @@ def aggregate(run_id: int, step: int, rows: list[Mapping[str, Any]]) -> Iterable
             "step": step,
             "ts": ts,
             "n": len(present),
-            "nonfinite": len(present) - len(finite) + _nonfinite(rows, metric.source),
+            "nonfinite": nonfinite,
             "min": values[0] if values else None,
             "median": statistics.median(values) if values else None,
             "max": values[-1] if values else None,

@@ -47,12 +47,55 @@ class StepIn(BaseModel):
     loss: float | None = Field(
         default=None, description='NaN/Inf may be sent as "nan", "inf", "-inf"'
     )
+    grad_norm: float | None = Field(
+        default=None, description="Global gradient norm; NaN/Inf as for loss"
+    )
+    fwd_s: float | None = Field(default=None, ge=0, description="Forward phase")
+    bwd_s: float | None = Field(
+        default=None, ge=0, description="Backward phase (with the loss and the gradient-sync tail)"
+    )
+    opt_s: float | None = Field(default=None, ge=0, description="Optimizer phase")
+    other_s: float | None = Field(default=None, ge=0, description="The rest of the step")
+    compute_s: float | None = Field(default=None, ge=0)
+    exposed_comm_s: float | None = Field(
+        default=None, ge=0, description="Waiting on collectives with no compute running"
+    )
+    overlapped_comm_s: float | None = Field(
+        default=None, ge=0, description="Collective time hidden behind compute"
+    )
+    idle_s: float | None = Field(default=None, ge=0)
+    comm_source: Literal["hook", "profiler"] | None = None
+    flops: float | None = Field(
+        default=None, ge=0, description="Model FLOPs of the step on this rank"
+    )
+    mfu: float | None = Field(default=None, ge=0)
+    peak_flops: float | None = Field(default=None, gt=0)
+    flops_source: str | None = Field(default=None, max_length=128)
+    peak_source: str | None = Field(default=None, max_length=255)
+    mem_allocated_bytes: int | None = Field(default=None, ge=0)
+    mem_reserved_bytes: int | None = Field(default=None, ge=0)
+    rss_bytes: int | None = Field(default=None, ge=0)
+    flags: list[str] | None = Field(default=None, max_length=16, description="Spike flags")
     issues: dict[str, str] | None = None
 
-    @field_validator("ts", "duration_s")
+    @field_validator(
+        "ts",
+        "duration_s",
+        "fwd_s",
+        "bwd_s",
+        "opt_s",
+        "other_s",
+        "compute_s",
+        "exposed_comm_s",
+        "overlapped_comm_s",
+        "idle_s",
+        "flops",
+        "mfu",
+        "peak_flops",
+    )
     @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
             raise ValueError("must be a finite number")
         return value
 
@@ -141,3 +184,25 @@ class Series(BaseModel):
     max: list[float | None]
     total: list[float | None]
     argmax_rank: list[int | None]
+
+
+class RankSeries(BaseModel):
+    """One metric of one rank, per step."""
+
+    run: str
+    metric: str
+    unit: str
+    rank: int
+    step: list[int]
+    ts: list[float]
+    value: list[float | None]
+
+
+class FlaggedStep(BaseModel):
+    """A step on which a rank raised spike flags (grad-norm spike, loss spike, non-finite)."""
+
+    step: int
+    rank: int
+    flags: list[str]
+    loss: float | None
+    grad_norm: float | None

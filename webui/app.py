@@ -78,6 +78,13 @@ def runs_table(client: Client) -> Any:
     return html.Table([html.Thead(header), html.Tbody(rows)], className="runs-table")
 
 
+RUN_GRAPHS = ["loss", "breakdown", "mfu", "throughput", "grad-norm", "step-time"]
+BREAKDOWN_METRICS = [
+    "step_time", "data_wait", "compute", "overlapped_comm", "exposed_comm", "idle",
+    "forward", "backward", "optimizer", "other",
+]  # fmt: skip
+
+
 def run_layout(name: str, *, refresh_s: float) -> html.Div:
     graph = {"config": {"displaylogo": False}, "figure": figures.empty_figure("Loading…")}
     return html.Div(
@@ -85,12 +92,32 @@ def run_layout(name: str, *, refresh_s: float) -> html.Div:
             dcc.Store(id="run-name", data=name),
             html.Div(id="run-header", children=html.H2(name)),
             html.Div(id="run-notice"),
-            dcc.Graph(id="run-loss", **graph),
-            dcc.Graph(id="run-step-time", **graph),
-            dcc.Graph(id="run-throughput", **graph),
+            *[dcc.Graph(id=f"run-{g}", **graph) for g in RUN_GRAPHS],
             dcc.Interval(id="run-interval", interval=int(refresh_s * 1000)),
         ]
     )
+
+
+def run_figures(client: Client, name: str) -> list[Any]:
+    """The run page's figures, in RUN_GRAPHS order."""
+    window = LIVE_WINDOW_STEPS
+
+    def series(metric: str) -> Any:
+        return client.series(name, metric, last=window)
+
+    spikes = [(f.step, f.rank, flag) for f in client.flags(name) for flag in f.flags]
+    loss_spikes = [s for s in spikes if s[2] in ("loss_spike", "nonfinite_loss")]
+    grad_spikes = [s for s in spikes if s[2] != "loss_spike" and s[2] != "nonfinite_loss"]
+    return [
+        figures.band_figure(series("loss"), title="Loss", revision=name, spikes=loss_spikes),
+        figures.breakdown_figure({m: series(m) for m in BREAKDOWN_METRICS}, revision=name),
+        figures.band_figure(series("mfu"), title="MFU", revision=name),
+        figures.total_figure(series("tokens_per_s"), title="Throughput (tokens/s)", revision=name),
+        figures.band_figure(
+            series("grad_norm"), title="Grad norm", revision=name, spikes=grad_spikes
+        ),
+        figures.band_figure(series("step_time"), title="Step time", revision=name),
+    ]
 
 
 def run_header(client: Client, name: str) -> Any:
@@ -165,33 +192,21 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
     @app.callback(
         Output("run-header", "children"),
         Output("run-notice", "children"),
-        Output("run-loss", "figure"),
-        Output("run-step-time", "figure"),
-        Output("run-throughput", "figure"),
+        *[Output(f"run-{g}", "figure") for g in RUN_GRAPHS],
         Input("run-interval", "n_intervals"),
         State("run-name", "data"),
     )
     def refresh_run(_n: int | None, name: str) -> Any:
         try:
-            header = run_header(client, name)
-            loss = client.series(name, "loss", last=LIVE_WINDOW_STEPS)
-            step_time = client.series(name, "step_time", last=LIVE_WINDOW_STEPS)
-            throughput = client.series(name, "tokens_per_s", last=LIVE_WINDOW_STEPS)
+            return (run_header(client, name), None, *run_figures(client, name))
         except NotFound:
             message = f"Run {name!r} not found. It appears once its first agent reports."
             empty = figures.empty_figure("No data")
-            return html.H2(name), _notice(message, "error"), empty, empty, empty
+            return (html.H2(name), _notice(message, "error"), *[empty] * len(RUN_GRAPHS))
         except Exception as exc:
             log.exception("run page %s", name)
             empty = figures.empty_figure("Data unavailable")
             message = f"Cannot read run data: {exc.__class__.__name__}. Retrying."
-            return html.H2(name), _notice(message, "error"), empty, empty, empty
-        return (
-            header,
-            None,
-            figures.band_figure(loss, title="Loss", revision=name),
-            figures.band_figure(step_time, title="Step time", revision=name),
-            figures.total_figure(throughput, title="Throughput (tokens/s)", revision=name),
-        )
+            return (html.H2(name), _notice(message, "error"), *[empty] * len(RUN_GRAPHS))
 
     return app

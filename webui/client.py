@@ -7,7 +7,7 @@ from typing import Protocol
 from sqlalchemy import Engine
 
 from trainwarden.collector import queries
-from trainwarden.collector.schemas import RunDetail, RunSummary, Series
+from trainwarden.collector.schemas import FlaggedStep, RunDetail, RunSummary, Series
 
 
 class Client(Protocol):
@@ -16,6 +16,8 @@ class Client(Protocol):
     def get_run(self, run: str) -> RunDetail: ...
 
     def series(self, run: str, metric: str, *, last: int | None = None) -> Series: ...
+
+    def flags(self, run: str) -> list[FlaggedStep]: ...
 
 
 class LocalClient:
@@ -35,3 +37,7 @@ class LocalClient:
     def series(self, run: str, metric: str, *, last: int | None = None) -> Series:
         with self._engine.connect() as conn:
             return queries.series(conn, run=run, metric=metric, last=last)
+
+    def flags(self, run: str) -> list[FlaggedStep]:
+        with self._engine.connect() as conn:
+            return queries.flagged_steps(conn, run=run)

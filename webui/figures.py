@@ -11,7 +11,26 @@ COLORS = {
     "step_time": "#d97706",
     "data_wait": "#7c3aed",
     "tokens_per_s": "#059669",
+    "mfu": "#0891b2",
+    "grad_norm": "#db2777",
 }
+# The step-time breakdown, bottom to top. With a comm split: compute that nothing
+# overlaps, compute with communication hidden under it, exposed communication, idle,
+# and the data wait before the step. Without one: the phases.
+BREAKDOWN_COMM = [
+    ("compute_only", "compute", "#2563eb"),
+    ("overlapped_comm", "overlapped comm", "#60a5fa"),
+    ("exposed_comm", "exposed comm", "#dc2626"),
+    ("idle", "idle", "#9ca3af"),
+    ("data_wait", "data wait", "#7c3aed"),
+]
+BREAKDOWN_PHASES = [
+    ("forward", "forward", "#2563eb"),
+    ("backward", "backward", "#60a5fa"),
+    ("optimizer", "optimizer", "#059669"),
+    ("other", "other", "#9ca3af"),
+    ("data_wait", "data wait", "#7c3aed"),
+]
 _TEMPLATE = "plotly_white"
 
 
@@ -45,8 +64,17 @@ def empty_figure(message: str) -> go.Figure:
     return fig
 
 
-def band_figure(series: Series, *, title: str, revision: str) -> go.Figure:
-    """Median across ranks as a line, min..max across ranks as a shaded band."""
+def band_figure(
+    series: Series,
+    *,
+    title: str,
+    revision: str,
+    spikes: list[tuple[int, int, str]] | None = None,
+) -> go.Figure:
+    """Median across ranks as a line, min..max across ranks as a shaded band.
+
+    ``spikes``: (step, rank, flag) to mark on the max line.
+    """
     if not series.step:
         return empty_figure(f"No {title.lower()} yet: waiting for the first steps")
     color = COLORS.get(series.metric, "#374151")
@@ -86,7 +114,59 @@ def band_figure(series: Series, *, title: str, revision: str) -> go.Figure:
             "<br>%{customdata[2]} ranks<extra></extra>",
         )
     )
+    if spikes:
+        top = dict(zip(series.step, series.max, strict=True))
+        marked = [(step, rank, flag) for step, rank, flag in spikes if top.get(step) is not None]
+        if marked:
+            fig.add_trace(
+                go.Scatter(
+                    x=[m[0] for m in marked],
+                    y=[top[m[0]] for m in marked],
+                    name="spike",
+                    mode="markers",
+                    marker={"symbol": "triangle-down", "size": 11, "color": "#dc2626"},
+                    text=[f"rank {rank}: {flag}" for _, rank, flag in marked],
+                    hovertemplate="step %{x}<br>%{text}<extra></extra>",
+                )
+            )
     return _layout(fig, title=title, unit=series.unit, revision=revision)
+
+
+def breakdown_figure(parts: dict[str, Series], *, revision: str) -> go.Figure:
+    """Where the time went, per step, as a stacked area (run-level means over ranks)."""
+    values = {name: dict(zip(s.step, s.total, strict=True)) for name, s in parts.items() if s.step}
+    if "compute" in values and "overlapped_comm" in values:
+        overlapped = values["overlapped_comm"]
+        values["compute_only"] = {
+            step: max(0.0, v - (overlapped.get(step) or 0.0))
+            for step, v in values["compute"].items()
+            if v is not None
+        }
+        layers = BREAKDOWN_COMM
+    elif "forward" in values:
+        layers = BREAKDOWN_PHASES
+    else:
+        layers = [("step_time", "step time", "#d97706"), ("data_wait", "data wait", "#7c3aed")]
+    steps = sorted(values.get("step_time", {}))
+    if not steps:
+        return empty_figure("No step times yet: waiting for the first steps")
+    fig = go.Figure()
+    for key, label, color in layers:
+        series = values.get(key)
+        if not series:
+            continue
+        fig.add_trace(
+            go.Scatter(
+                x=steps,
+                y=[series.get(step) or 0.0 for step in steps],
+                name=label,
+                mode="lines",
+                stackgroup="time",
+                line={"width": 0.5, "color": color},
+                hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>",
+            )
+        )
+    return _layout(fig, title="Step time breakdown", unit="s", revision=revision)
 
 
 def total_figure(series: Series, *, title: str, revision: str) -> go.Figure:

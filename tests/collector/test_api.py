@@ -172,3 +172,70 @@ def test_healthz_metrics_and_openapi(client: TestClient) -> None:
         "/api/v1/runs/{run}/series",
     ):
         assert path in paths
+
+
+def telemetry_step(n: int, *, rank: int, flags: list[str] | None = None) -> dict:
+    return {
+        **step(n, loss=2.0 + rank, duration=1.0),
+        "grad_norm": 0.5 + rank,
+        "fwd_s": 0.2, "bwd_s": 0.5, "opt_s": 0.2, "other_s": 0.1,
+        "compute_s": 0.8 - 0.2 * rank, "exposed_comm_s": 0.2 + 0.2 * rank, "overlapped_comm_s": 0.3,
+        "comm_source": "hook",
+        "flops": 4e12, "mfu": 0.4, "peak_flops": 10e12,
+        "flops_source": "given: flops_per_step", "peak_source": "given",
+        "rss_bytes": 1 << 30,
+        **({"flags": flags} if flags else {}),
+    }  # fmt: skip
+
+
+def test_step_telemetry_round_trips_per_rank_and_rolls_up(client: TestClient) -> None:
+    for rank in (0, 1):
+        steps = [
+            telemetry_step(i, rank=rank, flags=["grad_norm_spike"] if (rank, i) == (1, 2) else None)
+            for i in range(3)
+        ]
+        ingest(client, batch(rank=rank, steps=steps))
+
+    def series(metric: str) -> dict:
+        return client.get("/api/v1/runs/r1/series", params={"metric": metric}).json()
+
+    assert series("mfu")["total"] == [pytest.approx(8e12 / 20e12)] * 3
+    assert series("exposed_comm")["max"] == [pytest.approx(0.4)] * 3
+    assert series("exposed_comm")["argmax_rank"] == [1, 1, 1]
+    assert series("compute")["total"] == [pytest.approx(0.7)] * 3
+    assert series("grad_norm")["max"] == [1.5] * 3
+    assert series("rss")["max"] == [1 << 30] * 3
+
+    # Each rank's own loss, as it reported it.
+    for rank in (0, 1):
+        own = client.get(f"/api/v1/runs/r1/ranks/{rank}/series", params={"metric": "loss"}).json()
+        assert (own["rank"], own["step"], own["value"]) == (rank, [0, 1, 2], [2.0 + rank] * 3)
+
+    flags = client.get("/api/v1/runs/r1/flags").json()
+    assert flags == [
+        {"step": 2, "rank": 1, "flags": ["grad_norm_spike"], "loss": 3.0, "grad_norm": 1.5}
+    ]
+
+
+def test_non_finite_grad_norm_is_kept_as_an_issue(client: TestClient) -> None:
+    ingest(client, batch(steps=[{**step(0), "grad_norm": "inf", "flags": ["nonfinite_grad_norm"]}]))
+    assert client.get("/api/v1/runs/r1/flags").json()[0]["grad_norm"] is None
+    stats = client.get("/api/v1/runs/r1/series", params={"metric": "grad_norm"}).json()
+    assert stats["n"] == [0] and stats["max"] == [None]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("exposed_comm_s", -0.1, "steps[0].exposed_comm_s"),
+        ("mfu", "inf", "steps[0].mfu"),
+        ("comm_source", "guess", "steps[0].comm_source"),
+        ("flags", ["x"] * 17, "steps[0].flags"),
+    ],
+)
+def test_bad_telemetry_fields_are_named(
+    client: TestClient, field: str, value, message: str
+) -> None:
+    response = client.post("/api/v1/ingest", json=batch(steps=[{**step(0), field: value}]))
+    assert response.status_code == 422
+    assert message in response.json()["error"]
