@@ -204,6 +204,7 @@ class Agent:
             "batches_sent": 0,
             "batches_failed": 0,
             "dropped_send_failed": 0,
+            "exporter_cpu_ns": 0,
         }
         self._exporter: Exporter | None = None
         if transport is None and config.url is not None:

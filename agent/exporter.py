@@ -20,6 +20,10 @@ log = logging.getLogger(__name__)
 INGEST_PATH = "/api/v1/ingest"
 # A record whose device copy has not completed after this long is sent without it.
 _MAX_PENDING_S = 10.0
+# The exporter is Python and holds the GIL while it encodes; it lets go every few
+# records so that a training thread waiting for the GIL gets it within microseconds
+# instead of after CPython's 5 ms switch interval.
+_YIELD_EVERY = 8
 
 
 class Transport(Protocol):
@@ -42,13 +46,25 @@ class HttpTransport:
         self._client = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
 
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = self._client.post(path, json=body)
+        response = self._client.post(
+            path, content=_dumps(body), headers={"Content-Type": "application/json"}
+        )
         if response.status_code >= 400:
             raise CollectorError(response.status_code, response.text[:500])
         return response.json() if response.content else {}
 
     def close(self) -> None:
         self._client.close()
+
+
+def _dumps(body: dict[str, Any]) -> bytes:
+    try:
+        import orjson  # several times faster than json: less GIL time taken from the trainer
+    except ImportError:
+        import json
+
+        return json.dumps(body, allow_nan=False).encode()
+    return orjson.dumps(body)
 
 
 class CollectorError(RuntimeError):
@@ -109,11 +125,13 @@ class Exporter:
             self._wake.wait(self._interval_s)
             self._wake.clear()
             stopping = self._stopping.is_set()
+            cpu = time.thread_time_ns()
             try:
                 while self._export_once(final=stopping):
                     pass
             except Exception:  # never let the thread die: the trainer must not notice
                 log.exception("trainwarden: exporter error (records dropped)")
+            self._stats["exporter_cpu_ns"] += time.thread_time_ns() - cpu
             if stopping:
                 return
 
@@ -124,7 +142,9 @@ class Exporter:
         while self._queue and len(self._held) < self._batch_size:
             self._held.append(self._queue.popleft())  # deque.popleft is atomic
         keep: list[Any] = []
-        for record in self._held:
+        for i, record in enumerate(self._held):
+            if i % _YIELD_EVERY == _YIELD_EVERY - 1:
+                time.sleep(0)  # release the GIL: see _YIELD_EVERY
             if len(steps) + len(events) >= self._batch_size or keep:
                 keep.append(record)  # preserve order behind a record still in flight
                 continue
@@ -146,6 +166,7 @@ class Exporter:
         if not steps and not events:
             return False
         body = {"run": self._run, "agent": self._header(), "steps": steps, "events": events}
+        time.sleep(0)  # serializing a large body is GIL time too
         try:
             self._transport.send(INGEST_PATH, body)
         except Exception as exc:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,6 +52,15 @@ class StepEncoder:
         self.spikes = spikes
         self.flop_model = flop_model
         self.peak = peak
+        self._rss_at = 0.0
+        self._rss_value = 0
+
+    def _rss(self) -> int:
+        # Peak RSS changes slowly: one system call per second is plenty.
+        now = time.monotonic()
+        if now - self._rss_at > 1.0:
+            self._rss_value, self._rss_at = _rss_bytes(), now
+        return self._rss_value
 
     def __call__(self, record: Any, *, force: bool) -> dict[str, Any] | None:
         """The JSON body of ``record``; ``None`` while a device value is in flight (unless ``force``)."""
@@ -111,7 +121,7 @@ class StepEncoder:
         if record.memory is not None:
             out["mem_allocated_bytes"], out["mem_reserved_bytes"] = record.memory
         else:
-            out["rss_bytes"] = _rss_bytes()
+            out["rss_bytes"] = self._rss()
 
         flags = self.spikes.observe(
             loss=loss if isinstance(loss, float) and not record.error else None,
