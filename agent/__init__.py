@@ -53,6 +53,8 @@ def init(
     flops_per_step: float | None = None,
     flops_per_token: float | None = None,
     dtype: Any = None,
+    profile_every: int | None = None,
+    profile_dir: str | None = None,
     transport: Transport | None = None,
 ) -> Agent:
     """Start the agent for this process.
@@ -66,6 +68,10 @@ def init(
     dense transformer), or call :func:`watch`, which counts one step's FLOPs with
     ``FlopCounterMode``. The peak comes from ``peak_flops``, else the table entry for
     this GPU and ``dtype`` (default bf16), else, on a CPU, a short matmul measurement.
+
+    ``profile_every``: one step in N runs under ``torch.profiler`` (the first at step
+    20) to split its time into compute, exposed / overlapped communication and idle;
+    0 turns it off. ``profile_dir`` keeps those traces (default: discarded).
     Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
     shuts the previous agent down first.
     """
@@ -84,6 +90,8 @@ def init(
         flops_per_step=flops_per_step,
         flops_per_token=flops_per_token,
         dtype=dtype,
+        profile_every=profile_every,
+        profile_dir=profile_dir,
     )
     if _core._agent is not None:
         _core._agent.shutdown()

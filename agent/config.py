@@ -90,6 +90,10 @@ class AgentConfig:
     """Model FLOPs per token (e.g. 6N for a dense transformer of N parameters)."""
     dtype: str = "bf16"
     """Compute dtype that selects the peak: bf16, fp16, fp8, tf32 or fp32."""
+    profile_every: int = 1000
+    """Profile one step in this many with torch.profiler (0: never); the first at step 20."""
+    profile_dir: str | None = None
+    """Keep the sampled profiler's chrome traces here (default: analyse and discard)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -110,6 +114,8 @@ class AgentConfig:
         flops_per_step: float | None = None,
         flops_per_token: float | None = None,
         dtype: Any = None,
+        profile_every: int | None = None,
+        profile_dir: str | None = None,
     ) -> AgentConfig:
         run = _pick(run, "TRAINWARDEN_RUN")
         if run is None:
@@ -170,6 +176,12 @@ class AgentConfig:
                 flops_per_token, "flops_per_token (TRAINWARDEN_FLOPS_PER_TOKEN)", minimum=0.0
             ),
             dtype=dtype_v,
+            profile_every=_as_int(
+                _pick(profile_every, "TRAINWARDEN_PROFILE_EVERY", cls.profile_every),
+                "profile_every (TRAINWARDEN_PROFILE_EVERY)",
+                minimum=0,
+            ),
+            profile_dir=_pick(profile_dir, "TRAINWARDEN_PROFILE_DIR"),
             run=run,
             url=url,
             token=_pick(token, "TRAINWARDEN_TOKEN"),

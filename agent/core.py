@@ -19,6 +19,7 @@ from typing import Any
 from .config import AgentConfig
 from .exporter import Exporter, HttpTransport, Transport
 from .mfu import Peak, resolve_peak
+from .profiler import SampledProfiler
 from .report import FlopModel, StepEncoder
 from .spikes import SpikeDetector
 from .values import Captured, capture, resolve_now
@@ -42,9 +43,9 @@ class StepRecord:
         "grad_norm",
         "phases",
         "comm",
-        "split",
         "flops",
         "memory",
+        "profile",
         "error",
         "note",
         "queued_at",
@@ -62,9 +63,9 @@ class StepRecord:
         self.grad_norm: float | Captured | None = None
         self.phases: list[tuple[str, int]] = []  # (phase, perf_counter_ns) marks
         self.comm: list[tuple[int, int]] = []  # (bucket ready, collective done) from the DDP hook
-        self.split: dict[str, int] | None = None  # from a sampled profiler window
         self.flops: float | None = None  # counted on this step (FlopCounterMode)
         self.memory: tuple[int, int] | None = None  # CUDA (max allocated, reserved)
+        self.profile: Any = None  # a sampled profiler window's results, analysed off-thread
         self.error: str | None = None
         self.note: str | None = None
         self.queued_at = 0.0
@@ -82,7 +83,7 @@ class EventRecord:
 class Step:
     """One training step. Use as ``with tw.step(i, tokens=n) as s: ... s.loss(loss)``."""
 
-    __slots__ = ("_agent", "_record", "_counter")
+    __slots__ = ("_agent", "_record", "_counter", "_profiling")
 
     def __init__(self, agent: Agent, step: int, tokens: Any) -> None:
         self._agent = agent
@@ -93,12 +94,16 @@ class Step:
                 tokens = None
         self._record = StepRecord(int(step), tokens)
         self._counter: Any = None
+        self._profiling: Any = None
 
     def __enter__(self) -> Step:
         agent = self._agent
         record = self._record
         if agent._count_flops_next:
             self._counter = agent._start_flop_count()
+        agent._steps_run += 1
+        if agent._profiler.due(agent._steps_run):
+            self._profiling = agent._profiler.start()
         t0 = time.perf_counter_ns()
         record.wall_start_ns = time.time_ns()
         last_end = agent._last_step_end_ns
@@ -116,6 +121,9 @@ class Step:
         record.duration_ns = t1 - record.start_ns
         if exc_type is not None:
             record.error = exc_type.__name__
+        if self._profiling is not None:
+            record.profile = agent._profiler.stop(self._profiling, record.step)
+            record.note = "profiled step (slower): no MFU"
         if self._counter is not None:
             agent._finish_flop_count(self._counter, record)
         if agent._cuda_memory is not None:
@@ -173,6 +181,8 @@ class Agent:
         self._last_step: int | None = None
         self._current: StepRecord | None = None  # the step in progress; hooks write into it
         self._count_flops_next = False
+        self._steps_run = 0
+        self._profiler = SampledProfiler(every=config.profile_every, profile_dir=config.profile_dir)
         self._cuda_memory: Any = None
         self.spikes = SpikeDetector()  # exporter thread: flags on every step
         self.skip_spikes = SpikeDetector()  # training thread: s.should_skip_step()

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .mfu import Peak, mfu
+from .profiler import split_from_profile
 from .spikes import SpikeDetector
 from .timing import phase_durations, split_from_hook
 from .values import NOT_READY, issue_of, json_number, resolve
@@ -97,7 +98,10 @@ class StepEncoder:
             for name, ns in phase_durations(record.phases, start, end).items():
                 if name in _PHASE_KEYS:
                     out[_PHASE_KEYS[name]] = ns / 1e9
-        split, source = record.split, "profiler"
+        split, source = None, "profiler"
+        if record.profile is not None:
+            split = split_from_profile(record.profile)
+            record.profile = None  # the trace is not kept
         if split is None:
             split, source = split_from_hook(record.comm, start, end), "hook"
         if split is not None:

@@ -66,7 +66,7 @@ def test_mfu_with_given_flops_and_peak_matches_the_hand_formula() -> None:
     transport = RecordingTransport()
     peak, batch = 50e9, 2048  # a step of some milliseconds, as real steps are
     flops = hand_flops(batch)
-    tw.init(run="mfu", transport=transport, flops_per_step=flops, peak_flops=peak)
+    tw.init(run="mfu", transport=transport, flops_per_step=flops, peak_flops=peak, profile_every=0)
     model = mlp()
     wall = train(model, torch.optim.SGD(model.parameters(), lr=1e-3), range(20), batch=batch)
     tw.shutdown()
@@ -160,3 +160,39 @@ def test_wrong_mfu_arguments_raise_with_the_fix() -> None:
         tw.init(run="x", dtype="int4")
     with pytest.raises(tw.ConfigError, match="peak_flops"):
         tw.init(run="x", peak_flops=-1)
+
+
+def test_sampled_profiler_windows_follow_the_cadence_and_keep_no_trace(tmp_path) -> None:
+    from trainwarden.agent.profiler import SampledProfiler
+
+    every = SampledProfiler(every=10)
+    assert [n for n in range(1, 45) if every.due(n)] == [10, 20, 30, 40]
+    assert not any(SampledProfiler(every=0).due(n) for n in range(1, 100))
+
+    transport = RecordingTransport()
+    tw.init(run="prof", transport=transport, profile_every=7, profile_dir=str(tmp_path / "traces"))
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tw.watch(model, opt, count_flops=False)
+    train(model, opt, range(21))
+    tw.shutdown()
+    profiled = [s["step"] for s in transport.steps() if s.get("comm_source") == "profiler"]
+    assert profiled == [6, 13, 19, 20]  # the 7th, 14th, 21st step run, and the 20th (first window)
+    for s in transport.steps():
+        if s["step"] in profiled:
+            # No collectives in a single process: all compute or idle.
+            assert s["exposed_comm_s"] == 0 and s["overlapped_comm_s"] == 0
+            assert s["compute_s"] > 0 and s["compute_s"] + s["idle_s"] == pytest.approx(
+                s["duration_s"], abs=1e-3
+            )
+    assert len(list((tmp_path / "traces").glob("*.json"))) == 4
+
+
+def test_step_numbers_going_backwards_are_recorded_as_they_are() -> None:
+    transport = RecordingTransport()
+    tw.init(run="back", transport=transport)
+    for i in [10, 11, 12, 5, 6]:  # resumed from an earlier checkpoint
+        with tw.step(i) as s:
+            s.loss(1.0)
+    tw.shutdown()
+    assert [s["step"] for s in transport.steps()] == [10, 11, 12, 5, 6]

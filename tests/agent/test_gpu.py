@@ -1,0 +1,80 @@
+"""The agent on a real CUDA device. The only tests that may skip: when no GPU is present.
+
+Run on a machine with a GPU: ``./scripts/test.sh tests/agent/test_gpu.py -s``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import trainwarden.agent as tw
+
+from .test_agent import RecordingTransport
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+]
+
+
+def test_instrumented_steps_never_sync_the_device_and_report_mfu() -> None:
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(4)]).to(device, torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, foreach=True)
+    x = torch.randn(8192, 4096, device=device, dtype=torch.bfloat16)
+    flops = 3 * 2 * 8192 * 4096 * 4096 * 4  # forward + backward of 4 linears
+    transport = RecordingTransport()
+    # No profiler window here: stopping torch.profiler flushes the device (documented).
+    tw.init(run="gpu", transport=transport, flops_per_step=flops, dtype="bf16", profile_every=0)
+    tw.watch(model, opt, grad_norm=True, count_flops=False)
+    for i in range(3):  # warm-up outside the sync check (cuBLAS handles, allocator)
+        with tw.step(i) as s:
+            loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            s.loss(loss)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any host-device sync below raises
+    try:
+        for i in range(3, 30):
+            with tw.step(i, tokens=8192) as s:
+                loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                s.loss(loss)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    tw.shutdown()
+    steps = transport.steps()
+    assert len(steps) == 30
+    name = torch.cuda.get_device_name()
+    print(f"\n{name}: peak {steps[-1].get('peak_source')}")
+    for s in steps[5:]:
+        assert s["loss"] is not None and s["grad_norm"] is not None
+        assert s["mem_allocated_bytes"] > 0
+        if "mfu" in s:
+            print(f"step {s['step']}: {s['duration_s'] * 1000:.2f} ms, MFU {s['mfu']:.3f}")
+            assert 0 < s["mfu"] < 1
+
+
+def test_sampled_profiler_reads_the_kernel_timeline() -> None:
+    model = nn.Linear(4096, 4096).cuda()
+    x = torch.randn(4096, 4096, device="cuda")
+    transport = RecordingTransport()
+    tw.init(run="gpu-prof", transport=transport, profile_every=5)
+    for i in range(10):
+        with tw.step(i) as s:
+            loss = model(x).square().mean()
+            loss.backward()
+            s.loss(loss)
+    tw.shutdown()
+    profiled = [s for s in transport.steps() if s.get("comm_source") == "profiler"]
+    assert [s["step"] for s in profiled] == [4, 9]
+    for s in profiled:
+        assert s["compute_s"] > 0 and s["exposed_comm_s"] == 0  # kernels, no NCCL
