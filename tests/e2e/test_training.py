@@ -49,6 +49,25 @@ def test_both_ranks_steps_arrive(live_server: Server) -> None:
     # ...and the model learns: the loss falls from about ln(64) = 4.16.
     assert loss["median"][0] > 3.9 and loss["median"][-1] < loss["median"][0] - 0.4
 
+    # The API returns each rank's own loss; they differ because their data does.
+    own = [
+        live_server.get(f"/api/v1/runs/e2e/ranks/{r}/series", metric="loss").json()["value"]
+        for r in (0, 1)
+    ]
+    assert all(a != b for a, b in zip(*own, strict=True))
+    # tw.watch in the trainer: phases, the DDP comm split, MFU on a measured CPU peak.
+    for metric in (
+        "exposed_comm",
+        "overlapped_comm",
+        "compute",
+        "forward",
+        "backward",
+        "mfu",
+        "grad_norm",
+    ):
+        values = live_server.get("/api/v1/runs/e2e/series", metric=metric).json()
+        assert values["n"] and all(n == 2 for n in values["n"]), metric
+
     step_time = live_server.get("/api/v1/runs/e2e/series", metric="step_time").json()
     assert all(0 < v < 5 for v in step_time["max"])
     tokens = live_server.get("/api/v1/runs/e2e/series", metric="tokens").json()
