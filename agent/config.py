@@ -82,6 +82,8 @@ class AgentConfig:
     """Records per HTTP request at most."""
     request_timeout_s: float = 5.0
     """Timeout of one HTTP request to the collector."""
+    heartbeat_s: float = 2.0
+    """The exporter sends at least this often, even when the training thread is stuck."""
     peak_flops: float | None = None
     """Peak FLOP/s of one device; default: the table entry for this GPU and ``dtype``."""
     flops_per_step: float | None = None
@@ -110,6 +112,7 @@ class AgentConfig:
         flush_interval_s: float | None = None,
         batch_size: int | None = None,
         request_timeout_s: float | None = None,
+        heartbeat_s: float | None = None,
         peak_flops: float | None = None,
         flops_per_step: float | None = None,
         flops_per_token: float | None = None,
@@ -204,6 +207,11 @@ class AgentConfig:
                 _pick(batch_size, "TRAINWARDEN_BATCH_SIZE", cls.batch_size),
                 "batch_size (TRAINWARDEN_BATCH_SIZE)",
                 minimum=1,
+            ),
+            heartbeat_s=_as_float(
+                _pick(heartbeat_s, "TRAINWARDEN_HEARTBEAT", cls.heartbeat_s),
+                "heartbeat_s (TRAINWARDEN_HEARTBEAT)",
+                minimum=0.0,
             ),
             request_timeout_s=_as_float(
                 _pick(request_timeout_s, "TRAINWARDEN_REQUEST_TIMEOUT", cls.request_timeout_s),

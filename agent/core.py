@@ -131,6 +131,7 @@ class Step:
         record.queued_at = time.monotonic()
         agent._last_step_end_ns = t1
         agent._last_step = record.step
+        agent._last_step_wall = (record.wall_start_ns + record.duration_ns) / 1e9
         agent._enqueue(record)
 
     def loss(self, value: Any) -> None:
@@ -179,6 +180,7 @@ class Agent:
         self.started_at = time.time()
         self._last_step_end_ns: int | None = None
         self._last_step: int | None = None
+        self._last_step_wall: float | None = None
         self._current: StepRecord | None = None  # the step in progress; hooks write into it
         self._count_flops_next = False
         self._steps_run = 0
@@ -215,6 +217,7 @@ class Agent:
             "batches_failed": 0,
             "dropped_send_failed": 0,
             "exporter_cpu_ns": 0,
+            "heartbeats": 0,
         }
         self._exporter: Exporter | None = None
         if transport is None and config.url is not None:
@@ -230,6 +233,7 @@ class Agent:
                 run=config.run,
                 batch_size=config.batch_size,
                 interval_s=config.flush_interval_s,
+                heartbeat_s=config.heartbeat_s,
                 stats=self.stats,
             )
         else:
@@ -254,7 +258,21 @@ class Agent:
             "started_at": self.started_at,
             "version": AGENT_VERSION,
             "sent_at": time.time(),
+            # Heartbeat: what the training thread is doing right now, so the collector
+            # can tell a hung rank (beats, no progress) from a dead one (no beats).
+            "heartbeat_s": c.heartbeat_s,
+            "last_step": self._last_step,
+            "last_step_end": self._last_step_wall,
+            "in_step": self._current is not None,
+            "phase": self._phase_now(),
         }
+
+    def _phase_now(self) -> str | None:
+        record = self._current
+        if record is None:
+            return None
+        phases = record.phases
+        return phases[-1][0] if phases else "step"
 
     def _enqueue(self, record: Any) -> None:
         self.stats["recorded"] += 1

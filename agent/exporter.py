@@ -86,6 +86,7 @@ class Exporter:
         run: str,
         batch_size: int,
         interval_s: float,
+        heartbeat_s: float,
         stats: dict[str, int],
     ) -> None:
         self._queue = queue
@@ -94,7 +95,9 @@ class Exporter:
         self._transport = transport
         self._run = run
         self._batch_size = batch_size
-        self._interval_s = interval_s
+        self._interval_s = min(interval_s, heartbeat_s)
+        self._heartbeat_s = heartbeat_s
+        self._last_sent = 0.0
         self._stats = stats
         self._wake = threading.Event()
         self._stopping = threading.Event()
@@ -129,6 +132,8 @@ class Exporter:
             try:
                 while self._export_once(final=stopping):
                     pass
+                if time.monotonic() - self._last_sent >= self._heartbeat_s:
+                    self._send([], [])  # nothing to send: a heartbeat alone
             except Exception:  # never let the thread die: the trainer must not notice
                 log.exception("trainwarden: exporter error (records dropped)")
             self._stats["exporter_cpu_ns"] += time.thread_time_ns() - cpu
@@ -165,8 +170,14 @@ class Exporter:
         steps, events = self._take_batch(final=final)
         if not steps and not events:
             return False
+        if not self._send(steps, events):
+            return False  # wait for the next tick instead of spinning on a dead collector
+        return bool(self._queue) or (bool(self._held) and final)
+
+    def _send(self, steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
         body = {"run": self._run, "agent": self._header(), "steps": steps, "events": events}
         time.sleep(0)  # serializing a large body is GIL time too
+        self._last_sent = time.monotonic()
         try:
             self._transport.send(INGEST_PATH, body)
         except Exception as exc:
@@ -178,10 +189,12 @@ class Exporter:
                     exc,
                 )
                 self._failing = True
-            return False  # wait for the next tick instead of spinning on a dead collector
+            return False
         if self._failing:
             log.warning("trainwarden: collector reachable again")
             self._failing = False
         self._stats["sent"] += len(steps) + len(events)
         self._stats["batches_sent"] += 1
-        return bool(self._queue) or (bool(self._held) and final)
+        if not steps and not events:
+            self._stats["heartbeats"] += 1
+        return True

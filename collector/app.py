@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
 from .api import router
+from .health import HealthLoop, HealthSettings
 from .prom import CollectorMetrics
 from .queries import NotFound, UnknownMetric
 from .settings import Settings
+
+DEFAULT_HEALTH = HealthSettings()
 
 
 def _location(loc: tuple[object, ...] | list[object]) -> str:
@@ -21,10 +27,30 @@ def _location(loc: tuple[object, ...] | list[object]) -> str:
     return out or "body"
 
 
-def create_app(engine: Engine, settings: Settings | None = None, *, ui: bool = True) -> FastAPI:
-    """Build the app on an engine whose schema is already at head (see ``db.upgrade``)."""
+def create_app(
+    engine: Engine,
+    settings: Settings | None = None,
+    *,
+    ui: bool = True,
+    health: HealthSettings | None = DEFAULT_HEALTH,
+) -> FastAPI:
+    """Build the app on an engine whose schema is already at head (see ``db.upgrade``).
+
+    ``health``: settings of the rank-health evaluator thread; ``None`` runs none.
+    """
     settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        loop = HealthLoop(engine, health) if health is not None else None
+        if loop is not None:
+            loop.start()
+        yield
+        if loop is not None:
+            loop.stop()
+
     app = FastAPI(
+        lifespan=lifespan,
         title="trainwarden collector",
         version="0.1.0",
         description="Stores what trainwarden agents send and serves it to the UI and to tools.",

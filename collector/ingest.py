@@ -75,6 +75,8 @@ def _track_rank(conn: Connection, *, run_id: int, batch: IngestBatch, now: float
             },
         )
     last_step = max((s.step for s in batch.steps), default=None)
+    if agent.last_step is not None:
+        last_step = max(agent.last_step, last_step) if last_step is not None else agent.last_step
     row = {
         "run_id": run_id,
         "rank": agent.rank,
@@ -84,24 +86,52 @@ def _track_rank(conn: Connection, *, run_id: int, batch: IngestBatch, now: float
         "pid": agent.pid,
         "session": agent.session,
         "first_seen": now,
-        "last_seen": now,
+        "last_seen": now,  # every batch is a heartbeat
         "last_step": last_step,
-        "state": "running",
+        "state": "healthy",
+        "state_since": now,
+        "heartbeat_s": agent.heartbeat_s,
+        "progress_at": agent.last_step_end,  # none before the first step: no hung verdict yet
+        "in_step": None if agent.in_step is None else int(agent.in_step),
+        "phase": agent.phase,
+        "clock_skew_s": None if agent.sent_at is None else now - agent.sent_at,
     }
     if previous is None:
         conn.execute(_insert(conn, m.ranks), row)
         return
-    changes: dict[str, Any] = {
-        k: row[k] for k in ("local_rank", "host", "node", "pid", "session", "last_seen")
-    }
-    if previous != agent.session:
-        changes["state"] = "running"
+    keep = ("local_rank", "host", "node", "pid", "session", "last_seen", "heartbeat_s", "in_step", "phase",
+            "clock_skew_s")  # fmt: skip
+    changes: dict[str, Any] = {k: row[k] for k in keep}
+    if previous != agent.session:  # a new process: healthy until the evaluator says otherwise
+        changes.update(state="healthy", state_since=now, state_detail=None)
     if last_step is not None:
         changes["last_step"] = last_step
+    if row["progress_at"] is not None:
+        changes["progress_at"] = row["progress_at"]
     conn.execute(
         update(m.ranks)
         .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == agent.rank)
         .values(changes)
+    )
+
+
+def _store_gpu(conn: Connection, *, run_id: int, batch: IngestBatch, now: float) -> None:
+    if not batch.gpu:
+        return
+    rows = [
+        {**g.model_dump(), "run_id": run_id, "rank": batch.agent.rank, "recv_ts": now,
+         "remap_pending": None if g.remap_pending is None else int(g.remap_pending),
+         "simulated": int(g.simulated)}
+        for g in batch.gpu
+    ]  # fmt: skip
+    conn.execute(_insert(conn, m.gpu_samples).on_conflict_do_nothing(), rows)
+    latest = max(batch.gpu, key=lambda g: g.ts)
+    conn.execute(
+        update(m.ranks)
+        .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == batch.agent.rank)
+        .values(
+            gpu={"uuid": latest.gpu_uuid, "name": latest.gpu_name, "simulated": latest.simulated}
+        )
     )
 
 
@@ -184,6 +214,7 @@ def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) ->
                 .values(state="finished")
             )
 
+    _store_gpu(conn, run_id=run_id, batch=batch, now=now)
     _update_run(conn, run_id=run_id, batch=batch, now=now)
     return IngestResult(accepted_steps=len(rows), accepted_events=accepted_events)
 

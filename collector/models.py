@@ -57,6 +57,15 @@ ranks = Table(
     Column("last_seen", Float, nullable=False),
     Column("last_step", BigInteger),
     Column("state", String(16), nullable=False, server_default="running"),
+    # Health (migration 0003): heartbeats, progress and the state the evaluator derives.
+    Column("heartbeat_s", Float),
+    Column("progress_at", Float),
+    Column("in_step", Integer),
+    Column("phase", String(32)),
+    Column("state_since", Float),
+    Column("state_detail", JSON(none_as_null=True)),
+    Column("clock_skew_s", Float),
+    Column("gpu", JSON(none_as_null=True)),
 )
 
 rank_steps = Table(
@@ -133,4 +142,36 @@ events = Table(
     Column("severity", String(16), nullable=False),
     Column("data", JSON),
     Index("ix_events_run_id_ts", "run_id", "ts"),
+)
+
+
+gpu_samples = Table(
+    "gpu_samples",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("ts", Float, primary_key=True),
+    Column("recv_ts", Float, nullable=False),
+    Column("gpu_uuid", String(64)),
+    Column("gpu_name", String(128)),
+    Column("temp_c", Float),
+    Column("mem_temp_c", Float),
+    Column("power_w", Float),
+    Column("power_limit_w", Float),
+    Column("sm_clock_mhz", Float),
+    Column("sm_clock_max_mhz", Float),
+    Column("throttle", JSON(none_as_null=True)),
+    Column("util_gpu", Float),
+    Column("util_mem", Float),
+    Column("mem_used_bytes", BigInteger),
+    Column("mem_total_bytes", BigInteger),
+    Column("ecc_corrected", BigInteger),
+    Column("ecc_uncorrected", BigInteger),
+    Column("retired_pages", BigInteger),
+    Column("remapped_rows_correctable", BigInteger),
+    Column("remapped_rows_uncorrectable", BigInteger),
+    Column("remap_pending", Integer),
+    Column("pcie_replay", BigInteger),
+    Column("recovery_action", String(32)),
+    Column("simulated", Integer, nullable=False, server_default="0"),
 )

@@ -28,6 +28,11 @@ class AgentInfo(BaseModel):
     started_at: float | None = None
     version: str | None = Field(default=None, max_length=32)
     sent_at: float | None = None
+    heartbeat_s: float | None = Field(default=None, gt=0, le=3600)
+    last_step: int | None = Field(default=None, ge=0)
+    last_step_end: float | None = Field(default=None, description="Wall time the last step ended")
+    in_step: bool | None = None
+    phase: str | None = Field(default=None, max_length=32)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> AgentInfo:
@@ -113,6 +118,34 @@ class EventIn(BaseModel):
     data: dict[str, Any] = Field(default_factory=dict)
 
 
+class GpuSampleIn(BaseModel):
+    """One NVML reading of this rank's GPU. Fields a GPU or driver lacks are left out."""
+
+    ts: float
+    gpu_uuid: str | None = Field(default=None, max_length=64)
+    gpu_name: str | None = Field(default=None, max_length=128)
+    temp_c: float | None = None
+    mem_temp_c: float | None = None
+    power_w: float | None = Field(default=None, ge=0)
+    power_limit_w: float | None = Field(default=None, ge=0)
+    sm_clock_mhz: float | None = Field(default=None, ge=0)
+    sm_clock_max_mhz: float | None = Field(default=None, ge=0)
+    throttle: list[str] | None = Field(default=None, max_length=16)
+    util_gpu: float | None = Field(default=None, ge=0, le=100)
+    util_mem: float | None = Field(default=None, ge=0, le=100)
+    mem_used_bytes: int | None = Field(default=None, ge=0)
+    mem_total_bytes: int | None = Field(default=None, ge=0)
+    ecc_corrected: int | None = Field(default=None, ge=0)
+    ecc_uncorrected: int | None = Field(default=None, ge=0)
+    retired_pages: int | None = Field(default=None, ge=0)
+    remapped_rows_correctable: int | None = Field(default=None, ge=0)
+    remapped_rows_uncorrectable: int | None = Field(default=None, ge=0)
+    remap_pending: bool | None = None
+    pcie_replay: int | None = Field(default=None, ge=0)
+    recovery_action: str | None = Field(default=None, max_length=32)
+    simulated: bool = False
+
+
 class IngestBatch(BaseModel):
     """``POST /api/v1/ingest``: one agent's batch of step records and events."""
 
@@ -120,6 +153,7 @@ class IngestBatch(BaseModel):
     agent: AgentInfo
     steps: list[StepIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
     events: list[EventIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
+    gpu: list[GpuSampleIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
 
 
 class IngestResult(BaseModel):
@@ -144,6 +178,14 @@ class RunSummary(BaseModel):
 
 class RankInfo(BaseModel):
     rank: int
+    heartbeat_s: float | None = None
+    progress_at: float | None = None
+    in_step: bool | None = None
+    phase: str | None = None
+    state_since: float | None = None
+    state_detail: dict[str, Any] | None = None
+    clock_skew_s: float | None = None
+    gpu: dict[str, Any] | None = None
     local_rank: int | None
     host: str | None
     node: str | None

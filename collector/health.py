@@ -1,0 +1,285 @@
+"""Rank health: which ranks are healthy, slow, hung or dead, and who is to blame.
+
+``evaluate`` runs about once a second (a thread in ``serve``), reads each live run's
+ranks and recent steps, and writes state changes (with an event each) back. Rules:
+
+- **dead**: no heartbeat for ``dead_after_beats`` x the rank's heartbeat interval;
+- **hung**: heartbeats arrive but no step has completed for ``max(hung_min_s,
+  hung_steps x the run's median step time)``. When several ranks stall together the
+  culprits are the ranks furthest behind (lowest last step, then earliest phase), or
+  the dead ranks; the others are *victims* blocked in a collective, and say so;
+- **slow** (straggler): the rank's compute time exceeds ``straggler_ratio`` x the
+  median of its peers' on each of the last ``straggler_window`` complete steps. A rank
+  whose exposed communication is long while its compute is normal is a victim of the
+  straggler, not a culprit: its detail says which rank it waits on;
+- **loss divergence** (not a state: an event and a detail): the rank's loss leaves its
+  peers' band, robust z-score over the ranks of the same step, on
+  ``divergence_window`` consecutive steps; needs at least 3 ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import threading
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, Engine, select, text, update
+
+from . import models as m
+from .db import is_sqlite, write
+from .ingest import _insert
+
+log = logging.getLogger(__name__)
+
+PHASE_ORDER = {None: 0, "step": 0, "forward": 1, "backward": 2, "optimizer": 3, "other": 4}
+ADVISORY_LOCK_KEY = 0x7477_6865_616C  # "twheal": one evaluator across collectors
+LIVE = ("healthy", "slow", "hung", "dead", "running")
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    dead_after_beats: float = 2.5
+    hung_min_s: float = 5.0
+    hung_steps: float = 5.0
+    straggler_ratio: float = 1.2
+    straggler_window: int = 5
+    divergence_z: float = 6.0
+    divergence_window: int = 5
+    interval_s: float = 1.0
+
+
+def _median_step_time(conn: Connection, run_id: int) -> float | None:
+    s = m.step_stats.c
+    rows = conn.execute(
+        select(s.median)
+        .where(s.run_id == run_id, s.metric == "step_time")
+        .order_by(s.step.desc())
+        .limit(20)
+    ).scalars()
+    values = [v for v in rows if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _recent_steps(
+    conn: Connection, run_id: int, world: int, count: int
+) -> dict[int, dict[int, Any]]:
+    """The newest ``count`` steps that every rank has reported: {step: {rank: row}}."""
+    r = m.rank_steps.c
+    newest = conn.execute(
+        select(r.step).where(r.run_id == run_id).order_by(r.step.desc()).limit(1)
+    ).scalar_one_or_none()
+    if newest is None:
+        return {}
+    rows = conn.execute(
+        select(r.step, r.rank, r.duration_s, r.compute_s, r.exposed_comm_s, r.loss).where(
+            r.run_id == run_id, r.step > newest - 3 * count - 5
+        )
+    ).mappings()
+    by_step: dict[int, dict[int, Any]] = defaultdict(dict)
+    for row in rows:
+        by_step[row["step"]][row["rank"]] = row
+    complete = sorted(step for step, ranks in by_step.items() if len(ranks) >= world)
+    return {step: by_step[step] for step in complete[-count:]}
+
+
+def _compute(row: Any) -> float:
+    return row["compute_s"] if row["compute_s"] is not None else row["duration_s"]
+
+
+def stragglers(steps: dict[int, dict[int, Any]], *, ratio: float, window: int) -> dict[int, float]:
+    """Ranks slower than ``ratio`` x their peers' median compute on each of the last
+    ``window`` steps: {rank: median ratio}."""
+    if len(steps) < window:
+        return {}
+    last = [steps[s] for s in sorted(steps)[-window:]]
+    ratios: dict[int, list[float]] = defaultdict(list)
+    for ranks in last:
+        for rank, row in ranks.items():
+            peers = [_compute(other) for r, other in ranks.items() if r != rank]
+            if not peers:
+                continue
+            base = statistics.median(peers)
+            ratios[rank].append(_compute(row) / base if base > 0 else 1.0)
+    return {
+        rank: statistics.median(values)
+        for rank, values in ratios.items()
+        if len(values) == window and all(v > ratio for v in values)
+    }
+
+
+def diverging(
+    steps: dict[int, dict[int, Any]], *, z: float, window: int
+) -> dict[int, tuple[float, int]]:
+    """Ranks whose loss is a robust outlier among peers on each of the last ``window``
+    steps: {rank: (median z, first step of the streak)}."""
+    ordered = sorted(steps)[-window:]
+    if len(ordered) < window:
+        return {}
+    scores: dict[int, list[float]] = defaultdict(list)
+    for step in ordered:
+        losses = {r: row["loss"] for r, row in steps[step].items() if row["loss"] is not None}
+        if len(losses) < 3:
+            return {}
+        center = statistics.median(losses.values())
+        mad = statistics.median(abs(v - center) for v in losses.values())
+        scale = max(1.4826 * mad, 1e-3 * abs(center), 1e-12)
+        for rank, value in losses.items():
+            scores[rank].append((value - center) / scale)
+    return {
+        rank: (statistics.median(values), ordered[0])
+        for rank, values in scores.items()
+        if len(values) == window and all(abs(v) > z for v in values)
+    }
+
+
+def _event(conn: Connection, *, run_id: int, rank: int | None, kind: str, severity: str,
+           now: float, uid: str, data: dict[str, Any], step: int | None = None) -> None:  # fmt: skip
+    conn.execute(
+        _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
+        {"uid": uuid.uuid5(uuid.NAMESPACE_OID, uid).hex, "run_id": run_id, "rank": rank, "step": step,
+         "ts": now, "recv_ts": now, "kind": kind, "severity": severity, "data": data},
+    )  # fmt: skip
+
+
+def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_step: float | None,
+            slow: dict[int, float], steps: dict[int, dict[int, Any]]) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
+    """The state and detail of every live rank."""
+    hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
+    dead, stalled = [], []
+    for r in ranks:
+        beat = r["heartbeat_s"] or 2.0
+        if now - r["last_seen"] > settings.dead_after_beats * beat:
+            dead.append(r)
+        elif r["progress_at"] is not None and now - r["progress_at"] > hung_after:
+            stalled.append(r)
+    out: dict[int, tuple[str, dict[str, Any]]] = {}
+    for r in dead:
+        out[r["rank"]] = (
+            "dead",
+            {"role": "culprit", "reason": f"no heartbeat for {now - r['last_seen']:.1f}s"},
+        )
+    if stalled:
+        if dead:
+            culprits: list[Any] = []
+        else:
+            key = min((r["last_step"] if r["last_step"] is not None else -1, PHASE_ORDER.get(r["phase"], 5))
+                      for r in stalled)  # fmt: skip
+            culprits = [r for r in stalled
+                        if (r["last_step"] if r["last_step"] is not None else -1, PHASE_ORDER.get(r["phase"], 5)) == key]  # fmt: skip
+        blamed = sorted(r["rank"] for r in (dead or culprits))
+        for r in stalled:
+            idle = now - r["progress_at"]
+            if r in culprits:
+                detail = {"role": "culprit", "reason": f"no step completed for {idle:.1f}s (in {r['phase'] or 'between steps'})"}  # fmt: skip
+            else:
+                detail = {"role": "victim", "waiting_on": blamed,
+                          "reason": f"blocked for {idle:.1f}s in {r['phase'] or 'a step'}, waiting on rank(s) {blamed}"}  # fmt: skip
+            out[r["rank"]] = ("hung", detail)
+    newest = steps[max(steps)] if steps else {}
+    for r in ranks:
+        if r["rank"] in out:
+            continue
+        if r["rank"] in slow:
+            out[r["rank"]] = ("slow", {"role": "culprit", "compute_ratio": round(slow[r["rank"]], 3),
+                                       "reason": f"compute {slow[r['rank']]:.2f}x the peer median"})  # fmt: skip
+            continue
+        detail: dict[str, Any] = {}
+        row = newest.get(r["rank"])
+        if slow and row is not None and row["exposed_comm_s"]:
+            detail = {"role": "victim", "waiting_on": sorted(slow),
+                      "reason": f"exposed comm {row['exposed_comm_s'] * 1000:.0f} ms waiting on straggler(s) {sorted(slow)}"}  # fmt: skip
+        out[r["rank"]] = ("healthy", detail)
+    return out
+
+
+def evaluate(
+    conn: Connection, *, now: float | None = None, settings: HealthSettings | None = None
+) -> int:
+    """Bring every live rank's state up to date; returns the number of state changes."""
+    now = time.time() if now is None else now
+    settings = settings or HealthSettings()
+    changes = 0
+    runs = conn.execute(
+        select(m.runs.c.id, m.runs.c.world_size).where(m.runs.c.status == "running")
+    ).all()
+    for run_id, world in runs:
+        ranks = (
+            conn.execute(
+                select(m.ranks).where(m.ranks.c.run_id == run_id, m.ranks.c.state.in_(LIVE))
+            )
+            .mappings()
+            .all()
+        )
+        if not ranks:
+            continue
+        window = max(settings.straggler_window, settings.divergence_window)
+        steps = _recent_steps(conn, run_id, world, window)
+        slow = stragglers(steps, ratio=settings.straggler_ratio, window=settings.straggler_window)
+        states = _states(list(ranks), now=now, settings=settings, median_step=_median_step_time(conn, run_id),
+                         slow=slow, steps=steps)  # fmt: skip
+        for r in ranks:
+            state, detail = states[r["rank"]]
+            if state == r["state"] and detail.get("role") == (r["state_detail"] or {}).get("role"):
+                if detail != (r["state_detail"] or {}):
+                    conn.execute(update(m.ranks).where(m.ranks.c.run_id == run_id, m.ranks.c.rank == r["rank"])
+                                 .values(state_detail=detail or None))  # fmt: skip
+                continue
+            changes += 1
+            conn.execute(
+                update(m.ranks)
+                .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == r["rank"])
+                .values(state=state, state_since=now, state_detail=detail or None)
+            )
+            severity = {"healthy": "info", "slow": "warning"}.get(state, "critical")
+            _event(conn, run_id=run_id, rank=r["rank"], kind="rank_state", severity=severity, now=now,
+                   uid=f"state:{run_id}:{r['rank']}:{state}:{now}", step=r["last_step"],
+                   data={"from": r["state"], "to": state, **detail})  # fmt: skip
+        for rank, (z, first) in diverging(
+            steps, z=settings.divergence_z, window=settings.divergence_window
+        ).items():
+            _event(conn, run_id=run_id, rank=rank, kind="loss_divergence", severity="warning", now=now,
+                   uid=f"divergence:{run_id}:{rank}:{first}", step=first,
+                   data={"robust_z": round(z, 2), "steps": settings.divergence_window,
+                         "reason": "loss outside its peers' band: silent data corruption suspect"})  # fmt: skip
+    return changes
+
+
+def evaluate_once(engine: Engine, settings: HealthSettings) -> int:
+    """One evaluation in its own transaction; on PostgreSQL only one collector runs it."""
+    with write(engine) as conn:
+        if not is_sqlite(conn):
+            locked = conn.execute(
+                text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY}
+            ).scalar()
+            if not locked:
+                return 0
+        return evaluate(conn, settings=settings)
+
+
+class HealthLoop:
+    """The evaluator's thread inside ``serve``."""
+
+    def __init__(self, engine: Engine, settings: HealthSettings | None = None) -> None:
+        self.engine = engine
+        self.settings = settings or HealthSettings()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainwarden-health", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.settings.interval_s):
+            try:
+                evaluate_once(self.engine, self.settings)
+            except Exception:  # a database outage must not end health evaluation for good
+                log.exception("health evaluation failed; retrying")
