@@ -55,6 +55,9 @@ def init(
     dtype: Any = None,
     profile_every: int | None = None,
     profile_dir: str | None = None,
+    drill: str | None = None,
+    heartbeat_s: float | None = None,
+    gpu_interval_s: float | None = None,
     transport: Transport | None = None,
 ) -> Agent:
     """Start the agent for this process.
@@ -72,6 +75,11 @@ def init(
     ``profile_every``: one step in N runs under ``torch.profiler`` (the first at step
     20) to split its time into compute, exposed / overlapped communication and idle;
     0 turns it off. ``profile_dir`` keeps those traces (default: discarded).
+
+    Health: a heartbeat goes out every ``heartbeat_s`` (2 s) even when the training
+    thread is stuck; the NVML sampler reads this rank's GPU every ``gpu_interval_s``
+    (5 s) and an XID watcher waits on NVML events. ``drill`` injects faults (see
+    :mod:`trainwarden.agent.drills`).
     Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
     shuts the previous agent down first.
     """
@@ -92,6 +100,9 @@ def init(
         dtype=dtype,
         profile_every=profile_every,
         profile_dir=profile_dir,
+        drill=drill,
+        heartbeat_s=heartbeat_s,
+        gpu_interval_s=gpu_interval_s,
     )
     if _core._agent is not None:
         _core._agent.shutdown()

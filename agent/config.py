@@ -96,6 +96,10 @@ class AgentConfig:
     """Profile one step in this many with torch.profiler (0: never); the first at step 20."""
     profile_dir: str | None = None
     """Keep the sampled profiler's chrome traces here (default: analyse and discard)."""
+    drill: str | None = None
+    """Fault drill spec (see trainwarden.agent.drills), e.g. ``slow=1.5x@rank=1,steps=10-60``."""
+    gpu_interval_s: float = 5.0
+    """How often the NVML sampler reads this rank's GPU."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -119,6 +123,8 @@ class AgentConfig:
         dtype: Any = None,
         profile_every: int | None = None,
         profile_dir: str | None = None,
+        drill: str | None = None,
+        gpu_interval_s: float | None = None,
     ) -> AgentConfig:
         run = _pick(run, "TRAINWARDEN_RUN")
         if run is None:
@@ -185,6 +191,12 @@ class AgentConfig:
                 minimum=0,
             ),
             profile_dir=_pick(profile_dir, "TRAINWARDEN_PROFILE_DIR"),
+            drill=_pick(drill, "TRAINWARDEN_DRILL"),
+            gpu_interval_s=_as_float(
+                _pick(gpu_interval_s, "TRAINWARDEN_GPU_INTERVAL", cls.gpu_interval_s),
+                "gpu_interval_s (TRAINWARDEN_GPU_INTERVAL)",
+                minimum=0.0,
+            ),
             run=run,
             url=url,
             token=_pick(token, "TRAINWARDEN_TOKEN"),

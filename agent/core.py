@@ -16,8 +16,10 @@ import uuid
 from collections import deque
 from typing import Any
 
-from .config import AgentConfig
+from .config import AgentConfig, ConfigError
+from .drills import Drill, DrillError, parse
 from .exporter import Exporter, HttpTransport, Transport
+from .gpu import XID_SEVERITY, GpuMonitor, describe_xid, open_device
 from .mfu import Peak, resolve_peak
 from .profiler import SampledProfiler
 from .report import FlopModel, StepEncoder
@@ -80,6 +82,15 @@ class EventRecord:
         self.queued_at = time.monotonic()
 
 
+class GpuRecord:
+    __slots__ = ("kind", "body", "queued_at")
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        self.kind = "gpu"
+        self.body = body
+        self.queued_at = time.monotonic()
+
+
 class Step:
     """One training step. Use as ``with tw.step(i, tokens=n) as s: ... s.loss(loss)``."""
 
@@ -111,12 +122,16 @@ class Step:
             record.data_wait_ns = t0 - last_end  # the gap since the previous step ended
         record.start_ns = t0
         agent._current = record
+        if agent._drill is not None:
+            agent._drill.on_step_start(agent, record.step)
         return self
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        t1 = time.perf_counter_ns()
         record = self._record
         agent = self._agent
+        if agent._drill is not None:
+            agent._drill_slowdown(record)
+        t1 = time.perf_counter_ns()
         agent._current = None
         record.duration_ns = t1 - record.start_ns
         if exc_type is not None:
@@ -242,8 +257,77 @@ class Agent:
                 "keeping the last %d records in memory only",
                 config.queue_size,
             )
-        self.event("start", pid=os.getpid(), world_size=config.world_size)
         self._closed = False
+        self.gpu_device: Any = None
+        self.gpu_monitor: GpuMonitor | None = None
+        self.event("start", pid=os.getpid(), world_size=config.world_size)
+        self._drill = None
+        if config.drill:
+            try:
+                self._drill = Drill(
+                    parse(config.drill), rank=config.rank, world_size=config.world_size
+                )
+            except DrillError as exc:
+                self.shutdown(timeout_s=0.5)
+                raise ConfigError(str(exc)) from None
+        self._start_gpu_monitor(simulate=bool(self._drill and self._drill.needs_gpu))
+
+    # -- GPU health ---------------------------------------------------------------
+
+    def _start_gpu_monitor(self, *, simulate: bool) -> None:
+        device, reason = open_device(self.config.local_rank, simulate=simulate)
+        if device is None:
+            log.info("trainwarden: no GPU telemetry (%s)", reason)
+            self.event("gpu_telemetry", state="unavailable", reason=reason)
+            return
+        self.gpu_device = device
+        self.event(
+            "gpu_telemetry",
+            state="ok",
+            uuid=device.uuid,
+            name=device.name,
+            simulated=device.simulated,
+        )
+        self.gpu_monitor = GpuMonitor(
+            device,
+            interval_s=self.config.gpu_interval_s,
+            on_sample=lambda sample: self._enqueue(GpuRecord(sample)),
+            on_xid=self._on_xid,
+        )
+        self.gpu_monitor.start()
+
+    def _on_xid(self, code: int) -> None:
+        info = describe_xid(code)
+        device = self.gpu_device
+        self.event(
+            "xid",
+            step=self._last_step,
+            severity=XID_SEVERITY.get(info["action"], "warning"),
+            code=code,
+            gpu_uuid=getattr(device, "uuid", None),
+            host=self.config.host,
+            node=self.config.node,
+            simulated=getattr(device, "simulated", False),
+            **info,
+        )
+        self.flush_soon()
+
+    # -- drills -------------------------------------------------------------------
+
+    def _drill_slowdown(self, record: StepRecord) -> None:
+        factor = self._drill.slowdown(record.step) if self._drill else None
+        if factor and factor > 1:
+            worked = time.perf_counter_ns() - record.start_ns
+            time.sleep((factor - 1) * worked / 1e9)  # the step really takes factor x as long
+
+    def flush_soon(self) -> None:
+        if self._exporter is not None:
+            self._exporter.wake()
+
+    def flush(self, timeout_s: float) -> None:
+        """Send what is queued now, waiting at most ``timeout_s``."""
+        if self._exporter is not None:
+            self._exporter.flush(timeout_s)
 
     def _header(self) -> dict[str, Any]:
         c = self.config
@@ -344,6 +428,8 @@ class Agent:
             return
         self._closed = True
         self.event("shutdown", step=self._last_step)
+        if self.gpu_monitor is not None:
+            self.gpu_monitor.stop()
         if self._exporter is not None:
             self._exporter.shutdown(timeout_s)
 

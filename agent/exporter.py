@@ -109,6 +109,14 @@ class Exporter:
     def wake(self) -> None:
         self._wake.set()
 
+    def flush(self, timeout_s: float) -> None:
+        """Wake the thread and wait (at most ``timeout_s``) until the queue is sent."""
+        deadline = time.monotonic() + timeout_s
+        self._wake.set()
+        while (self._queue or self._held) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.05)  # the last request in flight
+
     def shutdown(self, timeout_s: float) -> None:
         """Send what is queued, within ``timeout_s``, then stop the thread."""
         self._stopping.set()
@@ -133,16 +141,19 @@ class Exporter:
                 while self._export_once(final=stopping):
                     pass
                 if time.monotonic() - self._last_sent >= self._heartbeat_s:
-                    self._send([], [])  # nothing to send: a heartbeat alone
+                    self._send([], [], [])  # nothing to send: a heartbeat alone
             except Exception:  # never let the thread die: the trainer must not notice
                 log.exception("trainwarden: exporter error (records dropped)")
             self._stats["exporter_cpu_ns"] += time.thread_time_ns() - cpu
             if stopping:
                 return
 
-    def _take_batch(self, *, final: bool) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    def _take_batch(
+        self, *, final: bool
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[dict[str, Any]]]:
         steps: list[dict[str, Any]] = []
         events: list[dict[str, Any]] = []
+        gpu: list[dict[str, Any]] = []
         now = time.monotonic()
         while self._queue and len(self._held) < self._batch_size:
             self._held.append(self._queue.popleft())  # deque.popleft is atomic
@@ -150,11 +161,14 @@ class Exporter:
         for i, record in enumerate(self._held):
             if i % _YIELD_EVERY == _YIELD_EVERY - 1:
                 time.sleep(0)  # release the GIL: see _YIELD_EVERY
-            if len(steps) + len(events) >= self._batch_size or keep:
+            if len(steps) + len(events) + len(gpu) >= self._batch_size or keep:
                 keep.append(record)  # preserve order behind a record still in flight
                 continue
             if record.kind == "event":
                 events.append(record.body)
+                continue
+            if record.kind == "gpu":
+                gpu.append(record.body)
                 continue
             waited = now - record.queued_at >= _MAX_PENDING_S
             body = self._encode(record, force=final or waited)
@@ -163,25 +177,33 @@ class Exporter:
                 continue
             steps.append(body)
         self._held = keep
-        return steps, events
+        return steps, events, gpu
 
     def _export_once(self, *, final: bool) -> bool:
         """Send one batch. Returns True when more is ready to send right away."""
-        steps, events = self._take_batch(final=final)
-        if not steps and not events:
+        steps, events, gpu = self._take_batch(final=final)
+        if not steps and not events and not gpu:
             return False
-        if not self._send(steps, events):
+        if not self._send(steps, events, gpu):
             return False  # wait for the next tick instead of spinning on a dead collector
         return bool(self._queue) or (bool(self._held) and final)
 
-    def _send(self, steps: list[dict[str, Any]], events: list[dict[str, Any]]) -> bool:
-        body = {"run": self._run, "agent": self._header(), "steps": steps, "events": events}
+    def _send(
+        self, steps: list[dict[str, Any]], events: list[dict[str, Any]], gpu: list[dict[str, Any]]
+    ) -> bool:
+        body = {
+            "run": self._run,
+            "agent": self._header(),
+            "steps": steps,
+            "events": events,
+            "gpu": gpu,
+        }
         time.sleep(0)  # serializing a large body is GIL time too
         self._last_sent = time.monotonic()
         try:
             self._transport.send(INGEST_PATH, body)
         except Exception as exc:
-            self._stats["dropped_send_failed"] += len(steps) + len(events)
+            self._stats["dropped_send_failed"] += len(steps) + len(events) + len(gpu)
             self._stats["batches_failed"] += 1
             if not self._failing:
                 log.warning(
@@ -193,8 +215,8 @@ class Exporter:
         if self._failing:
             log.warning("trainwarden: collector reachable again")
             self._failing = False
-        self._stats["sent"] += len(steps) + len(events)
+        self._stats["sent"] += len(steps) + len(events) + len(gpu)
         self._stats["batches_sent"] += 1
-        if not steps and not events:
+        if not steps and not events and not gpu:
             self._stats["heartbeats"] += 1
         return True

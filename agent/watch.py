@@ -76,6 +76,38 @@ def _grad_norm_hook(agent: Any, optimizer: Any) -> Callable[..., None]:
     return hook
 
 
+def _spike_drill_hooks(agent: Any, optimizer: Any) -> list[Any]:
+    """The loss_spike drill: scale one optimizer update by the drill's factor.
+
+    The parameters are saved before the step and moved ``factor`` x as far as the
+    optimizer moved them, which works for any optimizer (Adam normalizes a scaled
+    gradient away, so scaling gradients would not do).
+    """
+    import torch
+
+    saved: list[Any] = []
+
+    def pre(*_args: Any) -> None:
+        record = agent._current
+        scale = agent._drill.update_scale(record.step) if record is not None else None
+        if scale is None:
+            return
+        agent.event("drill", step=record.step, severity="warning", fault="loss_spike", scale=scale)
+        with torch.no_grad():
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            saved[:] = [(scale, params, [p.detach().clone() for p in params])]
+
+    def post(*_args: Any) -> None:
+        if not saved:
+            return
+        scale, params, before = saved.pop()
+        with torch.no_grad():
+            for p, old in zip(params, before, strict=True):
+                p.copy_(old + scale * (p - old))
+
+    return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
+
+
 def install_comm_hook(agent: Any, ddp: Any) -> bool:
     """Time every gradient bucket's collective; returns False if DDP already had a hook."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -132,6 +164,8 @@ def watch(
         pre = _grad_norm_hook(agent, optimizer) if grad_norm else _mark(agent, "optimizer")
         installed.handles.append(optimizer.register_step_pre_hook(pre))
         installed.handles.append(optimizer.register_step_post_hook(_mark(agent, "other")))
+        if agent._drill is not None:
+            installed.handles.extend(_spike_drill_hooks(agent, optimizer))
     elif grad_norm:
         raise ValueError(
             "tw.watch(model, grad_norm=True) needs the optimizer: tw.watch(model, optimizer, ...)"

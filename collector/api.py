@@ -19,6 +19,7 @@ from .prom import CollectorMetrics
 from .schemas import (
     EventOut,
     FlaggedStep,
+    GpuSample,
     IngestBatch,
     IngestResult,
     RankInfo,
@@ -142,6 +143,19 @@ def get_flags(
     """Retrieve the steps on which a rank flagged a spike or a non-finite value."""
     with _engine(request).connect() as conn:
         return queries.flagged_steps(conn, run=run, limit=limit)
+
+
+@router.get("/api/v1/runs/{run}/gpu", response_model=list[GpuSample], tags=["runs"])
+def get_gpu(
+    run: str,
+    request: Request,
+    rank: Annotated[int | None, Query(ge=0)] = None,
+    since: float | None = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> list[GpuSample]:
+    """Retrieve NVML readings (temperature, power, clocks, throttle reasons, ECC, ...)."""
+    with _engine(request).connect() as conn:
+        return queries.gpu_samples(conn, run=run, rank=rank, since=since, limit=limit)
 
 
 @router.get("/healthz", tags=["ops"])

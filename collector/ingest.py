@@ -207,6 +207,13 @@ def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) ->
             ],
         )
         accepted_events = len(inserted.all())  # events seen before are not counted again
+        for e in batch.events:
+            if e.kind == "gpu_telemetry":  # "ok" with the device, or "unavailable" and why
+                conn.execute(
+                    update(m.ranks)
+                    .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == batch.agent.rank)
+                    .values(gpu=e.data)
+                )
         if any(e.kind == "shutdown" for e in batch.events):
             conn.execute(
                 update(m.ranks)

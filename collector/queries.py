@@ -8,7 +8,16 @@ from sqlalchemy import Connection, func, select
 
 from . import models as m
 from .rollups import METRICS
-from .schemas import EventOut, FlaggedStep, RankInfo, RankSeries, RunDetail, RunSummary, Series
+from .schemas import (
+    EventOut,
+    FlaggedStep,
+    GpuSample,
+    RankInfo,
+    RankSeries,
+    RunDetail,
+    RunSummary,
+    Series,
+)
 
 
 class NotFound(LookupError):
@@ -172,3 +181,23 @@ def flagged_steps(conn: Connection, *, run: str, limit: int = 10_000) -> list[Fl
         .limit(limit)
     ).mappings()
     return [FlaggedStep.model_validate(dict(row)) for row in rows]
+
+
+def gpu_samples(
+    conn: Connection,
+    *,
+    run: str,
+    rank: int | None = None,
+    since: float | None = None,
+    limit: int = 10_000,
+) -> list[GpuSample]:
+    """GPU readings of a run (or of one rank), oldest first."""
+    run_id = _run_row(conn, run)["id"]
+    g = m.gpu_samples.c
+    query = select(m.gpu_samples).where(g.run_id == run_id)
+    if rank is not None:
+        query = query.where(g.rank == rank)
+    if since is not None:
+        query = query.where(g.ts >= since)
+    rows = conn.execute(query.order_by(g.ts.desc()).limit(limit)).mappings().all()
+    return [GpuSample.model_validate(dict(row)) for row in reversed(rows)]

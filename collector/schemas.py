@@ -248,3 +248,9 @@ class FlaggedStep(BaseModel):
     flags: list[str]
     loss: float | None
     grad_norm: float | None
+
+
+class GpuSample(GpuSampleIn):
+    """A stored NVML reading of one rank's GPU."""
+
+    rank: int

@@ -67,8 +67,11 @@ def test_steps_are_timed_and_sent_off_the_training_thread() -> None:
     assert all(s["tokens"] == 128 for s in steps)
     assert transport.threads == {"trainwarden-exporter"}
     kinds = [e["kind"] for e in transport.events()]
-    assert kinds == ["start", "shutdown"]
-    assert transport.events()[1]["step"] == 4
+    assert kinds == ["start", "gpu_telemetry", "shutdown"]
+    # No GPU here: one clear "no GPU telemetry" state, nothing else.
+    assert transport.events()[1]["data"]["state"] == "unavailable"
+    assert "NVML" in transport.events()[1]["data"]["reason"]
+    assert transport.events()[2]["step"] == 4
     header = transport.bodies[0]["agent"]
     assert (header["rank"], header["world_size"]) == (0, 1)
     assert header["session"]
@@ -128,7 +131,7 @@ def test_collector_down_drops_and_counts_without_stalling_the_trainer(caplog) ->
     time.sleep(0.2)
     stats = tw.stats()
     tw.shutdown(timeout_s=2)
-    assert stats["recorded"] == 51  # 50 steps + the start event
+    assert stats["recorded"] == 52  # 50 steps + the start and gpu_telemetry events
     assert stats["dropped_send_failed"] > 0 and stats["sent"] == 0
     warnings = [r for r in caplog.records if "unreachable" in r.getMessage()]
     assert len(warnings) == 1  # said once, not once per batch

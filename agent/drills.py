@@ -1,0 +1,176 @@
+"""Fault drills: inject real faults through the code paths real faults take.
+
+``TRAINWARDEN_DRILL`` (or ``tw.init(drill=...)``) holds faults separated by ``;``::
+
+    xid=79@rank=1,step=40            an XID raised by this rank's (simulated) GPU
+    thermal=92C@rank=0,step=20       the GPU heats to 92 C and throttles its clocks
+    slow=1.5x@rank=1,steps=10-60     the rank's steps really take 1.5x as long
+    hang@rank=1,step=50,for=30s      the training thread stops; heartbeats go on
+    die@rank=1,step=70               the process exits (code 75) without a goodbye
+    loss_spike=50x@step=35           the optimizer's update is scaled 50x (all ranks
+                                     unless rank= is given); needs tw.watch(model, opt)
+
+An XID or a thermal fault runs through the GPU layer: without a real GPU the agent
+then uses a simulated one. Every injected fault is also recorded as a ``drill`` event.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+DIE_EXIT_CODE = 75
+KINDS = ("xid", "thermal", "slow", "hang", "die", "loss_spike")
+_VALUE = {
+    "xid": (re.compile(r"^\d+$"), "an XID code, e.g. xid=79"),
+    "thermal": (re.compile(r"^\d+(\.\d+)?C$"), "a temperature in C, e.g. thermal=92C"),
+    "slow": (re.compile(r"^\d+(\.\d+)?x$"), "a slowdown factor, e.g. slow=1.5x"),
+    "loss_spike": (re.compile(r"^\d+(\.\d+)?x$"), "an update scale, e.g. loss_spike=50x"),
+}
+_PARAMS = {"rank", "step", "steps", "for"}
+
+
+class DrillError(ValueError):
+    """The drill spec is wrong; the message names the fault and says how to write it."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    text: str
+    value: float | None = None
+    rank: int | None = None  # None: every rank
+    first: int = 0
+    last: int | None = None  # inclusive; None: only ``first`` (or open-ended for thermal)
+    seconds: float | None = None
+
+    def covers(self, step: int) -> bool:
+        if self.last is None:
+            return step == self.first
+        return self.first <= step <= self.last
+
+
+def parse(spec: str) -> list[Fault]:
+    faults = []
+    for part in (p.strip() for p in spec.split(";")):
+        if part:
+            faults.append(_parse_one(part))
+    return faults
+
+
+def _parse_one(text: str) -> Fault:
+    def fail(why: str) -> DrillError:
+        return DrillError(
+            f"drill {text!r}: {why}. Form: KIND[=VALUE]@rank=R,step=S (see the README)"
+        )
+
+    head, at, tail = text.partition("@")
+    if not at:
+        raise fail("missing '@' before the rank / step")
+    kind, _, value = head.partition("=")
+    kind = kind.strip()
+    if kind not in KINDS:
+        raise fail(f"unknown fault {kind!r}; known: {', '.join(KINDS)}")
+    number: float | None = None
+    if kind in _VALUE:
+        pattern, example = _VALUE[kind]
+        if not pattern.match(value.strip()):
+            raise fail(f"{kind} needs {example}")
+        number = float(value.strip().rstrip("Cx"))
+        if kind in ("slow", "loss_spike") and number <= 0:
+            raise fail(f"{kind} factor must be positive")
+    elif value:
+        raise fail(f"{kind} takes no value")
+    params: dict[str, str] = {}
+    for item in tail.split(","):
+        key, eq, val = item.strip().partition("=")
+        if not eq or key not in _PARAMS:
+            raise fail(f"bad parameter {item.strip()!r}; use rank=, step=, steps=A-B, for=30s")
+        params[key] = val.strip()
+    try:
+        rank = int(params["rank"]) if "rank" in params else None
+        if "steps" in params:
+            low, _, high = params["steps"].partition("-")
+            first, last = int(low), int(high)
+            if last < first:
+                raise fail("steps=A-B needs A <= B")
+        elif "step" in params:
+            first, last = int(params["step"]), None
+        else:
+            raise fail("say when: step=S or steps=A-B")
+        seconds = float(params["for"].rstrip("s")) if "for" in params else None
+    except DrillError:
+        raise
+    except ValueError:
+        raise fail("rank, step and steps take integers; for takes seconds like 30s") from None
+    if kind in ("xid", "thermal", "slow", "hang", "die") and rank is None:
+        raise fail(f"{kind} needs rank=R (which rank fails)")
+    if kind == "hang" and seconds is None:
+        raise fail("hang needs for=DURATION, e.g. for=30s")
+    if kind == "thermal" and last is None:
+        last = 2**62  # stays hot from that step on
+    return Fault(kind, text, number, rank, first, last, seconds)
+
+
+class Drill:
+    """The faults that apply to this rank, triggered from the step hooks."""
+
+    def __init__(self, faults: list[Fault], *, rank: int, world_size: int) -> None:
+        for fault in faults:
+            if fault.rank is not None and fault.rank >= world_size:
+                raise DrillError(
+                    f"drill {fault.text!r}: rank {fault.rank} is outside world_size {world_size}"
+                )
+        self.faults = [f for f in faults if f.rank is None or f.rank == rank]
+        self.needs_gpu = any(f.kind in ("xid", "thermal") for f in self.faults)
+        self._fired: set[tuple[str, int]] = set()
+
+    def _once(self, fault: Fault, step: int) -> bool:
+        key = (fault.text, step if fault.kind == "slow" else fault.first)
+        if key in self._fired:
+            return False
+        self._fired.add(key)
+        return True
+
+    def on_step_start(self, agent: Any, step: int) -> None:
+        """Before the step's work: XID, thermal, hang, die."""
+        for fault in self.faults:
+            if (
+                not fault.covers(step)
+                or fault.kind in ("slow", "loss_spike")
+                or not self._once(fault, step)
+            ):
+                continue
+            agent.event("drill", step=step, severity="warning", fault=fault.kind, spec=fault.text)
+            if fault.kind == "xid":
+                agent.gpu_device.inject_xid(int(fault.value))
+            elif fault.kind == "thermal":
+                agent.gpu_device.set_thermal(fault.value)
+                agent.gpu_monitor.sample_now()  # the driver's view changes now, not at the next tick
+            elif fault.kind == "hang":
+                log.warning(
+                    "trainwarden drill: hanging the training thread for %.0fs", fault.seconds
+                )
+                time.sleep(fault.seconds)
+            elif fault.kind == "die":
+                log.warning("trainwarden drill: this process exits now (code %d)", DIE_EXIT_CODE)
+                agent.flush(timeout_s=2.0)  # the drill event, so the post-mortem shows the cause
+                os._exit(DIE_EXIT_CODE)
+
+    def slowdown(self, step: int) -> float | None:
+        for fault in self.faults:
+            if fault.kind == "slow" and fault.covers(step):
+                return fault.value
+        return None
+
+    def update_scale(self, step: int) -> float | None:
+        for fault in self.faults:
+            if fault.kind == "loss_spike" and fault.covers(step) and self._once(fault, step):
+                return fault.value
+        return None

@@ -1,0 +1,220 @@
+"""Drill specs, and each fault through the agent's real code paths (the GPU is simulated
+here, as it is on any machine without one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import trainwarden.agent as tw
+from trainwarden.agent.drills import DIE_EXIT_CODE, DrillError, parse
+from trainwarden.agent.gpu import describe_xid, xid_catalog
+
+from .test_agent import RecordingTransport
+
+SPEC = "xid=79@rank=1,step=40; thermal=92C@rank=0,step=20; slow=1.5x@rank=1,steps=10-60; " \
+       "hang@rank=1,step=50,for=30s; die@rank=1,step=70; loss_spike=50x@step=35"  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def _clean(monkeypatch: pytest.MonkeyPatch):
+    for name in ("RANK", "WORLD_SIZE", "TRAINWARDEN_URL", "TRAINWARDEN_DRILL"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    tw.shutdown(timeout_s=1)
+
+
+def test_the_documented_spec_parses() -> None:
+    faults = parse(SPEC)
+    assert [(f.kind, f.value, f.rank, f.first, f.last, f.seconds) for f in faults] == [
+        ("xid", 79, 1, 40, None, None),
+        ("thermal", 92, 0, 20, 2**62, None),
+        ("slow", 1.5, 1, 10, 60, None),
+        ("hang", None, 1, 50, None, 30.0),
+        ("die", None, 1, 70, None, None),
+        ("loss_spike", 50, None, 35, None, None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("xid=79", "missing '@'"),
+        ("boom@rank=1,step=2", "unknown fault 'boom'"),
+        ("xid=abc@rank=1,step=2", "xid needs an XID code"),
+        ("slow=1.5@rank=1,steps=1-5", "slow needs a slowdown factor"),
+        ("slow=1.5x@rank=1,steps=5-1", "A <= B"),
+        ("hang@rank=1,step=5", "hang needs for="),
+        ("die@step=5", "die needs rank="),
+        ("die@rank=1", "say when"),
+        ("die@rank=one,step=5", "take integers"),
+        ("xid=79@rank=1,stpe=5", "bad parameter 'stpe=5'"),
+        ("hang=3@rank=1,step=5,for=3s", "hang takes no value"),
+    ],
+)
+def test_bad_specs_name_the_fault_and_the_fix(spec: str, message: str) -> None:
+    with pytest.raises(DrillError, match=message) as info:
+        parse(spec)
+    assert spec.split(";")[0] in str(info.value)
+
+
+def test_a_rank_outside_the_world_is_refused_at_init() -> None:
+    with pytest.raises(tw.ConfigError, match="rank 3 is outside world_size 2"):
+        tw.init(
+            run="d", rank=0, world_size=2, drill="die@rank=3,step=1", transport=RecordingTransport()
+        )
+
+
+def test_xid_catalog_covers_the_codes_that_matter() -> None:
+    codes = {
+        13,
+        31,
+        43,
+        45,
+        48,
+        61,
+        62,
+        63,
+        64,
+        68,
+        74,
+        79,
+        92,
+        94,
+        95,
+        109,
+        119,
+        120,
+        140,
+        *range(144, 151),
+    }
+    assert codes <= set(xid_catalog())
+    assert {e["action"] for e in xid_catalog().values()} <= {
+        "ignore",
+        "restart_app",
+        "reset_gpu",
+        "reboot_node",
+        "drain",
+    }
+    assert describe_xid(79)["action"] == "drain"
+    assert describe_xid(9999)["name"] == "XID 9999"
+
+
+def run_steps(n: int, *, work_s: float = 0.01, watch: bool = False) -> dict[int, float]:
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if watch:
+        tw.watch(model, opt, count_flops=False)
+    x, y = torch.randn(64, 16), torch.randn(64, 1)
+    losses = {}
+    for i in range(n):
+        with tw.step(i) as s:
+            time.sleep(work_s)
+            loss = (model(x) - y).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            s.loss(loss)
+            losses[i] = float(loss.detach())
+    return losses
+
+
+def test_xid_travels_the_nvml_event_path_with_its_catalog_meaning() -> None:
+    transport = RecordingTransport()
+    tw.init(
+        run="d",
+        rank=1,
+        world_size=2,
+        drill="xid=79@rank=1,step=3",
+        transport=transport,
+        flush_interval_s=0.05,
+    )
+    run_steps(6)
+    time.sleep(0.7)  # the watcher waits on the device's event queue
+    tw.shutdown()
+    xids = [e for e in transport.events() if e["kind"] == "xid"]
+    assert len(xids) == 1
+    data = xids[0]["data"]
+    assert (data["code"], data["action"], data["name"], xids[0]["severity"]) == (
+        79,
+        "drain",
+        "GPU has fallen off the bus",
+        "critical",
+    )
+    assert data["simulated"] is True and data["gpu_uuid"].startswith("GPU-sim-")
+    assert xids[0]["step"] in (2, 3)  # the last completed step when the XID arrived
+    drills = [e["data"]["fault"] for e in transport.events() if e["kind"] == "drill"]
+    assert drills == ["xid"]
+
+
+def test_thermal_drill_shows_in_the_gpu_samples_with_throttle_reasons() -> None:
+    transport = RecordingTransport()
+    tw.init(run="d", drill="thermal=92C@rank=0,step=2", transport=transport, flush_interval_s=0.05,
+            gpu_interval_s=0.05)  # fmt: skip
+    run_steps(5)
+    time.sleep(0.2)
+    tw.shutdown()
+    gpu = [g for b in transport.bodies for g in b["gpu"]]
+    assert gpu[0]["temp_c"] == 45 and gpu[0]["throttle"] == []
+    hot = [g for g in gpu if g["temp_c"] == 92]
+    assert hot and all(
+        g["throttle"] == ["sw_thermal", "hw_thermal"] and g["sm_clock_mhz"] < 1980 for g in hot
+    )
+
+
+def test_slow_drill_really_slows_the_steps() -> None:
+    transport = RecordingTransport()
+    tw.init(run="d", drill="slow=2x@rank=0,steps=5-9", transport=transport)
+    run_steps(15, work_s=0.02)
+    tw.shutdown()
+    durations = {s["step"]: s["duration_s"] for s in transport.steps()}
+    normal = sorted(durations[i] for i in [*range(0, 5), *range(10, 15)])[5]
+    slow = sorted(durations[i] for i in range(5, 10))[2]
+    assert 1.7 < slow / normal < 2.5
+
+
+def test_hang_drill_stops_the_training_thread_while_heartbeats_go_on() -> None:
+    transport = RecordingTransport()
+    tw.init(run="d", drill="hang@rank=0,step=2,for=2.5s", transport=transport, heartbeat_s=0.3,
+            flush_interval_s=0.1)  # fmt: skip
+    run_steps(4)
+    tw.shutdown()
+    during = [
+        b["agent"]
+        for b in transport.bodies
+        if b["agent"]["in_step"] and b["agent"]["last_step"] == 1
+    ]
+    assert len(during) >= 5  # beats every 0.3 s through a 2.5 s hang
+    assert all(a["phase"] == "step" for a in during)
+    assert [s for s in transport.steps() if s["step"] == 2][0]["duration_s"] >= 2.5
+
+
+def test_loss_spike_drill_really_perturbs_the_training() -> None:
+    transport = RecordingTransport()
+    tw.init(run="d", drill="loss_spike=200x@step=20", transport=transport)
+    losses = run_steps(30, work_s=0, watch=True)
+    tw.shutdown()
+    before = max(losses[i] for i in range(15, 21))
+    assert losses[21] > 2 * before  # the update of step 20 threw the model off: a loss spike
+    assert [e["step"] for e in transport.events() if e["kind"] == "drill"] == [20]
+
+
+def test_die_drill_exits_the_process_with_its_code(tmp_path) -> None:
+    code = (
+        "import trainwarden.agent as tw\n"
+        "tw.init(run='d', drill='die@rank=0,step=3')\n"
+        "for i in range(10):\n"
+        "    with tw.step(i):\n"
+        "        print(i, flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "TRAINWARDEN_URL": ""})  # fmt: skip
+    assert result.returncode == DIE_EXIT_CODE
+    assert result.stdout.split() == ["0", "1", "2"]
