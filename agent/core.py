@@ -136,6 +136,7 @@ class Step:
         record.duration_ns = t1 - record.start_ns
         if exc_type is not None:
             record.error = exc_type.__name__
+            agent._last_error = f"{exc_type.__name__}: {str(exc)[:300]}"
         if self._profiling is not None:
             record.profile = agent._profiler.stop(self._profiling, record.step)
             record.note = "profiled step (slower): no MFU"
@@ -146,6 +147,8 @@ class Step:
         record.queued_at = time.monotonic()
         agent._last_step_end_ns = t1
         agent._last_step = record.step
+        if exc_type is None:
+            agent._last_error = None
         agent._last_step_wall = (record.wall_start_ns + record.duration_ns) / 1e9
         agent._enqueue(record)
 
@@ -196,6 +199,7 @@ class Agent:
         self._last_step_end_ns: int | None = None
         self._last_step: int | None = None
         self._last_step_wall: float | None = None
+        self._last_error: str | None = None  # the exception that ended the last step, if any
         self._current: StepRecord | None = None  # the step in progress; hooks write into it
         self._count_flops_next = False
         self._steps_run = 0
@@ -427,7 +431,14 @@ class Agent:
         if self._closed:
             return
         self._closed = True
-        self.event("shutdown", step=self._last_step)
+        # An exception that left a step and was never followed by a good step is how
+        # this process ends: report it, so the collector marks the rank failed.
+        if self._last_error is not None:
+            self.event(
+                "shutdown", step=self._last_step, severity="critical", error=self._last_error
+            )
+        else:
+            self.event("shutdown", step=self._last_step)
         if self.gpu_monitor is not None:
             self.gpu_monitor.stop()
         if self._exporter is not None:

@@ -67,6 +67,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--data-delay", type=float, default=0.0, help="seconds the 'loader' takes per batch"
     )
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument(
+        "--work-ms",
+        type=float,
+        default=0.0,
+        help="extra time each step waits after its forward, as if on a device (steadier timing "
+        "when many ranks share few CPU cores)",
+    )
     return p.parse_args(argv)
 
 
@@ -94,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
         x, y = data.batch(args.batch_size)
         with tw.step(step, tokens=x.numel()) as s:
             loss = F.cross_entropy(model(x), y)
+            if args.work_ms:
+                time.sleep(args.work_ms / 1000)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

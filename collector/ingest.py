@@ -214,12 +214,18 @@ def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) ->
                     .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == batch.agent.rank)
                     .values(gpu=e.data)
                 )
-        if any(e.kind == "shutdown" for e in batch.events):
-            conn.execute(
-                update(m.ranks)
-                .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == batch.agent.rank)
-                .values(state="finished")
-            )
+        for e in batch.events:
+            if e.kind == "shutdown":  # failed: the process ended on an exception in a step
+                failed = bool(e.data.get("error"))
+                conn.execute(
+                    update(m.ranks)
+                    .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == batch.agent.rank)
+                    .values(
+                        state="failed" if failed else "finished",
+                        state_since=now,
+                        state_detail={"reason": e.data["error"]} if failed else None,
+                    )
+                )
 
     _store_gpu(conn, run_id=run_id, batch=batch, now=now)
     _update_run(conn, run_id=run_id, batch=batch, now=now)
@@ -230,13 +236,16 @@ def _update_run(conn: Connection, *, run_id: int, batch: IngestBatch, now: float
     counts = conn.execute(
         select(
             func.count(),
-            func.sum(case((m.ranks.c.state == "finished", 1), else_=0)),
+            func.sum(case((m.ranks.c.state.in_(("finished", "failed")), 1), else_=0)),
+            func.sum(case((m.ranks.c.state == "failed", 1), else_=0)),
             func.max(m.ranks.c.last_step),
         ).where(m.ranks.c.run_id == run_id)
     ).one()
-    seen, finished, last_step = counts[0], counts[1] or 0, counts[2]
+    seen, ended, failed, last_step = counts[0], counts[1] or 0, counts[2] or 0, counts[3]
     world = batch.agent.world_size
-    status = "finished" if seen >= world and finished == seen else "running"
+    status = "running"
+    if seen >= world and ended == seen:  # every rank said goodbye
+        status = "failed" if failed else "finished"
     conn.execute(
         update(m.runs)
         .where(m.runs.c.id == run_id)

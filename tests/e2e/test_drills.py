@@ -1,0 +1,158 @@
+"""Drills on real gloo ranks against a real ``trainwarden serve``: the API must show the
+right rank states, events and flags within the targets, and the test prints the
+latencies it measured.
+
+Targets: hung flagged <= 10 s after the last progress; dead within 3 missed heartbeats
+(2 s each); a rank slowed 1.3x among 8 flagged within 20 steps, no false flags.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from ..conftest import Server, free_port
+
+HEARTBEAT_S = 2.0
+
+
+def launch(server: Server, run: str, *, world: int, drill: str, steps: int, work_ms: float,
+           logs: Path) -> list[subprocess.Popen]:  # fmt: skip
+    port = free_port()
+    procs = []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "TRAINWARDEN_DRILL": drill, "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
+               "TRAINWARDEN_GPU_INTERVAL": "1", "TRAINWARDEN_PROFILE_EVERY": "0"}  # fmt: skip
+        cmd = [sys.executable, "-m", "trainwarden.agent.demo_trainer", "--run-name", run, "--url", server.url,
+               "--steps", str(steps), "--work-ms", str(work_ms), "--batch-size", "16"]  # fmt: skip
+        log = (logs / f"{run}-rank{rank}.log").open("w")
+        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def events(server: Server, run: str, kind: str) -> list[dict]:
+    response = server.get(f"/api/v1/runs/{run}/events", kind=kind)
+    return response.json() if response.status_code == 200 else []
+
+
+def state_changes(server: Server, run: str, rank: int, to: str) -> list[dict]:
+    return [
+        e for e in events(server, run, "rank_state") if e["rank"] == rank and e["data"]["to"] == to
+    ]
+
+
+def stop(procs: list[subprocess.Popen]) -> list[int | None]:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    return [p.wait() for p in procs]
+
+
+def test_two_rank_drills_show_the_right_states_events_and_flags(
+    live_server: Server, tmp_path: Path
+) -> None:
+    run = "drill2"
+    drill = ("thermal=92C@rank=0,step=5; slow=1.5x@rank=1,steps=10-40; xid=79@rank=1,step=12; "
+             "loss_spike=50x@step=46; hang@rank=1,step=55,for=14s; die@rank=1,step=70")  # fmt: skip
+    procs = launch(live_server, run, world=2, drill=drill, steps=90, work_ms=60, logs=tmp_path)
+    try:
+        dead = wait_for(lambda: state_changes(live_server, run, 1, "dead"), 150, "rank 1 dead")[0]
+        # gloo sees the peer's socket close and raises in rank 0 (NCCL would block it
+        # instead, and rank 0 would show as hung, waiting on rank 1).
+        rank0 = wait_for(
+            lambda: [r for r in live_server.get(f"/api/v1/runs/{run}/ranks").json()
+                     if r["rank"] == 0 and r["state"] in ("failed", "hung")],
+            30, "rank 0 failed or blocked behind the dead rank")[0]  # fmt: skip
+    finally:
+        codes = stop(procs)
+    assert codes[1] == 75, "the die drill exits with its documented code"
+    drills = {e["data"]["fault"]: e for e in events(live_server, run, "drill")}
+
+    # Straggler: rank 1 is the culprit, flagged within 20 steps; rank 0 never slow.
+    slow = state_changes(live_server, run, 1, "slow")
+    assert slow and slow[0]["data"]["role"] == "culprit"
+    flagged_after = slow[0]["step"] - 10
+    assert flagged_after <= 20
+    assert state_changes(live_server, run, 0, "slow") == []
+
+    # XID 79 from rank 1's (simulated) GPU, with the catalog's meaning and action.
+    (xid,) = events(live_server, run, "xid")
+    assert (xid["rank"], xid["data"]["code"], xid["data"]["action"]) == (1, 79, "drain")
+
+    # Thermal: rank 0's GPU samples show the heat and the throttle reasons.
+    hot = [
+        g for g in live_server.get(f"/api/v1/runs/{run}/gpu", rank=0).json() if g["temp_c"] == 92
+    ]
+    assert hot and "hw_thermal" in hot[0]["throttle"]
+
+    # Loss spike: flagged on the ranks' own loss after the scaled update.
+    flags = live_server.get(f"/api/v1/runs/{run}/flags").json()
+    spikes = [f for f in flags if "loss_spike" in f["flags"] or "grad_norm_spike" in f["flags"]]
+    assert spikes and min(f["step"] for f in spikes) >= 46
+
+    # Hang: rank 1 hung (culprit) within 10 s of its last progress; rank 0 its victim.
+    hung = state_changes(live_server, run, 1, "hung")
+    assert hung and hung[0]["data"]["role"] == "culprit"
+    hung_latency = hung[0]["ts"] - drills["hang"]["ts"]
+    assert hung_latency <= 10
+    hung_victim = [e for e in state_changes(live_server, run, 0, "hung") if e["ts"] < dead["ts"]]
+    assert (
+        hung_victim
+        and hung_victim[0]["data"]["role"] == "victim"
+        and hung_victim[0]["data"]["waiting_on"] == [1]
+    )
+    # ...and both healthy again once the hang is over.
+    assert [e for e in state_changes(live_server, run, 1, "healthy") if e["ts"] > hung[0]["ts"]]
+
+    # Death: dead within 3 missed heartbeats; the blocked peer is its victim.
+    dead_latency = dead["ts"] - drills["die"]["ts"]
+    assert dead_latency <= 3 * HEARTBEAT_S + 0.5
+    assert (
+        rank0["state"] == "failed"
+        and "Connection closed by peer" in rank0["state_detail"]["reason"]
+    )
+
+    print(f"\nstraggler flagged {flagged_after} steps after the slowdown began; "
+          f"hung flagged {hung_latency:.1f} s after the last progress; "
+          f"dead flagged {dead_latency:.1f} s after the process died")  # fmt: skip
+
+
+def test_one_slow_rank_among_eight_is_the_only_one_flagged(tmp_path: Path) -> None:
+    from ..conftest import start_serve, stop_serve
+
+    server = start_serve(f"sqlite:///{tmp_path / 'eight.db'}", tmp_path / "serve.log")
+    run = "drill8"
+    try:
+        procs = launch(server, run, world=8, drill="slow=1.3x@rank=5,steps=10-69", steps=70, work_ms=80,
+                       logs=tmp_path)  # fmt: skip
+        assert [p.wait(timeout=240) for p in procs] == [0] * 8
+        time.sleep(1.5)  # one more evaluation
+        changes = [e for e in events(server, run, "rank_state") if e["data"]["to"] == "slow"]
+    except (httpx.HTTPError, subprocess.TimeoutExpired):
+        stop(procs)
+        raise
+    finally:
+        stop_serve(server)
+    assert {e["rank"] for e in changes} == {5}, changes
+    assert changes[0]["step"] - 10 <= 20
+    print(
+        f"\n8 ranks: rank 5 (1.3x) flagged {changes[0]['step'] - 10} steps after its slowdown began; "
+        f"0 false flags on the other 7"
+    )
