@@ -60,8 +60,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from .demo import run_demo
+    from trainwarden.agent.drills import DrillError, parse
 
+    from .demo import DEFAULT_DRILL, run_demo
+
+    if args.drill is None:
+        args.drill = DEFAULT_DRILL
+    try:
+        parse("" if args.drill.lower() == "none" else args.drill)
+    except DrillError as exc:
+        raise CliError(str(exc)) from None
     settings = _settings(args)
     engine = _open_database(settings.db)
     run_demo(
@@ -70,6 +78,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         ranks=args.ranks,
         steps=args.steps,
         data_delay=args.data_delay,
+        drill=None if args.drill.lower() == "none" else args.drill,
         keep_serving=not args.exit_when_done,
     )
 
@@ -115,8 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--data-delay",
         type=float,
-        default=0.05,
-        help="seconds the demo's data loader takes per batch (default 0.05)",
+        default=0.03,
+        help="seconds the demo's data loader takes per batch (default 0.03)",
+    )
+    demo.add_argument(
+        "--drill",
+        default=None,
+        help="fault drill for the training run (default: a thermal throttle, a slow rank, a loss "
+        "spike and an XID; 'none' for a clean run); see the README for the form",
     )
     demo.add_argument(
         "--exit-when-done",

@@ -11,12 +11,19 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 from sqlalchemy import Engine
 
 from .settings import Settings
+
+# What the demo injects unless told otherwise: visible, and nothing that ends the run.
+DEFAULT_DRILL = (
+    "thermal=90C@rank=0,step=300; slow=1.5x@rank=1,steps=600-900; "
+    "loss_spike=30x@step=1200; xid=63@rank=1,step=1500"
+)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,7 +62,15 @@ def start_server(engine: Engine, settings: Settings):  # type: ignore[no-untyped
 
 
 def launch_ranks(
-    *, run: str, url: str, ranks: int, steps: int, data_delay: float
+    *,
+    run: str,
+    url: str,
+    ranks: int,
+    steps: int,
+    data_delay: float,
+    drill: str | None = None,
+    work_ms: float = 20.0,
+    log_path: str | None = None,
 ) -> list[subprocess.Popen]:
     master_port = free_port()
     procs = []
@@ -69,6 +84,9 @@ def launch_ranks(
             MASTER_PORT=str(master_port),
             OMP_NUM_THREADS="1",
         )
+        env.pop("TRAINWARDEN_DRILL", None)
+        if drill:
+            env["TRAINWARDEN_DRILL"] = drill
         cmd = [
             sys.executable,
             "-m",
@@ -81,8 +99,13 @@ def launch_ranks(
             str(steps),
             "--data-delay",
             str(data_delay),
+            "--work-ms",
+            str(work_ms),
         ]
-        procs.append(subprocess.Popen(cmd, env=env))
+        log = open(log_path, "a") if log_path else None  # noqa: SIM115 (closed with the process)
+        procs.append(
+            subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
+        )
     return procs
 
 
@@ -94,6 +117,7 @@ def run_demo(
     steps: int,
     data_delay: float,
     keep_serving: bool,
+    drill: str | None = None,
 ) -> None:
     if not _port_free(settings.host, settings.port):
         port = free_port(settings.host)
@@ -106,11 +130,27 @@ def run_demo(
     print(
         f"trainwarden demo: {ranks} ranks training for {steps} steps (Ctrl-C to stop)", flush=True
     )
-    procs = launch_ranks(run=run, url=base, ranks=ranks, steps=steps, data_delay=data_delay)
+    if drill:
+        print(f"trainwarden demo: drill {drill}", flush=True)
+    log_path = os.path.join(tempfile.gettempdir(), f"trainwarden-{run}.log")
+    print(f"trainwarden demo: training output in {log_path}", flush=True)
+    procs = launch_ranks(
+        run=run,
+        url=base,
+        ranks=ranks,
+        steps=steps,
+        data_delay=data_delay,
+        drill=drill,
+        log_path=log_path,
+    )
     try:
         codes = [p.wait() for p in procs]
         if any(codes):
-            print(f"trainwarden demo: training exited with {codes}", file=sys.stderr, flush=True)
+            print(
+                f"trainwarden demo: training exited with {codes}; see {log_path}",
+                file=sys.stderr,
+                flush=True,
+            )
         else:
             print("trainwarden demo: training finished", flush=True)
         if keep_serving:

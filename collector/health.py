@@ -224,7 +224,7 @@ def evaluate(
                          slow=slow, steps=steps)  # fmt: skip
         for r in ranks:
             state, detail = states[r["rank"]]
-            if state == r["state"] and detail.get("role") == (r["state_detail"] or {}).get("role"):
+            if state == r["state"]:  # same state; the detail (victim of whom, by how much) may move
                 if detail != (r["state_detail"] or {}):
                     conn.execute(update(m.ranks).where(m.ranks.c.run_id == run_id, m.ranks.c.rank == r["rank"])
                                  .values(state_detail=detail or None))  # fmt: skip

@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import os
+import time
 from typing import Any
 from urllib.parse import unquote
 
@@ -92,6 +93,7 @@ def run_layout(name: str, *, refresh_s: float) -> html.Div:
             dcc.Store(id="run-name", data=name),
             html.Div(id="run-header", children=html.H2(name)),
             html.Div(id="run-notice"),
+            html.Div(id="run-ranks"),
             *[dcc.Graph(id=f"run-{g}", **graph) for g in RUN_GRAPHS],
             dcc.Interval(id="run-interval", interval=int(refresh_s * 1000)),
         ]
@@ -118,6 +120,67 @@ def run_figures(client: Client, name: str) -> list[Any]:
         ),
         figures.band_figure(series("step_time"), title="Step time", revision=name),
     ]
+
+
+HEALTH_EVENTS = {"rank_state", "xid", "drill", "loss_divergence", "restart"}
+
+
+def _event_text(e: Any) -> str:
+    d = e.data or {}
+    if e.kind == "rank_state":
+        return f"{d.get('from')} → {d.get('to')}" + (f": {d['reason']}" if d.get("reason") else "")
+    if e.kind == "xid":
+        return f"XID {d.get('code')} {d.get('name', '')}: {d.get('meaning', '')} Action: {d.get('action')}"
+    if e.kind == "drill":
+        return f"drill injected: {d.get('spec') or d.get('fault')}"
+    if e.kind == "loss_divergence":
+        return f"loss diverges from peers (robust z {d.get('robust_z')}): {d.get('reason', '')}"
+    return e.kind
+
+
+def ranks_panel(run: Any, gpu: list[Any], events: list[Any]) -> html.Div:
+    """Rank states (culprits and victims say so), GPUs, and the latest health events."""
+    latest: dict[int, Any] = {}
+    for sample in gpu:
+        latest[sample.rank] = sample
+    rows = []
+    for r in run.ranks:
+        detail = r.state_detail or {}
+        role = f"{detail['role']}: " if detail.get("role") else ""
+        sample = latest.get(r.rank)
+        if sample is not None:
+            throttle = f" · {', '.join(sample.throttle)}" if sample.throttle else ""
+            sim = " (simulated)" if sample.simulated else ""
+            gpu_text = (
+                f"{sample.temp_c:.0f} °C{throttle}{sim}"
+                if sample.temp_c is not None
+                else sample.gpu_name
+            )
+        elif r.gpu and r.gpu.get("state") == "unavailable":
+            gpu_text = "no GPU telemetry"
+        else:
+            gpu_text = "—"
+        rows.append(html.Tr([
+            html.Td(r.rank), html.Td(r.node or r.host),
+            html.Td(html.Span(r.state, className=f"status status-{r.state}")),
+            html.Td(role + detail.get("reason", ""), className="detail"),
+            html.Td("—" if r.last_step is None else r.last_step), html.Td(gpu_text),
+        ]))  # fmt: skip
+    table = html.Table(
+        [html.Thead(html.Tr([html.Th(h) for h in ("Rank", "Node", "State", "Why", "Step", "GPU")])),
+         html.Tbody(rows)],
+        className="runs-table ranks-table",
+    )  # fmt: skip
+    recent = [e for e in events if e.kind in HEALTH_EVENTS][-8:]
+    items = [
+        html.Li([html.Span(dt.datetime.fromtimestamp(e.ts).strftime("%H:%M:%S"), className="fact-key"),
+                 html.Span(f"rank {e.rank} " if e.rank is not None else ""),
+                 html.Span(_event_text(e), className=f"sev-{e.severity}")])
+        for e in reversed(recent)
+    ]  # fmt: skip
+    return html.Div(
+        [table, html.Ul(items, className="events") if items else None], className="ranks-panel"
+    )
 
 
 def run_header(client: Client, name: str) -> Any:
@@ -192,21 +255,24 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
     @app.callback(
         Output("run-header", "children"),
         Output("run-notice", "children"),
+        Output("run-ranks", "children"),
         *[Output(f"run-{g}", "figure") for g in RUN_GRAPHS],
         Input("run-interval", "n_intervals"),
         State("run-name", "data"),
     )
     def refresh_run(_n: int | None, name: str) -> Any:
         try:
-            return (run_header(client, name), None, *run_figures(client, name))
+            run = client.get_run(name)
+            panel = ranks_panel(run, client.gpu(name, since=time.time() - 120), client.events(name))
+            return (run_header(client, name), None, panel, *run_figures(client, name))
         except NotFound:
             message = f"Run {name!r} not found. It appears once its first agent reports."
             empty = figures.empty_figure("No data")
-            return (html.H2(name), _notice(message, "error"), *[empty] * len(RUN_GRAPHS))
+            return (html.H2(name), _notice(message, "error"), None, *[empty] * len(RUN_GRAPHS))
         except Exception as exc:
             log.exception("run page %s", name)
             empty = figures.empty_figure("Data unavailable")
             message = f"Cannot read run data: {exc.__class__.__name__}. Retrying."
-            return (html.H2(name), _notice(message, "error"), *[empty] * len(RUN_GRAPHS))
+            return (html.H2(name), _notice(message, "error"), None, *[empty] * len(RUN_GRAPHS))
 
     return app

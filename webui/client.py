@@ -7,7 +7,14 @@ from typing import Protocol
 from sqlalchemy import Engine
 
 from trainwarden.collector import queries
-from trainwarden.collector.schemas import FlaggedStep, RunDetail, RunSummary, Series
+from trainwarden.collector.schemas import (
+    EventOut,
+    FlaggedStep,
+    GpuSample,
+    RunDetail,
+    RunSummary,
+    Series,
+)
 
 
 class Client(Protocol):
@@ -18,6 +25,10 @@ class Client(Protocol):
     def series(self, run: str, metric: str, *, last: int | None = None) -> Series: ...
 
     def flags(self, run: str) -> list[FlaggedStep]: ...
+
+    def events(self, run: str) -> list[EventOut]: ...
+
+    def gpu(self, run: str, *, since: float) -> list[GpuSample]: ...
 
 
 class LocalClient:
@@ -41,3 +52,11 @@ class LocalClient:
     def flags(self, run: str) -> list[FlaggedStep]:
         with self._engine.connect() as conn:
             return queries.flagged_steps(conn, run=run)
+
+    def events(self, run: str) -> list[EventOut]:
+        with self._engine.connect() as conn:
+            return queries.events(conn, run=run, limit=100_000)
+
+    def gpu(self, run: str, *, since: float) -> list[GpuSample]:
+        with self._engine.connect() as conn:
+            return queries.gpu_samples(conn, run=run, since=since)

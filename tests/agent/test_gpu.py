@@ -78,3 +78,37 @@ def test_sampled_profiler_reads_the_kernel_timeline() -> None:
     assert [s["step"] for s in profiled] == [4, 9]
     for s in profiled:
         assert s["compute_s"] > 0 and s["exposed_comm_s"] == 0  # kernels, no NCCL
+
+
+def _nvml_device_present() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+        return count > 0
+    except Exception:
+        return False
+
+
+@pytest.mark.skipif(not _nvml_device_present(), reason="no NVML device")
+def test_real_nvml_sampler_and_xid_listener() -> None:
+    from trainwarden.agent.gpu import NvmlDevice
+
+    device = NvmlDevice(0)
+    sample = device.sample()
+    print(f"\n{device.name}: {sample}")
+    for field in (
+        "temp_c",
+        "power_w",
+        "power_limit_w",
+        "sm_clock_mhz",
+        "sm_clock_max_mhz",
+        "mem_used_bytes",
+    ):
+        assert field in sample, field
+    assert 0 < sample["temp_c"] < 120
+    assert isinstance(sample.get("throttle", []), list)
+    assert device.wait_xid(200) is None  # the listener registers and waits without error
+    device.close()
