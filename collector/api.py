@@ -8,6 +8,7 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -15,8 +16,10 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from . import queries
 from .db import write
 from .ingest import ingest as store_batch
+from .ingest import ingest_columns as store_columns
 from .prom import CollectorMetrics
 from .schemas import (
+    ColumnarBatch,
     EventOut,
     FlaggedStep,
     GpuSample,
@@ -65,6 +68,26 @@ def ingest(batch: IngestBatch, request: Request) -> IngestResult:
     metrics.ingest_requests.labels("ok").inc()
     metrics.ingest_records.labels("step").inc(result.accepted_steps)
     metrics.ingest_records.labels("event").inc(result.accepted_events)
+    return result
+
+
+@router.post("/api/v1/ingest/columns", response_model=IngestResult, tags=["ingest"])
+def ingest_columns(batch: ColumnarBatch, request: Request) -> IngestResult:
+    """Store several ranks' steps in one request, column-wise (per-node forwarders, loadgen)."""
+    metrics = _metrics(request)
+    started = time.perf_counter()
+    try:
+        with write(_engine(request)) as conn:
+            result = store_columns(conn, batch=batch)
+    except ValueError as exc:  # a row that fails validation: name it
+        metrics.ingest_requests.labels("invalid").inc()
+        return JSONResponse({"error": str(exc)}, status_code=422)  # type: ignore[return-value]
+    except (OperationalError, DBAPIError) as exc:
+        metrics.ingest_requests.labels("unavailable").inc()
+        raise _unavailable(exc) from exc
+    metrics.ingest_seconds.observe(time.perf_counter() - started)
+    metrics.ingest_requests.labels("ok").inc()
+    metrics.ingest_records.labels("step").inc(result.accepted_steps)
     return result
 
 

@@ -14,6 +14,7 @@ from .api import router
 from .health import HealthLoop, HealthSettings
 from .prom import CollectorMetrics
 from .queries import NotFound, UnknownMetric
+from .rollup_worker import RollupLoop
 from .settings import Settings
 
 DEFAULT_HEALTH = HealthSettings()
@@ -33,20 +34,26 @@ def create_app(
     *,
     ui: bool = True,
     health: HealthSettings | None = DEFAULT_HEALTH,
+    rollups: bool = True,
 ) -> FastAPI:
     """Build the app on an engine whose schema is already at head (see ``db.upgrade``).
 
     ``health``: settings of the rank-health evaluator thread; ``None`` runs none.
+    ``rollups``: run the rollup worker thread (tests turn it off and call ``flush``).
     """
     settings = settings or Settings()
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        loop = HealthLoop(engine, health) if health is not None else None
-        if loop is not None:
+        loops: list[HealthLoop | RollupLoop] = []
+        if rollups:
+            loops.append(RollupLoop(engine))
+        if health is not None:
+            loops.append(HealthLoop(engine, health))
+        for loop in loops:
             loop.start()
         yield
-        if loop is not None:
+        for loop in loops:
             loop.stop()
 
     app = FastAPI(

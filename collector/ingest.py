@@ -1,4 +1,4 @@
-"""Ingest: store one agent batch, keep run and rank state, and roll steps up.
+"""Ingest: store one agent batch, keep run and rank state, and queue steps for rollup.
 
 Idempotent: a step replayed after a restart (same run, rank and step) overwrites the
 earlier row, and an event whose id was seen before is ignored. A rank that comes
@@ -10,15 +10,16 @@ from __future__ import annotations
 import math
 import time
 import uuid
+from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Connection, case, func, select, update
+from sqlalchemy import Connection, case, func, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 
 from . import models as m
 from .db import is_sqlite
-from .rollups import aggregate
-from .schemas import IngestBatch, IngestResult
+from .schemas import AgentInfo, ColumnarBatch, IngestBatch, IngestResult, StepIn
 
 
 def _insert(conn: Connection, table: Any) -> Any:
@@ -37,24 +38,18 @@ def upsert(conn: Connection, table: Any, rows: list[dict[str, Any]], *, key: lis
     conn.execute(stmt, rows)
 
 
-def _lock_run(conn: Connection, *, name: str, world_size: int, now: float) -> int:
-    """Return the run's id, creating it if needed, and hold its row lock until commit.
-
-    The lock serializes ingest of one run on PostgreSQL so that the rollup of a step
-    always sees every rank's committed row (SQLite's BEGIN IMMEDIATE does the same).
-    """
+def _run_id(conn: Connection, *, name: str, world_size: int, now: float) -> int:
+    """The run's id, creating the run on its first batch (two ranks may race: both fine)."""
     stmt = _insert(conn, m.runs).on_conflict_do_nothing(index_elements=["name"])
     conn.execute(
         stmt, {"name": name, "created_at": now, "updated_at": now, "world_size": world_size}
     )
-    query = select(m.runs.c.id).where(m.runs.c.name == name)
-    if not is_sqlite(conn):
-        query = query.with_for_update()
-    return int(conn.execute(query).scalar_one())
+    return int(conn.execute(select(m.runs.c.id).where(m.runs.c.name == name)).scalar_one())
 
 
-def _track_rank(conn: Connection, *, run_id: int, batch: IngestBatch, now: float) -> None:
-    agent = batch.agent
+def _track_rank(
+    conn: Connection, *, run_id: int, agent: AgentInfo, steps: list[StepIn], now: float
+) -> None:
     previous = conn.execute(
         select(m.ranks.c.session).where(m.ranks.c.run_id == run_id, m.ranks.c.rank == agent.rank)
     ).scalar_one_or_none()
@@ -74,7 +69,7 @@ def _track_rank(conn: Connection, *, run_id: int, batch: IngestBatch, now: float
                 "data": {"previous_session": previous, "session": agent.session, "pid": agent.pid},
             },
         )
-    last_step = max((s.step for s in batch.steps), default=None)
+    last_step = max((s.step for s in steps), default=None)
     if agent.last_step is not None:
         last_step = max(agent.last_step, last_step) if last_step is not None else agent.last_step
     row = {
@@ -139,9 +134,11 @@ def _store_gpu(conn: Connection, *, run_id: int, batch: IngestBatch, now: float)
 _STEP_COLUMNS = {c.name for c in m.rank_steps.columns} - {"run_id", "rank", "recv_ts", "issues"}
 
 
-def _step_rows(*, run_id: int, batch: IngestBatch, now: float) -> list[dict[str, Any]]:
+def _step_rows(
+    *, run_id: int, pairs: Iterable[tuple[int, StepIn]], now: float
+) -> list[dict[str, Any]]:
     rows = []
-    for s in batch.steps:
+    for rank, s in pairs:
         row = s.model_dump(include=_STEP_COLUMNS)
         issues = dict(s.issues or {})
         for name in ("loss", "grad_norm"):
@@ -150,40 +147,35 @@ def _step_rows(*, run_id: int, batch: IngestBatch, now: float) -> list[dict[str,
                 # SQLite cannot store NaN: keep the fact in `issues` on every backend.
                 issues[name] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
                 row[name] = None
-        row.update(run_id=run_id, rank=batch.agent.rank, recv_ts=now, issues=issues or None)
+        row.update(run_id=run_id, rank=rank, recv_ts=now, issues=issues or None)
         rows.append(row)
     # A batch may carry the same step twice (a replay inside one batch): last one wins.
-    return list({row["step"]: row for row in rows}.values())
+    return list({(row["rank"], row["step"]): row for row in rows}.values())
 
 
-def _roll_up(conn: Connection, *, run_id: int, steps: set[int]) -> None:
+def _queue_rollups(conn: Connection, *, run_id: int, steps: set[int], now: float) -> None:
+    """Mark steps for the rollup worker; a step already queued gets a new ``last_seen``."""
     if not steps:
         return
-    rows = (
-        conn.execute(
-            select(m.rank_steps).where(
-                m.rank_steps.c.run_id == run_id, m.rank_steps.c.step.in_(steps)
-            )
-        )
-        .mappings()
-        .all()
+    stmt = _insert(conn, m.rollup_queue)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["run_id", "step"], set_={"last_seen": stmt.excluded.last_seen}
     )
-    by_step: dict[int, list[Any]] = {}
-    for row in rows:
-        by_step.setdefault(row["step"], []).append(row)
-    stats = [stat for step, group in by_step.items() for stat in aggregate(run_id, step, group)]
-    upsert(conn, m.step_stats, stats, key=["run_id", "metric", "step"])
+    conn.execute(
+        stmt,
+        [{"run_id": run_id, "step": step, "first_seen": now, "last_seen": now} for step in steps],
+    )
 
 
 def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) -> IngestResult:
     """Store ``batch`` in the caller's transaction."""
     now = time.time() if now is None else now
-    run_id = _lock_run(conn, name=batch.run, world_size=batch.agent.world_size, now=now)
-    _track_rank(conn, run_id=run_id, batch=batch, now=now)
+    run_id = _run_id(conn, name=batch.run, world_size=batch.agent.world_size, now=now)
+    _track_rank(conn, run_id=run_id, agent=batch.agent, steps=batch.steps, now=now)
 
-    rows = _step_rows(run_id=run_id, batch=batch, now=now)
+    rows = _step_rows(run_id=run_id, pairs=((batch.agent.rank, s) for s in batch.steps), now=now)
     upsert(conn, m.rank_steps, rows, key=["run_id", "step", "rank"])
-    _roll_up(conn, run_id=run_id, steps={row["step"] for row in rows})
+    _queue_rollups(conn, run_id=run_id, steps={row["step"] for row in rows}, now=now)
 
     accepted_events = 0
     if batch.events:
@@ -228,26 +220,62 @@ def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) ->
                 )
 
     _store_gpu(conn, run_id=run_id, batch=batch, now=now)
-    _update_run(conn, run_id=run_id, batch=batch, now=now)
+    _update_run(
+        conn,
+        run_id=run_id,
+        world_size=batch.agent.world_size,
+        last=max((s.step for s in batch.steps), default=batch.agent.last_step),
+        shutdown=any(e.kind == "shutdown" for e in batch.events),
+        now=now,
+    )
     return IngestResult(accepted_steps=len(rows), accepted_events=accepted_events)
 
 
-def _update_run(conn: Connection, *, run_id: int, batch: IngestBatch, now: float) -> None:
+def _update_run(
+    conn: Connection, *, run_id: int, world_size: int, last: int | None, shutdown: bool, now: float
+) -> None:
+    """Last: this row is shared by every rank of the run, so hold its lock briefly."""
+    values: dict[str, Any] = {"updated_at": now, "world_size": world_size}
+    if last is not None:
+        r = m.runs.c
+        values["last_step"] = case(
+            (or_(r.last_step.is_(None), r.last_step < last), last), else_=r.last_step
+        )
+    if not shutdown:
+        conn.execute(update(m.runs).where(m.runs.c.id == run_id).values(status="running", **values))
+        return
+    # A rank said goodbye: count how the ranks ended (rare, so a scan is fine).
     counts = conn.execute(
         select(
             func.count(),
             func.sum(case((m.ranks.c.state.in_(("finished", "failed")), 1), else_=0)),
             func.sum(case((m.ranks.c.state == "failed", 1), else_=0)),
-            func.max(m.ranks.c.last_step),
         ).where(m.ranks.c.run_id == run_id)
     ).one()
-    seen, ended, failed, last_step = counts[0], counts[1] or 0, counts[2] or 0, counts[3]
-    world = batch.agent.world_size
+    seen, ended, failed = counts[0], counts[1] or 0, counts[2] or 0
     status = "running"
-    if seen >= world and ended == seen:  # every rank said goodbye
+    if seen >= world_size and ended == seen:  # every rank said goodbye
         status = "failed" if failed else "finished"
-    conn.execute(
-        update(m.runs)
-        .where(m.runs.c.id == run_id)
-        .values(updated_at=now, world_size=world, last_step=last_step, status=status)
+    conn.execute(update(m.runs).where(m.runs.c.id == run_id).values(status=status, **values))
+
+
+def ingest_columns(
+    conn: Connection, *, batch: ColumnarBatch, now: float | None = None
+) -> IngestResult:
+    """Store several ranks' steps (a node's, say) in the caller's transaction."""
+    now = time.time() if now is None else now
+    run_id = _run_id(conn, name=batch.run, world_size=batch.world_size, now=now)
+    pairs = batch.rows()
+    by_rank: dict[int, list[StepIn]] = defaultdict(list)
+    for rank, s in pairs:
+        by_rank[rank].append(s)
+    for agent in batch.agents:
+        _track_rank(conn, run_id=run_id, agent=agent, steps=by_rank.get(agent.rank, []), now=now)
+    rows = _step_rows(run_id=run_id, pairs=pairs, now=now)
+    upsert(conn, m.rank_steps, rows, key=["run_id", "step", "rank"])
+    _queue_rollups(conn, run_id=run_id, steps={row["step"] for row in rows}, now=now)
+    last = max((s.step for _, s in pairs), default=None)
+    _update_run(
+        conn, run_id=run_id, world_size=batch.world_size, last=last, shutdown=False, now=now
     )
+    return IngestResult(accepted_steps=len(rows), accepted_events=0)

@@ -175,3 +175,13 @@ gpu_samples = Table(
     Column("recovery_action", String(32)),
     Column("simulated", Integer, nullable=False, server_default="0"),
 )
+
+# Steps waiting to be rolled up across ranks (see rollup_worker).
+rollup_queue = Table(
+    "rollup_queue",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", BigInteger, primary_key=True),
+    Column("first_seen", Float, nullable=False),
+    Column("last_seen", Float, nullable=False),
+)

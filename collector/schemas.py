@@ -156,6 +156,69 @@ class IngestBatch(BaseModel):
     gpu: list[GpuSampleIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
 
 
+STEP_COLUMNS = frozenset(StepIn.model_fields)
+
+
+class ColumnarBatch(BaseModel):
+    """``POST /api/v1/ingest/columns``: several ranks' steps in one request, column-wise.
+
+    For per-node forwarders and load generators: ``agents`` has one header per rank in
+    the request; ``steps`` maps a step field (as in ``StepIn``) plus ``rank`` to a list,
+    all lists of one length.
+    """
+
+    run: str = Field(pattern=RUN_NAME_PATTERN)
+    world_size: int = Field(ge=1, le=1_000_000)
+    agents: list[AgentInfo] = Field(min_length=1, max_length=65_536)
+    steps: dict[str, list[Any]] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _agents_share_the_world(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("agents"), list):
+            data = {**data, "agents": [{"world_size": data.get("world_size"), **a} if isinstance(a, dict) else a
+                                       for a in data["agents"]]}  # fmt: skip
+        return data
+
+    @model_validator(mode="after")
+    def _columns(self) -> ColumnarBatch:
+        if not self.steps:
+            return self
+        unknown = set(self.steps) - STEP_COLUMNS - {"rank"}
+        if unknown:
+            raise ValueError(
+                f"unknown step columns {sorted(unknown)}; known: {sorted(STEP_COLUMNS)}"
+            )
+        missing = {"rank", "step", "ts", "duration_s"} - set(self.steps)
+        if missing:
+            raise ValueError(f"missing step columns {sorted(missing)}")
+        lengths = {name: len(values) for name, values in self.steps.items()}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"step columns differ in length: {lengths}")
+        if lengths["rank"] > MAX_RECORDS_PER_BATCH * 4:
+            raise ValueError(f"at most {MAX_RECORDS_PER_BATCH * 4} step rows per request")
+        known = {a.rank for a in self.agents}
+        stray = set(self.steps["rank"]) - known
+        if stray:
+            raise ValueError(
+                f"step rows for ranks {sorted(stray)[:5]} that have no entry in agents"
+            )
+        return self
+
+    def rows(self) -> list[tuple[int, StepIn]]:
+        """(rank, step) pairs, each validated like a single agent's step."""
+        names = list(self.steps)
+        out = []
+        for i, values in enumerate(zip(*self.steps.values(), strict=True)):
+            row = dict(zip(names, values, strict=True))
+            rank = row.pop("rank")
+            try:
+                out.append((rank, StepIn.model_validate(row)))
+            except ValueError as exc:
+                raise ValueError(f"steps row {i}: {exc}") from None
+        return out
+
+
 class IngestResult(BaseModel):
     accepted_steps: int
     accepted_events: int

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from fastapi.testclient import TestClient
 
 from trainwarden.collector.app import create_app
+from trainwarden.collector.rollup_worker import flush
 
 from .helpers import batch, step
 
 
 @pytest.fixture
 def client(engine):  # type: ignore[no-untyped-def]
-    with TestClient(create_app(engine, ui=False)) as c:
+    # No background threads: each test rolls steps up itself, at a known moment.
+    with TestClient(create_app(engine, ui=False, health=None, rollups=False)) as c:
         yield c
 
 
 def ingest(client: TestClient, body: dict) -> dict:
     response = client.post("/api/v1/ingest", json=body)
     assert response.status_code == 200, response.text
+    flush(client.app.state.engine, now=time.time(), grace_s=0)
     return response.json()
 
 
@@ -239,3 +244,52 @@ def test_bad_telemetry_fields_are_named(
     response = client.post("/api/v1/ingest", json=batch(steps=[{**step(0), field: value}]))
     assert response.status_code == 422
     assert message in response.json()["error"]
+
+
+def columns_body(ranks: range, steps: range, **overrides: object) -> dict:
+    rows = [(r, s) for s in steps for r in ranks]
+    body = {
+        "run": "node-batched",
+        "world_size": 8,
+        "agents": [
+            {"rank": r, "host": "node7", "node": "node7", "session": f"s{r}"} for r in ranks
+        ],
+        "steps": {
+            "rank": [r for r, _ in rows],
+            "step": [s for _, s in rows],
+            "ts": [1_700_000_000.0 + s for _, s in rows],
+            "duration_s": [0.5] * len(rows),
+            "loss": [2.0 + r / 10 for r, _ in rows],
+        },
+    }
+    body.update(overrides)
+    return body
+
+
+def test_columnar_ingest_stores_a_nodes_ranks_in_one_request(client: TestClient) -> None:
+    response = client.post("/api/v1/ingest/columns", json=columns_body(range(8), range(3)))
+    assert response.status_code == 200, response.text
+    assert response.json()["accepted_steps"] == 24
+    flush(client.app.state.engine, now=time.time(), grace_s=0)
+    loss = client.get("/api/v1/runs/node-batched/series", params={"metric": "loss"}).json()
+    assert loss["n"] == [8, 8, 8] and loss["min"] == [2.0] * 3 and loss["max"] == [2.7] * 3
+    assert len(client.get("/api/v1/runs/node-batched/ranks").json()) == 8
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda b: b["steps"]["loss"].pop(), "differ in length"),
+        (lambda b: b["steps"].update(lossy=[1.0] * 24), "unknown step columns ['lossy']"),
+        (lambda b: b["steps"].pop("duration_s"), "missing step columns ['duration_s']"),
+        (lambda b: b["agents"].pop(), "ranks [7] that have no entry in agents"),
+        (lambda b: b["steps"]["duration_s"].__setitem__(5, -1), "steps row 5"),
+    ],
+)
+def test_bad_columnar_bodies_say_what_is_wrong(client: TestClient, change, message: str) -> None:
+    body = columns_body(range(8), range(3))
+    change(body)
+    response = client.post("/api/v1/ingest/columns", json=body)
+    assert response.status_code == 422
+    assert message in response.json()["error"]
+    assert client.get("/api/v1/runs").json() == []

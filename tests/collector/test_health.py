@@ -9,6 +9,7 @@ from trainwarden.collector import models as m
 from trainwarden.collector.db import write
 from trainwarden.collector.health import HealthSettings, evaluate
 from trainwarden.collector.ingest import ingest
+from trainwarden.collector.rollup_worker import flush
 from trainwarden.collector.schemas import IngestBatch
 
 from .helpers import batch, step
@@ -31,6 +32,7 @@ def send(engine, *, rank: int, world: int = 2, steps=(), at: float, phase=None, 
 def states(
     engine, now: float, settings: HealthSettings | None = None
 ) -> dict[int, tuple[str, dict]]:
+    flush(engine, now=now, grace_s=0)
     with write(engine) as conn:
         evaluate(conn, now=now, settings=settings or HealthSettings())
         rows = conn.execute(select(m.ranks.c.rank, m.ranks.c.state, m.ranks.c.state_detail)).all()

@@ -1,0 +1,127 @@
+"""Roll steps up across ranks once, when they are complete, not on every rank's batch.
+
+Ingest marks each (run, step) it writes in ``rollup_queue`` (upserting ``last_seen``).
+The worker rolls a queued step up when every rank of the run has reported it, or
+when ``grace_s`` has passed since the step was first queued (late or dead ranks), and
+then removes it from the queue, unless a row arrived meanwhile (``last_seen`` moved):
+then the step stays queued and is rolled up again with the late rank included.
+
+One worker runs at a time: on PostgreSQL it takes an advisory lock, so any number of
+collectors can run against one database without double work.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import defaultdict
+from typing import Any
+
+from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, text, tuple_
+
+from . import models as m
+from .db import is_sqlite, write
+from .ingest import upsert
+from .rollups import aggregate
+
+log = logging.getLogger(__name__)
+
+ADVISORY_LOCK_KEY = 0x7477_726F_6C6C  # "twroll"
+GRACE_S = 5.0
+MAX_STEPS_PER_PASS = 2_000
+
+
+def roll_up_ready(conn: Connection, *, now: float, grace_s: float = GRACE_S) -> int:
+    """Roll up every queued step that is complete or past its grace period."""
+    q, s, r = m.rollup_queue.c, m.rank_steps.c, m.runs.c
+    counts = (
+        select(
+            q.run_id, q.step, q.first_seen, q.last_seen, r.world_size, func.count(s.rank).label("n")
+        )
+        .join(m.runs, r.id == q.run_id)
+        .join(m.rank_steps, and_(s.run_id == q.run_id, s.step == q.step))
+        .group_by(q.run_id, q.step, q.first_seen, q.last_seen, r.world_size)
+        .order_by(q.first_seen)
+        .limit(MAX_STEPS_PER_PASS)
+    )
+    ready = [
+        row
+        for row in conn.execute(counts)
+        if row.n >= row.world_size or now - row.first_seen >= grace_s
+    ]
+    if not ready:
+        return 0
+    keys = [(row.run_id, row.step) for row in ready]
+    rows = conn.execute(select(m.rank_steps).where(tuple_(s.run_id, s.step).in_(keys))).mappings()
+    groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
+    for row in rows:
+        groups[(row["run_id"], row["step"])].append(row)
+    stats = [
+        stat for (run_id, step), group in groups.items() for stat in aggregate(run_id, step, group)
+    ]
+    upsert(conn, m.step_stats, stats, key=["run_id", "metric", "step"])
+    # Done, unless a late row re-touched the step since we counted (then it stays queued).
+    conn.execute(
+        delete(m.rollup_queue).where(
+            or_(
+                *[
+                    and_(q.run_id == row.run_id, q.step == row.step, q.last_seen <= row.last_seen)
+                    for row in ready
+                ]
+            )
+        )
+    )
+    return len(ready)
+
+
+def flush(engine: Engine, *, now: float, grace_s: float = GRACE_S) -> int:
+    """Roll up everything ready now (tests and shutdown use it); waits for the lock."""
+    total = 0
+    while True:
+        with write(engine) as conn:
+            if not is_sqlite(conn):
+                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY})
+            done = roll_up_ready(conn, now=now, grace_s=grace_s)
+        total += done
+        if done < MAX_STEPS_PER_PASS:
+            return total
+
+
+class RollupLoop:
+    """The worker's thread inside ``serve``."""
+
+    def __init__(
+        self, engine: Engine, *, interval_s: float = 0.25, grace_s: float = GRACE_S
+    ) -> None:
+        self.engine = engine
+        self.interval_s = interval_s
+        self.grace_s = grace_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainwarden-rollup", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _once(self) -> int:
+        import time
+
+        with write(self.engine) as conn:
+            if not is_sqlite(conn):
+                got = conn.execute(
+                    text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY}
+                ).scalar()
+                if not got:
+                    return 0
+            return roll_up_ready(conn, now=time.time(), grace_s=self.grace_s)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                while self._once() >= MAX_STEPS_PER_PASS:
+                    pass  # a backlog: keep going
+            except Exception:  # an outage must not end rollups for good
+                log.exception("rollup failed; retrying")

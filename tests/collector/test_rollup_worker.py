@@ -1,0 +1,64 @@
+"""Steps are rolled up once they are complete, or after a grace period; late ranks count."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from trainwarden.collector import models as m
+from trainwarden.collector.db import write
+from trainwarden.collector.ingest import ingest
+from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.schemas import IngestBatch
+
+from .helpers import batch, step
+
+T0 = 1_700_000_000.0
+
+
+def send(engine, rank: int, steps: list[int], at: float, world: int = 3) -> None:  # type: ignore[no-untyped-def]
+    body = batch(rank=rank, world_size=world, steps=[step(i, loss=float(rank)) for i in steps])
+    with write(engine) as conn:
+        ingest(conn, batch=IngestBatch.model_validate(body), now=at)
+
+
+def loss_stats(engine) -> dict[int, tuple[int, float]]:  # type: ignore[no-untyped-def]
+    s = m.step_stats.c
+    with engine.connect() as conn:
+        rows = conn.execute(select(s.step, s.n, s.max).where(s.metric == "loss")).all()
+    return {step: (n, top) for step, n, top in rows}
+
+
+def queued(engine) -> set[int]:  # type: ignore[no-untyped-def]
+    with engine.connect() as conn:
+        return set(conn.execute(select(m.rollup_queue.c.step)).scalars())
+
+
+def test_a_complete_step_rolls_up_at_once_an_incomplete_one_waits_for_grace(engine) -> None:
+    for rank in range(3):
+        send(engine, rank, [0, 1] if rank < 2 else [0], at=T0)
+    assert flush(engine, now=T0 + 0.1, grace_s=5) == 1  # step 0 complete; step 1 lacks rank 2
+    assert loss_stats(engine) == {0: (3, 2.0)}
+    assert queued(engine) == {1}
+    assert flush(engine, now=T0 + 5.1, grace_s=5) == 1  # grace over: roll up what is there
+    assert loss_stats(engine)[1] == (2, 1.0)
+    assert queued(engine) == set()
+
+
+def test_a_late_rank_is_rolled_in_again(engine) -> None:
+    for rank in range(2):
+        send(engine, rank, [0], at=T0)
+    flush(engine, now=T0 + 6, grace_s=5)
+    assert loss_stats(engine)[0] == (2, 1.0)
+    send(engine, 2, [0], at=T0 + 7)  # rank 2 was late
+    flush(engine, now=T0 + 7.1, grace_s=5)
+    assert loss_stats(engine)[0] == (3, 2.0)
+
+
+def test_a_replayed_batch_changes_nothing(engine) -> None:
+    for rank in range(3):
+        send(engine, rank, [0, 1], at=T0)
+    flush(engine, now=T0 + 1)
+    before = loss_stats(engine)
+    send(engine, 1, [0, 1], at=T0 + 2)
+    flush(engine, now=T0 + 3)
+    assert loss_stats(engine) == before
