@@ -15,6 +15,7 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 
 from . import queries
 from .db import write
+from .ingest import forget_runs
 from .ingest import ingest as store_batch
 from .ingest import ingest_columns as store_columns
 from .prom import CollectorMetrics
@@ -62,6 +63,7 @@ def ingest(batch: IngestBatch, request: Request) -> IngestResult:
         with write(_engine(request)) as conn:
             result = store_batch(conn, batch=batch)
     except (OperationalError, DBAPIError) as exc:
+        forget_runs(_engine(request))
         metrics.ingest_requests.labels("unavailable").inc()
         raise _unavailable(exc) from exc
     metrics.ingest_seconds.observe(time.perf_counter() - started)
@@ -80,9 +82,11 @@ def ingest_columns(batch: ColumnarBatch, request: Request) -> IngestResult:
         with write(_engine(request)) as conn:
             result = store_columns(conn, batch=batch)
     except ValueError as exc:  # a row that fails validation: name it
+        forget_runs(_engine(request))
         metrics.ingest_requests.labels("invalid").inc()
         return JSONResponse({"error": str(exc)}, status_code=422)  # type: ignore[return-value]
     except (OperationalError, DBAPIError) as exc:
+        forget_runs(_engine(request))
         metrics.ingest_requests.labels("unavailable").inc()
         raise _unavailable(exc) from exc
     metrics.ingest_seconds.observe(time.perf_counter() - started)

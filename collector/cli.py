@@ -91,6 +91,12 @@ def cmd_db_upgrade(args: argparse.Namespace) -> None:
     print(f"trainwarden: database {masked(settings.db)} is at the latest schema")
 
 
+def _cmd_loadgen(args: argparse.Namespace) -> None:
+    from .loadgen import cmd_loadgen
+
+    cmd_loadgen(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="trainwarden",
@@ -139,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop serving when training ends (default: keep the dashboard up)",
     )
     demo.set_defaults(func=cmd_demo)
+
+    load = sub.add_parser("loadgen", help="simulate many ranks sending to a collector (benchmarks)")
+    load.add_argument("--url", default="http://127.0.0.1:8000", help="collector URL")
+    load.add_argument("--ranks", type=int, default=1024)
+    load.add_argument(
+        "--ranks-per-node", type=int, default=8, help="ranks per request (one per node)"
+    )
+    load.add_argument("--steps-per-s", type=float, default=1.0)
+    load.add_argument("--duration", type=float, default=30.0, help="seconds")
+    load.add_argument("--run", help="run name (default loadgen-<time>)")
+    load.add_argument("--slow-rank", type=int, help="make this rank a 1.3x straggler")
+    load.set_defaults(func=_cmd_loadgen)
 
     db = sub.add_parser("db", help="database maintenance")
     db_sub = db.add_subparsers(dest="db_command", required=True)

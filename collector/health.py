@@ -91,20 +91,32 @@ def _compute(row: Any) -> float:
     return row["compute_s"] if row["compute_s"] is not None else row["duration_s"]
 
 
+def median_without(values: list[float], i: int) -> float:
+    """The median of sorted ``values`` without the element at index ``i``, in O(1)."""
+    n = len(values) - 1
+
+    def at(k: int) -> float:  # the k-th element once index i is removed
+        return values[k if k < i else k + 1]
+
+    if n % 2:
+        return at(n // 2)
+    return (at(n // 2 - 1) + at(n // 2)) / 2
+
+
 def stragglers(steps: dict[int, dict[int, Any]], *, ratio: float, window: int) -> dict[int, float]:
     """Ranks slower than ``ratio`` x their peers' median compute on each of the last
-    ``window`` steps: {rank: median ratio}."""
+    ``window`` steps: {rank: median ratio}. O(ranks log ranks) per step."""
     if len(steps) < window:
         return {}
-    last = [steps[s] for s in sorted(steps)[-window:]]
     ratios: dict[int, list[float]] = defaultdict(list)
-    for ranks in last:
-        for rank, row in ranks.items():
-            peers = [_compute(other) for r, other in ranks.items() if r != rank]
-            if not peers:
-                continue
-            base = statistics.median(peers)
-            ratios[rank].append(_compute(row) / base if base > 0 else 1.0)
+    for step in sorted(steps)[-window:]:
+        ranked = sorted((_compute(row), rank) for rank, row in steps[step].items())
+        if len(ranked) < 2:
+            continue
+        values = [v for v, _ in ranked]
+        for i, (value, rank) in enumerate(ranked):
+            base = median_without(values, i)
+            ratios[rank].append(value / base if base > 0 else 1.0)
     return {
         rank: statistics.median(values)
         for rank, values in ratios.items()
@@ -210,7 +222,9 @@ def evaluate(
     for run_id, world in runs:
         ranks = (
             conn.execute(
-                select(m.ranks).where(m.ranks.c.run_id == run_id, m.ranks.c.state.in_(LIVE))
+                select(m.ranks)
+                .where(m.ranks.c.run_id == run_id, m.ranks.c.state.in_(LIVE))
+                .order_by(m.ranks.c.rank)  # the order ingest locks rank rows in: no deadlocks
             )
             .mappings()
             .all()
@@ -224,8 +238,12 @@ def evaluate(
                          slow=slow, steps=steps)  # fmt: skip
         for r in ranks:
             state, detail = states[r["rank"]]
-            if state == r["state"]:  # same state; the detail (victim of whom, by how much) may move
-                if detail != (r["state_detail"] or {}):
+            if state == r["state"]:  # same state: rewrite the detail only if its gist changed
+                before = r["state_detail"] or {}
+                if (detail.get("role"), detail.get("waiting_on")) != (
+                    before.get("role"),
+                    before.get("waiting_on"),
+                ):
                     conn.execute(update(m.ranks).where(m.ranks.c.run_id == run_id, m.ranks.c.rank == r["rank"])
                                  .values(state_detail=detail or None))  # fmt: skip
                 continue

@@ -183,5 +183,6 @@ rollup_queue = Table(
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("step", BigInteger, primary_key=True),
     Column("first_seen", Float, nullable=False),
-    Column("last_seen", Float, nullable=False),
+    Column("rolled_n", Integer),  # rows the last rollup saw
+    Column("rolled_at", Float),  # newest receive time the last rollup saw
 )

@@ -29,28 +29,38 @@ class UnknownMetric(ValueError):
         super().__init__(f"unknown metric {metric!r}; known metrics: {', '.join(METRICS)}")
 
 
-def _ranks_seen():  # type: ignore[no-untyped-def]
+def _from_ranks(fn, label: str):  # type: ignore[no-untyped-def]
     return (
-        select(func.count())
+        select(fn)
         .where(m.ranks.c.run_id == m.runs.c.id)
         .correlate(m.runs)
         .scalar_subquery()
-        .label("ranks_seen")
+        .label(label)
     )
+
+
+def _run_columns() -> list:  # type: ignore[type-arg]
+    """A run's row, with its last step and last update read from its ranks (the run row
+    itself is written at most once a second)."""
+    r = m.runs.c
+    return [
+        r.id, r.name, r.status, r.world_size, r.created_at,
+        _from_ranks(func.count(), "ranks_seen"),
+        func.coalesce(_from_ranks(func.max(m.ranks.c.last_step), "x"), r.last_step).label("last_step"),
+        func.coalesce(_from_ranks(func.max(m.ranks.c.last_seen), "y"), r.updated_at).label("updated_at"),
+    ]  # fmt: skip
 
 
 def list_runs(conn: Connection, *, limit: int = 200) -> list[RunSummary]:
     """Runs, most recently updated first."""
     rows = conn.execute(
-        select(m.runs, _ranks_seen()).order_by(m.runs.c.updated_at.desc()).limit(limit)
+        select(*_run_columns()).order_by(m.runs.c.updated_at.desc()).limit(limit)
     ).mappings()
     return [RunSummary.model_validate(dict(row)) for row in rows]
 
 
 def _run_row(conn: Connection, name: str) -> Any:
-    row = (
-        conn.execute(select(m.runs, _ranks_seen()).where(m.runs.c.name == name)).mappings().first()
-    )
+    row = conn.execute(select(*_run_columns()).where(m.runs.c.name == name)).mappings().first()
     if row is None:
         raise NotFound(f"run {name!r} not found")
     return row

@@ -1,10 +1,11 @@
 """Roll steps up across ranks once, when they are complete, not on every rank's batch.
 
-Ingest marks each (run, step) it writes in ``rollup_queue`` (upserting ``last_seen``).
-The worker rolls a queued step up when every rank of the run has reported it, or
-when ``grace_s`` has passed since the step was first queued (late or dead ranks), and
-then removes it from the queue, unless a row arrived meanwhile (``last_seen`` moved):
-then the step stays queued and is rolled up again with the late rank included.
+Ingest queues each (run, step) it writes in ``rollup_queue`` (insert-if-absent: no
+row lock, so a step's ranks never wait on each other). The worker rolls a queued step
+up when every rank of the run has reported it, or when ``grace_s`` has passed since
+it was first queued (late or dead ranks), and records how many rows it saw and the
+newest receive time. A late or replayed row changes one of those, and the step is
+rolled up again. Steps leave the queue ``SETTLE_S`` after their last rollup.
 
 One worker runs at a time: on PostgreSQL it takes an advisory lock, so any number of
 collectors can run against one database without double work.
@@ -17,7 +18,7 @@ import threading
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, delete, func, or_, select, text, tuple_
+from sqlalchemy import Connection, Engine, and_, delete, func, select, text, tuple_, update
 
 from . import models as m
 from .db import is_sqlite, write
@@ -28,50 +29,58 @@ log = logging.getLogger(__name__)
 
 ADVISORY_LOCK_KEY = 0x7477_726F_6C6C  # "twroll"
 GRACE_S = 5.0
+SETTLE_S = 30.0  # a rolled-up step stays queued this long, to catch late and replayed rows
+RECHECK_EVERY = 8  # passes between looks at already rolled-up steps (late rows, replays)
 MAX_STEPS_PER_PASS = 2_000
 
 
-def roll_up_ready(conn: Connection, *, now: float, grace_s: float = GRACE_S) -> int:
-    """Roll up every queued step that is complete or past its grace period."""
+def roll_up_ready(
+    conn: Connection, *, now: float, grace_s: float = GRACE_S, recheck: bool = True
+) -> int:
+    """Roll up every queued step that is due: complete (or past its grace) and not yet
+    rolled, or (``recheck``) rolled before a late or replayed row arrived. Returns how many."""
     q, s, r = m.rollup_queue.c, m.rank_steps.c, m.runs.c
     counts = (
-        select(
-            q.run_id, q.step, q.first_seen, q.last_seen, r.world_size, func.count(s.rank).label("n")
-        )
+        select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
+               func.count(s.rank).label("n"), func.max(s.recv_ts).label("newest"))
         .join(m.runs, r.id == q.run_id)
         .join(m.rank_steps, and_(s.run_id == q.run_id, s.step == q.step))
-        .group_by(q.run_id, q.step, q.first_seen, q.last_seen, r.world_size)
+        .group_by(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size)
         .order_by(q.first_seen)
         .limit(MAX_STEPS_PER_PASS)
-    )
-    ready = [
-        row
-        for row in conn.execute(counts)
-        if row.n >= row.world_size or now - row.first_seen >= grace_s
-    ]
-    if not ready:
-        return 0
-    keys = [(row.run_id, row.step) for row in ready]
-    rows = conn.execute(select(m.rank_steps).where(tuple_(s.run_id, s.step).in_(keys))).mappings()
-    groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
-    for row in rows:
-        groups[(row["run_id"], row["step"])].append(row)
-    stats = [
-        stat for (run_id, step), group in groups.items() for stat in aggregate(run_id, step, group)
-    ]
-    upsert(conn, m.step_stats, stats, key=["run_id", "metric", "step"])
-    # Done, unless a late row re-touched the step since we counted (then it stays queued).
-    conn.execute(
-        delete(m.rollup_queue).where(
-            or_(
-                *[
-                    and_(q.run_id == row.run_id, q.step == row.step, q.last_seen <= row.last_seen)
-                    for row in ready
-                ]
+    )  # fmt: skip
+    if not recheck:  # the cheap pass: only steps never rolled up
+        counts = counts.where(q.rolled_n.is_(None))
+    due = [
+        row for row in conn.execute(counts)
+        if (row.rolled_n is None and (row.n >= row.world_size or now - row.first_seen >= grace_s))
+        or (row.rolled_n is not None and (row.n != row.rolled_n or row.newest > row.rolled_at))
+    ]  # fmt: skip
+    if due:
+        keys = [(row.run_id, row.step) for row in due]
+        rows = conn.execute(
+            select(m.rank_steps).where(tuple_(s.run_id, s.step).in_(keys))
+        ).mappings()
+        groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
+        for row in rows:
+            groups[(row["run_id"], row["step"])].append(row)
+        stats = [
+            stat
+            for (run_id, step), group in groups.items()
+            for stat in aggregate(run_id, step, group)
+        ]
+        upsert(conn, m.step_stats, stats, key=["run_id", "metric", "step"])
+        for (run_id, step), group in groups.items():
+            conn.execute(
+                update(m.rollup_queue)
+                .where(q.run_id == run_id, q.step == step)
+                .values(rolled_n=len(group), rolled_at=max(row["recv_ts"] for row in group))
             )
-        )
+    # Settled steps leave the queue; a row arriving later queues its step again.
+    conn.execute(
+        delete(m.rollup_queue).where(q.rolled_at.is_not(None), q.rolled_at < now - SETTLE_S)
     )
-    return len(ready)
+    return len(due)
 
 
 def flush(engine: Engine, *, now: float, grace_s: float = GRACE_S) -> int:
@@ -97,6 +106,7 @@ class RollupLoop:
         self.interval_s = interval_s
         self.grace_s = grace_s
         self._stop = threading.Event()
+        self._passes = 0
         self._thread = threading.Thread(target=self._run, name="trainwarden-rollup", daemon=True)
 
     def start(self) -> None:

@@ -22,7 +22,8 @@ def upgrade() -> None:
         sa.Column("run_id", sa.Integer(), nullable=False),
         sa.Column("step", sa.BigInteger(), nullable=False),
         sa.Column("first_seen", sa.Float(), nullable=False),
-        sa.Column("last_seen", sa.Float(), nullable=False),
+        sa.Column("rolled_n", sa.Integer(), nullable=True),
+        sa.Column("rolled_at", sa.Float(), nullable=True),
         sa.ForeignKeyConstraint(
             ["run_id"], ["runs.id"], name=op.f("fk_rollup_queue_run_id_runs"), ondelete="CASCADE"
         ),

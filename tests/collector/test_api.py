@@ -293,3 +293,12 @@ def test_bad_columnar_bodies_say_what_is_wrong(client: TestClient, change, messa
     assert response.status_code == 422
     assert message in response.json()["error"]
     assert client.get("/api/v1/runs").json() == []
+
+
+def test_a_refused_first_batch_leaves_no_stale_run(client: TestClient) -> None:
+    body = columns_body(range(8), range(2))
+    body["steps"]["duration_s"][3] = -1  # row 3 fails inside the transaction that creates the run
+    assert client.post("/api/v1/ingest/columns", json=body).status_code == 422
+    good = columns_body(range(8), range(2))
+    assert client.post("/api/v1/ingest/columns", json=good).status_code == 200
+    assert client.get("/api/v1/runs/node-batched").json()["ranks_seen"] == 8

@@ -149,3 +149,18 @@ def test_loss_divergence_needs_a_streak_and_three_ranks(engine) -> None:
             select(m.events.c.rank, m.events.c.step).where(m.events.c.kind == "loss_divergence")
         ).all()
     assert rows == [(2, 7)]
+
+
+def test_median_without_matches_the_slow_way() -> None:
+    import random
+    import statistics
+
+    from trainwarden.collector.health import median_without
+
+    rng = random.Random(1)
+    for n in range(2, 12):
+        values = sorted(rng.random() for _ in range(n))
+        for i in range(n):
+            assert median_without(values, i) == pytest.approx(
+                statistics.median(values[:i] + values[i + 1 :])
+            )

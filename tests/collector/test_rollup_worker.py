@@ -28,9 +28,11 @@ def loss_stats(engine) -> dict[int, tuple[int, float]]:  # type: ignore[no-untyp
     return {step: (n, top) for step, n, top in rows}
 
 
-def queued(engine) -> set[int]:  # type: ignore[no-untyped-def]
+def waiting(engine) -> set[int]:  # type: ignore[no-untyped-def]
+    """Steps queued and not rolled up yet."""
+    q = m.rollup_queue.c
     with engine.connect() as conn:
-        return set(conn.execute(select(m.rollup_queue.c.step)).scalars())
+        return set(conn.execute(select(q.step).where(q.rolled_n.is_(None))).scalars())
 
 
 def test_a_complete_step_rolls_up_at_once_an_incomplete_one_waits_for_grace(engine) -> None:
@@ -38,10 +40,14 @@ def test_a_complete_step_rolls_up_at_once_an_incomplete_one_waits_for_grace(engi
         send(engine, rank, [0, 1] if rank < 2 else [0], at=T0)
     assert flush(engine, now=T0 + 0.1, grace_s=5) == 1  # step 0 complete; step 1 lacks rank 2
     assert loss_stats(engine) == {0: (3, 2.0)}
-    assert queued(engine) == {1}
+    assert waiting(engine) == {1}
     assert flush(engine, now=T0 + 5.1, grace_s=5) == 1  # grace over: roll up what is there
     assert loss_stats(engine)[1] == (2, 1.0)
-    assert queued(engine) == set()
+    assert waiting(engine) == set()
+    assert flush(engine, now=T0 + 5.2, grace_s=5) == 0  # nothing changed: no work
+    flush(engine, now=T0 + 100)  # settled: the queue empties
+    with engine.connect() as conn:
+        assert conn.execute(select(m.rollup_queue.c.step)).all() == []
 
 
 def test_a_late_rank_is_rolled_in_again(engine) -> None:
@@ -54,11 +60,16 @@ def test_a_late_rank_is_rolled_in_again(engine) -> None:
     assert loss_stats(engine)[0] == (3, 2.0)
 
 
-def test_a_replayed_batch_changes_nothing(engine) -> None:
+def test_a_replayed_batch_changes_nothing_and_a_changed_replay_is_rolled_again(engine) -> None:
     for rank in range(3):
         send(engine, rank, [0, 1], at=T0)
     flush(engine, now=T0 + 1)
     before = loss_stats(engine)
-    send(engine, 1, [0, 1], at=T0 + 2)
-    flush(engine, now=T0 + 3)
+    send(engine, 1, [0, 1], at=T0 + 2)  # the same rows again
+    assert flush(engine, now=T0 + 3) == 2  # re-rolled (newer rows), to the same numbers
     assert loss_stats(engine) == before
+    body = batch(rank=2, world_size=3, steps=[step(1, loss=9.0)])  # a restart replays step 1
+    with write(engine) as conn:
+        ingest(conn, batch=IngestBatch.model_validate(body), now=T0 + 4)
+    flush(engine, now=T0 + 5)
+    assert loss_stats(engine)[1] == (3, 9.0)

@@ -1,0 +1,162 @@
+"""``trainwarden loadgen``: synthetic ranks for benchmarks and capacity tests.
+
+Each simulated node sends one request per training step with its ranks' rows
+(``POST /api/v1/ingest/columns``), as a per-node forwarder would. Values are
+plausible: step times around the step period with jitter and a slow rank now and
+then, a falling loss, MFU, the communication split, memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import random
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+# The numeric per-rank metrics each row carries (what "points" counts).
+METRIC_COLUMNS = (
+    "duration_s", "data_wait_s", "tokens", "loss", "grad_norm", "fwd_s", "bwd_s", "opt_s", "other_s",
+    "compute_s", "exposed_comm_s", "overlapped_comm_s", "idle_s", "flops", "mfu", "peak_flops",
+    "mem_allocated_bytes", "mem_reserved_bytes",
+)  # fmt: skip
+
+
+@dataclass
+class LoadgenResult:
+    ranks: int
+    nodes: int
+    steps: int
+    requests_ok: int = 0
+    requests_failed: int = 0
+    rows: int = 0
+    seconds: float = 0.0
+    latencies_s: list[float] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def points(self) -> int:
+        return self.rows * len(METRIC_COLUMNS)
+
+    def summary(self) -> str:
+        lat = sorted(self.latencies_s) or [math.nan]
+        p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000  # noqa: E731
+        return (
+            f"{self.ranks} ranks on {self.nodes} nodes, {self.steps} steps in {self.seconds:.1f}s: "
+            f"{self.rows / self.seconds:,.0f} rows/s = {self.points / self.seconds:,.0f} points/s; "
+            f"requests {self.requests_ok} ok, {self.requests_failed} failed; "
+            f"latency p50 {p(0.5):.0f} ms, p95 {p(0.95):.0f} ms, max {lat[-1] * 1000:.0f} ms"
+        )
+
+
+def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float, sessions: dict[int, str],
+              rng: random.Random, slow_rank: int | None) -> dict[str, Any]:  # fmt: skip
+    now = time.time()
+    cols: dict[str, list[Any]] = {
+        "rank": [],
+        "step": [],
+        "ts": [],
+        **{c: [] for c in METRIC_COLUMNS},
+    }
+    loss_base = 2.0 + 8.0 * math.exp(-step / 500)
+    for rank in ranks:
+        slow = 1.3 if rank == slow_rank else 1.0
+        compute = period_s * 0.7 * slow * (1 + rng.gauss(0, 0.02))
+        exposed = period_s * 0.2 * (1 + rng.gauss(0, 0.1))
+        duration = compute + exposed
+        flops = 4.0e14 * period_s
+        row = {
+            "rank": rank, "step": step, "ts": now - duration, "duration_s": duration,
+            "data_wait_s": abs(rng.gauss(0.01, 0.003)) * period_s, "tokens": 16384,
+            "loss": loss_base + rng.gauss(0, 0.02), "grad_norm": abs(rng.gauss(1.0, 0.05)),
+            "fwd_s": duration * 0.3, "bwd_s": duration * 0.6, "opt_s": duration * 0.08, "other_s": duration * 0.02,
+            "compute_s": compute, "exposed_comm_s": exposed, "overlapped_comm_s": period_s * 0.15, "idle_s": 0.0,
+            "flops": flops, "mfu": flops / (duration * 989.4e12), "peak_flops": 989.4e12,
+            "mem_allocated_bytes": 60 << 30, "mem_reserved_bytes": 70 << 30,
+        }  # fmt: skip
+        for name, value in row.items():
+            cols[name].append(value)
+    agents = [{"rank": r, "local_rank": r % len(ranks), "host": f"node{ranks.start // len(ranks)}",
+               "session": sessions[r], "heartbeat_s": 2.0, "last_step": step, "last_step_end": now,
+               "in_step": False, "sent_at": now} for r in ranks]  # fmt: skip
+    return {"run": run, "world_size": world, "agents": agents, "steps": cols}
+
+
+async def _node(client: Any, result: LoadgenResult, *, run: str, world: int, ranks: range, steps: int,
+                period_s: float, start: float, slow_rank: int | None,
+                on_sent: Callable[[int, float], None] | None) -> None:  # fmt: skip
+    import orjson
+
+    rng = random.Random(ranks.start)
+    sessions = {r: uuid.uuid4().hex for r in ranks}
+    await asyncio.sleep(rng.random() * period_s)  # nodes are not in phase with each other
+    for step in range(steps):
+        due = start + step * period_s + rng.random() * period_s * 0.2
+        if (delay := due - time.monotonic()) > 0:
+            await asyncio.sleep(delay)
+        body = node_body(run=run, world=world, ranks=ranks, step=step, period_s=period_s, sessions=sessions,
+                         rng=rng, slow_rank=slow_rank)  # fmt: skip
+        sent = time.monotonic()
+        try:
+            response = await client.post("/api/v1/ingest/columns", content=orjson.dumps(body),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+            ok = response.status_code == 200
+            if not ok and len(result.errors) < 5:
+                result.errors.append(f"{response.status_code}: {response.text[:200]}")
+        except Exception as exc:
+            ok = False
+            if len(result.errors) < 5:
+                result.errors.append(repr(exc))
+        result.latencies_s.append(time.monotonic() - sent)
+        if ok:
+            result.requests_ok += 1
+            result.rows += len(ranks)
+            if on_sent is not None:
+                on_sent(step, time.time())
+        else:
+            result.requests_failed += 1
+
+
+async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_per_s: float, duration_s: float,
+                            run: str | None = None, slow_rank: int | None = None,
+                            on_sent: Callable[[int, float], None] | None = None) -> LoadgenResult:  # fmt: skip
+    import httpx
+
+    nodes = math.ceil(ranks / ranks_per_node)
+    period = 1.0 / steps_per_s
+    steps = max(1, int(duration_s * steps_per_s))
+    run = run or time.strftime("loadgen-%Y%m%d-%H%M%S")
+    result = LoadgenResult(ranks=ranks, nodes=nodes, steps=steps)
+    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
+    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+        start = time.monotonic() + 0.5
+        began = time.perf_counter()
+        await asyncio.gather(*[
+            _node(client, result, run=run, world=ranks,
+                  ranks=range(n * ranks_per_node, min(ranks, (n + 1) * ranks_per_node)),
+                  steps=steps, period_s=period, start=start, slow_rank=slow_rank, on_sent=on_sent)
+            for n in range(nodes)
+        ])  # fmt: skip
+        result.seconds = time.perf_counter() - began
+    return result
+
+
+def run_loadgen(**kwargs: Any) -> LoadgenResult:
+    return asyncio.run(run_loadgen_async(**kwargs))
+
+
+def cmd_loadgen(args: Any) -> None:
+    result = run_loadgen(url=args.url.rstrip("/"), ranks=args.ranks, ranks_per_node=args.ranks_per_node,
+                         steps_per_s=args.steps_per_s, duration_s=args.duration, run=args.run,
+                         slow_rank=args.slow_rank)  # fmt: skip
+    print(f"trainwarden loadgen: {result.summary()}")
+    for error in result.errors:
+        print(f"trainwarden loadgen: error: {error}")
+    rate = result.rows / result.seconds if result.seconds else 0
+    offered = args.ranks * args.steps_per_s
+    print(
+        f"trainwarden loadgen: sustained {rate / offered:.0%} of the offered {offered:,.0f} rows/s"
+    )
