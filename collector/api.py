@@ -24,6 +24,7 @@ from .schemas import (
     EventOut,
     FlaggedStep,
     GpuSample,
+    Heatmap,
     IngestBatch,
     IngestResult,
     RankInfo,
@@ -138,11 +139,36 @@ def get_series(
     from_step: Annotated[int | None, Query(alias="from", ge=0)] = None,
     to_step: Annotated[int | None, Query(alias="to", ge=0)] = None,
     last: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
+    points: Annotated[int | None, Query(ge=10, le=100_000)] = None,
 ) -> Series:
-    """Retrieve one metric per step: min / median / max across ranks and the run total."""
+    """Retrieve one metric per step: min / median / max across ranks and the run total.
+
+    ``points`` downsamples on the server so that spikes survive (min / max per bucket)."""
     with _engine(request).connect() as conn:
         return queries.series(
-            conn, run=run, metric=metric, from_step=from_step, to_step=to_step, last=last
+            conn,
+            run=run,
+            metric=metric,
+            from_step=from_step,
+            to_step=to_step,
+            last=last,
+            points=points,
+        )
+
+
+@router.get("/api/v1/runs/{run}/heatmap", response_model=Heatmap, tags=["runs"])
+def get_heatmap(
+    run: str,
+    request: Request,
+    metric: str,
+    buckets: Annotated[int, Query(ge=1, le=5000)] = 200,
+    from_step: Annotated[int | None, Query(alias="from", ge=0)] = None,
+    to_step: Annotated[int | None, Query(alias="to", ge=0)] = None,
+) -> Heatmap:
+    """Retrieve a rank x step-bucket matrix of a metric (a straggler shows as a stripe)."""
+    with _engine(request).connect() as conn:
+        return queries.heatmap(
+            conn, run=run, metric=metric, buckets=buckets, from_step=from_step, to_step=to_step
         )
 
 

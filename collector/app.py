@@ -12,6 +12,7 @@ from sqlalchemy import Engine
 
 from .api import router
 from .health import HealthLoop, HealthSettings
+from .limits import BodyLimit
 from .prom import CollectorMetrics
 from .queries import NotFound, UnknownMetric
 from .rollup_worker import RollupLoop
@@ -66,6 +67,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = CollectorMetrics(engine)
     app.include_router(router)
+    app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
 
     @app.exception_handler(NotFound)
     async def _not_found(_request: Request, exc: NotFound) -> JSONResponse:

@@ -12,6 +12,7 @@ from .schemas import (
     EventOut,
     FlaggedStep,
     GpuSample,
+    Heatmap,
     RankInfo,
     RankSeries,
     RunDetail,
@@ -105,10 +106,14 @@ def series(
     from_step: int | None = None,
     to_step: int | None = None,
     last: int | None = None,
+    points: int | None = None,
 ) -> Series:
     """Per-step min / median / max / total of ``metric`` across ranks, oldest step first.
 
-    ``last`` keeps only the newest N steps (after the from/to filter).
+    ``last`` keeps only the newest N steps (after the from/to filter). ``points``
+    downsamples to at most N points so that spikes survive: each point holds its
+    bucket's min of mins, max of maxes, mean of medians and, for ``total``, the
+    bucket's most extreme value (a spike or a dip, whichever is further out).
     """
     if metric not in METRICS:
         raise UnknownMetric(metric)
@@ -126,8 +131,13 @@ def series(
         rows = list(reversed(conn.execute(query).all()))
     else:
         rows = conn.execute(query.order_by(s.step)).all()
+    bucket = 1
+    if points is not None and len(rows) > points:
+        bucket = -(-len(rows) // points)
+        rows = [_squeeze(rows[i : i + bucket]) for i in range(0, len(rows), bucket)]
     columns = list(zip(*rows, strict=False)) if rows else [[] for _ in range(8)]
     return Series(
+        bucket=bucket,
         run=run,
         metric=metric,
         unit=METRICS[metric].unit,
@@ -140,6 +150,67 @@ def series(
         total=list(columns[6]),
         argmax_rank=list(columns[7]),
     )
+
+
+def _squeeze(rows: list[Any]) -> tuple[Any, ...]:
+    def clean(i: int) -> list[float]:
+        return [r[i] for r in rows if r[i] is not None]
+
+    mins, meds, maxs, totals = clean(3), clean(4), clean(5), clean(6)
+    extreme = None
+    if totals:
+        mean = sum(totals) / len(totals)
+        extreme = max(totals, key=lambda v: abs(v - mean))
+    top = max((r for r in rows if r[5] is not None), key=lambda r: r[5], default=rows[0])
+    return (
+        rows[0][0], rows[0][1], max(r[2] for r in rows),
+        min(mins) if mins else None, sum(meds) / len(meds) if meds else None, max(maxs) if maxs else None,
+        extreme, top[7],
+    )  # fmt: skip
+
+
+def heatmap(
+    conn: Connection, *, run: str, metric: str, buckets: int = 200, from_step: int | None = None,
+    to_step: int | None = None,
+) -> Heatmap:  # fmt: skip
+    """``metric`` per rank and step bucket (the max in the bucket), for rank x step heatmaps."""
+    if metric not in METRICS:
+        raise UnknownMetric(metric)
+    column = METRICS[metric].source
+    if column is None:
+        raise UnknownMetric(f"{metric} (a heatmap needs a per-rank column metric)")
+    run_id = _run_row(conn, run)["id"]
+    r = m.rank_steps.c
+    lo, hi = conn.execute(
+        select(func.min(r.step), func.max(r.step)).where(r.run_id == run_id)
+    ).one()
+    unit = METRICS[metric].unit
+    if lo is None:
+        return Heatmap(
+            run=run, metric=metric, unit=unit, ranks=[], step_start=[], bucket=1, values=[]
+        )
+    lo = lo if from_step is None else max(lo, from_step)
+    hi = hi if to_step is None else min(hi, to_step)
+    if hi < lo:
+        return Heatmap(
+            run=run, metric=metric, unit=unit, ranks=[], step_start=[], bucket=1, values=[]
+        )
+    width = max(1, -(-(hi - lo + 1) // buckets))
+    # Integer division on both backends: SQLite's / on integers, PostgreSQL's div().
+    b = ((r.step - lo) / width) if conn.dialect.name == "sqlite" else func.div(r.step - lo, width)
+    cells = conn.execute(
+        select(r.rank, b.label("b"), func.max(getattr(r, column)))
+        .where(r.run_id == run_id, r.step >= lo, r.step <= hi)
+        .group_by(r.rank, "b")
+    ).all()
+    ranks = sorted({rank for rank, _, _ in cells})
+    index = {rank: i for i, rank in enumerate(ranks)}
+    count = (hi - lo) // width + 1
+    values: list[list[float | None]] = [[None] * count for _ in ranks]
+    for rank, bucket, value in cells:
+        values[index[rank]][int(bucket)] = value
+    return Heatmap(run=run, metric=metric, unit=unit, ranks=ranks,
+                   step_start=[lo + i * width for i in range(count)], bucket=width, values=values)  # fmt: skip
 
 
 def rank_series(

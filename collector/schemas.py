@@ -289,6 +289,7 @@ class Series(BaseModel):
     max: list[float | None]
     total: list[float | None]
     argmax_rank: list[int | None]
+    bucket: int = Field(default=1, description="Steps per point (1: not downsampled)")
 
 
 class RankSeries(BaseModel):
@@ -317,3 +318,15 @@ class GpuSample(GpuSampleIn):
     """A stored NVML reading of one rank's GPU."""
 
     rank: int
+
+
+class Heatmap(BaseModel):
+    """One metric per rank x step bucket (the bucket's max: a slow step stands out)."""
+
+    run: str
+    metric: str
+    unit: str
+    ranks: list[int]
+    step_start: list[int]
+    bucket: int
+    values: list[list[float | None]]

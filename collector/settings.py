@@ -14,6 +14,11 @@ class Settings(BaseSettings):
     db: str = Field(default_factory=default_db_url, description="SQLAlchemy URL (TRAINWARDEN_DB)")
     host: str = Field(default="127.0.0.1", description="Address to listen on (TRAINWARDEN_HOST)")
     port: int = Field(default=8000, ge=1, le=65535, description="Port (TRAINWARDEN_PORT)")
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024,
+        ge=1024,
+        description="Largest request body (TRAINWARDEN_MAX_BODY_BYTES)",
+    )
     ui_refresh_s: float = Field(
         default=2.0, gt=0, description="How often the UI polls for new data"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -302,3 +303,53 @@ def test_a_refused_first_batch_leaves_no_stale_run(client: TestClient) -> None:
     good = columns_body(range(8), range(2))
     assert client.post("/api/v1/ingest/columns", json=good).status_code == 200
     assert client.get("/api/v1/runs/node-batched").json()["ranks_seen"] == 8
+
+
+def test_downsampled_series_keeps_the_spike(client: TestClient) -> None:
+    losses = [1.0] * 1000
+    losses[637] = 50.0  # one spike in a thousand steps
+    ingest(client, batch(steps=[step(i, loss=v) for i, v in enumerate(losses)]))
+    full = client.get("/api/v1/runs/r1/series", params={"metric": "loss"}).json()
+    assert full["bucket"] == 1 and len(full["step"]) == 1000
+    small = client.get("/api/v1/runs/r1/series", params={"metric": "loss", "points": 100}).json()
+    assert small["bucket"] == 10 and len(small["step"]) == 100
+    assert max(small["max"]) == 50.0 and max(small["total"]) == 50.0
+    assert small["step"][small["max"].index(50.0)] == 630  # the bucket that holds step 637
+
+
+def test_heatmap_shows_the_slow_rank_as_a_stripe(client: TestClient) -> None:
+    for rank in range(4):
+        ingest(client, batch(rank=rank, world_size=4,
+                             steps=[step(i, duration=0.3 if rank == 2 else 0.1) for i in range(100)]))  # fmt: skip
+    heat = client.get(
+        "/api/v1/runs/r1/heatmap", params={"metric": "step_time", "buckets": 10}
+    ).json()
+    assert (
+        heat["ranks"] == [0, 1, 2, 3] and heat["bucket"] == 10 and heat["step_start"][:2] == [0, 10]
+    )
+    assert all(v == 0.3 for v in heat["values"][2]) and all(v == 0.1 for v in heat["values"][0])
+    bad = client.get("/api/v1/runs/r1/heatmap", params={"metric": "tokens_per_s"})
+    assert bad.status_code == 422 and "per-rank column" in bad.json()["detail"]
+
+
+def test_an_oversized_body_is_413_and_stores_nothing(engine) -> None:  # type: ignore[no-untyped-def]
+    from trainwarden.collector.settings import Settings
+
+    app = create_app(engine, Settings(max_body_bytes=4096), ui=False, health=None, rollups=False)
+    with TestClient(app) as small:
+        body = batch(steps=[step(i) for i in range(200)])
+        response = small.post("/api/v1/ingest", json=body)
+        assert response.status_code == 413
+        assert "4,096-byte limit" in response.json()["error"]
+
+        def chunks():  # no Content-Length: counted as it streams in
+            payload = json.dumps(body).encode()
+            for i in range(0, len(payload), 1000):
+                yield payload[i : i + 1000]
+
+        chunked = small.post(
+            "/api/v1/ingest", content=chunks(), headers={"Content-Type": "application/json"}
+        )
+        assert chunked.status_code == 413
+        assert small.get("/api/v1/runs").json() == []
+        assert small.post("/api/v1/ingest", json=batch(steps=[step(0)])).status_code == 200

@@ -1,0 +1,178 @@
+"""Ingest throughput against the limit, measured in one run on one PostgreSQL.
+
+    python bench/ingest.py [--db postgresql+psycopg://postgres@127.0.0.1:5432/test]
+                           [--ranks 1024] [--ranks-per-node 8] [--duration 30]
+
+(a) raw binary COPY of the same wide rows into a table with rank_steps' key: the limit;
+(b) trainwarden end to end: ``trainwarden serve`` on a scratch database, fed by the load
+    generator (one request per node per step); points/s sustained, and p95 from the
+    request that completes a step to that step being queryable in the series API;
+(c) MLflow's log_batch with the same points: not implemented yet.
+Prints points/s for each and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import psycopg
+from sqlalchemy.engine import make_url
+
+from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen_async
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def raw_copy(dsn: str, rows: int) -> float:
+    """Rows/s of binary COPY into a wide table keyed (run_id, step, rank)."""
+    columns = ["run_id", "step", "rank", "ts", "recv_ts", *METRIC_COLUMNS]
+    types = ["integer", "bigint", "integer", "double precision", "double precision",
+             *(["double precision"] * len(METRIC_COLUMNS))]  # fmt: skip
+    ranks = 4096
+    data = [
+        (1, i // ranks, i % ranks, 1.7e9 + i, 1.7e9 + i, *([0.5] * len(METRIC_COLUMNS)))
+        for i in range(rows)
+    ]
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("DROP TABLE IF EXISTS tw_bench_copy")
+        cols = ", ".join(f"{c} {t}" for c, t in zip(columns, types, strict=True))
+        conn.execute(
+            f"CREATE UNLOGGED TABLE tw_bench_copy ({cols}, PRIMARY KEY (run_id, step, rank))"
+        )
+        started = time.perf_counter()
+        with (
+            conn.cursor() as cur,
+            cur.copy(
+                f"COPY tw_bench_copy ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)"
+            ) as copy,
+        ):
+            copy.set_types(types)
+            for row in data:
+                copy.write_row(row)
+        took = time.perf_counter() - started
+        conn.execute("DROP TABLE tw_bench_copy")
+    return rows / took
+
+
+def end_to_end(
+    db_url: str, *, ranks: int, ranks_per_node: int, duration: float
+) -> dict[str, float]:
+    port = 18000 + os.getpid() % 1000
+    log = open(os.path.join(tempfile.gettempdir(), "trainwarden-bench-serve.log"), "w")  # noqa: SIM115
+    serve = subprocess.Popen([sys.executable, "-m", "trainwarden.collector.cli", "serve", "--db", db_url,
+                              "--port", str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(100):
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        run = f"bench-{uuid.uuid4().hex[:6]}"
+        nodes = -(-ranks // ranks_per_node)
+        sent: dict[int, list[float]] = {}
+        seen: dict[int, float] = {}
+        stop = threading.Event()
+
+        def on_sent(step: int, at: float) -> None:
+            sent.setdefault(step, []).append(at)
+
+        def poll() -> None:  # when does each step become queryable, complete?
+            with httpx.Client(base_url=url, timeout=5) as client:
+                while not stop.is_set():
+                    try:
+                        r = client.get(
+                            f"/api/v1/runs/{run}/series", params={"metric": "step_time", "last": 20}
+                        )
+                        if r.status_code == 200:
+                            body = r.json()
+                            now = time.time()
+                            for step, n in zip(body["step"], body["n"], strict=True):
+                                if n >= ranks and step not in seen:
+                                    seen[step] = now
+                    except httpx.HTTPError:
+                        pass
+                    time.sleep(0.05)
+
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        result = asyncio.run(run_loadgen_async(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
+                                               duration_s=duration, run=run, on_sent=on_sent))  # fmt: skip
+        time.sleep(3)
+        stop.set()
+        poller.join()
+        delays = sorted(seen[s] - max(sent[s]) for s in seen if s in sent and len(sent[s]) == nodes)
+        p95 = delays[min(len(delays) - 1, int(0.95 * len(delays)))] if delays else float("nan")
+        return {"points_per_s": result.points / result.seconds, "rows_per_s": result.rows / result.seconds,
+                "offered_rows_per_s": float(ranks), "failed": float(result.requests_failed),
+                "p95_queryable_s": p95, "steps_measured": float(len(delays)),
+                "request_p95_s": sorted(result.latencies_s)[int(0.95 * len(result.latencies_s))]}  # fmt: skip
+    finally:
+        serve.terminate()
+        serve.wait(10)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--db",
+        default=os.environ.get(
+            "TRAINWARDEN_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+        ),
+    )
+    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--ranks-per-node", type=int, default=8)
+    p.add_argument("--duration", type=float, default=30)
+    p.add_argument("--copy-rows", type=int, default=200_000)
+    args = p.parse_args()
+
+    base = make_url(args.db)
+    admin = base.set(drivername="postgresql").render_as_string(hide_password=False)
+    scratch = f"tw_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{scratch}"')
+    try:
+        scratch_pg = base.set(drivername="postgresql", database=scratch).render_as_string(
+            hide_password=False
+        )
+        scratch_sa = base.set(database=scratch).render_as_string(hide_password=False)
+        copy_rows = raw_copy(scratch_pg, args.copy_rows)
+        metrics = len(METRIC_COLUMNS)
+        print(
+            f"trainwarden ingest benchmark ({os.cpu_count()} cpus; one collector process; PostgreSQL "
+            f"on the same machine; {metrics} metrics per row)"
+        )
+        print(
+            f"(a) raw binary COPY:        {copy_rows:>12,.0f} rows/s = {copy_rows * metrics:>13,.0f} points/s"
+        )
+        e2e = end_to_end(
+            scratch_sa, ranks=args.ranks, ranks_per_node=args.ranks_per_node, duration=args.duration
+        )
+        print(
+            f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = {e2e['points_per_s']:>13,.0f} points/s "
+            f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s; {e2e['failed']:.0f} failed requests)"
+        )
+        print(
+            f"    p95 step complete -> queryable: {e2e['p95_queryable_s']:.2f} s over {e2e['steps_measured']:.0f} steps "
+            f"(target <= 2 s); request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
+        )
+        print(f"    (b)/(a) = {e2e['points_per_s'] / (copy_rows * metrics):.4f}")
+        print("(c) MLflow log_batch peer: not implemented yet (issue 5 is open)")
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""Request body limit: a body over the limit gets 413 before it is parsed or stored."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class BodyLimit:
+    """Pure ASGI middleware: checks Content-Length, and counts chunked bodies as they come."""
+
+    def __init__(self, app: Any, *, limit_bytes: int) -> None:
+        self.app = app
+        self.limit = limit_bytes
+
+    async def _refuse(self, send: Any, size: str) -> None:
+        body = json.dumps(
+            {
+                "error": f"request body {size} is over the {self.limit:,}-byte limit; send smaller batches"
+            }
+        )
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
+        await send({"type": "http.response.body", "body": body.encode()})
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(send, f"of {int(declared):,} bytes")
+            return
+        seen = 0
+        started = refused = False
+
+        async def counted() -> Any:
+            nonlocal seen, refused
+            if refused:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.limit and not started:
+                    # Answer now and let the app see the client go: nothing is parsed or stored.
+                    refused = True
+                    await self._refuse(send, "(streamed)")
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def watched(message: Any) -> None:
+            nonlocal started
+            if refused:
+                return  # we answered already
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        await self.app(scope, counted, watched)
