@@ -7,12 +7,23 @@ older collector; every known field is checked, and a wrong one is a 422 naming i
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_RECORDS_PER_BATCH = 20_000
+MAX_FUTURE_S = 24 * 3600.0  # a timestamp further ahead than this is a broken clock
+
+
+def _not_in_the_future(ts: float) -> float:
+    ahead = ts - time.time()
+    if ahead > MAX_FUTURE_S:
+        raise ValueError(
+            f"timestamp is {ahead / 3600:.0f} h in the future: check this host's clock"
+        )
+    return ts
 
 
 class AgentInfo(BaseModel):
@@ -83,6 +94,8 @@ class StepIn(BaseModel):
     flags: list[str] | None = Field(default=None, max_length=16, description="Spike flags")
     issues: dict[str, str] | None = None
 
+    _ts_now = field_validator("ts")(_not_in_the_future)
+
     @field_validator(
         "ts",
         "duration_s",
@@ -113,6 +126,7 @@ class EventIn(BaseModel):
     )
     kind: str = Field(min_length=1, max_length=64)
     ts: float
+    _ts_now = field_validator("ts")(_not_in_the_future)
     step: int | None = Field(default=None, ge=0)
     severity: Literal["info", "warning", "critical"] = "info"
     data: dict[str, Any] = Field(default_factory=dict)

@@ -138,6 +138,7 @@ def test_series_window_parameters(client: TestClient) -> None:
         (lambda b: b["agent"].update(rank=5), "rank 5 is outside world_size 2"),
         (lambda b: b.update(run="no spaces allowed"), "run"),
         (lambda b: b["agent"].pop("session"), "agent.session"),
+        (lambda b: b["steps"][0].update(ts=time.time() + 3 * 86400), "72 h in the future"),
     ],
 )
 def test_malformed_ingest_is_a_422_naming_the_field(
