@@ -12,7 +12,7 @@ from sqlalchemy import Engine
 
 from .api import router
 from .health import HealthLoop, HealthSettings
-from .limits import BodyLimit
+from .limits import BodyLimit, IngestBackpressure
 from .prom import CollectorMetrics
 from .queries import NotFound, UnknownMetric
 from .rollup_worker import RollupLoop
@@ -68,6 +68,11 @@ def create_app(
     app.state.metrics = CollectorMetrics(engine)
     app.include_router(router)
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        IngestBackpressure,
+        limit=settings.max_inflight_ingest,
+        on_reject=lambda: app.state.metrics.ingest_requests.labels("busy").inc(),
+    )
 
     @app.exception_handler(NotFound)
     async def _not_found(_request: Request, exc: NotFound) -> JSONResponse:

@@ -56,3 +56,38 @@ class BodyLimit:
             await send(message)
 
         await self.app(scope, counted, watched)
+
+
+class IngestBackpressure:
+    """Pure ASGI middleware: at most ``limit`` ingest requests in progress. Past that a
+    request is answered 503 with Retry-After at once, before its body is read, so a
+    slow database slows agents down instead of growing the collector's memory."""
+
+    def __init__(
+        self, app: Any, *, limit: int, on_reject: Any = None, retry_after_s: int = 2
+    ) -> None:
+        self.app = app
+        self.limit = limit
+        self.inflight = 0
+        self.on_reject = on_reject
+        self.retry_after = str(retry_after_s).encode()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/api/v1/ingest"):
+            await self.app(scope, receive, send)
+            return
+        if self.inflight >= self.limit:
+            if self.on_reject is not None:
+                self.on_reject()
+            body = json.dumps(
+                {"error": "collector busy: too many ingest requests in progress; retry later"}
+            )
+            await send({"type": "http.response.start", "status": 503,
+                        "headers": [(b"content-type", b"application/json"), (b"retry-after", self.retry_after)]})  # fmt: skip
+            await send({"type": "http.response.body", "body": body.encode()})
+            return
+        self.inflight += 1  # the event loop is single-threaded: no lock needed
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.inflight -= 1

@@ -19,6 +19,11 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest request body (TRAINWARDEN_MAX_BODY_BYTES)",
     )
+    max_inflight_ingest: int = Field(
+        default=64,
+        ge=1,
+        description="Ingest requests in progress at most; more get 503 + Retry-After",
+    )
     ui_refresh_s: float = Field(
         default=2.0, gt=0, description="How often the UI polls for new data"
     )
