@@ -7,6 +7,7 @@ two apps in one process never share counters.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -41,37 +42,78 @@ class CollectorMetrics:
 
 
 class _RunsCollector(Collector):
-    """Gauges read from the database at scrape time."""
+    """Gauges read from the database at scrape time: one query per running run."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
-        return (
-            GaugeMetricFamily("trainwarden_runs", "Runs by status.", labels=["status"]),
-            GaugeMetricFamily(
-                "trainwarden_run_last_step", "Last step reported per running run.", labels=["run"]
-            ),
-        )
+    def _families() -> dict[str, GaugeMetricFamily]:
+        g = GaugeMetricFamily
+        return {
+            "runs": g("trainwarden_runs", "Runs by status.", labels=["status"]),
+            "last_step": g("trainwarden_run_last_step", "Last step reported, per running run.", labels=["run"]),
+            "mfu": g("trainwarden_run_mfu", "Run MFU at the latest rolled-up step.", labels=["run"]),
+            "step_time": g("trainwarden_run_step_time_seconds", "Step time across ranks at the latest step.",
+                           labels=["run", "stat"]),
+            "tokens": g("trainwarden_run_tokens_per_second", "Run throughput at the latest step.", labels=["run"]),
+            "exposed": g("trainwarden_run_exposed_comm_ratio",
+                         "Exposed communication / step time, mean over ranks, at the latest step.", labels=["run"]),
+            "ranks": g("trainwarden_run_ranks", "Ranks by state.", labels=["run", "state"]),
+            "queue": g("trainwarden_rollup_queue_depth", "Steps waiting for their first rollup."),
+        }  # fmt: skip
 
     def describe(self) -> list[GaugeMetricFamily]:
-        return list(self._families())
+        return list(self._families().values())
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        runs, last_step = self._families()
+        f = self._families()
+        s, q = m.step_stats.c, m.rollup_queue.c
         try:
             with self._engine.connect() as conn:
                 for status, count in conn.execute(
                     select(m.runs.c.status, func.count()).group_by(m.runs.c.status)
                 ):
-                    runs.add_metric([status], count)
-                for name, step in conn.execute(
-                    select(m.runs.c.name, m.runs.c.last_step).where(m.runs.c.status == "running")
-                ):
-                    if step is not None:
-                        last_step.add_metric([name], step)
+                    f["runs"].add_metric([status], count)
+                running = conn.execute(
+                    select(m.runs.c.id, m.runs.c.name).where(m.runs.c.status == "running")
+                ).all()
+                for run_id, name in running:
+                    self._run(conn, run_id, name, f, s)
+                waiting = conn.execute(
+                    select(func.count()).where(q.rolled_n.is_(None))
+                ).scalar_one()
+                f["queue"].add_metric([], waiting)
         except Exception:  # a scrape during a database outage still returns the counters
             return
-        yield runs
-        yield last_step
+        yield from f.values()
+
+    @staticmethod
+    def _run(conn: Any, run_id: int, name: str, f: dict[str, GaugeMetricFamily], s: Any) -> None:
+        last = conn.execute(
+            select(func.max(s.step)).where(s.run_id == run_id, s.metric == "step_time")
+        ).scalar_one_or_none()
+        for state, count in conn.execute(
+            select(m.ranks.c.state, func.count())
+            .where(m.ranks.c.run_id == run_id)
+            .group_by(m.ranks.c.state)
+        ):
+            f["ranks"].add_metric([name, state], count)
+        if last is None:
+            return
+        f["last_step"].add_metric([name], last)
+        rows = conn.execute(
+            select(s.metric, s.median, s.max, s.mean, s.total).where(
+                s.run_id == run_id, s.step == last
+            )
+        ).all()
+        stats = {row.metric: row for row in rows}
+        if (row := stats.get("mfu")) is not None and row.total is not None:
+            f["mfu"].add_metric([name], row.total)
+        if (row := stats.get("step_time")) is not None:
+            f["step_time"].add_metric([name, "p50"], row.median)
+            f["step_time"].add_metric([name, "max"], row.max)
+        if (row := stats.get("tokens_per_s")) is not None and row.total is not None:
+            f["tokens"].add_metric([name], row.total)
+        if (row := stats.get("exposed_comm_frac")) is not None and row.mean is not None:
+            f["exposed"].add_metric([name], row.mean)

@@ -354,3 +354,32 @@ def test_an_oversized_body_is_413_and_stores_nothing(engine) -> None:  # type: i
         assert chunked.status_code == 413
         assert small.get("/api/v1/runs").json() == []
         assert small.post("/api/v1/ingest", json=batch(steps=[step(0)])).status_code == 200
+
+
+def test_metrics_pass_promtool_and_carry_per_run_gauges(client: TestClient) -> None:
+    import shutil
+    import subprocess
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        pytest.fail(
+            "PROMTOOL MISSING: install Debian's prometheus package (scripts/test.sh does)",
+            pytrace=False,
+        )
+    for rank in (0, 1):
+        ingest(client, batch(rank=rank, steps=[telemetry_step(i, rank=rank) for i in range(3)]))
+    client.post("/api/v1/ingest", json={"run": "x"})  # one refused request, counted
+    text = client.get("/metrics").text
+    for line in (
+        'trainwarden_run_mfu{run="r1"} 0.4',  # 8e12 FLOPs / (1 s x 20e12)
+        'trainwarden_run_step_time_seconds{run="r1",stat="max"} 1.0',
+        'trainwarden_run_ranks{run="r1",state="healthy"} 2.0',
+        'trainwarden_run_last_step{run="r1"} 2.0',
+        "trainwarden_rollup_queue_depth 0.0",
+    ):
+        assert line in text, line
+    assert 'trainwarden_run_exposed_comm_ratio{run="r1"} 0.3' in text  # mean of 0.2 and 0.4
+    check = subprocess.run(
+        [promtool, "check", "metrics"], input=text, capture_output=True, text=True
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
