@@ -10,15 +10,21 @@ cd "$(dirname "$0")/.."
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo "$@"; else return 1; fi; }
 apt_missing=()
 [ -x /usr/bin/chromium ] || apt_missing+=(chromium chromium-driver)
-command -v promtool >/dev/null || apt_missing+=(prometheus)  # promtool checks /metrics
 if ! command -v pg_ctlcluster >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   apt_missing+=(postgresql)
 fi
 if [ ${#apt_missing[@]} -gt 0 ]; then
   echo "trainwarden: installing ${apt_missing[*]} (apt-get)"
-  if ! { as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${apt_missing[@]}" >/dev/null; }; then
+  if ! { as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_missing[@]}" >/dev/null; }; then
     echo "trainwarden: WARNING: could not install ${apt_missing[*]}; the tests that need them will FAIL" >&2
   fi
+fi
+
+if ! command -v promtool >/dev/null; then  # promtool checks /metrics
+  echo "trainwarden: installing prometheus for promtool (apt-get)"
+  { as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } ||
+    echo "trainwarden: WARNING: could not install prometheus; the promtool test will FAIL" >&2
 fi
 
 ./scripts/install.sh --dev
