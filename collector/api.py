@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
-from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError, OperationalError
@@ -55,16 +54,20 @@ def _unavailable(exc: Exception) -> HTTPException:
     )
 
 
-@router.post("/api/v1/ingest", response_model=IngestResult, tags=["ingest"])
-def ingest(batch: IngestBatch, request: Request) -> IngestResult:
-    """Store a batch of one rank's step records and events."""
+def _store(request: Request, store: Any, batch: Any) -> IngestResult:
+    """Run one ingest in a write transaction, with its metrics and error mapping."""
     metrics = _metrics(request)
+    engine = _engine(request)
     started = time.perf_counter()
     try:
-        with write(_engine(request)) as conn:
-            result = store_batch(conn, batch=batch)
+        with write(engine) as conn:
+            result = store(conn, batch=batch)
+    except ValueError as exc:  # a row that fails validation inside the transaction: name it
+        forget_runs(engine)
+        metrics.ingest_requests.labels("invalid").inc()
+        raise HTTPException(422, str(exc)) from None
     except (OperationalError, DBAPIError) as exc:
-        forget_runs(_engine(request))
+        forget_runs(engine)  # a run created in the failed transaction does not exist
         metrics.ingest_requests.labels("unavailable").inc()
         raise _unavailable(exc) from exc
     metrics.ingest_seconds.observe(time.perf_counter() - started)
@@ -74,26 +77,16 @@ def ingest(batch: IngestBatch, request: Request) -> IngestResult:
     return result
 
 
+@router.post("/api/v1/ingest", response_model=IngestResult, tags=["ingest"])
+def ingest(batch: IngestBatch, request: Request) -> IngestResult:
+    """Store a batch of one rank's step records and events."""
+    return _store(request, store_batch, batch)
+
+
 @router.post("/api/v1/ingest/columns", response_model=IngestResult, tags=["ingest"])
 def ingest_columns(batch: ColumnarBatch, request: Request) -> IngestResult:
     """Store several ranks' steps in one request, column-wise (per-node forwarders, loadgen)."""
-    metrics = _metrics(request)
-    started = time.perf_counter()
-    try:
-        with write(_engine(request)) as conn:
-            result = store_columns(conn, batch=batch)
-    except ValueError as exc:  # a row that fails validation: name it
-        forget_runs(_engine(request))
-        metrics.ingest_requests.labels("invalid").inc()
-        return JSONResponse({"error": str(exc)}, status_code=422)  # type: ignore[return-value]
-    except (OperationalError, DBAPIError) as exc:
-        forget_runs(_engine(request))
-        metrics.ingest_requests.labels("unavailable").inc()
-        raise _unavailable(exc) from exc
-    metrics.ingest_seconds.observe(time.perf_counter() - started)
-    metrics.ingest_requests.labels("ok").inc()
-    metrics.ingest_records.labels("step").inc(result.accepted_steps)
-    return result
+    return _store(request, store_columns, batch)
 
 
 @router.get("/api/v1/runs", response_model=list[RunSummary], tags=["runs"])

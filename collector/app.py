@@ -5,17 +5,18 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
 from .api import router
-from .health import HealthLoop, HealthSettings
+from .health import HealthSettings, health_loop
 from .limits import BodyLimit, IngestBackpressure
+from .loops import Loop
 from .prom import CollectorMetrics
 from .queries import NotFound, UnknownMetric
-from .rollup_worker import RollupLoop
+from .rollup_worker import rollup_loop
 from .settings import Settings
 
 DEFAULT_HEALTH = HealthSettings()
@@ -46,11 +47,11 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
-        loops: list[HealthLoop | RollupLoop] = []
+        loops: list[Loop] = []
         if rollups:
-            loops.append(RollupLoop(engine))
+            loops.append(rollup_loop(engine))
         if health is not None:
-            loops.append(HealthLoop(engine, health))
+            loops.append(health_loop(engine, health))
         for loop in loops:
             loop.start()
         yield
@@ -81,6 +82,11 @@ def create_app(
     @app.exception_handler(UnknownMetric)
     async def _unknown_metric(_request: Request, exc: UnknownMetric) -> JSONResponse:
         return JSONResponse({"detail": str(exc)}, status_code=422)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        body = {"error": exc.detail} if exc.status_code == 422 else {"detail": exc.detail}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:

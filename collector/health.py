@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import threading
 import time
 import uuid
 from collections import defaultdict
@@ -33,6 +32,7 @@ from sqlalchemy import Connection, Engine, select, text, update
 from . import models as m
 from .db import is_sqlite, write
 from .ingest import _insert
+from .loops import Loop
 
 log = logging.getLogger(__name__)
 
@@ -279,25 +279,7 @@ def evaluate_once(engine: Engine, settings: HealthSettings) -> int:
         return evaluate(conn, settings=settings)
 
 
-class HealthLoop:
+def health_loop(engine: Engine, settings: HealthSettings | None = None) -> Loop:
     """The evaluator's thread inside ``serve``."""
-
-    def __init__(self, engine: Engine, settings: HealthSettings | None = None) -> None:
-        self.engine = engine
-        self.settings = settings or HealthSettings()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trainwarden-health", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.settings.interval_s):
-            try:
-                evaluate_once(self.engine, self.settings)
-            except Exception:  # a database outage must not end health evaluation for good
-                log.exception("health evaluation failed; retrying")
+    settings = settings or HealthSettings()
+    return Loop("trainwarden-health", settings.interval_s, lambda: evaluate_once(engine, settings))

@@ -13,8 +13,9 @@ collectors can run against one database without double work.
 
 from __future__ import annotations
 
+import itertools
 import logging
-import threading
+import time
 from collections import defaultdict
 from typing import Any
 
@@ -23,6 +24,7 @@ from sqlalchemy import Connection, Engine, and_, delete, func, select, text, tup
 from . import models as m
 from .db import is_sqlite, write
 from .ingest import upsert
+from .loops import Loop
 from .rollups import aggregate
 
 log = logging.getLogger(__name__)
@@ -83,55 +85,40 @@ def roll_up_ready(
     return len(due)
 
 
+def _locked_pass(engine: Engine, *, now: float, grace_s: float, recheck: bool, wait: bool) -> int:
+    """One pass in its own transaction, under the advisory lock on PostgreSQL: ``wait``
+    for it (flush), or skip the pass when another collector holds it (the loop)."""
+    with write(engine) as conn:
+        if not is_sqlite(conn):
+            lock = "pg_advisory_xact_lock" if wait else "pg_try_advisory_xact_lock"
+            got = conn.execute(text(f"SELECT {lock}(:k)"), {"k": ADVISORY_LOCK_KEY}).scalar()
+            if got is False:
+                return 0
+        return roll_up_ready(conn, now=now, grace_s=grace_s, recheck=recheck)
+
+
 def flush(engine: Engine, *, now: float, grace_s: float = GRACE_S) -> int:
-    """Roll up everything ready now (tests and shutdown use it); waits for the lock."""
+    """Roll up everything due now (tests and benchmarks use it); waits for the lock."""
     total = 0
     while True:
-        with write(engine) as conn:
-            if not is_sqlite(conn):
-                conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY})
-            done = roll_up_ready(conn, now=now, grace_s=grace_s)
+        done = _locked_pass(engine, now=now, grace_s=grace_s, recheck=True, wait=True)
         total += done
         if done < MAX_STEPS_PER_PASS:
             return total
 
 
-class RollupLoop:
-    """The worker's thread inside ``serve``."""
+def rollup_loop(engine: Engine, *, interval_s: float = 0.25, grace_s: float = GRACE_S) -> Loop:
+    """The worker's thread inside ``serve``. Steps never rolled up are looked at on every
+    pass; rolled-up ones (for late or replayed rows) every ``RECHECK_EVERY`` passes."""
+    passes = itertools.count(1)
 
-    def __init__(
-        self, engine: Engine, *, interval_s: float = 0.25, grace_s: float = GRACE_S
-    ) -> None:
-        self.engine = engine
-        self.interval_s = interval_s
-        self.grace_s = grace_s
-        self._stop = threading.Event()
-        self._passes = 0
-        self._thread = threading.Thread(target=self._run, name="trainwarden-rollup", daemon=True)
+    def work() -> None:
+        while True:
+            recheck = next(passes) % RECHECK_EVERY == 0
+            done = _locked_pass(
+                engine, now=time.time(), grace_s=grace_s, recheck=recheck, wait=False
+            )
+            if done < MAX_STEPS_PER_PASS:
+                return  # else a backlog: keep going
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _once(self) -> int:
-        import time
-
-        with write(self.engine) as conn:
-            if not is_sqlite(conn):
-                got = conn.execute(
-                    text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY}
-                ).scalar()
-                if not got:
-                    return 0
-            return roll_up_ready(conn, now=time.time(), grace_s=self.grace_s)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            try:
-                while self._once() >= MAX_STEPS_PER_PASS:
-                    pass  # a backlog: keep going
-            except Exception:  # an outage must not end rollups for good
-                log.exception("rollup failed; retrying")
+    return Loop("trainwarden-rollup", interval_s, work)
