@@ -149,15 +149,15 @@ class Drill:
                 continue
             agent.event("drill", step=step, severity="warning", fault=fault.kind, spec=fault.text)
             if fault.kind == "xid":
-                agent.gpu_device.inject_xid(int(fault.value))
+                agent.gpu_device.inject_xid(int(fault.value or 0))
             elif fault.kind == "thermal":
-                agent.gpu_device.set_thermal(fault.value)
+                agent.gpu_device.set_thermal(float(fault.value or 0))
                 agent.gpu_monitor.sample_now()  # the driver's view changes now, not at the next tick
             elif fault.kind == "hang":
                 log.warning(
                     "trainwarden drill: hanging the training thread for %.0fs", fault.seconds
                 )
-                time.sleep(fault.seconds)
+                time.sleep(fault.seconds or 0.0)
             elif fault.kind == "die":
                 log.warning("trainwarden drill: this process exits now (code %d)", DIE_EXIT_CODE)
                 agent.flush(timeout_s=2.0)  # the drill event, so the post-mortem shows the cause

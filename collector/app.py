@@ -105,5 +105,5 @@ def create_app(
 
         dash_app = create_dash(LocalClient(engine), refresh_s=settings.ui_refresh_s)
         app.state.dash = dash_app
-        app.mount("/", WSGIMiddleware(dash_app.server))  # last: API routes match first
+        app.mount("/", WSGIMiddleware(dash_app.server))  # type: ignore[arg-type]  # last: API routes match first
     return app

@@ -186,6 +186,7 @@ def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_st
         blamed = sorted(r["rank"] for r in (dead or culprits))
         for r in stalled:
             idle = now - r["progress_at"]
+            detail: dict[str, Any]
             if r in culprits:
                 detail = {"role": "culprit", "reason": f"no step completed for {idle:.1f}s (in {r['phase'] or 'between steps'})"}  # fmt: skip
             else:
@@ -200,7 +201,7 @@ def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_st
             out[r["rank"]] = ("slow", {"role": "culprit", "compute_ratio": round(slow[r["rank"]], 3),
                                        "reason": f"compute {slow[r['rank']]:.2f}x the peer median"})  # fmt: skip
             continue
-        detail: dict[str, Any] = {}
+        detail = {}
         row = newest.get(r["rank"])
         if slow and row is not None and row["exposed_comm_s"]:
             detail = {"role": "victim", "waiting_on": sorted(slow),

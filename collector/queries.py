@@ -128,14 +128,14 @@ def series(
         query = query.where(s.step <= to_step)
     if last is not None:
         query = query.order_by(s.step.desc()).limit(last)
-        rows = list(reversed(conn.execute(query).all()))
+        rows: list[Any] = list(reversed(conn.execute(query).all()))
     else:
-        rows = conn.execute(query.order_by(s.step)).all()
+        rows = list(conn.execute(query.order_by(s.step)).all())
     bucket = 1
     if points is not None and len(rows) > points:
         bucket = -(-len(rows) // points)
         rows = [_squeeze(rows[i : i + bucket]) for i in range(0, len(rows), bucket)]
-    columns = list(zip(*rows, strict=False)) if rows else [[] for _ in range(8)]
+    columns: list[Any] = list(zip(*rows, strict=False)) if rows else [[] for _ in range(8)]
     return Series(
         bucket=bucket,
         run=run,
@@ -235,11 +235,11 @@ def rank_series(
     if to_step is not None:
         query = query.where(r.step <= to_step)
     if last is not None:
-        rows = list(
+        rows: list[Any] = list(
             reversed(conn.execute(query.order_by(r.step.desc()).limit(last)).mappings().all())
         )
     else:
-        rows = conn.execute(query.order_by(r.step)).mappings().all()
+        rows = list(conn.execute(query.order_by(r.step)).mappings().all())
     return RankSeries(
         run=run,
         metric=metric,

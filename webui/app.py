@@ -196,7 +196,7 @@ def run_header(client: Client, name: str) -> Any:
             html.H2(name),
             html.Div(
                 [
-                    html.Span([html.Span(k, className="fact-key"), v], className="fact")
+                    html.Span([html.Span(k, className="fact-key"), v], className="fact")  # type: ignore[list-item]
                     for k, v in facts
                 ],
                 className="facts",
@@ -215,7 +215,7 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         title="trainwarden",
         assets_folder=ASSETS,
         suppress_callback_exceptions=True,  # page components appear after routing
-        update_title=None,
+        update_title=None,  # type: ignore[arg-type]  # None: no "Updating..." tab title
     )
     app.layout = html.Div(
         [

@@ -1,0 +1,146 @@
+"""Run-overview query latency for a large run, through the HTTP API.
+
+    python bench/query.py [--db postgresql+psycopg://postgres@127.0.0.1:5432/test]
+                          [--ranks 1024] [--steps 10000]
+
+Seeds a scratch PostgreSQL database with a run of RANKS x STEPS (the per-rank rows by
+binary COPY, the per-step rollups by the collector's own rollup code), starts
+``trainwarden serve`` on it, and times what the run page asks for: the series of the
+overview (full history downsampled to 1,000 points, and the newest 5,000 steps) and a
+rank x step heatmap. Prints p50 / p95 per query; the target is p95 <= 200 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import httpx
+import psycopg
+from sqlalchemy.engine import make_url
+
+from trainwarden.collector.db import make_engine, upgrade
+
+COLUMNS = ["run_id", "step", "rank", "ts", "recv_ts", "duration_s", "data_wait_s", "tokens", "loss",
+           "grad_norm", "compute_s", "exposed_comm_s", "mfu", "flops", "peak_flops"]  # fmt: skip
+TYPES = [
+    "integer",
+    "bigint",
+    "integer",
+    *["double precision"] * 4,
+    "bigint",
+    *["double precision"] * 7,
+]
+
+
+def seed(sa_url: str, pg_dsn: str, *, ranks: int, steps: int) -> None:
+    engine = make_engine(sa_url)
+    upgrade(engine)
+    rng = random.Random(0)
+    now = time.time()
+    t0 = time.perf_counter()
+    with psycopg.connect(pg_dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO runs (id, name, created_at, updated_at, world_size, status) "
+                     "VALUES (1, 'big', %s, %s, %s, 'finished')", (now, now, ranks))  # fmt: skip
+        with (
+            conn.cursor() as cur,
+            cur.copy(f"COPY rank_steps ({', '.join(COLUMNS)}) FROM STDIN (FORMAT BINARY)") as copy,
+        ):
+            copy.set_types(TYPES)
+            for step in range(steps):
+                for rank in range(ranks):
+                    d = 1.0 + rng.random() * 0.05 + (0.3 if rank == 17 else 0.0)
+                    copy.write_row((1, step, rank, now + step, now + step, d, 0.01, 16384, 3.0 - step / steps,
+                                    1.0, d * 0.8, d * 0.2, 0.4, 4e14, 9.894e14))  # fmt: skip
+        print(
+            f"seeded {ranks * steps:,} per-rank rows in {time.perf_counter() - t0:.0f}s", flush=True
+        )
+        t0 = time.perf_counter()
+        # The rollups, computed here in SQL (the collector's worker would take minutes for
+        # 10M rows in Python; only the query path is measured).
+        for metric, column in (("loss", "loss"), ("step_time", "duration_s"), ("mfu", "mfu")):
+            conn.execute(
+                f"INSERT INTO step_stats (run_id, metric, step, ts, n, nonfinite, min, median, max, mean, total) "
+                f"SELECT 1, %s, step, min(ts), count(*), 0, min({column}), "
+                f"percentile_cont(0.5) WITHIN GROUP (ORDER BY {column}), max({column}), avg({column}), "
+                f"avg({column}) FROM rank_steps GROUP BY step",
+                (metric,),
+            )
+        conn.execute("ANALYZE")
+    print(f"rolled up {steps:,} steps (3 metrics) in {time.perf_counter() - t0:.0f}s", flush=True)
+    engine.dispose()
+
+
+def timed(client: httpx.Client, path: str, params: dict, n: int) -> tuple[float, float]:
+    samples = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        response = client.get(path, params=params)
+        response.raise_for_status()
+        samples.append(time.perf_counter() - t0)
+    samples.sort()
+    return statistics.median(samples) * 1000, samples[int(0.95 * (len(samples) - 1))] * 1000
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument(
+        "--db",
+        default=os.environ.get(
+            "TRAINWARDEN_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+        ),
+    )
+    p.add_argument("--ranks", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=10_000)
+    p.add_argument("--repeat", type=int, default=40)
+    args = p.parse_args()
+    base = make_url(args.db)
+    admin = base.set(drivername="postgresql").render_as_string(hide_password=False)
+    scratch = f"tw_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{scratch}"')
+    serve = None
+    try:
+        sa_url = base.set(database=scratch).render_as_string(hide_password=False)
+        seed(sa_url, base.set(drivername="postgresql", database=scratch).render_as_string(hide_password=False),
+             ranks=args.ranks, steps=args.steps)  # fmt: skip
+        port = 19000 + os.getpid() % 1000
+        log = open(os.path.join(tempfile.gettempdir(), "trainwarden-bench-query.log"), "w")  # noqa: SIM115
+        serve = subprocess.Popen([sys.executable, "-m", "trainwarden.collector.cli", "serve", "--db", sa_url,
+                                  "--port", str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(100):
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        print(f"run-overview queries on {args.ranks:,} ranks x {args.steps:,} steps ({os.cpu_count()} cpus), "
+              f"{args.repeat} each; target p95 <= 200 ms")  # fmt: skip
+        with httpx.Client(base_url=url, timeout=30) as client:
+            queries = [
+                ("series loss, full history, points=1000", "/api/v1/runs/big/series", {"metric": "loss", "points": 1000}),
+                ("series step_time, newest 5000 steps", "/api/v1/runs/big/series", {"metric": "step_time", "last": 5000}),
+                ("series mfu, steps 2000-3000", "/api/v1/runs/big/series", {"metric": "mfu", "from": 2000, "to": 3000}),
+                ("heatmap step_time, 200 buckets", "/api/v1/runs/big/heatmap", {"metric": "step_time", "buckets": 200}),
+            ]  # fmt: skip
+            for name, path, params in queries:
+                p50, p95 = timed(client, path, params, args.repeat if "heatmap" not in name else 5)
+                print(f"  {name:<42} p50 {p50:7.1f} ms   p95 {p95:7.1f} ms")
+    finally:
+        if serve is not None:
+            serve.terminate()
+            serve.wait(10)
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
+
+
+if __name__ == "__main__":
+    main()
