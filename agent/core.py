@@ -237,6 +237,8 @@ class Agent:
             "dropped_send_failed": 0,
             "exporter_cpu_ns": 0,
             "heartbeats": 0,
+            "retries": 0,
+            "dropped_at_shutdown": 0,
         }
         self._exporter: Exporter | None = None
         if transport is None and config.url is not None:

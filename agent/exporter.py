@@ -2,13 +2,18 @@
 
 Modelled on OpenTelemetry's BatchProcessor: a daemon thread woken by a timer or an
 ``Event``, exports wrapped so nothing ever raises into the trainer, and a
-``shutdown(timeout)`` that flushes what it can before its deadline. Until the spool
-lands (issue 10), a batch the collector does not take is dropped and counted.
+``shutdown(timeout)`` that flushes what it can before its deadline. A batch the
+collector cannot take for now (unreachable, 429, 5xx) is kept and resent, in order,
+after a jittered backoff or the collector's Retry-After; the queue keeps filling
+meanwhile (bounded: the oldest records are dropped and counted). A batch refused as
+malformed (4xx) is dropped and counted. Records still unsent at shutdown are dropped
+and counted; an on-disk spool that outlives the process is issue 10's.
 """
 
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections import deque
@@ -50,7 +55,9 @@ class HttpTransport:
             path, content=_dumps(body), headers={"Content-Type": "application/json"}
         )
         if response.status_code >= 400:
-            raise CollectorError(response.status_code, response.text[:500])
+            retry_after = response.headers.get("Retry-After", "")
+            wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
+            raise CollectorError(response.status_code, response.text[:500], wait)
         return response.json() if response.content else {}
 
     def close(self) -> None:
@@ -68,9 +75,14 @@ def _dumps(body: dict[str, Any]) -> bytes:
 
 
 class CollectorError(RuntimeError):
-    def __init__(self, status: int, body: str) -> None:
+    def __init__(self, status: int, body: str, retry_after: float | None = None) -> None:
         super().__init__(f"collector answered {status}: {body}")
         self.status = status
+        self.retry_after = retry_after
+
+
+RETRYABLE = frozenset({429, 500, 502, 503, 504})
+MAX_BACKOFF_S = 30.0
 
 
 class Exporter:
@@ -103,6 +115,11 @@ class Exporter:
         self._stopping = threading.Event()
         self._held: list[Any] = []  # records waiting for a device copy, in order
         self._failing = False
+        # A batch the collector could not take for now (down, busy, 5xx): resent, in
+        # order, before anything newer, after a jittered backoff or its Retry-After.
+        self._pending: tuple[list[Any], list[Any], list[Any]] | None = None
+        self._retry_at = 0.0
+        self._backoff = 0.5
         self._thread = threading.Thread(target=self._loop, name="trainwarden-exporter", daemon=True)
         self._thread.start()
 
@@ -146,6 +163,9 @@ class Exporter:
                 log.exception("trainwarden: exporter error (records dropped)")
             self._stats["exporter_cpu_ns"] += time.thread_time_ns() - cpu
             if stopping:
+                # What could not be sent before the deadline is lost with the process: count it.
+                pending = sum(map(len, self._pending)) if self._pending else 0
+                self._stats["dropped_at_shutdown"] += len(self._queue) + len(self._held) + pending
                 return
 
     def _take_batch(
@@ -181,15 +201,26 @@ class Exporter:
 
     def _export_once(self, *, final: bool) -> bool:
         """Send one batch. Returns True when more is ready to send right away."""
+        if self._pending is not None:
+            if time.monotonic() < self._retry_at and not final:
+                return False
+            pending, self._pending = self._pending, None
+            self._stats["retries"] += 1
+            return self._send(*pending, final=final)
         steps, events, gpu = self._take_batch(final=final)
         if not steps and not events and not gpu:
             return False
-        if not self._send(steps, events, gpu):
+        if not self._send(steps, events, gpu, final=final):
             return False  # wait for the next tick instead of spinning on a dead collector
         return bool(self._queue) or (bool(self._held) and final)
 
     def _send(
-        self, steps: list[dict[str, Any]], events: list[dict[str, Any]], gpu: list[dict[str, Any]]
+        self,
+        steps: list[dict[str, Any]],
+        events: list[dict[str, Any]],
+        gpu: list[dict[str, Any]],
+        *,
+        final: bool = False,
     ) -> bool:
         body = {
             "run": self._run,
@@ -203,15 +234,23 @@ class Exporter:
         try:
             self._transport.send(INGEST_PATH, body)
         except Exception as exc:
-            self._stats["dropped_send_failed"] += len(steps) + len(events) + len(gpu)
             self._stats["batches_failed"] += 1
+            count = len(steps) + len(events) + len(gpu)
+            retryable = not isinstance(exc, CollectorError) or exc.status in RETRYABLE
+            if retryable and count and not final:
+                # Keep it (the collector dedups a replay) and back off, honouring Retry-After.
+                self._pending = (steps, events, gpu)
+                wait = getattr(exc, "retry_after", None) or self._backoff * random.uniform(0.5, 1.5)
+                self._retry_at = time.monotonic() + wait
+                self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+            else:
+                self._stats["dropped_send_failed"] += count
             if not self._failing:
-                log.warning(
-                    "trainwarden: collector unreachable (%s); dropping records until it answers",
-                    exc,
-                )
+                what = "retrying with backoff" if retryable else "dropping what it refuses"
+                log.warning("trainwarden: collector did not take a batch (%s); %s", exc, what)
                 self._failing = True
             return False
+        self._backoff = 0.5
         if self._failing:
             log.warning("trainwarden: collector reachable again")
             self._failing = False
