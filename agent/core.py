@@ -108,8 +108,13 @@ class Step:
         self._profiling: Any = None
 
     def __enter__(self) -> Step:
+        entered = time.perf_counter_ns()
         agent = self._agent
         record = self._record
+        last_end = agent._last_step_end_ns
+        if last_end is not None:
+            # The gap since the previous step ended: the trainer's loader, not our sampling.
+            record.data_wait_ns = entered - last_end
         if agent._count_flops_next:
             self._counter = agent._start_flop_count()
         agent._steps_run += 1
@@ -117,9 +122,6 @@ class Step:
             self._profiling = agent._profiler.start()
         t0 = time.perf_counter_ns()
         record.wall_start_ns = time.time_ns()
-        last_end = agent._last_step_end_ns
-        if last_end is not None:
-            record.data_wait_ns = t0 - last_end  # the gap since the previous step ended
         record.start_ns = t0
         agent._current = record
         if agent._drill is not None:
@@ -145,7 +147,10 @@ class Step:
         if agent._cuda_memory is not None:
             record.memory = agent._cuda_memory()  # host-side counters: no sync
         record.queued_at = time.monotonic()
-        agent._last_step_end_ns = t1
+        # A sampled step's profiler stop or FLOP count is the agent's time, not the
+        # loader's: the next step's data wait starts after it.
+        sampled = self._profiling is not None or self._counter is not None
+        agent._last_step_end_ns = time.perf_counter_ns() if sampled else t1
         agent._last_step = record.step
         if exc_type is None:
             agent._last_error = None

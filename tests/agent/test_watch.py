@@ -196,3 +196,40 @@ def test_step_numbers_going_backwards_are_recorded_as_they_are() -> None:
             s.loss(1.0)
     tw.shutdown()
     assert [s["step"] for s in transport.steps()] == [10, 11, 12, 5, 6]
+
+
+def test_sampling_work_does_not_count_as_data_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    from trainwarden.agent.profiler import SampledProfiler
+
+    # Make the agent's sampling work slow (100 ms to start and to stop the profiler,
+    # as a GPU flush can be): none of it may show up as the trainer's data wait.
+    start, stop = SampledProfiler.start, SampledProfiler.stop
+
+    def slow_start(self):  # type: ignore[no-untyped-def]
+        time.sleep(0.1)
+        return start(self)
+
+    def slow_stop(self, handle, step):  # type: ignore[no-untyped-def]
+        result = stop(self, handle, step)
+        time.sleep(0.1)
+        return result
+
+    monkeypatch.setattr(SampledProfiler, "start", slow_start)
+    monkeypatch.setattr(SampledProfiler, "stop", slow_stop)
+    transport = RecordingTransport()
+    tw.init(run="dw", transport=transport, profile_every=4)
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    tw.watch(model, opt)  # also counts FLOPs on the first step
+    x = torch.randn(BATCH, D_IN)
+    for i in range(12):
+        time.sleep(0.02)  # the loader: 20 ms before every step
+        with tw.step(i, tokens=BATCH):
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    tw.shutdown()
+    steps = transport.steps()
+    assert [s["step"] for s in steps if s.get("comm_source") == "profiler"] == [3, 7, 11]
+    waits = [s["data_wait_s"] for s in steps[1:]]
+    assert all(0.019 < w < 0.07 for w in waits), waits  # 20 ms, not 120 ms
