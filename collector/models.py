@@ -186,3 +186,16 @@ rollup_queue = Table(
     Column("rolled_n", Integer),  # rows the last rollup saw
     Column("rolled_at", Float),  # newest receive time the last rollup saw
 )
+
+# Per-rank maxima over buckets of 16 and 256 steps, for rank x step heatmaps of long
+# runs (migration 0005); written by the rollup worker.
+rank_buckets = Table(
+    "rank_buckets",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("metric", String(32), primary_key=True),
+    Column("level", Integer, primary_key=True),
+    Column("bucket", BigInteger, primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("max", Float, nullable=False),
+)

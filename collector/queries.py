@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 
 from . import models as m
+from .rollup_worker import HEATMAP_COLUMNS, LEVELS
 from .rollups import METRICS
 from .schemas import (
     EventOut,
@@ -171,9 +172,14 @@ def _squeeze(rows: list[Any]) -> tuple[Any, ...]:
 
 def heatmap(
     conn: Connection, *, run: str, metric: str, buckets: int = 200, from_step: int | None = None,
-    to_step: int | None = None,
+    to_step: int | None = None, use_rollups: bool = True,
 ) -> Heatmap:  # fmt: skip
-    """``metric`` per rank and step bucket (the max in the bucket), for rank x step heatmaps."""
+    """``metric`` per rank and step bucket (the max in the bucket), for rank x step heatmaps.
+
+    Cells of 16 steps or more come from the per-rank bucket maxima the rollup worker
+    keeps (step_time, compute, exposed_comm, data_wait, loss), so a long run is not
+    scanned row by row; their width is then a multiple of 16 or 256 steps.
+    """
     if metric not in METRICS:
         raise UnknownMetric(metric)
     column = METRICS[metric].source
@@ -196,13 +202,38 @@ def heatmap(
             run=run, metric=metric, unit=unit, ranks=[], step_start=[], bucket=1, values=[]
         )
     width = max(1, -(-(hi - lo + 1) // buckets))
-    # Integer division on both backends: SQLite's / on integers, PostgreSQL's div().
-    b = ((r.step - lo) / width) if conn.dialect.name == "sqlite" else func.div(r.step - lo, width)
-    cells = conn.execute(
-        select(r.rank, b.label("b"), func.max(getattr(r, column)))
-        .where(r.run_id == run_id, r.step >= lo, r.step <= hi)
-        .group_by(r.rank, "b")
-    ).all()
+    level = (
+        max((lv for lv in LEVELS if lv <= width), default=None)
+        if metric in HEATMAP_COLUMNS
+        else None
+    )
+    if level is not None and use_rollups:
+        # From the per-rank bucket maxima: cells are whole stored buckets, aligned to them.
+        width = -(-width // level) * level
+        lo -= lo % level
+        k = m.rank_buckets.c
+        cell = (k.bucket * level - lo) // width
+        cells = list(
+            conn.execute(
+                select(k.rank, cell.label("cell"), func.max(k.max))
+                .where(
+                    k.run_id == run_id, k.metric == metric, k.level == level,
+                    k.bucket >= lo // level, k.bucket <= hi // level,
+                )
+                .group_by(k.rank, "cell")
+            ).all()
+        )  # fmt: skip
+    else:
+        b = (
+            r.step - lo
+        ) // width  # floor division on both backends (SQLAlchemy 2's / is true division)
+        cells = list(
+            conn.execute(
+                select(r.rank, b.label("b"), func.max(getattr(r, column)))
+                .where(r.run_id == run_id, r.step >= lo, r.step <= hi)
+                .group_by(r.rank, "b")
+            ).all()
+        )
     ranks = sorted({rank for rank, _, _ in cells})
     index = {rank: i for i, rank in enumerate(ranks)}
     count = (hi - lo) // width + 1

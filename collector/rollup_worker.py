@@ -23,7 +23,7 @@ from sqlalchemy import Connection, Engine, and_, delete, func, select, text, tup
 
 from . import models as m
 from .db import is_sqlite, write
-from .ingest import upsert
+from .ingest import _insert, upsert
 from .loops import Loop
 from .rollups import aggregate
 
@@ -72,6 +72,7 @@ def roll_up_ready(
             for stat in aggregate(run_id, step, group)
         ]
         upsert(conn, m.step_stats, stats, key=["run_id", "metric", "step"])
+        _bucket_maxima(conn, groups)
         for (run_id, step), group in groups.items():
             conn.execute(
                 update(m.rollup_queue)
@@ -83,6 +84,47 @@ def roll_up_ready(
         delete(m.rollup_queue).where(q.rolled_at.is_not(None), q.rolled_at < now - SETTLE_S)
     )
     return len(due)
+
+
+# Metrics a heatmap can show, and the bucket sizes (in steps) kept for them.
+HEATMAP_COLUMNS = {
+    "step_time": "duration_s",
+    "compute": "compute_s",
+    "exposed_comm": "exposed_comm_s",
+    "data_wait": "data_wait_s",
+    "loss": "loss",
+}
+LEVELS = (16, 256)
+
+
+def _bucket_maxima(conn: Connection, groups: dict[tuple[int, int], list[Any]]) -> None:
+    """Fold rolled-up steps into per-rank bucket maxima. Max is idempotent, so a step
+    rolled up again (late rows, replays) changes nothing it should not."""
+    best: dict[tuple[int, str, int, int, int], float] = {}
+    for (run_id, step), rows in groups.items():
+        for metric, column in HEATMAP_COLUMNS.items():
+            for row in rows:
+                value = row[column]
+                if value is None or value != value:  # missing or NaN
+                    continue
+                for level in LEVELS:
+                    key = (run_id, metric, level, step // level, row["rank"])
+                    if value > best.get(key, float("-inf")):
+                        best[key] = value
+    if not best:
+        return
+    stmt = _insert(conn, m.rank_buckets)
+    bigger = (func.max if is_sqlite(conn) else func.greatest)(
+        m.rank_buckets.c.max, stmt.excluded.max
+    )
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["run_id", "metric", "level", "bucket", "rank"], set_={"max": bigger}
+    )
+    rows = [
+        {"run_id": k[0], "metric": k[1], "level": k[2], "bucket": k[3], "rank": k[4], "max": v}
+        for k, v in best.items()
+    ]
+    conn.execute(stmt, rows)
 
 
 def _locked_pass(engine: Engine, *, now: float, grace_s: float, recheck: bool, wait: bool) -> int:

@@ -73,3 +73,25 @@ def test_a_replayed_batch_changes_nothing_and_a_changed_replay_is_rolled_again(e
         ingest(conn, batch=IngestBatch.model_validate(body), now=T0 + 4)
     flush(engine, now=T0 + 5)
     assert loss_stats(engine)[1] == (3, 9.0)
+
+
+def test_heatmap_from_bucket_maxima_equals_the_one_from_raw_rows(engine) -> None:
+    from trainwarden.collector.queries import heatmap
+
+    rng = __import__("random").Random(3)
+    for rank in range(4):
+        body = batch(rank=rank, world_size=4,
+                     steps=[step(i, duration=(0.3 if rank == 2 else 0.1) + rng.random() / 100) for i in range(640)])  # fmt: skip
+        with write(engine) as conn:
+            ingest(conn, batch=IngestBatch.model_validate(body), now=T0)
+    flush(engine, now=T0 + 1)
+    with engine.connect() as conn:
+        fast = heatmap(conn, run="r1", metric="step_time", buckets=10)
+        slow = heatmap(conn, run="r1", metric="step_time", buckets=10, use_rollups=False)
+        wide = heatmap(conn, run="r1", metric="step_time", buckets=2)  # 320 steps: the 256 level
+    assert fast.bucket == slow.bucket == 64 and fast.step_start == slow.step_start
+    assert fast.ranks == slow.ranks == [0, 1, 2, 3]
+    assert fast.values == slow.values
+    assert all(v > 0.3 for v in fast.values[2]) and all(v < 0.2 for v in fast.values[0])
+    assert wide.bucket == 512 and len(wide.step_start) == 2
+    assert wide.values[2][0] == max(fast.values[2][:8])
