@@ -16,9 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -26,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import psycopg
-from sqlalchemy.engine import make_url
+from common import DEFAULT_DB, scratch_database, serving
 
 from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen_async
 
@@ -67,18 +64,7 @@ def raw_copy(dsn: str, rows: int) -> float:
 def end_to_end(
     db_url: str, *, ranks: int, ranks_per_node: int, duration: float
 ) -> dict[str, float]:
-    port = 18000 + os.getpid() % 1000
-    log = open(os.path.join(tempfile.gettempdir(), "trainwarden-bench-serve.log"), "w")  # noqa: SIM115
-    serve = subprocess.Popen([sys.executable, "-m", "trainwarden.collector.cli", "serve", "--db", db_url,
-                              "--port", str(port), "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(100):
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
+    with serving(db_url, log_name="bench-ingest") as url:
         run = f"bench-{uuid.uuid4().hex[:6]}"
         nodes = -(-ranks // ranks_per_node)
         sent: dict[int, list[float]] = {}
@@ -118,36 +104,19 @@ def end_to_end(
                 "offered_rows_per_s": float(ranks), "failed": float(result.requests_failed),
                 "p95_queryable_s": p95, "steps_measured": float(len(delays)),
                 "request_p95_s": sorted(result.latencies_s)[int(0.95 * len(result.latencies_s))]}  # fmt: skip
-    finally:
-        serve.terminate()
-        serve.wait(10)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument(
-        "--db",
-        default=os.environ.get(
-            "TRAINWARDEN_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-        ),
-    )
+    p.add_argument("--db", default=DEFAULT_DB)
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--duration", type=float, default=30)
     p.add_argument("--copy-rows", type=int, default=200_000)
     args = p.parse_args()
 
-    base = make_url(args.db)
-    admin = base.set(drivername="postgresql").render_as_string(hide_password=False)
-    scratch = f"tw_bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{scratch}"')
-    try:
-        scratch_pg = base.set(drivername="postgresql", database=scratch).render_as_string(
-            hide_password=False
-        )
-        scratch_sa = base.set(database=scratch).render_as_string(hide_password=False)
-        copy_rows = raw_copy(scratch_pg, args.copy_rows)
+    with scratch_database(args.db) as (sa_url, dsn):
+        copy_rows = raw_copy(dsn, args.copy_rows)
         metrics = len(METRIC_COLUMNS)
         print(
             f"trainwarden ingest benchmark ({os.cpu_count()} cpus; one collector process; PostgreSQL "
@@ -157,7 +126,7 @@ def main() -> None:
             f"(a) raw binary COPY:        {copy_rows:>12,.0f} rows/s = {copy_rows * metrics:>13,.0f} points/s"
         )
         e2e = end_to_end(
-            scratch_sa, ranks=args.ranks, ranks_per_node=args.ranks_per_node, duration=args.duration
+            sa_url, ranks=args.ranks, ranks_per_node=args.ranks_per_node, duration=args.duration
         )
         print(
             f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = {e2e['points_per_s']:>13,.0f} points/s "
@@ -169,9 +138,6 @@ def main() -> None:
         )
         print(f"    (b)/(a) = {e2e['points_per_s'] / (copy_rows * metrics):.4f}")
         print("(c) MLflow log_batch peer: not implemented yet (issue 5 is open)")
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{scratch}" WITH (FORCE)')
 
 
 if __name__ == "__main__":

@@ -1,0 +1,73 @@
+"""What the benchmarks share: a scratch PostgreSQL database and a real ``trainwarden serve``."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import psycopg
+from sqlalchemy.engine import make_url
+
+DEFAULT_DB = os.environ.get(
+    "TRAINWARDEN_TEST_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+)
+
+
+@contextmanager
+def scratch_database(db_url: str) -> Iterator[tuple[str, str]]:
+    """A fresh database on the server of ``db_url``, dropped afterwards.
+
+    Yields (SQLAlchemy URL, libpq DSN) of the new database.
+    """
+    base = make_url(db_url)
+    admin = base.set(drivername="postgresql").render_as_string(hide_password=False)
+    name = f"tw_bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield (
+            base.set(database=name).render_as_string(hide_password=False),
+            base.set(drivername="postgresql", database=name).render_as_string(hide_password=False),
+        )
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def serving(db_url: str, *, log_name: str) -> Iterator[str]:
+    """``trainwarden serve`` on ``db_url`` and a free loopback port; yields its URL.
+
+    Its output goes to a file in the temp directory named after ``log_name``.
+    """
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(os.path.join(tempfile.gettempdir(), f"trainwarden-{log_name}.log"), "w")  # noqa: SIM115
+    cmd = [sys.executable, "-m", "trainwarden.collector.cli", "serve", "--db", db_url, "--port", str(port),
+           "--log-level", "warning"]  # fmt: skip
+    serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(150):
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        else:
+            raise RuntimeError(f"trainwarden serve did not start; see {log.name}")
+        yield url
+    finally:
+        serve.terminate()
+        serve.wait(10)
+        log.close()
