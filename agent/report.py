@@ -102,6 +102,13 @@ class StepEncoder:
         if record.profile is not None:
             split = split_from_profile(record.profile)
             record.profile = None  # the trace is not kept
+            if split is not None:
+                # The profiler's window also holds the agent's own entry and exit around
+                # the step; scale its split to the step's measured duration.
+                window = split["compute"] + split["exposed_comm"] + split["idle"]
+                if window > 0:
+                    scale = record.duration_ns / window
+                    split = {name: round(ns * scale) for name, ns in split.items()}
         if split is None:
             split, source = split_from_hook(record.comm, start, end), "hook"
         if split is not None:

@@ -25,8 +25,12 @@ def upgrade() -> None:
         sa.Column("bucket", sa.BigInteger(), nullable=False),
         sa.Column("rank", sa.Integer(), nullable=False),
         sa.Column("max", sa.Float(), nullable=False),
-        sa.ForeignKeyConstraint(["run_id"], ["runs.id"], name=op.f("fk_rank_buckets_run_id_runs"), ondelete="CASCADE"),
-        sa.PrimaryKeyConstraint("run_id", "metric", "level", "bucket", "rank", name=op.f("pk_rank_buckets")),
+        sa.ForeignKeyConstraint(
+            ["run_id"], ["runs.id"], name=op.f("fk_rank_buckets_run_id_runs"), ondelete="CASCADE"
+        ),
+        sa.PrimaryKeyConstraint(
+            "run_id", "metric", "level", "bucket", "rank", name=op.f("pk_rank_buckets")
+        ),
     )
 
 

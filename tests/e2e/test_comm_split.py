@@ -76,14 +76,14 @@ def test_exposed_comm_tracks_an_injected_delay(
             assert abs(d_exposed - delay) <= 10, (rank, delay, d_exposed)
             assert abs(d_compute) <= 10, (rank, delay, d_compute)
             for s in block:
-                # Phases cover the step; the split adds up to it (the profiler's clock
-                # and ours agree within a millisecond).
+                # Phases cover the step, and so does the split (the profiler's is scaled
+                # to the step's own duration).
                 assert (
                     abs(s["fwd_s"] + s["bwd_s"] + s["opt_s"] + s["other_s"] - s["duration_s"])
                     < 1e-6
                 )
                 parts = s["compute_s"] + s["exposed_comm_s"] + s["idle_s"]
-                assert abs(parts - s["duration_s"]) < 1e-3
+                assert abs(parts - s["duration_s"]) < 1e-6
                 assert s["overlapped_comm_s"] >= 0
                 if source == "profiler":
                     assert "mfu" not in s and "profiled" in s["issues"]["timing"]
