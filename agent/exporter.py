@@ -150,7 +150,9 @@ class Exporter:
 
     def _loop(self) -> None:
         while True:
-            self._wake.wait(self._interval_s)
+            # Wake for the next batch, or exactly when a heartbeat is due, whichever is first.
+            beat_due = self._heartbeat_s - (time.monotonic() - self._last_sent)
+            self._wake.wait(max(0.01, min(self._interval_s, beat_due)))
             self._wake.clear()
             stopping = self._stopping.is_set()
             cpu = time.thread_time_ns()

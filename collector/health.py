@@ -3,7 +3,7 @@
 ``evaluate`` runs about once a second (a thread in ``serve``), reads each live run's
 ranks and recent steps, and writes state changes (with an event each) back. Rules:
 
-- **dead**: no heartbeat for ``dead_after_beats`` x the rank's heartbeat interval;
+- **dead**: no heartbeat for ``dead_after_beats`` (2.25) x the rank's heartbeat interval;
 - **hung**: heartbeats arrive but no step has completed for ``max(hung_min_s,
   hung_steps x the run's median step time)``. When several ranks stall together the
   culprits are the ranks furthest behind (lowest last step, then earliest phase), or
@@ -43,7 +43,7 @@ LIVE = ("healthy", "slow", "hung", "dead", "running")
 
 @dataclass(frozen=True)
 class HealthSettings:
-    dead_after_beats: float = 2.5
+    dead_after_beats: float = 2.25
     hung_min_s: float = 5.0
     hung_steps: float = 5.0
     straggler_ratio: float = 1.2

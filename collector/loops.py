@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,10 @@ class Loop:
         self._thread.join(5)
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
+        # Fixed rate: a slow pass does not push every later one back.
+        due = time.monotonic() + self.interval_s
+        while not self._stop.wait(max(0.0, due - time.monotonic())):
+            due = max(due + self.interval_s, time.monotonic())
             try:
                 self._work()
             except Exception:

@@ -67,11 +67,11 @@ def test_no_heartbeat_is_dead_and_its_blocked_peer_is_a_victim(engine) -> None:
     }
 
 
-def test_two_missed_beats_are_not_yet_dead(engine) -> None:
+def test_dead_after_two_and_a_quarter_missed_beats(engine) -> None:
     for rank in (0, 1):
         send(engine, rank=rank, steps=[step(0)], at=T0 + 1)
-    assert states(engine, T0 + 1 + 4.5)[1][0] == "healthy"  # 2.25 beats
-    assert states(engine, T0 + 1 + 5.5)[1][0] == "dead"  # 2.75 beats
+    assert states(engine, T0 + 1 + 4.4)[1][0] == "healthy"  # 2.2 beats
+    assert states(engine, T0 + 1 + 4.6)[1][0] == "dead"  # 2.3 beats
 
 
 def test_a_hung_rank_is_the_culprit_and_its_peer_the_victim(engine) -> None:
