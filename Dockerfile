@@ -8,6 +8,7 @@ COPY collector ./collector
 COPY alerts ./alerts
 COPY webui ./webui
 COPY migrations ./migrations
+COPY runbooks ./runbooks
 RUN pip install --no-cache-dir ".[server]"
 EXPOSE 8000
 # --host 0.0.0.0: reachable from other containers and from the host's published port.

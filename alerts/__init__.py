@@ -1,1 +1,41 @@
-"""trainwarden alerts: rules, evaluation and notifiers (issue 6)."""
+"""trainwarden alerts: the rule model and the default rule pack (issue 6).
+
+Rules are data: ``load_rule_packs()`` reads the shipped pack (``DEFAULT_RULES``) and
+your own files and checks them; each rule names a runbook in ``runbooks/``. The
+evaluation engine, alert lifecycle and notifiers build on these types.
+"""
+
+from .intervals import Interval, parse_interval
+from .loading import load_rule_packs, load_rules, parse_rule
+from .rules import (
+    DEFAULT_RULES,
+    KINDS,
+    RUNBOOKS_DIR,
+    AbsenceRule,
+    BaselineRule,
+    EventRule,
+    PeerRule,
+    RateRule,
+    Rule,
+    RuleError,
+    ThresholdRule,
+)
+
+__all__ = [
+    "DEFAULT_RULES",
+    "KINDS",
+    "RUNBOOKS_DIR",
+    "AbsenceRule",
+    "BaselineRule",
+    "EventRule",
+    "Interval",
+    "PeerRule",
+    "RateRule",
+    "Rule",
+    "RuleError",
+    "ThresholdRule",
+    "load_rule_packs",
+    "load_rules",
+    "parse_interval",
+    "parse_rule",
+]
