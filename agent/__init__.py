@@ -58,6 +58,7 @@ def init(
     drill: str | None = None,
     heartbeat_s: float | None = None,
     gpu_interval_s: float | None = None,
+    exporter: str | None = None,
     transport: Transport | None = None,
 ) -> Agent:
     """Start the agent for this process.
@@ -80,6 +81,10 @@ def init(
     thread is stuck; the NVML sampler reads this rank's GPU every ``gpu_interval_s``
     (5 s) and an XID watcher waits on NVML events. ``drill`` injects faults (see
     :mod:`trainwarden.agent.drills`).
+
+    ``exporter``: ``"http"`` (default) posts to the collector's JSON API; ``"otlp"``
+    sends OTLP/HTTP metrics to ``<url>/v1/metrics`` (a trainwarden collector, or an
+    OpenTelemetry Collector in between); it needs ``pip install 'trainwarden[otlp]'``.
     Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
     shuts the previous agent down first.
     """
@@ -103,6 +108,7 @@ def init(
         drill=drill,
         heartbeat_s=heartbeat_s,
         gpu_interval_s=gpu_interval_s,
+        exporter=exporter,
     )
     if _core._agent is not None:
         _core._agent.shutdown()

@@ -14,6 +14,7 @@ from typing import Any
 
 from .mfu import dtype_name
 
+EXPORTERS = ("http", "otlp")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 
 
@@ -100,6 +101,8 @@ class AgentConfig:
     """Fault drill spec (see trainwarden.agent.drills), e.g. ``slow=1.5x@rank=1,steps=10-60``."""
     gpu_interval_s: float = 5.0
     """How often the NVML sampler reads this rank's GPU."""
+    exporter: str = "http"
+    """How batches go out: ``http`` (the native JSON API) or ``otlp`` (OTLP/HTTP metrics)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -125,6 +128,7 @@ class AgentConfig:
         profile_dir: str | None = None,
         drill: str | None = None,
         gpu_interval_s: float | None = None,
+        exporter: str | None = None,
     ) -> AgentConfig:
         run = _pick(run, "TRAINWARDEN_RUN")
         if run is None:
@@ -167,6 +171,12 @@ class AgentConfig:
             dtype_v = dtype_name(dtype_v)
         except ValueError as exc:
             raise ConfigError(f"dtype: {exc}") from None
+        exporter_v = _pick(exporter, "TRAINWARDEN_EXPORTER", cls.exporter)
+        if exporter_v not in EXPORTERS:
+            raise ConfigError(
+                f"exporter {exporter_v!r} is not known: use one of {', '.join(EXPORTERS)} "
+                "(tw.init(exporter=...) or TRAINWARDEN_EXPORTER)"
+            )
         host = socket.gethostname()
         node = _env("SLURMD_NODENAME") or _env("NODE_NAME") or host
 
@@ -197,6 +207,7 @@ class AgentConfig:
                 "gpu_interval_s (TRAINWARDEN_GPU_INTERVAL)",
                 minimum=0.0,
             ),
+            exporter=exporter_v,
             run=run,
             url=url,
             token=_pick(token, "TRAINWARDEN_TOKEN"),

@@ -246,7 +246,13 @@ class Agent:
             "dropped_at_shutdown": 0,
         }
         self._exporter: Exporter | None = None
-        if transport is None and config.url is not None:
+        if transport is None and config.url is not None and config.exporter == "otlp":
+            from .otlp import OtlpTransport  # OpenTelemetry only when asked for
+
+            transport = OtlpTransport(
+                config.url, token=config.token, timeout_s=config.request_timeout_s
+            )
+        elif transport is None and config.url is not None:
             transport = HttpTransport(
                 config.url, token=config.token, timeout_s=config.request_timeout_s
             )

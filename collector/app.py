@@ -10,6 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
+from . import otlp
 from .api import router
 from .health import HealthSettings, health_loop
 from .limits import BodyLimit, IngestBackpressure
@@ -68,6 +69,7 @@ def create_app(
     app.state.settings = settings
     app.state.metrics = CollectorMetrics(engine)
     app.include_router(router)
+    app.include_router(otlp.router)
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_middleware(
         IngestBackpressure,

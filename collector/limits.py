@@ -58,6 +58,9 @@ class BodyLimit:
         await self.app(scope, counted, watched)
 
 
+INGEST_PATHS = ("/api/v1/ingest", "/v1/metrics")  # native and OTLP
+
+
 class IngestBackpressure:
     """Pure ASGI middleware: at most ``limit`` ingest requests in progress. Past that a
     request is answered 503 with Retry-After at once, before its body is read, so a
@@ -73,7 +76,7 @@ class IngestBackpressure:
         self.retry_after = str(retry_after_s).encode()
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or not scope["path"].startswith("/api/v1/ingest"):
+        if scope["type"] != "http" or not scope["path"].startswith(INGEST_PATHS):
             await self.app(scope, receive, send)
             return
         if self.inflight >= self.limit:
