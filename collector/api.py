@@ -3,20 +3,22 @@ validation is pydantic's, work is in ``ingest`` and ``queries``."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from typing import Annotated, Any
+from concurrent.futures import Future
+from typing import Annotated, Any, TypeVar
 
+import orjson
 from fastapi import APIRouter, HTTPException, Path, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine, text
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DBAPIError
+from starlette.requests import ClientDisconnect
 
 from . import queries
-from .db import write
-from .ingest import forget_runs
-from .ingest import ingest as store_batch
-from .ingest import ingest_columns as store_columns
 from .prom import CollectorMetrics
 from .schemas import (
     ColumnarBatch,
@@ -32,11 +34,13 @@ from .schemas import (
     RunSummary,
     Series,
 )
+from .writer import Busy, IngestWriter
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = "5"
 
 router = APIRouter()
+BatchT = TypeVar("BatchT", IngestBatch, ColumnarBatch)
 
 
 def _engine(request: Request) -> Engine:
@@ -54,20 +58,26 @@ def _unavailable(exc: Exception) -> HTTPException:
     )
 
 
-def _store(request: Request, store: Any, batch: Any) -> IngestResult:
-    """Run one ingest in a write transaction, with its metrics and error mapping."""
+def _writer(request: Request) -> IngestWriter:
+    return request.app.state.writer
+
+
+def _busy(metrics: CollectorMetrics, why: str) -> HTTPException:
+    metrics.ingest_requests.labels("busy").inc()
+    return HTTPException(
+        503, f"collector busy: {why}; retry later", headers={"Retry-After": RETRY_AFTER_S}
+    )
+
+
+def _done(request: Request, future: Future[IngestResult], started: float) -> IngestResult:
+    """The outcome of a submitted batch, with its metrics and error mapping."""
     metrics = _metrics(request)
-    engine = _engine(request)
-    started = time.perf_counter()
     try:
-        with write(engine) as conn:
-            result = store(conn, batch=batch)
-    except ValueError as exc:  # a row that fails validation inside the transaction: name it
-        forget_runs(engine)
+        result = future.result()
+    except ValueError as exc:  # a row the database refused: name it
         metrics.ingest_requests.labels("invalid").inc()
         raise HTTPException(422, str(exc)) from None
-    except (OperationalError, DBAPIError) as exc:
-        forget_runs(engine)  # a run created in the failed transaction does not exist
+    except DBAPIError as exc:
         metrics.ingest_requests.labels("unavailable").inc()
         raise _unavailable(exc) from exc
     metrics.ingest_seconds.observe(time.perf_counter() - started)
@@ -77,16 +87,75 @@ def _store(request: Request, store: Any, batch: Any) -> IngestResult:
     return result
 
 
-@router.post("/api/v1/ingest", response_model=IngestResult, tags=["ingest"])
-def ingest(batch: IngestBatch, request: Request) -> IngestResult:
-    """Store a batch of one rank's step records and events."""
-    return _store(request, store_batch, batch)
+async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> IngestResult:
+    """Hand a validated batch to the group-commit writer and wait for its commit."""
+    started = time.perf_counter()
+    try:
+        future = _writer(request).submit(batch)
+    except Busy as exc:
+        raise _busy(_metrics(request), str(exc)) from None
+    await asyncio.wait([asyncio.wrap_future(future)])  # the commit; errors are read below
+    return _done(request, future, started)
 
 
-@router.post("/api/v1/ingest/columns", response_model=IngestResult, tags=["ingest"])
-def ingest_columns(batch: ColumnarBatch, request: Request) -> IngestResult:
+async def _body(request: Request) -> bytes:
+    try:
+        return await request.body()
+    except ClientDisconnect:  # gone, or cut off by the body limit (which has answered 413)
+        raise HTTPException(400, "the client went away before sending the whole body") from None
+
+
+def _parse(model: type[BatchT], body: bytes) -> BatchT:
+    """Parse with orjson, then validate with pydantic; errors read like FastAPI's own."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise RequestValidationError(
+            [{"loc": ("body",), "msg": f"body is not valid JSON: {exc}", "type": "json_invalid"}]
+        ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise RequestValidationError(_in_body(exc)) from None
+
+
+def _in_body(exc: ValidationError) -> list[dict[str, Any]]:
+    """pydantic's errors, located in the body as FastAPI locates its own."""
+    return [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+
+
+def _body_schema(model: type[BaseModel]) -> dict[str, Any]:
+    """OpenAPI request body of a route that parses its own body."""
+    schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+    for name, sub in schema.pop("$defs", {}).items():
+        EXTRA_SCHEMAS[name] = sub
+    EXTRA_SCHEMAS[model.__name__] = schema
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}
+
+
+EXTRA_SCHEMAS: dict[str, Any] = {}
+"""Schemas of self-parsed bodies, merged into the OpenAPI document by ``create_app``."""
+
+
+@router.post(
+    "/api/v1/ingest",
+    response_model=IngestResult,
+    tags=["ingest"],
+    openapi_extra=_body_schema(IngestBatch),
+)
+async def ingest(request: Request) -> IngestResult:
+    """Store a batch of one rank's step records, events and GPU samples."""
+    return await submit(request, _parse(IngestBatch, await _body(request)))
+
+
+@router.post(
+    "/api/v1/ingest/columns", response_model=IngestResult, tags=["ingest"],
+    openapi_extra=_body_schema(ColumnarBatch),
+)  # fmt: skip
+async def ingest_columns(request: Request) -> IngestResult:
     """Store several ranks' steps in one request, column-wise (per-node forwarders, loadgen)."""
-    return _store(request, store_columns, batch)
+    return await submit(request, _parse(ColumnarBatch, await _body(request)))
 
 
 @router.get("/api/v1/runs", response_model=list[RunSummary], tags=["runs"])

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
 from . import otlp
-from .api import router
+from .api import EXTRA_SCHEMAS, router
 from .health import HealthSettings, health_loop
 from .limits import BodyLimit, IngestBackpressure
 from .loops import Loop
@@ -19,6 +21,7 @@ from .prom import CollectorMetrics
 from .queries import NotFound, UnknownMetric
 from .rollup_worker import rollup_loop
 from .settings import Settings
+from .writer import IngestWriter
 
 DEFAULT_HEALTH = HealthSettings()
 
@@ -58,6 +61,7 @@ def create_app(
         yield
         for loop in loops:
             loop.stop()
+        writer.stop()
 
     app = FastAPI(
         lifespan=lifespan,
@@ -67,8 +71,22 @@ def create_app(
     )
     app.state.engine = engine
     app.state.settings = settings
-    app.state.metrics = CollectorMetrics(engine)
+    app.state.metrics = metrics = CollectorMetrics(engine)
+    app.state.writer = writer = IngestWriter(
+        engine, max_pending_rows=settings.max_pending_rows, on_flush=metrics.on_flush
+    )
+    metrics.ingest_queue_rows.set_function(lambda: writer.pending_rows)
     app.include_router(router)
+
+    def openapi() -> dict[str, Any]:  # the self-parsed ingest bodies have schemas too
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version,
+                                 description=app.description, routes=app.routes)  # fmt: skip
+            schema.setdefault("components", {}).setdefault("schemas", {}).update(EXTRA_SCHEMAS)
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
     app.include_router(otlp.router)
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_middleware(
@@ -93,7 +111,7 @@ def create_app(
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        if request.url.path == "/api/v1/ingest":
+        if request.url.path.startswith("/api/v1/ingest"):
             app.state.metrics.ingest_requests.labels("invalid").inc()
         summary = "; ".join(f"{_location(e['loc'])}: {e['msg']}" for e in errors[:5])
         detail = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in errors]

@@ -1,4 +1,4 @@
-"""The ``trainwarden`` command: ``serve``, ``demo`` and ``db upgrade``."""
+"""The ``trainwarden`` command: ``serve``, ``demo``, ``loadgen``, ``db upgrade`` and ``db prune``."""
 
 from __future__ import annotations
 
@@ -91,6 +91,21 @@ def cmd_db_upgrade(args: argparse.Namespace) -> None:
     print(f"trainwarden: database {masked(settings.db)} is at the latest schema")
 
 
+def cmd_db_prune(args: argparse.Namespace) -> None:
+    from .partitions import parse_age, prune
+
+    try:
+        keep = parse_age(args.keep_raw)
+    except ValueError as exc:
+        raise CliError(f"--keep-raw: {exc}") from None
+    engine = _open_database(_settings(args).db)
+    try:
+        result = prune(engine, keep_raw_s=keep, dry_run=args.dry_run)
+    except ValueError as exc:
+        raise CliError(str(exc)) from None
+    print(f"trainwarden: {result.summary()}; rollups, events, alerts and actions are kept")
+
+
 def _cmd_loadgen(args: argparse.Namespace) -> None:
     from .loadgen import cmd_loadgen
 
@@ -163,6 +178,17 @@ def build_parser() -> argparse.ArgumentParser:
     up = db_sub.add_parser("upgrade", help="create or upgrade the schema (Alembic)")
     up.add_argument("--db", help=db_help)
     up.set_defaults(func=cmd_db_upgrade)
+    pr = db_sub.add_parser(
+        "prune",
+        help="drop per-rank raw data (step rows, GPU samples) older than --keep-raw; "
+        "rollups, heatmap maxima, events, alerts and actions stay",
+    )
+    pr.add_argument("--db", help=db_help)
+    pr.add_argument(
+        "--keep-raw", required=True, help="age of raw data to keep, e.g. 14d, 36h, 2w (min 1d)"
+    )
+    pr.add_argument("--dry-run", action="store_true", help="say what would go; change nothing")
+    pr.set_defaults(func=cmd_db_prune)
     return parser
 
 

@@ -13,27 +13,42 @@ import time
 import uuid
 import weakref
 from collections import defaultdict
-from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import Any
 
 from sqlalchemy import (
+    JSON,
     BigInteger,
     Connection,
     Engine,
     Float,
+    Integer,
     bindparam,
     case,
+    delete,
     func,
     null,
     or_,
     select,
+    tuple_,
     update,
 )
+from sqlalchemy import column as sql_column
+from sqlalchemy import table as sql_table
 from sqlalchemy.dialects import postgresql, sqlite
 
 from . import models as m
 from .db import is_sqlite
-from .schemas import AgentInfo, ColumnarBatch, IngestBatch, IngestResult, StepIn
+from .partitions import day_of, ensure_partitions
+from .schemas import (
+    AgentInfo,
+    ColumnarBatch,
+    EventIn,
+    GpuSampleIn,
+    IngestBatch,
+    IngestResult,
+    StepIn,
+)
 
 
 def _insert(conn: Connection, table: Any) -> Any:
@@ -87,29 +102,31 @@ def forget_runs(engine: Engine) -> None:
 
 def _track_ranks(
     conn: Connection, *, run_id: int, agents: list[tuple[AgentInfo, list[StepIn]]], now: float
-) -> None:
-    """Heartbeat and progress of the ranks in a request, in three statements whatever
-    their number; a rank back with a new process session gets a ``restart`` event."""
+) -> dict[int, int | None]:
+    """Heartbeat and progress of the ranks in a flush, in a fixed number of statements
+    whatever their number; a rank back with a new process session gets a ``restart``
+    event. Returns each known rank's ``last_step`` before this flush."""
     rk = m.ranks.c
     agents = sorted(agents, key=lambda pair: pair[0].rank)  # rank order, as the evaluator locks
-    previous = dict(
-        conn.execute(
-            select(rk.rank, rk.session).where(
+    previous = {
+        rank: (session, last_step)
+        for rank, session, last_step in conn.execute(
+            select(rk.rank, rk.session, rk.last_step).where(
                 rk.run_id == run_id, rk.rank.in_([a.rank for a, _ in agents])
             )
-        ).all()
-    )
-    restarts = [a for a, _ in agents if a.rank in previous and previous[a.rank] != a.session]
+        )
+    }
+    restarts = [a for a, _ in agents if a.rank in previous and previous[a.rank][0] != a.session]
     if restarts:
         conn.execute(
             _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
             [
                 {
                     # Derived from both sessions so that a replayed batch cannot add it twice.
-                    "uid": uuid.uuid5(uuid.NAMESPACE_OID, f"restart:{previous[a.rank]}:{a.session}").hex,
+                    "uid": uuid.uuid5(uuid.NAMESPACE_OID, f"restart:{previous[a.rank][0]}:{a.session}").hex,
                     "run_id": run_id, "rank": a.rank, "step": None, "ts": a.started_at or now, "recv_ts": now,
                     "kind": "restart", "severity": "warning",
-                    "data": {"previous_session": previous[a.rank], "session": a.session, "pid": a.pid},
+                    "data": {"previous_session": previous[a.rank][0], "session": a.session, "pid": a.pid},
                 }
                 for a in restarts
             ],
@@ -129,85 +146,178 @@ def _track_ranks(
             "in_step": None if agent.in_step is None else int(agent.in_step), "phase": agent.phase,
             "clock_skew_s": None if agent.sent_at is None else now - agent.sent_at,
         })  # fmt: skip
-    new = [row for row in rows if row["rank"] not in previous]
-    if new:
-        conn.execute(_insert(conn, m.ranks), new)
-    known = [{**row, "b_rank": row["rank"]} for row in rows if row["rank"] in previous]
-    if not known:
-        return
-    renewed = rk.session != bindparam(
-        "session"
-    )  # a new process: healthy until the evaluator says not
-    conn.execute(
-        update(m.ranks)
-        .where(rk.run_id == run_id, rk.rank == bindparam("b_rank"))
-        .values(
-            local_rank=bindparam("local_rank"), host=bindparam("host"), node=bindparam("node"),
-            pid=bindparam("pid"), last_seen=bindparam("last_seen"), heartbeat_s=bindparam("heartbeat_s"),
-            in_step=bindparam("in_step"), phase=bindparam("phase"), clock_skew_s=bindparam("clock_skew_s"),
-            last_step=func.coalesce(bindparam("last_step", type_=BigInteger), rk.last_step),
-            progress_at=func.coalesce(bindparam("progress_at", type_=Float), rk.progress_at),
-            state=case((renewed, "healthy"), else_=rk.state),
-            state_since=case((renewed, bindparam("state_since", type_=Float)), else_=rk.state_since),
-            state_detail=case((renewed, null()), else_=rk.state_detail),
-            session=bindparam("session"),
-        ),
-        known,
-    )  # fmt: skip
+    upsert_rows(conn, m.ranks, rows, key=("run_id", "rank"), set_=_rank_update)
+    return {rank: last for rank, (_session, last) in previous.items()}
 
 
-def _store_gpu(conn: Connection, *, run_id: int, batch: IngestBatch, now: float) -> None:
-    if not batch.gpu:
-        return
-    rows = [
-        {**g.model_dump(), "run_id": run_id, "rank": batch.agent.rank, "recv_ts": now,
-         "remap_pending": None if g.remap_pending is None else int(g.remap_pending),
-         "simulated": int(g.simulated)}
-        for g in batch.gpu
-    ]  # fmt: skip
-    conn.execute(_insert(conn, m.gpu_samples).on_conflict_do_nothing(), rows)
-    latest = max(batch.gpu, key=lambda g: g.ts)
-    conn.execute(
-        update(m.ranks)
-        .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == batch.agent.rank)
-        .values(
-            gpu={"uuid": latest.gpu_uuid, "name": latest.gpu_name, "simulated": latest.simulated}
-        )
+def _rank_update(table: Any, new: Any) -> dict[str, Any]:
+    """How a heartbeat updates a known rank: ``new`` is the incoming row (EXCLUDED)."""
+    old = table.c
+    renewed = old.session != new.session  # a new process: healthy until the evaluator says not
+    return {
+        **{c: new[c] for c in ("local_rank", "host", "node", "pid", "last_seen", "heartbeat_s",
+                               "in_step", "phase", "clock_skew_s", "session")},
+        "last_step": func.coalesce(new.last_step, old.last_step),
+        "progress_at": func.coalesce(new.progress_at, old.progress_at),
+        "state": case((renewed, "healthy"), else_=old.state),
+        "state_since": case((renewed, new.state_since), else_=old.state_since),
+        "state_detail": case((renewed, null()), else_=old.state_detail),
+    }  # fmt: skip
+
+
+# ---- bulk upserts: binary COPY into a staging table on PostgreSQL, executemany on SQLite
+
+
+def _pg_type(column: Any) -> str:
+    """The PostgreSQL type binary COPY sends a column's values as."""
+    kind = column.type
+    if isinstance(kind, BigInteger):
+        return "int8"
+    if isinstance(kind, Integer):
+        return "int4"
+    if isinstance(kind, Float):
+        return "float8"
+    if isinstance(kind, JSON):
+        return "json"
+    return "text"
+
+
+def _stage(conn: Connection, table: Any, columns: list[str], rows: list[dict[str, Any]]) -> Any:
+    """Binary-COPY ``rows`` into this session's temporary staging copy of ``table``
+    (emptied at commit) and return it as a selectable."""
+    name = f"tw_stage_{table.name}"
+    conn.exec_driver_sql(
+        f"CREATE TEMP TABLE IF NOT EXISTS {name} (LIKE {table.name}) ON COMMIT DELETE ROWS"
     )
+    types = [_pg_type(table.c[c]) for c in columns]
+    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    try:
+        with cursor.copy(f"COPY {name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)") as copy:
+            copy.set_types(types)
+            for row in rows:
+                copy.write_row([row[c] for c in columns])
+    finally:
+        cursor.close()
+    return sql_table(name, *(sql_column(c) for c in columns))
+
+
+def upsert_rows(
+    conn: Connection,
+    table: Any,
+    rows: list[dict[str, Any]],
+    *,
+    key: tuple[str, ...],
+    set_: Any = None,
+    where: Any = None,
+) -> None:
+    """Insert ``rows`` (all with the same keys). On a key conflict: do nothing when
+    ``set_`` is None, else apply ``set_(table, excluded)`` where ``where(table,
+    excluded)`` holds. Rows are written in key order, so concurrent writers lock
+    rows in the same order and cannot deadlock."""
+    if not rows:
+        return
+    columns = list(rows[0])
+    if is_sqlite(conn):
+        stmt: Any = sqlite.insert(table)
+        values = rows
+    else:
+        stage = _stage(conn, table, columns, rows)
+        source = select(*(stage.c[c] for c in columns)).order_by(*(stage.c[k] for k in key))
+        stmt = postgresql.insert(table).from_select(columns, source)
+        values = None
+    if set_ is None:
+        stmt = stmt.on_conflict_do_nothing(index_elements=list(key))
+    else:
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(key),
+            set_=set_(table, stmt.excluded),
+            where=None if where is None else where(table, stmt.excluded),
+        )
+    if values is None:
+        conn.execute(stmt)
+    else:
+        conn.execute(stmt, sorted(values, key=lambda r: tuple(r[k] for k in key)))
 
 
 # Every wire field of a step that is a rank_steps column of the same name.
-_STEP_COLUMNS = {c.name for c in m.rank_steps.columns} - {"run_id", "rank", "recv_ts", "issues"}
+_STEP_COLUMNS = {c.name for c in m.rank_steps.columns} - {
+    "run_id",
+    "rank",
+    "day",
+    "recv_ts",
+    "issues",
+}
 
 
-def _step_rows(
-    *, run_id: int, pairs: Iterable[tuple[int, StepIn]], now: float
+def _step_row(run_id: int, rank: int, s: StepIn, now: float) -> dict[str, Any]:
+    row = s.model_dump(include=_STEP_COLUMNS)
+    issues = dict(s.issues or {})
+    for name in ("loss", "grad_norm"):
+        value = row[name]
+        if value is not None and not math.isfinite(value):
+            # SQLite cannot store NaN: keep the fact in `issues` on every backend.
+            issues[name] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            row[name] = None
+    row.update(run_id=run_id, rank=rank, day=day_of(s.ts), recv_ts=now, issues=issues or None)
+    return row
+
+
+def _later_execution(table: Any, new: Any) -> Any:
+    """A stored step is replaced only by a later execution of it (a restart or rollback
+    ran it again); an exact replay of a batch changes nothing."""
+    return table.c.ts < new.ts
+
+
+def _write_steps(
+    conn: Connection, rows: list[dict[str, Any]], last_steps: dict[tuple[int, int], int | None]
 ) -> list[dict[str, Any]]:
-    rows = []
-    for rank, s in pairs:
-        row = s.model_dump(include=_STEP_COLUMNS)
-        issues = dict(s.issues or {})
-        for name in ("loss", "grad_norm"):
-            value = row[name]
-            if value is not None and not math.isfinite(value):
-                # SQLite cannot store NaN: keep the fact in `issues` on every backend.
-                issues[name] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-                row[name] = None
-        row.update(run_id=run_id, rank=rank, recv_ts=now, issues=issues or None)
-        rows.append(row)
-    # A batch may carry the same step twice (a replay inside one batch): last one wins.
-    return list({(row["rank"], row["step"]): row for row in rows}.values())
+    """Store step rows; return those stored (a stale re-delivery is not)."""
+    table, c = m.rank_steps, m.rank_steps.c
+    # A step at or before its rank's last known step may exist already under another
+    # day (run again after a rollback, or an old execution re-delivered late): of all
+    # executions of a (run, rank, step) only the latest is kept.
+    again = [
+        row
+        for row in rows
+        if (last := last_steps.get((row["run_id"], row["rank"]))) is not None
+        and row["step"] <= last
+    ]
+    if again:
+        keys = {(r["run_id"], r["rank"], r["step"]): r for r in again}
+        stored = conn.execute(
+            select(c.run_id, c.rank, c.step, c.day, c.ts).where(
+                tuple_(c.run_id, c.rank, c.step).in_(list(keys))
+            )
+        ).all()
+        stale, older = set(), []
+        for run_id, rank, step, day, ts in stored:
+            new = keys[(run_id, rank, step)]
+            if day == new["day"]:
+                continue  # same key: the upsert decides
+            if ts >= new["ts"]:
+                stale.add((run_id, rank, step))
+            else:
+                older.append({"r": run_id, "k": rank, "s": step, "d": day})
+        if older:
+            conn.execute(
+                delete(table).where(c.run_id == bindparam("r"), c.rank == bindparam("k"),
+                                    c.step == bindparam("s"), c.day == bindparam("d")),
+                older,
+            )  # fmt: skip
+        rows = [r for r in rows if (r["run_id"], r["rank"], r["step"]) not in stale]
+    upsert_rows(
+        conn, table, rows, key=("run_id", "step", "rank", "day"),
+        set_=lambda t, new: {k: new[k] for k in rows[0] if k not in ("run_id", "step", "rank", "day")},
+        where=_later_execution,
+    )  # fmt: skip
+    return rows
 
 
-def _queue_rollups(conn: Connection, *, run_id: int, steps: set[int], now: float) -> None:
-    """Tell the rollup worker about these steps. DO NOTHING when already queued: no row
-    lock, so the ranks of one step never queue behind each other here."""
-    if not steps:
-        return
-    stmt = _insert(conn, m.rollup_queue).on_conflict_do_nothing(index_elements=["run_id", "step"])
-    conn.execute(
-        stmt, [{"run_id": run_id, "step": step, "first_seen": now} for step in sorted(steps)]
-    )
+def _queue_rollups(conn: Connection, keys: set[tuple[int, int]], now: float) -> None:
+    """Tell the rollup worker about these (run, step)s. DO NOTHING when already queued:
+    no row lock, so the ranks of one step never queue behind each other here."""
+    rows = [{"run_id": r, "step": s, "first_seen": now} for r, s in sorted(keys)]
+    upsert_rows(conn, m.rollup_queue, rows, key=("run_id", "step"))
 
 
 # When this process last wrote each run's row: it is shared by every rank, so it is
@@ -216,68 +326,162 @@ _run_touched: weakref.WeakKeyDictionary[Engine, dict[int, float]] = weakref.Weak
 RUN_TOUCH_S = 1.0
 
 
-def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) -> IngestResult:
-    """Store ``batch`` in the caller's transaction."""
+@dataclass
+class _Request:
+    """One validated request, in the shape the bulk writer takes."""
+
+    run: str
+    world_size: int
+    agents: list[tuple[AgentInfo, list[StepIn]]]
+    steps: list[tuple[int, StepIn]]
+    events: list[EventIn] = field(default_factory=list)
+    gpu: list[GpuSampleIn] = field(default_factory=list)
+
+
+def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
+    if isinstance(batch, IngestBatch):
+        a = batch.agent
+        return _Request(batch.run, a.world_size, [(a, batch.steps)], [(a.rank, s) for s in batch.steps],
+                        batch.events, batch.gpu)  # fmt: skip
+    pairs = batch.rows()
+    by_rank: dict[int, list[StepIn]] = defaultdict(list)
+    for rank, step in pairs:
+        by_rank[rank].append(step)
+    return _Request(
+        batch.run, batch.world_size, [(a, by_rank.get(a.rank, [])) for a in batch.agents], pairs
+    )
+
+
+def batch_rows(batch: IngestBatch | ColumnarBatch) -> int:
+    """How many records a validated batch carries (what the writer's bound counts)."""
+    if isinstance(batch, IngestBatch):
+        return len(batch.steps) + len(batch.events) + len(batch.gpu) + 1
+    return len(batch.steps.get("rank", ())) + len(batch.agents)
+
+
+def store_many(
+    conn: Connection, batches: list[IngestBatch | ColumnarBatch], *, now: float | None = None
+) -> list[IngestResult]:
+    """Store several requests' batches in the caller's transaction, with a fixed number
+    of statements per table whatever their number (the collector's group commit)."""
     now = time.time() if now is None else now
-    run_id = _run_id(conn, name=batch.run, world_size=batch.agent.world_size, now=now)
-    _track_ranks(conn, run_id=run_id, agents=[(batch.agent, batch.steps)], now=now)
+    requests = [_normalize(b) for b in batches]
+    # First, before this transaction locks anything: a day partition a row needs.
+    days = {day_of(s.ts) for req in requests for _r, s in req.steps}
+    days |= {day_of(g.ts) for req in requests for g in req.gpu}
+    ensure_partitions(conn.engine, days)
+    run_ids = {}
+    for req in sorted(requests, key=lambda r: r.run):
+        if req.run not in run_ids:
+            run_ids[req.run] = _run_id(conn, name=req.run, world_size=req.world_size, now=now)
 
-    rows = _step_rows(run_id=run_id, pairs=((batch.agent.rank, s) for s in batch.steps), now=now)
-    upsert(conn, m.rank_steps, rows, key=["run_id", "step", "rank"])
-    _queue_rollups(conn, run_id=run_id, steps={row["step"] for row in rows}, now=now)
+    # Ranks: the newest header of each rank wins; its steps are all this flush brings.
+    by_run: dict[int, dict[int, tuple[AgentInfo, list[StepIn]]]] = defaultdict(dict)
+    for req in requests:
+        ranks = by_run[run_ids[req.run]]
+        for agent, steps in req.agents:
+            earlier = ranks.get(agent.rank)
+            ranks[agent.rank] = (agent, steps if earlier is None else [*earlier[1], *steps])
+    last_steps: dict[tuple[int, int], int | None] = {}
+    for run_id in sorted(by_run):
+        known = _track_ranks(conn, run_id=run_id, agents=list(by_run[run_id].values()), now=now)
+        last_steps.update({(run_id, rank): last for rank, last in known.items()})
 
-    accepted_events = 0
-    if batch.events:
-        inserted = conn.execute(
+    # Steps: the same step twice in one flush (a replay inside it): the last one wins.
+    rows: dict[tuple[int, int, int], dict[str, Any]] = {}
+    accepted_steps = []
+    for req in requests:
+        run_id = run_ids[req.run]
+        mine = {(run_id, rank, s.step): (rank, s) for rank, s in req.steps}
+        accepted_steps.append(len(mine))
+        for key, (rank, s) in mine.items():
+            rows[key] = _step_row(run_id, rank, s, now)
+    stored = _write_steps(conn, list(rows.values()), last_steps)
+    _queue_rollups(conn, {(row["run_id"], row["step"]) for row in stored}, now)
+
+    accepted_events = _store_events(conn, requests, run_ids, now)
+    _store_gpu(conn, requests, run_ids, now)
+    for req in requests:  # a rank saying goodbye ends the run when it is the last
+        if any(e.kind == "shutdown" for e in req.events):
+            _update_run(conn, run_id=run_ids[req.run], world_size=req.world_size, last=None,
+                        shutdown=True, now=now)  # fmt: skip
+    for run, run_id in sorted(run_ids.items()):
+        req_last = [s.step for req in requests if req.run == run for _r, s in req.steps]
+        world = max(req.world_size for req in requests if req.run == run)
+        _update_run(conn, run_id=run_id, world_size=world, last=max(req_last, default=None),
+                    shutdown=False, now=now)  # fmt: skip
+    return [
+        IngestResult(accepted_steps=n, accepted_events=e)
+        for n, e in zip(accepted_steps, accepted_events, strict=True)
+    ]
+
+
+def _store_events(
+    conn: Connection, requests: list[_Request], run_ids: dict[str, int], now: float
+) -> list[int]:
+    """Insert every request's events; a replayed event id is ignored and not counted."""
+    rows = []
+    for req in requests:
+        rank = req.agents[0][0].rank if req.agents else None
+        rows += [
+            {"uid": e.id, "run_id": run_ids[req.run], "rank": rank, "step": e.step, "ts": e.ts,
+             "recv_ts": now, "kind": e.kind, "severity": e.severity, "data": e.data}
+            for e in req.events
+        ]  # fmt: skip
+    if not rows:
+        return [0] * len(requests)
+    fresh = set(
+        conn.execute(
             _insert(conn, m.events)
             .on_conflict_do_nothing(index_elements=["uid"])
-            .returning(m.events.c.id),
-            [
-                {
-                    "uid": e.id,
-                    "run_id": run_id,
-                    "rank": batch.agent.rank,
-                    "step": e.step,
-                    "ts": e.ts,
-                    "recv_ts": now,
-                    "kind": e.kind,
-                    "severity": e.severity,
-                    "data": e.data,
-                }
-                for e in batch.events
-            ],
-        )
-        accepted_events = len(inserted.all())  # events seen before are not counted again
-        for e in batch.events:
+            .returning(m.events.c.uid),
+            list({row["uid"]: row for row in rows}.values()),
+        ).scalars()
+    )
+    counts = []
+    for req in requests:
+        counts.append(sum(1 for e in req.events if e.id in fresh))
+        fresh -= {e.id for e in req.events}  # the same id twice in one flush counts once
+        run_id = run_ids[req.run]
+        rank = req.agents[0][0].rank
+        where = (m.ranks.c.run_id == run_id) & (m.ranks.c.rank == rank)
+        for e in req.events:
             if e.kind == "gpu_telemetry":  # "ok" with the device, or "unavailable" and why
-                conn.execute(
-                    update(m.ranks)
-                    .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == batch.agent.rank)
-                    .values(gpu=e.data)
-                )
-        for e in batch.events:
-            if e.kind == "shutdown":  # failed: the process ended on an exception in a step
+                conn.execute(update(m.ranks).where(where).values(gpu=e.data))
+            elif e.kind == "shutdown":  # failed: the process ended on an exception in a step
                 failed = bool(e.data.get("error"))
                 conn.execute(
-                    update(m.ranks)
-                    .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == batch.agent.rank)
-                    .values(
-                        state="failed" if failed else "finished",
-                        state_since=now,
+                    update(m.ranks).where(where).values(
+                        state="failed" if failed else "finished", state_since=now,
                         state_detail={"reason": e.data["error"]} if failed else None,
                     )
-                )
+                )  # fmt: skip
+    return counts
 
-    _store_gpu(conn, run_id=run_id, batch=batch, now=now)
-    _update_run(
-        conn,
-        run_id=run_id,
-        world_size=batch.agent.world_size,
-        last=max((s.step for s in batch.steps), default=batch.agent.last_step),
-        shutdown=any(e.kind == "shutdown" for e in batch.events),
-        now=now,
-    )
-    return IngestResult(accepted_steps=len(rows), accepted_events=accepted_events)
+
+def _store_gpu(
+    conn: Connection, requests: list[_Request], run_ids: dict[str, int], now: float
+) -> None:
+    rows = []
+    for req in requests:
+        if not req.gpu:
+            continue
+        run_id, rank = run_ids[req.run], req.agents[0][0].rank
+        rows += [
+            {**g.model_dump(), "run_id": run_id, "rank": rank, "day": day_of(g.ts), "recv_ts": now,
+             "remap_pending": None if g.remap_pending is None else int(g.remap_pending),
+             "simulated": int(g.simulated)}
+            for g in req.gpu
+        ]  # fmt: skip
+        latest = max(req.gpu, key=lambda g: g.ts)
+        conn.execute(
+            update(m.ranks)
+            .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == rank)
+            .values(gpu={"uuid": latest.gpu_uuid, "name": latest.gpu_name, "simulated": latest.simulated})
+        )  # fmt: skip
+    if rows:
+        rows = list({(r["run_id"], r["rank"], r["ts"]): r for r in rows}.values())
+        upsert_rows(conn, m.gpu_samples, rows, key=("run_id", "rank", "ts", "day"))
 
 
 def _update_run(
@@ -312,24 +516,13 @@ def _update_run(
     conn.execute(update(m.runs).where(m.runs.c.id == run_id).values(status=status, **values))
 
 
+def ingest(conn: Connection, *, batch: IngestBatch, now: float | None = None) -> IngestResult:
+    """Store one agent's batch in the caller's transaction."""
+    return store_many(conn, [batch], now=now)[0]
+
+
 def ingest_columns(
     conn: Connection, *, batch: ColumnarBatch, now: float | None = None
 ) -> IngestResult:
     """Store several ranks' steps (a node's, say) in the caller's transaction."""
-    now = time.time() if now is None else now
-    run_id = _run_id(conn, name=batch.run, world_size=batch.world_size, now=now)
-    pairs = batch.rows()
-    by_rank: dict[int, list[StepIn]] = defaultdict(list)
-    for rank, s in pairs:
-        by_rank[rank].append(s)
-    _track_ranks(
-        conn, run_id=run_id, agents=[(a, by_rank.get(a.rank, [])) for a in batch.agents], now=now
-    )
-    rows = _step_rows(run_id=run_id, pairs=pairs, now=now)
-    upsert(conn, m.rank_steps, rows, key=["run_id", "step", "rank"])
-    _queue_rollups(conn, run_id=run_id, steps={row["step"] for row in rows}, now=now)
-    last = max((s.step for _, s in pairs), default=None)
-    _update_run(
-        conn, run_id=run_id, world_size=batch.world_size, last=last, shutdown=False, now=now
-    )
-    return IngestResult(accepted_steps=len(rows), accepted_events=0)
+    return store_many(conn, [batch], now=now)[0]

@@ -68,12 +68,18 @@ ranks = Table(
     Column("gpu", JSON(none_as_null=True)),
 )
 
+# Per-rank raw data is partitioned by day on PostgreSQL (migration 0006) so that
+# `trainwarden db prune --keep-raw` drops old days whole. ``day`` is the UTC day of
+# the record's own timestamp: a replayed record lands on the same key.
+PARTITION_BY = "RANGE (day)"
+
 rank_steps = Table(
     "rank_steps",
     metadata,
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("step", BigInteger, primary_key=True),
     Column("rank", Integer, primary_key=True),
+    Column("day", Integer, primary_key=True),  # floor(ts / 86400)
     Column("ts", Float, nullable=False),
     Column("recv_ts", Float, nullable=False),
     Column("duration_s", Float, nullable=False),
@@ -109,6 +115,7 @@ rank_steps = Table(
         postgresql_where=text("flags IS NOT NULL"),
         sqlite_where=text("flags IS NOT NULL"),
     ),
+    postgresql_partition_by=PARTITION_BY,
 )
 
 step_stats = Table(
@@ -151,6 +158,7 @@ gpu_samples = Table(
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("rank", Integer, primary_key=True),
     Column("ts", Float, primary_key=True),
+    Column("day", Integer, primary_key=True),  # floor(ts / 86400), as for rank_steps
     Column("recv_ts", Float, nullable=False),
     Column("gpu_uuid", String(64)),
     Column("gpu_name", String(128)),
@@ -174,6 +182,7 @@ gpu_samples = Table(
     Column("pcie_replay", BigInteger),
     Column("recovery_action", String(32)),
     Column("simulated", Integer, nullable=False, server_default="0"),
+    postgresql_partition_by=PARTITION_BY,
 )
 
 # Steps waiting to be rolled up across ranks (see rollup_worker).

@@ -12,6 +12,7 @@ value) is a 400 naming the problem, and nothing of it is stored.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import zlib
 from collections import defaultdict
@@ -25,7 +26,6 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceResponse,
 )
 from pydantic import ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from trainwarden.agent.otlp import (
     DURATION_METRIC,
@@ -43,8 +43,7 @@ from trainwarden.agent.otlp import (
     STEP_METRICS,
 )
 
-from .api import _store
-from .ingest import ingest as store_batch
+from .api import submit
 from .schemas import IngestBatch
 
 router = APIRouter()
@@ -241,8 +240,8 @@ async def otlp_metrics(request: Request) -> Response:
     except BadRequest as exc:
         request.app.state.metrics.ingest_requests.labels("invalid").inc()
         raise HTTPException(400, str(exc)) from None
-    for batch in batches:
-        await run_in_threadpool(_store, request, store_batch, batch)
+    # Submitted together, the resources of one request share one group commit.
+    await asyncio.gather(*(submit(request, batch) for batch in batches))
 
     reply = ExportMetricsServiceResponse()
     if unknown:

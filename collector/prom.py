@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, func, select
@@ -34,11 +34,32 @@ class CollectorMetrics:
         )
         self.ingest_seconds = Histogram(
             "trainwarden_ingest_seconds",
-            "Time to validate and store one ingest batch.",
+            "Time from an ingest batch being queued to its commit.",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+            registry=self.registry,
+        )
+        self.ingest_queue_rows = Gauge(
+            "trainwarden_ingest_queue_rows",
+            "Records waiting for the group-commit writer.",
+            registry=self.registry,
+        )
+        self.ingest_flush_requests = Histogram(
+            "trainwarden_ingest_flush_requests",
+            "Requests stored per group-commit transaction.",
+            buckets=(1, 2, 5, 10, 25, 50, 100, 250, 500, 1000),
+            registry=self.registry,
+        )
+        self.ingest_flush_seconds = Histogram(
+            "trainwarden_ingest_flush_seconds",
+            "Duration of one group-commit transaction.",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=self.registry,
         )
         self.registry.register(_RunsCollector(engine))
+
+    def on_flush(self, requests: int, _rows: int, seconds: float) -> None:
+        self.ingest_flush_requests.observe(requests)
+        self.ingest_flush_seconds.observe(seconds)
 
 
 class _RunsCollector(Collector):

@@ -10,10 +10,11 @@ import math
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_RECORDS_PER_BATCH = 20_000
+INT64_MAX = 2**63 - 1  # counters are stored as BIGINT
 MAX_FUTURE_S = 24 * 3600.0  # a timestamp further ahead than this is a broken clock
 
 
@@ -31,16 +32,16 @@ class AgentInfo(BaseModel):
 
     rank: int = Field(ge=0)
     world_size: int = Field(ge=1, le=1_000_000)
-    local_rank: int = Field(default=0, ge=0)
+    local_rank: int = Field(default=0, ge=0, le=1_000_000)
     host: str = Field(min_length=1, max_length=255)
     node: str | None = Field(default=None, max_length=255)
-    pid: int | None = None
+    pid: int | None = Field(default=None, ge=0, le=2**31 - 1)
     session: str = Field(min_length=1, max_length=64, description="Unique per process lifetime")
     started_at: float | None = None
     version: str | None = Field(default=None, max_length=32)
     sent_at: float | None = None
     heartbeat_s: float | None = Field(default=None, gt=0, le=3600)
-    last_step: int | None = Field(default=None, ge=0)
+    last_step: int | None = Field(default=None, ge=0, le=2**62)
     last_step_end: float | None = Field(default=None, description="Wall time the last step ended")
     in_step: bool | None = None
     phase: str | None = Field(default=None, max_length=32)
@@ -59,7 +60,7 @@ class StepIn(BaseModel):
     ts: float = Field(description="Wall-clock start of the step, epoch seconds")
     duration_s: float = Field(ge=0)
     data_wait_s: float | None = Field(default=None, ge=0)
-    tokens: int | None = Field(default=None, ge=0)
+    tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
     loss: float | None = Field(
         default=None, description='NaN/Inf may be sent as "nan", "inf", "-inf"'
     )
@@ -88,9 +89,9 @@ class StepIn(BaseModel):
     peak_flops: float | None = Field(default=None, gt=0)
     flops_source: str | None = Field(default=None, max_length=128)
     peak_source: str | None = Field(default=None, max_length=255)
-    mem_allocated_bytes: int | None = Field(default=None, ge=0)
-    mem_reserved_bytes: int | None = Field(default=None, ge=0)
-    rss_bytes: int | None = Field(default=None, ge=0)
+    mem_allocated_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    mem_reserved_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    rss_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
     flags: list[str] | None = Field(default=None, max_length=16, description="Spike flags")
     issues: dict[str, str] | None = None
 
@@ -127,7 +128,7 @@ class EventIn(BaseModel):
     kind: str = Field(min_length=1, max_length=64)
     ts: float
     _ts_now = field_validator("ts")(_not_in_the_future)
-    step: int | None = Field(default=None, ge=0)
+    step: int | None = Field(default=None, ge=0, le=2**62)
     severity: Literal["info", "warning", "critical"] = "info"
     data: dict[str, Any] = Field(default_factory=dict)
 
@@ -147,15 +148,15 @@ class GpuSampleIn(BaseModel):
     throttle: list[str] | None = Field(default=None, max_length=16)
     util_gpu: float | None = Field(default=None, ge=0, le=100)
     util_mem: float | None = Field(default=None, ge=0, le=100)
-    mem_used_bytes: int | None = Field(default=None, ge=0)
-    mem_total_bytes: int | None = Field(default=None, ge=0)
-    ecc_corrected: int | None = Field(default=None, ge=0)
-    ecc_uncorrected: int | None = Field(default=None, ge=0)
-    retired_pages: int | None = Field(default=None, ge=0)
-    remapped_rows_correctable: int | None = Field(default=None, ge=0)
-    remapped_rows_uncorrectable: int | None = Field(default=None, ge=0)
+    mem_used_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    mem_total_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    ecc_corrected: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    ecc_uncorrected: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    retired_pages: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    remapped_rows_correctable: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    remapped_rows_uncorrectable: int | None = Field(default=None, ge=0, le=INT64_MAX)
     remap_pending: bool | None = None
-    pcie_replay: int | None = Field(default=None, ge=0)
+    pcie_replay: int | None = Field(default=None, ge=0, le=INT64_MAX)
     recovery_action: str | None = Field(default=None, max_length=32)
     simulated: bool = False
 
@@ -217,10 +218,16 @@ class ColumnarBatch(BaseModel):
             raise ValueError(
                 f"step rows for ranks {sorted(stray)[:5]} that have no entry in agents"
             )
+        self._pairs = self._split()  # every row validated here, at the edge
         return self
+
+    _pairs: list[tuple[int, StepIn]] | None = PrivateAttr(default=None)
 
     def rows(self) -> list[tuple[int, StepIn]]:
         """(rank, step) pairs, each validated like a single agent's step."""
+        return self._pairs if self._pairs is not None else self._split()
+
+    def _split(self) -> list[tuple[int, StepIn]]:
         names = list(self.steps)
         out = []
         for i, values in enumerate(zip(*self.steps.values(), strict=True)):

@@ -20,9 +20,15 @@ class Settings(BaseSettings):
         description="Largest request body (TRAINWARDEN_MAX_BODY_BYTES)",
     )
     max_inflight_ingest: int = Field(
-        default=64,
+        default=2048,
         ge=1,
-        description="Ingest requests in progress at most; more get 503 + Retry-After",
+        description="Ingest requests in progress (reading, validating or waiting for their "
+        "commit) at most; more get 503 + Retry-After before their body is read",
+    )
+    max_pending_rows: int = Field(
+        default=400_000,
+        ge=1,
+        description="Records waiting for the writer at most; past it ingest gets 503 + Retry-After",
     )
     ui_refresh_s: float = Field(
         default=2.0, gt=0, description="How often the UI polls for new data"

@@ -7,6 +7,7 @@ from alembic import context
 from sqlalchemy import create_engine
 
 from trainwarden.collector.models import metadata
+from trainwarden.collector.partitions import include_name
 
 config = context.config
 
@@ -14,13 +15,23 @@ config = context.config
 def run_migrations() -> None:
     connection = config.attributes.get("connection")
     if connection is not None:
-        context.configure(connection=connection, target_metadata=metadata, render_as_batch=True)
+        context.configure(
+            connection=connection,
+            target_metadata=metadata,
+            render_as_batch=True,
+            include_name=include_name,
+        )
         with context.begin_transaction():
             context.run_migrations()
         return
     engine = create_engine(config.get_main_option("sqlalchemy.url"))
     with engine.begin() as conn:
-        context.configure(connection=conn, target_metadata=metadata, render_as_batch=True)
+        context.configure(
+                connection=conn,
+                target_metadata=metadata,
+                render_as_batch=True,
+                include_name=include_name,
+            )
         with context.begin_transaction():
             context.run_migrations()
 

@@ -83,13 +83,13 @@ def test_run_detail_lists_ranks_and_status(client: TestClient) -> None:
     assert [r["name"] for r in client.get("/api/v1/runs").json()] == ["r1"]
 
 
-def test_replayed_steps_overwrite_and_restart_is_an_event(client: TestClient) -> None:
+def test_steps_run_again_replace_and_restart_is_an_event(client: TestClient) -> None:
     ingest(client, batch(rank=0, session="first", steps=[step(i, loss=3.0) for i in range(5)]))
-    # The process dies and restarts from a checkpoint at step 3: steps 3 and 4 are replayed.
-    ingest(client, batch(rank=0, session="second", steps=[step(i, loss=1.0) for i in range(3, 7)]))
-    ingest(
-        client, batch(rank=0, session="second", steps=[step(i, loss=1.0) for i in range(3, 7)])
-    )  # a duplicate batch
+    # The process dies and restarts from a checkpoint at step 3: steps 3 and 4 run again,
+    # later (a later execution replaces the stored one).
+    again = [{**step(i, loss=1.0), "ts": 1_700_000_100.0 + i} for i in range(3, 7)]
+    ingest(client, batch(rank=0, session="second", steps=again))
+    ingest(client, batch(rank=0, session="second", steps=again))  # a duplicate batch
 
     loss = client.get("/api/v1/runs/r1/series", params={"metric": "loss"}).json()
     assert loss["step"] == [0, 1, 2, 3, 4, 5, 6]

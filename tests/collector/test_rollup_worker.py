@@ -66,9 +66,10 @@ def test_a_replayed_batch_changes_nothing_and_a_changed_replay_is_rolled_again(e
     flush(engine, now=T0 + 1)
     before = loss_stats(engine)
     send(engine, 1, [0, 1], at=T0 + 2)  # the same rows again
-    assert flush(engine, now=T0 + 3) == 2  # re-rolled (newer rows), to the same numbers
+    assert flush(engine, now=T0 + 3) == 0  # stored rows unchanged: nothing to roll again
     assert loss_stats(engine) == before
-    body = batch(rank=2, world_size=3, steps=[step(1, loss=9.0)])  # a restart replays step 1
+    rerun = {**step(1, loss=9.0), "ts": T0 + 3.5}  # a restart runs step 1 again, later
+    body = batch(rank=2, world_size=3, steps=[rerun])
     with write(engine) as conn:
         ingest(conn, batch=IngestBatch.model_validate(body), now=T0 + 4)
     flush(engine, now=T0 + 5)

@@ -1,0 +1,164 @@
+"""Group commit: one writer thread stores every pending ingest request in one transaction.
+
+A request handler validates its body, hands the batch to :class:`IngestWriter` and
+waits for the transaction that holds it to commit, so an answered request is durable
+and a failed one can be retried. While one transaction runs, new requests gather; the
+next takes them all. Under load a transaction carries hundreds of requests, so the
+per-statement and per-commit costs are paid per flush, not per request — this is what
+lets one collector process take thousands of ranks (see bench/ingest.py).
+
+The queue is bounded in rows: past ``max_pending_rows`` a request is refused at once
+(``Busy`` → 503 + Retry-After), so a slow database slows the agents down instead of
+growing the collector's memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
+
+from .db import write
+from .ingest import batch_rows, forget_runs, store_many
+from .partitions import forget_partitions
+from .schemas import ColumnarBatch, IngestBatch, IngestResult
+
+log = logging.getLogger(__name__)
+
+
+class Busy(Exception):
+    """The writer's queue is full: the request is refused, nothing was stored."""
+
+
+@dataclass
+class _Pending:
+    batch: IngestBatch | ColumnarBatch
+    rows: int
+    future: Future[IngestResult]
+    queued_at: float
+
+
+class IngestWriter:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        max_pending_rows: int = 400_000,
+        max_flush_rows: int = 50_000,
+        on_flush: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.max_pending_rows = max_pending_rows
+        self.max_flush_rows = max_flush_rows
+        self.on_flush = on_flush  # (requests, rows, seconds) after each committed flush
+        self._cond = threading.Condition()
+        self._queue: deque[_Pending] = deque()
+        self._rows = 0
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.flushes = 0
+
+    @property
+    def pending_rows(self) -> int:
+        return self._rows
+
+    def submit(self, batch: IngestBatch | ColumnarBatch) -> Future[IngestResult]:
+        """Queue ``batch``; the future completes when it is committed (or failed)."""
+        rows = batch_rows(batch)
+        future: Future[IngestResult] = Future()
+        with self._cond:
+            if self._stopping:
+                raise Busy("collector is shutting down")
+            if self._queue and self._rows + rows > self.max_pending_rows:
+                raise Busy(f"{self._rows:,} rows are waiting to be written")
+            self._queue.append(_Pending(batch, rows, future, time.monotonic()))
+            self._rows += rows
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="trainwarden-writer", daemon=True
+                )
+                self._thread.start()
+            self._cond.notify()
+        return future
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Write what is queued, then end the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+
+    def _take(self) -> list[_Pending] | None:
+        with self._cond:
+            while not self._queue and not self._stopping:
+                self._cond.wait()
+            if not self._queue:
+                return None
+            group: list[_Pending] = []
+            rows = 0
+            while self._queue and (not group or rows + self._queue[0].rows <= self.max_flush_rows):
+                item = self._queue.popleft()
+                group.append(item)
+                rows += item.rows
+            self._rows -= rows
+            return group
+
+    def _run(self) -> None:
+        while (group := self._take()) is not None:
+            try:
+                self._write(group)
+            except BaseException as exc:  # never leave a request waiting forever
+                log.exception("ingest writer failed")
+                for item in group:
+                    if not item.future.done():
+                        item.future.set_exception(exc)
+
+    def _write(self, group: list[_Pending]) -> None:
+        started = time.perf_counter()
+        try:
+            with write(self.engine) as conn:
+                results = store_many(conn, [item.batch for item in group])
+        except DBAPIError as exc:
+            forget_runs(self.engine)  # a run created in the failed transaction does not exist
+            forget_partitions(self.engine)  # nor, perhaps, a partition someone pruned
+            if isinstance(exc, DataError | IntegrityError):
+                self._isolate(group, exc)  # this data, not the database
+                return
+            for item in group:  # unreachable, restarting, deadlocked: retry later
+                item.future.set_exception(exc)
+            return
+        except Exception as exc:  # validated data the storage layer still refused
+            forget_runs(self.engine)
+            self._isolate(group, exc)
+            return
+        self.flushes += 1
+        for item, result in zip(group, results, strict=True):
+            item.future.set_result(result)
+        if self.on_flush is not None:
+            self.on_flush(len(group), sum(i.rows for i in group), time.perf_counter() - started)
+
+    def _isolate(self, group: list[_Pending], exc: Exception) -> None:
+        """One bad batch must not fail the others: write each alone; the bad one fails
+        with a ValueError naming the reason (→ 422)."""
+        if len(group) > 1:
+            for item in group:
+                self._write([item])
+            return
+        log.warning("ingest batch refused: %s", _first_line(exc))
+        group[0].future.set_exception(
+            exc if isinstance(exc, ValueError) else ValueError(_first_line(exc))
+        )
+
+
+def _first_line(exc: BaseException) -> str:
+    reason = getattr(exc, "orig", None) or exc
+    return "the database refused this batch: " + str(reason).strip().splitlines()[0]
