@@ -7,7 +7,8 @@
 (b) trainwarden end to end: ``trainwarden serve`` on a scratch database, fed by the load
     generator (one request per node per step); points/s sustained, and p95 from the
     request that completes a step to that step being queryable in the series API;
-(c) MLflow's log_batch with the same points: not implemented yet.
+(c) MLflow's tracking server taking the same points through log-batch, on a scratch database
+    of the same PostgreSQL (bench/peer_mlflow.py; bench/install_mlflow.sh installs MLflow).
 Prints points/s for each and the ratios.
 """
 
@@ -24,6 +25,7 @@ from pathlib import Path
 import httpx
 import psycopg
 from common import DEFAULT_DB, scratch_database, serving
+from peer_mlflow import describe, find_mlflow, mlflow_points_per_s
 
 from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen_async
 
@@ -113,6 +115,7 @@ def main() -> None:
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--duration", type=float, default=30)
     p.add_argument("--copy-rows", type=int, default=200_000)
+    p.add_argument("--mlflow-duration", type=float, default=30)
     args = p.parse_args()
 
     with scratch_database(args.db) as (sa_url, dsn):
@@ -137,7 +140,18 @@ def main() -> None:
             f"(target <= 2 s); request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
         )
         print(f"    (b)/(a) = {e2e['points_per_s'] / (copy_rows * metrics):.4f}")
-        print("(c) MLflow log_batch peer: not implemented yet (issue 5 is open)")
+        peer = mlflow_points_per_s(args.db, ranks=args.ranks, duration_s=args.mlflow_duration)
+        if peer is None:
+            print(f"(c) MLflow log-batch peer: skipped: {find_mlflow()[1]}")
+        else:
+            print(
+                f"(c) MLflow log-batch:       {peer['points_per_s'] / metrics:>12,.0f} rows/s = {peer['points_per_s']:>13,.0f} points/s"
+            )
+            print(f"    {describe(peer)}")
+            ratio = (
+                e2e["points_per_s"] / peer["points_per_s"] if peer["points_per_s"] else float("inf")
+            )
+            print(f"    (b)/(c) = {ratio:.1f} (target >= 50)")
 
 
 if __name__ == "__main__":
