@@ -23,11 +23,12 @@ import logging
 import statistics
 import time
 import uuid
+import weakref
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, func, or_, select, text, update
 
 from . import models as m
 from .db import is_sqlite, write
@@ -65,30 +66,76 @@ def _median_step_time(conn: Connection, run_id: int) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _recent_steps(
-    conn: Connection, run_id: int, world: int, count: int
-) -> dict[int, dict[int, Any]]:
-    """The newest ``count`` steps that every rank has reported: {step: {rank: row}}."""
-    r = m.rank_steps.c
-    newest = conn.execute(
-        select(r.step).where(r.run_id == run_id).order_by(r.step.desc()).limit(1)
-    ).scalar_one_or_none()
-    if newest is None:
-        return {}
-    rows = conn.execute(
-        select(r.step, r.rank, r.duration_s, r.compute_s, r.exposed_comm_s, r.loss).where(
-            r.run_id == run_id, r.step > newest - 3 * count - 5
-        )
-    ).mappings()
-    by_step: dict[int, dict[int, Any]] = defaultdict(dict)
-    for row in rows:
-        by_step[row["step"]][row["rank"]] = row
-    complete = sorted(step for step, ranks in by_step.items() if len(ranks) >= world)
-    return {step: by_step[step] for step in complete[-count:]}
+@dataclass
+class StepView:
+    """What the evaluator needs of one step that every rank reported, computed once."""
+
+    ratio: dict[int, float]  # compute / the peers' median compute, per rank
+    z: dict[int, float]  # robust z-score of the loss among the ranks (empty under 3 ranks)
+    exposed: dict[int, float | None]  # exposed communication seconds, per rank
 
 
 def _compute(row: Any) -> float:
     return row["compute_s"] if row["compute_s"] is not None else row["duration_s"]
+
+
+def view_of(rows: dict[int, Any]) -> StepView:
+    """O(ranks log ranks): ratios via the median without each rank, z via median/MAD."""
+    ranked = sorted((_compute(row), rank) for rank, row in rows.items())
+    values = [v for v, _ in ranked]
+    ratio = {}
+    if len(ranked) >= 2:
+        for i, (value, rank) in enumerate(ranked):
+            base = median_without(values, i)
+            ratio[rank] = value / base if base > 0 else 1.0
+    z: dict[int, float] = {}
+    losses = {r: row["loss"] for r, row in rows.items() if row["loss"] is not None}
+    if len(losses) >= 3:
+        center = statistics.median(losses.values())
+        mad = statistics.median(abs(v - center) for v in losses.values())
+        scale = max(1.4826 * mad, 1e-3 * abs(center), 1e-12)
+        z = {rank: (value - center) / scale for rank, value in losses.items()}
+    return StepView(ratio, z, {r: row["exposed_comm_s"] for r, row in rows.items()})
+
+
+# Views of complete steps, per database and run: each step is read and computed once,
+# not on every evaluation (a run of 4,096 ranks would otherwise be re-read each second).
+_views: weakref.WeakKeyDictionary[Engine, dict[int, dict[int, StepView]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _recent_views(conn: Connection, run_id: int, world: int, count: int) -> dict[int, StepView]:
+    """The newest ``count`` steps that every rank has reported, as views."""
+    r = m.rank_steps.c
+    newest = conn.execute(
+        select(r.step).where(r.run_id == run_id).order_by(r.step.desc()).limit(1)
+    ).scalar_one_or_none()
+    cache = _views.setdefault(conn.engine, {}).setdefault(run_id, {})
+    if newest is None:
+        return {}
+    if cache and max(cache) > newest:  # the run went back (rollback, restart): start over
+        cache.clear()
+    lo = newest - 3 * count - 5
+    after = max(lo, max(cache, default=lo))
+    counts = conn.execute(
+        select(r.step, func.count()).where(r.run_id == run_id, r.step > after).group_by(r.step)
+    ).all()
+    complete = [step for step, n in counts if n >= world]
+    if complete:
+        rows = conn.execute(
+            select(r.step, r.rank, r.duration_s, r.compute_s, r.exposed_comm_s, r.loss).where(
+                r.run_id == run_id, r.step.in_(complete)
+            )
+        ).mappings()
+        by_step: dict[int, dict[int, Any]] = defaultdict(dict)
+        for row in rows:
+            by_step[row["step"]][row["rank"]] = row
+        for step, ranks in by_step.items():
+            cache[step] = view_of(ranks)
+    for step in [s for s in cache if s <= lo]:
+        del cache[step]
+    return {step: cache[step] for step in sorted(cache)[-count:]}
 
 
 def median_without(values: list[float], i: int) -> float:
@@ -103,20 +150,15 @@ def median_without(values: list[float], i: int) -> float:
     return (at(n // 2 - 1) + at(n // 2)) / 2
 
 
-def stragglers(steps: dict[int, dict[int, Any]], *, ratio: float, window: int) -> dict[int, float]:
+def stragglers(views: dict[int, StepView], *, ratio: float, window: int) -> dict[int, float]:
     """Ranks slower than ``ratio`` x their peers' median compute on each of the last
-    ``window`` steps: {rank: median ratio}. O(ranks log ranks) per step."""
-    if len(steps) < window:
+    ``window`` steps: {rank: median ratio}."""
+    if len(views) < window:
         return {}
     ratios: dict[int, list[float]] = defaultdict(list)
-    for step in sorted(steps)[-window:]:
-        ranked = sorted((_compute(row), rank) for rank, row in steps[step].items())
-        if len(ranked) < 2:
-            continue
-        values = [v for v, _ in ranked]
-        for i, (value, rank) in enumerate(ranked):
-            base = median_without(values, i)
-            ratios[rank].append(value / base if base > 0 else 1.0)
+    for step in sorted(views)[-window:]:
+        for rank, value in views[step].ratio.items():
+            ratios[rank].append(value)
     return {
         rank: statistics.median(values)
         for rank, values in ratios.items()
@@ -124,24 +166,16 @@ def stragglers(steps: dict[int, dict[int, Any]], *, ratio: float, window: int) -
     }
 
 
-def diverging(
-    steps: dict[int, dict[int, Any]], *, z: float, window: int
-) -> dict[int, tuple[float, int]]:
+def diverging(views: dict[int, StepView], *, z: float, window: int) -> dict[int, tuple[float, int]]:
     """Ranks whose loss is a robust outlier among peers on each of the last ``window``
     steps: {rank: (median z, first step of the streak)}."""
-    ordered = sorted(steps)[-window:]
-    if len(ordered) < window:
+    ordered = sorted(views)[-window:]
+    if len(ordered) < window or any(not views[step].z for step in ordered):
         return {}
     scores: dict[int, list[float]] = defaultdict(list)
     for step in ordered:
-        losses = {r: row["loss"] for r, row in steps[step].items() if row["loss"] is not None}
-        if len(losses) < 3:
-            return {}
-        center = statistics.median(losses.values())
-        mad = statistics.median(abs(v - center) for v in losses.values())
-        scale = max(1.4826 * mad, 1e-3 * abs(center), 1e-12)
-        for rank, value in losses.items():
-            scores[rank].append((value - center) / scale)
+        for rank, value in views[step].z.items():
+            scores[rank].append(value)
     return {
         rank: (statistics.median(values), ordered[0])
         for rank, values in scores.items()
@@ -158,8 +192,18 @@ def _event(conn: Connection, *, run_id: int, rank: int | None, kind: str, severi
     )  # fmt: skip
 
 
+def _events(conn: Connection, *, run_id: int, now: float, events: list[dict[str, Any]]) -> None:
+    """Insert events in one statement; ``uid`` makes each idempotent."""
+    if events:
+        conn.execute(
+            _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
+            [{**e, "uid": uuid.uuid5(uuid.NAMESPACE_OID, e["uid"]).hex, "run_id": run_id,
+              "ts": now, "recv_ts": now} for e in events],
+        )  # fmt: skip
+
+
 def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_step: float | None,
-            slow: dict[int, float], steps: dict[int, dict[int, Any]]) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
+            slow: dict[int, float], steps: dict[int, StepView]) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
     """The state and detail of every live rank."""
     hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
     dead, stalled = [], []
@@ -193,7 +237,7 @@ def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_st
                 detail = {"role": "victim", "waiting_on": blamed,
                           "reason": f"blocked for {idle:.1f}s in {r['phase'] or 'a step'}, waiting on rank(s) {blamed}"}  # fmt: skip
             out[r["rank"]] = ("hung", detail)
-    newest = steps[max(steps)] if steps else {}
+    exposed = steps[max(steps)].exposed if steps else {}
     for r in ranks:
         if r["rank"] in out:
             continue
@@ -202,12 +246,16 @@ def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_st
                                        "reason": f"compute {slow[r['rank']]:.2f}x the peer median"})  # fmt: skip
             continue
         detail = {}
-        row = newest.get(r["rank"])
-        if slow and row is not None and row["exposed_comm_s"]:
+        waited = exposed.get(r["rank"])
+        if slow and waited:
             detail = {"role": "victim", "waiting_on": sorted(slow),
-                      "reason": f"exposed comm {row['exposed_comm_s'] * 1000:.0f} ms waiting on straggler(s) {sorted(slow)}"}  # fmt: skip
+                      "reason": f"exposed comm {waited * 1000:.0f} ms waiting on straggler(s) {sorted(slow)}"}  # fmt: skip
         out[r["rank"]] = ("healthy", detail)
     return out
+
+
+_RANK_FIELDS = ("rank", "state", "state_detail", "last_seen", "heartbeat_s", "progress_at",
+                "last_step", "phase")  # fmt: skip
 
 
 def evaluate(
@@ -221,22 +269,39 @@ def evaluate(
         select(m.runs.c.id, m.runs.c.world_size).where(m.runs.c.status == "running")
     ).all()
     for run_id, world in runs:
-        ranks = (
-            conn.execute(
-                select(m.ranks)
-                .where(m.ranks.c.run_id == run_id, m.ranks.c.state.in_(LIVE))
-                .order_by(m.ranks.c.rank)  # the order ingest locks rank rows in: no deadlocks
+        window = max(settings.straggler_window, settings.divergence_window)
+        steps = _recent_views(conn, run_id, world, window)
+        slow = stragglers(steps, ratio=settings.straggler_ratio, window=settings.straggler_window)
+        median_step = _median_step_time(conn, run_id)
+        k = m.ranks.c
+        query = select(*(k[c] for c in _RANK_FIELDS)).where(k.run_id == run_id, k.state.in_(LIVE))
+        if not slow:  # read only the ranks whose state can change (a large run: a handful)
+            hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
+            query = query.where(
+                or_(
+                    k.state != "healthy",
+                    k.state_detail.is_not(None),
+                    k.last_seen
+                    < now - settings.dead_after_beats * func.coalesce(k.heartbeat_s, 2.0),
+                    k.progress_at < now - hung_after,
+                )
             )
-            .mappings()
-            .all()
-        )
+        # In rank order, the order ingest locks rank rows in: no deadlocks.
+        ranks = conn.execute(query.order_by(k.rank)).mappings().all()
+        for rank, (z, first) in diverging(
+            steps, z=settings.divergence_z, window=settings.divergence_window
+        ).items():
+            _event(conn, run_id=run_id, rank=rank, kind="loss_divergence", severity="warning", now=now,
+                   uid=f"divergence:{run_id}:{rank}:{first}", step=first,
+                   data={"robust_z": round(z, 2), "steps": settings.divergence_window,
+                         "reason": "loss outside its peers' band: silent data corruption suspect"})  # fmt: skip
         if not ranks:
             continue
-        window = max(settings.straggler_window, settings.divergence_window)
-        steps = _recent_steps(conn, run_id, world, window)
-        slow = stragglers(steps, ratio=settings.straggler_ratio, window=settings.straggler_window)
-        states = _states(list(ranks), now=now, settings=settings, median_step=_median_step_time(conn, run_id),
+        states = _states(list(ranks), now=now, settings=settings, median_step=median_step,
                          slow=slow, steps=steps)  # fmt: skip
+        # Decide everything first, then write in two statements in rank order: the rank
+        # rows stay locked for as short a time as possible (ingest updates them too).
+        details, changed, events = [], [], []
         for r in ranks:
             state, detail = states[r["rank"]]
             if state == r["state"]:  # same state: rewrite the detail only if its gist changed
@@ -245,26 +310,29 @@ def evaluate(
                     before.get("role"),
                     before.get("waiting_on"),
                 ):
-                    conn.execute(update(m.ranks).where(m.ranks.c.run_id == run_id, m.ranks.c.rank == r["rank"])
-                                 .values(state_detail=detail or None))  # fmt: skip
+                    details.append({"b_rank": r["rank"], "detail": detail or None})
                 continue
-            changes += 1
+            changed.append({"b_rank": r["rank"], "state": state, "detail": detail or None})
+            severity = {"healthy": "info", "slow": "warning"}.get(state, "critical")
+            events.append(dict(rank=r["rank"], kind="rank_state", severity=severity,
+                               uid=f"state:{run_id}:{r['rank']}:{state}:{now}", step=r["last_step"],
+                               data={"from": r["state"], "to": state, **detail}))  # fmt: skip
+        where = (m.ranks.c.run_id == run_id) & (m.ranks.c.rank == bindparam("b_rank"))
+        if details:
+            conn.execute(
+                update(m.ranks).where(where).values(state_detail=bindparam("detail")), details
+            )
+        if changed:
             conn.execute(
                 update(m.ranks)
-                .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == r["rank"])
-                .values(state=state, state_since=now, state_detail=detail or None)
+                .where(where)
+                .values(
+                    state=bindparam("state"), state_since=now, state_detail=bindparam("detail")
+                ),
+                changed,
             )
-            severity = {"healthy": "info", "slow": "warning"}.get(state, "critical")
-            _event(conn, run_id=run_id, rank=r["rank"], kind="rank_state", severity=severity, now=now,
-                   uid=f"state:{run_id}:{r['rank']}:{state}:{now}", step=r["last_step"],
-                   data={"from": r["state"], "to": state, **detail})  # fmt: skip
-        for rank, (z, first) in diverging(
-            steps, z=settings.divergence_z, window=settings.divergence_window
-        ).items():
-            _event(conn, run_id=run_id, rank=rank, kind="loss_divergence", severity="warning", now=now,
-                   uid=f"divergence:{run_id}:{rank}:{first}", step=first,
-                   data={"robust_z": round(z, 2), "steps": settings.divergence_window,
-                         "reason": "loss outside its peers' band: silent data corruption suspect"})  # fmt: skip
+            changes += len(changed)
+        _events(conn, run_id=run_id, now=now, events=events)
     return changes
 
 

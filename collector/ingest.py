@@ -23,6 +23,7 @@ from sqlalchemy import (
     Engine,
     Float,
     Integer,
+    any_,
     bindparam,
     case,
     delete,
@@ -36,6 +37,7 @@ from sqlalchemy import (
 from sqlalchemy import column as sql_column
 from sqlalchemy import table as sql_table
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from . import models as m
 from .db import is_sqlite
@@ -47,7 +49,6 @@ from .schemas import (
     GpuSampleIn,
     IngestBatch,
     IngestResult,
-    StepIn,
 )
 
 
@@ -101,22 +102,23 @@ def forget_runs(engine: Engine) -> None:
 
 
 def _track_ranks(
-    conn: Connection, *, run_id: int, agents: list[tuple[AgentInfo, list[StepIn]]], now: float
+    conn: Connection, *, run_id: int, agents: list[tuple[AgentInfo, list[int], float]], now: float
 ) -> dict[int, int | None]:
     """Heartbeat and progress of the ranks in a flush, in a fixed number of statements
     whatever their number; a rank back with a new process session gets a ``restart``
-    event. Returns each known rank's ``last_step`` before this flush."""
+    event. ``agents``: (header, step numbers, when its request arrived). Returns each
+    known rank's ``last_step`` before this flush."""
     rk = m.ranks.c
     agents = sorted(agents, key=lambda pair: pair[0].rank)  # rank order, as the evaluator locks
     previous = {
         rank: (session, last_step)
         for rank, session, last_step in conn.execute(
             select(rk.rank, rk.session, rk.last_step).where(
-                rk.run_id == run_id, rk.rank.in_([a.rank for a, _ in agents])
+                rk.run_id == run_id, _one_of(conn, rk.rank, [a.rank for a, *_ in agents])
             )
         )
     }
-    restarts = [a for a, _ in agents if a.rank in previous and previous[a.rank][0] != a.session]
+    restarts = [a for a, *_ in agents if a.rank in previous and previous[a.rank][0] != a.session]
     if restarts:
         conn.execute(
             _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
@@ -132,22 +134,32 @@ def _track_ranks(
             ],
         )  # fmt: skip
     rows = []
-    for agent, steps in agents:
-        last_step = max((s.step for s in steps), default=None)
+    for agent, steps, arrived in agents:
+        last_step = max(steps, default=None)
         if agent.last_step is not None:
             last_step = agent.last_step if last_step is None else max(agent.last_step, last_step)
         rows.append({
             "run_id": run_id, "rank": agent.rank, "local_rank": agent.local_rank, "host": agent.host,
             "node": agent.node or agent.host, "pid": agent.pid, "session": agent.session,
-            "first_seen": now, "last_seen": now,  # every request is a heartbeat
+            # Every request is a heartbeat, seen when it arrived (not when the writer got
+            # to it: a busy collector must not make its ranks look dead).
+            "first_seen": arrived, "last_seen": arrived,
             "last_step": last_step, "state": "healthy", "state_since": now,
             "heartbeat_s": agent.heartbeat_s,
             "progress_at": agent.last_step_end,  # none before the first step: no hung verdict yet
             "in_step": None if agent.in_step is None else int(agent.in_step), "phase": agent.phase,
-            "clock_skew_s": None if agent.sent_at is None else now - agent.sent_at,
+            "clock_skew_s": None if agent.sent_at is None else arrived - agent.sent_at,
         })  # fmt: skip
     upsert_rows(conn, m.ranks, rows, key=("run_id", "rank"), set_=_rank_update)
     return {rank: last for rank, (_session, last) in previous.items()}
+
+
+def _one_of(conn: Connection, column: Any, values: list[int]) -> Any:
+    """``column IN values``; on PostgreSQL as ``= ANY(array)``: one parameter, so the
+    statement is the same whatever the number of values (no per-value compile or parse)."""
+    if is_sqlite(conn):
+        return column.in_(values)
+    return column == any_(bindparam("one_of", values, type_=ARRAY(Integer)))
 
 
 def _rank_update(table: Any, new: Any) -> dict[str, Any]:
@@ -249,16 +261,16 @@ _STEP_COLUMNS = {c.name for c in m.rank_steps.columns} - {
 }
 
 
-def _step_row(run_id: int, rank: int, s: StepIn, now: float) -> dict[str, Any]:
-    row = s.model_dump(include=_STEP_COLUMNS)
-    issues = dict(s.issues or {})
+def _step_row(run_id: int, rank: int, s: dict[str, Any], now: float) -> dict[str, Any]:
+    row = {name: s.get(name) for name in _STEP_COLUMNS}
+    issues = dict(s.get("issues") or {})
     for name in ("loss", "grad_norm"):
         value = row[name]
         if value is not None and not math.isfinite(value):
             # SQLite cannot store NaN: keep the fact in `issues` on every backend.
             issues[name] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
             row[name] = None
-    row.update(run_id=run_id, rank=rank, day=day_of(s.ts), recv_ts=now, issues=issues or None)
+    row.update(run_id=run_id, rank=rank, day=day_of(s["ts"]), recv_ts=now, issues=issues or None)
     return row
 
 
@@ -332,8 +344,8 @@ class _Request:
 
     run: str
     world_size: int
-    agents: list[tuple[AgentInfo, list[StepIn]]]
-    steps: list[tuple[int, StepIn]]
+    agents: list[tuple[AgentInfo, list[int]]]  # each rank's header and its step numbers here
+    steps: list[tuple[int, dict[str, Any]]]  # (rank, every StepIn field)
     events: list[EventIn] = field(default_factory=list)
     gpu: list[GpuSampleIn] = field(default_factory=list)
 
@@ -341,12 +353,13 @@ class _Request:
 def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
     if isinstance(batch, IngestBatch):
         a = batch.agent
-        return _Request(batch.run, a.world_size, [(a, batch.steps)], [(a.rank, s) for s in batch.steps],
-                        batch.events, batch.gpu)  # fmt: skip
+        steps = [s.model_dump() for s in batch.steps]
+        return _Request(batch.run, a.world_size, [(a, [s["step"] for s in steps])],
+                        [(a.rank, s) for s in steps], batch.events, batch.gpu)  # fmt: skip
     pairs = batch.rows()
-    by_rank: dict[int, list[StepIn]] = defaultdict(list)
+    by_rank: dict[int, list[int]] = defaultdict(list)
     for rank, step in pairs:
-        by_rank[rank].append(step)
+        by_rank[rank].append(step["step"])
     return _Request(
         batch.run, batch.world_size, [(a, by_rank.get(a.rank, [])) for a in batch.agents], pairs
     )
@@ -360,14 +373,20 @@ def batch_rows(batch: IngestBatch | ColumnarBatch) -> int:
 
 
 def store_many(
-    conn: Connection, batches: list[IngestBatch | ColumnarBatch], *, now: float | None = None
+    conn: Connection,
+    batches: list[IngestBatch | ColumnarBatch],
+    *,
+    now: float | None = None,
+    arrived: list[float] | None = None,
 ) -> list[IngestResult]:
     """Store several requests' batches in the caller's transaction, with a fixed number
-    of statements per table whatever their number (the collector's group commit)."""
+    of statements per table whatever their number (the collector's group commit).
+    ``arrived``: when each request reached the collector (default: ``now``)."""
     now = time.time() if now is None else now
     requests = [_normalize(b) for b in batches]
+    when = arrived or [now] * len(requests)
     # First, before this transaction locks anything: a day partition a row needs.
-    days = {day_of(s.ts) for req in requests for _r, s in req.steps}
+    days = {day_of(s["ts"]) for req in requests for _r, s in req.steps}
     days |= {day_of(g.ts) for req in requests for g in req.gpu}
     ensure_partitions(conn.engine, days)
     run_ids = {}
@@ -376,12 +395,12 @@ def store_many(
             run_ids[req.run] = _run_id(conn, name=req.run, world_size=req.world_size, now=now)
 
     # Ranks: the newest header of each rank wins; its steps are all this flush brings.
-    by_run: dict[int, dict[int, tuple[AgentInfo, list[StepIn]]]] = defaultdict(dict)
-    for req in requests:
+    by_run: dict[int, dict[int, tuple[AgentInfo, list[int], float]]] = defaultdict(dict)
+    for req, at in zip(requests, when, strict=True):
         ranks = by_run[run_ids[req.run]]
         for agent, steps in req.agents:
             earlier = ranks.get(agent.rank)
-            ranks[agent.rank] = (agent, steps if earlier is None else [*earlier[1], *steps])
+            ranks[agent.rank] = (agent, steps if earlier is None else [*earlier[1], *steps], at)
     last_steps: dict[tuple[int, int], int | None] = {}
     for run_id in sorted(by_run):
         known = _track_ranks(conn, run_id=run_id, agents=list(by_run[run_id].values()), now=now)
@@ -392,7 +411,7 @@ def store_many(
     accepted_steps = []
     for req in requests:
         run_id = run_ids[req.run]
-        mine = {(run_id, rank, s.step): (rank, s) for rank, s in req.steps}
+        mine = {(run_id, rank, s["step"]): (rank, s) for rank, s in req.steps}
         accepted_steps.append(len(mine))
         for key, (rank, s) in mine.items():
             rows[key] = _step_row(run_id, rank, s, now)
@@ -406,7 +425,7 @@ def store_many(
             _update_run(conn, run_id=run_ids[req.run], world_size=req.world_size, last=None,
                         shutdown=True, now=now)  # fmt: skip
     for run, run_id in sorted(run_ids.items()):
-        req_last = [s.step for req in requests if req.run == run for _r, s in req.steps]
+        req_last = [s["step"] for req in requests if req.run == run for _r, s in req.steps]
         world = max(req.world_size for req in requests if req.run == run)
         _update_run(conn, run_id=run_id, world_size=world, last=max(req_last, default=None),
                     shutdown=False, now=now)  # fmt: skip

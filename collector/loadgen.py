@@ -16,6 +16,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 # The numeric per-rank metrics each row carries (what "points" counts).
 METRIC_COLUMNS = (
@@ -85,7 +86,68 @@ def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float,
     return {"run": run, "world_size": world, "agents": agents, "steps": cols}
 
 
-async def _node(client: Any, result: LoadgenResult, *, run: str, world: int, ranks: range, steps: int,
+class _Connections:
+    """A small keep-alive HTTP/1.1 client on asyncio streams: the load generator must
+    cost little CPU, since it shares the machine with the collector it measures."""
+
+    def __init__(self, url: str, size: int, timeout_s: float = 30.0) -> None:
+        parts = urlsplit(url)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.timeout = timeout_s
+        self.free: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None] = (
+            asyncio.Queue()
+        )
+        for _ in range(size):
+            self.free.put_nowait(None)  # opened on first use
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        conn = await self.free.get()  # a slot: held until put back, whatever happens
+        try:
+            try:
+                conn, answer = await self._exchange(conn, path, body)
+            except (ConnectionError, asyncio.IncompleteReadError):
+                if conn is None:
+                    raise
+                # The server closed an idle keep-alive connection: once more on a new one.
+                conn[1].close()
+                conn, answer = await self._exchange(None, path, body)
+        except BaseException:
+            if conn is not None:
+                conn[1].close()
+            self.free.put_nowait(None)
+            raise
+        self.free.put_nowait(conn)
+        return answer
+
+    async def _exchange(
+        self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, path: str, body: bytes
+    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], tuple[int, bytes]]:
+        if conn is None:
+            conn = await asyncio.open_connection(self.host, self.port)
+        reader, writer = conn
+        writer.write(
+            f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout)
+        status = int(head[9:12])
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        payload = await asyncio.wait_for(reader.readexactly(length), self.timeout)
+        return conn, (status, payload)
+
+    async def close(self) -> None:
+        while not self.free.empty():
+            conn = self.free.get_nowait()
+            if conn is not None:
+                conn[1].close()
+
+
+async def _node(client: _Connections, result: LoadgenResult, *, run: str, world: int, ranks: range, steps: int,
                 period_s: float, start: float, slow_rank: int | None,
                 on_sent: Callable[[int, float], None] | None) -> None:  # fmt: skip
     import orjson
@@ -101,11 +163,10 @@ async def _node(client: Any, result: LoadgenResult, *, run: str, world: int, ran
                          rng=rng, slow_rank=slow_rank)  # fmt: skip
         sent = time.monotonic()
         try:
-            response = await client.post("/api/v1/ingest/columns", content=orjson.dumps(body),
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
-            ok = response.status_code == 200
+            status, payload = await client.post("/api/v1/ingest/columns", orjson.dumps(body))
+            ok = status == 200
             if not ok and len(result.errors) < 5:
-                result.errors.append(f"{response.status_code}: {response.text[:200]}")
+                result.errors.append(f"{status}: {payload[:200].decode(errors='replace')}")
         except Exception as exc:
             ok = False
             if len(result.errors) < 5:
@@ -122,16 +183,15 @@ async def _node(client: Any, result: LoadgenResult, *, run: str, world: int, ran
 
 async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_per_s: float, duration_s: float,
                             run: str | None = None, slow_rank: int | None = None,
-                            on_sent: Callable[[int, float], None] | None = None) -> LoadgenResult:  # fmt: skip
-    import httpx
-
+                            on_sent: Callable[[int, float], None] | None = None,
+                            connections: int = 256) -> LoadgenResult:  # fmt: skip
     nodes = math.ceil(ranks / ranks_per_node)
     period = 1.0 / steps_per_s
     steps = max(1, int(duration_s * steps_per_s))
     run = run or time.strftime("loadgen-%Y%m%d-%H%M%S")
     result = LoadgenResult(ranks=ranks, nodes=nodes, steps=steps)
-    limits = httpx.Limits(max_connections=64, max_keepalive_connections=64)
-    async with httpx.AsyncClient(base_url=url, timeout=30, limits=limits) as client:
+    client = _Connections(url, size=min(connections, nodes))
+    try:
         start = time.monotonic() + 0.5
         began = time.perf_counter()
         await asyncio.gather(*[
@@ -141,6 +201,8 @@ async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_
             for n in range(nodes)
         ])  # fmt: skip
         result.seconds = time.perf_counter() - began
+    finally:
+        await client.close()
     return result
 
 

@@ -190,6 +190,16 @@ def heatmap(
     lo, hi = conn.execute(
         select(func.min(r.step), func.max(r.step)).where(r.run_id == run_id)
     ).one()
+    st = m.step_stats.c  # kept when raw rows are pruned: the run's true first step
+    first = conn.execute(
+        select(func.min(st.step)).where(st.run_id == run_id, st.metric == "step_time")
+    ).scalar()
+    if first is not None and (lo is None or first < lo):
+        lo = first
+        if hi is None:  # every raw row pruned
+            hi = conn.execute(
+                select(func.max(st.step)).where(st.run_id == run_id, st.metric == "step_time")
+            ).scalar()
     unit = METRICS[metric].unit
     if lo is None:
         return Heatmap(
@@ -207,39 +217,49 @@ def heatmap(
         if metric in HEATMAP_COLUMNS
         else None
     )
+    cells: list[Any] = []
+    edge = lo  # the first step not covered by stored bucket maxima
     if level is not None and use_rollups:
         # From the per-rank bucket maxima: cells are whole stored buckets, aligned to them.
         width = -(-width // level) * level
         lo -= lo % level
+        edge = lo
         k = m.rank_buckets.c
-        cell = (k.bucket * level - lo) // width
-        cells = list(
-            conn.execute(
+        for lv in sorted({level, LEVELS[0]}, reverse=True):  # big closed buckets, then small
+            closed = conn.execute(
+                select(func.max(k.bucket)).where(
+                    k.run_id == run_id, k.metric == metric, k.level == lv
+                )
+            ).scalar()
+            if closed is None or (closed + 1) * lv <= edge:
+                continue
+            cell = (k.bucket * lv - lo) // width
+            cells += conn.execute(
                 select(k.rank, cell.label("cell"), func.max(k.max))
                 .where(
-                    k.run_id == run_id, k.metric == metric, k.level == level,
-                    k.bucket >= lo // level, k.bucket <= hi // level,
+                    k.run_id == run_id, k.metric == metric, k.level == lv,
+                    k.bucket >= edge // lv, k.bucket <= min(hi // lv, closed),
                 )
                 .group_by(k.rank, "cell")
-            ).all()
-        )  # fmt: skip
-    else:
+            ).all()  # fmt: skip
+            edge = (closed + 1) * lv
+    if edge <= hi:  # raw rows: the open bucket at the run's edge, or everything
         b = (
             r.step - lo
         ) // width  # floor division on both backends (SQLAlchemy 2's / is true division)
-        cells = list(
-            conn.execute(
-                select(r.rank, b.label("b"), func.max(getattr(r, column)))
-                .where(r.run_id == run_id, r.step >= lo, r.step <= hi)
-                .group_by(r.rank, "b")
-            ).all()
-        )
+        cells += conn.execute(
+            select(r.rank, b.label("b"), func.max(getattr(r, column)))
+            .where(r.run_id == run_id, r.step >= edge, r.step <= hi)
+            .group_by(r.rank, "b")
+        ).all()
     ranks = sorted({rank for rank, _, _ in cells})
     index = {rank: i for i, rank in enumerate(ranks)}
     count = (hi - lo) // width + 1
     values: list[list[float | None]] = [[None] * count for _ in ranks]
     for rank, bucket, value in cells:
-        values[index[rank]][int(bucket)] = value
+        row, i = values[index[rank]], int(bucket)
+        if value is not None and (row[i] is None or value > row[i]):
+            row[i] = value
     return Heatmap(run=run, metric=metric, unit=unit, ranks=ranks,
                    step_start=[lo + i * width for i in range(count)], bucket=width, values=values)  # fmt: skip
 

@@ -19,13 +19,26 @@ import time
 from collections import defaultdict
 from typing import Any
 
-from sqlalchemy import Connection, Engine, and_, delete, func, select, text, tuple_, update
+from sqlalchemy import (
+    BigInteger,
+    Connection,
+    Engine,
+    and_,
+    bindparam,
+    delete,
+    func,
+    select,
+    text,
+    tuple_,
+    update,
+)
+from sqlalchemy.dialects.postgresql import ARRAY
 
 from . import models as m
 from .db import is_sqlite, write
-from .ingest import _insert, upsert
+from .ingest import upsert
 from .loops import Loop
-from .rollups import aggregate
+from .rollups import aggregate, aggregate_sql, stats_from_sql
 
 log = logging.getLogger(__name__)
 
@@ -60,30 +73,60 @@ def roll_up_ready(
     ]  # fmt: skip
     if due:
         keys = [(row.run_id, row.step) for row in due]
-        rows = conn.execute(
-            select(m.rank_steps).where(tuple_(s.run_id, s.step).in_(keys))
-        ).mappings()
-        groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
-        for row in rows:
-            groups[(row["run_id"], row["step"])].append(row)
-        stats = [
-            stat
-            for (run_id, step), group in groups.items()
-            for stat in aggregate(run_id, step, group)
-        ]
+        stats, seen = (_aggregate_here if is_sqlite(conn) else _aggregate_in_db)(conn, keys)
         upsert(conn, m.step_stats, stats, key=["run_id", "metric", "step"])
-        _bucket_maxima(conn, groups)
-        for (run_id, step), group in groups.items():
-            conn.execute(
-                update(m.rollup_queue)
-                .where(q.run_id == run_id, q.step == step)
-                .values(rolled_n=len(group), rolled_at=max(row["recv_ts"] for row in group))
-            )
+        _bucket_maxima(conn, list(seen))
+        conn.execute(
+            update(m.rollup_queue)
+            .where(q.run_id == bindparam("r"), q.step == bindparam("s"))
+            .values(rolled_n=bindparam("n"), rolled_at=bindparam("at")),
+            [{"r": r, "s": st, "n": n, "at": at} for (r, st), (n, at) in sorted(seen.items())],
+        )
     # Settled steps leave the queue; a row arriving later queues its step again.
     conn.execute(
         delete(m.rollup_queue).where(q.rolled_at.is_not(None), q.rolled_at < now - SETTLE_S)
     )
     return len(due)
+
+
+Rolled = dict[tuple[int, int], tuple[int, float]]  # (run, step): (rows, newest receive time)
+
+
+def _aggregate_here(
+    conn: Connection, keys: list[tuple[int, int]]
+) -> tuple[list[dict[str, Any]], Rolled]:
+    """Roll up in Python (SQLite: no percentiles in SQL)."""
+    s = m.rank_steps.c
+    rows = conn.execute(select(m.rank_steps).where(tuple_(s.run_id, s.step).in_(keys))).mappings()
+    groups: dict[tuple[int, int], list[Any]] = defaultdict(list)
+    for row in rows:
+        groups[(row["run_id"], row["step"])].append(row)
+    stats = [
+        stat for (run_id, step), group in groups.items() for stat in aggregate(run_id, step, group)
+    ]
+    seen = {
+        key: (len(group), max(row["recv_ts"] for row in group)) for key, group in groups.items()
+    }
+    return stats, seen
+
+
+_AGGREGATE_SQL = text(aggregate_sql()).bindparams(bindparam("steps", type_=ARRAY(BigInteger)))
+
+
+def _aggregate_in_db(
+    conn: Connection, keys: list[tuple[int, int]]
+) -> tuple[list[dict[str, Any]], Rolled]:
+    """Roll up in PostgreSQL: one GROUP BY per run, next to the data."""
+    by_run: dict[int, list[int]] = defaultdict(list)
+    for run_id, step in keys:
+        by_run[run_id].append(step)
+    stats: list[dict[str, Any]] = []
+    seen: Rolled = {}
+    for run_id, steps in by_run.items():
+        for row in conn.execute(_AGGREGATE_SQL, {"run": run_id, "steps": steps}).mappings():
+            stats += stats_from_sql(run_id, row)
+            seen[(run_id, row["step"])] = (row["rows_n"], row["newest"])
+    return stats, seen
 
 
 # Metrics a heatmap can show, and the bucket sizes (in steps) kept for them.
@@ -97,34 +140,85 @@ HEATMAP_COLUMNS = {
 LEVELS = (16, 256)
 
 
-def _bucket_maxima(conn: Connection, groups: dict[tuple[int, int], list[Any]]) -> None:
-    """Fold rolled-up steps into per-rank bucket maxima. Max is idempotent, so a step
-    rolled up again (late rows, replays) changes nothing it should not."""
-    best: dict[tuple[int, str, int, int, int], float] = {}
-    for (run_id, step), rows in groups.items():
-        for metric, column in HEATMAP_COLUMNS.items():
-            for row in rows:
-                value = row[column]
-                if value is None or value != value:  # missing or NaN
-                    continue
-                for level in LEVELS:
-                    key = (run_id, metric, level, step // level, row["rank"])
-                    if value > best.get(key, float("-inf")):
-                        best[key] = value
-    if not best:
-        return
-    stmt = _insert(conn, m.rank_buckets)
-    bigger = (func.max if is_sqlite(conn) else func.greatest)(
-        m.rank_buckets.c.max, stmt.excluded.max
+def _bucket_maxima(conn: Connection, groups: list[tuple[int, int]]) -> None:
+    """Per-rank maxima of whole step buckets, written in SQL when a bucket closes: a
+    bucket of 16 steps closes when a later step is rolled up (or its last step is),
+    one of 256 when its last 16-step bucket closes. A step rolled up again (late
+    rows, replays) recomputes its closed bucket; max is idempotent. The open bucket at
+    a run's edge is read from raw rows by the heatmap query."""
+    steps: dict[int, set[int]] = defaultdict(set)
+    for run_id, step in groups:
+        steps[run_id].add(step)
+    small, large = LEVELS
+    per = large // small
+    for run_id, rolled in steps.items():
+        closed = _last_bucket(conn, run_id, small)
+        top = max(rolled)
+        newest = top // small if top % small == small - 1 else top // small - 1
+        todo = {s // small for s in rolled if closed is not None and s // small <= closed}
+        first_open = 0 if closed is None else closed + 1
+        if newest >= first_open:  # every bucket up to the newest closed, even ones skipped
+            todo |= set(range(first_open, newest + 1))
+        if not todo:
+            continue
+        for lo, hi in _spans(sorted(todo)):
+            conn.execute(_FROM_RAW, {"run": run_id, "lo": lo * small, "hi": hi * small + small - 1})
+        closed = max(todo | {closed if closed is not None else -1})
+        closed_large = _last_bucket(conn, run_id, large)
+        newest_large = closed // per if closed % per == per - 1 else closed // per - 1
+        todo_large = {
+            b // per for b in todo if closed_large is not None and b // per <= closed_large
+        }
+        first_open = 0 if closed_large is None else closed_large + 1
+        if newest_large >= first_open:
+            todo_large |= set(range(first_open, newest_large + 1))
+        for lo, hi in _spans(sorted(todo_large)):
+            conn.execute(_FROM_SMALL, {"run": run_id, "lo": lo * per, "hi": hi * per + per - 1})
+
+
+def _last_bucket(conn: Connection, run_id: int, level: int) -> int | None:
+    """The newest closed bucket of this level (buckets close in order)."""
+    k = m.rank_buckets.c
+    return conn.execute(
+        select(func.max(k.bucket)).where(
+            k.run_id == run_id, k.metric == "step_time", k.level == level
+        )
+    ).scalar()
+
+
+def _spans(values: list[int]) -> list[tuple[int, int]]:
+    """Sorted integers as (first, last) runs of consecutive values."""
+    spans: list[tuple[int, int]] = []
+    for v in values:
+        if spans and v == spans[-1][1] + 1:
+            spans[-1] = (spans[-1][0], v)
+        else:
+            spans.append((v, v))
+    return spans
+
+
+def _upsert_buckets(select_sql: str) -> Any:
+    # `WHERE true` and the subquery: SQLite's parser needs them before ON CONFLICT.
+    return text(
+        "INSERT INTO rank_buckets (run_id, metric, level, bucket, rank, max) "
+        f"SELECT * FROM ({select_sql}) AS b WHERE true "
+        "ON CONFLICT (run_id, metric, level, bucket, rank) DO UPDATE SET max = excluded.max"
     )
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["run_id", "metric", "level", "bucket", "rank"], set_={"max": bigger}
+
+
+_FROM_RAW = _upsert_buckets(
+    " UNION ALL ".join(
+        f"SELECT run_id, '{metric}' AS metric, {LEVELS[0]} AS level, step / {LEVELS[0]} AS bucket, "
+        f"rank, max({column}) AS max FROM rank_steps WHERE run_id = :run AND step BETWEEN :lo AND :hi "
+        f"AND {column} IS NOT NULL GROUP BY run_id, step / {LEVELS[0]}, rank"
+        for metric, column in HEATMAP_COLUMNS.items()
     )
-    rows = [
-        {"run_id": k[0], "metric": k[1], "level": k[2], "bucket": k[3], "rank": k[4], "max": v}
-        for k, v in best.items()
-    ]
-    conn.execute(stmt, rows)
+)
+_FROM_SMALL = _upsert_buckets(
+    f"SELECT run_id, metric, {LEVELS[1]} AS level, bucket / {LEVELS[1] // LEVELS[0]} AS bucket, rank, "
+    f"max(max) AS max FROM rank_buckets WHERE run_id = :run AND level = {LEVELS[0]} "
+    f"AND bucket BETWEEN :lo AND :hi GROUP BY run_id, metric, bucket / {LEVELS[1] // LEVELS[0]}, rank"
+)
 
 
 def _locked_pass(engine: Engine, *, now: float, grace_s: float, recheck: bool, wait: bool) -> int:

@@ -159,6 +159,79 @@ METRICS: dict[str, MetricDef] = {
 }
 
 
+_LONGEST = "max(duration_s)"
+_RATED = "flops IS NOT NULL AND peak_flops <> 0"
+_SQL = {  # metric: (per-rank value, run-level total), the same as the Python definitions
+    "step_time": ("duration_s", "max(duration_s)"),
+    "data_wait": ("data_wait_s", "max(data_wait_s)"),
+    "loss": ("loss", "avg(loss)"),
+    "tokens": ("tokens", "sum(tokens)"),
+    "tokens_per_s": (
+        "tokens / NULLIF(duration_s, 0)",
+        f"CASE WHEN count(tokens) = 0 OR coalesce({_LONGEST}, 0) = 0 THEN NULL "
+        f"ELSE sum(tokens) / {_LONGEST} END",
+    ),
+    "mfu": (
+        "mfu",
+        f"CASE WHEN count(*) FILTER (WHERE {_RATED}) = 0 OR coalesce({_LONGEST}, 0) = 0 THEN NULL "
+        f"ELSE sum(flops) FILTER (WHERE {_RATED}) / ({_LONGEST} * sum(peak_flops) FILTER (WHERE {_RATED})) END",
+    ),
+    "grad_norm": ("grad_norm", "max(grad_norm)"),
+    "exposed_comm_frac": (
+        "exposed_comm_s / NULLIF(duration_s, 0)",
+        "avg(exposed_comm_s / NULLIF(duration_s, 0))",
+    ),
+    "mem_allocated": ("mem_allocated_bytes", "max(mem_allocated_bytes)"),
+    "rss": ("rss_bytes", "max(rss_bytes)"),
+}
+
+
+def sql_of(metric: MetricDef) -> tuple[str, str]:
+    """``metric``'s per-rank value and run-level total as SQL over ``rank_steps``."""
+    if metric.name in _SQL:
+        return _SQL[metric.name]
+    return metric.source or "NULL", f"avg({metric.source})"  # a part: the mean over ranks
+
+
+def aggregate_sql() -> str:
+    """One SELECT that rolls up ``keys`` steps of one run in PostgreSQL: a row per step
+    with, per metric, the columns ``aggregate`` computes in Python (the GROUP BY runs
+    next to the data, not in the collector's one Python core)."""
+    parts = ["step", "min(ts) AS ts", "count(*) AS rows_n", "max(recv_ts) AS newest"]
+    for i, metric in enumerate(METRICS.values()):
+        value, total = sql_of(metric)
+        v = f"({value})::float8"
+        bad = (
+            f"count(*) FILTER (WHERE issues->>'{metric.source}' IN ('nan', 'inf', '-inf'))"
+            if metric.source
+            else "0"
+        )
+        parts += [
+            f"count({v}) AS n{i}", f"{bad} AS bad{i}", f"min({v}) AS min{i}",
+            f"percentile_cont(0.5) WITHIN GROUP (ORDER BY {v}) AS median{i}",
+            f"max({v}) AS max{i}", f"avg({v}) AS mean{i}", f"({total})::float8 AS total{i}",
+            f"(array_agg(rank ORDER BY {v} DESC, rank DESC) FILTER (WHERE {v} IS NOT NULL))[1] AS top{i}",
+        ]  # fmt: skip
+    return (
+        f"SELECT {', '.join(parts)} FROM rank_steps "
+        "WHERE run_id = :run AND step = ANY(:steps) GROUP BY step"
+    )
+
+
+def stats_from_sql(run_id: int, row: Any) -> Iterable[dict[str, Any]]:
+    """``step_stats`` rows from one row of ``aggregate_sql``, as ``aggregate`` yields them."""
+    for i, metric in enumerate(METRICS.values()):
+        n, bad = row[f"n{i}"], row[f"bad{i}"]
+        if not n and not bad:
+            continue
+        yield {
+            "run_id": run_id, "metric": metric.name, "step": row["step"], "ts": row["ts"],
+            "n": n, "nonfinite": bad, "min": row[f"min{i}"], "median": row[f"median{i}"],
+            "max": row[f"max{i}"], "mean": row[f"mean{i}"], "total": row[f"total{i}"],
+            "argmax_rank": row[f"top{i}"],
+        }  # fmt: skip
+
+
 NONFINITE = frozenset({"nan", "inf", "-inf"})
 """How a non-finite value is marked in a row's ``issues`` (SQLite cannot store NaN)."""
 

@@ -42,7 +42,7 @@ class _Pending:
     batch: IngestBatch | ColumnarBatch
     rows: int
     future: Future[IngestResult]
-    queued_at: float
+    arrived: float  # wall time: a rank's heartbeat is when its request came in
 
 
 class IngestWriter:
@@ -78,7 +78,7 @@ class IngestWriter:
                 raise Busy("collector is shutting down")
             if self._queue and self._rows + rows > self.max_pending_rows:
                 raise Busy(f"{self._rows:,} rows are waiting to be written")
-            self._queue.append(_Pending(batch, rows, future, time.monotonic()))
+            self._queue.append(_Pending(batch, rows, future, time.time()))
             self._rows += rows
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -126,7 +126,9 @@ class IngestWriter:
         started = time.perf_counter()
         try:
             with write(self.engine) as conn:
-                results = store_many(conn, [item.batch for item in group])
+                results = store_many(
+                    conn, [item.batch for item in group], arrived=[item.arrived for item in group]
+                )
         except DBAPIError as exc:
             forget_runs(self.engine)  # a run created in the failed transaction does not exist
             forget_partitions(self.engine)  # nor, perhaps, a partition someone pruned

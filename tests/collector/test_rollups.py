@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from trainwarden.collector.models import rank_steps
 from trainwarden.collector.rollups import aggregate
 
@@ -81,3 +83,73 @@ def test_breakdown_parts_average_over_ranks() -> None:
     assert stats["compute"]["total"] == 0.8
     assert stats["exposed_comm"]["total"] == 0.2
     assert stats["exposed_comm_frac"]["max"] == 0.3
+
+
+def test_postgres_rolls_up_in_sql_exactly_as_python_does(pg_url: str) -> None:
+    """The SQL rollup (PostgreSQL) and the Python one (SQLite) agree on awkward data:
+    missing values, non-finite losses, zero durations, ties, ranks without FLOPs."""
+    import random
+
+    from sqlalchemy import text
+
+    from trainwarden.collector.db import make_engine, write
+    from trainwarden.collector.ingest import ingest
+    from trainwarden.collector.rollup_worker import _aggregate_here, _aggregate_in_db
+    from trainwarden.collector.schemas import IngestBatch
+
+    from .helpers import batch
+
+    rng = random.Random(11)
+    engine = make_engine(pg_url)
+    with engine.begin() as conn:
+        conn.execute(text("TRUNCATE runs RESTART IDENTITY CASCADE"))
+    for rank in range(7):
+        steps = []
+        for i in range(12):
+            row: dict = {
+                "step": i,
+                "ts": 1_700_000_000.0 + i,
+                "duration_s": rng.choice([0.0, 0.5, 0.5, rng.random()]),
+            }
+            if rng.random() < 0.8:
+                row["tokens"] = rng.choice([0, 100, 4096])
+            if rng.random() < 0.8:
+                row["loss"] = rng.choice([2.0, rng.random(), "nan", "inf"])
+            if rng.random() < 0.7:
+                row.update(flops=rng.random() * 1e12, peak_flops=rng.choice([1e14, 2e14]))
+            for col in (
+                "compute_s",
+                "exposed_comm_s",
+                "data_wait_s",
+                "grad_norm",
+                "mfu",
+                "rss_bytes",
+            ):
+                if rng.random() < 0.7:
+                    row[col] = (
+                        rng.choice([0.1, rng.random()])
+                        if col != "rss_bytes"
+                        else rng.randrange(1 << 30)
+                    )
+            steps.append(row)
+        with write(engine) as conn:
+            ingest(
+                conn, batch=IngestBatch.model_validate(batch(rank=rank, world_size=7, steps=steps))
+            )
+    keys = [(1, i) for i in range(12)]
+    with engine.connect() as conn:
+        here, seen_here = _aggregate_here(conn, keys)
+        there, seen_there = _aggregate_in_db(conn, keys)
+    with engine.begin() as conn:  # leave the session database empty, as the fixtures do
+        conn.execute(text("TRUNCATE runs RESTART IDENTITY CASCADE"))
+    engine.dispose()
+    key = lambda s: (s["step"], s["metric"])  # noqa: E731
+    assert seen_here == seen_there
+    assert len(here) == len(there) > 12 * 10
+    for a, b in zip(sorted(here, key=key), sorted(there, key=key), strict=True):
+        assert a.keys() == b.keys()
+        for name in a:
+            if isinstance(a[name], float) or isinstance(b[name], float):
+                assert a[name] == pytest.approx(b[name], rel=1e-9), (a["metric"], a["step"], name)
+            else:
+                assert a[name] == b[name], (a["metric"], a["step"], name)
