@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -34,6 +36,15 @@ def _location(loc: tuple[object, ...] | list[object]) -> str:
     return out or "body"
 
 
+async def _probe_loop_lag(lags: deque[float], every_s: float = 0.1) -> None:
+    """How late the event loop runs a timer: requests not yet read wait about as long."""
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        await asyncio.sleep(every_s)
+        lags.append(max(0.0, loop.time() - started - every_s))
+
+
 def create_app(
     engine: Engine,
     settings: Settings | None = None,
@@ -48,6 +59,10 @@ def create_app(
     ``rollups``: run the rollup worker thread (tests turn it off and call ``flush``).
     """
     settings = settings or Settings()
+    lags: deque[float] = deque(maxlen=20)  # the event loop's lateness over the last ~2 s
+
+    def loop_lag() -> float:
+        return max(lags, default=0.0)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
@@ -55,10 +70,12 @@ def create_app(
         if rollups:
             loops.append(rollup_loop(engine))
         if health is not None:
-            loops.append(health_loop(engine, health))
+            loops.append(health_loop(engine, health, lag=lambda: writer.lag_s() + loop_lag()))
         for loop in loops:
             loop.start()
+        probe = asyncio.create_task(_probe_loop_lag(lags))
         yield
+        probe.cancel()
         for loop in loops:
             loop.stop()
         writer.stop()

@@ -25,6 +25,7 @@ import time
 import uuid
 import weakref
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,7 +117,7 @@ def _recent_views(conn: Connection, run_id: int, world: int, count: int) -> dict
         return {}
     if cache and max(cache) > newest:  # the run went back (rollback, restart): start over
         cache.clear()
-    lo = newest - 3 * count - 5
+    lo = newest - 2 * count - 2  # complete steps are the newest ones, give or take
     after = max(lo, max(cache, default=lo))
     counts = conn.execute(
         select(r.step, func.count()).where(r.run_id == run_id, r.step > after).group_by(r.step)
@@ -203,13 +204,14 @@ def _events(conn: Connection, *, run_id: int, now: float, events: list[dict[str,
 
 
 def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_step: float | None,
-            slow: dict[int, float], steps: dict[int, StepView]) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
-    """The state and detail of every live rank."""
-    hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
+            slow: dict[int, float], steps: dict[int, StepView], lag_s: float = 0.0) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
+    """The state and detail of every live rank. ``lag_s``: how far behind the collector's
+    own ingest is; silence that long is the collector's, not the rank's."""
+    hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0)) + lag_s
     dead, stalled = [], []
     for r in ranks:
         beat = r["heartbeat_s"] or 2.0
-        if now - r["last_seen"] > settings.dead_after_beats * beat:
+        if now - r["last_seen"] > settings.dead_after_beats * beat + lag_s:
             dead.append(r)
         elif r["progress_at"] is not None and now - r["progress_at"] > hung_after:
             stalled.append(r)
@@ -259,9 +261,17 @@ _RANK_FIELDS = ("rank", "state", "state_detail", "last_seen", "heartbeat_s", "pr
 
 
 def evaluate(
-    conn: Connection, *, now: float | None = None, settings: HealthSettings | None = None
+    conn: Connection,
+    *,
+    now: float | None = None,
+    settings: HealthSettings | None = None,
+    lag_s: float = 0.0,
 ) -> int:
-    """Bring every live rank's state up to date; returns the number of state changes."""
+    """Bring every live rank's state up to date; returns the number of state changes.
+
+    ``lag_s``: how far behind the collector's own ingest is (requests waiting to be
+    read or written); it is added to the dead and hung thresholds, so an overloaded
+    collector does not declare its ranks dead for its own delay."""
     now = time.time() if now is None else now
     settings = settings or HealthSettings()
     changes = 0
@@ -282,8 +292,8 @@ def evaluate(
                     k.state != "healthy",
                     k.state_detail.is_not(None),
                     k.last_seen
-                    < now - settings.dead_after_beats * func.coalesce(k.heartbeat_s, 2.0),
-                    k.progress_at < now - hung_after,
+                    < now - lag_s - settings.dead_after_beats * func.coalesce(k.heartbeat_s, 2.0),
+                    k.progress_at < now - lag_s - hung_after,
                 )
             )
         # In rank order, the order ingest locks rank rows in: no deadlocks.
@@ -298,7 +308,7 @@ def evaluate(
         if not ranks:
             continue
         states = _states(list(ranks), now=now, settings=settings, median_step=median_step,
-                         slow=slow, steps=steps)  # fmt: skip
+                         slow=slow, steps=steps, lag_s=lag_s)  # fmt: skip
         # Decide everything first, then write in two statements in rank order: the rank
         # rows stay locked for as short a time as possible (ingest updates them too).
         details, changed, events = [], [], []
@@ -336,7 +346,9 @@ def evaluate(
     return changes
 
 
-def evaluate_once(engine: Engine, settings: HealthSettings) -> int:
+def evaluate_once(
+    engine: Engine, settings: HealthSettings, lag: Callable[[], float] | None = None
+) -> int:
     """One evaluation in its own transaction; on PostgreSQL only one collector runs it."""
     with write(engine) as conn:
         if not is_sqlite(conn):
@@ -345,10 +357,14 @@ def evaluate_once(engine: Engine, settings: HealthSettings) -> int:
             ).scalar()
             if not locked:
                 return 0
-        return evaluate(conn, settings=settings)
+        return evaluate(conn, settings=settings, lag_s=lag() if lag is not None else 0.0)
 
 
-def health_loop(engine: Engine, settings: HealthSettings | None = None) -> Loop:
+def health_loop(
+    engine: Engine, settings: HealthSettings | None = None, lag: Callable[[], float] | None = None
+) -> Loop:
     """The evaluator's thread inside ``serve``."""
     settings = settings or HealthSettings()
-    return Loop("trainwarden-health", settings.interval_s, lambda: evaluate_once(engine, settings))
+    return Loop(
+        "trainwarden-health", settings.interval_s, lambda: evaluate_once(engine, settings, lag)
+    )

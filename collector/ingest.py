@@ -454,7 +454,7 @@ def _store_events(
             _insert(conn, m.events)
             .on_conflict_do_nothing(index_elements=["uid"])
             .returning(m.events.c.uid),
-            list({row["uid"]: row for row in rows}.values()),
+            sorted({row["uid"]: row for row in rows}.values(), key=lambda row: str(row["uid"])),
         ).scalars()
     )
     counts = []

@@ -22,7 +22,7 @@ from urllib.parse import urlsplit
 METRIC_COLUMNS = (
     "duration_s", "data_wait_s", "tokens", "loss", "grad_norm", "fwd_s", "bwd_s", "opt_s", "other_s",
     "compute_s", "exposed_comm_s", "overlapped_comm_s", "idle_s", "flops", "mfu", "peak_flops",
-    "mem_allocated_bytes", "mem_reserved_bytes",
+    "mem_allocated_bytes", "mem_reserved_bytes", "rss_bytes",
 )  # fmt: skip
 
 
@@ -76,7 +76,7 @@ def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float,
             "fwd_s": duration * 0.3, "bwd_s": duration * 0.6, "opt_s": duration * 0.08, "other_s": duration * 0.02,
             "compute_s": compute, "exposed_comm_s": exposed, "overlapped_comm_s": period_s * 0.15, "idle_s": 0.0,
             "flops": flops, "mfu": flops / (duration * 989.4e12), "peak_flops": 989.4e12,
-            "mem_allocated_bytes": 60 << 30, "mem_reserved_bytes": 70 << 30,
+            "mem_allocated_bytes": 60 << 30, "mem_reserved_bytes": 70 << 30, "rss_bytes": 24 << 30,
         }  # fmt: skip
         for name, value in row.items():
             cols[name].append(value)

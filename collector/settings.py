@@ -26,7 +26,7 @@ class Settings(BaseSettings):
         "commit) at most; more get 503 + Retry-After before their body is read",
     )
     max_pending_rows: int = Field(
-        default=400_000,
+        default=100_000,
         ge=1,
         description="Records waiting for the writer at most; past it ingest gets 503 + Retry-After",
     )

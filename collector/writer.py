@@ -50,8 +50,9 @@ class IngestWriter:
         self,
         engine: Engine,
         *,
-        max_pending_rows: int = 400_000,
+        max_pending_rows: int = 100_000,
         max_flush_rows: int = 50_000,
+        threads: int = 1,
         on_flush: Any = None,
     ) -> None:
         self.engine = engine
@@ -61,13 +62,23 @@ class IngestWriter:
         self._cond = threading.Condition()
         self._queue: deque[_Pending] = deque()
         self._rows = 0
-        self._thread: threading.Thread | None = None
+        # One: with two, concurrent flushes that share a rank (a node's consecutive
+        # requests) were seen to deadlock on PostgreSQL, and were not faster here.
+        self.threads = threads
+        self._threads: list[threading.Thread] = []
         self._stopping = False
+        self._writing: dict[int, float] = {}  # thread: arrival of the oldest request it writes
         self.flushes = 0
 
     @property
     def pending_rows(self) -> int:
         return self._rows
+
+    def lag_s(self, now: float | None = None) -> float:
+        """How long the oldest request not yet committed has waited (0 when none)."""
+        with self._cond:
+            oldest = [*self._writing.values(), *([self._queue[0].arrived] if self._queue else [])]
+        return max(0.0, (time.time() if now is None else now) - min(oldest)) if oldest else 0.0
 
     def submit(self, batch: IngestBatch | ColumnarBatch) -> Future[IngestResult]:
         """Queue ``batch``; the future completes when it is committed (or failed)."""
@@ -80,22 +91,25 @@ class IngestWriter:
                 raise Busy(f"{self._rows:,} rows are waiting to be written")
             self._queue.append(_Pending(batch, rows, future, time.time()))
             self._rows += rows
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="trainwarden-writer", daemon=True
-                )
-                self._thread.start()
+            if not self._threads:
+                for i in range(self.threads):
+                    thread = threading.Thread(
+                        target=self._run, name=f"trainwarden-writer-{i}", daemon=True
+                    )
+                    thread.start()
+                    self._threads.append(thread)
             self._cond.notify()
         return future
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Write what is queued, then end the thread."""
+        """Write what is queued, then end the threads."""
         with self._cond:
             self._stopping = True
-            self._cond.notify()
-            thread = self._thread
-        if thread is not None:
-            thread.join(timeout_s)
+            self._cond.notify_all()
+            threads = list(self._threads)
+        deadline = time.monotonic() + timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def _take(self) -> list[_Pending] | None:
         with self._cond:
@@ -110,13 +124,16 @@ class IngestWriter:
                 group.append(item)
                 rows += item.rows
             self._rows -= rows
+            self._writing[threading.get_ident()] = min(item.arrived for item in group)
             return group
 
     def _run(self) -> None:
         while (group := self._take()) is not None:
             try:
                 self._write(group)
+                self._writing.pop(threading.get_ident(), None)
             except BaseException as exc:  # never leave a request waiting forever
+                self._writing.pop(threading.get_ident(), None)
                 log.exception("ingest writer failed")
                 for item in group:
                     if not item.future.done():
@@ -142,7 +159,8 @@ class IngestWriter:
             forget_runs(self.engine)
             self._isolate(group, exc)
             return
-        self.flushes += 1
+        with self._cond:
+            self.flushes += 1
         for item, result in zip(group, results, strict=True):
             item.future.set_result(result)
         if self.on_flush is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from sqlalchemy import select
 
@@ -164,3 +166,36 @@ def test_median_without_matches_the_slow_way() -> None:
             assert median_without(values, i) == pytest.approx(
                 statistics.median(values[:i] + values[i + 1 :])
             )
+
+
+def test_the_collectors_own_lag_is_not_a_dead_rank(engine) -> None:
+    for rank in (0, 1):
+        send(engine, rank=rank, steps=[step(0)], at=T0 + 1)
+    send(engine, rank=0, at=T0 + 5, last_step=0)  # rank 0 beats, rank 1's request is late
+    flush(engine, now=T0 + 6.5, grace_s=0)
+    with write(engine) as conn:  # the collector is 3 s behind on its own ingest
+        evaluate(conn, now=T0 + 6.5, settings=HealthSettings(), lag_s=3.0)
+        assert dict(conn.execute(select(m.ranks.c.rank, m.ranks.c.state)).all())[1] == "healthy"
+    assert states(engine, T0 + 6.5)[1][0] == "dead"  # no lag: 5.5 s of silence is 2.75 beats
+
+
+def test_the_writers_lag_is_the_age_of_its_oldest_waiting_request(engine) -> None:
+    import threading
+
+    from trainwarden.collector.schemas import ColumnarBatch
+    from trainwarden.collector.writer import IngestWriter
+
+    writer = IngestWriter(engine)
+    assert writer.lag_s() == 0.0
+    gate = threading.Event()
+    writer.on_flush = lambda *_: gate.wait(10)
+    body = {"run": "lag", "world_size": 1, "agents": [{"rank": 0, "host": "h", "session": "s"}],
+            "steps": {"rank": [0], "step": [0], "ts": [T0], "duration_s": [0.1]}}  # fmt: skip
+    done = writer.submit(ColumnarBatch.model_validate(body))
+    while not writer.flushes:  # committed, now held in on_flush
+        pass
+    assert writer.lag_s(now=time.time() + 2.0) >= 2.0
+    gate.set()
+    done.result(10)
+    writer.stop()
+    assert writer.lag_s() == 0.0
