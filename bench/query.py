@@ -23,12 +23,14 @@ import psycopg
 from common import DEFAULT_DB, scratch_database, serving
 
 from trainwarden.collector.db import make_engine, upgrade
+from trainwarden.collector.partitions import day_of, ensure_partitions
 
-COLUMNS = ["run_id", "step", "rank", "ts", "recv_ts", "duration_s", "data_wait_s", "tokens", "loss",
+COLUMNS = ["run_id", "step", "rank", "day", "ts", "recv_ts", "duration_s", "data_wait_s", "tokens", "loss",
            "grad_norm", "compute_s", "exposed_comm_s", "mfu", "flops", "peak_flops"]  # fmt: skip
 TYPES = [
     "integer",
     "bigint",
+    "integer",
     "integer",
     *["double precision"] * 4,
     "bigint",
@@ -41,6 +43,7 @@ def seed(sa_url: str, pg_dsn: str, *, ranks: int, steps: int) -> None:
     upgrade(engine)
     rng = random.Random(0)
     now = time.time()
+    ensure_partitions(engine, range(day_of(now), day_of(now + steps) + 1))
     t0 = time.perf_counter()
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO runs (id, name, created_at, updated_at, world_size, status) "
@@ -53,7 +56,7 @@ def seed(sa_url: str, pg_dsn: str, *, ranks: int, steps: int) -> None:
             for step in range(steps):
                 for rank in range(ranks):
                     d = 1.0 + rng.random() * 0.05 + (0.3 if rank == 17 else 0.0)
-                    copy.write_row((1, step, rank, now + step, now + step, d, 0.01, 16384, 3.0 - step / steps,
+                    copy.write_row((1, step, rank, day_of(now + step), now + step, now + step, d, 0.01, 16384, 3.0 - step / steps,
                                     1.0, d * 0.8, d * 0.2, 0.4, 4e14, 9.894e14))  # fmt: skip
         print(
             f"seeded {ranks * steps:,} per-rank rows in {time.perf_counter() - t0:.0f}s", flush=True
