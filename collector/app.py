@@ -6,6 +6,7 @@ import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
@@ -14,7 +15,9 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
-from . import otlp
+from trainwarden.alerts import Rule, load_rule_packs
+
+from . import otlp, runbooks
 from .api import EXTRA_SCHEMAS, router
 from .health import HealthSettings, health_loop
 from .limits import BodyLimit, IngestBackpressure
@@ -52,6 +55,8 @@ def create_app(
     ui: bool = True,
     health: HealthSettings | None = DEFAULT_HEALTH,
     rollups: bool = True,
+    rules: list[Rule] | None = None,
+    runbook_dirs: list[Path] | None = None,
 ) -> FastAPI:
     """Build the app on an engine whose schema is already at head (see ``db.upgrade``).
 
@@ -88,6 +93,8 @@ def create_app(
     )
     app.state.engine = engine
     app.state.settings = settings
+    app.state.rules = load_rule_packs() if rules is None else rules
+    app.state.runbook_dirs = list(runbook_dirs or [])
     app.state.metrics = metrics = CollectorMetrics(engine)
     app.state.writer = writer = IngestWriter(
         engine, max_pending_rows=settings.max_pending_rows, on_flush=metrics.on_flush
@@ -105,6 +112,7 @@ def create_app(
 
     app.openapi = openapi  # type: ignore[method-assign]
     app.include_router(otlp.router)
+    app.include_router(runbooks.router)
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_middleware(
         IngestBackpressure,

@@ -42,6 +42,26 @@ def _open_database(url: str):  # type: ignore[no-untyped-def]
     return engine
 
 
+def _rules(args: argparse.Namespace) -> tuple[list, list]:  # type: ignore[type-arg]
+    """The default rule pack plus ``--rules`` files (and ``TRAINWARDEN_RULES``, paths
+    separated by ``:``), checked before anything starts: a bad file is one clear error."""
+    import os
+    from pathlib import Path
+
+    from trainwarden.alerts import RuleError, load_rule_packs
+
+    files = [
+        *filter(None, os.environ.get("TRAINWARDEN_RULES", "").split(os.pathsep)),
+        *(args.rules or []),
+    ]
+    dirs = [Path(d) for d in (args.runbooks or [])]
+    dirs += [Path(f).parent / "runbooks" for f in files if (Path(f).parent / "runbooks").is_dir()]
+    try:
+        return load_rule_packs(files, runbooks_dirs=dirs), dirs
+    except RuleError as exc:
+        raise CliError(f"alert rules:\n{exc}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -49,8 +69,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from .db import masked
 
     settings = _settings(args)
+    rules, runbook_dirs = _rules(args)
     engine = _open_database(settings.db)
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, rules=rules, runbook_dirs=runbook_dirs)
     base = f"http://{settings.host}:{settings.port}"
     print(
         f"trainwarden collector: dashboard {base}/  API {base}/api/v1  docs {base}/docs", flush=True
@@ -130,6 +151,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument(
+        "--rules", action="append", metavar="FILE",
+        help="your alert rules (YAML), added to the default pack; repeatable",
+    )  # fmt: skip
+    serve.add_argument(
+        "--runbooks", action="append", metavar="DIR",
+        help="a folder of your runbooks (NAME.md), looked in before the shipped ones; repeatable "
+        "(a 'runbooks' folder next to a rules file is used too)",
+    )  # fmt: skip
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(

@@ -30,6 +30,11 @@ class Settings(BaseSettings):
         ge=1,
         description="Records waiting for the writer at most; past it ingest gets 503 + Retry-After",
     )
+    external_url: str | None = Field(
+        default=None,
+        description="The URL people reach this collector at (TRAINWARDEN_EXTERNAL_URL): "
+        "runbook links in alerts and pages are made absolute with it",
+    )
     ui_refresh_s: float = Field(
         default=2.0, gt=0, description="How often the UI polls for new data"
     )
