@@ -27,11 +27,11 @@ def run_migrations() -> None:
     engine = create_engine(config.get_main_option("sqlalchemy.url"))
     with engine.begin() as conn:
         context.configure(
-                connection=conn,
-                target_metadata=metadata,
-                render_as_batch=True,
-                include_name=include_name,
-            )
+            connection=conn,
+            target_metadata=metadata,
+            render_as_batch=True,
+            include_name=include_name,
+        )
         with context.begin_transaction():
             context.run_migrations()
 

@@ -73,7 +73,12 @@ def test_both_ranks_steps_arrive(live_server: Server) -> None:
     tokens = live_server.get("/api/v1/runs/e2e/series", metric="tokens").json()
     assert tokens["total"] == [2 * 64 * 8] * 30  # batch 64 x context 8 on each rank
 
-    events = live_server.get("/api/v1/runs/e2e/events").json()
+    # The agents' own events; rank_state verdicts are the health evaluator's (tested in
+    # tests/collector/test_health.py and the drills), and two CPU ranks sharing two busy
+    # cores with the collector can genuinely look slow for a few steps.
+    events = [
+        e for e in live_server.get("/api/v1/runs/e2e/events").json() if e["kind"] != "rank_state"
+    ]
     assert sorted((e["kind"], e["rank"]) for e in events) == [
         ("gpu_telemetry", 0), ("gpu_telemetry", 1),  # "unavailable": no GPU here
         ("shutdown", 0), ("shutdown", 1), ("start", 0), ("start", 1),
