@@ -2,8 +2,8 @@
 
 On PostgreSQL ``rank_steps`` and ``gpu_samples`` are partitioned by ``day`` (the UTC day
 of each record's own timestamp), one partition a day, named ``<table>_pYYYYMMDD``.
-Partitions are created ahead of need (today and tomorrow, by the rollup worker and at
-start) and on demand for a day a batch brings; pruning drops whole partitions, which
+Partitions are created ahead of need (today and tomorrow, by the rollup worker on each
+pass) and on demand for a day a batch brings; pruning drops whole partitions, which
 is instant and leaves no bloat. On SQLite there are no partitions: pruning deletes rows.
 
 Pruning keeps everything that is not per-rank raw data: runs, ranks, the cross-rank

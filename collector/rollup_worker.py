@@ -38,6 +38,7 @@ from . import models as m
 from .db import is_sqlite, write
 from .ingest import upsert
 from .loops import Loop
+from .partitions import ensure_ahead
 from .rollups import aggregate, aggregate_sql, stats_from_sql
 
 log = logging.getLogger(__name__)
@@ -249,6 +250,9 @@ def rollup_loop(engine: Engine, *, interval_s: float = 0.25, grace_s: float = GR
     passes = itertools.count(1)
 
     def work() -> None:
+        # Today's and tomorrow's day partitions, so ingest seldom creates one itself
+        # (a no-op once this process has made them; a new day brings the next).
+        ensure_ahead(engine)
         while True:
             recheck = next(passes) % RECHECK_EVERY == 0
             done = _locked_pass(

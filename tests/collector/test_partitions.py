@@ -190,3 +190,35 @@ def test_migration_0006_keeps_existing_rows(fresh_url: str) -> None:
         if engine.dialect.name == "postgresql":
             assert len(list_partitions(conn, "rank_steps")) == 2
     engine.dispose()
+
+
+def test_the_rollup_worker_makes_todays_and_tomorrows_partitions(pg_url: str) -> None:
+    """PostgreSQL only (SQLite has no partitions)."""
+    import time
+
+    from trainwarden.collector.partitions import day_of, partition_name
+    from trainwarden.collector.rollup_worker import rollup_loop
+
+    engine = make_engine(pg_url)
+    today = day_of(time.time())
+    wanted = {
+        partition_name(t, d) for t in ("rank_steps", "gpu_samples") for d in (today, today + 1)
+    }
+    with engine.begin() as conn:  # start from none of them
+        for name in wanted:
+            conn.execute(text(f"DROP TABLE IF EXISTS {name}"))
+    loop = rollup_loop(engine, interval_s=0.05)
+    loop.start()
+    try:
+        deadline = time.monotonic() + 10
+        have: set[str] = set()
+        while time.monotonic() < deadline and not wanted <= have:
+            time.sleep(0.05)
+            with engine.connect() as conn:
+                have = {
+                    n for t in ("rank_steps", "gpu_samples") for n, _ in list_partitions(conn, t)
+                }
+        assert wanted <= have
+    finally:
+        loop.stop()
+        engine.dispose()
