@@ -6,6 +6,7 @@ evaluation engine, alert lifecycle and notifiers build on these types.
 """
 
 from .intervals import Interval, parse_interval
+from .lifecycle import Alert, advance, fingerprint
 from .loading import load_rule_packs, load_rules, parse_rule
 from .rules import (
     DEFAULT_RULES,
@@ -26,6 +27,7 @@ __all__ = [
     "KINDS",
     "RUNBOOKS_DIR",
     "AbsenceRule",
+    "Alert",
     "BaselineRule",
     "EventRule",
     "Interval",
@@ -34,6 +36,8 @@ __all__ = [
     "Rule",
     "RuleError",
     "ThresholdRule",
+    "advance",
+    "fingerprint",
     "load_rule_packs",
     "load_rules",
     "parse_interval",

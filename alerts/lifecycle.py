@@ -1,0 +1,102 @@
+"""The life of one alert, as Prometheus has it: inactive → pending → firing → resolved.
+
+Pure logic, no storage: the engine (next) feeds each evaluation's verdict for every
+(rule, labels) and stores what comes back. An alert is identified by its fingerprint
+(rule name + labels), so the same problem on the same rank is one alert however often
+it is seen; a condition that returns after the alert resolved starts a new episode.
+
+- ``for``: the condition must hold this long (a duration, or a number of the run's
+  steps) before the alert fires; until then it is *pending*, and it goes back to
+  inactive, unseen by anyone paged, if the condition clears.
+- ``keep_firing_for``: a firing alert stays firing this long after the condition
+  clears (flapping conditions page once); then it is *resolved*.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from .intervals import Interval
+
+State = Literal["inactive", "pending", "firing", "resolved"]
+
+
+def fingerprint(rule: str, labels: dict[str, str]) -> str:
+    """Stable id of an alert: the rule and its labels (sorted), hashed."""
+    key = json.dumps([rule, sorted(labels.items())], separators=(",", ":"))
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Alert:
+    rule: str
+    labels: dict[str, str]
+    state: State = "inactive"
+    active_since: float | None = None  # when the condition last became true (time)
+    active_since_step: int | None = None  # ... and at which step
+    fired_at: float | None = None
+    cleared_at: float | None = None  # when the condition last became false while firing
+    cleared_at_step: int | None = None
+    resolved_at: float | None = None
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.rule, self.labels)
+
+
+def _held(alert: Alert, span: Interval, now: float, step: int | None) -> bool:
+    """Whether the condition has held for ``span`` (time or steps) by now."""
+    if span.value == 0:
+        return True
+    if span.unit == "steps":
+        return (
+            step is not None
+            and alert.active_since_step is not None
+            and step - alert.active_since_step >= span.value
+        )
+    return alert.active_since is not None and now - alert.active_since >= span.value
+
+
+def advance(
+    alert: Alert,
+    *,
+    active: bool,
+    now: float,
+    step: int | None = None,
+    for_: Interval,
+    keep_firing_for: Interval,
+) -> Alert:
+    """The alert after one evaluation at ``now`` (and the run's ``step``) that found its
+    condition ``active`` or not. Returns the same object when nothing changed."""
+    if active:
+        if alert.state in ("inactive", "resolved"):  # a new episode
+            alert = replace(alert, state="pending", active_since=now, active_since_step=step,
+                            fired_at=None, cleared_at=None, cleared_at_step=None, resolved_at=None)  # fmt: skip
+        elif alert.state == "firing" and alert.cleared_at is not None:
+            return replace(alert, cleared_at=None, cleared_at_step=None)  # back in time
+        if alert.state == "pending" and _held(alert, for_, now, step):
+            return replace(alert, state="firing", fired_at=now)
+        return alert
+    if alert.state == "pending":
+        return replace(alert, state="inactive", active_since=None, active_since_step=None)
+    if alert.state == "firing":
+        if alert.cleared_at is None:
+            alert = replace(alert, cleared_at=now, cleared_at_step=step)
+        if _kept(alert, keep_firing_for, now, step):
+            return alert
+        return replace(alert, state="resolved", resolved_at=now)
+    return alert
+
+
+def _kept(alert: Alert, span: Interval, now: float, step: int | None) -> bool:
+    """Whether a cleared firing alert is still within ``keep_firing_for``."""
+    if span.value == 0:
+        return False
+    if span.unit == "steps":
+        if step is None or alert.cleared_at_step is None:
+            return True  # no step to count by yet
+        return step - alert.cleared_at_step < span.value
+    return alert.cleared_at is not None and now - alert.cleared_at < span.value

@@ -1,0 +1,100 @@
+"""The alert lifecycle: pending while ``for`` runs, firing, kept firing, resolved, again."""
+
+from __future__ import annotations
+
+from trainwarden.alerts.intervals import ZERO, Interval
+from trainwarden.alerts.lifecycle import Alert, advance, fingerprint
+
+S30 = Interval(30, "s")
+STEPS5 = Interval(5, "steps")
+
+
+def run(
+    alert: Alert, verdicts: list[tuple[bool, float, int | None]], **spans: Interval
+) -> list[str]:
+    states = []
+    for active, now, step in verdicts:
+        alert = advance(alert, active=active, now=now, step=step,
+                        for_=spans.get("for_", ZERO), keep_firing_for=spans.get("keep", ZERO))  # fmt: skip
+        states.append(alert.state)
+    return states
+
+
+def test_for_holds_an_alert_pending_until_the_condition_lasts() -> None:
+    a = Alert("StepTimeRegression", {"run": "r"})
+    assert run(a, [(True, 0, None), (True, 20, None), (True, 30, None), (True, 40, None)], for_=S30) == [
+        "pending", "pending", "firing", "firing",
+    ]  # fmt: skip
+
+
+def test_a_blip_shorter_than_for_never_fires() -> None:
+    a = Alert("Straggler", {"rank": "3"})
+    assert run(a, [(True, 0, None), (False, 10, None), (True, 20, None), (True, 45, None)], for_=S30) == [
+        "pending", "inactive", "pending", "pending",
+    ]  # 45 - 20 < 30: the clock restarted  # fmt: skip
+
+
+def test_for_in_steps_counts_the_runs_steps() -> None:
+    a = Alert("LossSpike", {"run": "r"})
+    verdicts = [(True, t, 100 + t) for t in range(7)]
+    assert run(a, verdicts, for_=STEPS5) == ["pending"] * 5 + ["firing", "firing"]
+
+
+def test_without_for_an_alert_fires_at_once_and_resolves_when_clear() -> None:
+    a = Alert("FatalXid", {"rank": "1", "code": "79"})
+    states = run(a, [(True, 0, None), (False, 5, None), (False, 6, None)])
+    assert states == ["firing", "resolved", "resolved"]
+
+
+def test_keep_firing_for_rides_out_a_flapping_condition() -> None:
+    a = Alert("HighExposedComm", {"run": "r"})
+    verdicts = [
+        (True, 0, None),
+        (False, 10, None),
+        (True, 20, None),
+        (False, 30, None),
+        (False, 59, None),
+        (False, 60, None),
+    ]
+    assert run(a, verdicts, keep=S30) == [
+        "firing",
+        "firing",
+        "firing",
+        "firing",
+        "firing",
+        "resolved",
+    ]
+
+
+def test_keep_firing_for_in_steps() -> None:
+    a = Alert("GradNormSpikeBurst", {"run": "r"})
+    verdicts = [(True, 0, 10), (False, 1, 11), (False, 2, 15), (False, 3, 16)]
+    assert run(a, verdicts, keep=STEPS5) == ["firing", "firing", "firing", "resolved"]
+
+
+def test_a_condition_that_returns_after_resolving_is_a_new_episode() -> None:
+    a = advance(
+        Alert("RankHung", {"rank": "2"}), active=True, now=0, for_=ZERO, keep_firing_for=ZERO
+    )
+    a = advance(a, active=False, now=10, for_=ZERO, keep_firing_for=ZERO)
+    assert a.state == "resolved" and a.resolved_at == 10
+    again = advance(a, active=True, now=50, for_=S30, keep_firing_for=ZERO)
+    assert again.state == "pending" and again.active_since == 50
+    assert again.fired_at is None and again.resolved_at is None
+    assert again.fingerprint == a.fingerprint
+
+
+def test_nothing_changed_returns_the_same_object() -> None:
+    a = Alert("LowMFU", {"run": "r"})
+    assert advance(a, active=False, now=0, for_=S30, keep_firing_for=ZERO) is a
+    firing = advance(a, active=True, now=0, for_=ZERO, keep_firing_for=ZERO)
+    assert firing.state == "firing"
+    assert advance(firing, active=True, now=99, for_=ZERO, keep_firing_for=ZERO) is firing
+
+
+def test_the_fingerprint_is_rule_and_labels_in_any_order() -> None:
+    one = fingerprint("Straggler", {"run": "r", "rank": "3"})
+    assert one == fingerprint("Straggler", {"rank": "3", "run": "r"})
+    assert one != fingerprint("Straggler", {"run": "r", "rank": "4"})
+    assert one != fingerprint("RankHung", {"run": "r", "rank": "3"})
+    assert len(one) == 16
