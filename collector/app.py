@@ -100,6 +100,7 @@ def create_app(
         engine, max_pending_rows=settings.max_pending_rows, on_flush=metrics.on_flush
     )
     metrics.ingest_queue_rows.set_function(lambda: writer.pending_rows)
+    metrics.ingest_lag_seconds.set_function(lambda: writer.lag_s() + loop_lag())
     app.include_router(router)
 
     def openapi() -> dict[str, Any]:  # the self-parsed ingest bodies have schemas too

@@ -43,6 +43,12 @@ class CollectorMetrics:
             "Records waiting for the group-commit writer.",
             registry=self.registry,
         )
+        self.ingest_lag_seconds = Gauge(
+            "trainwarden_ingest_lag_seconds",
+            "Age of the oldest ingest request not yet committed, plus the event loop's "
+            "lateness (added to the rank-health thresholds).",
+            registry=self.registry,
+        )
         self.ingest_flush_requests = Histogram(
             "trainwarden_ingest_flush_requests",
             "Requests stored per group-commit transaction.",

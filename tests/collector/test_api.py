@@ -376,8 +376,14 @@ def test_metrics_pass_promtool_and_carry_per_run_gauges(client: TestClient) -> N
         'trainwarden_run_ranks{run="r1",state="healthy"} 2.0',
         'trainwarden_run_last_step{run="r1"} 2.0',
         "trainwarden_rollup_queue_depth 0.0",
+        "trainwarden_ingest_queue_rows 0.0",  # everything above was committed
+        'trainwarden_ingest_requests_total{outcome="ok"} 2.0',
+        'trainwarden_ingest_records_total{kind="step"} 6.0',
     ):
         assert line in text, line
+    assert "trainwarden_ingest_flush_requests_count " in text
+    lag = float(text.split("\ntrainwarden_ingest_lag_seconds ")[1].split()[0])
+    assert 0.0 <= lag < 5.0
     assert 'trainwarden_run_exposed_comm_ratio{run="r1"} 0.3' in text  # mean of 0.2 and 0.4
     check = subprocess.run(
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True
