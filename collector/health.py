@@ -184,15 +184,6 @@ def diverging(views: dict[int, StepView], *, z: float, window: int) -> dict[int,
     }
 
 
-def _event(conn: Connection, *, run_id: int, rank: int | None, kind: str, severity: str,
-           now: float, uid: str, data: dict[str, Any], step: int | None = None) -> None:  # fmt: skip
-    conn.execute(
-        _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
-        {"uid": uuid.uuid5(uuid.NAMESPACE_OID, uid).hex, "run_id": run_id, "rank": rank, "step": step,
-         "ts": now, "recv_ts": now, "kind": kind, "severity": severity, "data": data},
-    )  # fmt: skip
-
-
 def _events(conn: Connection, *, run_id: int, now: float, events: list[dict[str, Any]]) -> None:
     """Insert events in one statement; ``uid`` makes each idempotent."""
     if events:
@@ -298,13 +289,13 @@ def evaluate(
             )
         # In rank order, the order ingest locks rank rows in: no deadlocks.
         ranks = conn.execute(query.order_by(k.rank)).mappings().all()
-        for rank, (z, first) in diverging(
-            steps, z=settings.divergence_z, window=settings.divergence_window
-        ).items():
-            _event(conn, run_id=run_id, rank=rank, kind="loss_divergence", severity="warning", now=now,
-                   uid=f"divergence:{run_id}:{rank}:{first}", step=first,
-                   data={"robust_z": round(z, 2), "steps": settings.divergence_window,
-                         "reason": "loss outside its peers' band: silent data corruption suspect"})  # fmt: skip
+        _events(conn, run_id=run_id, now=now, events=[
+            dict(rank=rank, kind="loss_divergence", severity="warning", step=first,
+                 uid=f"divergence:{run_id}:{rank}:{first}",
+                 data={"robust_z": round(z, 2), "steps": settings.divergence_window,
+                       "reason": "loss outside its peers' band: silent data corruption suspect"})
+            for rank, (z, first) in diverging(steps, z=settings.divergence_z, window=settings.divergence_window).items()
+        ])  # fmt: skip
         if not ranks:
             continue
         states = _states(list(ranks), now=now, settings=settings, median_step=median_step,

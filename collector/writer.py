@@ -52,7 +52,6 @@ class IngestWriter:
         *,
         max_pending_rows: int = 100_000,
         max_flush_rows: int = 50_000,
-        threads: int = 1,
         on_flush: Any = None,
     ) -> None:
         self.engine = engine
@@ -62,12 +61,11 @@ class IngestWriter:
         self._cond = threading.Condition()
         self._queue: deque[_Pending] = deque()
         self._rows = 0
-        # One: with two, concurrent flushes that share a rank (a node's consecutive
-        # requests) were seen to deadlock on PostgreSQL, and were not faster here.
-        self.threads = threads
-        self._threads: list[threading.Thread] = []
+        # One thread: two, tried, deadlocked on PostgreSQL when a node's consecutive
+        # requests landed in concurrent flushes, and were not faster.
+        self._thread: threading.Thread | None = None
         self._stopping = False
-        self._writing: dict[int, float] = {}  # thread: arrival of the oldest request it writes
+        self._writing_since: float | None = None  # arrival of the oldest request being written
         self.flushes = 0
 
     @property
@@ -77,7 +75,8 @@ class IngestWriter:
     def lag_s(self, now: float | None = None) -> float:
         """How long the oldest request not yet committed has waited (0 when none)."""
         with self._cond:
-            oldest = [*self._writing.values(), *([self._queue[0].arrived] if self._queue else [])]
+            oldest = [t for t in (self._writing_since, self._queue[0].arrived if self._queue else None)
+                      if t is not None]  # fmt: skip
         return max(0.0, (time.time() if now is None else now) - min(oldest)) if oldest else 0.0
 
     def submit(self, batch: IngestBatch | ColumnarBatch) -> Future[IngestResult]:
@@ -91,25 +90,22 @@ class IngestWriter:
                 raise Busy(f"{self._rows:,} rows are waiting to be written")
             self._queue.append(_Pending(batch, rows, future, time.time()))
             self._rows += rows
-            if not self._threads:
-                for i in range(self.threads):
-                    thread = threading.Thread(
-                        target=self._run, name=f"trainwarden-writer-{i}", daemon=True
-                    )
-                    thread.start()
-                    self._threads.append(thread)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="trainwarden-writer", daemon=True
+                )
+                self._thread.start()
             self._cond.notify()
         return future
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """Write what is queued, then end the threads."""
+        """Write what is queued, then end the thread."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
-            threads = list(self._threads)
-        deadline = time.monotonic() + timeout_s
-        for thread in threads:
-            thread.join(max(0.0, deadline - time.monotonic()))
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
 
     def _take(self) -> list[_Pending] | None:
         with self._cond:
@@ -124,16 +120,16 @@ class IngestWriter:
                 group.append(item)
                 rows += item.rows
             self._rows -= rows
-            self._writing[threading.get_ident()] = min(item.arrived for item in group)
+            self._writing_since = min(item.arrived for item in group)
             return group
 
     def _run(self) -> None:
         while (group := self._take()) is not None:
             try:
                 self._write(group)
-                self._writing.pop(threading.get_ident(), None)
+                self._writing_since = None
             except BaseException as exc:  # never leave a request waiting forever
-                self._writing.pop(threading.get_ident(), None)
+                self._writing_since = None
                 log.exception("ingest writer failed")
                 for item in group:
                     if not item.future.done():
@@ -159,8 +155,7 @@ class IngestWriter:
             forget_runs(self.engine)
             self._isolate(group, exc)
             return
-        with self._cond:
-            self.flushes += 1
+        self.flushes += 1
         for item, result in zip(group, results, strict=True):
             item.future.set_result(result)
         if self.on_flush is not None:

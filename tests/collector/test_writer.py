@@ -36,7 +36,7 @@ def rows(engine) -> int:  # type: ignore[no-untyped-def]
 
 
 def test_concurrent_requests_share_transactions_and_all_are_stored(engine) -> None:  # type: ignore[no-untyped-def]
-    writer = IngestWriter(engine, threads=1)
+    writer = IngestWriter(engine)
     gate = threading.Event()
     futures = []
     # Hold the writer in its first flush so that the next requests gather behind it.
@@ -74,7 +74,7 @@ def test_a_bad_batch_fails_alone_in_its_group(engine) -> None:  # type: ignore[n
 
 
 def test_a_full_queue_refuses_new_requests(engine) -> None:  # type: ignore[no-untyped-def]
-    writer = IngestWriter(engine, max_pending_rows=40, threads=1)
+    writer = IngestWriter(engine, max_pending_rows=40)
     gate = threading.Event()
     writer.on_flush = lambda *_: gate.wait(10)
     writer.submit(node(0, range(1)))  # taken by the writer at once, then held
