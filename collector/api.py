@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from concurrent.futures import Future
 from typing import Annotated, Any, TypeVar
@@ -95,7 +96,21 @@ async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> Ingest
     except Busy as exc:
         raise _busy(_metrics(request), str(exc)) from None
     await asyncio.wait([asyncio.wrap_future(future)])  # the commit; errors are read below
-    return _done(request, future, started)
+    result = _done(request, future, started)
+    if _notable(batch):
+        alert_engine = request.app.state.alert_engine
+        if alert_engine is not None:
+            alert_engine.wake()  # an XID or a NaN pages now, not at the next full pass
+    return result
+
+
+def _notable(batch: IngestBatch | ColumnarBatch) -> bool:
+    """Whether the batch holds what event rules watch: events, spike flags, non-finite values."""
+    if isinstance(batch, ColumnarBatch):
+        return any(batch.steps.get("flags") or ())
+    return bool(batch.events) or any(
+        s.flags or (s.loss is not None and not math.isfinite(s.loss)) for s in batch.steps
+    )
 
 
 async def _body(request: Request) -> bytes:

@@ -17,7 +17,8 @@ from sqlalchemy import Engine
 
 from trainwarden.alerts import Rule, load_rule_packs
 
-from . import otlp, runbooks
+from . import alerts_api, otlp, runbooks
+from .alerting import AlertEngine, EngineSettings, NotifierThread
 from .api import EXTRA_SCHEMAS, router
 from .health import HealthSettings, health_loop
 from .limits import BodyLimit, IngestBackpressure
@@ -29,6 +30,7 @@ from .settings import Settings
 from .writer import IngestWriter
 
 DEFAULT_HEALTH = HealthSettings()
+DEFAULT_ALERTING = EngineSettings()
 
 
 def _location(loc: tuple[object, ...] | list[object]) -> str:
@@ -57,11 +59,16 @@ def create_app(
     rollups: bool = True,
     rules: list[Rule] | None = None,
     runbook_dirs: list[Path] | None = None,
+    alerting: EngineSettings | None = DEFAULT_ALERTING,
+    notify: Any = None,
 ) -> FastAPI:
     """Build the app on an engine whose schema is already at head (see ``db.upgrade``).
 
     ``health``: settings of the rank-health evaluator thread; ``None`` runs none.
     ``rollups``: run the rollup worker thread (tests turn it off and call ``flush``).
+    ``alerting``: settings of the alert engine thread; ``None`` runs none.
+    ``notify``: a ``trainwarden.alerts.NotifyConfig`` (``serve --notify FILE``): where
+    alerts are sent; without one, alerts are evaluated, stored and served, not sent.
     """
     settings = settings or Settings()
     lags: deque[float] = deque(maxlen=20)  # the event loop's lateness over the last ~2 s
@@ -78,12 +85,36 @@ def create_app(
             loops.append(health_loop(engine, health, lag=lambda: writer.lag_s() + loop_lag()))
         for loop in loops:
             loop.start()
+        notifier = alert_engine = None
+        if notify is not None:
+            from trainwarden.alerts import Dispatcher
+
+            notifier = NotifierThread(Dispatcher(notify, on_attempt=lambda a: engine_deliveries(a)))
+            notifier.start()
+        if alerting is not None:
+            alert_engine = AlertEngine(
+                engine, app.state.rules, settings=alerting, external_url=settings.external_url,
+                submit=notifier.submit if notifier else None,
+                lag=lambda: writer.lag_s() + loop_lag(),
+            )  # fmt: skip
+            alert_engine.start()
+        app.state.alert_engine = alert_engine
+        app.state.notifier = notifier
         probe = asyncio.create_task(_probe_loop_lag(lags))
         yield
         probe.cancel()
+        if alert_engine is not None:
+            alert_engine.stop()
+        if notifier is not None:
+            notifier.stop()
         for loop in loops:
             loop.stop()
         writer.stop()
+
+    def engine_deliveries(attempt: Any) -> None:
+        running = app.state.alert_engine
+        if running is not None:
+            running.deliveries.append(attempt)
 
     app = FastAPI(
         lifespan=lifespan,
@@ -114,6 +145,8 @@ def create_app(
     app.openapi = openapi  # type: ignore[method-assign]
     app.include_router(otlp.router)
     app.include_router(runbooks.router)
+    app.include_router(alerts_api.router)
+    app.state.alert_engine = None
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_middleware(
         IngestBackpressure,

@@ -62,6 +62,22 @@ def _rules(args: argparse.Namespace) -> tuple[list, list]:  # type: ignore[type-
         raise CliError(f"alert rules:\n{exc}") from None
 
 
+def _notify(args: argparse.Namespace) -> object:
+    """The notifiers file (``--notify`` or ``TRAINWARDEN_NOTIFY``), checked before
+    anything starts; ``None`` when there is none (alerts are then stored, not sent)."""
+    import os
+
+    from trainwarden.alerts import NotifyConfigError, load_notify_config
+
+    path = args.notify or os.environ.get("TRAINWARDEN_NOTIFY")
+    if not path:
+        return None
+    try:
+        return load_notify_config(path)
+    except NotifyConfigError as exc:
+        raise CliError(f"notifiers:\n{exc}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -70,8 +86,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     settings = _settings(args)
     rules, runbook_dirs = _rules(args)
+    notify = _notify(args)
     engine = _open_database(settings.db)
-    app = create_app(engine, settings, rules=rules, runbook_dirs=runbook_dirs)
+    app = create_app(engine, settings, rules=rules, runbook_dirs=runbook_dirs, notify=notify)
     base = f"http://{settings.host}:{settings.port}"
     print(
         f"trainwarden collector: dashboard {base}/  API {base}/api/v1  docs {base}/docs", flush=True
@@ -159,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--runbooks", action="append", metavar="DIR",
         help="a folder of your runbooks (NAME.md), looked in before the shipped ones; repeatable "
         "(a 'runbooks' folder next to a rules file is used too)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--notify", metavar="FILE",
+        help="where alerts are sent (YAML: Alertmanager, PagerDuty, Slack, webhooks; see "
+        "docs/notifiers.md); default TRAINWARDEN_NOTIFY; without one alerts are only stored",
     )  # fmt: skip
     serve.set_defaults(func=cmd_serve)
 

@@ -208,3 +208,75 @@ rank_buckets = Table(
     Column("rank", Integer, primary_key=True),
     Column("max", Float, nullable=False),
 )
+
+# -- alerts (migration 0007) ---------------------------------------------------------
+# One row per episode of an alert: a fingerprint (rule + labels) that goes pending,
+# maybe fires, and resolves. A pending episode that clears before it fires is deleted,
+# as Prometheus forgets it. The engine (collector/alerting.py) is the only writer
+# besides acknowledgements.
+
+alerts = Table(
+    "alerts",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("fingerprint", String(32), nullable=False),
+    Column("rule", String(64), nullable=False),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("rank", Integer),
+    Column("node", String(255)),
+    Column("gpu", String(64)),
+    Column("severity", String(16), nullable=False),
+    Column("state", String(16), nullable=False),  # pending | firing | resolved
+    Column("labels", JSON, nullable=False),
+    Column("annotations", JSON, nullable=False),
+    Column("value", Float),
+    Column("step", BigInteger),
+    Column("action", String(16), nullable=False, server_default="none"),
+    Column("active_since", Float, nullable=False),
+    Column("active_since_step", BigInteger),
+    Column("fired_at", Float),
+    Column("cleared_at", Float),
+    Column("cleared_at_step", BigInteger),
+    Column("resolved_at", Float),
+    Column("updated_at", Float, nullable=False),
+    Column("acked_at", Float),
+    Column("acked_by", String(128)),
+    Column("ack_comment", String(1000)),
+    Column("silenced_by", Integer),
+    Column("inhibited_by", Integer),
+    Column("notified", String(16)),  # the last status sent to the notifiers
+    Column("last_sent_at", Float),
+    Index("ix_alerts_state", "state"),
+    Index("ix_alerts_run_id_active_since", "run_id", "active_since"),
+    Index("ix_alerts_fingerprint", "fingerprint"),
+)
+
+alert_deliveries = Table(
+    "alert_deliveries",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("alert_id", Integer, ForeignKey("alerts.id", ondelete="CASCADE"), nullable=False),
+    Column("receiver", String(64), nullable=False),
+    Column("kind", String(32), nullable=False),
+    Column("status", String(16), nullable=False),  # the notification's: firing | resolved
+    Column("attempt", Integer, nullable=False),
+    Column("ok", Integer, nullable=False),
+    Column("http_status", Integer),
+    Column("error", String(1000)),
+    Column("at", Float, nullable=False),
+    Column("duration_s", Float, nullable=False),
+    Column("final", Integer, nullable=False),
+    Index("ix_alert_deliveries_alert_id", "alert_id"),
+)
+
+silences = Table(
+    "silences",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("matchers", JSON, nullable=False),  # [{name, value, regex}]
+    Column("starts_at", Float, nullable=False),
+    Column("ends_at", Float, nullable=False),
+    Column("created_by", String(128), nullable=False),
+    Column("comment", String(1000), nullable=False),
+    Column("created_at", Float, nullable=False),
+)

@@ -1,0 +1,668 @@
+"""The alert engine inside ``serve``: evaluates the rules, keeps each alert's lifecycle
+in the database, applies silences and inhibition, and hands notifications to the
+notifiers.
+
+One pass (every ``interval_s``, and at once when ingest stores an event or a flagged
+step, so that an XID pages within a second):
+
+1. For every live run (and every run with an open alert), fetch a
+   :class:`~trainwarden.alerts.evaluate.Snapshot` with the windows the rules need and
+   evaluate each rule on it (``alerts/evaluate.py``).
+2. Advance each alert (rule + labels = fingerprint) through inactive → pending →
+   firing → resolved (``alerts/lifecycle.py``) and write the changes: one row per
+   episode in ``alerts``. A pending episode that clears is deleted.
+3. Silences (``silences``) and inhibition decide what may page:
+   - an alert whose rule has ``action: evict`` (FatalXid, EccUncorrectable: the node
+     is going away) inhibits every other alert on the same node of the run;
+   - a firing liveness alert (``category: liveness``: RankDead, RankHung) inhibits
+     the other alerts of its rank (a dead rank is not also a straggler).
+4. Notify: a firing alert that is neither silenced nor inhibited is sent once when it
+   fires, again every ``resend_s`` until acknowledged, and once more when it resolves.
+
+The state lives in the database, so it survives a restart, and on PostgreSQL one
+collector at a time runs the pass (an advisory lock), as for the health evaluator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, text, update
+
+from trainwarden.alerts import Alert, Rule, advance, fingerprint
+from trainwarden.alerts.evaluate import (
+    RankInfo,
+    Snapshot,
+    StatRow,
+    Verdict,
+    evaluate,
+    metric_columns,
+)
+from trainwarden.alerts.intervals import ZERO
+from trainwarden.alerts.rules import (
+    AbsenceRule,
+    BaselineRule,
+    EventKindMatch,
+    EventRule,
+    FlagMatch,
+    NonFiniteMatch,
+    PeerRule,
+    RankStateMatch,
+    RateRule,
+    ThresholdRule,
+    ThrottleMatch,
+    XidMatch,
+)
+
+from . import models as m
+from .db import is_sqlite, write
+from .runbooks import runbook_url
+
+log = logging.getLogger(__name__)
+
+ADVISORY_LOCK_KEY = 0x7477_616C_6572  # "twaler": one alert engine across collectors
+OPEN = ("pending", "firing")
+STATS = ("min", "median", "max", "mean", "total")
+FAST_KINDS = (EventRule, AbsenceRule, RateRule)
+"""Rules a wake-up (ingest stored an event or a flagged step) evaluates at once."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    interval_s: float = 2.0
+    resend_s: float = 3600.0
+    """Re-send a firing, unacknowledged alert this often (Alertmanager also needs it to
+    keep the alert alive; see ``alerts/notify.py``)."""
+    min_wake_s: float = 0.05
+    """A burst of wake-ups runs one pass, not one each."""
+    stale_run_s: float = 86400.0
+    """A run silent this long is no longer evaluated (its open alerts resolve)."""
+
+    @property
+    def hold_s(self) -> float:
+        return max(10.0, 3 * self.interval_s)
+
+
+# -- what the rules need ------------------------------------------------------------
+
+
+@dataclass
+class Needs:
+    stats_rows: dict[str, int] = field(default_factory=dict)  # metric -> newest N rollups
+    stats_s: dict[str, float] = field(default_factory=dict)  # metric -> rollups of the last S s
+    first_step: bool = False
+    steps_back: int = 0  # full per-rank rows over the last N steps ...
+    steps_s: float = 0.0  # ... or the last S seconds (converted with the step time)
+    step_cols: set[str] = field(default_factory=set)
+    marked_back: int = 0  # flagged / non-finite rows over the last N steps
+    marked_s: float = 0.0
+    gpu_s: float = 0.0
+    events_s: float = 0.0
+    events_back: int = 0
+    last_event: set[str] = field(default_factory=set)
+
+    def add_stats(self, metric: str, *, rows: int = 0, seconds: float = 0.0) -> None:
+        if rows:
+            self.stats_rows[metric] = max(self.stats_rows.get(metric, 0), rows)
+        if seconds:
+            self.stats_s[metric] = max(self.stats_s.get(metric, 0.0), seconds)
+
+
+def _span(needs_rows: int, needs_s: float, span: Any) -> tuple[int, float]:
+    if span is None:
+        return max(needs_rows, 1), needs_s
+    if span.unit == "steps":
+        return max(needs_rows, int(span.value)), needs_s
+    return needs_rows, max(needs_s, span.value)
+
+
+def needs_of(rules: Iterable[Rule], hold_s: float) -> Needs:
+    n = Needs()
+    for rule in rules:
+        if isinstance(rule, (ThresholdRule, BaselineRule)):
+            p = rule.params
+            rows, secs = _span(0, 0.0, p.window)
+            if isinstance(rule, BaselineRule):
+                if p.baseline.unit == "steps":
+                    rows += int(p.baseline.value) + (
+                        int(p.warmup.value) if p.warmup.unit == "steps" else 0
+                    )
+                else:
+                    secs += p.baseline.value
+                n.first_step |= p.warmup.unit == "steps" and p.warmup.value > 0
+                rows = max(rows, 1) + 1
+            if p.scope == "run":
+                for metric in (p.metric, "step_time") if getattr(p, "fraction_of_step", False) else (p.metric,):  # fmt: skip
+                    n.add_stats(metric, rows=rows, seconds=secs)
+            elif p.scope == "rank":
+                n.steps_back, n.steps_s = max(n.steps_back, rows), max(n.steps_s, secs)
+                n.step_cols |= set(metric_columns(p.metric))
+            else:
+                n.gpu_s = max(n.gpu_s, secs, 60.0)
+        elif isinstance(rule, PeerRule):
+            n.steps_back = max(n.steps_back, 8)
+            n.step_cols |= set(metric_columns(rule.params.metric))
+        elif isinstance(rule, EventRule):
+            _match_needs(n, rule.params, steps=0, seconds=hold_s)
+        elif isinstance(rule, RateRule):
+            w = rule.params.window
+            _match_needs(n, rule.params.count, steps=int(w.value) if w.unit == "steps" else 0,
+                         seconds=w.value if w.unit == "s" else 0.0)  # fmt: skip
+        elif isinstance(rule, AbsenceRule) and rule.params.event is not None:
+            n.last_event.add(rule.params.event)
+    return n
+
+
+def _match_needs(n: Needs, match: Any, *, steps: int, seconds: float) -> None:
+    if isinstance(match, (XidMatch, EventKindMatch, RankStateMatch)):
+        if isinstance(match, RankStateMatch) and not steps and not seconds:
+            return  # an event rule on rank states reads the ranks, not their history
+        n.events_back, n.events_s = max(n.events_back, steps), max(n.events_s, seconds)
+    elif isinstance(match, (FlagMatch, NonFiniteMatch)):
+        n.marked_back, n.marked_s = max(n.marked_back, steps, 1), max(n.marked_s, seconds)
+    elif isinstance(match, ThrottleMatch):
+        n.gpu_s = max(n.gpu_s, seconds, 60.0)
+
+
+# -- reading a run ------------------------------------------------------------------
+
+
+def _steps_for(seconds: float, median_step_s: float | None, cap: int = 100_000) -> int:
+    if not seconds:
+        return 0
+    if not median_step_s:
+        return 1000
+    return min(cap, math.ceil(seconds / median_step_s) + 2)
+
+
+def median_step_time(conn: Connection, run_id: int) -> float | None:
+    s = m.step_stats.c
+    values = conn.execute(
+        select(s.median).where(s.run_id == run_id, s.metric == "step_time")
+        .order_by(s.step.desc()).limit(20)
+    ).scalars().all()  # fmt: skip
+    finite = sorted(v for v in values if v is not None and math.isfinite(v))
+    return finite[len(finite) // 2] if finite else None
+
+
+def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: float, hold_s: float,
+             first_steps: dict[int, int]) -> Snapshot:  # fmt: skip
+    """One run's recent records, as much as ``needs`` says."""
+    run_id, last = run.id, run.last_step
+    snap = Snapshot(run=run.name, now=now, last_step=last, started_at=run.created_at,
+                    lag_s=lag_s, hold_s=hold_s)  # fmt: skip
+    k = m.ranks.c
+    for r in conn.execute(
+        select(k.rank, k.node, k.gpu, k.local_rank, k.state, k.state_detail, k.last_seen,
+               k.heartbeat_s, k.progress_at, k.last_step).where(k.run_id == run_id)
+    ):  # fmt: skip
+        gpu = (r.gpu or {}).get("uuid") if isinstance(r.gpu, dict) else None
+        snap.ranks[r.rank] = RankInfo(
+            rank=r.rank, node=r.node, gpu=gpu or (str(r.local_rank) if r.local_rank is not None else None),
+            state=r.state, role=(r.state_detail or {}).get("role"), last_seen=r.last_seen,
+            heartbeat_s=r.heartbeat_s, progress_at=r.progress_at, last_step=r.last_step,
+        )  # fmt: skip
+    snap.median_step_s = median_step_time(conn, run_id)
+    s = m.step_stats.c
+    for metric in set(needs.stats_rows) | set(needs.stats_s):
+        query = select(s.step, s.ts, *(s[c] for c in STATS)).where(
+            s.run_id == run_id, s.metric == metric
+        )
+        rows_n = needs.stats_rows.get(metric, 0)
+        secs = needs.stats_s.get(metric, 0.0)
+        if secs:
+            query = query.where(s.ts > now - secs)
+        if rows_n and not secs:
+            query = query.limit(rows_n)
+        rows = conn.execute(query.order_by(s.step.desc())).all()
+        snap.stats[metric] = [
+            StatRow(r.step, r.ts, {c: getattr(r, c) for c in STATS}) for r in reversed(rows)
+        ]
+    if needs.first_step:
+        if run_id not in first_steps:
+            first = conn.execute(
+                select(func.min(s.step)).where(s.run_id == run_id, s.metric == "step_time")
+            ).scalar()
+            if first is not None:
+                first_steps[run_id] = first
+        snap.first_step = first_steps.get(run_id)
+    r_ = m.rank_steps.c
+    if last is not None:
+        back = max(needs.steps_back, _steps_for(needs.steps_s, snap.median_step_s))
+        if back:
+            cols = sorted(needs.step_cols | {"duration_s"})
+            snap.steps = [dict(row) for row in conn.execute(
+                select(r_.rank, r_.step, r_.ts, r_.recv_ts, *(r_[c] for c in cols))
+                .where(r_.run_id == run_id, r_.step > last - back).order_by(r_.step, r_.rank)
+            ).mappings()]  # fmt: skip
+        back = max(needs.marked_back, _steps_for(needs.marked_s, snap.median_step_s))
+        if back:
+            snap.marked = [dict(row) for row in conn.execute(
+                select(r_.rank, r_.step, r_.ts, r_.recv_ts, r_.flags, r_.issues)
+                .where(r_.run_id == run_id, r_.step > last - max(back, 50),
+                       or_(r_.flags.is_not(None), r_.issues.is_not(None)))
+                .order_by(r_.step, r_.rank)
+            ).mappings()]  # fmt: skip
+    if needs.gpu_s and snap.ranks:
+        g = m.gpu_samples.c
+        snap.gpu = [dict(row) for row in conn.execute(
+            select(m.gpu_samples).where(g.run_id == run_id, g.rank.in_(sorted(snap.ranks)), g.ts > now - needs.gpu_s)
+            .order_by(g.ts)
+        ).mappings()]  # fmt: skip
+    events_s = max(needs.events_s, (needs.events_back * (snap.median_step_s or 1.0) * 2) if needs.events_back else 0.0)  # fmt: skip
+    if events_s:
+        e = m.events.c
+        snap.events = [dict(row) for row in conn.execute(
+            select(e.id, e.rank, e.step, e.ts, e.recv_ts, e.kind, e.data)
+            .where(e.run_id == run_id, e.ts > now - events_s).order_by(e.ts)
+        ).mappings()]  # fmt: skip
+    for kind in needs.last_event:
+        e = m.events.c
+        ts = conn.execute(select(func.max(e.ts)).where(e.run_id == run_id, e.kind == kind)).scalar()
+        if ts is not None:
+            snap.last_event[kind] = ts
+    return snap
+
+
+# -- silences -----------------------------------------------------------------------
+
+
+def silence_matches(matchers: Sequence[dict[str, Any]], labels: dict[str, str]) -> bool:
+    for mt in matchers:
+        value = labels.get(mt["name"], "")
+        if mt.get("regex"):
+            if not re.fullmatch(mt["value"], value):
+                return False
+        elif value != mt["value"]:
+            return False
+    return True
+
+
+# -- the engine ---------------------------------------------------------------------
+
+
+Submit = Callable[[Any], object]
+"""Hands one ``trainwarden.alerts.notify.Notification`` to the notifiers."""
+
+
+@dataclass
+class PassResult:
+    runs: int = 0
+    changed: int = 0
+    notified: int = 0
+    seconds: float = 0.0
+
+
+def _labels(rule: Rule, run: str, verdict: Verdict) -> dict[str, str]:
+    labels = {"run": run}
+    if verdict.rank is not None:
+        labels["rank"] = str(verdict.rank)
+    return {**rule.labels, **labels}
+
+
+class AlertEngine:
+    """Evaluates ``rules`` against ``engine``'s database; ``submit`` receives notifications."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rules: Sequence[Rule],
+        *,
+        settings: EngineSettings | None = None,
+        external_url: str | None = None,
+        submit: Submit | None = None,
+        lag: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.engine = engine
+        self.rules = {r.name: r for r in rules}
+        self.settings = settings or EngineSettings()
+        self.external_url = external_url
+        self.submit = submit
+        self.lag = lag
+        self.clock = clock
+        self.needs = needs_of(rules, self.settings.hold_s)
+        self.fast_needs = needs_of(
+            [r for r in rules if isinstance(r, FAST_KINDS)], self.settings.hold_s
+        )
+        self._first_steps: dict[int, int] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.deliveries: deque[Any] = deque(maxlen=100_000)  # attempts waiting to be stored
+        self.passes = 0
+        self.last_pass: PassResult | None = None
+        self.notify_latency: deque[float] = deque(maxlen=1000)  # record arrival -> submit, s
+
+    # -- the thread ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trainwarden-alerts", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def wake(self) -> None:
+        """Evaluate the event, absence and rate rules now (ingest stored something notable)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        due = time.monotonic()
+        while not self._stop.is_set():
+            woken = self._wake.wait(max(0.0, due - time.monotonic()))
+            if self._stop.is_set():
+                return
+            full = time.monotonic() >= due
+            if full:
+                due = time.monotonic() + self.settings.interval_s
+            self._wake.clear()
+            try:
+                self.run_once(fast_only=woken and not full)
+            except Exception:
+                log.exception("alert evaluation failed; retrying")
+            self._stop.wait(self.settings.min_wake_s)
+
+    # -- one pass -------------------------------------------------------------------
+
+    def run_once(self, *, now: float | None = None, fast_only: bool = False) -> PassResult:
+        """One pass in one transaction; on PostgreSQL only one collector runs it."""
+        started = time.perf_counter()
+        now = self.clock() if now is None else now
+        notes: list[Any] = []
+        with write(self.engine) as conn:
+            if (
+                not is_sqlite(conn)
+                and not conn.execute(
+                    text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY}
+                ).scalar()
+            ):
+                return PassResult()
+            self._store_deliveries(conn)
+            result = self._pass(conn, now, fast_only, notes)
+        for note in notes:  # after the commit: what was paged is on record first
+            self._send(note)
+        result.seconds = time.perf_counter() - started
+        self.passes += 1
+        self.last_pass = result
+        return result
+
+    def _pass(self, conn: Connection, now: float, fast_only: bool, notes: list[Any]) -> PassResult:
+        result = PassResult()
+        rules = [r for r in self.rules.values() if not fast_only or isinstance(r, FAST_KINDS)]
+        needs = self.fast_needs if fast_only else self.needs
+        a = m.alerts.c
+        open_rows = {
+            row.fingerprint: row for row in conn.execute(select(m.alerts).where(a.state.in_(OPEN)))
+        }
+        ru = m.runs.c
+        runs = conn.execute(
+            select(ru.id, ru.name, ru.created_at, ru.last_step, ru.status).where(
+                or_(
+                    (ru.status == "running") & (ru.updated_at > now - self.settings.stale_run_s),
+                    ru.id.in_({row.run_id for row in open_rows.values()}),
+                )
+            )
+        ).all()
+        lag = self.lag() if self.lag is not None else 0.0
+        evaluated = {r.name for r in rules}
+        seen: dict[str, tuple[Rule, Verdict, dict[str, str], Any, Snapshot]] = {}
+        for run in runs:
+            result.runs += 1
+            live = run.status == "running"
+            snap = snapshot(conn, run, needs, now=now, lag_s=lag, hold_s=self.settings.hold_s,
+                            first_steps=self._first_steps) if live else Snapshot(run=run.name, now=now)  # fmt: skip
+            for rule in rules:
+                if not live:
+                    break
+                try:
+                    verdicts = evaluate(rule, snap)
+                except Exception:
+                    log.exception("rule %s failed on run %s", rule.name, run.name)
+                    continue
+                for v in verdicts:
+                    labels = _labels(rule, run.name, v)
+                    seen[fingerprint(rule.name, labels)] = (rule, v, labels, run, snap)
+        run_steps = {run.id: run.last_step for run in runs}
+        # Alerts the pass speaks for: those found active, and the open ones whose rule
+        # was evaluated (or no longer exists, or whose run is no longer watched).
+        for fp, row in open_rows.items():
+            if fp in seen:
+                continue
+            rule_ = self.rules.get(row.rule)
+            if rule_ is not None and row.rule not in evaluated and row.run_id in run_steps:
+                continue  # a fast pass: this rule waits for the next full one
+            result.changed += self._advance_stored(conn, row, rule_, now, run_steps.get(row.run_id))
+        for fp, (rule, v, labels, run, snap) in seen.items():
+            result.changed += self._advance_active(conn, fp, open_rows.get(fp), rule, v, labels, run, snap, now)  # fmt: skip
+        result.notified = self._route(conn, now, notes)
+        return result
+
+    def _advance_active(self, conn: Connection, fp: str, row: Any, rule: Rule, v: Verdict,
+                        labels: dict[str, str], run: Any, snap: Snapshot, now: float) -> int:  # fmt: skip
+        alert = _alert_of(row) if row is not None else Alert(rule.name, labels)
+        new = advance(alert, active=True, now=now, step=run.last_step, for_=rule.for_,
+                      keep_firing_for=rule.keep_firing_for)  # fmt: skip
+        info = snap.ranks.get(v.rank) if v.rank is not None else None
+        annotations = {
+            "summary": rule.summary,
+            "description": v.detail,
+            "runbook_url": runbook_url(self.external_url, rule.runbook),
+        }
+        fields = dict(
+            state=new.state, active_since=new.active_since, active_since_step=new.active_since_step,
+            fired_at=new.fired_at, cleared_at=new.cleared_at, cleared_at_step=new.cleared_at_step,
+            resolved_at=new.resolved_at, value=_num(v.value), step=v.step, annotations=annotations,
+            node=info.node if info else None, gpu=info.gpu if info else None,
+        )  # fmt: skip
+        if row is None:
+            conn.execute(insert(m.alerts).values(
+                fingerprint=fp, rule=rule.name, run_id=run.id, rank=v.rank, severity=rule.severity,
+                labels=labels, action=rule.action, updated_at=now, **fields))  # fmt: skip
+            return 1
+        if new is alert and row.value == fields["value"] and row.annotations == annotations:
+            return 0
+        conn.execute(
+            update(m.alerts).where(m.alerts.c.id == row.id).values(updated_at=now, **fields)
+        )
+        return int(new is not alert)
+
+    def _advance_stored(self, conn: Connection, row: Any, rule: Rule | None, now: float, step: int | None) -> int:  # fmt: skip
+        alert = _alert_of(row)
+        if rule is None:  # the rule was removed from the pack: nothing to wait for
+            new = advance(alert, active=False, now=now, step=step, for_=ZERO, keep_firing_for=ZERO)
+        else:
+            new = advance(alert, active=False, now=now, step=step, for_=rule.for_,
+                          keep_firing_for=rule.keep_firing_for)  # fmt: skip
+        if new is alert:
+            return 0
+        if new.state == "inactive":  # pending that never fired: forgotten
+            conn.execute(delete(m.alerts).where(m.alerts.c.id == row.id))
+            return 1
+        conn.execute(update(m.alerts).where(m.alerts.c.id == row.id).values(
+            state=new.state, cleared_at=new.cleared_at, cleared_at_step=new.cleared_at_step,
+            resolved_at=new.resolved_at, updated_at=now))  # fmt: skip
+        return 1
+
+    # -- silences, inhibition, notifications ---------------------------------------------
+
+    def _route(self, conn: Connection, now: float, notes: list[Any]) -> int:
+        a = m.alerts.c
+        rows = conn.execute(
+            select(m.alerts, m.runs.c.name.label("run_name"))
+            .join(m.runs, m.runs.c.id == a.run_id)
+            .where(or_(a.state.in_(OPEN), (a.state == "resolved") & (a.notified == "firing")))
+        ).all()
+        if not rows:
+            return 0
+        si = m.silences.c
+        silences = conn.execute(
+            select(si.id, si.matchers).where(si.starts_at <= now, si.ends_at > now)
+        ).all()
+        # Inhibition sources: firing evict-action alerts per (run, node); firing liveness per (run, rank).
+        evicting: dict[tuple[int, str], int] = {}
+        liveness: dict[tuple[int, int], int] = {}
+        for r in rows:
+            if r.state != "firing":
+                continue
+            if r.action == "evict" and r.node:
+                evicting.setdefault((r.run_id, r.node), r.id)
+            if (r.labels or {}).get("category") == "liveness" and r.rank is not None:
+                liveness.setdefault((r.run_id, r.rank), r.id)
+        sent = 0
+        for r in rows:
+            labels = self._full_labels(r)
+            silenced = next((s.id for s in silences if silence_matches(s.matchers, labels)), None)
+            inhibited = None
+            if r.action != "evict" and r.node:
+                inhibited = evicting.get((r.run_id, r.node))
+            if inhibited is None and r.rank is not None and labels.get("category") != "liveness":
+                inhibited = liveness.get((r.run_id, r.rank))
+            changes: dict[str, Any] = {}
+            if (silenced, inhibited) != (r.silenced_by, r.inhibited_by):
+                changes.update(silenced_by=silenced, inhibited_by=inhibited)
+            quiet = silenced is not None or inhibited is not None
+            if r.state == "firing" and not quiet:
+                due = r.last_sent_at is None or (r.acked_at is None and now - r.last_sent_at >= self.settings.resend_s)  # fmt: skip
+                if r.notified != "firing" or due:
+                    notes.append(self._notification(r, labels, "firing"))
+                    changes.update(notified="firing", last_sent_at=now)
+            elif r.state == "resolved" and r.notified == "firing":
+                notes.append(self._notification(r, labels, "resolved"))
+                changes.update(notified="resolved", last_sent_at=now)
+            if changes:
+                conn.execute(update(m.alerts).where(a.id == r.id).values(**changes))
+                sent += "notified" in changes
+        return sent
+
+    def _full_labels(self, r: Any) -> dict[str, str]:
+        labels = {
+            **(r.labels or {}),
+            "alertname": r.rule,
+            "severity": r.severity,
+            "run": r.run_name,
+        }
+        for key in ("node", "gpu"):
+            if getattr(r, key) is not None:
+                labels[key] = str(getattr(r, key))
+        return labels
+
+    def _notification(self, r: Any, labels: dict[str, str], status: str) -> Any:
+        from trainwarden.alerts.notify import Notification
+
+        base = (self.external_url or "").rstrip("/")
+        return Notification(
+            alert_id=r.id, fingerprint=r.fingerprint, status=status,  # type: ignore[arg-type]
+            labels=labels, annotations=dict(r.annotations or {}),
+            starts_at=r.fired_at or r.active_since,
+            ends_at=r.resolved_at if status == "resolved" else None,
+            generator_url=f"{base}/runs/{r.run_name}" if base else None,
+        )  # fmt: skip
+
+    def _send(self, note: Any) -> None:
+        if self.submit is None:
+            return
+        try:
+            self.submit(note)
+        except Exception:
+            log.exception("could not hand alert %s to the notifiers", note.fingerprint)
+
+    def _store_deliveries(self, conn: Connection) -> None:
+        batch = []
+        while self.deliveries:
+            batch.append(self.deliveries.popleft())
+        if not batch:
+            return
+        known = set(conn.execute(select(m.alerts.c.id).where(m.alerts.c.id.in_({d.alert_id for d in batch}))).scalars())  # fmt: skip
+        rows = [
+            dict(
+                alert_id=d.alert_id,
+                receiver=d.receiver,
+                kind=d.kind,
+                status=d.status,
+                attempt=d.attempt,
+                ok=int(d.ok),
+                http_status=d.http_status,
+                error=(d.error or None) and d.error[:1000],
+                at=d.at,
+                duration_s=d.duration_s,
+                final=int(d.final),
+            )  # fmt: skip
+            for d in batch
+            if d.alert_id in known
+        ]
+        if rows:
+            conn.execute(insert(m.alert_deliveries), rows)
+
+
+def _num(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _alert_of(row: Any) -> Alert:
+    return Alert(
+        rule=row.rule, labels=dict(row.labels), state=row.state, active_since=row.active_since,
+        active_since_step=row.active_since_step, fired_at=row.fired_at, cleared_at=row.cleared_at,
+        cleared_at_step=row.cleared_at_step, resolved_at=row.resolved_at,
+    )  # fmt: skip
+
+
+# -- running the notifiers in their own thread --------------------------------------
+
+
+class NotifierThread:
+    """The notifiers' asyncio loop in a thread of its own, so that a slow receiver
+    never touches the request loop or the engine: ``submit`` is thread-safe."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self.dispatcher = dispatcher
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._done: Future[None] = Future()
+        self._thread = threading.Thread(target=self._run, name="trainwarden-notify", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self.dispatcher.start())
+            self._ready.set()
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def submit(self, note: Any) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self.dispatcher.submit, note)
+
+    def drain(self, timeout_s: float) -> None:
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self.dispatcher.drain(timeout_s), self._loop).result(timeout_s + 5)  # fmt: skip
+
+    def stop(self, deadline_s: float = 5.0) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.dispatcher.stop(deadline_s), loop).result(deadline_s + 5)  # fmt: skip
+        except Exception:
+            log.exception("notifiers did not stop cleanly")
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(5)
