@@ -2,8 +2,8 @@
 # All the tests: installs what they need (once), then runs pytest. Arguments go to pytest.
 # PostgreSQL: TRAINWARDEN_TEST_DATABASE_URL, else 127.0.0.1:5432, else a throwaway cluster
 # from the local PostgreSQL binaries (tests/conftest.py). Chromium: /usr/bin/chromium.
-# promtool (Debian's prometheus). None is ever skipped: if one is missing, the tests
-# that need it fail and say so.
+# promtool (Debian's prometheus), Alertmanager (prometheus-alertmanager). None is ever
+# skipped: if one is missing, the tests that need it fail and say so.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,6 +25,13 @@ if ! command -v promtool >/dev/null; then  # promtool checks /metrics
   { as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive \
       apt-get install -y -qq --no-install-recommends prometheus >/dev/null; } ||
     echo "trainwarden: WARNING: could not install prometheus; the promtool test will FAIL" >&2
+fi
+
+if [ ! -x /usr/bin/prometheus-alertmanager ]; then  # the notifier tests run the real one
+  echo "trainwarden: installing prometheus-alertmanager (apt-get)"
+  { as_root apt-get update -qq && as_root env DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -qq --no-install-recommends prometheus-alertmanager >/dev/null; } ||
+    echo "trainwarden: WARNING: could not install prometheus-alertmanager; the Alertmanager test will FAIL" >&2
 fi
 
 ./scripts/install.sh --dev
