@@ -337,7 +337,9 @@ def _matches(match: Match, snap: Snapshot) -> list[tuple[Row, int | None, str]]:
     elif isinstance(match, EventKindMatch):
         for e in snap.events:
             if e["kind"] in match.events:
-                out.append((e, None, f"event {e['kind']}" + (f" on rank {e['rank']}" if e.get("rank") is not None else "")))  # fmt: skip
+                # The rank it came from: an event rule is per run anyway (EventRule.per_rank),
+                # but a rate rule counting per rank counts each rank's own.
+                out.append((e, e.get("rank"), f"event {e['kind']}" + (f" on rank {e['rank']}" if e.get("rank") is not None else "")))  # fmt: skip
     elif isinstance(match, RankStateMatch):  # in a rate rule: the state changes, as events
         for e in snap.events:
             data = e.get("data") or {}
@@ -444,10 +446,9 @@ def _rate(rule: RateRule, snap: Snapshot) -> list[Verdict]:
             continue
         key = rank if p.per == "rank" else None
         # Per run, a flag every rank raises at one step (a global grad norm) is one spike.
-        ident = (
-            key,
-            row.get("step") if p.per == "run" and row.get("step") is not None else id(row),
-        )
+        # Events are each one: XIDs from a stuck job all carry the same last step.
+        per_step = p.per == "run" and isinstance(p.count, (FlagMatch, NonFiniteMatch))
+        ident = (key, row["step"] if per_step else id(row))
         if ident in seen:
             continue
         seen.add(ident)
