@@ -648,9 +648,9 @@ class NotifierThread:
         finally:
             loop.close()
 
-    def submit(self, note: Any) -> None:
-        if self._loop is not None:
-            self._loop.call_soon_threadsafe(self.dispatcher.submit, note)
+    def submit(self, note: Any) -> bool:
+        """Queue ``note`` for its receivers (thread-safe, never blocks); False: dropped."""
+        return bool(self.dispatcher.submit(note))
 
     def drain(self, timeout_s: float) -> None:
         if self._loop is not None:

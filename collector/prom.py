@@ -88,6 +88,8 @@ class _RunsCollector(Collector):
                          "Exposed communication / step time, mean over ranks, at the latest step.", labels=["run"]),
             "ranks": g("trainwarden_run_ranks", "Ranks by state.", labels=["run", "state"]),
             "queue": g("trainwarden_rollup_queue_depth", "Steps waiting for their first rollup."),
+            "alerts": g("trainwarden_alerts", "Open alerts by run, state (pending, firing) and severity.",
+                        labels=["run", "state", "severity"]),
         }  # fmt: skip
 
     def describe(self) -> list[GaugeMetricFamily]:
@@ -111,6 +113,14 @@ class _RunsCollector(Collector):
                     select(func.count()).where(q.rolled_n.is_(None))
                 ).scalar_one()
                 f["queue"].add_metric([], waiting)
+                a = m.alerts.c
+                for run, state, severity, count in conn.execute(
+                    select(m.runs.c.name, a.state, a.severity, func.count())
+                    .join(m.runs, m.runs.c.id == a.run_id)
+                    .where(a.state.in_(("pending", "firing")))
+                    .group_by(m.runs.c.name, a.state, a.severity)
+                ):
+                    f["alerts"].add_metric([run, state, severity], count)
         except Exception:  # a scrape during a database outage still returns the counters
             return
         yield from f.values()

@@ -341,6 +341,7 @@ class EventOut(BaseModel):
     kind: str
     severity: str
     ts: float
+    recv_ts: float = Field(description="When the collector received it")
     rank: int | None
     step: int | None
     data: dict[str, Any] | None

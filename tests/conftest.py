@@ -209,9 +209,11 @@ class Server:
         return httpx.get(self.url + path, params=params, timeout=10)
 
 
-def start_serve(db_url: str, log: Path, *, env: dict[str, str] | None = None) -> Server:
+def start_serve(
+    db_url: str, log: Path, *, env: dict[str, str] | None = None, port: int | None = None
+) -> Server:
     """``trainwarden serve`` as a user runs it: a real process on loopback."""
-    port = free_port()
+    port = port or free_port()
     cmd = [
         sys.executable,
         "-m",

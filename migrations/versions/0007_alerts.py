@@ -53,9 +53,7 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id", name=op.f("pk_alerts")),
     )
     op.create_index(op.f("ix_alerts_state"), "alerts", ["state"])
-    op.create_index(
-        op.f("ix_alerts_run_id_active_since"), "alerts", ["run_id", "active_since"]
-    )
+    op.create_index(op.f("ix_alerts_run_id_active_since"), "alerts", ["run_id", "active_since"])
     op.create_index(op.f("ix_alerts_fingerprint"), "alerts", ["fingerprint"])
     op.create_table(
         "alert_deliveries",

@@ -6,13 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import subprocess
 import textwrap
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +27,8 @@ from trainwarden.alerts import (
 )
 
 from ..conftest import ROOT, free_port
+from ..receivers import Receiver, running_alertmanager
 
-ALERTMANAGER = Path("/usr/bin/prometheus-alertmanager")
 RUNBOOK = "http://127.0.0.1:8000/runbooks/Straggler"
 RUN_URL = "http://127.0.0.1:8000/runs/r1"
 
@@ -55,82 +52,6 @@ def note(status: str = "firing", *, alert_id: int = 1, **labels: str) -> Notific
         ends_at=None if status == "firing" else now,
         generator_url=RUN_URL,
     )
-
-
-# -- a local HTTP receiver ---------------------------------------------------------------
-
-
-@dataclass
-class Request:
-    path: str
-    headers: dict[str, str]
-    body: Any
-
-
-class Receiver:
-    """Records every POST; answers each path from its script (a status; "slow": 200 after
-    0.3 s; "hang": no answer until the test ends), then 200. ``log`` has each request's
-    arrival and answer in order ("got firing", "answered firing")."""
-
-    def __init__(self) -> None:
-        self.requests: list[Request] = []
-        self.log: list[str] = []
-        self.scripts: dict[str, list[int | str]] = {}
-        self.released = threading.Event()
-        self._lock = threading.Lock()
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status = body.get("status") if isinstance(body, dict) else None
-                with receiver._lock:
-                    receiver.requests.append(Request(self.path, dict(self.headers), body))
-                    receiver.log.append(f"got {status}")
-                    script = receiver.scripts.get(self.path, [])
-                    answer = script.pop(0) if script else 200
-                if answer == "hang":
-                    receiver.released.wait(60)
-                    return
-                if answer == "slow":
-                    time.sleep(0.3)
-                    answer = 200
-                assert isinstance(answer, int)
-                reply = b'{"status": "success"}' if answer < 300 else b"bad day\nat the receiver"
-                self.send_response(answer)
-                self.send_header("Content-Length", str(len(reply)))
-                self.end_headers()
-                self.wfile.write(reply)
-                self.wfile.flush()
-                with receiver._lock:
-                    receiver.log.append(f"answered {status}")
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler, bind_and_activate=False)
-        self.server.daemon_threads = True
-        self.server.request_queue_size = 128  # the default 5 drops a burst's connections
-        self.server.server_bind()
-        self.server.server_activate()
-        self.port = self.server.server_address[1]
-        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def answer(self, path: str, *answers: int | str) -> None:
-        with self._lock:
-            self.scripts[path] = list(answers)
-
-    def got(self, path: str) -> list[Request]:
-        with self._lock:
-            return [r for r in self.requests if r.path == path]
-
-    def close(self) -> None:
-        self.released.set()
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture
@@ -176,52 +97,8 @@ def deliver(cfg: NotifyConfig, *notes: Notification, **options: Any) -> tuple[li
 @pytest.fixture
 def alertmanager(tmp_path: Path, receiver: Receiver) -> Iterator[str]:
     """Alertmanager on loopback, routing everything to ``receiver`` at /am within ~1 s."""
-    if not ALERTMANAGER.exists():
-        pytest.fail(
-            f"ALERTMANAGER MISSING: {ALERTMANAGER} not found; install Debian's "
-            "prometheus-alertmanager package (scripts/test.sh does)",
-            pytrace=False,
-        )
-    (tmp_path / "alertmanager.yml").write_text(textwrap.dedent(f"""\
-        route:
-          receiver: hook
-          group_by: ['...']
-          group_wait: 1s
-          group_interval: 1s
-          repeat_interval: 1h
-        receivers:
-          - name: hook
-            webhook_configs:
-              - url: {receiver.url("/am")}
-                send_resolved: true
-        """))  # fmt: skip
-    port = free_port()
-    log = tmp_path / "alertmanager.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [str(ALERTMANAGER), f"--config.file={tmp_path / 'alertmanager.yml'}",
-             f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address=127.0.0.1:{port}",
-             "--cluster.listen-address=", "--log.level=warn"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"alertmanager exited {proc.returncode}: {log.read_text()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"alertmanager not ready after 30 s: {log.read_text()[-2000:]}")
-            time.sleep(0.1)
+    with running_alertmanager(tmp_path, receiver.url("/am")) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
 
 
 def test_alertmanager_shows_the_alert_with_its_runbook_and_resolves_it(

@@ -1,0 +1,341 @@
+"""The alert engine on a real database (SQLite and PostgreSQL), with a controlled clock:
+lifecycle rows, notifications, resends, acknowledgements, silences, inhibition and
+what survives a restart."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import insert, select, update
+
+from trainwarden.alerts import Attempt, load_rule_packs
+from trainwarden.collector import models as m
+from trainwarden.collector.alerting import AlertEngine, EngineSettings
+from trainwarden.collector.app import create_app
+from trainwarden.collector.db import write
+from trainwarden.collector.health import HealthSettings, evaluate
+from trainwarden.collector.ingest import ingest
+from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.schemas import IngestBatch
+
+from .helpers import batch, step
+
+T0 = 1_700_000_000.0
+RULES = {r.name: r for r in load_rule_packs()}
+EXTERNAL = "https://tw.example.org"
+
+
+def send(engine, *, rank: int, at: float, world: int = 2, steps=(), events=(), node=None) -> None:  # type: ignore[no-untyped-def]
+    body = batch(rank=rank, world_size=world, steps=list(steps), events=list(events))
+    done = [s["step"] for s in steps]
+    body["agent"].update(heartbeat_s=2.0, sent_at=at, last_step=max(done) if done else None,
+                         last_step_end=at if done else None, node=node or f"node{rank // 2}")  # fmt: skip
+    with write(engine) as conn:
+        ingest(conn, batch=IngestBatch.model_validate(body), now=at)
+
+
+def xid(code: int, at: float, uid: str) -> dict[str, Any]:
+    return {"id": uid, "kind": "xid", "ts": at, "severity": "critical", "data": {"code": code}}
+
+
+class Engine:
+    """An AlertEngine over a chosen set of rules, recording what it would send."""
+
+    def __init__(self, engine, *names: str, **settings: Any) -> None:  # type: ignore[no-untyped-def]
+        self.sent: list[Any] = []
+        self.engine = engine
+        self.names = names
+        self.settings = EngineSettings(**settings)
+        self.alerts = self._new()
+
+    def _new(self) -> AlertEngine:
+        return AlertEngine(self.engine, [RULES[n] for n in self.names], settings=self.settings,
+                           external_url=EXTERNAL, submit=self.sent.append)  # fmt: skip
+
+    def restart(self) -> None:
+        self.alerts = self._new()
+
+    def run(self, now: float) -> list[dict[str, Any]]:
+        flush(self.engine, now=now, grace_s=0)
+        self.alerts.run_once(now=now)
+        with self.engine.connect() as conn:
+            return [
+                dict(r._mapping) for r in conn.execute(select(m.alerts).order_by(m.alerts.c.id))
+            ]
+
+
+def test_fatal_xid_fires_at_once_pages_once_and_resolves_after_keep_firing_for(engine) -> None:
+    alerts = Engine(engine, "FatalXid")
+    for rank in (0, 1):
+        send(engine, rank=rank, at=T0, steps=[step(1)])
+    assert alerts.run(T0 + 1) == []
+    send(engine, rank=1, at=T0 + 2, events=[xid(79, T0 + 2, "x1"), xid(13, T0 + 2, "x2")])
+    (row,) = alerts.run(T0 + 2.5)
+    assert (row["rule"], row["state"], row["rank"], row["node"]) == (
+        "FatalXid",
+        "firing",
+        1,
+        "node0",
+    )
+    assert "XID 79" in row["annotations"]["description"]
+    assert row["annotations"]["runbook_url"] == f"{EXTERNAL}/runbooks/FatalXid"
+    (note,) = alerts.sent
+    assert (note.status, note.alert_id) == ("firing", row["id"])
+    assert note.labels | {"run": "r1", "rank": "1", "node": "node0", "alertname": "FatalXid",
+                          "severity": "critical", "category": "hardware"} == note.labels  # fmt: skip
+    assert note.generator_url == f"{EXTERNAL}/runs/r1"
+    # Later passes: the instant is over, the alert is kept firing for an hour, not re-sent.
+    for t in (T0 + 20, T0 + 600, T0 + 1800):
+        (row,) = alerts.run(t)
+        assert row["state"] == "firing" and row["cleared_at"] is not None
+    assert len(alerts.sent) == 1
+    (row,) = alerts.run(T0 + 3700)
+    assert row["state"] == "resolved" and row["resolved_at"] == T0 + 3700
+    assert [n.status for n in alerts.sent] == ["firing", "resolved"]
+    assert alerts.sent[1].ends_at == T0 + 3700
+
+
+def test_an_xid_whose_catalog_action_is_not_fatal_raises_nothing(engine) -> None:
+    alerts = Engine(engine, "FatalXid")
+    send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(13, T0, "a"), xid(31, T0, "b")])
+    assert alerts.run(T0 + 1) == []
+
+
+def straggling(engine, first: int, last: int, *, at: float, slow_rank: int = 1) -> None:  # type: ignore[no-untyped-def]
+    for rank in (0, 1, 2):
+        compute = 0.3 if rank == slow_rank else 0.1
+        steps = [{**step(n, duration=compute), "compute_s": compute} for n in range(first, last)]
+        send(engine, rank=rank, world=3, at=at, steps=steps)
+
+
+def test_straggler_is_pending_for_20_steps_then_fires_then_resolves(engine) -> None:
+    alerts = Engine(engine, "Straggler")
+    straggling(engine, 0, 5, at=T0)
+    (row,) = alerts.run(T0 + 1)
+    assert (row["state"], row["rank"]) == ("pending", 1)
+    assert row["value"] == pytest.approx(3.0) and "3.00x" in row["annotations"]["description"]
+    straggling(engine, 5, 20, at=T0 + 2)
+    assert alerts.run(T0 + 3)[0]["state"] == "pending"  # 15 steps so far: not yet
+    assert alerts.sent == []
+    straggling(engine, 20, 30, at=T0 + 4)
+    (row,) = alerts.run(T0 + 5)
+    assert row["state"] == "firing" and row["fired_at"] == T0 + 5
+    assert [n.status for n in alerts.sent] == ["firing"]
+    straggling(engine, 30, 35, at=T0 + 6, slow_rank=-1)  # everyone even again
+    (row,) = alerts.run(T0 + 7)
+    assert row["state"] == "resolved"
+    assert [n.status for n in alerts.sent] == ["firing", "resolved"]
+
+
+def test_a_pending_alert_that_clears_is_forgotten(engine) -> None:
+    alerts = Engine(engine, "Straggler")
+    straggling(engine, 0, 5, at=T0)
+    assert [r["state"] for r in alerts.run(T0 + 1)] == ["pending"]
+    straggling(engine, 5, 10, at=T0 + 2, slow_rank=-1)
+    assert alerts.run(T0 + 3) == []
+    assert alerts.sent == []
+
+
+def test_resend_until_acknowledged(engine) -> None:
+    alerts = Engine(engine, "FatalXid", resend_s=60.0)
+    send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(79, T0, "x")])
+    alerts.run(T0 + 1)
+    alerts.run(T0 + 30)
+    assert len(alerts.sent) == 1
+    (row,) = alerts.run(T0 + 62)
+    assert len(alerts.sent) == 2 and row["last_sent_at"] == T0 + 62
+    with write(engine) as conn:
+        conn.execute(update(m.alerts).values(acked_at=T0 + 70, acked_by="oncall"))
+    alerts.run(T0 + 200)
+    assert len(alerts.sent) == 2  # acknowledged: no more resends ...
+    alerts.run(T0 + 3700)
+    assert [n.status for n in alerts.sent] == [
+        "firing",
+        "firing",
+        "resolved",
+    ]  # ... but it resolves
+
+
+def test_a_silence_keeps_the_alert_but_pages_nobody(engine) -> None:
+    with write(engine) as conn:
+        conn.execute(insert(m.silences).values(
+            matchers=[{"name": "alertname", "value": "Fatal.*", "regex": True},
+                      {"name": "rank", "value": "0", "regex": False}],
+            starts_at=T0, ends_at=T0 + 100, created_by="me", comment="reseating the GPU", created_at=T0,
+        ))  # fmt: skip
+    alerts = Engine(engine, "FatalXid")
+    send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(79, T0, "a")])
+    send(engine, rank=1, at=T0, steps=[step(1)], events=[xid(79, T0, "b")])
+    rows = alerts.run(T0 + 1)
+    assert {r["rank"]: r["silenced_by"] for r in rows} == {0: 1, 1: None}
+    assert [n.labels["rank"] for n in alerts.sent] == ["1"]
+    (rank0,) = [r for r in alerts.run(T0 + 101) if r["rank"] == 0]  # the silence ended
+    assert rank0["silenced_by"] is None
+    assert sorted(n.labels["rank"] for n in alerts.sent) == ["0", "1"]
+
+
+def test_a_dead_rank_is_not_also_paged_as_a_straggler(engine) -> None:
+    alerts = Engine(engine, "Straggler", "RankDead")
+    straggling(engine, 0, 30, at=T0)
+    alerts.run(T0 + 0.5)
+    straggling(engine, 30, 60, at=T0 + 1)
+    (straggler,) = alerts.run(T0 + 1.5)
+    assert straggler["state"] == "firing" and straggler["inhibited_by"] is None
+    for rank in (0, 2):  # rank 1 goes quiet; its peers keep beating
+        send(engine, rank=rank, world=3, at=T0 + 10)
+    rows = {r["rule"]: r for r in alerts.run(T0 + 10)}
+    assert rows["RankDead"]["state"] == "firing" and rows["RankDead"]["rank"] == 1
+    assert rows["Straggler"]["inhibited_by"] == rows["RankDead"]["id"]
+    assert [(n.alertname, n.status) for n in alerts.sent] == [
+        ("Straggler", "firing"),
+        ("RankDead", "firing"),
+    ]
+
+
+def test_an_evicting_alert_inhibits_the_rest_of_its_node(engine) -> None:
+    alerts = Engine(engine, "FatalXid", "Straggler")
+    straggling(engine, 0, 30, at=T0, slow_rank=0)  # ranks 0 and 1 on node0, 2 on node1
+    alerts.run(T0 + 0.5)
+    straggling(engine, 30, 60, at=T0 + 1, slow_rank=0)
+    send(engine, rank=1, world=3, at=T0 + 1, events=[xid(79, T0 + 1, "x")])
+    rows = {r["rule"]: r for r in alerts.run(T0 + 1.5)}
+    assert rows["FatalXid"]["node"] == rows["Straggler"]["node"] == "node0"
+    assert rows["Straggler"]["inhibited_by"] == rows["FatalXid"]["id"]
+    assert [n.alertname for n in alerts.sent] == ["FatalXid"]
+
+
+def test_state_survives_a_restart_of_the_engine(engine) -> None:
+    alerts = Engine(engine, "FatalXid")
+    send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(79, T0, "x")])
+    (before,) = alerts.run(T0 + 1)
+    alerts.restart()
+    (after,) = alerts.run(T0 + 5)
+    assert after["id"] == before["id"] and after["fired_at"] == before["fired_at"]
+    assert len(alerts.sent) == 1  # not paged again by the new process
+
+
+def test_delivery_attempts_are_stored_and_served(engine) -> None:
+    alerts = Engine(engine, "FatalXid")
+    send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(79, T0, "x")])
+    (row,) = alerts.run(T0 + 1)
+    for n, ok in ((1, False), (2, True)):
+        alerts.alerts.deliveries.append(Attempt(
+            alert_id=row["id"], fingerprint=row["fingerprint"], status="firing", receiver="pd",
+            kind="pagerduty", attempt=n, ok=ok, http_status=202 if ok else 500,
+            error=None if ok else "HTTP 500: down", at=T0 + n, duration_s=0.01, final=ok))  # fmt: skip
+    alerts.run(T0 + 2)
+    app = create_app(engine, ui=False, health=None, rollups=False, alerting=None)
+    with TestClient(app) as client:
+        detail = client.get(f"/api/v1/alerts/{row['id']}").json()
+        assert [(d["attempt"], d["ok"], d["http_status"]) for d in detail["deliveries"]] == [(1, False, 500), (2, True, 202)]  # fmt: skip
+        assert detail["runbook_url"] == f"{EXTERNAL}/runbooks/FatalXid"
+        listed = client.get("/api/v1/alerts", params={"run": "r1", "state": "firing"}).json()
+        assert [a["id"] for a in listed] == [row["id"]] and listed[0]["labels"][
+            "alertname"
+        ] == "FatalXid"
+        metrics = client.get("/metrics").text
+        assert 'trainwarden_alerts{run="r1",severity="critical",state="firing"} 1.0' in metrics
+        promtool = shutil.which("promtool")
+        assert promtool, "promtool is missing: install Debian's prometheus (scripts/test.sh does)"
+        checked = subprocess.run(
+            [promtool, "check", "metrics"], input=metrics, capture_output=True, text=True
+        )
+        assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_ack_and_silence_api(engine) -> None:
+    alerts = Engine(engine, "FatalXid")
+    send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(79, T0, "x")])
+    (row,) = alerts.run(T0 + 1)
+    app = create_app(engine, ui=False, health=None, rollups=False, alerting=None)
+    with TestClient(app) as client:
+        acked = client.post(
+            f"/api/v1/alerts/{row['id']}/ack", json={"by": "ana", "comment": "on it"}
+        )
+        assert acked.status_code == 200, acked.text
+        assert (acked.json()["acked_by"], acked.json()["ack_comment"]) == ("ana", "on it")
+        again = client.post(f"/api/v1/alerts/{row['id']}/ack", json={"by": "bo"}).json()
+        assert again["acked_by"] == "ana"  # the first acknowledgement stands
+        assert client.post("/api/v1/alerts/999999/ack", json={"by": "x"}).status_code == 404
+        assert client.post(f"/api/v1/alerts/{row['id']}/ack", json={}).status_code == 422
+
+        made = client.post("/api/v1/silences", json={
+            "matchers": [{"name": "run", "value": "r1"}], "duration_s": 3600,
+            "created_by": "ana", "comment": "maintenance"})  # fmt: skip
+        assert made.status_code == 201, made.text
+        silence = made.json()
+        assert silence["active"] and silence["ends_at"] - silence["starts_at"] == pytest.approx(
+            3600
+        )
+        assert [s["id"] for s in client.get("/api/v1/silences").json()] == [silence["id"]]
+        ended = client.delete(f"/api/v1/silences/{silence['id']}").json()
+        assert not ended["active"]
+        assert client.get("/api/v1/silences").json() == []
+        assert len(client.get("/api/v1/silences", params={"expired": True}).json()) == 1
+        for bad, word in [
+            ({"matchers": [], "duration_s": 60, "created_by": "a", "comment": "c"}, "matchers"),
+            (
+                {
+                    "matchers": [{"name": "run", "value": "("}],
+                    "regex": True,
+                    "duration_s": 60,
+                    "created_by": "a",
+                    "comment": "c",
+                },
+                "regex",
+            ),
+            (
+                {
+                    "matchers": [{"name": "run", "value": "(", "regex": True}],
+                    "duration_s": 60,
+                    "created_by": "a",
+                    "comment": "c",
+                },
+                "regular expression",
+            ),
+            (
+                {
+                    "matchers": [{"name": "run", "value": ".*", "regex": True}],
+                    "duration_s": 60,
+                    "created_by": "a",
+                    "comment": "c",
+                },
+                "every alert",
+            ),
+            (
+                {"matchers": [{"name": "run", "value": "r1"}], "created_by": "a", "comment": "c"},
+                "duration_s",
+            ),
+        ]:
+            resp = client.post("/api/v1/silences", json=bad)
+            assert resp.status_code == 422 and word in resp.text, (bad, resp.text)
+    alerts.run(T0 + 20)
+    assert alerts.run(T0 + 3700)[0]["state"] == "resolved"
+    with TestClient(
+        create_app(engine, ui=False, health=None, rollups=False, alerting=None)
+    ) as client:
+        resolved = client.post(f"/api/v1/alerts/{row['id']}/ack", json={"by": "x"})
+        assert resolved.status_code == 409
+
+
+def test_health_states_drive_the_rank_hung_rule(engine) -> None:
+    alerts = Engine(engine, "RankHung")
+    for rank in (0, 1):
+        send(engine, rank=rank, at=T0, steps=[step(i) for i in range(10)])
+    send(engine, rank=0, at=T0 + 20, steps=[step(10)])
+    send(engine, rank=1, at=T0 + 20)  # alive, no progress
+    flush(engine, now=T0 + 20, grace_s=0)
+    with write(engine) as conn:
+        evaluate(conn, now=T0 + 20, settings=HealthSettings())
+    (row,) = alerts.run(T0 + 20)
+    assert (row["rank"], row["state"]) == (1, "pending")  # for: 1m
+    send(engine, rank=0, at=T0 + 81)
+    send(engine, rank=1, at=T0 + 81)
+    with write(engine) as conn:
+        evaluate(conn, now=T0 + 81, settings=HealthSettings())
+    (row,) = alerts.run(T0 + 81)
+    assert row["state"] == "firing" and "culprit" in row["annotations"]["description"]
