@@ -27,6 +27,7 @@ __all__ = [
     "Step",
     "Transport",
     "Watch",
+    "checkpoint_saved",
     "event",
     "init",
     "recent",
@@ -154,6 +155,13 @@ def watch(
 def event(kind: str, *, step: int | None = None, severity: str = "info", **data: Any) -> None:
     """Record an event of this rank (kept with the run and shown on its timeline)."""
     _core.current().event(kind, step=step, severity=severity, **data)
+
+
+def checkpoint_saved(step: int, path: str, **meta: Any) -> None:
+    """Report that the trainer saved a checkpoint of ``step`` at ``path`` (the agent
+    never writes checkpoints itself). The collector keeps them with the run; the
+    CheckpointStale alert fires when none has been reported for 2 hours."""
+    _core.current().event("checkpoint", step=step, path=str(path), **meta)
 
 
 def stats() -> dict[str, int]:

@@ -323,6 +323,7 @@ class AlertEngine:
         submit: Submit | None = None,
         lag: Callable[[], float] | None = None,
         clock: Callable[[], float] = time.time,
+        metrics: Any = None,
     ) -> None:
         self.engine = engine
         self.rules = {r.name: r for r in rules}
@@ -331,6 +332,7 @@ class AlertEngine:
         self.submit = submit
         self.lag = lag
         self.clock = clock
+        self.metrics = metrics  # prom.CollectorMetrics: pass durations, notifications
         self.needs = needs_of(rules, self.settings.hold_s)
         self.fast_needs = needs_of(
             [r for r in rules if isinstance(r, FAST_KINDS)], self.settings.hold_s
@@ -396,6 +398,10 @@ class AlertEngine:
         for note in notes:  # after the commit: what was paged is on record first
             self._send(note)
         result.seconds = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.alert_pass_seconds.observe(result.seconds)
+            for note in notes:
+                self.metrics.alert_notifications.labels(note.status).inc()
         self.passes += 1
         self.last_pass = result
         return result

@@ -95,7 +95,7 @@ def create_app(
             alert_engine = AlertEngine(
                 engine, app.state.rules, settings=alerting, external_url=settings.external_url,
                 submit=notifier.submit if notifier else None,
-                lag=lambda: writer.lag_s() + loop_lag(),
+                lag=lambda: writer.lag_s() + loop_lag(), metrics=metrics,
             )  # fmt: skip
             alert_engine.start()
         app.state.alert_engine = alert_engine

@@ -61,6 +61,18 @@ class CollectorMetrics:
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
             registry=self.registry,
         )
+        self.alert_pass_seconds = Histogram(
+            "trainwarden_alert_evaluation_seconds",
+            "Duration of one pass of the alert engine (every rule over every live run).",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
+        self.alert_notifications = Counter(
+            "trainwarden_alert_notifications",
+            "Notifications handed to the notifiers, by status (firing, resolved).",
+            ["status"],
+            registry=self.registry,
+        )
         self.registry.register(_RunsCollector(engine))
 
     def on_flush(self, requests: int, _rows: int, seconds: float) -> None:

@@ -237,3 +237,11 @@ def test_a_refused_batch_is_dropped_and_counted_not_retried() -> None:
     tw.shutdown()
     assert agent.stats["dropped_send_failed"] >= 1 and agent.stats["retries"] == 0
     assert [s["step"] for s in transport.steps()] == [1]
+
+
+def test_checkpoint_saved_is_an_event_with_its_step_and_path() -> None:
+    tw.init(run="local-only")
+    tw.checkpoint_saved(200, "/ckpt/step-200", seconds=12.5)
+    (ckpt,) = [r for r in tw.recent() if r.kind == "event" and r.body["kind"] == "checkpoint"]
+    assert ckpt.body["step"] == 200
+    assert ckpt.body["data"] == {"path": "/ckpt/step-200", "seconds": 12.5}
