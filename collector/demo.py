@@ -15,6 +15,7 @@ import tempfile
 import threading
 import time
 
+import httpx
 from sqlalchemy import Engine
 
 from .settings import Settings
@@ -109,6 +110,19 @@ def launch_ranks(
     return procs
 
 
+def print_alerts(base: str, run: str) -> None:
+    """What the alert engine raised during the demo, with the runbook of each."""
+    try:
+        alerts = httpx.get(f"{base}/api/v1/alerts", params={"run": run}, timeout=10).json()
+    except (httpx.HTTPError, ValueError):
+        return
+    print(f"trainwarden demo: {len(alerts)} alerts ({base}/api/v1/alerts?run={run})", flush=True)
+    for a in reversed(alerts):  # oldest first
+        where = f" rank {a['rank']}" if a["rank"] is not None else ""
+        print(f"  {a['state']:8} {a['severity']:8} {a['rule']}{where}: "
+              f"{a['annotations'].get('description', '')}  runbook: {a['runbook_url']}", flush=True)  # fmt: skip
+
+
 def run_demo(
     engine: Engine,
     settings: Settings,
@@ -123,8 +137,10 @@ def run_demo(
         port = free_port(settings.host)
         print(f"trainwarden demo: port {settings.port} is taken; using {port}", flush=True)
         settings = settings.model_copy(update={"port": port})
-    server = start_server(engine, settings)
     base = f"http://{settings.host}:{settings.port}"
+    if settings.external_url is None:  # runbook links in alerts: absolute, clickable
+        settings = settings.model_copy(update={"external_url": base})
+    server = start_server(engine, settings)
     run = time.strftime("demo-%Y%m%d-%H%M%S")
     print(f"trainwarden demo: dashboard {base}/runs/{run}", flush=True)
     print(
@@ -153,6 +169,7 @@ def run_demo(
             )
         else:
             print("trainwarden demo: training finished", flush=True)
+        print_alerts(base, run)
         if keep_serving:
             print(
                 f"trainwarden demo: dashboard still at {base}/runs/{run} (Ctrl-C to stop)",

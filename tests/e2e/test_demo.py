@@ -30,6 +30,8 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
             "--port",
             str(port),
             "--exit-when-done",
+            "--drill",
+            "xid=79@rank=1,step=10",
         ],
         env=env,
         capture_output=True,
@@ -39,6 +41,9 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"dashboard http://127.0.0.1:{port}/runs/demo-" in result.stdout
     assert "training finished" in result.stdout
+    # The XID drill raised FatalXid, listed at the end with its runbook.
+    assert "firing   critical FatalXid rank 1: rank 1" in result.stdout, result.stdout
+    assert f"runbook: http://127.0.0.1:{port}/runbooks/FatalXid" in result.stdout
 
     db = tmp_path / "trainwarden" / "trainwarden.db"
     assert db.exists()
