@@ -339,3 +339,26 @@ def test_health_states_drive_the_rank_hung_rule(engine) -> None:
         evaluate(conn, now=T0 + 81, settings=HealthSettings())
     (row,) = alerts.run(T0 + 81)
     assert row["state"] == "firing" and "culprit" in row["annotations"]["description"]
+
+
+def test_two_collectors_evaluating_at_once_page_once(engine) -> None:
+    """Two engines (two collectors) on one database: one pass at a time (an advisory
+    lock on PostgreSQL, the write lock on SQLite), so one alert row and one page."""
+    import threading
+
+    first, second = Engine(engine, "FatalXid"), Engine(engine, "FatalXid")
+    second.sent = first.sent  # one pager
+    second.restart()
+    send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(79, T0, "x")])
+    for t in (T0 + 1, T0 + 2, T0 + 3):
+        threads = [
+            threading.Thread(target=e.alerts.run_once, kwargs={"now": t}) for e in (first, second)
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    with engine.connect() as conn:
+        assert conn.execute(select(m.alerts.c.id)).scalars().all() != []
+        assert len(conn.execute(select(m.alerts.c.id)).scalars().all()) == 1
+    assert [n.status for n in first.sent] == ["firing"]
