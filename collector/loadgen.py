@@ -86,45 +86,40 @@ def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float,
     return {"run": run, "world_size": world, "agents": agents, "steps": cols}
 
 
-class _Connections:
-    """A small keep-alive HTTP/1.1 client on asyncio streams: the load generator must
-    cost little CPU, since it shares the machine with the collector it measures."""
+class _Connection:
+    """One keep-alive HTTP/1.1 connection on asyncio streams, used by one request at a
+    time: the load generator must cost little CPU, since it shares the machine with
+    the collector it measures. Nodes that share a connection queue on its lock, first
+    come first served (asyncio.Lock is FIFO; a shared pool behind an asyncio.Queue is
+    not: a woken waiter loses its slot to a newcomer, and under load some nodes starved
+    for 10 s and more, which the collector then saw as dead ranks)."""
 
-    def __init__(self, url: str, size: int, timeout_s: float = 30.0) -> None:
-        parts = urlsplit(url)
-        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+    def __init__(self, host: str, port: int, timeout_s: float = 30.0) -> None:
+        self.host, self.port = host, port
         self.timeout = timeout_s
-        self.free: asyncio.Queue[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None] = (
-            asyncio.Queue()
-        )
-        for _ in range(size):
-            self.free.put_nowait(None)  # opened on first use
+        self.lock = asyncio.Lock()
+        # Opened on first use, again after the server closes it.
+        self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        conn = await self.free.get()  # a slot: held until put back, whatever happens
-        try:
+        async with self.lock:
             try:
-                conn, answer = await self._exchange(conn, path, body)
-            except (ConnectionError, asyncio.IncompleteReadError):
-                if conn is None:
-                    raise
-                # The server closed an idle keep-alive connection: once more on a new one.
-                conn[1].close()
-                conn, answer = await self._exchange(None, path, body)
-        except BaseException:
-            if conn is not None:
-                conn[1].close()
-            self.free.put_nowait(None)
-            raise
-        self.free.put_nowait(conn)
-        return answer
+                try:
+                    return await self._exchange(path, body)
+                except (ConnectionError, asyncio.IncompleteReadError):
+                    if self.conn is None:
+                        raise
+                    # The server closed an idle keep-alive connection: once more on a new one.
+                    self.close()
+                    return await self._exchange(path, body)
+            except BaseException:
+                self.close()
+                raise
 
-    async def _exchange(
-        self, conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, path: str, body: bytes
-    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter], tuple[int, bytes]]:
-        if conn is None:
-            conn = await asyncio.open_connection(self.host, self.port)
-        reader, writer = conn
+    async def _exchange(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.conn is None:
+            self.conn = await asyncio.open_connection(self.host, self.port)
+        reader, writer = self.conn
         writer.write(
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n".encode()
@@ -138,16 +133,15 @@ class _Connections:
             if name.strip().lower() == b"content-length":
                 length = int(value)
         payload = await asyncio.wait_for(reader.readexactly(length), self.timeout)
-        return conn, (status, payload)
+        return status, payload
 
-    async def close(self) -> None:
-        while not self.free.empty():
-            conn = self.free.get_nowait()
-            if conn is not None:
-                conn[1].close()
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn[1].close()
+            self.conn = None
 
 
-async def _node(client: _Connections, result: LoadgenResult, *, run: str, world: int, ranks: range, steps: int,
+async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: int, ranks: range, steps: int,
                 period_s: float, start: float, slow_rank: int | None,
                 on_sent: Callable[[int, float], None] | None) -> None:  # fmt: skip
     import orjson
@@ -184,25 +178,30 @@ async def _node(client: _Connections, result: LoadgenResult, *, run: str, world:
 async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_per_s: float, duration_s: float,
                             run: str | None = None, slow_rank: int | None = None,
                             on_sent: Callable[[int, float], None] | None = None,
-                            connections: int = 256) -> LoadgenResult:  # fmt: skip
+                            connections: int | None = None) -> LoadgenResult:  # fmt: skip
+    """``connections``: keep-alive connections, shared in turn by the nodes; default one
+    per node, as each node's forwarder has its own."""
     nodes = math.ceil(ranks / ranks_per_node)
     period = 1.0 / steps_per_s
     steps = max(1, int(duration_s * steps_per_s))
     run = run or time.strftime("loadgen-%Y%m%d-%H%M%S")
     result = LoadgenResult(ranks=ranks, nodes=nodes, steps=steps)
-    client = _Connections(url, size=min(connections, nodes))
+    parts = urlsplit(url)
+    pool = [_Connection(parts.hostname or "127.0.0.1", parts.port or 80)
+            for _ in range(min(connections or nodes, nodes))]  # fmt: skip
     try:
         start = time.monotonic() + 0.5
         began = time.perf_counter()
         await asyncio.gather(*[
-            _node(client, result, run=run, world=ranks,
+            _node(pool[n % len(pool)], result, run=run, world=ranks,
                   ranks=range(n * ranks_per_node, min(ranks, (n + 1) * ranks_per_node)),
                   steps=steps, period_s=period, start=start, slow_rank=slow_rank, on_sent=on_sent)
             for n in range(nodes)
         ])  # fmt: skip
         result.seconds = time.perf_counter() - began
     finally:
-        await client.close()
+        for conn in pool:
+            conn.close()
     return result
 
 
