@@ -14,6 +14,7 @@ growing the collector's memory.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -31,6 +32,30 @@ from .partitions import forget_partitions
 from .schemas import ColumnarBatch, IngestBatch, IngestResult
 
 log = logging.getLogger(__name__)
+
+
+# Python's cyclic GC, tuned once per process for serving (see _settle_gc).
+GC_THRESHOLDS = (100_000, 20, 20)  # default (700, 10, 10)
+_gc_settled = False
+
+
+def _settle_gc() -> None:
+    """Freeze what startup built and collect the young generation less often.
+
+    Measured at 4,096 ranks (bench/ingest.py): with the defaults the collector spent
+    about 40 % of its CPU in the GC: ~200 young collections a second, each scanning
+    the requests that wait for their commit, and a full collection every ~0.6 s that
+    walked the ~160,000 objects startup leaves (FastAPI, SQLAlchemy, Dash, plotly, ...),
+    which never become garbage. Frozen, they are skipped; a young collection every
+    100,000 allocations lets most of a request's objects die first. Done when the
+    writer starts (on the first request: startup is over by then), once per process."""
+    global _gc_settled
+    if _gc_settled:
+        return
+    _gc_settled = True
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
 
 
 class Busy(Exception):
@@ -124,6 +149,7 @@ class IngestWriter:
             return group
 
     def _run(self) -> None:
+        _settle_gc()
         while (group := self._take()) is not None:
             try:
                 self._write(group)
