@@ -2,9 +2,9 @@
 
 Ingest queues each (run, step) it writes in ``rollup_queue`` (insert-if-absent: no
 row lock, so a step's ranks never wait on each other). The worker rolls a queued step
-up when every rank of the run has reported it, or when ``grace_s`` has passed since
-it was first queued (late or dead ranks), and records how many rows it saw and the
-newest receive time. A late or replayed row changes one of those, and the step is
+up when every rank of the run has reported it, or when no row of it has arrived for
+``grace_s`` (late or dead ranks), and records how many rows it saw and the newest
+receive time. A late or replayed row changes one of those, and the step is
 rolled up again. Steps leave the queue ``SETTLE_S`` after their last rollup.
 
 One worker runs at a time: on PostgreSQL it takes an advisory lock, so any number of
@@ -67,9 +67,13 @@ def roll_up_ready(
     )  # fmt: skip
     if not recheck:  # the cheap pass: only steps never rolled up
         counts = counts.where(q.rolled_n.is_(None))
+    # An incomplete step waits until its rows stop coming, not a fixed time after its
+    # first: when ingest runs behind, its ranks' rows are still being written, and a
+    # step rolled up early is rolled up again for each late batch (with its heatmap
+    # bucket): work that grows as the collector falls behind.
     due = [
         row for row in conn.execute(counts)
-        if (row.rolled_n is None and (row.n >= row.world_size or now - row.first_seen >= grace_s))
+        if (row.rolled_n is None and (row.n >= row.world_size or now - row.newest >= grace_s))
         or (row.rolled_n is not None and (row.n != row.rolled_n or row.newest > row.rolled_at))
     ]  # fmt: skip
     if due:

@@ -52,6 +52,16 @@ def test_a_complete_step_rolls_up_at_once_an_incomplete_one_waits_for_grace(engi
         assert conn.execute(select(m.rollup_queue.c.step)).all() == []
 
 
+def test_an_incomplete_step_waits_while_its_rows_still_arrive(engine) -> None:
+    send(engine, 0, [0], at=T0)
+    send(engine, 1, [0], at=T0 + 4)  # a collector running behind wrote rank 1's row late
+    assert flush(engine, now=T0 + 6, grace_s=5) == 0  # rows came 2 s ago: more may follow
+    send(engine, 2, [0], at=T0 + 7)
+    assert flush(engine, now=T0 + 7.1, grace_s=5) == 1  # complete: rolled up once, whole
+    assert loss_stats(engine)[0] == (3, 2.0)
+    assert flush(engine, now=T0 + 20, grace_s=5) == 0
+
+
 def test_a_late_rank_is_rolled_in_again(engine) -> None:
     for rank in range(2):
         send(engine, rank, [0], at=T0)
