@@ -12,9 +12,11 @@ This module stays light: it never imports fastapi, sqlalchemy, dash or plotly.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from . import core as _core
+from .commands import STOPPED_EXIT_CODE, RollbackPlan
 from .config import AgentConfig, ConfigError
 from .core import Agent, Step
 from .exporter import Transport
@@ -24,13 +26,17 @@ __all__ = [
     "Agent",
     "AgentConfig",
     "ConfigError",
+    "RollbackPlan",
+    "STOPPED_EXIT_CODE",
     "Step",
     "Transport",
     "Watch",
     "checkpoint_saved",
     "event",
     "init",
+    "on_rollback",
     "recent",
+    "should_skip_batch",
     "shutdown",
     "stats",
     "step",
@@ -162,6 +168,22 @@ def checkpoint_saved(step: int, path: str, **meta: Any) -> None:
     never writes checkpoints itself). The collector keeps them with the run; the
     CheckpointStale alert fires when none has been reported for 2 hours."""
     _core.current().event("checkpoint", step=step, path=str(path), **meta)
+
+
+def on_rollback(handler: Callable[[RollbackPlan], Any]) -> None:
+    """Register the trainer's rollback: ``handler(plan)`` restores ``plan.checkpoint_path``
+    (model, optimizer, data position; optionally scales the learning rate by
+    ``plan.lr_scale``) and makes the training loop continue from
+    ``plan.checkpoint_step + 1``. It runs on the training thread, between steps, at the
+    same step on every rank (``plan.barrier_step``). A handler that raises fails the
+    action, which pages; the agent keeps no state of its own to restore."""
+    _core.current().commands.on_rollback(handler)
+
+
+def should_skip_batch(index: int) -> bool:
+    """True for the data batches a rollback asked to skip (the window that led up to the
+    anomaly, see ``RollbackPlan.skip_from`` / ``skip_to``): ask it in your loader loop."""
+    return _core.current().commands.should_skip_batch(index)
 
 
 def stats() -> dict[str, int]:

@@ -16,6 +16,7 @@ import uuid
 from collections import deque
 from typing import Any
 
+from .commands import Commands
 from .config import AgentConfig, ConfigError
 from .drills import Drill, DrillError, parse
 from .exporter import Exporter, HttpTransport, Transport
@@ -156,6 +157,8 @@ class Step:
             agent._last_error = None
         agent._last_step_wall = (record.wall_start_ns + record.duration_ns) / 1e9
         agent._enqueue(record)
+        if agent.commands.pending:  # a rollback or a stop from the collector
+            agent.commands.at_boundary(record.step)
 
     def loss(self, value: Any) -> None:
         """Record this rank's loss: a tensor (read later, off this thread) or a number."""
@@ -246,6 +249,7 @@ class Agent:
             "dropped_at_shutdown": 0,
         }
         self._exporter: Exporter | None = None
+        self.commands = Commands(self)
         if transport is None and config.url is not None and config.exporter == "otlp":
             from .otlp import OtlpTransport  # OpenTelemetry only when asked for
 
@@ -267,6 +271,7 @@ class Agent:
                 interval_s=config.flush_interval_s,
                 heartbeat_s=config.heartbeat_s,
                 stats=self.stats,
+                on_commands=self.commands.receive,
             )
         else:
             log.warning(
@@ -340,6 +345,11 @@ class Agent:
     def flush_soon(self) -> None:
         if self._exporter is not None:
             self._exporter.wake()
+
+    def poll_soon(self) -> None:
+        """Ask the collector for commands now (a heartbeat, if nothing else is queued)."""
+        if self._exporter is not None:
+            self._exporter.poll_soon()
 
     def flush(self, timeout_s: float) -> None:
         """Send what is queued now, waiting at most ``timeout_s``."""

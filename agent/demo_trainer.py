@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -43,10 +45,15 @@ class MarkovData:
         chain = torch.Generator().manual_seed(chain_seed)
         self.transitions = torch.softmax(torch.randn(vocab, vocab, generator=chain) * 2.5, dim=-1)
         self.rng = torch.Generator().manual_seed(sample_seed)
+        self.sample_seed = sample_seed
         self.vocab = vocab
         self.context = context
 
-    def batch(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(self, size: int, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """A batch; with ``index``, always the same batch for that index (so that a
+        rollback can go back in the data and skip a window of it)."""
+        if index is not None:
+            self.rng.manual_seed(self.sample_seed * 1_000_003 + index)
         seq = torch.empty(size, self.context + 1, dtype=torch.long)
         seq[:, 0] = torch.randint(self.vocab, (size,), generator=self.rng)
         for i in range(1, self.context + 1):
@@ -68,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument(
+        "--checkpoint-dir", help="save checkpoints here (rank 0), and resume from the newest"
+    )
+    p.add_argument(
+        "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)"
+    )
+    p.add_argument(
         "--work-ms",
         type=float,
         default=0.0,
@@ -75,6 +88,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "when many ranks share few CPU cores)",
     )
     return p.parse_args(argv)
+
+
+def _save(
+    folder: Path, step: int, state: dict[str, int], model: nn.Module, opt: Any, rank: int
+) -> None:
+    """Rank 0 writes (the weights are the same on every rank); every rank waits for it."""
+    path = folder / f"step-{step}.pt"
+    if rank == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save({"step": step, "cursor": state["cursor"], "model": model.state_dict(),
+                    "opt": opt.state_dict()}, tmp)  # fmt: skip
+        tmp.rename(path)
+        tw.checkpoint_saved(step, str(path))
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _restore(path: Path, model: nn.Module, opt: Any) -> dict[str, int]:
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    return {"step": int(saved["step"]) + 1, "cursor": int(saved["cursor"])}
+
+
+def _newest_checkpoint(folder: Path) -> Path | None:
+    found = sorted(folder.glob("step-*.pt"), key=lambda p: int(p.stem.split("-")[1]))
+    return found[-1] if found else None
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -95,10 +136,32 @@ def main(argv: list[str] | None = None) -> None:
 
     tw.init(run=args.run, url=args.url)
     tw.watch(model, opt, grad_norm=True)  # phases, comm split (DDP), MFU, grad-norm spikes
-    for step in range(args.start_step, args.start_step + args.steps):
+    state = {"step": args.start_step, "cursor": args.start_step}  # next step, next data batch
+    end = args.start_step + args.steps
+    ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if ckpt_dir is not None and (newest := _newest_checkpoint(ckpt_dir)) is not None:
+        state.update(_restore(newest, model, opt))  # a restarted job resumes (Slurm requeue)
+        print(f"resumed from {newest} at step {state['step']}", flush=True)
+
+    def rollback(plan: tw.RollbackPlan) -> None:
+        """trainwarden asks every rank, at the same step: go back to a good checkpoint."""
+        state.update(_restore(Path(plan.checkpoint_path), model, opt))
+        if plan.lr_scale:
+            for group in opt.param_groups:
+                group["lr"] *= plan.lr_scale
+        print(f"rolled back to step {plan.checkpoint_step} after step {plan.barrier_step}; "
+              f"skipping batches {plan.skip_from}-{plan.skip_to}", flush=True)  # fmt: skip
+
+    tw.on_rollback(rollback)
+    while state["step"] < end:
+        step = state["step"]
         if args.data_delay:
             time.sleep(args.data_delay)  # shows up as data wait: the gap between steps
-        x, y = data.batch(args.batch_size)
+        while tw.should_skip_batch(state["cursor"]):
+            state["cursor"] += 1  # data a rollback told us to leave out
+        x, y = data.batch(args.batch_size, index=state["cursor"])
+        state["cursor"] += 1
+        state["step"] += 1  # before the step ends: a rollback at its end sets the next one
         with tw.step(step, tokens=x.numel()) as s:
             loss = F.cross_entropy(model(x), y)
             if args.work_ms:
@@ -107,6 +170,12 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             s.loss(loss)
+            if (
+                ckpt_dir is not None
+                and args.checkpoint_every
+                and step % args.checkpoint_every == 0
+            ):
+                _save(ckpt_dir, step, state, model, opt, rank)
     tw.shutdown()
     if world > 1:
         dist.destroy_process_group()

@@ -100,7 +100,10 @@ class Exporter:
         interval_s: float,
         heartbeat_s: float,
         stats: dict[str, int],
+        on_commands: Callable[[Any], None] | None = None,
     ) -> None:
+        self._on_commands = on_commands
+        self._poll = False  # send a heartbeat now: the trainer waits for a command
         self._queue = queue
         self._header = header
         self._encode = encode
@@ -124,6 +127,10 @@ class Exporter:
         self._thread.start()
 
     def wake(self) -> None:
+        self._wake.set()
+
+    def poll_soon(self) -> None:
+        self._poll = True
         self._wake.set()
 
     def flush(self, timeout_s: float) -> None:
@@ -159,7 +166,8 @@ class Exporter:
             try:
                 while self._export_once(final=stopping):
                     pass
-                if time.monotonic() - self._last_sent >= self._heartbeat_s:
+                if self._poll or time.monotonic() - self._last_sent >= self._heartbeat_s:
+                    self._poll = False
                     self._send([], [], [])  # nothing to send: a heartbeat alone
             except Exception:  # never let the thread die: the trainer must not notice
                 log.exception("trainwarden: exporter error (records dropped)")
@@ -234,7 +242,7 @@ class Exporter:
         time.sleep(0)  # serializing a large body is GIL time too
         self._last_sent = time.monotonic()
         try:
-            self._transport.send(INGEST_PATH, body)
+            answer = self._transport.send(INGEST_PATH, body)
         except Exception as exc:
             self._stats["batches_failed"] += 1
             count = len(steps) + len(events) + len(gpu)
@@ -253,6 +261,8 @@ class Exporter:
                 self._failing = True
             return False
         self._backoff = 0.5
+        if self._on_commands is not None and isinstance(answer, dict) and answer.get("commands"):
+            self._on_commands(answer["commands"])
         if self._failing:
             log.warning("trainwarden: collector reachable again")
             self._failing = False

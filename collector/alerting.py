@@ -212,6 +212,12 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
             state=r.state, role=(r.state_detail or {}).get("role"), last_seen=r.last_seen,
             heartbeat_s=r.heartbeat_s, progress_at=r.progress_at, last_step=r.last_step,
         )  # fmt: skip
+    # The run row's last step is refreshed every few seconds; the ranks' are current.
+    newest = max(
+        (r.last_step for r in snap.ranks.values() if r.last_step is not None), default=None
+    )
+    if newest is not None and (last is None or newest > last):
+        snap.last_step = last = newest
     snap.median_step_s = median_step_time(conn, run_id)
     s = m.step_stats.c
     for metric in set(needs.stats_rows) | set(needs.stats_s):
@@ -460,7 +466,7 @@ class AlertEngine:
     def _advance_active(self, conn: Connection, fp: str, row: Any, rule: Rule, v: Verdict,
                         labels: dict[str, str], run: Any, snap: Snapshot, now: float) -> int:  # fmt: skip
         alert = _alert_of(row) if row is not None else Alert(rule.name, labels)
-        new = advance(alert, active=True, now=now, step=run.last_step, for_=rule.for_,
+        new = advance(alert, active=True, now=now, step=snap.last_step, for_=rule.for_,
                       keep_firing_for=rule.keep_firing_for)  # fmt: skip
         info = snap.ranks.get(v.rank) if v.rank is not None else None
         annotations = {

@@ -20,6 +20,7 @@ from sqlalchemy.exc import DBAPIError
 from starlette.requests import ClientDisconnect
 
 from . import queries
+from .db import write
 from .prom import CollectorMetrics
 from .schemas import (
     ColumnarBatch,
@@ -97,11 +98,20 @@ async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> Ingest
         raise _busy(_metrics(request), str(exc)) from None
     await asyncio.wait([asyncio.wrap_future(future)])  # the commit; errors are read below
     result = _done(request, future, started)
+    board = getattr(request.app.state, "commands", None)
+    if board is not None and isinstance(batch, IngestBatch) and batch.run in board.runs:
+        result.commands = await asyncio.to_thread(_commands_for, request, batch)
     if _notable(batch):
         alert_engine = request.app.state.alert_engine
         if alert_engine is not None:
             alert_engine.wake()  # an XID or a NaN pages now, not at the next full pass
     return result
+
+
+def _commands_for(request: Request, batch: IngestBatch) -> list[dict[str, Any]]:
+    """Commands waiting for this rank (a rollback, a stop): they ride on the answer."""
+    with write(_engine(request)) as conn:
+        return request.app.state.commands.take(conn, batch.run, batch.agent.rank, time.time())
 
 
 def _notable(batch: IngestBatch | ColumnarBatch) -> bool:

@@ -17,7 +17,8 @@ from sqlalchemy import Engine
 
 from trainwarden.alerts import Rule, load_rule_packs
 
-from . import alerts_api, otlp, runbooks
+from . import actions_api, alerts_api, otlp, runbooks
+from .actions import ActionEngine, ActionPolicy, CommandBoard
 from .alerting import AlertEngine, EngineSettings, NotifierThread
 from .api import EXTRA_SCHEMAS, router
 from .health import HealthSettings, health_loop
@@ -61,6 +62,8 @@ def create_app(
     runbook_dirs: list[Path] | None = None,
     alerting: EngineSettings | None = DEFAULT_ALERTING,
     notify: Any = None,
+    actions: ActionPolicy | None = None,
+    act: bool = True,
 ) -> FastAPI:
     """Build the app on an engine whose schema is already at head (see ``db.upgrade``).
 
@@ -69,6 +72,8 @@ def create_app(
     ``alerting``: settings of the alert engine thread; ``None`` runs none.
     ``notify``: a ``trainwarden.alerts.NotifyConfig`` (``serve --notify FILE``): where
     alerts are sent; without one, alerts are evaluated, stored and served, not sent.
+    ``actions``: the action policy (``serve --actions FILE``); default: every kind dry-run.
+    ``act``: run the action engine thread (tests turn it off and call ``run_once``).
     """
     settings = settings or Settings()
     lags: deque[float] = deque(maxlen=20)  # the event loop's lateness over the last ~2 s
@@ -100,9 +105,16 @@ def create_app(
             alert_engine.start()
         app.state.alert_engine = alert_engine
         app.state.notifier = notifier
+        action_engine = None
+        if act:
+            action_engine = ActionEngine(engine, app.state.action_policy, board=app.state.commands)
+            action_engine.start()
+        app.state.action_engine = action_engine
         probe = asyncio.create_task(_probe_loop_lag(lags))
         yield
         probe.cancel()
+        if action_engine is not None:
+            action_engine.stop()
         if alert_engine is not None:
             alert_engine.stop()
         if notifier is not None:
@@ -146,6 +158,9 @@ def create_app(
     app.include_router(otlp.router)
     app.include_router(runbooks.router)
     app.include_router(alerts_api.router)
+    app.include_router(actions_api.router)
+    app.state.action_policy = actions or ActionPolicy()
+    app.state.commands = CommandBoard()
     app.state.alert_engine = None
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_middleware(

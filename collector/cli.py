@@ -57,7 +57,11 @@ def _rules(args: argparse.Namespace) -> tuple[list, list]:  # type: ignore[type-
     dirs = [Path(d) for d in (args.runbooks or [])]
     dirs += [Path(f).parent / "runbooks" for f in files if (Path(f).parent / "runbooks").is_dir()]
     try:
-        return load_rule_packs(files, runbooks_dirs=dirs), dirs
+        default = (
+            not getattr(args, "no_default_rules", False)
+            and os.environ.get("TRAINWARDEN_DEFAULT_RULES", "1") != "0"
+        )
+        return load_rule_packs(files, runbooks_dirs=dirs, default=default), dirs
     except RuleError as exc:
         raise CliError(f"alert rules:\n{exc}") from None
 
@@ -78,6 +82,19 @@ def _notify(args: argparse.Namespace) -> object:
         raise CliError(f"notifiers:\n{exc}") from None
 
 
+def _actions(args: argparse.Namespace) -> object:
+    """The action policy (``--actions`` or ``TRAINWARDEN_ACTIONS``), checked before
+    anything starts; without one every action is a dry run."""
+    import os
+
+    from .actions import ActionConfigError, load_policy
+
+    try:
+        return load_policy(args.actions or os.environ.get("TRAINWARDEN_ACTIONS") or None)
+    except ActionConfigError as exc:
+        raise CliError(f"actions:\n{exc}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import uvicorn
 
@@ -87,8 +104,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = _settings(args)
     rules, runbook_dirs = _rules(args)
     notify = _notify(args)
+    actions = _actions(args)
     engine = _open_database(settings.db)
-    app = create_app(engine, settings, rules=rules, runbook_dirs=runbook_dirs, notify=notify)
+    app = create_app(engine, settings, rules=rules, runbook_dirs=runbook_dirs, notify=notify,
+                     actions=actions)  # type: ignore[arg-type]  # fmt: skip
     base = f"http://{settings.host}:{settings.port}"
     print(
         f"trainwarden collector: dashboard {base}/  API {base}/api/v1  docs {base}/docs", flush=True
@@ -178,9 +197,20 @@ def build_parser() -> argparse.ArgumentParser:
         "(a 'runbooks' folder next to a rules file is used too)",
     )  # fmt: skip
     serve.add_argument(
+        "--no-default-rules", action="store_true",
+        help="load only your --rules files, not the shipped pack (TRAINWARDEN_DEFAULT_RULES=0); "
+        "copy alerts/rules/default.yaml to start from it",
+    )  # fmt: skip
+    serve.add_argument(
         "--notify", metavar="FILE",
         help="where alerts are sent (YAML: Alertmanager, PagerDuty, Slack, webhooks; see "
         "docs/notifiers.md); default TRAINWARDEN_NOTIFY; without one alerts are only stored",
+    )  # fmt: skip
+    serve.add_argument(
+        "--actions", metavar="FILE",
+        help="what trainwarden may do about alerts (YAML: rollback / evict / stop, each auto, "
+        "require-ack or dry-run; see docs/actions.md); default TRAINWARDEN_ACTIONS; "
+        "without one every action is a dry run",
     )  # fmt: skip
     serve.set_defaults(func=cmd_serve)
 

@@ -280,3 +280,49 @@ silences = Table(
     Column("comment", String(1000), nullable=False),
     Column("created_at", Float, nullable=False),
 )
+
+# -- actions (migration 0008) --------------------------------------------------------
+# What trainwarden does about an alert (or an operator asks for): a rollback of the run
+# to a good checkpoint, the eviction of a node, a stop. Each is a row with a state
+# machine (proposed -> approved -> executing -> done | failed | cancelled) and its
+# history; commands to ranks ride back on the agents' own ingest requests.
+
+actions = Table(
+    "actions",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("kind", String(16), nullable=False),  # rollback | evict | stop
+    Column("state", String(16), nullable=False),
+    Column("mode", String(16), nullable=False),  # auto | require-ack | dry-run
+    Column("trigger", String(128), nullable=False),  # "rule:LossSpike" | "operator:ana"
+    Column("alert_id", Integer),
+    Column("fingerprint", String(64)),  # idempotency: one action per alert episode and kind
+    Column("rank", Integer),
+    Column("node", String(255)),
+    Column("approver", String(128)),
+    Column("plan", JSON(none_as_null=True)),
+    Column("result", JSON(none_as_null=True)),
+    Column("reason", String(2000)),  # why it failed or was cancelled
+    Column("history", JSON, nullable=False),  # [{at, state, by, detail}]
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("finished_at", Float),
+    Index("ix_actions_state", "state"),
+    Index("ix_actions_run_id_created_at", "run_id", "created_at"),
+    Index("ix_actions_fingerprint", "fingerprint"),
+)
+
+agent_commands = Table(
+    "agent_commands",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("action_id", Integer, ForeignKey("actions.id", ondelete="CASCADE"), nullable=False),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("body", JSON, nullable=False),
+    Column("created_at", Float, nullable=False),
+    Column("delivered_at", Float),
+    Column("done_at", Float),  # acknowledged by the rank, or no longer needed
+    Index("ix_agent_commands_run_id_rank", "run_id", "rank"),
+)

@@ -33,6 +33,7 @@ PACK = [
     "LossSpike", "NonFiniteLoss", "GradNormSpikeBurst", "RankLossDivergence",
     "GpuThermalThrottle", "GpuOverTemperature", "FatalXid", "EccUncorrectable", "RankHung",
     "RankDead", "CheckpointStale", "LowGpuUtilization",
+    "ActionFailed",  # trainwarden's own: an action it took failed (issue 7)
 ]  # fmt: skip
 HEADINGS = [
     "## What it means",

@@ -1,0 +1,688 @@
+"""Acting on alerts: roll a run back to a good checkpoint, evict a node, stop a run.
+
+Each action is a row of ``actions`` with a state machine and its history::
+
+    proposed -> approved -> executing -> done
+        \\           \\            \\-> failed
+         \\-> cancelled  \\-> cancelled / failed
+
+- **Triggers**: a firing alert whose rule has ``action: rollback | evict | stop`` (one
+  action per alert episode and kind: idempotent by fingerprint), or an operator
+  (``POST /api/v1/runs/{run}/actions``).
+- **Policy** per kind (``serve --actions FILE``): ``auto`` (approved at once),
+  ``require-ack`` (approved when its alert is acknowledged, or through
+  ``POST /api/v1/actions/{id}/approve``), ``dry-run`` (the plan is made and recorded,
+  nothing is done: the default). Rollbacks have a budget (at most N per period; past
+  it the run is stopped and paged instead); evictions a blast-radius guard (at most a
+  fraction of the run's nodes per hour) and a cool-down.
+- **Rollback** (see ``agent/commands.py`` for the rank's side): the newest checkpoint
+  reported before the anomaly's onset (with a margin), the data window to skip, and a
+  barrier step a little ahead of the newest step. Commands ride back on the agents'
+  ingest answers: *prepare* (every live rank arms for the barrier), then *commit* only
+  when all are armed, else *abort* and a retry with a later barrier.
+- **Evict**: the node goes through the scheduler backend (``collector/evict.py``:
+  Slurm, Kubernetes, a command), then the node's ranks get a *stop* command and exit
+  with ``STOPPED_EXIT_CODE`` so the launcher restarts the job without them.
+
+Every state change is also an event of the run (kind ``action``), for the timeline; a
+failed action is an ``action_failed`` event, which the ActionFailed rule pages.
+One collector runs the engine at a time (an advisory lock), as for alerts.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from sqlalchemy import Connection, Engine, and_, insert, or_, select, text, update
+
+from trainwarden.alerts.intervals import Duration, Interval
+
+from . import models as m
+from .alerting import median_step_time
+from .db import is_sqlite, write
+
+log = logging.getLogger(__name__)
+
+ADVISORY_LOCK_KEY = 0x7477_6163_7473  # "twacts"
+Mode = Literal["auto", "require-ack", "dry-run"]
+Kind = Literal["rollback", "evict", "stop"]
+ACTIVE = ("proposed", "approved", "executing")
+LIVE_RANKS = ("healthy", "slow", "hung", "running")
+
+
+# -- policy -------------------------------------------------------------------------
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Budget(_Strict):
+    count: int = Field(default=3, ge=1)
+    per: Duration = Interval(6 * 3600.0, "s")
+
+
+class RollbackPolicy(_Strict):
+    mode: Mode = "dry-run"
+    margin_steps: int = Field(
+        default=5, ge=0, description="the checkpoint precedes the onset by this much"
+    )
+    skip_margin_steps: int = Field(
+        default=10, ge=0, description="skip this far past the newest step"
+    )
+    lr_scale: float | None = Field(default=None, gt=0, le=1)
+    budget: Budget = Budget()
+    lead_steps: int | None = Field(default=None, ge=1, description="barrier = newest step + lead")
+    prepare_timeout: Duration = Interval(30.0, "s")
+    apply_timeout: Duration = Interval(120.0, "s")
+    attempts: int = Field(default=3, ge=1, description="barriers tried before giving up")
+
+
+class EvictPolicy(_Strict):
+    mode: Mode = "dry-run"
+    backend: dict[str, Any] | None = None
+    """``collector/evict.py``'s ``load_backend`` spec, e.g. ``{backend: slurm}``."""
+    max_nodes_fraction_per_hour: float = Field(default=0.25, gt=0, le=1)
+    cooldown: Duration = Interval(600.0, "s")
+    timeout: Duration = Interval(30.0, "s")
+
+    @field_validator("backend")
+    @classmethod
+    def _known(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            from .evict import load_backend
+
+            load_backend(value)  # raises ValueError naming the field
+        return value
+
+
+class StopPolicy(_Strict):
+    mode: Mode = "dry-run"
+
+
+class ActionPolicy(_Strict):
+    rollback: RollbackPolicy = RollbackPolicy()
+    evict: EvictPolicy = EvictPolicy()
+    stop: StopPolicy = StopPolicy()
+
+    def of(self, kind: str) -> Any:
+        return getattr(self, kind)
+
+
+class ActionConfigError(ValueError):
+    """An actions file that cannot be used: file, field and problem on each line."""
+
+
+def load_policy(path: Path | str | None) -> ActionPolicy:
+    if path is None:
+        return ActionPolicy()
+    path = Path(path)
+    try:
+        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        return ActionPolicy.model_validate(doc)
+    except OSError as exc:
+        raise ActionConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    except yaml.YAMLError as exc:
+        raise ActionConfigError(f"{path}: YAML syntax error: {exc}") from None
+    except ValidationError as exc:
+        lines = [f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise ActionConfigError("\n".join(lines)) from None
+
+
+# -- commands waiting for agents ------------------------------------------------------
+
+
+class CommandBoard:
+    """Which runs have commands waiting, so that ingest looks for them only then."""
+
+    def __init__(self) -> None:
+        self.runs: set[str] = set()
+
+    def refresh(self, conn: Connection) -> None:
+        c = m.agent_commands.c
+        self.runs = set(conn.execute(
+            select(m.runs.c.name).distinct().join(m.agent_commands, c.run_id == m.runs.c.id)
+            .where(c.done_at.is_(None))
+        ).scalars())  # fmt: skip
+
+    def take(self, conn: Connection, run: str, rank: int, now: float) -> list[dict[str, Any]]:
+        """The commands for ``rank`` of ``run`` not yet acknowledged (sent again until they are)."""
+        if run not in self.runs:
+            return []
+        c = m.agent_commands.c
+        rows = conn.execute(
+            select(c.id, c.body, c.delivered_at).join(m.runs, m.runs.c.id == c.run_id)
+            .where(m.runs.c.name == run, c.rank == rank, c.done_at.is_(None)).order_by(c.id)
+        ).all()  # fmt: skip
+        fresh = [r.id for r in rows if r.delivered_at is None]
+        if fresh:
+            conn.execute(update(m.agent_commands).where(c.id.in_(fresh)).values(delivered_at=now))
+        return [{"id": r.id, **r.body} for r in rows]
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Ctx:
+    conn: Connection
+    now: float
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _history(row: Any, state: str, by: str | None, detail: str | None, now: float) -> list[dict[str, Any]]:  # fmt: skip
+    return [*(row.history or []), {"at": now, "state": state, "by": by, "detail": detail}]
+
+
+class ActionEngine:
+    def __init__(
+        self,
+        engine: Engine,
+        policy: ActionPolicy,
+        *,
+        board: CommandBoard | None = None,
+        interval_s: float = 0.5,
+        clock: Callable[[], float] = time.time,
+        backend: Any = None,
+    ) -> None:
+        self.engine = engine
+        self.policy = policy
+        self.board = board or CommandBoard()
+        self.interval_s = interval_s
+        self.clock = clock
+        self.backend = backend
+        if self.backend is None and policy.evict.backend is not None:
+            from .evict import load_backend
+
+            self.backend = load_backend(policy.evict.backend)
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainwarden-evict")
+        self._evictions: dict[int, Future[Any]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- thread ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trainwarden-actions", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.run_once()
+            except Exception:
+                log.exception("action engine failed; retrying")
+
+    # -- one pass ---------------------------------------------------------------------
+
+    def run_once(self, now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        with write(self.engine) as conn:
+            if (
+                not is_sqlite(conn)
+                and not conn.execute(
+                    text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY}
+                ).scalar()
+            ):
+                self.board.refresh(conn)
+                return
+            ctx = _Ctx(conn, now)
+            self._triggers(ctx)
+            for row in conn.execute(select(m.actions).where(m.actions.c.state.in_(ACTIVE)).order_by(m.actions.c.id)).all():  # fmt: skip
+                try:
+                    self._advance(ctx, row)
+                except Exception as exc:
+                    log.exception("action %s failed", row.id)
+                    self._finish(
+                        ctx, row, "failed", reason=f"internal error: {type(exc).__name__}: {exc}"
+                    )
+            _store_events(conn, ctx.events, now)
+            self.board.refresh(conn)
+
+    # -- creating actions -------------------------------------------------------------------
+
+    def _triggers(self, ctx: _Ctx) -> None:
+        a = m.alerts.c
+        firing = ctx.conn.execute(
+            select(m.alerts).where(a.state == "firing", a.action != "none", a.silenced_by.is_(None))
+        ).all()
+        for alert in firing:
+            key = f"{alert.fingerprint}:{alert.id}"  # one action per episode of the alert
+            seen = ctx.conn.execute(select(m.actions.c.id).where(m.actions.c.fingerprint == key, m.actions.c.kind == alert.action)).first()  # fmt: skip
+            if seen is not None or self._covered(ctx, alert):
+                continue
+            create_action(ctx.conn, self.policy, run_id=alert.run_id, kind=alert.action, now=ctx.now,
+                          trigger=f"rule:{alert.rule}", alert_id=alert.id, fingerprint=key,
+                          rank=alert.rank, node=alert.node,
+                          detail=(alert.annotations or {}).get("description"))  # fmt: skip
+
+    @staticmethod
+    def _covered(ctx: _Ctx, alert: Any) -> bool:
+        """Whether an action of the run (for an eviction: of the node) already answers this
+        alert: one rollback for a spike that every rank flags, one eviction per node."""
+        a = m.actions.c
+        query = select(a.id).where(a.run_id == alert.run_id, a.kind == alert.action, a.mode != "dry-run",
+                                   or_(a.state.in_(ACTIVE), a.created_at >= alert.active_since - 60))  # fmt: skip
+        if alert.action == "evict":
+            query = query.where(a.node == alert.node)
+        return ctx.conn.execute(query.limit(1)).first() is not None
+
+    # -- moving them along ----------------------------------------------------------------------
+
+    def _advance(self, ctx: _Ctx, row: Any) -> None:
+        if row.state == "proposed":
+            if row.mode == "require-ack" and row.alert_id is not None:
+                acked = ctx.conn.execute(select(m.alerts.c.acked_by).where(m.alerts.c.id == row.alert_id, m.alerts.c.acked_at.is_not(None))).scalar()  # fmt: skip
+                if acked is not None:
+                    self._set(
+                        ctx,
+                        row,
+                        "approved",
+                        by=acked,
+                        detail="its alert was acknowledged",
+                        approver=acked,
+                    )
+            return
+        if row.state == "approved":
+            {
+                "rollback": self._start_rollback,
+                "evict": self._start_evict,
+                "stop": self._start_stop,
+            }[row.kind](ctx, row)
+            return
+        {
+            "rollback": self._executing_rollback,
+            "evict": self._executing_evict,
+            "stop": self._executing_stop,
+        }[row.kind](ctx, row)
+
+    def _set(self, ctx: _Ctx, row: Any, state: str, *, by: str | None = None, detail: str | None = None, **values: Any) -> None:  # fmt: skip
+        ctx.conn.execute(update(m.actions).where(m.actions.c.id == row.id).values(
+            state=state, updated_at=ctx.now, history=_history(row, state, by, detail, ctx.now), **values))  # fmt: skip
+        ctx.events.append(_event(row, state, detail, ctx.now))
+
+    def _finish(self, ctx: _Ctx, row: Any, state: str, *, reason: str | None = None, result: Any = None) -> None:  # fmt: skip
+        values: dict[str, Any] = {"finished_at": ctx.now}
+        if reason is not None:
+            values["reason"] = reason[:2000]
+        if result is not None:
+            values["result"] = result
+        self._set(ctx, row, state, detail=reason, **values)
+        ctx.conn.execute(update(m.agent_commands).where(m.agent_commands.c.action_id == row.id,
+                                                        m.agent_commands.c.done_at.is_(None)).values(done_at=ctx.now))  # fmt: skip
+        if state == "failed":
+            ctx.events.append(
+                {
+                    **_event(row, "failed", reason, ctx.now),
+                    "kind": "action_failed",
+                    "severity": "critical",
+                }
+            )
+
+    # -- rollback ---------------------------------------------------------------------------------
+
+    def _start_rollback(self, ctx: _Ctx, row: Any) -> None:
+        pol = self.policy.rollback
+        spent = ctx.conn.execute(
+            select(m.actions.c.id).where(
+                m.actions.c.run_id == row.run_id, m.actions.c.kind == "rollback", m.actions.c.id != row.id,
+                m.actions.c.state.in_(("executing", "done")), m.actions.c.mode != "dry-run",
+                m.actions.c.created_at > ctx.now - pol.budget.per.value,
+            )
+        ).all()  # fmt: skip
+        if len(spent) >= pol.budget.count:
+            self._finish(ctx, row, "failed", reason=f"retry budget spent: {len(spent)} rollbacks within {pol.budget.per}; stopping the run instead")  # fmt: skip
+            create_action(ctx.conn, self.policy, run_id=row.run_id, kind="stop", now=ctx.now,
+                          trigger="budget", detail="rollback budget spent", mode="auto",
+                          fingerprint=f"budget:{row.id}", approver="policy")  # fmt: skip
+            return
+        plan, problem = rollback_plan(ctx.conn, row, pol)
+        if plan is None:
+            self._finish(ctx, row, "failed", reason=problem)
+            return
+        attempt = (row.plan or {}).get("attempt", 0) + 1
+        plan["attempt"] = attempt
+        plan["checkpoint_step"] = (row.plan or {}).get("checkpoint_step")  # an operator's choice
+        ranks = _live_ranks(ctx.conn, row.run_id)
+        if not ranks:
+            self._finish(ctx, row, "failed", reason="no live rank to roll back")
+            return
+        plan["ranks"] = ranks
+        plan["prepared_at"] = ctx.now
+        _commands(ctx.conn, row, ranks, {"type": "rollback", "phase": "prepare", "action": row.id,
+                                         "barrier_step": plan["barrier_step"], "plan": plan["rollback"]}, ctx.now)  # fmt: skip
+        self._set(ctx, row, "executing", detail=f"prepare: barrier at step {plan['barrier_step']} (attempt {attempt})", plan=plan)  # fmt: skip
+
+    def _executing_rollback(self, ctx: _Ctx, row: Any) -> None:
+        pol = self.policy.rollback
+        plan = dict(row.plan)
+        acks = _acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
+        ranks = plan["ranks"]
+        if "committed_at" not in plan:
+            prepared = {
+                r: acks[r] for r in ranks if r in acks and acks[r].get("phase") == "prepare"
+            }
+            refused = {r: a for r, a in prepared.items() if not a.get("armed")}
+            if refused or ctx.now - plan["prepared_at"] > pol.prepare_timeout.value:
+                why = "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items())) or \
+                    f"ranks {sorted(set(ranks) - set(prepared))} did not answer within {pol.prepare_timeout}"  # fmt: skip
+                _commands(
+                    ctx.conn,
+                    row,
+                    ranks,
+                    {"type": "rollback", "phase": "abort", "action": row.id},
+                    ctx.now,
+                )
+                fatal = any("on_rollback" in str(a.get("error")) for a in refused.values())
+                if plan["attempt"] >= pol.attempts or fatal:
+                    self._finish(ctx, row, "failed", reason=f"ranks not ready: {why}")
+                else:  # try again with a later barrier
+                    ctx.conn.execute(update(m.agent_commands).where(m.agent_commands.c.action_id == row.id).values(done_at=ctx.now))  # fmt: skip
+                    self._set(ctx, row, "approved", detail=f"aborted attempt {plan['attempt']}: {why}",
+                              plan={"attempt": plan["attempt"], "checkpoint_step": plan.get("checkpoint_step")})  # fmt: skip
+                return
+            if len(prepared) == len(ranks):
+                _commands(
+                    ctx.conn,
+                    row,
+                    ranks,
+                    {"type": "rollback", "phase": "commit", "action": row.id},
+                    ctx.now,
+                )
+                plan["committed_at"] = ctx.now
+                self._set(ctx, row, "executing", detail="commit: every rank armed", plan=plan)
+            return
+        done = {
+            r: acks[r]
+            for r in ranks
+            if r in acks and acks[r].get("phase") in ("commit", "abort", "timeout")
+        }
+        failed = {r: a for r, a in done.items() if not a.get("applied")}
+        if failed:
+            why = "; ".join(
+                f"rank {r}: {a.get('error') or a.get('decision')}"
+                for r, a in sorted(failed.items())
+            )
+            self._finish(ctx, row, "failed", reason=f"rollback not applied: {why}")
+        elif len(done) == len(ranks):
+            result = {"ranks": {str(r): {k: done[r].get(k) for k in ("barrier_step", "checkpoint_step", "seconds", "at")}
+                                for r in ranks},
+                      "restored_within_s": round(max(a["at"] for a in done.values()) - plan["committed_at"], 3),
+                      "since_prepare_s": round(max(a["at"] for a in done.values()) - plan["prepared_at"], 3),
+                      "steps_after_command": plan["barrier_step"] - plan["issued_at_step"]}  # fmt: skip
+            self._finish(ctx, row, "done", result=result)
+        elif ctx.now - plan["committed_at"] > pol.apply_timeout.value:
+            self._finish(ctx, row, "failed", reason=f"ranks {sorted(set(ranks) - set(done))} did not restore within {pol.apply_timeout}")  # fmt: skip
+
+    # -- stop --------------------------------------------------------------------------------------
+
+    def _start_stop(self, ctx: _Ctx, row: Any) -> None:
+        ranks = [row.rank] if row.rank is not None else _live_ranks(ctx.conn, row.run_id)
+        reason = f"trainwarden: {row.trigger}" + (f" ({row.reason})" if row.reason else "")
+        _commands(
+            ctx.conn, row, ranks, {"type": "stop", "action": row.id, "reason": reason}, ctx.now
+        )
+        self._set(
+            ctx,
+            row,
+            "executing",
+            detail=f"stop sent to ranks {ranks}",
+            plan={"ranks": ranks, "sent_at": ctx.now},
+        )
+
+    def _executing_stop(self, ctx: _Ctx, row: Any) -> None:
+        acks = _acks(ctx.conn, row, since=row.plan["sent_at"], phase="stop")
+        ranks = row.plan["ranks"]
+        gone = _gone(ctx.conn, row.run_id, ranks)
+        if all(r in acks or r in gone for r in ranks):
+            self._finish(
+                ctx,
+                row,
+                "done",
+                result={"stopped": sorted(acks), "already_gone": sorted(set(gone) - set(acks))},
+            )
+
+    # -- evict -----------------------------------------------------------------------------------------
+
+    def _start_evict(self, ctx: _Ctx, row: Any) -> None:
+        pol = self.policy.evict
+        if not row.node:
+            self._finish(ctx, row, "failed", reason="no node to evict (the alert names no node)")
+            return
+        if self.backend is None:
+            self._finish(
+                ctx,
+                row,
+                "failed",
+                reason="no eviction backend configured (actions file: evict.backend)",
+            )
+            return
+        a = m.actions.c
+        recent = ctx.conn.execute(select(a.node, a.finished_at).where(
+            a.run_id == row.run_id, a.kind == "evict", a.id != row.id,
+            or_(a.state == "executing", and_(a.state == "done", a.finished_at > ctx.now - 3600)))).all()  # fmt: skip
+        nodes = {n for (n,) in ctx.conn.execute(select(m.ranks.c.node).distinct().where(m.ranks.c.run_id == row.run_id)) if n}  # fmt: skip
+        evicted = {r.node for r in recent}
+        if row.node not in evicted and len(
+            evicted | {row.node}
+        ) > pol.max_nodes_fraction_per_hour * max(len(nodes), 1):
+            self._finish(ctx, row, "failed", reason=f"blast-radius guard: evicting {row.node} would make {len(evicted) + 1} of the run's {len(nodes)} nodes within an hour (limit {pol.max_nodes_fraction_per_hour:.0%})")  # fmt: skip
+            return
+        last = max((r.finished_at or ctx.now for r in recent), default=None)
+        if last is not None and ctx.now - last < pol.cooldown.value:
+            return  # waits (approved) until the cool-down after the last eviction has passed
+        from .evict import Eviction
+
+        ranks = tuple(r for (r,) in ctx.conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == row.run_id, m.ranks.c.node == row.node)))  # fmt: skip
+        run = ctx.conn.execute(select(m.runs.c.name).where(m.runs.c.id == row.run_id)).scalar_one()
+        try:
+            eviction = Eviction(node=row.node, run=run, ranks=ranks,
+                                reason=f"trainwarden: {row.trigger.removeprefix('rule:')} {row.reason or ''}".strip())  # fmt: skip
+        except ValueError as exc:
+            self._finish(ctx, row, "failed", reason=f"cannot evict {row.node!r}: {exc}")
+            return
+        self._evictions[row.id] = self._pool.submit(
+            self.backend.evict, eviction, timeout_s=pol.timeout.value
+        )
+        self._set(ctx, row, "executing", detail=f"evicting {row.node} through {self.backend.name}",
+                  plan={"node": row.node, "ranks": list(ranks), "backend": self.backend.name, "started_at": ctx.now})  # fmt: skip
+
+    def _executing_evict(self, ctx: _Ctx, row: Any) -> None:
+        plan = dict(row.plan)
+        if "evicted_at" not in plan:
+            future = self._evictions.get(row.id)
+            if future is None:  # the collector restarted while the backend ran: do not run it twice
+                self._finish(ctx, row, "failed", reason="interrupted: the collector restarted during the eviction; check the node by hand")  # fmt: skip
+                return
+            if not future.done():
+                return
+            self._evictions.pop(row.id)
+            try:
+                result = future.result()
+            except Exception as exc:
+                done = "; ".join(getattr(exc, "steps", ()) or ())
+                self._finish(ctx, row, "failed", reason=f"{type(exc).__name__}: {exc}" + (f" (done before: {done})" if done else ""))  # fmt: skip
+                return
+            plan.update(
+                evicted_at=ctx.now, steps=list(result.steps), output=str(result.output)[:2000]
+            )
+            reason = f"node {row.node} evicted by trainwarden ({row.trigger})"
+            _commands(
+                ctx.conn,
+                row,
+                plan["ranks"],
+                {"type": "stop", "action": row.id, "reason": reason},
+                ctx.now,
+            )
+            self._set(ctx, row, "executing", detail=f"{row.node} evicted ({'; '.join(result.steps)}); stopping its ranks {plan['ranks']}", plan=plan)  # fmt: skip
+            return
+        acks = _acks(ctx.conn, row, since=plan["evicted_at"], phase="stop")
+        gone = _gone(ctx.conn, row.run_id, plan["ranks"])
+        if all(r in acks or r in gone for r in plan["ranks"]) or ctx.now - plan["evicted_at"] > 60:
+            result = {"node": row.node, "steps": plan["steps"], "drained_within_s": round(plan["evicted_at"] - row.created_at, 3),
+                      "ranks_stopped": sorted(acks), "ranks_gone": sorted(set(gone) - set(acks))}  # fmt: skip
+            self._finish(ctx, row, "done", result=result)
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def create_action(conn: Connection, policy: ActionPolicy, *, run_id: int, kind: str, now: float, trigger: str,
+                  alert_id: int | None = None, fingerprint: str | None = None, rank: int | None = None,
+                  node: str | None = None, detail: str | None = None, mode: str | None = None,
+                  approver: str | None = None, plan: dict[str, Any] | None = None) -> int:  # fmt: skip
+    """A new action: approved at once under ``auto`` (or when an operator asks), left
+    proposed under ``require-ack``, planned and closed under ``dry-run``."""
+    mode = mode or policy.of(kind).mode
+    state = {"auto": "approved", "require-ack": "proposed", "dry-run": "approved"}[mode]
+    if approver is not None and mode == "require-ack":
+        state = "approved"
+    history = [{"at": now, "state": "proposed", "by": trigger, "detail": detail}]
+    if state == "approved":
+        history.append({"at": now, "state": "approved", "by": approver or ("policy" if mode == "auto" else "dry-run"), "detail": None})  # fmt: skip
+    action_id = conn.execute(insert(m.actions).values(
+        run_id=run_id, kind=kind, state=state, mode=mode, trigger=trigger, alert_id=alert_id,
+        fingerprint=fingerprint, rank=rank, node=node, approver=approver or ("policy" if state == "approved" and mode == "auto" else None),
+        plan=plan, reason=detail[:2000] if detail else None, history=history, created_at=now, updated_at=now,
+    ).returning(m.actions.c.id)).scalar_one()  # fmt: skip
+    if mode == "dry-run":
+        _dry_run(conn, policy, action_id, now)
+    _store_events(conn, [{"run_id": run_id, "kind": "action", "severity": "warning", "rank": rank,
+                          "data": {"action": action_id, "type": kind, "state": state, "trigger": trigger, "mode": mode}}], now)  # fmt: skip
+    return action_id
+
+
+def _dry_run(conn: Connection, policy: ActionPolicy, action_id: int, now: float) -> None:
+    row = conn.execute(select(m.actions).where(m.actions.c.id == action_id)).one()
+    if row.kind == "rollback":
+        plan, problem = rollback_plan(conn, row, policy.rollback)
+        would = plan["rollback"] if plan else None
+    elif row.kind == "evict":
+        would, problem = (
+            {"node": row.node, "backend": (policy.evict.backend or {}).get("backend")},
+            None,
+        )
+    else:
+        would, problem = (
+            {"ranks": [row.rank] if row.rank is not None else _live_ranks(conn, row.run_id)},
+            None,
+        )
+    result = {"dry_run": True, "would": would, "problem": problem}
+    conn.execute(update(m.actions).where(m.actions.c.id == action_id).values(
+        state="done", result=result, finished_at=now, updated_at=now,
+        history=_history(row, "done", "dry-run", "dry run: nothing was done" + (f" ({problem})" if problem else ""), now)))  # fmt: skip
+
+
+def rollback_plan(
+    conn: Connection, row: Any, pol: RollbackPolicy
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The newest checkpoint before the anomaly's onset, the data to skip, the barrier."""
+    run = conn.execute(select(m.runs).where(m.runs.c.id == row.run_id)).one()
+    onset_step, onset_ts = run.last_step or 0, math.inf
+    given = (row.plan or {}).get("checkpoint_step")
+    if row.alert_id is not None:
+        alert = conn.execute(select(m.alerts).where(m.alerts.c.id == row.alert_id)).one()
+        steps = [s for s in (alert.step, alert.active_since_step) if s is not None]
+        onset_step = min(steps) if steps else onset_step
+        onset_ts = alert.active_since
+    e = m.events.c
+    ckpts = [(s, ts, (d or {}).get("path")) for s, ts, d in conn.execute(
+        select(e.step, e.ts, e.data).where(e.run_id == row.run_id, e.kind == "checkpoint", e.step.is_not(None))
+    )]  # fmt: skip
+    if given is not None:
+        good = [c for c in ckpts if c[0] == given]
+        if not good:
+            return (
+                None,
+                f"no checkpoint of step {given} was reported (known: {sorted({c[0] for c in ckpts})})",
+            )
+    else:
+        limit = onset_step - pol.margin_steps
+        good = [c for c in ckpts if c[0] <= limit and c[1] < onset_ts]
+        if not good:
+            known = sorted({c[0] for c in ckpts})[-5:]
+            return None, (f"no checkpoint at or before step {limit} (onset {onset_step} - margin {pol.margin_steps}); "
+                          f"reported: {known or 'none (call tw.checkpoint_saved)'}")  # fmt: skip
+    step, _, path = max(good, key=lambda c: (c[0], c[1]))
+    newest = max((r for (r,) in conn.execute(select(m.ranks.c.last_step).where(m.ranks.c.run_id == row.run_id)) if r is not None), default=run.last_step or 0)  # fmt: skip
+    median = median_step_time(conn, row.run_id) or 1.0
+    lead = pol.lead_steps or max(
+        3, math.ceil(2.0 / median) + 2
+    )  # ~2 s: the agents' flush + the round trip
+    plan = {
+        "barrier_step": newest + lead,
+        "issued_at_step": newest,
+        "rollback": {"checkpoint_step": step, "checkpoint_path": path or "", "skip_from": step + 1,
+                     "skip_to": newest + lead + pol.skip_margin_steps, "lr_scale": pol.lr_scale,
+                     "reason": f"{row.trigger}: onset at step {onset_step}"},
+    }  # fmt: skip
+    return plan, None
+
+
+def _live_ranks(conn: Connection, run_id: int) -> list[int]:
+    k = m.ranks.c
+    return sorted(
+        conn.execute(select(k.rank).where(k.run_id == run_id, k.state.in_(LIVE_RANKS))).scalars()
+    )
+
+
+def _gone(conn: Connection, run_id: int, ranks: Sequence[int]) -> set[int]:
+    k = m.ranks.c
+    return set(conn.execute(select(k.rank).where(k.run_id == run_id, k.rank.in_(list(ranks)),
+                                                  k.state.in_(("dead", "finished", "failed")))).scalars())  # fmt: skip
+
+
+def _commands(
+    conn: Connection, row: Any, ranks: Sequence[int], body: dict[str, Any], now: float
+) -> None:
+    conn.execute(insert(m.agent_commands), [
+        {"action_id": row.id, "run_id": row.run_id, "rank": r, "body": body, "created_at": now} for r in ranks
+    ])  # fmt: skip
+
+
+def _acks(conn: Connection, row: Any, *, since: float, phase: str) -> dict[int, dict[str, Any]]:
+    """Each rank's latest acknowledgement (``command_ack`` events) of this action's
+    commands of ``phase`` (prepare, stop) sent since ``since``: a rollback's commit or
+    abort is acknowledged under the id of the prepare it decides."""
+    c = m.agent_commands.c
+    ids = {i for i, body, at in conn.execute(select(c.id, c.body, c.created_at).where(c.action_id == row.id))
+           if at >= since and (body.get("phase") or body.get("type")) == phase}  # fmt: skip
+    e = m.events.c
+    out: dict[int, dict[str, Any]] = {}
+    for rank, ts, recv_ts, data in conn.execute(
+        select(e.rank, e.ts, e.recv_ts, e.data).where(e.run_id == row.run_id, e.kind == "command_ack",
+                                                      e.recv_ts >= since).order_by(e.id)
+    ):  # fmt: skip
+        if (data or {}).get("command") in ids and rank is not None:
+            out[rank] = {**data, "at": recv_ts, "ts": ts}
+    return out
+
+
+def _event(row: Any, state: str, detail: str | None, now: float) -> dict[str, Any]:
+    return {"run_id": row.run_id, "kind": "action", "severity": "critical" if state == "failed" else "warning",
+            "rank": row.rank, "data": {"action": row.id, "type": row.kind, "state": state, "trigger": row.trigger,
+                                       "detail": detail}}  # fmt: skip
+
+
+def _store_events(conn: Connection, events: list[dict[str, Any]], now: float) -> None:
+    if events:
+        conn.execute(insert(m.events), [
+            {"uid": f"action:{uuid.uuid4().hex}", "ts": now, "recv_ts": now, "step": None, **ev} for ev in events
+        ])  # fmt: skip
