@@ -98,7 +98,7 @@ def _save(
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({"step": step, "cursor": state["cursor"], "model": model.state_dict(),
+        torch.save({"step": step, "cursor": state["cursor"], "model": getattr(model, "module", model).state_dict(),
                     "opt": opt.state_dict()}, tmp)  # fmt: skip
         tmp.rename(path)
         tw.checkpoint_saved(step, str(path))
@@ -108,7 +108,7 @@ def _save(
 
 def _restore(path: Path, model: nn.Module, opt: Any) -> dict[str, int]:
     saved = torch.load(path, weights_only=True)
-    model.load_state_dict(saved["model"])
+    getattr(model, "module", model).load_state_dict(saved["model"])  # DDP or not: any world size
     opt.load_state_dict(saved["opt"])
     return {"step": int(saved["step"]) + 1, "cursor": int(saved["cursor"])}
 
@@ -170,11 +170,7 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             s.loss(loss)
-            if (
-                ckpt_dir is not None
-                and args.checkpoint_every
-                and step % args.checkpoint_every == 0
-            ):
+            if ckpt_dir is not None and args.checkpoint_every and step % args.checkpoint_every == 0:
                 _save(ckpt_dir, step, state, model, opt, rank)
     tw.shutdown()
     if world > 1:
