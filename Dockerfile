@@ -9,7 +9,7 @@ COPY alerts ./alerts
 COPY webui ./webui
 COPY migrations ./migrations
 COPY runbooks ./runbooks
-RUN pip install --no-cache-dir ".[server]"
+RUN pip install --no-cache-dir ".[server,k8s]"
 EXPOSE 8000
 # --host 0.0.0.0: reachable from other containers and from the host's published port.
 CMD ["trainwarden", "serve", "--host", "0.0.0.0", "--port", "8000"]
