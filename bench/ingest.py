@@ -147,7 +147,9 @@ def main() -> None:
             f"(target <= 2 s); request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
         )
         print(f"    (b)/(a) = {e2e['points_per_s'] / (copy_rows * metrics):.4f}")
-        peer = mlflow_points_per_s(args.db, ranks=args.mlflow_ranks, duration_s=args.mlflow_duration)
+        peer = mlflow_points_per_s(
+            args.db, ranks=args.mlflow_ranks, duration_s=args.mlflow_duration
+        )
         if peer is None:
             print(f"(c) MLflow log-batch peer: skipped: {find_mlflow()[1]}")
         else:
