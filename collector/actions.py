@@ -254,7 +254,17 @@ class ActionEngine:
                         ctx, row, "failed", reason=f"internal error: {type(exc).__name__}: {exc}"
                     )
             _store_events(conn, ctx.events, now)
+            self._close_commands(ctx)
             self.board.refresh(conn)
+
+    def _close_commands(self, ctx: _Ctx) -> None:
+        """Stop sending the commands of finished actions once the ranks have had time to
+        take them (the abort of a failed rollback goes out after the action ended)."""
+        c = m.agent_commands.c
+        finished = select(m.actions.c.id).where(m.actions.c.state.not_in(ACTIVE))
+        ctx.conn.execute(update(m.agent_commands).where(
+            c.done_at.is_(None), c.created_at < ctx.now - self.policy.rollback.prepare_timeout.value,
+            c.action_id.in_(finished)).values(done_at=ctx.now))  # fmt: skip
 
     # -- creating actions -------------------------------------------------------------------
 
@@ -273,12 +283,14 @@ class ActionEngine:
                           rank=alert.rank, node=alert.node,
                           detail=(alert.annotations or {}).get("description"))  # fmt: skip
 
-    @staticmethod
-    def _covered(ctx: _Ctx, alert: Any) -> bool:
+    def _covered(self, ctx: _Ctx, alert: Any) -> bool:
         """Whether an action of the run (for an eviction: of the node) already answers this
-        alert: one rollback for a spike that every rank flags, one eviction per node."""
+        alert: one rollback for a spike that every rank flags, one eviction per node. A dry
+        run stands only for dry runs: it never holds back a real action, and it records
+        one plan where the real thing would act once, not one per rank."""
         a = m.actions.c
-        query = select(a.id).where(a.run_id == alert.run_id, a.kind == alert.action, a.mode != "dry-run",
+        dry = a.mode == "dry-run" if self.policy.of(alert.action).mode == "dry-run" else a.mode != "dry-run"  # fmt: skip
+        query = select(a.id).where(a.run_id == alert.run_id, a.kind == alert.action, dry,
                                    or_(a.state.in_(ACTIVE), a.created_at >= alert.active_since - 60))  # fmt: skip
         if alert.action == "evict":
             query = query.where(a.node == alert.node)
@@ -383,17 +395,19 @@ class ActionEngine:
             if refused or ctx.now - plan["prepared_at"] > pol.prepare_timeout.value:
                 why = "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items())) or \
                     f"ranks {sorted(set(ranks) - set(prepared))} did not answer within {pol.prepare_timeout}"  # fmt: skip
-                _commands(
-                    ctx.conn,
-                    row,
-                    ranks,
-                    {"type": "rollback", "phase": "abort", "action": row.id},
-                    ctx.now,
-                )
                 fatal = any("on_rollback" in str(a.get("error")) for a in refused.values())
                 if plan["attempt"] >= pol.attempts or fatal:
                     self._finish(ctx, row, "failed", reason=f"ranks not ready: {why}")
+                    # After _finish closed the action's other commands: this one must go out,
+                    # or an armed rank holds at the barrier until its decision timeout.
+                    # _close_commands closes it once the ranks have had time to take it.
+                    abort = {"type": "rollback", "phase": "abort", "action": row.id}
+                    _commands(ctx.conn, row, ranks, abort, ctx.now)
                 else:  # try again with a later barrier
+                    # No abort here: the agent keeps one decision per action, so an abort
+                    # heard now would also decide the next attempt. A rank armed for this
+                    # barrier re-arms for the next prepare (or, already holding at this
+                    # barrier, goes on after its decision timeout).
                     ctx.conn.execute(update(m.agent_commands).where(m.agent_commands.c.action_id == row.id).values(done_at=ctx.now))  # fmt: skip
                     self._set(ctx, row, "approved", detail=f"aborted attempt {plan['attempt']}: {why}",
                               plan={"attempt": plan["attempt"], "checkpoint_step": plan.get("checkpoint_step")})  # fmt: skip
@@ -564,6 +578,7 @@ def create_action(conn: Connection, policy: ActionPolicy, *, run_id: int, kind: 
     ).returning(m.actions.c.id)).scalar_one()  # fmt: skip
     if mode == "dry-run":
         _dry_run(conn, policy, action_id, now)
+        state = "done"
     _store_events(conn, [{"run_id": run_id, "kind": "action", "severity": "warning", "rank": rank,
                           "data": {"action": action_id, "type": kind, "state": state, "trigger": trigger, "mode": mode}}], now)  # fmt: skip
     return action_id
@@ -652,6 +667,8 @@ def _gone(conn: Connection, run_id: int, ranks: Sequence[int]) -> set[int]:
 def _commands(
     conn: Connection, row: Any, ranks: Sequence[int], body: dict[str, Any], now: float
 ) -> None:
+    if not ranks:  # an empty executemany would insert one row of defaults (and fail)
+        return
     conn.execute(insert(m.agent_commands), [
         {"action_id": row.id, "run_id": row.run_id, "rank": r, "body": body, "created_at": now} for r in ranks
     ])  # fmt: skip

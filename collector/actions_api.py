@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import Connection, Engine, select, update
 
 from . import models as m
-from .actions import ActionPolicy, _history, create_action
+from .actions import ActionPolicy, _event, _history, _store_events, create_action
 from .db import write
 from .queries import NotFound
 
@@ -154,6 +154,10 @@ def request_action(run: str, body: ActionIn, request: Request) -> ActionOut:
             known = conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_row.id, m.ranks.c.node == body.node)).first()  # fmt: skip
             if known is None:
                 raise HTTPException(422, f"node: no rank of run {run!r} runs on node {body.node!r}")
+        if body.rank is not None:  # a stop sent to no rank would wait for its answer forever
+            known = conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_row.id, m.ranks.c.rank == body.rank)).first()  # fmt: skip
+            if known is None:
+                raise HTTPException(422, f"rank: run {run!r} has no rank {body.rank}")
         mode = "dry-run" if body.dry_run or policy.of(body.kind).mode == "dry-run" else "auto"
         action_id = create_action(
             conn, policy, run_id=run_row.id, kind=body.kind, now=now, trigger=f"operator:{body.by}",
@@ -189,4 +193,6 @@ def _decide(request: Request, action_id: int, body: ByIn, state: str) -> ActionO
         else:
             values.update(finished_at=now, reason=body.reason or f"cancelled by {body.by}")
         conn.execute(update(m.actions).where(m.actions.c.id == action_id).values(**values))
+        detail = f"{state} by {body.by}" + (f": {body.reason}" if body.reason else "")
+        _store_events(conn, [_event(row, state, detail, now)], now)  # for the run's timeline
         return _out(_get(conn, action_id))
