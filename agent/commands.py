@@ -74,7 +74,7 @@ class Commands:
         self._inbox: deque[dict[str, Any]] = deque()
         self._seen: set[int] = set()
         self._lock = threading.Lock()
-        self._decisions: dict[int, str] = {}  # action -> commit | abort
+        self._decisions: dict[tuple[int, Any], str] = {}  # (action, attempt) -> commit | abort
         self._armed: dict[str, Any] | None = None
         self._handlers: list[Callable[[RollbackPlan], Any]] = []
         self._skip: list[tuple[int, int]] = []
@@ -104,7 +104,7 @@ class Commands:
                     continue
                 self._seen.add(c["id"])
                 if c.get("type") == "rollback" and c.get("phase") in ("commit", "abort"):
-                    self._decisions[int(c["action"])] = c["phase"]
+                    self._decisions[(int(c["action"]), c.get("attempt"))] = c["phase"]
                 self._inbox.append(c)
                 self.pending = True
 
@@ -144,22 +144,30 @@ class Commands:
                 self._ack(
                     c, armed=False, error=f"already past the barrier step {barrier} (at {finished})"
                 )
-            else:
+            else:  # a later attempt of the same rollback replaces an earlier one
                 self._armed = c
                 self._ack(c, armed=True)
-        elif kind == "rollback" and (self._armed is None or int(self._armed["action"]) != int(c["action"])):  # fmt: skip
+        elif kind == "rollback" and (self._armed is None or _key(self._armed) != _key(c)):
             self._ack(
                 c, applied=False, note="not armed for this action"
             )  # a decision it had no part in
 
     def _decide(self, armed: dict[str, Any], finished: int) -> None:
-        action = int(armed["action"])
+        action, key = int(armed["action"]), _key(armed)
         deadline = time.monotonic() + self.decision_timeout_s
-        while action not in self._decisions and time.monotonic() < deadline:
+        while key not in self._decisions and time.monotonic() < deadline:
             self._agent.poll_soon()  # ask the collector now: the answer carries the decision
             time.sleep(0.05)
+            with self._lock:  # a later prepare of the same rollback supersedes this one
+                later = [
+                    c
+                    for c in self._inbox
+                    if c.get("phase") == "prepare" and int(c.get("action", -1)) == action
+                ]
+            if later:
+                break
         self._armed = None
-        decision = self._decisions.get(action)
+        decision = self._decisions.get(key)
         commit = {"id": armed["id"], "action": action, "phase": decision or "timeout"}
         if decision != "commit":
             if decision is None:
@@ -195,3 +203,8 @@ class Commands:
         )
         self._agent.shutdown(timeout_s=5.0)
         raise SystemExit(STOPPED_EXIT_CODE)
+
+
+def _key(c: dict[str, Any]) -> tuple[int, Any]:
+    """A rollback's decision belongs to one attempt (one barrier) of one action."""
+    return int(c["action"]), c.get("attempt")

@@ -378,7 +378,7 @@ class ActionEngine:
             return
         plan["ranks"] = ranks
         plan["prepared_at"] = ctx.now
-        _commands(ctx.conn, row, ranks, {"type": "rollback", "phase": "prepare", "action": row.id,
+        _commands(ctx.conn, row, ranks, {"type": "rollback", "phase": "prepare", "action": row.id, "attempt": attempt,
                                          "barrier_step": plan["barrier_step"], "plan": plan["rollback"]}, ctx.now)  # fmt: skip
         self._set(ctx, row, "executing", detail=f"prepare: barrier at step {plan['barrier_step']} (attempt {attempt})", plan=plan)  # fmt: skip
 
@@ -401,14 +401,24 @@ class ActionEngine:
                     # After _finish closed the action's other commands: this one must go out,
                     # or an armed rank holds at the barrier until its decision timeout.
                     # _close_commands closes it once the ranks have had time to take it.
-                    abort = {"type": "rollback", "phase": "abort", "action": row.id}
+                    abort = {
+                        "type": "rollback",
+                        "phase": "abort",
+                        "action": row.id,
+                        "attempt": plan["attempt"],
+                    }
                     _commands(ctx.conn, row, ranks, abort, ctx.now)
                 else:  # try again with a later barrier
-                    # No abort here: the agent keeps one decision per action, so an abort
-                    # heard now would also decide the next attempt. A rank armed for this
-                    # barrier re-arms for the next prepare (or, already holding at this
-                    # barrier, goes on after its decision timeout).
+                    # Decisions are per attempt: this abort frees a rank holding at this
+                    # barrier now, and cannot decide the next attempt's barrier.
                     ctx.conn.execute(update(m.agent_commands).where(m.agent_commands.c.action_id == row.id).values(done_at=ctx.now))  # fmt: skip
+                    abort = {
+                        "type": "rollback",
+                        "phase": "abort",
+                        "action": row.id,
+                        "attempt": plan["attempt"],
+                    }
+                    _commands(ctx.conn, row, ranks, abort, ctx.now)
                     self._set(ctx, row, "approved", detail=f"aborted attempt {plan['attempt']}: {why}",
                               plan={"attempt": plan["attempt"], "checkpoint_step": plan.get("checkpoint_step")})  # fmt: skip
                 return
@@ -417,7 +427,12 @@ class ActionEngine:
                     ctx.conn,
                     row,
                     ranks,
-                    {"type": "rollback", "phase": "commit", "action": row.id},
+                    {
+                        "type": "rollback",
+                        "phase": "commit",
+                        "action": row.id,
+                        "attempt": plan["attempt"],
+                    },
                     ctx.now,
                 )
                 plan["committed_at"] = ctx.now

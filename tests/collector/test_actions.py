@@ -61,9 +61,15 @@ class Rank:
         self.restored: list[RollbackPlan] = []
         self.exit_code: int | None = None
         self.silent = False  # sends nothing and hears nothing (a partitioned host)
-        self._barriers: dict[int, int] = {}  # prepare command id -> its barrier step
-        self._armed: tuple[int, int] | None = None  # (action, barrier), from its own ack
-        self._decided: set[int] = set()  # actions whose commit or abort arrived
+        self._barriers: dict[
+            int, tuple[int, int]
+        ] = {}  # prepare command id -> (barrier step, attempt)
+        self._armed: tuple[int, int, int] | None = (
+            None  # (action, barrier, attempt), from its own ack
+        )
+        self._decided: set[tuple[int, int]] = (
+            set()
+        )  # (action, attempt) whose commit or abort arrived
         self._held: int | None = None  # the barrier step it waits at
         self._n = 0
         if handler is not None:
@@ -78,7 +84,7 @@ class Rank:
         if kind == "command_ack":
             self.acks.append(data)
             if data.get("armed"):
-                self._armed = (data["action"], self._barriers[data["command"]])
+                self._armed = (data["action"], *self._barriers[data["command"]])
             elif data["command"] in self._barriers and data["phase"] != "prepare":
                 self._armed = None  # decided (commit, abort, timeout)
 
@@ -106,7 +112,10 @@ class Rank:
         restored = len(self.restored)
         while self.exit_code is None and len(self.restored) == restored:
             if self._held is not None:
-                if self._armed is not None and self._armed[0] not in self._decided:
+                if (
+                    self._armed is not None
+                    and (self._armed[0], self._armed[2]) not in self._decided
+                ):
                     return  # still waiting for the decision
                 n, self._held = self._held, None
                 self._boundary(n)
@@ -146,9 +155,9 @@ class Rank:
         if self.exit_code is None:
             for c in commands:
                 if c.get("phase") == "prepare":
-                    self._barriers[c["id"]] = c["barrier_step"]
+                    self._barriers[c["id"]] = (c["barrier_step"], c["attempt"])
                 elif c.get("phase") in ("commit", "abort"):
-                    self._decided.add(c["action"])
+                    self._decided.add((c["action"], c["attempt"]))
             self.commands.receive(commands)
         return commands
 
@@ -381,7 +390,7 @@ def test_rollback_restores_every_rank_after_the_same_step(cluster: Any) -> None:
     for r in (0, 1):
         (prepare,) = sent[r]
         assert prepare == {"id": prepare["id"], "type": "rollback", "phase": "prepare", "action": rollback["id"],
-                           "barrier_step": 38, "plan": plan["rollback"]}  # fmt: skip
+                           "attempt": 1, "barrier_step": 38, "plan": plan["rollback"]}  # fmt: skip
     assert {c["delivered_at"] for c in commands(run, rollback["id"])} == {run.now}
     run.train(36)  # each rank arms at its next step boundary ...
     run.exchange()
@@ -455,7 +464,13 @@ def test_ranks_past_the_barrier_abort_the_attempt_and_a_later_barrier_is_tried(c
     (retry,) = run.act()
     assert (retry["state"], retry["plan"]) == ("approved", {"attempt": 1, "checkpoint_step": None})
     assert retry["history"][-1]["detail"] == f"aborted attempt 1: rank 0: {past}; rank 1: {past}"
-    assert all(c["done_at"] == run.now for c in commands(run, retry["id"]))  # attempt 1 is over
+    sent = commands(run, retry["id"])
+    assert all(
+        c["done_at"] == run.now for c in sent if c["body"]["phase"] == "prepare"
+    )  # attempt 1 is over ...
+    # ... and its abort goes out: it frees a rank holding at barrier 38, never decides 41's.
+    aborts = [(c["body"]["attempt"], c["done_at"]) for c in sent if c["body"]["phase"] == "abort"]
+    assert aborts == [(1, None)] * 2
     (second,) = run.act()
     assert (second["state"], second["plan"]["attempt"], second["plan"]["barrier_step"]) == ("executing", 2, 41 + 3)  # fmt: skip
     done = settle(run, second["id"])
