@@ -59,6 +59,8 @@ Mode = Literal["auto", "require-ack", "dry-run"]
 Kind = Literal["rollback", "evict", "stop"]
 ACTIVE = ("proposed", "approved", "executing")
 LIVE_RANKS = ("healthy", "slow", "hung", "running")
+STOP_TIMEOUT_S = 60.0
+"""A stop is done once every rank acknowledged it or is gone, or after this long."""
 
 
 # -- policy -------------------------------------------------------------------------
@@ -480,13 +482,11 @@ class ActionEngine:
         acks = _acks(ctx.conn, row, since=row.plan["sent_at"], phase="stop")
         ranks = row.plan["ranks"]
         gone = _gone(ctx.conn, row.run_id, ranks)
-        if all(r in acks or r in gone for r in ranks):
-            self._finish(
-                ctx,
-                row,
-                "done",
-                result={"stopped": sorted(acks), "already_gone": sorted(set(gone) - set(acks))},
-            )
+        late = ctx.now - row.plan["sent_at"] > STOP_TIMEOUT_S  # a hung rank never hears it
+        if late or all(r in acks or r in gone for r in ranks):
+            result = {"stopped": sorted(acks), "already_gone": sorted(set(gone) - set(acks)),
+                      "no_answer": sorted(set(ranks) - set(acks) - set(gone))}  # fmt: skip
+            self._finish(ctx, row, "done", result=result)
 
     # -- evict -----------------------------------------------------------------------------------------
 
@@ -509,9 +509,9 @@ class ActionEngine:
             or_(a.state == "executing", and_(a.state == "done", a.finished_at > ctx.now - 3600)))).all()  # fmt: skip
         nodes = {n for (n,) in ctx.conn.execute(select(m.ranks.c.node).distinct().where(m.ranks.c.run_id == row.run_id)) if n}  # fmt: skip
         evicted = {r.node for r in recent}
-        if row.node not in evicted and len(
-            evicted | {row.node}
-        ) > pol.max_nodes_fraction_per_hour * max(len(nodes), 1):
+        if row.node not in evicted and len(evicted | {row.node}) > max(
+            1, math.floor(pol.max_nodes_fraction_per_hour * len(nodes))
+        ):  # one node is always allowed
             self._finish(ctx, row, "failed", reason=f"blast-radius guard: evicting {row.node} would make {len(evicted) + 1} of the run's {len(nodes)} nodes within an hour (limit {pol.max_nodes_fraction_per_hour:.0%})")  # fmt: skip
             return
         last = max((r.finished_at or ctx.now for r in recent), default=None)
