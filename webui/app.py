@@ -1,7 +1,8 @@
-"""The Dash app: a runs list at ``/`` and a live run page at ``/runs/<name>``.
+"""The Dash app: a runs list at ``/``, a live run page at ``/runs/<name>`` and the alerts
+page at ``/alerts`` (:mod:`.alerts_page`).
 
 Pages are small layouts plus one callback each; component ids carry the page prefix
-(``runs-``, ``run-``); figures come from :mod:`.figures`. A data error shows as a
+(``runs-``, ``run-``, ``alerts-``); figures come from :mod:`.figures`. A data error shows as a
 message in the page, never as a traceback.
 """
 
@@ -19,25 +20,13 @@ from dash import Input, Output, State, dcc, html
 
 from trainwarden.collector.queries import NotFound
 
-from . import figures
+from . import alerts, alerts_page, figures
 from .client import Client
+from .components import ago, notice
 
 log = logging.getLogger(__name__)
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 LIVE_WINDOW_STEPS = 5_000  # the run page draws the newest steps; older ones by zooming (issue 8)
-
-
-def _ago(ts: float) -> str:
-    seconds = max(0.0, dt.datetime.now().timestamp() - ts)
-    if seconds < 90:
-        return f"{seconds:.0f}s ago"
-    if seconds < 5400:
-        return f"{seconds / 60:.0f} min ago"
-    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
-
-
-def _notice(text: str, kind: str = "info") -> html.Div:
-    return html.Div(text, className=f"notice notice-{kind}")
 
 
 # -- pages -----------------------------------------------------------------------
@@ -47,7 +36,7 @@ def runs_layout() -> html.Div:
     return html.Div(
         [
             html.H2("Runs"),
-            html.Div(id="runs-table", children=_notice("Loading runs…")),
+            html.Div(id="runs-table", children=notice("Loading runs…")),
             dcc.Interval(id="runs-interval", interval=5_000),
         ]
     )
@@ -56,7 +45,7 @@ def runs_layout() -> html.Div:
 def runs_table(client: Client) -> Any:
     runs = client.list_runs()
     if not runs:
-        return _notice(
+        return notice(
             "No runs yet. Add the agent to a trainer (tw.init(run=..., url=...)) "
             "or start `trainwarden demo`; runs appear here within seconds."
         )
@@ -71,7 +60,7 @@ def runs_table(client: Client) -> Any:
                 html.Td(r.world_size),
                 html.Td(r.ranks_seen),
                 html.Td("—" if r.last_step is None else r.last_step),
-                html.Td(_ago(r.updated_at)),
+                html.Td(ago(r.updated_at)),
             ]
         )
         for r in runs
@@ -93,6 +82,7 @@ def run_layout(name: str, *, refresh_s: float) -> html.Div:
             dcc.Store(id="run-name", data=name),
             html.Div(id="run-header", children=html.H2(name)),
             html.Div(id="run-notice"),
+            html.Div(id="run-alerts"),
             html.Div(id="run-ranks"),
             *[dcc.Graph(id=f"run-{g}", **graph) for g in RUN_GRAPHS],
             dcc.Interval(id="run-interval", interval=int(refresh_s * 1000)),
@@ -189,7 +179,7 @@ def run_header(client: Client, name: str) -> Any:
         ("status", html.Span(run.status, className=f"status status-{run.status}")),
         ("ranks", f"{run.ranks_seen} / {run.world_size}"),
         ("step", "—" if run.last_step is None else str(run.last_step)),
-        ("updated", _ago(run.updated_at)),
+        ("updated", ago(run.updated_at)),
     ]
     return html.Div(
         [
@@ -203,6 +193,26 @@ def run_header(client: Client, name: str) -> Any:
             ),
         ]
     )
+
+
+def run_alerts(client: Client, name: str) -> Any:
+    """The run's open alerts; an error here leaves the rest of the run page alone."""
+    try:
+        found = client.alerts(run=name, states=alerts.OPEN, limit=20)
+    except Exception as exc:
+        log.exception("run page alerts %s", name)
+        return notice(
+            f"Cannot read this run's alerts: {exc.__class__.__name__}. Retrying.", "error"
+        )
+    return alerts.run_alerts_panel(found, run=name, now=time.time())
+
+
+def _run_names(client: Client) -> list[str]:
+    try:
+        return [r.name for r in client.list_runs()]
+    except Exception:  # the page's own refresh says what is wrong
+        log.exception("alerts page: run names")
+        return []
 
 
 # -- app -------------------------------------------------------------------------
@@ -224,21 +234,36 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
                 [
                     dcc.Link("trainwarden", href="/", className="brand"),
                     dcc.Link("Runs", href="/", className="nav"),
+                    dcc.Link("Alerts", href="/alerts", className="nav"),
                 ],
                 className="topbar",
             ),
             html.Main(id="page", className="page"),
+            dcc.Store(id="page-path"),
         ]
     )
 
-    @app.callback(Output("page", "children"), Input("url", "pathname"))
-    def route(pathname: str | None) -> Any:
+    @app.callback(
+        Output("page", "children"),
+        Output("page-path", "data"),
+        Input("url", "pathname"),
+        State("url", "search"),
+        State("page-path", "data"),
+    )
+    def route(pathname: str | None, search: str | None, shown: str | None) -> Any:
         path = (pathname or "/").rstrip("/") or "/"
+        if path == shown:  # only the query string changed: the page keeps what was typed
+            return dash.no_update, dash.no_update
+        return page(path, search), path
+
+    def page(path: str, search: str | None) -> Any:
         if path == "/":
             return runs_layout()
+        if path == "/alerts":
+            return alerts_page.layout(search, runs=_run_names(client), refresh_s=refresh_s)
         if path.startswith("/runs/"):
             return run_layout(unquote(path[len("/runs/") :]), refresh_s=refresh_s)
-        return _notice(f"No page at {path}. Go to the runs list.", "error")
+        return notice(f"No page at {path}. Go to the runs list.", "error")
 
     @app.callback(Output("runs-table", "children"), Input("runs-interval", "n_intervals"))
     def refresh_runs(_n: int | None) -> Any:
@@ -246,15 +271,18 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
             return runs_table(client)
         except Exception as exc:
             log.exception("runs page")
-            return _notice(
+            return notice(
                 f"Cannot read runs from the collector's database: {exc.__class__.__name__}. "
                 "It retries by itself.",
                 "error",
             )
 
+    alerts_page.register(app, client)
+
     @app.callback(
         Output("run-header", "children"),
         Output("run-notice", "children"),
+        Output("run-alerts", "children"),
         Output("run-ranks", "children"),
         *[Output(f"run-{g}", "figure") for g in RUN_GRAPHS],
         Input("run-interval", "n_intervals"),
@@ -264,15 +292,16 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         try:
             run = client.get_run(name)
             panel = ranks_panel(run, client.gpu(name, since=time.time() - 120), client.events(name))
-            return (run_header(client, name), None, panel, *run_figures(client, name))
+            return (run_header(client, name), None, run_alerts(client, name), panel,
+                    *run_figures(client, name))  # fmt: skip
         except NotFound:
             message = f"Run {name!r} not found. It appears once its first agent reports."
             empty = figures.empty_figure("No data")
-            return (html.H2(name), _notice(message, "error"), None, *[empty] * len(RUN_GRAPHS))
+            return (html.H2(name), notice(message, "error"), None, None, *[empty] * len(RUN_GRAPHS))
         except Exception as exc:
             log.exception("run page %s", name)
             empty = figures.empty_figure("Data unavailable")
             message = f"Cannot read run data: {exc.__class__.__name__}. Retrying."
-            return (html.H2(name), _notice(message, "error"), None, *[empty] * len(RUN_GRAPHS))
+            return (html.H2(name), notice(message, "error"), None, None, *[empty] * len(RUN_GRAPHS))
 
     return app

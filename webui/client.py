@@ -1,12 +1,24 @@
-"""How the UI reads data: through the collector's query layer, never its own SQL."""
+"""How the UI reads data: through the collector's query layer, never its own SQL.
+
+Alerts, silences and actions are read and changed through the collector's API route
+functions, called in-process: an acknowledgement from the page is the same code path
+(checks, refusals, audit trail) as ``POST /api/v1/alerts/{id}/ack``.
+"""
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import Any, Protocol
 
+from fastapi import HTTPException
+from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from trainwarden.collector import queries
+from trainwarden.collector import actions_api, alerts_api, queries
+from trainwarden.collector.actions_api import ActionOut
+from trainwarden.collector.alerts_api import AlertOut, SilenceOut
 from trainwarden.collector.schemas import (
     EventOut,
     FlaggedStep,
@@ -15,6 +27,11 @@ from trainwarden.collector.schemas import (
     RunSummary,
     Series,
 )
+
+
+class Refused(Exception):
+    """The collector refused a change (bad input, wrong state, unknown id); the message
+    says why, in the API's words."""
 
 
 class Client(Protocol):
@@ -30,12 +47,53 @@ class Client(Protocol):
 
     def gpu(self, run: str, *, since: float) -> list[GpuSample]: ...
 
+    def alerts(
+        self, *, run: str | None = None, states: list[str] | None = None, limit: int = 200
+    ) -> list[AlertOut]: ...
+
+    def alert(self, alert_id: int) -> AlertOut: ...
+
+    def silences(self) -> list[SilenceOut]: ...
+
+    def actions(self, *, run: str | None = None, limit: int = 100) -> list[ActionOut]: ...
+
+    def ack(self, alert_id: int, *, by: str, comment: str = "") -> AlertOut: ...
+
+    def silence(
+        self, *, matchers: list[dict[str, Any]], duration_s: float, by: str, comment: str
+    ) -> SilenceOut: ...
+
+    def end_silence(self, silence_id: int) -> SilenceOut: ...
+
+    def decide(self, action_id: int, *, approve: bool, by: str, reason: str = "") -> ActionOut: ...
+
+
+@contextmanager
+def _refusals() -> Iterator[None]:
+    """The API's refusals (HTTP 404/409/422 there) as :class:`Refused` here."""
+    try:
+        yield
+    except HTTPException as exc:
+        raise Refused(str(exc.detail)) from None
+    except queries.NotFound as exc:
+        raise Refused(str(exc)) from None
+    except ValidationError as exc:
+        raise Refused(
+            "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg']}"
+                for e in exc.errors()[:3]
+            )
+        ) from None
+
 
 class LocalClient:
     """Reads in-process from the collector's database (the UI runs inside ``serve``)."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
+        # All that the alert and action routes read from their request: the app's engine.
+        state = SimpleNamespace(engine=engine)
+        self._request: Any = SimpleNamespace(app=SimpleNamespace(state=state))
 
     def list_runs(self) -> list[RunSummary]:
         with self._engine.connect() as conn:
@@ -60,3 +118,46 @@ class LocalClient:
     def gpu(self, run: str, *, since: float) -> list[GpuSample]:
         with self._engine.connect() as conn:
             return queries.gpu_samples(conn, run=run, since=since)
+
+    # -- alerts, silences, actions: the API's own functions ------------------------
+    # No auth yet (issue 10): whoever reaches the UI may acknowledge, silence, approve
+    # and cancel, as whoever reaches the API may.
+
+    def alerts(
+        self, *, run: str | None = None, states: list[str] | None = None, limit: int = 200
+    ) -> list[AlertOut]:
+        return alerts_api.list_alerts(self._request, run=run, state=states or None, limit=limit)  # type: ignore[arg-type]
+
+    def alert(self, alert_id: int) -> AlertOut:
+        with _refusals():
+            return alerts_api.get_alert(alert_id, self._request)
+
+    def silences(self) -> list[SilenceOut]:
+        return alerts_api.list_silences(self._request)
+
+    def actions(self, *, run: str | None = None, limit: int = 100) -> list[ActionOut]:
+        return actions_api.list_actions(self._request, run=run, limit=limit)
+
+    def ack(self, alert_id: int, *, by: str, comment: str = "") -> AlertOut:
+        with _refusals():
+            body = alerts_api.AckIn(by=by, comment=comment)
+            return alerts_api.ack_alert(alert_id, body, self._request)
+
+    def silence(
+        self, *, matchers: list[dict[str, Any]], duration_s: float, by: str, comment: str
+    ) -> SilenceOut:
+        with _refusals():
+            body = alerts_api.SilenceIn.model_validate(
+                dict(matchers=matchers, duration_s=duration_s, created_by=by, comment=comment)
+            )
+            return alerts_api.create_silence(body, self._request)
+
+    def end_silence(self, silence_id: int) -> SilenceOut:
+        with _refusals():
+            return alerts_api.expire_silence(silence_id, self._request)
+
+    def decide(self, action_id: int, *, approve: bool, by: str, reason: str = "") -> ActionOut:
+        with _refusals():
+            body = actions_api.ByIn(by=by, reason=reason)
+            route = actions_api.approve_action if approve else actions_api.cancel_action
+            return route(action_id, body, self._request)

@@ -1,0 +1,43 @@
+"""Small pieces every page uses: times people read at a glance, and notices."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+from dash import html
+
+
+def _span(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"
+
+
+def ago(ts: float, now: float | None = None) -> str:
+    """``"12s ago"``, ``"5 min ago"``; past 90 minutes, the date and time."""
+    seconds = max(0.0, (time.time() if now is None else now) - ts)
+    if seconds < 5400:
+        return f"{_span(seconds)} ago"
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+
+
+def until(ts: float, now: float | None = None) -> str:
+    """``"in 58 min"``, or ``"ended"``."""
+    seconds = ts - (time.time() if now is None else now)
+    return f"in {_span(seconds)}" if seconds > 0 else "ended"
+
+
+def clock(ts: float, now: float | None = None) -> str:
+    """The local time of day; with the date when it is not today."""
+    when = dt.datetime.fromtimestamp(ts)
+    today = dt.datetime.fromtimestamp(time.time() if now is None else now).date()
+    return when.strftime("%H:%M:%S" if when.date() == today else "%Y-%m-%d %H:%M")
+
+
+def notice(text: str, kind: str = "info") -> html.Div:
+    return html.Div(text, className=f"notice notice-{kind}")
