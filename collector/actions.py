@@ -181,6 +181,7 @@ class _Ctx:
     conn: Connection
     now: float
     events: list[dict[str, Any]] = field(default_factory=list)
+    evictions: list[tuple[int, Any]] = field(default_factory=list)  # started after the commit
 
 
 def _history(row: Any, state: str, by: str | None, detail: str | None, now: float) -> list[dict[str, Any]]:  # fmt: skip
@@ -258,6 +259,13 @@ class ActionEngine:
             _store_events(conn, ctx.events, now)
             self._close_commands(ctx)
             self.board.refresh(conn)
+        # Only once the action is on record as executing: a pass whose transaction failed
+        # leaves it approved, and must not have started the backend (it would run twice).
+        timeout = self.policy.evict.timeout.value
+        for action_id, eviction in ctx.evictions:
+            self._evictions[action_id] = self._pool.submit(
+                self.backend.evict, eviction, timeout_s=timeout
+            )
 
     def _close_commands(self, ctx: _Ctx) -> None:
         """Stop sending the commands of finished actions once the ranks have had time to
@@ -527,9 +535,7 @@ class ActionEngine:
         except ValueError as exc:
             self._finish(ctx, row, "failed", reason=f"cannot evict {row.node!r}: {exc}")
             return
-        self._evictions[row.id] = self._pool.submit(
-            self.backend.evict, eviction, timeout_s=pol.timeout.value
-        )
+        ctx.evictions.append((row.id, eviction))
         self._set(ctx, row, "executing", detail=f"evicting {row.node} through {self.backend.name}",
                   plan={"node": row.node, "ranks": list(ranks), "backend": self.backend.name, "started_at": ctx.now})  # fmt: skip
 
