@@ -4,6 +4,7 @@ stand in for PagerDuty, Slack and webhooks, record what they get and answer as t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import re
 import textwrap
@@ -52,6 +53,12 @@ def note(status: str = "firing", *, alert_id: int = 1, **labels: str) -> Notific
         ends_at=None if status == "firing" else now,
         generator_url=RUN_URL,
     )
+
+
+def episode(**labels: str) -> tuple[Notification, Notification]:
+    """One alert firing and then resolved: the same start, to the millisecond."""
+    firing = note("firing", **labels)
+    return firing, dataclasses.replace(firing, status="resolved", ends_at=firing.starts_at + 60)
 
 
 @pytest.fixture
@@ -110,7 +117,7 @@ def test_alertmanager_shows_the_alert_with_its_runbook_and_resolves_it(
         routes:
           - receivers: [am]
         """)  # fmt: skip
-    firing, resolved = note("firing"), note("resolved")
+    firing, resolved = episode()
     attempts: list[Attempt] = []
 
     def hooked(status: str) -> list[Any]:
@@ -167,7 +174,7 @@ def test_pagerduty_slack_and_webhook_get_their_own_shapes(
         routes:
           - receivers: [pd, chat, hook]
         """)  # fmt: skip
-    firing, resolved = note("firing"), note("resolved")
+    firing, resolved = episode()
     attempts, d = deliver(cfg, firing, resolved)
     assert (d.sent, d.failed, d.dropped) == (6, 0, 0)
     assert all(a.ok and a.final and a.attempt == 1 for a in attempts)
@@ -283,7 +290,7 @@ def test_a_hung_receiver_delays_neither_other_receivers_nor_other_alerts(
 
 def test_a_resolve_never_overtakes_its_firing(tmp_path: Path, receiver: Receiver) -> None:
     receiver.answer("/slow", "slow")
-    firing, resolved = note("firing"), note("resolved")
+    firing, resolved = episode()
     deliver(hook_config(tmp_path, receiver, "/slow"), firing, resolved)
     assert receiver.log == ["got firing", "answered firing", "got resolved", "answered resolved"]
 
@@ -292,7 +299,7 @@ def test_a_failed_firing_is_not_retried_once_its_resolve_waits(
     tmp_path: Path, receiver: Receiver
 ) -> None:
     receiver.answer("/flaky", 503, 200)
-    firing, resolved = note("firing"), note("resolved")
+    firing, resolved = episode()
     attempts, d = deliver(hook_config(tmp_path, receiver, "/flaky"), firing, resolved)
     assert [r.body["status"] for r in receiver.got("/flaky")] == ["firing", "resolved"]
     assert [(a.status, a.ok, a.final) for a in attempts] == [("firing", False, True), ("resolved", True, True)]  # fmt: skip
