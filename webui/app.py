@@ -13,7 +13,7 @@ import logging
 import os
 import time
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 import dash
 from dash import Input, Output, State, dcc, html
@@ -49,14 +49,37 @@ def runs_table(client: Client) -> Any:
             "No runs yet. Add the agent to a trainer (tw.init(run=..., url=...)) "
             "or start `trainwarden demo`; runs appear here within seconds."
         )
+    firing: dict[str, int] = {}
+    for a in client.alerts(states=["firing"], limit=10_000):
+        firing[a.run] = firing.get(a.run, 0) + 1
     header = html.Tr(
-        [html.Th(h) for h in ("Run", "Status", "World size", "Ranks seen", "Last step", "Updated")]
+        [
+            html.Th(h)
+            for h in (
+                "Run",
+                "Status",
+                "Firing alerts",
+                "World size",
+                "Ranks seen",
+                "Last step",
+                "Updated",
+            )
+        ]  # fmt: skip
     )
     rows = [
         html.Tr(
             [
                 html.Td(dcc.Link(r.name, href=f"/runs/{r.name}", className="run-link")),
                 html.Td(html.Span(r.status, className=f"status status-{r.status}")),
+                html.Td(
+                    dcc.Link(
+                        str(firing[r.name]),
+                        href=f"/alerts?run={quote(r.name)}&state=firing",
+                        className="firing-count",
+                    )
+                    if r.name in firing
+                    else "—"
+                ),  # fmt: skip
                 html.Td(r.world_size),
                 html.Td(r.ranks_seen),
                 html.Td("—" if r.last_step is None else r.last_step),

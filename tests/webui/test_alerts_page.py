@@ -271,3 +271,25 @@ def test_buttons_act_through_the_api_code_and_say_why_not(engine) -> None:  # ty
         client.ack(999_999, by="ana")
     message, kind = perform(client, {"type": "alerts-approve", "index": 999_999}, by="ana", form=form)  # fmt: skip
     assert (kind, message) == ("error", "Not done: action 999999 not found.")
+
+
+def test_the_runs_list_counts_each_runs_firing_alerts_and_links_them() -> None:
+    from types import SimpleNamespace
+
+    from trainwarden.webui.app import runs_table
+
+    class Runs:
+        def list_runs(self) -> list[Any]:
+            return [SimpleNamespace(name=n, status="running", world_size=2, ranks_seen=2, last_step=5,
+                                    updated_at=time.time()) for n in ("r1", "quiet run")]  # fmt: skip
+
+        def alerts(self, *, states: list[str] | None = None, **_: Any) -> list[AlertOut]:
+            assert states == ["firing"]
+            return [alert(id=1), alert(id=2, rank=0), alert(id=3, run="other")]
+
+    table = runs_table(Runs())  # type: ignore[arg-type]
+    rows = table.children[1].children
+    cells = {row.children[0].children.children: row.children[2].children for row in rows}
+    assert (cells["r1"].children, cells["r1"].href) == ("2", "/alerts?run=r1&state=firing")
+    assert cells["quiet run"] == "—"
+    assert "Firing alerts" in [th.children for th in table.children[0].children.children]
