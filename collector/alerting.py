@@ -33,7 +33,6 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -348,9 +347,6 @@ class AlertEngine:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.deliveries: deque[Any] = deque(maxlen=100_000)  # attempts waiting to be stored
-        self.passes = 0
-        self.last_pass: PassResult | None = None
-        self.notify_latency: deque[float] = deque(maxlen=1000)  # record arrival -> submit, s
 
     # -- the thread ---------------------------------------------------------------
 
@@ -408,8 +404,6 @@ class AlertEngine:
             self.metrics.alert_pass_seconds.observe(result.seconds)
             for note in notes:
                 self.metrics.alert_notifications.labels(note.status).inc()
-        self.passes += 1
-        self.last_pass = result
         return result
 
     def _pass(self, conn: Connection, now: float, fast_only: bool, notes: list[Any]) -> PassResult:
@@ -643,7 +637,6 @@ class NotifierThread:
         self.dispatcher = dispatcher
         self._loop: asyncio.AbstractEventLoop | None = None
         self._ready = threading.Event()
-        self._done: Future[None] = Future()
         self._thread = threading.Thread(target=self._run, name="trainwarden-notify", daemon=True)
 
     def start(self) -> None:
