@@ -4,18 +4,23 @@ They ride back on the agent's own requests (the ingest answer lists the commands
 this rank), arrive on the exporter thread, and are applied on the training thread at
 a step boundary: the hot path pays one attribute read while nothing is pending.
 
-A rollback must happen at the same step on every rank, or the ranks' models diverge.
-It has two phases:
+A rollback must happen at the same step on every rank, or the ranks' models diverge,
+and as soon as possible: every step run after the anomaly is thrown away. It has two
+phases, and the ranks *hold* in between:
 
-1. **prepare** names a barrier step ``B``. A rank that has not finished ``B`` yet
-   *arms* (and says so); a rank already past it refuses.
-2. The collector sends **commit** only when every rank has armed, else **abort**. An
-   armed rank that finishes step ``B`` waits there, polling the collector, until it
-   learns which; on commit it calls the trainer's ``tw.on_rollback`` handler, so every
-   rank restores the same checkpoint after the same step. (A rank that cannot learn
-   the decision within ``decision_timeout_s`` goes on training and says so: it cannot
-   have been committed without it, as commit needs every rank armed, but a collector
-   that fails between the two messages leaves the ranks in doubt; that is logged.)
+1. **prepare**: each rank answers at once, from the exporter thread, with the last step
+   it finished (``f``), and *holds* at its next step boundary (at most ``f + 1``; the
+   training thread is never waited for, since it may sit in a collective with a rank
+   that already holds).
+2. The collector sends **commit** once every rank has answered, naming the barrier
+   ``B = max(f) + 1``: no rank can be past it. A rank held before ``B`` trains on to
+   ``B``; at ``B`` it calls the trainer's ``tw.on_rollback`` handler, so every rank
+   restores the same checkpoint after the same step. In data-parallel lockstep the
+   ranks' ``f`` differ by at most one, so the restore comes at most two steps after the
+   command reached them. If a rank cannot answer, the collector sends **abort** (and
+   tries again). A rank that cannot learn the decision within ``decision_timeout_s``
+   goes on training and says so: a collector that fails between the two messages
+   leaves the ranks in doubt; that is logged.
 
 A **stop** command ends the process at the next step boundary with
 :data:`STOPPED_EXIT_CODE`, after flushing, so a launcher (torchrun elastic, Slurm
@@ -58,12 +63,14 @@ class RollbackPlan:
     """The last step run before the rollback, the same on every rank."""
 
     @classmethod
-    def of(cls, body: dict[str, Any]) -> RollbackPlan:
-        p = body["plan"]
-        return cls(action=int(body["action"]), checkpoint_step=int(p["checkpoint_step"]),
+    def of(cls, prepare: dict[str, Any], commit: dict[str, Any]) -> RollbackPlan:
+        """The plan of a prepare command, with the barrier (and the data window's end,
+        known only then) from its commit."""
+        p = prepare["plan"]
+        return cls(action=int(prepare["action"]), checkpoint_step=int(p["checkpoint_step"]),
                    checkpoint_path=str(p["checkpoint_path"]), skip_from=int(p["skip_from"]),
-                   skip_to=int(p["skip_to"]), lr_scale=p.get("lr_scale"), reason=str(p.get("reason", "")),
-                   barrier_step=int(body["barrier_step"]))  # fmt: skip
+                   skip_to=int(commit.get("skip_to", p["skip_to"])), lr_scale=p.get("lr_scale"),
+                   reason=str(p.get("reason", "")), barrier_step=int(commit["barrier_step"]))  # fmt: skip
 
 
 class Commands:
@@ -73,8 +80,10 @@ class Commands:
         self.pending = False  # read on the hot path: anything to do at the next boundary
         self._inbox: deque[dict[str, Any]] = deque()
         self._seen: set[int] = set()
+        self._answered: set[int] = set()
         self._lock = threading.Lock()
-        self._decisions: dict[tuple[int, Any], str] = {}  # (action, attempt) -> commit | abort
+        # (action, attempt) -> its commit or abort
+        self._decisions: dict[tuple[int, Any], dict[str, Any]] = {}
         self._armed: dict[str, Any] | None = None
         self._handlers: list[Callable[[RollbackPlan], Any]] = []
         self._skip: list[tuple[int, int]] = []
@@ -104,26 +113,42 @@ class Commands:
                     continue
                 self._seen.add(c["id"])
                 if c.get("type") == "rollback" and c.get("phase") in ("commit", "abort"):
-                    self._decisions[(int(c["action"]), c.get("attempt"))] = c["phase"]
+                    self._decisions[_key(c)] = c
                 self._inbox.append(c)
-                self.pending = True
+                self.pending = True  # before the step is read below: see _answer_prepare
+        for c in commands:
+            if isinstance(c, dict) and c.get("type") == "rollback" and c.get("phase") == "prepare":
+                self._answer_prepare(c)
+
+    def _answer_prepare(self, c: dict[str, Any]) -> None:
+        """Answer a prepare at once, with the last step finished. ``pending`` was set
+        first and the training thread writes its step before reading ``pending``, so the
+        rank holds at most one step past the step it reports."""
+        if c["id"] in self._answered:
+            return
+        self._answered.add(c["id"])
+        if not self._handlers:
+            self._ack(c, armed=False, error="no tw.on_rollback(handler) in this trainer")
+        else:
+            self._ack(c, armed=True)  # the event's step: the last step finished
 
     # -- the training thread ----------------------------------------------------------------
 
     def at_boundary(self, finished: int) -> None:
         """Called after step ``finished`` ended, when something is pending."""
-        with self._lock:
-            inbox, self._inbox = list(self._inbox), deque()
-        for c in inbox:
-            try:
-                self._handle(c, finished)
-            except SystemExit:
-                raise
-            except Exception:
-                log.exception("trainwarden: command %s failed", c.get("id"))
-        armed = self._armed
-        if armed is not None and finished >= armed["barrier_step"]:
-            self._decide(armed, finished)
+        superseded = True
+        while superseded:  # a later prepare arrived while this rank held: hold for it
+            with self._lock:
+                inbox, self._inbox = list(self._inbox), deque()
+            for c in inbox:
+                try:
+                    self._handle(c, finished)
+                except SystemExit:
+                    raise
+                except Exception:
+                    log.exception("trainwarden: command %s failed", c.get("id"))
+            armed = self._armed
+            superseded = armed is not None and self._decide(armed, finished)
         with self._lock:
             self.pending = bool(self._inbox) or self._armed is not None
 
@@ -137,45 +162,49 @@ class Commands:
         if kind == "stop":
             self._stop(c)
         elif kind == "rollback" and c.get("phase") == "prepare":
-            barrier = int(c["barrier_step"])
-            if not self._handlers:
-                self._ack(c, armed=False, error="no tw.on_rollback(handler) in this trainer")
-            elif finished >= barrier:
-                self._ack(
-                    c, armed=False, error=f"already past the barrier step {barrier} (at {finished})"
-                )
-            else:  # a later attempt of the same rollback replaces an earlier one
+            if self._handlers:  # a later attempt of the same rollback replaces an earlier one
                 self._armed = c
-                self._ack(c, armed=True)
-        elif kind == "rollback" and (self._armed is None or _key(self._armed) != _key(c)):
-            self._ack(
-                c, applied=False, note="not armed for this action"
-            )  # a decision it had no part in
+        elif kind == "rollback" and c.get("phase") == "commit" and (self._armed is None or _key(self._armed) != _key(c)):  # fmt: skip
+            self._ack(c, applied=False, error="not holding for this rollback (its wait had timed out)")  # fmt: skip
 
-    def _decide(self, armed: dict[str, Any], finished: int) -> None:
+    def _decide(self, armed: dict[str, Any], finished: int) -> bool:
+        """Hold here until the decision on ``armed`` is known; apply it once at its
+        barrier. True when a later prepare of the same rollback ended the wait."""
         action, key = int(armed["action"]), _key(armed)
-        deadline = time.monotonic() + self.decision_timeout_s
-        while key not in self._decisions and time.monotonic() < deadline:
-            self._agent.poll_soon()  # ask the collector now: the answer carries the decision
-            time.sleep(0.05)
-            with self._lock:  # a later prepare of the same rollback supersedes this one
-                later = [
-                    c
-                    for c in self._inbox
-                    if c.get("phase") == "prepare" and int(c.get("action", -1)) == action
-                ]
-            if later:
-                break
-        self._armed = None
+        if key not in self._decisions:
+            started = time.monotonic()
+            deadline = started + self.decision_timeout_s
+            while key not in self._decisions and time.monotonic() < deadline:
+                self._agent.poll_soon()  # ask the collector now: the answer carries the decision
+                time.sleep(0.02)
+                with self._lock:  # a later prepare of the same rollback supersedes this one
+                    later = [c for c in self._inbox
+                             if c.get("phase") == "prepare" and int(c.get("action", -1)) == action]  # fmt: skip
+                if later:
+                    self._armed = None
+                    return True
         decision = self._decisions.get(key)
-        commit = {"id": armed["id"], "action": action, "phase": decision or "timeout"}
-        if decision != "commit":
+        reply = {
+            "id": armed["id"],
+            "action": action,
+            "phase": (decision or {}).get("phase", "timeout"),
+        }
+        if decision is None or decision["phase"] != "commit":
+            self._armed = None
             if decision is None:
                 log.error("trainwarden: no decision on rollback %s within %.0fs; training on",
                           action, self.decision_timeout_s)  # fmt: skip
-            self._ack(commit, applied=False, decision=decision or "timeout", barrier_step=finished)
-            return
-        plan = RollbackPlan.of(armed)
+            self._ack(reply, applied=False, decision=reply["phase"], barrier_step=finished)
+            return False
+        barrier = int(decision["barrier_step"])
+        if finished < barrier:
+            return False  # held before the barrier: train on to it (still armed, still pending)
+        self._armed = None
+        if finished > barrier:  # it did not hold (it could not have, had it answered)
+            self._ack(reply, applied=False, error=f"already past the barrier step {barrier} (at {finished})",
+                      barrier_step=finished)  # fmt: skip
+            return False
+        plan = RollbackPlan.of(armed, decision)
         started = time.monotonic()
         try:
             for handler in self._handlers:
@@ -183,16 +212,17 @@ class Commands:
         except Exception as exc:
             log.exception("trainwarden: the rollback handler raised")
             self._ack(
-                commit,
+                reply,
                 applied=False,
                 error=f"{type(exc).__name__}: {exc}"[:500],
                 barrier_step=finished,
             )
-            return
+            return False
         self._skip.append((plan.skip_from, plan.skip_to))
         self.applied.append(plan)
-        self._ack(commit, applied=True, barrier_step=finished, checkpoint_step=plan.checkpoint_step,
+        self._ack(reply, applied=True, barrier_step=finished, checkpoint_step=plan.checkpoint_step,
                   seconds=round(time.monotonic() - started, 3))  # fmt: skip
+        return False
 
     def _stop(self, c: dict[str, Any]) -> None:
         reason = str(c.get("reason") or "stopped by trainwarden")

@@ -16,10 +16,11 @@ Each action is a row of ``actions`` with a state machine and its history::
   it the run is stopped and paged instead); evictions a blast-radius guard (at most a
   fraction of the run's nodes per hour) and a cool-down.
 - **Rollback** (see ``agent/commands.py`` for the rank's side): the newest checkpoint
-  reported before the anomaly's onset (with a margin), the data window to skip, and a
-  barrier step a little ahead of the newest step. Commands ride back on the agents'
-  ingest answers: *prepare* (every live rank arms for the barrier), then *commit* only
-  when all are armed, else *abort* and a retry with a later barrier.
+  reported before the anomaly's onset (with a margin) and the data window to skip.
+  Commands ride back on the agents' ingest answers: *prepare* (every live rank answers
+  with its step and holds at its next step boundary), then *commit* naming the barrier
+  step (one past the newest step answered) once every rank has answered, else *abort*
+  and another attempt.
 - **Evict**: the node goes through the scheduler backend (``collector/evict.py``:
   Slurm, Kubernetes, a command), then the node's ranks get a *stop* command and exit
   with ``STOPPED_EXIT_CODE`` so the launcher restarts the job without them.
@@ -49,7 +50,6 @@ from sqlalchemy import Connection, Engine, and_, insert, or_, select, text, upda
 from trainwarden.alerts.intervals import Duration, Interval
 
 from . import models as m
-from .alerting import median_step_time
 from .db import is_sqlite, write
 
 log = logging.getLogger(__name__)
@@ -85,10 +85,10 @@ class RollbackPolicy(_Strict):
     )
     lr_scale: float | None = Field(default=None, gt=0, le=1)
     budget: Budget = Budget()
-    lead_steps: int | None = Field(default=None, ge=1, description="barrier = newest step + lead")
-    prepare_timeout: Duration = Interval(30.0, "s")
+    prepare_timeout: Duration = Interval(15.0, "s")
+    """How long every rank has to answer the prepare (the others hold meanwhile)."""
     apply_timeout: Duration = Interval(120.0, "s")
-    attempts: int = Field(default=3, ge=1, description="barriers tried before giving up")
+    attempts: int = Field(default=3, ge=1, description="prepares tried before giving up")
 
 
 class EvictPolicy(_Strict):
@@ -389,8 +389,8 @@ class ActionEngine:
         plan["ranks"] = ranks
         plan["prepared_at"] = ctx.now
         _commands(ctx.conn, row, ranks, {"type": "rollback", "phase": "prepare", "action": row.id, "attempt": attempt,
-                                         "barrier_step": plan["barrier_step"], "plan": plan["rollback"]}, ctx.now)  # fmt: skip
-        self._set(ctx, row, "executing", detail=f"prepare: barrier at step {plan['barrier_step']} (attempt {attempt})", plan=plan)  # fmt: skip
+                                         "plan": plan["rollback"]}, ctx.now)  # fmt: skip
+        self._set(ctx, row, "executing", detail=f"prepare: every rank holds at its next step (attempt {attempt})", plan=plan)  # fmt: skip
 
     def _executing_rollback(self, ctx: _Ctx, row: Any) -> None:
         pol = self.policy.rollback
@@ -402,6 +402,8 @@ class ActionEngine:
                 r: acks[r] for r in ranks if r in acks and acks[r].get("phase") == "prepare"
             }
             refused = {r: a for r, a in prepared.items() if not a.get("armed")}
+            refused |= {r: {**a, "error": "stopped holding: no decision within its wait"}
+                        for r, a in acks.items() if r in ranks and a.get("phase") == "timeout"}  # fmt: skip
             if refused or ctx.now - plan["prepared_at"] > pol.prepare_timeout.value:
                 why = "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items())) or \
                     f"ranks {sorted(set(ranks) - set(prepared))} did not answer within {pol.prepare_timeout}"  # fmt: skip
@@ -418,9 +420,9 @@ class ActionEngine:
                         "attempt": plan["attempt"],
                     }
                     _commands(ctx.conn, row, ranks, abort, ctx.now)
-                else:  # try again with a later barrier
-                    # Decisions are per attempt: this abort frees a rank holding at this
-                    # barrier now, and cannot decide the next attempt's barrier.
+                else:  # try again
+                    # Decisions are per attempt: this abort frees the ranks holding now,
+                    # and cannot decide the next attempt.
                     ctx.conn.execute(update(m.agent_commands).where(m.agent_commands.c.action_id == row.id).values(done_at=ctx.now))  # fmt: skip
                     abort = {
                         "type": "rollback",
@@ -433,20 +435,18 @@ class ActionEngine:
                               plan={"attempt": plan["attempt"], "checkpoint_step": plan.get("checkpoint_step")})  # fmt: skip
                 return
             if len(prepared) == len(ranks):
-                _commands(
-                    ctx.conn,
-                    row,
-                    ranks,
-                    {
-                        "type": "rollback",
-                        "phase": "commit",
-                        "action": row.id,
-                        "attempt": plan["attempt"],
-                    },
-                    ctx.now,
-                )
-                plan["committed_at"] = ctx.now
-                self._set(ctx, row, "executing", detail="commit: every rank armed", plan=plan)
+                # Each rank holds at most one step past the step it answered with: none can
+                # be past the newest + 1, and in lockstep none is more than one step short.
+                answered = {r: int(a.get("step") or 0) for r, a in prepared.items()}
+                barrier = max(answered.values()) + 1
+                skip_to = barrier + pol.skip_margin_steps
+                commit = {"type": "rollback", "phase": "commit", "action": row.id,
+                          "attempt": plan["attempt"], "barrier_step": barrier, "skip_to": skip_to}  # fmt: skip
+                _commands(ctx.conn, row, ranks, commit, ctx.now)
+                plan.update(committed_at=ctx.now, barrier_step=barrier,
+                            answered_at_step=min(answered.values()))  # fmt: skip
+                plan["rollback"] = {**plan["rollback"], "skip_to": skip_to}
+                self._set(ctx, row, "executing", detail=f"commit: every rank holds; restore after step {barrier}", plan=plan)  # fmt: skip
             return
         done = {
             r: acks[r]
@@ -465,7 +465,9 @@ class ActionEngine:
                                 for r in ranks},
                       "restored_within_s": round(max(a["at"] for a in done.values()) - plan["committed_at"], 3),
                       "since_prepare_s": round(max(a["at"] for a in done.values()) - plan["prepared_at"], 3),
-                      "steps_after_command": plan["barrier_step"] - plan["issued_at_step"]}  # fmt: skip
+                      # steps run from the command reaching the ranks to the restore
+                      "steps_after_command": plan["barrier_step"] - plan["answered_at_step"],
+                      "steps_after_issue": plan["barrier_step"] - plan["issued_at_step"]}  # fmt: skip
             self._finish(ctx, row, "done", result=result)
         elif ctx.now - plan["committed_at"] > pol.apply_timeout.value:
             self._finish(ctx, row, "failed", reason=f"ranks {sorted(set(ranks) - set(done))} did not restore within {pol.apply_timeout}")  # fmt: skip
@@ -629,7 +631,8 @@ def _dry_run(conn: Connection, policy: ActionPolicy, action_id: int, now: float)
 def rollback_plan(
     conn: Connection, row: Any, pol: RollbackPolicy
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """The newest checkpoint before the anomaly's onset, the data to skip, the barrier."""
+    """The newest checkpoint before the anomaly's onset and the data to skip (the end of
+    the window is set again at commit, from the barrier)."""
     run = conn.execute(select(m.runs).where(m.runs.c.id == row.run_id)).one()
     onset_step, onset_ts = run.last_step or 0, math.inf
     given = (row.plan or {}).get("checkpoint_step")
@@ -658,15 +661,10 @@ def rollback_plan(
                           f"reported: {known or 'none (call tw.checkpoint_saved)'}")  # fmt: skip
     step, _, path = max(good, key=lambda c: (c[0], c[1]))
     newest = max((r for (r,) in conn.execute(select(m.ranks.c.last_step).where(m.ranks.c.run_id == row.run_id)) if r is not None), default=run.last_step or 0)  # fmt: skip
-    median = median_step_time(conn, row.run_id) or 1.0
-    lead = pol.lead_steps or max(
-        3, math.ceil(2.0 / median) + 2
-    )  # ~2 s: the agents' flush + the round trip
     plan = {
-        "barrier_step": newest + lead,
         "issued_at_step": newest,
         "rollback": {"checkpoint_step": step, "checkpoint_path": path or "", "skip_from": step + 1,
-                     "skip_to": newest + lead + pol.skip_margin_steps, "lr_scale": pol.lr_scale,
+                     "skip_to": newest + pol.skip_margin_steps, "lr_scale": pol.lr_scale,
                      "reason": f"{row.trigger}: onset at step {onset_step}"},
     }  # fmt: skip
     return plan, None
@@ -704,12 +702,12 @@ def _acks(conn: Connection, row: Any, *, since: float, phase: str) -> dict[int, 
            if at >= since and (body.get("phase") or body.get("type")) == phase}  # fmt: skip
     e = m.events.c
     out: dict[int, dict[str, Any]] = {}
-    for rank, ts, recv_ts, data in conn.execute(
-        select(e.rank, e.ts, e.recv_ts, e.data).where(e.run_id == row.run_id, e.kind == "command_ack",
-                                                      e.recv_ts >= since).order_by(e.id)
+    for rank, step, ts, recv_ts, data in conn.execute(
+        select(e.rank, e.step, e.ts, e.recv_ts, e.data).where(e.run_id == row.run_id, e.kind == "command_ack",
+                                                              e.recv_ts >= since).order_by(e.id)
     ):  # fmt: skip
         if (data or {}).get("command") in ids and rank is not None:
-            out[rank] = {**data, "at": recv_ts, "ts": ts}
+            out[rank] = {**data, "step": step, "at": recv_ts, "ts": ts}
     return out
 
 

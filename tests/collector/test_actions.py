@@ -37,7 +37,7 @@ from .helpers import batch
 T0 = 1_700_000_000.0
 RUN = "r1"
 RULES = {r.name: r for r in load_rule_packs()}
-AUTO_ROLLBACK = {"rollback": {"mode": "auto", "margin_steps": 2, "skip_margin_steps": 5, "lead_steps": 3}}  # fmt: skip
+AUTO_ROLLBACK = {"rollback": {"mode": "auto", "margin_steps": 2, "skip_margin_steps": 5}}
 
 
 # -- a training run, as the collector sees it ------------------------------------------
@@ -45,9 +45,10 @@ AUTO_ROLLBACK = {"rollback": {"mode": "auto", "margin_steps": 2, "skip_margin_st
 
 class Rank:
     """One rank: trains, reports a checkpoint every 10 steps (rank 0, as trainers do), and
-    handles its commands with the agent's own code (``Commands``) between steps. Armed
-    for a rollback, it holds at the barrier step until the decision arrives, as the agent
-    does (it polls the collector meanwhile: here, the next ``exchange``). ``handler``: what
+    handles its commands with the agent's own code (``Commands``) between steps. Having
+    answered a rollback's prepare, it holds at its next step boundary until the decision
+    arrives, as the agent does (it polls the collector meanwhile: here, the next
+    ``exchange``), then trains on to the barrier the commit names. ``handler``: what
     its ``tw.on_rollback`` does, ``"restore"`` or ``"raise"``; ``None``: it has none."""
 
     def __init__(self, run: Cluster, rank: int, node: str, handler: str | None) -> None:
@@ -61,16 +62,10 @@ class Rank:
         self.restored: list[RollbackPlan] = []
         self.exit_code: int | None = None
         self.silent = False  # sends nothing and hears nothing (a partitioned host)
-        self._barriers: dict[
-            int, tuple[int, int]
-        ] = {}  # prepare command id -> (barrier step, attempt)
-        self._armed: tuple[int, int, int] | None = (
-            None  # (action, barrier, attempt), from its own ack
-        )
-        self._decided: set[tuple[int, int]] = (
-            set()
-        )  # (action, attempt) whose commit or abort arrived
-        self._held: int | None = None  # the barrier step it waits at
+        self._prepares: dict[int, int] = {}  # prepare command id -> attempt
+        self._armed: tuple[int, int] | None = None  # (action, attempt), from its own ack
+        self._decided: set[tuple[int, int]] = set()  # (action, attempt): commit or abort came
+        self._held: int | None = None  # the step it holds after
         self._n = 0
         if handler is not None:
             self.commands.on_rollback(self._on_rollback)
@@ -84,8 +79,8 @@ class Rank:
         if kind == "command_ack":
             self.acks.append(data)
             if data.get("armed"):
-                self._armed = (data["action"], *self._barriers[data["command"]])
-            elif data["command"] in self._barriers and data["phase"] != "prepare":
+                self._armed = (data["action"], self._prepares[data["command"]])
+            elif data["command"] in self._prepares and data["phase"] != "prepare":
                 self._armed = None  # decided (commit, abort, timeout)
 
     def flush_soon(self) -> None: ...
@@ -107,15 +102,13 @@ class Rank:
         self.next_step = plan.checkpoint_step + 1
 
     def train(self, until: int, *, nan_at: int | None = None) -> None:
-        """Steps up to ``until``. Returns early while held at a barrier, after a rollback
-        (the next call goes on from the checkpoint), or when a stop ends the process."""
+        """Steps up to ``until``. Returns early while it holds for a decision, after a
+        rollback (the next call goes on from the checkpoint), or when a stop ends the
+        process."""
         restored = len(self.restored)
         while self.exit_code is None and len(self.restored) == restored:
             if self._held is not None:
-                if (
-                    self._armed is not None
-                    and (self._armed[0], self._armed[2]) not in self._decided
-                ):
+                if self._armed is not None and self._armed not in self._decided:
                     return  # still waiting for the decision
                 n, self._held = self._held, None
                 self._boundary(n)
@@ -128,10 +121,16 @@ class Rank:
             self._last_step = n
             if self.rank == 0 and n % 10 == 0:
                 self.event("checkpoint", step=n, path=f"/ckpt/step-{n}.pt")
-            if self._armed is not None and n >= self._armed[1]:
+            if self._armed is not None and self._armed not in self._decided:
                 self._held = n
             elif self.commands.pending:
                 self._boundary(n)
+
+    def give_up(self) -> None:
+        """Its wait for the decision times out (the agent's ``decision_timeout_s``)."""
+        assert self._held is not None, "it does not hold"
+        n, self._held = self._held, None
+        self._boundary(n)
 
     def _boundary(self, n: int) -> None:
         try:
@@ -155,7 +154,7 @@ class Rank:
         if self.exit_code is None:
             for c in commands:
                 if c.get("phase") == "prepare":
-                    self._barriers[c["id"]] = (c["barrier_step"], c["attempt"])
+                    self._prepares[c["id"]] = c["attempt"]
                 elif c.get("phase") in ("commit", "abort"):
                     self._decided.add((c["action"], c["attempt"]))
             self.commands.receive(commands)
@@ -315,7 +314,8 @@ def test_require_ack_acts_once_its_alert_is_acknowledged(cluster: Any) -> None:
     assert (approved["state"], approved["approver"]) == ("approved", "ana")
     assert approved["history"][-1] == {"at": run.now, "state": "approved", "by": "ana", "detail": "its alert was acknowledged"}  # fmt: skip
     (executing,) = run.act()
-    assert executing["state"] == "executing" and executing["plan"]["barrier_step"] == 38 + 3
+    assert executing["state"] == "executing" and executing["plan"]["issued_at_step"] == 38
+    assert "barrier_step" not in executing["plan"]  # set at commit, from the ranks' answers
     assert {r for r, cmds in run.exchange().items() if cmds} == {0, 1}
 
 
@@ -381,52 +381,61 @@ def test_rollback_restores_every_rank_after_the_same_step(cluster: Any) -> None:
     plan = rollback["plan"]
     assert plan["rollback"] == {
         "checkpoint_step": 30, "checkpoint_path": "/ckpt/step-30.pt", "skip_from": 31,
-        "skip_to": 35 + 3 + 5, "lr_scale": None, "reason": "rule:NonFiniteLoss: onset at step 35",
+        "skip_to": 35 + 5, "lr_scale": None, "reason": "rule:NonFiniteLoss: onset at step 35",
     }  # fmt: skip
-    assert (plan["barrier_step"], plan["issued_at_step"], plan["ranks"], plan["attempt"]) == (38, 35, [0, 1], 1)  # fmt: skip
+    assert (plan["issued_at_step"], plan["ranks"], plan["attempt"]) == (35, [0, 1], 1)
+    assert "barrier_step" not in plan
 
     run.tick()
-    sent = run.exchange()
+    sent = run.exchange()  # each rank answers at once, with the last step it finished ...
     for r in (0, 1):
         (prepare,) = sent[r]
         assert prepare == {"id": prepare["id"], "type": "rollback", "phase": "prepare", "action": rollback["id"],
-                           "attempt": 1, "barrier_step": 38, "plan": plan["rollback"]}  # fmt: skip
+                           "attempt": 1, "plan": plan["rollback"]}  # fmt: skip
     assert {c["delivered_at"] for c in commands(run, rollback["id"])} == {run.now}
-    run.train(36)  # each rank arms at its next step boundary ...
-    run.exchange()
+    assert [r.events[-1]["step"] for r in run.ranks] == [35, 35]
     assert [r.acks[-1] for r in run.ranks] == [
-        {"command": sent[r][0]["id"], "action": rollback["id"], "phase": "prepare", "armed": True} for r in (0, 1)
+        {"command": sent[r][0]["id"], "action": rollback["id"], "phase": "prepare", "armed": True}
+        for r in (0, 1)
     ]  # fmt: skip
-    (rollback,) = run.act()  # ... and once every rank has, the collector commits
-    assert rollback["state"] == "executing" and rollback["plan"]["committed_at"] == run.now
+    run.train(45)  # ... and holds at its next step boundary
+    assert [r.last_step for r in run.ranks] == [36, 36]
+    run.exchange()
+    (rollback,) = run.act()  # every rank answered: the collector commits, barrier 35 + 1
+    plan = rollback["plan"]
+    assert rollback["state"] == "executing" and plan["committed_at"] == run.now
+    assert (plan["barrier_step"], plan["answered_at_step"], plan["rollback"]["skip_to"]) == (36, 35, 36 + 5)  # fmt: skip
     run.tick()
     commits = run.exchange()  # the prepare too: a command is sent until its action is over
     assert [[c["phase"] for c in commits[r]] for r in (0, 1)] == [["prepare", "commit"]] * 2
-    run.train(45)  # both hold after step 38 and restore there
-    assert [(r.last_step, [p.checkpoint_step for p in r.restored]) for r in run.ranks] == [(38, [30])] * 2  # fmt: skip
+    assert commits[0][1] | {"barrier_step": 36, "skip_to": 41, "attempt": 1} == commits[0][1]
+    run.train(45)  # both restore where they hold, after step 36
+    assert [(r.last_step, [p.checkpoint_step for p in r.restored]) for r in run.ranks] == [(36, [30])] * 2  # fmt: skip
+    assert [r.restored[0].barrier_step for r in run.ranks] == [36, 36]
     run.exchange()
     (done,) = run.act()
     assert done["state"] == "done" and done["finished_at"] == run.now
     per_rank = done["result"]["ranks"]
     assert {r: (a["barrier_step"], a["checkpoint_step"], a["at"]) for r, a in per_rank.items()} == {
-        "0": (38, 30, run.now), "1": (38, 30, run.now),
+        "0": (36, 30, run.now), "1": (36, 30, run.now),
     }  # fmt: skip
     assert all(0 <= a["seconds"] < 1 for a in per_rank.values())  # how long the handler took
-    assert (done["result"]["restored_within_s"], done["result"]["steps_after_command"]) == (1.0, 3)
+    result = done["result"]
+    assert (result["restored_within_s"], result["steps_after_command"], result["steps_after_issue"]) == (1.0, 1, 1)  # fmt: skip
     assert {c["done_at"] for c in commands(run, done["id"])} == {run.now}
     assert run.exchange() == {0: [], 1: []}  # nothing left to send
     assert states(done) == ["proposed", "approved", "executing", "executing", "done"]
 
     # The ranks go on from step 31, skipping the data window; the alerts do not act again.
     run.train(50)
-    assert [b for b in range(29, 46) if run.ranks[0].commands.should_skip_batch(b)] == list(range(31, 44))  # fmt: skip
+    assert [b for b in range(29, 46) if run.ranks[0].commands.should_skip_batch(b)] == list(range(31, 42))  # fmt: skip
     for _ in range(3):
         assert [a["state"] for a in run.second()] == ["done"]
     timeline = [(e["data"]["state"], e["data"].get("detail")) for e in events(run.engine, "action")]
     assert timeline == [
         ("approved", None),
-        ("executing", "prepare: barrier at step 38 (attempt 1)"),
-        ("executing", "commit: every rank armed"),
+        ("executing", "prepare: every rank holds at its next step (attempt 1)"),
+        ("executing", "commit: every rank holds; restore after step 36"),
         ("done", None),
     ]
     assert events(run.engine, "action_failed") == []
@@ -449,81 +458,79 @@ def test_a_rollback_without_a_good_checkpoint_fails_and_pages(cluster: Any) -> N
     assert "action_failed" in paged[0]["annotations"]["description"]
 
 
-def test_ranks_past_the_barrier_abort_the_attempt_and_a_later_barrier_is_tried(cluster: Any) -> None:  # fmt: skip
+def test_ranks_that_hear_of_it_at_different_steps_restore_after_the_same_step(cluster: Any) -> None:  # fmt: skip
     run = cluster(AUTO_ROLLBACK)
     run.spike()
-    (first,) = run.act()
-    assert first["plan"]["barrier_step"] == 38
-    run.train(40)  # the ranks ran further than the collector knew before they heard of it
+    (rollback,) = run.act()
+    run.tick()
+    run.exchange([0])  # rank 0 hears of it after step 35 and holds after 36 ...
+    run.train(37)  # ... while rank 1, whose answers are late, trains on to 37
+    assert [r.last_step for r in run.ranks] == [36, 37]
+    run.exchange()  # rank 1 answers with 37 and holds after 38
+    run.train(40)
+    assert [r.last_step for r in run.ranks] == [36, 38]
+    run.exchange()
+    (rollback,) = run.act()
+    assert (rollback["plan"]["barrier_step"], rollback["plan"]["answered_at_step"]) == (38, 35)
     run.tick()
     run.exchange()
-    run.train(41)
+    run.train(45)  # rank 0 trains on from 36 to the barrier; both restore after step 38
+    assert [(r.last_step, [(p.barrier_step, p.checkpoint_step) for p in r.restored]) for r in run.ranks] == [
+        (38, [(38, 30)]), (38, [(38, 30)]),
+    ]  # fmt: skip
     run.exchange()
-    past = "already past the barrier step 38 (at 41)"
-    assert [r.acks[-1] | {"armed": False, "error": past} == r.acks[-1] for r in run.ranks] == [True, True]  # fmt: skip
-    (retry,) = run.act()
-    assert (retry["state"], retry["plan"]) == ("approved", {"attempt": 1, "checkpoint_step": None})
-    assert retry["history"][-1]["detail"] == f"aborted attempt 1: rank 0: {past}; rank 1: {past}"
-    sent = commands(run, retry["id"])
-    assert all(
-        c["done_at"] == run.now for c in sent if c["body"]["phase"] == "prepare"
-    )  # attempt 1 is over ...
-    # ... and its abort goes out: it frees a rank holding at barrier 38, never decides 41's.
-    aborts = [(c["body"]["attempt"], c["done_at"]) for c in sent if c["body"]["phase"] == "abort"]
-    assert aborts == [(1, None)] * 2
-    (second,) = run.act()
-    assert (second["state"], second["plan"]["attempt"], second["plan"]["barrier_step"]) == ("executing", 2, 41 + 3)  # fmt: skip
-    done = settle(run, second["id"])
-    assert done["state"] == "done", done["reason"]
-    assert {a["barrier_step"] for a in done["result"]["ranks"].values()} == {44}
-    assert [[p.barrier_step for p in r.restored] for r in run.ranks] == [[44], [44]]
-    assert states(done) == ["proposed", "approved", "executing", "approved", "executing", "executing", "done"]  # fmt: skip
+    (done,) = run.act()
+    assert done["state"] == "done" and done["result"]["steps_after_command"] == 3
+    assert {a["barrier_step"] for a in done["result"]["ranks"].values()} == {38}
 
 
-def test_ranks_always_past_the_barrier_fail_the_rollback_after_its_attempts(cluster: Any) -> None:  # fmt: skip
-    run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "attempts": 2}})
+def test_a_rank_that_never_answers_fails_the_rollback_after_its_attempts(cluster: Any) -> None:
+    run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "attempts": 2, "prepare_timeout": "5s"}})  # fmt: skip
     run.spike()
     (rollback,) = run.act()
-    for attempt in (1, 2):
-        assert (rollback["state"], rollback["plan"]["attempt"]) == ("executing", attempt)
-        barrier = rollback["plan"]["barrier_step"]
-        run.train(barrier + 2)  # the ranks outrun every barrier before they hear of it
-        run.tick()
-        run.exchange()
-        run.train(barrier + 3)
-        run.exchange()
-        (rollback,) = run.act()  # refused: aborted (approved again, or failed) ...
-        (rollback,) = run.act()  # ... and the next attempt prepared
+    run.ranks[1].silent = True
+    details = []
+    for _ in range(20):
+        (rollback,) = run.second()
+        details = [h["detail"] for h in rollback["history"]]
+        if rollback["state"] == "failed":
+            break
     assert rollback["state"] == "failed" and rollback["plan"]["attempt"] == 2
-    past = "already past the barrier step 44 (at 47)"
-    assert rollback["reason"] == f"ranks not ready: rank 0: {past}; rank 1: {past}"
-    assert [h["detail"] for h in rollback["history"] if h["state"] == "executing"] == [
-        "prepare: barrier at step 38 (attempt 1)",
-        "prepare: barrier at step 44 (attempt 2)",
+    assert rollback["reason"] == "ranks not ready: ranks [1] did not answer within 5s"
+    assert [d for d in details if d and d.startswith(("prepare", "aborted"))] == [
+        "prepare: every rank holds at its next step (attempt 1)",
+        "aborted attempt 1: ranks [1] did not answer within 5s",
+        "prepare: every rank holds at its next step (attempt 2)",
     ]
     assert not any(r.restored for r in run.ranks)
+    held = run.ranks[0].last_step
+    run.second()
+    run.second()
+    assert run.ranks[0].last_step == held + 1  # it heard the abort and trains on
+    assert run.ranks[0].acks[-1] | {"phase": "abort", "applied": False, "decision": "abort"} == run.ranks[0].acks[-1]  # fmt: skip
 
 
-def test_a_rank_past_the_barrier_on_the_last_attempt_fails_and_the_armed_rank_hears_abort(cluster: Any) -> None:  # fmt: skip
+def test_a_rank_that_stops_holding_aborts_the_attempt_and_the_other_hears_abort(cluster: Any) -> None:  # fmt: skip
     run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "attempts": 1}})
     run.spike()
     (rollback,) = run.act()
-    run.exchange([0])  # rank 1's answers are late: it hears of the prepare one step later
+    run.exchange([0])  # rank 1 does not hear of it yet
     run.train(37)
+    run.ranks[0].give_up()  # rank 0's wait times out: it trains on without a decision
+    assert run.ranks[0].acks[-1] | {"phase": "timeout", "applied": False, "decision": "timeout", "barrier_step": 36} == run.ranks[0].acks[-1]  # fmt: skip
     run.exchange()
-    run.train(38)  # rank 0 armed at step 36 and holds after 38; rank 1 is at the barrier
+    run.train(38)  # rank 1 holds after 38
     run.exchange()
-    assert (run.ranks[0].acks[-1]["armed"], run.ranks[1].acks[-1]["armed"]) == (True, False)
     (failed,) = run.act()
     assert failed["state"] == "failed"
-    assert failed["reason"] == "ranks not ready: rank 1: already past the barrier step 38 (at 38)"
+    assert failed["reason"] == "ranks not ready: rank 0: stopped holding: no decision within its wait"  # fmt: skip
     assert len(events(run.engine, "action_failed")) == 1
-    # Rank 0 learns of the abort and trains on from the barrier without waiting out its timeout.
+    # Rank 1 learns of the abort and trains on without waiting out its timeout.
     run.tick()
     run.exchange()
     run.train(45)
     assert [(r.last_step, r.restored) for r in run.ranks] == [(45, []), (45, [])]
-    assert run.ranks[0].acks[-1] | {"phase": "abort", "applied": False, "decision": "abort", "barrier_step": 38} == run.ranks[0].acks[-1]  # fmt: skip
+    assert run.ranks[1].acks[-1] | {"phase": "abort", "applied": False, "decision": "abort", "barrier_step": 38} == run.ranks[1].acks[-1]  # fmt: skip
     run.tick(60)
     run.act()
     assert all(c["done_at"] is not None for c in commands(run, rollback["id"]))
@@ -560,13 +567,13 @@ def test_a_rank_that_does_not_answer_the_prepare_times_it_out(cluster: Any) -> N
     for _ in range(20):
         (row,) = run.second()
         assert row["state"] == "executing"
-    assert run.ranks[0].last_step == 38  # armed, it holds at the barrier ...
+    assert run.ranks[0].last_step == 37  # it answered after step 36 and holds after 37 ...
     (failed,) = run.second()
     assert (failed["state"], failed["finished_at"]) == ("failed", rollback["plan"]["prepared_at"] + 21)  # fmt: skip
     assert failed["reason"] == "ranks not ready: ranks [1] did not answer within 20s"
     run.second()
     run.second()
-    assert run.ranks[0].last_step == 39  # ... and went on when it heard the abort
+    assert run.ranks[0].last_step == 38  # ... and went on when it heard the abort
     assert run.ranks[0].acks[-1]["decision"] == "abort"
 
 
@@ -820,7 +827,7 @@ def test_operator_actions_through_the_api(cluster: Any) -> None:
         assert [h["state"] for h in rollback["history"]] == ["proposed", "approved"]
         (executing,) = run.act()
         plan = executing["plan"]
-        assert (executing["state"], plan["checkpoint_step"], plan["barrier_step"]) == ("executing", 20, 34 + 3)  # fmt: skip
+        assert (executing["state"], plan["checkpoint_step"], plan["issued_at_step"]) == ("executing", 20, 34)  # fmt: skip
         assert plan["ranks"] == [0, 1]
         assert plan["rollback"] | {"checkpoint_step": 20, "checkpoint_path": "/ckpt/step-20.pt", "skip_from": 21,
                                    "reason": "operator:ana: onset at step 34"} == plan["rollback"]  # fmt: skip
@@ -831,7 +838,7 @@ def test_operator_actions_through_the_api(cluster: Any) -> None:
         answer = client.post("/api/v1/ingest", json=batch(RUN, rank=0, world_size=3))
         assert answer.status_code == 200, answer.text
         (prepare,) = answer.json()["commands"]
-        assert prepare | {"type": "rollback", "phase": "prepare", "action": rollback["id"], "barrier_step": 37} == prepare  # fmt: skip
+        assert prepare | {"type": "rollback", "phase": "prepare", "action": rollback["id"], "attempt": 1} == prepare  # fmt: skip
         detail = client.get(f"/api/v1/actions/{rollback['id']}").json()
         assert [(c["rank"], c["phase"], c["delivered_at"] is not None, c["done_at"]) for c in detail["commands"]] == [
             (0, "prepare", True, None), (1, "prepare", False, None),

@@ -3,7 +3,10 @@ its ``action: rollback`` runs under an ``auto`` policy, every rank restores the 
 checkpoint after the same step, skips the data window, and the run finishes with its
 loss back on its earlier trend. On 2 and on 4 ranks.
 
-Prints how long after the commit every rank had restored (target <= 2 steps).
+Every rank restores at most 2 steps after the command reached it (the issue's target):
+each answers the prepare with its step and holds at its next boundary, and the barrier is
+one past the newest step answered; in lockstep the ranks' steps differ by at most one.
+Prints the steps and seconds.
 """
 
 from __future__ import annotations
@@ -86,6 +89,8 @@ def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tm
         restored = {r["checkpoint_step"] for r in per_rank.values()}
         assert len(barriers) == 1 and restored == {30}, per_rank  # the same step and checkpoint
         (barrier,) = barriers
+        result = action["result"]
+        assert result["steps_after_command"] <= 2, result
         plan = action["plan"]["rollback"]
         assert (plan["skip_from"], plan["checkpoint_path"].endswith("step-30.pt")) == (31, True)
         for r in range(world):
@@ -106,12 +111,11 @@ def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tm
 
         times = server.get(f"/api/v1/runs/{run}/series", metric="step_time").json()
         step_s = statistics.median(times["total"][10:30])
-        result = action["result"]
     finally:
         stop(procs)
         stop_serve(server)
-    print(f"\n{world} ranks: rollback issued at step {action['plan']['issued_at_step']}, every rank "
-          f"restored after step {barrier} ({result['steps_after_command']} steps, "
-          f"{result['since_prepare_s']:.2f} s later at {step_s * 1000:.0f} ms a step; commit -> restored "
-          f"{result['restored_within_s']:.2f} s); loss {before:.3f} before the spike"
+    print(f"\n{world} ranks: the command reached the ranks after step {action['plan']['answered_at_step']}; "
+          f"every rank restored after step {barrier} ({result['steps_after_command']} step(s) later; "
+          f"{result['since_prepare_s']:.2f} s from the prepare, commit -> restored {result['restored_within_s']:.2f} s, "
+          f"at {step_s * 1000:.0f} ms a step); loss {before:.3f} before the spike"
           + (f", {spike:.3f} at its peak" if spike else "") + f", {after:.3f} at the end")  # fmt: skip
