@@ -379,6 +379,12 @@ class ActionEngine:
         if plan is None:
             self._finish(ctx, row, "failed", reason=problem)
             return
+        a = m.actions.c
+        busy = ctx.conn.execute(select(a.id).where(a.run_id == row.run_id, a.kind == "rollback", a.id != row.id,
+                                                   a.state == "executing")).scalar()  # fmt: skip
+        if busy is not None:  # two rollbacks at once would race for the ranks' hold
+            self._finish(ctx, row, "failed", reason=f"rollback {busy} of this run is executing; not starting a second one")  # fmt: skip
+            return
         attempt = (row.plan or {}).get("attempt", 0) + 1
         plan["attempt"] = attempt
         plan["checkpoint_step"] = (row.plan or {}).get("checkpoint_step")  # an operator's choice

@@ -441,6 +441,21 @@ def test_rollback_restores_every_rank_after_the_same_step(cluster: Any) -> None:
     assert events(run.engine, "action_failed") == []
 
 
+def test_an_operator_rollback_while_another_executes_fails_instead_of_racing_it(cluster: Any) -> None:  # fmt: skip
+    run = cluster(AUTO_ROLLBACK)
+    run.spike()
+    (rule,) = run.act()
+    assert rule["state"] == "executing"
+    with run.api() as client:
+        made = client.post(f"/api/v1/runs/{RUN}/actions", json={"kind": "rollback", "by": "ana", "reason": "bad shard", "checkpoint_step": 20})  # fmt: skip
+        assert made.status_code == 201, made.text
+    rule, operator = run.act()
+    assert (rule["state"], operator["state"]) == ("executing", "failed")
+    assert operator["reason"] == f"rollback {rule['id']} of this run is executing; not starting a second one"  # fmt: skip
+    assert commands(run, operator["id"]) == []
+    assert settle(run, rule["id"])["state"] == "done"
+
+
 def test_a_rollback_without_a_good_checkpoint_fails_and_pages(cluster: Any) -> None:
     run = cluster(AUTO_ROLLBACK)
     run.spike(at=11)  # the only checkpoint, step 10, is within the margin of the onset
