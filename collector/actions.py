@@ -676,6 +676,35 @@ def rollback_plan(
     return plan, None
 
 
+def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dict[str, Any]]:
+    """The checkpoints the trainer reported (``tw.checkpoint_saved``), oldest first, each
+    good or suspect. Suspect: saved before an anomaly whose rule rolls back (LossSpike,
+    NonFiniteLoss, ...) had cleared, and either while it was active or of a step past its
+    onset less ``margin_steps``. Once the anomaly cleared, new checkpoints are good again."""
+    a = m.alerts.c
+    anomalies = conn.execute(select(a.id, a.rule, a.active_since, a.cleared_at, a.step, a.active_since_step)
+                             .where(a.run_id == run_id, a.action == "rollback").order_by(a.active_since)).all()  # fmt: skip
+    e = m.events.c
+    out = []
+    for step, ts, rank, data in conn.execute(
+        select(e.step, e.ts, e.rank, e.data).where(e.run_id == run_id, e.kind == "checkpoint", e.step.is_not(None))
+        .order_by(e.ts, e.id)
+    ):  # fmt: skip
+        data = dict(data or {})
+        suspect = None
+        for al in anomalies:
+            steps = [s for s in (al.step, al.active_since_step) if s is not None]
+            onset = min(steps) if steps else None
+            if al.cleared_at is not None and ts >= al.cleared_at:
+                continue
+            if ts >= al.active_since or (onset is not None and step > onset - margin_steps):
+                suspect = f"saved before {al.rule} (alert {al.id}, onset at step {onset}) cleared"
+                break
+        out.append({"step": step, "path": data.pop("path", None), "ts": ts, "rank": rank, "meta": data,
+                    "good": suspect is None, "suspect": suspect})  # fmt: skip
+    return out
+
+
 def _live_ranks(conn: Connection, run_id: int) -> list[int]:
     k = m.ranks.c
     return sorted(

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import Connection, Engine, select, update
 
 from . import models as m
-from .actions import ActionPolicy, _event, _history, _store_events, create_action
+from .actions import ActionPolicy, _event, _history, _store_events, checkpoints, create_action
 from .db import write
 from .queries import NotFound
 
@@ -138,6 +138,29 @@ def get_action(action_id: int, request: Request) -> ActionOut:
             )
         ]
     return _out(row, commands)
+
+
+class CheckpointOut(BaseModel):
+    step: int
+    path: str | None
+    ts: float
+    rank: int | None
+    meta: dict[str, Any]
+    good: bool
+    suspect: str | None = Field(description="why it is not good: saved before an anomaly cleared")
+
+
+@router.get("/api/v1/runs/{run}/checkpoints", response_model=list[CheckpointOut])
+def list_checkpoints(run: str, request: Request) -> list[CheckpointOut]:
+    """The run's checkpoints (reported by ``tw.checkpoint_saved``), oldest first: good, or
+    suspect because they were saved after the onset of an anomaly that rolls back."""
+    policy: ActionPolicy = request.app.state.action_policy
+    with _engine(request).connect() as conn:
+        run_row = conn.execute(select(m.runs.c.id).where(m.runs.c.name == run)).first()
+        if run_row is None:
+            raise NotFound(f"run {run!r} not found")
+        found = checkpoints(conn, run_row.id, margin_steps=policy.rollback.margin_steps)
+        return [CheckpointOut(**c) for c in found]
 
 
 @router.post("/api/v1/runs/{run}/actions", response_model=ActionOut, status_code=201)

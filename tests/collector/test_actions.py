@@ -456,6 +456,35 @@ def test_an_operator_rollback_while_another_executes_fails_instead_of_racing_it(
     assert settle(run, rule["id"])["state"] == "done"
 
 
+def test_checkpoints_are_listed_good_or_suspect(cluster: Any) -> None:
+    run = cluster(AUTO_ROLLBACK)  # margin_steps 2
+    run.train(34)
+    run.ranks[0].event(
+        "checkpoint", step=34, path="/ckpt/step-34.pt", bytes=123
+    )  # within the margin
+    run.spike(at=35)
+    run.ranks[0].event("checkpoint", step=32, path="/ckpt/step-32.pt")  # saved after the onset
+    run.exchange([0])
+    with run.api() as client:
+        listed = client.get(f"/api/v1/runs/{RUN}/checkpoints").json()
+        assert client.get("/api/v1/runs/nope/checkpoints").status_code == 404
+    (alert_id,) = {a["id"] for a in rows(run.engine, m.alerts) if a["rank"] == 0}
+    why = f"saved before NonFiniteLoss (alert {alert_id}, onset at step 35) cleared"
+    assert [(c["step"], c["good"], c["suspect"]) for c in listed] == [
+        (10, True, None), (20, True, None), (30, True, None), (34, False, why), (32, False, why),
+    ]  # fmt: skip
+    assert listed[3] | {"path": "/ckpt/step-34.pt", "rank": 0, "meta": {"bytes": 123}} == listed[3]
+    (rollback,) = run.act()  # it restores the newest good one
+    assert rollback["plan"]["rollback"]["checkpoint_step"] == 30
+    assert settle(run, rollback["id"])["state"] == "done"
+    calm(run, minutes=11)  # the anomaly clears: what is saved from now on is good
+    run.ranks[0].event("checkpoint", step=60, path="/ckpt/step-60.pt")
+    run.exchange([0])
+    with run.api() as client:
+        listed = client.get(f"/api/v1/runs/{RUN}/checkpoints").json()
+    assert (listed[-1]["step"], listed[-1]["good"]) == (60, True), listed
+
+
 def test_a_rollback_without_a_good_checkpoint_fails_and_pages(cluster: Any) -> None:
     run = cluster(AUTO_ROLLBACK)
     run.spike(at=11)  # the only checkpoint, step 10, is within the margin of the onset
