@@ -197,7 +197,9 @@ def create_app(
         from trainwarden.webui.app import create_dash
         from trainwarden.webui.client import LocalClient
 
-        dash_app = create_dash(LocalClient(engine), refresh_s=settings.ui_refresh_s)
+        dash_app = create_dash(
+            LocalClient(engine, policy=app.state.action_policy), refresh_s=settings.ui_refresh_s
+        )
         app.state.dash = dash_app
         app.mount("/", WSGIMiddleware(dash_app.server))  # type: ignore[arg-type]  # last: API routes match first
     return app

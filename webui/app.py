@@ -20,9 +20,9 @@ from dash import Input, Output, State, dcc, html
 
 from trainwarden.collector.queries import NotFound
 
-from . import alerts, alerts_page, figures
+from . import alerts, alerts_page, figures, hardware_page, ranks_page
 from .client import Client
-from .components import ago, notice
+from .components import ago, notice, run_tabs
 
 log = logging.getLogger(__name__)
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
@@ -104,6 +104,7 @@ def run_layout(name: str, *, refresh_s: float) -> html.Div:
         [
             dcc.Store(id="run-name", data=name),
             html.Div(id="run-header", children=html.H2(name)),
+            run_tabs(name, "Overview"),
             html.Div(id="run-notice"),
             html.Div(id="run-alerts"),
             html.Div(id="run-ranks"),
@@ -253,11 +254,17 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
     app.layout = html.Div(
         [
             dcc.Location(id="url"),
+            # "light" or "dark", kept in the browser; figures take it as an Input.
+            dcc.Store(id="theme", storage_type="local", data="light"),
             html.Header(
                 [
                     dcc.Link("trainwarden", href="/", className="brand"),
                     dcc.Link("Runs", href="/", className="nav"),
                     dcc.Link("Alerts", href="/alerts", className="nav"),
+                    html.A("Runbooks", href="/runbooks", className="nav"),
+                    html.Button(
+                        "◐ Theme", id="theme-toggle", className="theme-toggle", title="Light / dark"
+                    ),
                 ],
                 className="topbar",
             ),
@@ -285,7 +292,11 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         if path == "/alerts":
             return alerts_page.layout(search, runs=_run_names(client), refresh_s=refresh_s)
         if path.startswith("/runs/"):
-            return run_layout(unquote(path[len("/runs/") :]), refresh_s=refresh_s)
+            rest = path[len("/runs/") :]
+            for suffix, module in (("/ranks", ranks_page), ("/hardware", hardware_page)):
+                if rest.endswith(suffix) and len(rest) > len(suffix):
+                    return module.layout(unquote(rest[: -len(suffix)]), search, refresh_s=refresh_s)
+            return run_layout(unquote(rest), refresh_s=refresh_s)
         return notice(f"No page at {path}. Go to the runs list.", "error")
 
     @app.callback(Output("runs-table", "children"), Input("runs-interval", "n_intervals"))
@@ -301,6 +312,27 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
             )
 
     alerts_page.register(app, client)
+    ranks_page.register(app, client)
+    hardware_page.register(app, client)
+
+    # The theme: toggled in the top bar, kept in the browser, applied to the document.
+    app.clientside_callback(
+        """function(n, theme) {
+            if (!n) { return window.dash_clientside.no_update; }
+            return theme === "dark" ? "light" : "dark";
+        }""",
+        Output("theme", "data"),
+        Input("theme-toggle", "n_clicks"),
+        State("theme", "data"),
+    )
+    app.clientside_callback(
+        """function(theme) {
+            document.documentElement.dataset.theme = theme || "light";
+            return window.dash_clientside.no_update;
+        }""",
+        Output("theme-toggle", "title"),
+        Input("theme", "data"),
+    )
 
     @app.callback(
         Output("run-header", "children"),

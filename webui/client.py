@@ -17,12 +17,15 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from trainwarden.collector import actions_api, alerts_api, queries
-from trainwarden.collector.actions_api import ActionOut
+from trainwarden.collector.actions import ActionPolicy
+from trainwarden.collector.actions_api import ActionOut, CheckpointOut
 from trainwarden.collector.alerts_api import AlertOut, SilenceOut
 from trainwarden.collector.schemas import (
     EventOut,
     FlaggedStep,
     GpuSample,
+    Heatmap,
+    RankSeries,
     RunDetail,
     RunSummary,
     Series,
@@ -39,13 +42,23 @@ class Client(Protocol):
 
     def get_run(self, run: str) -> RunDetail: ...
 
-    def series(self, run: str, metric: str, *, last: int | None = None) -> Series: ...
+    def series(self, run: str, metric: str, *, last: int | None = None, points: int | None = None,
+               from_step: int | None = None, to_step: int | None = None) -> Series: ...  # fmt: skip
+
+    def heatmap(self, run: str, metric: str, *, buckets: int = 200, from_step: int | None = None,
+                to_step: int | None = None) -> Heatmap: ...  # fmt: skip
+
+    def rank_series(self, run: str, rank: int, metric: str, *, from_step: int | None = None,
+                    to_step: int | None = None, last: int | None = None) -> RankSeries: ...  # fmt: skip
 
     def flags(self, run: str) -> list[FlaggedStep]: ...
 
-    def events(self, run: str) -> list[EventOut]: ...
+    def events(self, run: str, *, kind: str | None = None) -> list[EventOut]: ...
 
-    def gpu(self, run: str, *, since: float) -> list[GpuSample]: ...
+    def gpu(self, run: str, *, since: float | None = None, rank: int | None = None,
+            limit: int = 10_000) -> list[GpuSample]: ...  # fmt: skip
+
+    def checkpoints(self, run: str) -> list[CheckpointOut]: ...
 
     def alerts(
         self, *, run: str | None = None, states: list[str] | None = None, limit: int = 200
@@ -89,10 +102,11 @@ def _refusals() -> Iterator[None]:
 class LocalClient:
     """Reads in-process from the collector's database (the UI runs inside ``serve``)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, *, policy: ActionPolicy | None = None) -> None:
         self._engine = engine
-        # All that the alert and action routes read from their request: the app's engine.
-        state = SimpleNamespace(engine=engine)
+        # All that the alert and action routes read from their request: the app's engine
+        # and action policy.
+        state = SimpleNamespace(engine=engine, action_policy=policy or ActionPolicy())
         self._request: Any = SimpleNamespace(app=SimpleNamespace(state=state))
 
     def list_runs(self) -> list[RunSummary]:
@@ -103,21 +117,40 @@ class LocalClient:
         with self._engine.connect() as conn:
             return queries.get_run(conn, run=run)
 
-    def series(self, run: str, metric: str, *, last: int | None = None) -> Series:
+    def series(self, run: str, metric: str, *, last: int | None = None, points: int | None = None,
+               from_step: int | None = None, to_step: int | None = None) -> Series:  # fmt: skip
+        """Per step across ranks; ``points`` downsamples on the server, keeping spikes."""
         with self._engine.connect() as conn:
-            return queries.series(conn, run=run, metric=metric, last=last)
+            return queries.series(conn, run=run, metric=metric, last=last, points=points,
+                                  from_step=from_step, to_step=to_step)  # fmt: skip
+
+    def heatmap(self, run: str, metric: str, *, buckets: int = 200, from_step: int | None = None,
+                to_step: int | None = None) -> Heatmap:  # fmt: skip
+        with self._engine.connect() as conn:
+            return queries.heatmap(conn, run=run, metric=metric, buckets=buckets,
+                                   from_step=from_step, to_step=to_step)  # fmt: skip
+
+    def rank_series(self, run: str, rank: int, metric: str, *, from_step: int | None = None,
+                    to_step: int | None = None, last: int | None = None) -> RankSeries:  # fmt: skip
+        with self._engine.connect() as conn:
+            return queries.rank_series(conn, run=run, metric=metric, rank=rank,
+                                       from_step=from_step, to_step=to_step, last=last)  # fmt: skip
 
     def flags(self, run: str) -> list[FlaggedStep]:
         with self._engine.connect() as conn:
             return queries.flagged_steps(conn, run=run)
 
-    def events(self, run: str) -> list[EventOut]:
+    def events(self, run: str, *, kind: str | None = None) -> list[EventOut]:
         with self._engine.connect() as conn:
-            return queries.events(conn, run=run, limit=100_000)
+            return queries.events(conn, run=run, kind=kind, limit=100_000)
 
-    def gpu(self, run: str, *, since: float) -> list[GpuSample]:
+    def gpu(self, run: str, *, since: float | None = None, rank: int | None = None,
+            limit: int = 10_000) -> list[GpuSample]:  # fmt: skip
         with self._engine.connect() as conn:
-            return queries.gpu_samples(conn, run=run, since=since)
+            return queries.gpu_samples(conn, run=run, since=since, rank=rank, limit=limit)
+
+    def checkpoints(self, run: str) -> list[CheckpointOut]:
+        return actions_api.list_checkpoints(run, self._request)
 
     # -- alerts, silences, actions: the API's own functions ------------------------
     # No auth yet (issue 10): whoever reaches the UI may acknowledge, silence, approve

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import datetime as dt
 import time
+from urllib.parse import quote
 
-from dash import html
+from dash import dcc, html
 
 
 def _span(seconds: float) -> str:
@@ -41,3 +42,19 @@ def clock(ts: float, now: float | None = None) -> str:
 
 def notice(text: str, kind: str = "info") -> html.Div:
     return html.Div(text, className=f"notice notice-{kind}")
+
+
+RUN_TABS = (("Overview", ""), ("Ranks", "/ranks"), ("Hardware", "/hardware"))
+
+
+def run_tabs(name: str, active: str) -> html.Nav:
+    """The links between a run's pages; ``active`` is the shown tab's label."""
+    base = f"/runs/{quote(name, safe='')}"
+    links = [
+        dcc.Link(
+            label, href=base + suffix, className="tab tab-active" if label == active else "tab"
+        )
+        for label, suffix in RUN_TABS
+    ]
+    links.append(dcc.Link("Alerts", href=f"/alerts?run={quote(name, safe='')}", className="tab"))
+    return html.Nav(links, className="run-tabs")

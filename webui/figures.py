@@ -32,6 +32,19 @@ BREAKDOWN_PHASES = [
     ("data_wait", "data wait", "#7c3aed"),
 ]
 _TEMPLATE = "plotly_white"
+TEMPLATES = {"light": "plotly_white", "dark": "plotly_dark"}
+
+
+def template(theme: str | None) -> str:
+    """The Plotly template of the UI's theme ("light" or "dark")."""
+    return TEMPLATES.get(theme or "light", _TEMPLATE)
+
+
+def themed(fig: go.Figure, theme: str | None) -> go.Figure:
+    """``fig`` in the theme's template, on a transparent background (the card shows)."""
+    fig.update_layout(template=template(theme), paper_bgcolor="rgba(0,0,0,0)",
+                      plot_bgcolor="rgba(0,0,0,0)" if theme == "dark" else None)  # fmt: skip
+    return fig
 
 
 def _layout(fig: go.Figure, *, title: str, unit: str, revision: str) -> go.Figure:
