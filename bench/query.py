@@ -24,6 +24,7 @@ from common import DEFAULT_DB, scratch_database, serving
 
 from trainwarden.collector.db import make_engine, upgrade
 from trainwarden.collector.partitions import day_of, ensure_partitions
+from trainwarden.collector.rollup_worker import LEVELS
 
 COLUMNS = ["run_id", "step", "rank", "day", "ts", "recv_ts", "duration_s", "data_wait_s", "tokens", "loss",
            "grad_norm", "compute_s", "exposed_comm_s", "mfu", "flops", "peak_flops"]  # fmt: skip
@@ -72,7 +73,7 @@ def seed(sa_url: str, pg_dsn: str, *, ranks: int, steps: int) -> None:
                 f"avg({column}) FROM rank_steps GROUP BY step",
                 (metric,),
             )
-        for level in (16, 256):  # the per-rank bucket maxima the worker keeps for heatmaps
+        for level in LEVELS:  # the per-rank bucket maxima the worker keeps for heatmaps
             conn.execute(
                 f"INSERT INTO rank_buckets (run_id, metric, level, bucket, rank, max) "
                 f"SELECT 1, 'step_time', {level}, step / {level}, rank, max(duration_s) FROM rank_steps "

@@ -220,8 +220,10 @@ def heatmap(
     cells: list[Any] = []
     edge = lo  # the first step not covered by stored bucket maxima
     if level is not None and use_rollups:
-        # From the per-rank bucket maxima: cells are whole stored buckets, aligned to them.
+        # From the per-rank bucket maxima: cells are whole stored buckets, aligned to them;
+        # read the widest level that tiles them (fewer rows: 64 x 16 steps = 4 x 64).
         width = -(-width // level) * level
+        level = max(lv for lv in LEVELS if width % lv == 0)
         lo -= lo % level
         edge = lo
         k = m.rank_buckets.c

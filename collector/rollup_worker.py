@@ -142,20 +142,19 @@ HEATMAP_COLUMNS = {
     "data_wait": "data_wait_s",
     "loss": "loss",
 }
-LEVELS = (16, 256)
+LEVELS = (16, 64, 256)
 
 
 def _bucket_maxima(conn: Connection, groups: list[tuple[int, int]]) -> None:
     """Per-rank maxima of whole step buckets, written in SQL when a bucket closes: a
     bucket of 16 steps closes when a later step is rolled up (or its last step is),
-    one of 256 when its last 16-step bucket closes. A step rolled up again (late
-    rows, replays) recomputes its closed bucket; max is idempotent. The open bucket at
-    a run's edge is read from raw rows by the heatmap query."""
+    one of 64 (256) when its last 16-step (64-step) bucket closes. A step rolled up
+    again (late rows, replays) recomputes its closed buckets; max is idempotent. The
+    open bucket at a run's edge is read from raw rows by the heatmap query."""
     steps: dict[int, set[int]] = defaultdict(set)
     for run_id, step in groups:
         steps[run_id].add(step)
-    small, large = LEVELS
-    per = large // small
+    small = LEVELS[0]
     for run_id, rolled in steps.items():
         closed = _last_bucket(conn, run_id, small)
         top = max(rolled)
@@ -169,16 +168,20 @@ def _bucket_maxima(conn: Connection, groups: list[tuple[int, int]]) -> None:
         for lo, hi in _spans(sorted(todo)):
             conn.execute(_FROM_RAW, {"run": run_id, "lo": lo * small, "hi": hi * small + small - 1})
         closed = max(todo | {closed if closed is not None else -1})
-        closed_large = _last_bucket(conn, run_id, large)
-        newest_large = closed // per if closed % per == per - 1 else closed // per - 1
-        todo_large = {
-            b // per for b in todo if closed_large is not None and b // per <= closed_large
-        }
-        first_open = 0 if closed_large is None else closed_large + 1
-        if newest_large >= first_open:
-            todo_large |= set(range(first_open, newest_large + 1))
-        for lo, hi in _spans(sorted(todo_large)):
-            conn.execute(_FROM_SMALL, {"run": run_id, "lo": lo * per, "hi": hi * per + per - 1})
+        # Each level from the one below: what changed there, and what closed.
+        for child, parent in itertools.pairwise(LEVELS):
+            per = parent // child
+            up = _last_bucket(conn, run_id, parent)
+            newest_up = closed // per if closed % per == per - 1 else closed // per - 1
+            todo = {b // per for b in todo if up is not None and b // per <= up}
+            first_open = 0 if up is None else up + 1
+            if newest_up >= first_open:
+                todo |= set(range(first_open, newest_up + 1))
+            if not todo:
+                break  # nothing changed at this level: nothing above it either
+            for lo, hi in _spans(sorted(todo)):
+                conn.execute(_FROM_CHILD[child], {"run": run_id, "lo": lo * per, "hi": hi * per + per - 1})  # fmt: skip
+            closed = max(todo | {up if up is not None else -1})
 
 
 def _last_bucket(conn: Connection, run_id: int, level: int) -> int | None:
@@ -219,11 +222,14 @@ _FROM_RAW = _upsert_buckets(
         for metric, column in HEATMAP_COLUMNS.items()
     )
 )
-_FROM_SMALL = _upsert_buckets(
-    f"SELECT run_id, metric, {LEVELS[1]} AS level, bucket / {LEVELS[1] // LEVELS[0]} AS bucket, rank, "
-    f"max(max) AS max FROM rank_buckets WHERE run_id = :run AND level = {LEVELS[0]} "
-    f"AND bucket BETWEEN :lo AND :hi GROUP BY run_id, metric, bucket / {LEVELS[1] // LEVELS[0]}, rank"
-)
+_FROM_CHILD = {  # a level's buckets from the closed buckets of the level below
+    child: _upsert_buckets(
+        f"SELECT run_id, metric, {parent} AS level, bucket / {parent // child} AS bucket, rank, "
+        f"max(max) AS max FROM rank_buckets WHERE run_id = :run AND level = {child} "
+        f"AND bucket BETWEEN :lo AND :hi GROUP BY run_id, metric, bucket / {parent // child}, rank"
+    )
+    for child, parent in itertools.pairwise(LEVELS)
+}
 
 
 def _locked_pass(engine: Engine, *, now: float, grace_s: float, recheck: bool, wait: bool) -> int:

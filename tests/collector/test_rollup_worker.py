@@ -102,6 +102,8 @@ def test_heatmap_from_bucket_maxima_equals_the_one_from_raw_rows(engine) -> None
         fast = heatmap(conn, run="r1", metric="step_time", buckets=10)
         slow = heatmap(conn, run="r1", metric="step_time", buckets=10, use_rollups=False)
         wide = heatmap(conn, run="r1", metric="step_time", buckets=2)  # 320 steps: the 256 level
+        stored = conn.execute(select(m.rank_buckets.c.level).distinct()).scalars().all()
+    assert sorted(stored) == [16, 64, 256]  # 640 steps close 40, 10 and 2 buckets
     assert fast.bucket == slow.bucket == 64 and fast.step_start == slow.step_start
     assert fast.ranks == slow.ranks == [0, 1, 2, 3]
     assert fast.values == slow.values
