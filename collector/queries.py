@@ -7,6 +7,7 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 
 from . import models as m
+from .db import is_sqlite
 from .rollup_worker import HEATMAP_COLUMNS, LEVELS
 from .rollups import METRICS
 from .schemas import (
@@ -236,24 +237,25 @@ def heatmap(
             if closed is None or (closed + 1) * lv <= edge:
                 continue
             cell = (k.bucket * lv - lo) // width
-            cells += conn.execute(
-                select(k.rank, cell.label("cell"), func.max(k.max))
+            cells += _cells(conn,
+                select(k.rank, cell.label("cell"), func.max(k.max).label("value"))
                 .where(
                     k.run_id == run_id, k.metric == metric, k.level == lv,
                     k.bucket >= edge // lv, k.bucket <= min(hi // lv, closed),
                 )
                 .group_by(k.rank, "cell")
-            ).all()  # fmt: skip
+            )  # fmt: skip
             edge = (closed + 1) * lv
     if edge <= hi:  # raw rows: the open bucket at the run's edge, or everything
         b = (
             r.step - lo
         ) // width  # floor division on both backends (SQLAlchemy 2's / is true division)
-        cells += conn.execute(
-            select(r.rank, b.label("b"), func.max(getattr(r, column)))
+        cells += _cells(
+            conn,
+            select(r.rank, b.label("cell"), func.max(getattr(r, column)).label("value"))
             .where(r.run_id == run_id, r.step >= edge, r.step <= hi)
-            .group_by(r.rank, "b")
-        ).all()
+            .group_by(r.rank, "cell"),
+        )
     ranks = sorted({rank for rank, _, _ in cells})
     index = {rank: i for i, rank in enumerate(ranks)}
     count = (hi - lo) // width + 1
@@ -264,6 +266,20 @@ def heatmap(
             row[i] = value
     return Heatmap(run=run, metric=metric, unit=unit, ranks=ranks,
                    step_start=[lo + i * width for i in range(count)], bucket=width, values=values)  # fmt: skip
+
+
+def _cells(conn: Connection, query: Any) -> list[tuple[int, int, Any]]:
+    """(rank, cell, value) rows of a grouped heatmap query. On PostgreSQL, one row per rank
+    with arrays comes back (a row object per cell costs more than the query itself)."""
+    if is_sqlite(conn):
+        return [tuple(row) for row in conn.execute(query)]  # type: ignore[misc]
+    q = query.subquery()
+    out: list[tuple[int, int, Any]] = []
+    for rank, cells, values in conn.execute(
+        select(q.c.rank, func.array_agg(q.c.cell), func.array_agg(q.c.value)).group_by(q.c.rank)
+    ):
+        out += zip([rank] * len(cells), cells, values, strict=True)
+    return out
 
 
 def rank_series(
