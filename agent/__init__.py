@@ -66,6 +66,8 @@ def init(
     heartbeat_s: float | None = None,
     gpu_interval_s: float | None = None,
     exporter: str | None = None,
+    spool_dir: str | None = None,
+    spool_max_mb: float | None = None,
     transport: Transport | None = None,
 ) -> Agent:
     """Start the agent for this process.
@@ -92,6 +94,11 @@ def init(
     ``exporter``: ``"http"`` (default) posts to the collector's JSON API; ``"otlp"``
     sends OTLP/HTTP metrics to ``<url>/v1/metrics`` (a trainwarden collector, or an
     OpenTelemetry Collector in between); it needs ``pip install 'trainwarden[otlp]'``.
+
+    Collector away: batches wait in a spool on disk (``spool_dir``, default
+    ``$TMPDIR/trainwarden-spool-<uid>``, at most ``spool_max_mb``, 256 MB; ``"none"``:
+    in memory) and go out in order when it answers again, from this process or the
+    next one of the same run and rank. The training thread never waits for it.
     Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
     shuts the previous agent down first.
     """
@@ -116,11 +123,15 @@ def init(
         heartbeat_s=heartbeat_s,
         gpu_interval_s=gpu_interval_s,
         exporter=exporter,
+        spool_dir=spool_dir,
+        spool_max_mb=spool_max_mb,
     )
     if _core._agent is not None:
         _core._agent.shutdown()
     agent = Agent(config, transport=transport)
     _core.set_current(agent)
+    if config.flush_on_sigterm:
+        _core.install_sigterm_flush()
     return agent
 
 

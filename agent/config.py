@@ -103,6 +103,13 @@ class AgentConfig:
     """How often the NVML sampler reads this rank's GPU."""
     exporter: str = "http"
     """How batches go out: ``http`` (the native JSON API) or ``otlp`` (OTLP/HTTP metrics)."""
+    spool_dir: str | None = None
+    """Batches the collector cannot take wait in ``<spool_dir>/<run>/rank-<rank>`` (default:
+    ``$TMPDIR/trainwarden-spool-<uid>``; ``"none"``: in memory only, lost at exit)."""
+    spool_max_bytes: int = 256 * 2**20
+    """Past this, the spool's oldest batches are dropped (and counted)."""
+    flush_on_sigterm: bool = True
+    """On SIGTERM, flush (or spool) before dying of it, if no other handler is installed."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -129,6 +136,8 @@ class AgentConfig:
         drill: str | None = None,
         gpu_interval_s: float | None = None,
         exporter: str | None = None,
+        spool_dir: str | None = None,
+        spool_max_mb: float | None = None,
     ) -> AgentConfig:
         run = _pick(run, "TRAINWARDEN_RUN")
         if run is None:
@@ -208,6 +217,17 @@ class AgentConfig:
                 minimum=0.0,
             ),
             exporter=exporter_v,
+            spool_dir=_pick(spool_dir, "TRAINWARDEN_SPOOL_DIR"),
+            flush_on_sigterm=str(_pick(None, "TRAINWARDEN_FLUSH_ON_SIGTERM", "1")).strip().lower()
+            not in ("0", "false", "no", "off"),
+            spool_max_bytes=int(
+                _as_float(
+                    _pick(spool_max_mb, "TRAINWARDEN_SPOOL_MAX_MB", cls.spool_max_bytes / 2**20),
+                    "spool_max_mb (TRAINWARDEN_SPOOL_MAX_MB)",
+                    minimum=0.0,
+                )
+                * 2**20
+            ),
             run=run,
             url=url,
             token=_pick(token, "TRAINWARDEN_TOKEN"),

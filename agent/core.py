@@ -10,7 +10,9 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 import uuid
 from collections import deque
@@ -25,6 +27,7 @@ from .mfu import Peak, resolve_peak
 from .profiler import SampledProfiler
 from .report import FlopModel, StepEncoder
 from .spikes import SpikeDetector
+from .spool import DiskSpool, MemorySpool, Spool, default_spool_dir
 from .values import Captured, capture, resolve_now
 
 log = logging.getLogger(__name__)
@@ -247,6 +250,12 @@ class Agent:
             "heartbeats": 0,
             "retries": 0,
             "dropped_at_shutdown": 0,
+            "spooled": 0,  # records put in the spool while the collector was away
+            "replayed": 0,  # records sent from the spool once it was back
+            "spooled_from_earlier": 0,  # batches an earlier process left in the spool
+            "dropped_spool_full": 0,
+            "dropped_spool_failed": 0,
+            "dropped_spool_unreadable": 0,
         }
         self._exporter: Exporter | None = None
         self.commands = Commands(self)
@@ -272,6 +281,7 @@ class Agent:
                 heartbeat_s=config.heartbeat_s,
                 stats=self.stats,
                 on_commands=self.commands.receive,
+                spool=self._open_spool(),
             )
         else:
             log.warning(
@@ -293,6 +303,19 @@ class Agent:
                 self.shutdown(timeout_s=0.5)
                 raise ConfigError(str(exc)) from None
         self._start_gpu_monitor(simulate=bool(self._drill and self._drill.needs_gpu))
+
+    def _open_spool(self) -> Spool:
+        """The disk spool of this run and rank; in memory if the directory is unusable."""
+        c = self.config
+        if c.spool_dir is not None and c.spool_dir.strip().lower() in ("", "none", "off"):
+            return MemorySpool(max_records=c.queue_size, stats=self.stats)
+        directory = os.path.join(c.spool_dir or default_spool_dir(), c.run, f"rank-{c.rank}")
+        try:
+            return DiskSpool(directory, max_bytes=c.spool_max_bytes, stats=self.stats)
+        except OSError as exc:
+            log.warning("trainwarden: cannot use the spool directory %s (%s); "
+                        "batches wait in memory while the collector is away", directory, exc)  # fmt: skip
+            return MemorySpool(max_records=c.queue_size, stats=self.stats)
 
     # -- GPU health ---------------------------------------------------------------
 
@@ -484,6 +507,54 @@ def set_current(agent: Agent | None) -> None:
         atexit.register(_flush_at_exit)
         _atexit_registered = True
     _agent = agent
+
+
+def _forget_in_child() -> None:
+    """After ``fork`` (DataLoader workers): the child has none of the agent's threads and
+    is not the rank; its agent keeps records in memory only and never reports, so a
+    worker's exit is not the rank's shutdown."""
+    if _agent is not None:
+        _agent._exporter = None
+        _agent.gpu_monitor = None
+        _agent._closed = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+_previous_sigterm: Any = None
+
+
+def install_sigterm_flush() -> bool:
+    """On SIGTERM (a scheduler's preemption, a launcher stopping the job), flush within
+    a deadline (what cannot be sent goes to the spool), then die of the signal as the
+    process would have. Only when SIGTERM has no handler yet and from the main thread:
+    the agent never takes a handler the trainer installed."""
+    global _previous_sigterm
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    current_handler = signal.getsignal(signal.SIGTERM)
+    if current_handler is _on_sigterm:
+        return True
+    if current_handler is not signal.SIG_DFL:
+        return False
+    _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+    return True
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    agent = _agent
+    if agent is not None and not agent._closed:
+        log.warning(
+            "trainwarden: SIGTERM; flushing (at most %.0fs) before exiting", _SHUTDOWN_TIMEOUT_S
+        )
+        try:
+            agent.event("signal", step=agent._last_step, severity="warning", signal="SIGTERM")
+            agent.shutdown(timeout_s=_SHUTDOWN_TIMEOUT_S)
+        except Exception:
+            log.exception("trainwarden: flush on SIGTERM failed")
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGTERM)  # die of it, as without the agent
 
 
 def _flush_at_exit() -> None:

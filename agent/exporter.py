@@ -3,11 +3,13 @@
 Modelled on OpenTelemetry's BatchProcessor: a daemon thread woken by a timer or an
 ``Event``, exports wrapped so nothing ever raises into the trainer, and a
 ``shutdown(timeout)`` that flushes what it can before its deadline. A batch the
-collector cannot take for now (unreachable, 429, 5xx) is kept and resent, in order,
-after a jittered backoff or the collector's Retry-After; the queue keeps filling
-meanwhile (bounded: the oldest records are dropped and counted). A batch refused as
-malformed (4xx) is dropped and counted. Records still unsent at shutdown are dropped
-and counted; an on-disk spool that outlives the process is issue 10's.
+collector cannot take for now (unreachable, 429, 5xx) goes to the spool
+(:mod:`.spool`: on disk, bounded, surviving the process), and so does every newer
+batch while anything waits there; the oldest is resent after a jittered backoff or
+the collector's Retry-After, then the rest in order. The in-memory queue is drained
+into the spool meanwhile, so the training thread never waits and never fills it. A
+batch refused as malformed (4xx) is dropped and counted. At shutdown with the
+collector away, what is left goes to the disk spool for the next process to send.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
+
+from .spool import Batch, MemorySpool, Spool, count
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +105,7 @@ class Exporter:
         heartbeat_s: float,
         stats: dict[str, int],
         on_commands: Callable[[Any], None] | None = None,
+        spool: Spool | None = None,
     ) -> None:
         self._on_commands = on_commands
         self._poll = False  # send a heartbeat now: the trainer waits for a command
@@ -118,10 +123,13 @@ class Exporter:
         self._stopping = threading.Event()
         self._held: list[Any] = []  # records waiting for a device copy, in order
         self._failing = False
-        # A batch the collector could not take for now (down, busy, 5xx): resent, in
-        # order, before anything newer, after a jittered backoff or its Retry-After.
-        self._pending: tuple[list[Any], list[Any], list[Any]] | None = None
+        # Batches the collector could not take for now (down, busy, 5xx), and every newer
+        # one while any waits: resent oldest first after a jittered backoff or Retry-After.
+        self._spool: Spool = (
+            spool if spool is not None else MemorySpool(max_records=10_000, stats=stats)
+        )
         self._retry_at = 0.0
+        self._gave_up = False  # a send failed during shutdown: spool the rest
         self._backoff = 0.5
         self._thread = threading.Thread(target=self._loop, name="trainwarden-exporter", daemon=True)
         self._thread.start()
@@ -173,9 +181,7 @@ class Exporter:
                 log.exception("trainwarden: exporter error (records dropped)")
             self._stats["exporter_cpu_ns"] += time.thread_time_ns() - cpu
             if stopping:
-                # What could not be sent before the deadline is lost with the process: count it.
-                pending = sum(map(len, self._pending)) if self._pending else 0
-                self._stats["dropped_at_shutdown"] += len(self._queue) + len(self._held) + pending
+                self._stop_spooling()
                 return
 
     def _take_batch(
@@ -211,18 +217,56 @@ class Exporter:
 
     def _export_once(self, *, final: bool) -> bool:
         """Send one batch. Returns True when more is ready to send right away."""
-        if self._pending is not None:
-            if time.monotonic() < self._retry_at and not final:
+        if len(self._spool):
+            # At shutdown one more try, whatever the backoff says; after a failed one, no
+            # more waiting on the network: the rest goes to the spool.
+            if (time.monotonic() < self._retry_at and not final) or (final and self._gave_up):
+                # The collector is away: what the trainer records goes behind what waits,
+                # so the in-memory queue never fills.
+                batch = self._take_batch(final=final)
+                if not count(batch):
+                    return False
+                self._put(batch)
+                return bool(self._queue)
+            oldest = self._spool.oldest()
+            if oldest is None:
                 return False
-            pending, self._pending = self._pending, None
+            key, batch = oldest
             self._stats["retries"] += 1
-            return self._send(*pending, final=final)
+            if self._send(*batch, final=final, spooled=True):
+                self._spool.remove(key)
+                self._stats["replayed"] += count(batch)
+                return True
+            return False
         steps, events, gpu = self._take_batch(final=final)
         if not steps and not events and not gpu:
             return False
         if not self._send(steps, events, gpu, final=final):
             return False  # wait for the next tick instead of spinning on a dead collector
         return bool(self._queue) or (bool(self._held) and final)
+
+    def _put(self, batch: Batch) -> None:
+        try:
+            self._spool.put(batch)
+            self._stats["spooled"] += count(batch)
+        except OSError as exc:  # a full or read-only disk: the records are lost, counted
+            self._stats["dropped_spool_failed"] += count(batch)
+            log.warning("trainwarden: cannot write to the spool (%s); records dropped", exc)
+
+    def _stop_spooling(self) -> None:
+        """At shutdown: what is still unsent goes to the spool; what only a memory spool
+        holds is lost with the process and counted."""
+        while self._queue or self._held:
+            batch = self._take_batch(final=True)
+            if not count(batch):
+                break
+            self._put(batch)
+        if isinstance(self._spool, MemorySpool):
+            left = 0
+            while (oldest := self._spool.oldest()) is not None:
+                left += count(oldest[1])
+                self._spool.remove(oldest[0])
+            self._stats["dropped_at_shutdown"] += left
 
     def _send(
         self,
@@ -231,6 +275,7 @@ class Exporter:
         gpu: list[dict[str, Any]],
         *,
         final: bool = False,
+        spooled: bool = False,
     ) -> bool:
         body = {
             "run": self._run,
@@ -245,16 +290,23 @@ class Exporter:
             answer = self._transport.send(INGEST_PATH, body)
         except Exception as exc:
             self._stats["batches_failed"] += 1
-            count = len(steps) + len(events) + len(gpu)
             retryable = not isinstance(exc, CollectorError) or exc.status in RETRYABLE
-            if retryable and count and not final:
+            n = len(steps) + len(events) + len(gpu)
+            self._gave_up = final
+            if retryable:
                 # Keep it (the collector dedups a replay) and back off, honouring Retry-After.
-                self._pending = (steps, events, gpu)
+                if n and not spooled:
+                    self._put((steps, events, gpu))
                 wait = getattr(exc, "retry_after", None) or self._backoff * random.uniform(0.5, 1.5)
                 self._retry_at = time.monotonic() + wait
                 self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+            elif spooled:
+                self._stats["dropped_send_failed"] += n
+                key = self._spool.oldest()
+                if key is not None:
+                    self._spool.remove(key[0])  # refused as malformed: it never will be taken
             else:
-                self._stats["dropped_send_failed"] += count
+                self._stats["dropped_send_failed"] += n
             if not self._failing:
                 what = "retrying with backoff" if retryable else "dropping what it refuses"
                 log.warning("trainwarden: collector did not take a batch (%s); %s", exc, what)

@@ -123,6 +123,15 @@ def _throwaway_cluster() -> tuple[str, Callable[[], None]]:
     return f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres", stop
 
 
+@pytest.fixture(autouse=True)
+def _spool_per_test(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each test's agents (and the processes it starts) spool in a folder of their own:
+    a batch one test left behind must never be replayed into another."""
+    monkeypatch.setenv("TRAINWARDEN_SPOOL_DIR", str(tmp_path_factory.mktemp("spool")))
+
+
 @pytest.fixture(scope="session")
 def pg_server() -> Iterator[str]:
     """URL of a PostgreSQL server the tests may create databases on."""

@@ -7,6 +7,7 @@ import logging
 import math
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -126,10 +127,13 @@ def test_an_exception_in_the_step_propagates_and_is_recorded() -> None:
     assert transport.steps()[0]["issues"] == {"exception": "ZeroDivisionError"}
 
 
-def test_collector_down_drops_and_counts_without_stalling_the_trainer(caplog) -> None:
+def test_collector_down_spools_to_disk_and_the_next_process_sends_it_in_order(
+    caplog, tmp_path: Path
+) -> None:
     transport = RecordingTransport(fail=True)
     caplog.set_level(logging.WARNING, logger="trainwarden.agent")
-    tw.init(run="unit", transport=transport, flush_interval_s=0.01)
+    spool = tmp_path / "spool"
+    tw.init(run="unit", transport=transport, flush_interval_s=0.01, spool_dir=str(spool))
     for i in range(50):
         with tw.step(i):
             pass
@@ -139,10 +143,79 @@ def test_collector_down_drops_and_counts_without_stalling_the_trainer(caplog) ->
     stats = agent.stats
     assert stats["recorded"] == 53  # 50 steps + the start, gpu_telemetry and shutdown events
     assert stats["sent"] == 0
-    # Kept for a retry while the process lived; counted as lost when it ended.
-    assert stats["dropped_send_failed"] + stats["dropped_at_shutdown"] == 53
+    # Nothing lost: all of it waits on disk, for this rank of this run.
+    assert stats["spooled"] == 53
+    assert stats["dropped_send_failed"] == stats["dropped_at_shutdown"] == 0
+    files = sorted(p.name for p in (spool / "unit" / "rank-0").iterdir())
+    assert files and all(f.endswith(".json") for f in files)
     warnings = [r for r in caplog.records if "did not take a batch" in r.getMessage()]
     assert len(warnings) == 1  # said once, not once per batch
+
+    # The next process of the same run and rank, with the collector back: the spool goes
+    # first, in order, then its own records; every record once.
+    transport = RecordingTransport()
+    tw.init(run="unit", transport=transport, flush_interval_s=0.01, spool_dir=str(spool))
+    with tw.step(50):
+        pass
+    tw.shutdown(timeout_s=2)
+    assert [s["step"] for s in transport.steps()] == list(range(51))
+    kinds = [e["kind"] for e in transport.events()]
+    assert kinds.count("start") == 2 and kinds.count("shutdown") == 2
+    assert kinds.index("shutdown") < kinds.index("start", 1)  # the earlier process's first
+    assert list((spool / "unit" / "rank-0").iterdir()) == []
+
+
+def test_without_a_spool_directory_what_waits_is_lost_at_exit_and_counted() -> None:
+    transport = RecordingTransport(fail=True)
+    tw.init(run="unit", transport=transport, flush_interval_s=0.01, spool_dir="none")
+    for i in range(50):
+        with tw.step(i):
+            pass
+    time.sleep(0.2)
+    agent = tw.init.__globals__["_core"]._agent
+    tw.shutdown(timeout_s=2)
+    assert (agent.stats["sent"], agent.stats["dropped_at_shutdown"]) == (0, 53)
+
+
+def test_the_spool_replays_in_order_when_the_collector_returns_and_keeps_its_bound(
+    tmp_path: Path,
+) -> None:
+    transport = RecordingTransport(fail=True)
+    tw.init(run="unit", transport=transport, flush_interval_s=0.01, batch_size=10,
+            spool_dir=str(tmp_path), spool_max_mb=0.004)  # fmt: skip  # ~4 KB: a few batches
+    for i in range(300):
+        with tw.step(i):
+            pass
+        if i % 10 == 9:
+            time.sleep(0.02)  # the exporter moves each batch of 10 to the spool
+    time.sleep(0.3)
+    stats = tw.stats()
+    assert stats["sent"] == 0 and stats["dropped_queue_full"] == 0
+    assert stats["dropped_spool_full"] > 0  # past the bound, the oldest batches went
+    transport.fail = False  # the collector is back
+    deadline = time.monotonic() + 10
+    while 299 not in [s["step"] for s in transport.steps()]:
+        assert time.monotonic() < deadline, "the spool was not replayed"
+        time.sleep(0.05)
+    steps = [s["step"] for s in transport.steps()]
+    assert steps == sorted(steps) and steps[-1] == 299  # in order, newest last
+    stats = tw.stats()
+    assert stats["replayed"] > 0
+    # Every step was either sent once or dropped (and counted) as the spool's oldest.
+    assert len(steps) == len(set(steps)) and 300 - len(steps) <= stats["dropped_spool_full"]
+
+
+def test_an_unwritable_spool_directory_falls_back_to_memory(tmp_path: Path, caplog) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    caplog.set_level(logging.WARNING, logger="trainwarden.agent")
+    transport = RecordingTransport()
+    tw.init(run="unit", transport=transport, flush_interval_s=0.01, spool_dir=str(blocker))
+    with tw.step(0):
+        pass
+    tw.shutdown(timeout_s=2)
+    assert [s["step"] for s in transport.steps()] == [0]
+    assert any("cannot use the spool directory" in r.getMessage() for r in caplog.records)
 
 
 def test_a_slow_collector_never_blocks_the_training_thread() -> None:

@@ -1,0 +1,111 @@
+"""The agent across the process's life: a fork (DataLoader workers) and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import trainwarden.agent as tw
+
+from .test_agent import RecordingTransport
+
+
+@pytest.fixture(autouse=True)
+def _clean_agent(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRAINWARDEN_URL", "TRAINWARDEN_RUN"):
+        monkeypatch.delenv(name, raising=False)
+    yield
+    tw.shutdown(timeout_s=1)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
+def test_a_forked_child_never_reports_and_its_exit_is_not_the_ranks_shutdown() -> None:
+    transport = RecordingTransport()
+    tw.init(run="unit", transport=transport, flush_interval_s=0.02)
+    with tw.step(0):
+        pass
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a DataLoader worker, say
+        code = 1
+        try:
+            core = tw.init.__globals__["_core"]
+            agent = core._agent
+            with tw.step(1):  # harmless: kept in memory, never sent
+                pass
+            core._flush_at_exit()  # what atexit runs when the child exits: must do nothing
+            state = {"exporter": agent._exporter is None, "closed": agent._closed}
+            os.write(write, json.dumps(state).encode())
+            code = 0
+        finally:
+            os._exit(code)  # never back into pytest in the child
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    child = json.loads(os.read(read, 1000))
+    os.close(read)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert child == {"exporter": True, "closed": True}
+    with tw.step(2):
+        pass
+    tw.shutdown(timeout_s=2)
+    assert [s["step"] for s in transport.steps()] == [0, 2]  # the child's step 1 never came
+    assert [e["kind"] for e in transport.events()].count("shutdown") == 1
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens there once the socket closes
+
+
+def test_sigterm_flushes_to_the_spool_and_the_process_still_dies_of_it(tmp_path: Path) -> None:
+    trainer = textwrap.dedent(f"""
+        import sys, time
+        import trainwarden.agent as tw
+        tw.init(run="term", url="http://127.0.0.1:{_closed_port()}", flush_interval_s=0.05,
+                request_timeout_s=0.5, profile_every=0, spool_dir={str(tmp_path)!r})
+        step = 0
+        while True:
+            with tw.step(step):
+                time.sleep(0.002)
+            if step == 20:
+                print("ready", flush=True)
+            step += 1
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", trainer], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == -signal.SIGTERM  # it died of the signal, as it would have
+    finally:
+        proc.kill()
+    batches = [
+        json.loads(p.read_text()) for p in sorted((tmp_path / "term" / "rank-0").glob("*.json"))
+    ]
+    steps = [s["step"] for b in batches for s in b["steps"]]
+    events = {e["kind"]: e for b in batches for e in b["events"]}
+    assert steps == list(range(len(steps))) and len(steps) > 20  # every step, in order, once
+    assert events["signal"]["data"] == {"signal": "SIGTERM"}
+    assert events["shutdown"]["step"] == steps[-1]
+
+
+def test_a_trainers_own_sigterm_handler_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    mine: list[Any] = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: mine.append(a))
+    try:
+        tw.init(run="unit", transport=RecordingTransport())
+        assert signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+        assert signal.getsignal(signal.SIGTERM).__name__ == "<lambda>"  # type: ignore[union-attr]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
