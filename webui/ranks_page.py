@@ -1,29 +1,260 @@
-"""The ranks page of a run, ``/runs/<name>/ranks``: rank x step heatmaps, rank states, one rank's detail."""
+"""The ranks page of a run, ``/runs/<name>/ranks``: rank x step heatmaps, rank states, one rank's detail.
+
+The URL holds what is shown: ``?rank=3&from=1200&to=1800`` (a rank's detail, a step
+range). Clicking a heatmap cell or a rank in the table sets ``rank``; zooming a step
+heatmap sets ``from``/``to`` and the collector re-buckets that range; a double-click
+drops them. Each heatmap has its own callback, so the first one draws as soon as its
+query returns.
+"""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import parse_qs, quote, urlencode
 
 import dash
-from dash import html
+from dash import Input, Output, State, dcc, html
 
+from trainwarden.collector.queries import NotFound
+
+from . import ranks_figures as rf
 from .client import Client
 from .components import notice, run_tabs
+from .figures import empty_figure, themed
+
+log = logging.getLogger(__name__)
+BUCKETS = 200  # heatmap columns; the collector buckets the steps
+GPU_SAMPLES = 20_000  # newest GPU readings read for the temperature heatmap
+DETAIL_STEPS = 5_000  # one rank's detail: the newest steps when no range is chosen
+HEATMAPS = ("step_time", "exposed_comm", "loss_dev", "gpu_temp")
+STEP_HEATMAPS = HEATMAPS[:3]
+HINT = html.P(
+    "Click a heatmap cell or a rank number for that rank's detail. Drag across a step "
+    "heatmap to zoom into those steps; double-click to see the whole run. The address bar "
+    "keeps the rank and the range: share it.",
+    className="hint",
+)
+TITLES = {
+    "step_time": "Step time",
+    "exposed_comm": "Exposed communication",
+    "loss_dev": "Loss deviation from the median rank",
+    "gpu_temp": "GPU temperature (by time)",
+}
+
+
+# -- the query string ----------------------------------------------------------
+
+
+def parse_query(search: str | None) -> tuple[int | None, int | None, int | None]:
+    """``(rank, from_step, to_step)`` from ``?rank=3&from=100&to=200``; what is not a
+    whole number is ignored (a hand-edited URL still shows the page)."""
+    query = parse_qs((search or "").lstrip("?"))
+
+    def number(key: str) -> int | None:
+        text = (query.get(key) or [""])[0].strip()
+        return int(text) if text.lstrip("-").isdigit() else None
+
+    lo, hi = number("from"), number("to")
+    if lo is not None and hi is not None and hi < lo:
+        lo, hi = hi, lo
+    return number("rank"), lo, hi
+
+
+def query_string(rank: int | None, lo: int | None, hi: int | None) -> str:
+    pairs = [(k, v) for k, v in (("rank", rank), ("from", lo), ("to", hi)) if v is not None]
+    return "?" + urlencode(pairs) if pairs else ""
+
+
+def range_from_relayout(relayout: dict[str, Any] | None) -> tuple[int | None, int | None] | None:
+    """The step range a zoom chose; ``(None, None)`` for a reset; None: not an x zoom."""
+    if not relayout:
+        return None
+    if relayout.get("xaxis.autorange"):
+        return None, None
+    lo, hi = relayout.get("xaxis.range[0]"), relayout.get("xaxis.range[1]")
+    if lo is None and isinstance(relayout.get("xaxis.range"), list):
+        lo, hi = relayout["xaxis.range"]
+    if lo is None or hi is None:
+        return None
+    return max(0, int(float(lo))), int(float(hi)) + 1
+
+
+def clicked_rank(click: dict[str, Any] | None) -> int | None:
+    try:
+        return int(round(float(click["points"][0]["y"])))  # type: ignore[index]
+    except (TypeError, KeyError, IndexError, ValueError):
+        return None
+
+
+# -- what the page draws ---------------------------------------------------------
+
+
+def heatmap_part(client: Client, name: str, key: str, search: str | None, theme: str | None) -> Any:
+    """One of the page's heatmaps (``key`` in HEATMAPS) as a figure."""
+    rank, lo, hi = parse_query(search)
+    title = TITLES[key]
+    revision = f"{name}:{key}"
+    if key == "gpu_temp":
+        grid = rf.gpu_grid(client.gpu(name, limit=GPU_SAMPLES))
+        return rf.heatmap_figure(grid, title=title, theme=theme, revision=revision, x_title="time",
+                                 selected=rank, empty="No GPU temperatures: the agents report none "
+                                 "(no NVML on their hosts). Other heatmaps are unaffected.")  # fmt: skip
+    metric = "loss" if key == "loss_dev" else key
+    grid = rf.grid_of(client.heatmap(name, metric, buckets=BUCKETS, from_step=lo, to_step=hi))
+    if key == "loss_dev":
+        if len(grid.ranks) == 1:
+            return themed(empty_figure("One rank: no peers to compare its loss with."), theme)
+        grid = rf.deviation(grid)
+        empty = "No loss yet: the trainer reports it with s.loss(value)."
+        return rf.heatmap_figure(grid, title=title, theme=theme, revision=revision,
+                                 selected=rank, diverging=True, empty=empty)  # fmt: skip
+    found = rf.stripes(grid)
+    if found:
+        title += " · stands out: " + ", ".join(f"rank {r} ({x:.1f}× its peers)" for r, x in found)
+    empty = (
+        "No exposed-communication times: the agent splits communication when "
+        "torch.distributed is initialised (comm split)."
+        if key == "exposed_comm"
+        else "No steps yet: the heatmap fills as the ranks report."
+    )
+    return rf.heatmap_figure(grid, title=title, theme=theme, revision=revision, selected=rank,
+                             empty=empty)  # fmt: skip
+
+
+def panels(client: Client, name: str, search: str | None, theme: str | None) -> tuple[Any, Any, Any]:  # fmt: skip
+    """(notice, rank states, the selected rank's detail)."""
+    rank, lo, hi = parse_query(search)
+    run = client.get_run(name)
+    note = None
+    if run.last_step is None:
+        note = notice(f"Run {name!r} has no steps yet: the heatmaps fill as its ranks report.")
+    elif len(run.ranks) == 1:
+        note = notice("This run has one rank: there are no peers to compare it with.")
+    keep = query_string(None, lo, hi).lstrip("?")
+    states = rf.states_table(name, run.ranks, selected=rank, keep=keep)
+    if rank is None:
+        return note, states, HINT
+    info = next((r for r in run.ranks if r.rank == rank), None)
+    if info is None:
+        known = f"ranks {run.ranks[0].rank}–{run.ranks[-1].rank}" if run.ranks else "no ranks yet"
+        return note, states, notice(f"Rank {rank} has not reported in run {name!r} ({known}).", "error")  # fmt: skip
+    last = None if lo is not None or hi is not None else DETAIL_STEPS
+    mine = client.rank_series(name, rank, "step_time", from_step=lo, to_step=hi, last=last)
+    everyone = client.series(name, "step_time", points=1_000, from_step=lo, to_step=hi, last=last)
+    gpu = client.gpu(name, rank=rank, limit=1)
+    events = [e for e in client.events(name) if e.rank == rank]
+    figure = rf.rank_figure(mine, everyone, theme=theme, revision=f"{name}:rank")
+    base = f"/runs/{quote(name, safe='')}"
+    clear = dcc.Link("close", href=f"{base}/ranks{'?' + keep if keep else ''}")
+    hardware = dcc.Link("its GPU", href=f"{base}/hardware?rank={rank}")
+    return note, states, html.Div([
+        html.H3([f"Rank {rank}", html.Span(" · ", className="fact-key"), hardware,
+                 html.Span(" · ", className="fact-key"), clear]),
+        rf.rank_facts(info, gpu[-1] if gpu else None, events),
+        dcc.Graph(id="ranks-rank-graph", figure=figure, config={"displaylogo": False}),
+    ], className="rank-detail")  # fmt: skip
+
+
+# -- the page --------------------------------------------------------------------
 
 
 def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
+    graph = {"config": {"displaylogo": False}, "figure": empty_figure("Loading…")}
     return html.Div(
         [
+            # The page's own view of the URL: writing ?rank= / from / to does not reload.
+            dcc.Location(id="ranks-url", refresh=False),
+            dcc.Store(id="ranks-run", data=name),
             html.H2(name),
             run_tabs(name, "Ranks"),
-            html.Div(id="ranks-body", children=notice("Ranks: not built yet.")),
+            html.Div(id="ranks-notice", role="status"),
+            html.Div(id="ranks-states", className="ranks-panel", children=notice("Loading ranks…")),
+            html.Div(id="ranks-detail", children=HINT),
+            *[dcc.Graph(id=f"ranks-{key}", **graph) for key in HEATMAPS],
+            # Heatmaps of a big run are large: they refresh less often than the states.
+            dcc.Interval(id="ranks-interval", interval=int(refresh_s * 1000)),
+            dcc.Interval(id="ranks-heat-interval", interval=int(max(refresh_s * 2.5, 5) * 1000)),
         ]
     )
 
 
+def _guarded(what: str, name: str, draw: Callable[[], Any], failed: Callable[[str], Any]) -> Any:
+    try:
+        return draw()
+    except NotFound:
+        return failed(f"Run {name!r} not found.")
+    except Exception as exc:  # the page says so and retries; never a traceback
+        log.exception("ranks page %s: %s", what, name)
+        return failed(f"Cannot read {what}: {exc.__class__.__name__}. Retrying.")
+
+
 def register(app: dash.Dash, client: Client) -> None:
     """The page's callbacks (component ids start with ``ranks-``)."""
-    _ = (app, client)
+
+    def heatmap_callback(key: str) -> None:
+        @app.callback(
+            Output(f"ranks-{key}", "figure"),
+            Input("ranks-heat-interval", "n_intervals"),
+            Input("ranks-url", "search"),
+            Input("theme", "data"),
+            State("ranks-run", "data"),
+        )
+        def draw(_n: int | None, search: str | None, theme: str | None, name: str) -> Any:
+            def failed(message: str) -> Any:
+                return themed(empty_figure(f"{TITLES[key]}: {message}"), theme)
+
+            return _guarded(TITLES[key].lower(), name,
+                            lambda: heatmap_part(client, name, key, search, theme), failed)  # fmt: skip
+
+    for key in HEATMAPS:
+        heatmap_callback(key)
+
+    @app.callback(
+        Output("ranks-notice", "children"),
+        Output("ranks-states", "children"),
+        Output("ranks-detail", "children"),
+        Input("ranks-interval", "n_intervals"),
+        Input("ranks-url", "search"),
+        Input("theme", "data"),
+        State("ranks-run", "data"),
+    )
+    def refresh(_n: int | None, search: str | None, theme: str | None, name: str) -> Any:
+        def failed(message: str) -> Any:
+            if message.endswith("not found."):
+                message = (f"{message} A run appears once its first agent reports; "
+                           "check the name, or pick one from the runs list.")  # fmt: skip
+            return notice(message, "error"), None, None
+
+        return _guarded("rank states", name, lambda: panels(client, name, search, theme), failed)
+
+    @app.callback(
+        Output("ranks-url", "search"),
+        *[Input(f"ranks-{key}", "clickData") for key in HEATMAPS],
+        *[Input(f"ranks-{key}", "relayoutData") for key in STEP_HEATMAPS],
+        State("ranks-url", "search"),
+        prevent_initial_call=True,
+    )
+    def follow(*args: Any) -> Any:
+        """A click picks a rank, a zoom picks a step range: both go to the URL."""
+        search = args[-1]
+        rank, lo, hi = parse_query(search)
+        trigger = dash.ctx.triggered_id or ""
+        prop = dash.ctx.triggered[0]["prop_id"] if dash.ctx.triggered else ""
+        value = dash.ctx.triggered[0]["value"] if dash.ctx.triggered else None
+        if prop.endswith(".clickData"):
+            picked = clicked_rank(value)
+            if picked is None:
+                return dash.no_update
+            rank = picked
+        elif trigger in {f"ranks-{k}" for k in STEP_HEATMAPS}:
+            chosen = range_from_relayout(value)
+            if chosen is None:
+                return dash.no_update
+            lo, hi = chosen
+        wanted = query_string(rank, lo, hi)
+        return dash.no_update if wanted == (search or "") else wanted
 
 
-__all__: list[Any] = ["layout", "register"]
+__all__ = ["layout", "parse_query", "query_string", "register"]

@@ -1,0 +1,255 @@
+"""Figures and tables of the hardware page, as pure functions of GPU readings and events."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+import statistics
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import quote
+
+import plotly.graph_objects as go
+from dash import dcc, html
+
+from trainwarden.agent.gpu import describe_xid
+from trainwarden.collector.schemas import EventOut, GpuSample, RankInfo
+
+from .figures import empty_figure, themed
+
+HOT_C = 85.0  # where drivers start thermal slowdown on data-centre GPUs (H100: 87-90 C)
+GPU_ROWS = 64  # past this many GPUs the table lists only those with something wrong
+LINES = 12  # past this many GPUs a graph draws min / median / max and the worst GPUs
+THROTTLE_HELP = {  # NVML clocks-event reasons, in the agent's names
+    "sw_power_cap": "software power cap: drawing its power limit",
+    "hw_slowdown": "hardware slowdown: power brake or overheating reported by the board",
+    "sw_thermal": "software thermal slowdown: the GPU is too hot",
+    "hw_thermal": "hardware thermal slowdown: the GPU is far too hot",
+    "power_brake": "external power brake (the node's power supply)",
+}
+FIELDS = {  # graph key -> (sample field, title, unit)
+    "temp": ("temp_c", "GPU temperature", "°C"),
+    "power": ("power_w", "Power", "W"),
+    "clock": ("sm_clock_mhz", "SM clock", "MHz"),
+}
+
+
+def _finite(value: Any) -> float | None:
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def latest(samples: Iterable[GpuSample]) -> dict[int, GpuSample]:
+    """The newest reading of each rank's GPU."""
+    out: dict[int, GpuSample] = {}
+    for s in samples:
+        if s.rank not in out or s.ts >= out[s.rank].ts:
+            out[s.rank] = s
+    return out
+
+
+def problems(s: GpuSample) -> list[str]:
+    """What is wrong with this GPU now, in words; empty when nothing is."""
+    found = []
+    temp = _finite(s.temp_c)
+    if temp is not None and temp >= HOT_C:
+        found.append(f"hot ({temp:.0f} °C)")
+    if s.throttle:
+        found.append("throttled: " + ", ".join(s.throttle))
+    if s.ecc_uncorrected:
+        found.append(f"{s.ecc_uncorrected} uncorrectable ECC errors")
+    if s.retired_pages or s.remapped_rows_uncorrectable:
+        found.append("retired memory pages / remapped rows")
+    if s.remap_pending:
+        found.append("row remap pending: reset the GPU")
+    return found
+
+
+def _num(value: Any, fmt: str, unit: str = "") -> str:
+    v = _finite(value)
+    return "—" if v is None else f"{v:{fmt}}{unit}"
+
+
+def _node(info: RankInfo | None) -> str:
+    return (info.node or info.host or "unknown node") if info else "unknown node"
+
+
+def gpu_table(run: str, samples: Sequence[GpuSample], ranks: Sequence[RankInfo], *,
+              selected: int | None = None) -> html.Div:  # fmt: skip
+    """The newest reading of every GPU, grouped by node; the hot, throttled and failing
+    ones marked. Past GPU_ROWS GPUs, only those with a problem are listed."""
+    now = latest(samples)
+    info = {r.rank: r for r in ranks}
+    every = sorted(set(now) | set(info))
+    if selected is not None:
+        every = [r for r in every if r == selected]
+    shown = every if len(every) <= GPU_ROWS else [r for r in every if r in now and problems(now[r])]
+    by_node: dict[str, list[int]] = {}
+    for rank in shown:
+        by_node.setdefault(_node(info.get(rank)), []).append(rank)
+    base = f"/runs/{quote(run, safe='')}"
+    rows: list[Any] = []
+    for node in sorted(by_node):
+        members = by_node[node]
+        temps = [t for r in members if r in now and (t := _finite(now[r].temp_c)) is not None]
+        hottest = f" · hottest {max(temps):.0f} °C" if temps else ""
+        rows.append(html.Tr(html.Td(f"{node} · {len(members)} GPU{'s' if len(members) != 1 else ''}{hottest}",
+                                    colSpan=9), className="node-row"))  # fmt: skip
+        for rank in members:
+            rows.append(_gpu_row(base, rank, now.get(rank), info.get(rank)))
+    hidden = len(every) - len(shown)
+    note = html.P(f"{hidden} GPUs with nothing wrong are not listed; add ?rank=N to see one.",
+                  className="hint") if hidden else None  # fmt: skip
+    head = ("Rank", "GPU", "Temperature", "Power / limit", "SM clock / max", "Throttle",
+            "Util", "ECC corr. / uncorr.", "Problems")  # fmt: skip
+    table = html.Table([html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(rows)],
+                       className="runs-table gpu-table")  # fmt: skip
+    return html.Div([table, note])
+
+
+def _gpu_row(base: str, rank: int, s: GpuSample | None, info: RankInfo | None) -> html.Tr:
+    link = dcc.Link(str(rank), href=f"{base}/ranks?rank={rank}", className="rank-link")
+    if s is None:
+        reason = (info.gpu or {}).get("reason") if info and info.gpu else None
+        text = f"no GPU telemetry{': ' + str(reason) if reason else ''}"
+        return html.Tr([html.Td(link), html.Td(text, colSpan=8, className="detail")],
+                       id=f"hw-gpu-{rank}")  # fmt: skip
+    temp = _finite(s.temp_c)
+    wrong = problems(s)
+    name = s.gpu_name or "GPU"
+    if s.simulated and "simulated" not in name.lower():
+        name += " (simulated)"
+    memory = (
+        f" (memory {_num(s.mem_temp_c, '.0f', ' °C')})" if _finite(s.mem_temp_c) is not None else ""
+    )
+    throttle = [html.Span(t, className="mark mark-warn", title=THROTTLE_HELP.get(t, t)) for t in s.throttle or []]  # fmt: skip
+    return html.Tr([
+        html.Td(link),
+        html.Td([name, html.Div(s.gpu_uuid or "", className="detail")]),
+        html.Td(_num(s.temp_c, '.0f', ' °C') + memory,
+                className="hot" if temp is not None and temp >= HOT_C else None),
+        html.Td(f"{_num(s.power_w, '.0f')} / {_num(s.power_limit_w, '.0f', ' W')}"),
+        html.Td(f"{_num(s.sm_clock_mhz, '.0f')} / {_num(s.sm_clock_max_mhz, '.0f', ' MHz')}"),
+        html.Td(throttle or "—"),
+        html.Td(_num(s.util_gpu, '.0f', " %")),
+        html.Td(f"{s.ecc_corrected if s.ecc_corrected is not None else '—'} / "
+                f"{s.ecc_uncorrected if s.ecc_uncorrected is not None else '—'}",
+                className="hot" if s.ecc_uncorrected else None),
+        html.Td("; ".join(wrong) or "ok", className="detail"),
+    ], id=f"hw-gpu-{rank}", className="gpu-bad" if wrong else None)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class XidRow:
+    ts: float
+    rank: int | None
+    node: str
+    step: int | None
+    code: int | None
+    name: str
+    meaning: str
+    action: str
+    simulated: bool
+
+
+def xid_rows(events: Iterable[EventOut], ranks: Sequence[RankInfo]) -> list[XidRow]:
+    """XID events, newest first, with their catalog meaning (from the event, or looked up
+    in the catalog when an older agent sent only the code)."""
+    info = {r.rank: r for r in ranks}
+    out = []
+    for e in events:
+        if e.kind != "xid":
+            continue
+        d = e.data or {}
+        code = d.get("code")
+        known = describe_xid(int(code)) if isinstance(code, int) else {}
+        out.append(XidRow(
+            ts=e.ts, rank=e.rank, step=e.step, code=code if isinstance(code, int) else None,
+            node=str(d.get("node") or d.get("host") or _node(info.get(e.rank if e.rank is not None else -1))),
+            name=str(d.get("name") or known.get("name", "unknown XID")),
+            meaning=str(d.get("meaning") or known.get("meaning", "")),
+            action=str(d.get("action") or known.get("action", "")),
+            simulated=bool(d.get("simulated")),
+        ))  # fmt: skip
+    return sorted(out, key=lambda r: -r.ts)
+
+
+ACTION_TEXT = {"ignore": "nothing to do", "restart_app": "restart the application",
+               "reset_gpu": "reset the GPU", "reboot_node": "reboot the node",
+               "drain": "drain the node"}  # fmt: skip
+
+
+def xid_table(rows: Sequence[XidRow]) -> Any:
+    if not rows:
+        return html.P("No XID errors reported for this run.", className="hint")
+    head = ("When", "Rank", "Node", "Step", "XID", "Meaning", "What to do")
+    body = [
+        html.Tr([
+            html.Td(dt.datetime.fromtimestamp(r.ts).strftime("%Y-%m-%d %H:%M:%S")),
+            html.Td("—" if r.rank is None else r.rank), html.Td(r.node),
+            html.Td("—" if r.step is None else r.step),
+            html.Td([html.Strong(f"XID {r.code}"), html.Div(r.name, className="detail")]),
+            html.Td([r.meaning, html.Span(" (simulated)", className="detail") if r.simulated else None]),
+            html.Td(ACTION_TEXT.get(r.action, r.action)),
+        ], className="xid-row")
+        for r in rows
+    ]  # fmt: skip
+    return html.Table([html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(body)],
+                      className="runs-table xid-table")  # fmt: skip
+
+
+def gpu_figure(samples: Sequence[GpuSample], key: str, *, theme: str | None, revision: str,
+               lines: int = LINES) -> go.Figure:  # fmt: skip
+    """One reading over time: a line per GPU; past ``lines`` GPUs, the min..max band and
+    median across GPUs plus the GPUs that peaked highest (lowest, for clocks)."""
+    field, title, unit = FIELDS[key]
+    by_rank: dict[int, list[tuple[float, float]]] = {}
+    for s in samples:
+        v = _finite(getattr(s, field))
+        if v is not None:
+            by_rank.setdefault(s.rank, []).append((s.ts, v))
+    if not by_rank:
+        return themed(empty_figure(f"No {title.lower()} readings"), theme)
+    fig = go.Figure()
+    worst_first = key != "clock"
+    if len(by_rank) > lines:
+        _band(fig, by_rank, unit)
+        peak = {r: (max if worst_first else min)(v for _, v in pts) for r, pts in by_rank.items()}
+        shown = sorted(peak, key=lambda r: -peak[r] if worst_first else peak[r])[:3]
+    else:
+        shown = sorted(by_rank)
+    for rank in shown:
+        pts = by_rank[rank]
+        fig.add_trace(go.Scatter(x=[_when(t) for t, _ in pts], y=[v for _, v in pts], mode="lines",
+                                 name=f"rank {rank}", hovertemplate=f"rank {rank} %{{y:.0f}} {unit}<extra></extra>"))  # fmt: skip
+    if key == "temp":
+        fig.add_hline(y=HOT_C, line={"color": "#dc2626", "width": 1, "dash": "dot"},
+                      annotation_text="thermal slowdown", annotation_position="top left")  # fmt: skip
+    fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 15}}, height=260,
+                      margin={"l": 60, "r": 20, "t": 40, "b": 40}, hovermode="x unified",
+                      uirevision=revision,
+                      legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"})  # fmt: skip
+    fig.update_yaxes(title_text=unit)
+    return themed(fig, theme)
+
+
+def _band(fig: go.Figure, by_rank: dict[int, list[tuple[float, float]]], unit: str) -> None:
+    """min / median / max across GPUs per 5 s of readings."""
+    slots: dict[int, list[float]] = {}
+    for pts in by_rank.values():
+        for t, v in pts:
+            slots.setdefault(int(t // 5), []).append(v)
+    keys = sorted(slots)
+    x = [_when(k * 5.0) for k in keys]
+    fig.add_trace(go.Scatter(x=x, y=[max(slots[k]) for k in keys], mode="lines", line={"width": 0},
+                             showlegend=False, hoverinfo="skip"))  # fmt: skip
+    fig.add_trace(go.Scatter(x=x, y=[min(slots[k]) for k in keys], mode="lines", line={"width": 0},
+                             fill="tonexty", fillcolor="rgba(156,163,175,0.3)",
+                             name="min..max across GPUs", hoverinfo="skip"))  # fmt: skip
+    fig.add_trace(go.Scatter(x=x, y=[statistics.median(slots[k]) for k in keys], mode="lines",
+                             line={"color": "#6b7280", "width": 1.5}, name="median",
+                             hovertemplate=f"median %{{y:.0f}} {unit}<extra></extra>"))  # fmt: skip
+
+
+def _when(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts).isoformat(timespec="seconds")
