@@ -1,0 +1,183 @@
+"""The ranks page: its figures as pure functions of query results, its URL, and what it
+draws from a real database (SQLite and PostgreSQL) for a straggler, one rank, an empty
+run and a missing one."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from fastapi.testclient import TestClient
+from plotly.io.json import to_json_plotly
+
+from trainwarden.collector.app import create_app
+from trainwarden.collector.queries import NotFound
+from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.schemas import GpuSample, Heatmap, RankInfo
+from trainwarden.webui import ranks_figures as rf
+from trainwarden.webui import ranks_page
+from trainwarden.webui.client import LocalClient
+
+from ..collector.helpers import batch, step
+from .test_alerts_page import text
+
+
+def heatmap(values: list[list[float | None]], metric: str = "step_time") -> Heatmap:
+    return Heatmap(run="r", metric=metric, unit="s", ranks=list(range(len(values))),
+                   step_start=[i * 10 for i in range(len(values[0]) if values else 0)],
+                   bucket=10, values=values)  # fmt: skip
+
+
+def rank(n: int, state: str = "healthy", **over: Any) -> RankInfo:
+    base: dict[str, Any] = dict(rank=n, local_rank=n, host=f"host{n // 8}", node=f"node{n // 8}",
+                                pid=100 + n, session="s", state=state, first_seen=0.0,
+                                last_seen=1.0, last_step=10)  # fmt: skip
+    return RankInfo(**{**base, **over})
+
+
+# -- figures -----------------------------------------------------------------------
+
+
+def test_a_straggler_is_the_stripe_and_is_named() -> None:
+    grid = rf.grid_of(heatmap([[0.1, 0.1, 0.1], [0.1, 0.11, 0.1], [0.3, 0.31, 0.3], [0.1, 0.1, 0.09]]))  # fmt: skip
+    found = rf.stripes(grid)
+    assert [r for r, _ in found] == [2]
+    assert found[0][1] == pytest.approx(3.0, rel=0.05)
+    fig = rf.heatmap_figure(grid, title="Step time", theme="light", revision="r:s", selected=2)
+    trace = fig["data"][0]
+    assert trace["type"] == "heatmap" and trace["y"] == [0, 1, 2, 3]
+    assert max(range(4), key=lambda i: sum(trace["z"][i])) == 2  # the row drawn hottest
+    assert fig["layout"]["uirevision"] == "r:s"  # a live refresh keeps the zoom
+    assert len(fig["layout"]["shapes"]) == 1  # the selected rank is outlined
+
+
+def test_nan_and_infinite_cells_are_gaps_not_errors() -> None:
+    grid = rf.grid_of(heatmap([[1.0, math.nan], [math.inf, 2.0]]))
+    assert grid.values == [[1.0, None], [None, 2.0]]
+    fig = rf.heatmap_figure(grid, title="Loss", theme="dark", revision="r")
+    assert fig["data"][0]["z"] == [[1.0, None], [None, 2.0]]
+    assert "NaN" not in to_json_plotly(fig)  # valid JSON for the browser
+    assert fig["layout"]["template"]["layout"]["paper_bgcolor"] == "rgb(17,17,17)"
+
+
+def test_empty_heatmap_says_what_to_wait_for() -> None:
+    for grid in (rf.grid_of(heatmap([])), rf.grid_of(heatmap([[None, None]]))):
+        fig = rf.heatmap_figure(grid, title="Step time", theme=None, revision="r", empty="No steps yet")  # fmt: skip
+        assert fig["data"] == []
+        assert fig["layout"]["annotations"][0]["text"] == "No steps yet"
+
+
+def test_loss_deviation_is_centred_on_the_median_rank_of_each_bucket() -> None:
+    grid = rf.deviation(rf.grid_of(heatmap([[4.0, 2.0], [4.1, 2.1], [5.0, None]])))
+    assert grid.values[0] == pytest.approx([0.0 - 0.1, -0.05])
+    assert grid.values[2][0] == pytest.approx(0.9) and grid.values[2][1] is None
+    fig = rf.heatmap_figure(grid, title="Loss", theme=None, revision="r", diverging=True)
+    assert fig["data"][0]["zmid"] == 0
+
+
+def test_one_rank_has_no_stripe() -> None:
+    grid = rf.grid_of(heatmap([[0.5, 0.6]]))
+    assert rf.stripes(grid) == []
+    assert rf.deviation(grid).values == [[0.0, 0.0]]
+
+
+def test_gpu_temperature_grid_keeps_the_hottest_reading_per_bucket() -> None:
+    samples = [GpuSample(rank=r, ts=1000.0 + t, temp_c=92.0 if (r, t) == (1, 30) else 45.0)
+               for r in range(3) for t in range(0, 60, 5)]  # fmt: skip
+    samples.append(GpuSample(rank=0, ts=1001.0, temp_c=math.nan))
+    grid = rf.gpu_grid(samples, buckets=6)
+    assert grid.ranks == [0, 1, 2] and grid.unit == "°C"
+    hottest = max((v, r) for r, row in zip(grid.ranks, grid.values, strict=True) for v in row if v)  # fmt: skip
+    assert hottest == (92.0, 1)
+    assert rf.gpu_grid([]).ranks == []
+
+
+def test_states_table_counts_states_and_lists_the_unhealthy_first() -> None:
+    ranks = [rank(0), rank(1, "slow", state_detail={"role": "culprit", "reason": "compute 3x"}),
+             rank(2, "dead"), rank(3, "evicted"), rank(4, "hung")]  # fmt: skip
+    table = rf.states_table("r", ranks, selected=1)
+    shown = text(table)
+    assert "1 dead" in shown and "1 slow" in shown and "1 healthy" in shown
+    assert shown.index("1 dead") < shown.index("1 hung") < shown.index("1 slow")
+    assert "culprit: compute 3x" in shown
+    row = next(c for c in ranks_walk(table) if getattr(c, "id", None) == "ranks-row-1")
+    assert "rank-selected" in row.className
+    assert rf.rank_href("my run", 3, "from=1&to=2") == "/runs/my%20run/ranks?from=1&to=2&rank=3"
+
+
+def test_a_big_run_lists_only_its_unhealthy_ranks() -> None:
+    ranks = [rank(i) for i in range(200)] + [rank(200, "hung")]
+    shown = text(rf.states_table("r", ranks, selected=None))
+    assert "200 healthy ranks not listed" in shown and "200 healthy" in shown
+    assert len([c for c in ranks_walk(rf.states_table("r", ranks, selected=None))
+                if str(getattr(c, "id", "")).startswith("ranks-row-")]) == 1  # fmt: skip
+
+
+def ranks_walk(component: Any) -> Iterator[Any]:
+    from .test_alerts_page import walk
+
+    return walk(component)
+
+
+# -- the URL -------------------------------------------------------------------------
+
+
+def test_query_string_round_trip_and_bad_input() -> None:
+    assert ranks_page.parse_query("?rank=3&from=100&to=200") == (3, 100, 200)
+    assert ranks_page.parse_query("?rank=abc&from=9&to=2") == (None, 2, 9)
+    assert ranks_page.parse_query(None) == (None, None, None)
+    assert ranks_page.query_string(3, None, 50) == "?rank=3&to=50"
+    assert ranks_page.query_string(None, None, None) == ""
+    assert ranks_page.range_from_relayout({"xaxis.range[0]": 10.4, "xaxis.range[1]": 19.6}) == (10, 20)  # fmt: skip
+    assert ranks_page.range_from_relayout({"xaxis.autorange": True}) == (None, None)
+    assert ranks_page.range_from_relayout({"yaxis.range[0]": 1, "yaxis.range[1]": 2}) is None
+    assert ranks_page.clicked_rank({"points": [{"x": 20, "y": 2}]}) == 2
+    assert ranks_page.clicked_rank({}) is None
+
+
+# -- through a real database -----------------------------------------------------------
+
+
+@pytest.fixture
+def api(engine):  # type: ignore[no-untyped-def]
+    with TestClient(create_app(engine, ui=False, health=None, rollups=False)) as c:
+        yield c
+
+
+def ingest(api: TestClient, body: dict[str, Any]) -> None:
+    response = api.post("/api/v1/ingest", json=body)
+    assert response.status_code == 200, response.text
+    flush(api.app.state.engine, now=time.time(), grace_s=0)  # type: ignore[attr-defined]
+
+
+def test_page_names_the_straggler_and_shows_a_rank_detail(api: TestClient, engine: Any) -> None:
+    for r in range(4):
+        ingest(api, batch("r1", rank=r, world_size=4,
+                          steps=[step(i, duration=0.3 if r == 2 else 0.1, loss=2.0 + r / 100)
+                                 for i in range(40)]))  # fmt: skip
+    client = LocalClient(engine)
+    fig = ranks_page.heatmap_part(client, "r1", "step_time", "", "light")
+    assert "stands out: rank 2 (3.0× its peers)" in fig["layout"]["title"]["text"]
+    loss = ranks_page.heatmap_part(client, "r1", "loss_dev", "?from=10&to=19", "light")
+    assert len(loss["data"][0]["z"][0]) == 10 and loss["data"][0]["z"][3][0] > 0
+    note, states, detail = ranks_page.panels(client, "r1", "?rank=2", "light")
+    assert note is None
+    rows = [c for c in ranks_walk(states) if str(getattr(c, "id", "")).startswith("ranks-row-")]
+    assert len(rows) == 4
+    assert "Rank 2" in text(detail)
+    _, _, missing = ranks_page.panels(client, "r1", "?rank=9", "light")
+    assert "Rank 9 has not reported in run 'r1' (ranks 0–3)" in text(missing)
+
+
+def test_one_rank_and_a_missing_run(api: TestClient, engine: Any) -> None:
+    ingest(api, batch("solo", rank=0, world_size=1, steps=[step(i) for i in range(5)]))
+    client = LocalClient(engine)
+    note, _, _ = ranks_page.panels(client, "solo", "", None)
+    assert "one rank" in text(note)
+    fig = ranks_page.heatmap_part(client, "solo", "loss_dev", "", None)
+    assert "One rank" in fig.layout.annotations[0].text
+    with pytest.raises(NotFound):
+        ranks_page.heatmap_part(client, "nope", "step_time", "", None)
