@@ -45,12 +45,12 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
-from sqlalchemy import Connection, Engine, and_, insert, or_, select, text, update
+from sqlalchemy import Connection, Engine, and_, insert, or_, select, update
 
 from trainwarden.alerts.intervals import Duration, Interval
 
 from . import models as m
-from .db import is_sqlite, write
+from .db import leads, write
 
 log = logging.getLogger(__name__)
 
@@ -238,12 +238,7 @@ class ActionEngine:
     def run_once(self, now: float | None = None) -> None:
         now = self.clock() if now is None else now
         with write(self.engine) as conn:
-            if (
-                not is_sqlite(conn)
-                and not conn.execute(
-                    text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY}
-                ).scalar()
-            ):
+            if not leads(conn, ADVISORY_LOCK_KEY):
                 self.board.refresh(conn)
                 return
             ctx = _Ctx(conn, now)

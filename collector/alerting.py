@@ -36,7 +36,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, text, update
+from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, update
 
 from trainwarden.alerts import Alert, Rule, advance, fingerprint
 from trainwarden.alerts.evaluate import (
@@ -64,7 +64,7 @@ from trainwarden.alerts.rules import (
 )
 
 from . import models as m
-from .db import is_sqlite, write
+from .db import leads, write
 from .runbooks import runbook_url
 
 log = logging.getLogger(__name__)
@@ -388,12 +388,7 @@ class AlertEngine:
         now = self.clock() if now is None else now
         notes: list[Any] = []
         with write(self.engine) as conn:
-            if (
-                not is_sqlite(conn)
-                and not conn.execute(
-                    text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY}
-                ).scalar()
-            ):
+            if not leads(conn, ADVISORY_LOCK_KEY):
                 return PassResult()
             self._store_deliveries(conn)
             result = self._pass(conn, now, fast_only, notes)

@@ -17,11 +17,12 @@ from sqlalchemy import Engine
 
 from trainwarden.alerts import Rule, load_rule_packs
 
-from . import actions_api, alerts_api, otlp, runbooks
+from . import actions_api, alerts_api, incidents_api, otlp, runbooks
 from .actions import ActionEngine, ActionPolicy, CommandBoard
 from .alerting import AlertEngine, EngineSettings, NotifierThread
 from .api import EXTRA_SCHEMAS, router
 from .health import HealthSettings, health_loop
+from .incidents import IncidentEngine, IncidentSettings
 from .limits import BodyLimit, IngestBackpressure
 from .loops import Loop
 from .prom import CollectorMetrics
@@ -64,6 +65,7 @@ def create_app(
     notify: Any = None,
     actions: ActionPolicy | None = None,
     act: bool = True,
+    incidents: bool = True,
 ) -> FastAPI:
     """Build the app on an engine whose schema is already at head (see ``db.upgrade``).
 
@@ -74,6 +76,8 @@ def create_app(
     alerts are sent; without one, alerts are evaluated, stored and served, not sent.
     ``actions``: the action policy (``serve --actions FILE``); default: every kind dry-run.
     ``act``: run the action engine thread (tests turn it off and call ``run_once``).
+    ``incidents``: run the incident engine thread (cool-down, posting and price from
+    ``settings``; tests turn it off and call ``run_once``).
     """
     settings = settings or Settings()
     lags: deque[float] = deque(maxlen=20)  # the event loop's lateness over the last ~2 s
@@ -110,9 +114,18 @@ def create_app(
             action_engine = ActionEngine(engine, app.state.action_policy, board=app.state.commands)
             action_engine.start()
         app.state.action_engine = action_engine
+        incident_engine = None
+        if incidents:
+            incident_engine = IncidentEngine(engine, IncidentSettings(
+                cooldown_s=settings.incident_cooldown_s, post_url=settings.postmortem_post,
+                price_per_gpu_hour=settings.price_per_gpu_hour))  # fmt: skip
+            incident_engine.start()
+        app.state.incident_engine = incident_engine
         probe = asyncio.create_task(_probe_loop_lag(lags))
         yield
         probe.cancel()
+        if incident_engine is not None:
+            incident_engine.stop()
         if action_engine is not None:
             action_engine.stop()
         if alert_engine is not None:
@@ -159,6 +172,7 @@ def create_app(
     app.include_router(runbooks.router)
     app.include_router(alerts_api.router)
     app.include_router(actions_api.router)
+    app.include_router(incidents_api.router)
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
     app.state.alert_engine = None

@@ -1,4 +1,5 @@
-"""The ``trainwarden`` command: ``serve``, ``demo``, ``loadgen``, ``db upgrade`` and ``db prune``."""
+"""The ``trainwarden`` command: ``serve``, ``demo``, ``loadgen``, ``note``, ``postmortem``,
+``db upgrade`` and ``db prune``."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ def _settings(args: argparse.Namespace) -> Settings:
             ("db", args.db),
             ("host", getattr(args, "host", None)),
             ("port", getattr(args, "port", None)),
+            ("price_per_gpu_hour", getattr(args, "price_per_gpu_hour", None)),
+            ("incident_cooldown_s", getattr(args, "incident_cooldown", None)),
+            ("postmortem_post", getattr(args, "postmortem_post", None)),
         )
         if v is not None
     }
@@ -212,6 +216,21 @@ def build_parser() -> argparse.ArgumentParser:
         "require-ack or dry-run; see docs/actions.md); default TRAINWARDEN_ACTIONS; "
         "without one every action is a dry run",
     )  # fmt: skip
+    serve.add_argument(
+        "--price-per-gpu-hour", type=float, metavar="PRICE",
+        help="what a GPU-hour costs, for the cost lost in post-mortems "
+        "(TRAINWARDEN_PRICE_PER_GPU_HOUR)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--incident-cooldown", type=float, metavar="SECONDS",
+        help="close an incident this long after everything in it resolved (default 300; "
+        "TRAINWARDEN_INCIDENT_COOLDOWN_S)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--postmortem-post", metavar="URL",
+        help="post each incident's report to this Slack-compatible or generic webhook when it "
+        "closes (TRAINWARDEN_POSTMORTEM_POST)",
+    )  # fmt: skip
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
@@ -242,6 +261,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop serving when training ends (default: keep the dashboard up)",
     )
     demo.set_defaults(func=cmd_demo)
+
+    from .reports_cli import add_parsers, cmd_note, cmd_postmortem
+
+    add_parsers(sub, note=cmd_note, postmortem=cmd_postmortem, db_help=db_help)
 
     load = sub.add_parser("loadgen", help="simulate many ranks sending to a collector (benchmarks)")
     load.add_argument("--url", default="http://127.0.0.1:8000", help="collector URL")

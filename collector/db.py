@@ -120,3 +120,12 @@ def upgrade(engine: Engine, revision: str = "head") -> None:
     with engine.begin() as conn:
         config.attributes["connection"] = conn
         command.upgrade(config, revision)
+
+
+def leads(conn: Connection, key: int) -> bool:
+    """Whether this transaction runs a single-leader pass (alerts, actions, health,
+    incidents): always on SQLite (one process owns the file); on PostgreSQL when it took
+    the advisory lock ``key``, which the commit releases. Another collector skips its pass."""
+    if is_sqlite(conn):
+        return True
+    return bool(conn.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": key}).scalar())

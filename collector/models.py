@@ -326,3 +326,60 @@ agent_commands = Table(
     Column("done_at", Float),  # acknowledged by the rank, or no longer needed
     Index("ix_agent_commands_run_id_rank", "run_id", "rank"),
 )
+
+# -- incidents and the operator logbook (migration 0009) ----------------------------
+# An incident groups what happened to a run around one problem: the alerts that fired,
+# the actions taken, and (by time) the run's events and notes. The incident engine
+# (collector/incidents.py) opens one on the first firing alert of a run, gathers what
+# follows and closes it once everything resolved and a cool-down passed; operators
+# open, close, merge and retitle them through the API.
+
+incidents = Table(
+    "incidents",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("title", String(200), nullable=False),
+    Column("state", String(16), nullable=False),  # open | closed | merged
+    Column("severity", String(16), nullable=False),
+    Column("auto", Integer, nullable=False),  # opened by the engine, which also closes it
+    Column("opened_at", Float, nullable=False),
+    Column("opened_by", String(128), nullable=False),
+    Column("closed_at", Float),
+    Column("closed_by", String(128)),
+    Column("summary", String(2000)),
+    Column("merged_into", Integer),
+    Column("ranks", JSON, nullable=False),  # the ranks and nodes involved
+    Column("nodes", JSON, nullable=False),
+    Column("history", JSON, nullable=False),  # [{at, what, by, detail}]
+    Column("updated_at", Float, nullable=False),
+    Column("posted_at", Float),  # the report posted on close (serve --postmortem-post)
+    Column("post_status", String(300)),
+    Index("ix_incidents_run_id_opened_at", "run_id", "opened_at"),
+    Index("ix_incidents_state", "state"),
+)
+
+# Which alerts and actions belong to which incident: each to one at most.
+incident_items = Table(
+    "incident_items",
+    metadata,
+    Column("kind", String(16), primary_key=True),  # alert | action
+    Column("item_id", Integer, primary_key=True),
+    Column("incident_id", Integer, ForeignKey("incidents.id", ondelete="CASCADE"), nullable=False),
+    Column("added_at", Float, nullable=False),
+    Index("ix_incident_items_incident_id", "incident_id"),
+)
+
+notes = Table(
+    "notes",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("incident_id", Integer, ForeignKey("incidents.id", ondelete="SET NULL")),
+    Column("author", String(128), nullable=False),
+    Column("text", String(10_000), nullable=False),
+    Column("at", Float, nullable=False),  # what the note is about (default: when written)
+    Column("step", BigInteger),
+    Column("created_at", Float, nullable=False),
+    Index("ix_notes_run_id_at", "run_id", "at"),
+)

@@ -38,3 +38,20 @@ class Settings(BaseSettings):
     ui_refresh_s: float = Field(
         default=2.0, gt=0, description="How often the UI polls for new data"
     )
+    price_per_gpu_hour: float | None = Field(
+        default=None,
+        ge=0,
+        description="What a GPU-hour costs, for the cost lost in post-mortems "
+        "(TRAINWARDEN_PRICE_PER_GPU_HOUR); without it the cost is not shown",
+    )
+    incident_cooldown_s: float = Field(
+        default=300.0,
+        ge=0,
+        description="An incident closes this long after its last alert resolved and its "
+        "last action ended (TRAINWARDEN_INCIDENT_COOLDOWN_S)",
+    )
+    postmortem_post: str | None = Field(
+        default=None,
+        description="Post each incident's report to this Slack-compatible or generic webhook "
+        "when it closes (TRAINWARDEN_POSTMORTEM_POST)",
+    )
