@@ -16,6 +16,7 @@ import pytest
 
 from trainwarden.agent import Agent, AgentConfig
 from trainwarden.agent.gpu import describe_xid
+from trainwarden.webui.ranks_page import parse_query
 
 from ..conftest import Server, start_serve, stop_serve
 
@@ -157,6 +158,29 @@ def test_clicking_a_rank_shows_its_detail_and_keeps_it_in_the_url(server: Server
     page.locator("#ranks-row-1 a.rank-link").click()
     page.wait_for_url(f"**/runs/{RUN}/ranks?rank=1", timeout=10_000)
     page.locator("#ranks-detail h3", has_text="Rank 1").wait_for(timeout=10_000)
+    # A drag across steps zooms: the range goes to the URL, the rank stays, and the
+    # collector re-buckets just those steps.
+    ends = page.evaluate(
+        """() => {
+        const gd = document.querySelector('#ranks-step_time .js-plotly-plot');
+        const L = gd._fullLayout, r = gd.getBoundingClientRect();
+        const y = r.top + L._size.t + L._size.h / 2;
+        return [r.left + L._size.l + L.xaxis.l2p(20), r.left + L._size.l + L.xaxis.l2p(30), y];
+    }"""
+    )
+    page.mouse.move(ends[0], ends[2])
+    page.mouse.down()
+    page.mouse.move(ends[1], ends[2], steps=8)
+    page.mouse.up()
+    page.wait_for_url("**/ranks?rank=1&from=*&to=*", timeout=10_000)
+    _, lo, hi = parse_query(page.url.split("?", 1)[1])
+    assert lo is not None and hi is not None and 18 <= lo <= 22 and 28 <= hi <= 32
+    page.wait_for_function(
+        f"(() => {{ const gd = document.querySelector('#ranks-step_time .js-plotly-plot');"
+        f" return gd && gd.data[0] && gd.data[0].x.length === {hi - lo + 1}; }})()",
+        timeout=10_000,
+    )
+
     # Opened afresh (a shared link), the URL's rank and step range are what is shown.
     page.goto(f"{server.url}/runs/{RUN}/ranks?rank=3&from=10&to=30")
     page.locator("#ranks-detail h3", has_text="Rank 3").wait_for(timeout=20_000)
