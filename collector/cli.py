@@ -310,4 +310,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # ``python -m``: run the package's copy of this module, whose CliError is the one the
+    # other modules (reports_cli) raise, not this ``__main__`` copy's.
+    from trainwarden.collector.cli import main as package_main
+
+    package_main()

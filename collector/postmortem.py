@@ -16,14 +16,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from sqlalchemy import Connection, select
-
-from . import models as m
-from .incidents import list_incidents
-from .queries import NotFound
-from .timeline import DEFINITIONS, timeline
+if TYPE_CHECKING:
+    from sqlalchemy import Connection
 
 CHART_POINTS = 2000
 CHART_METRICS = (("loss", "Loss"), ("step_time", "Step time (s)"), ("mfu", "MFU"))
@@ -42,6 +38,13 @@ def report_of(conn: Connection, *, run: str, incident_id: int | None = None,
               now: float | None = None, charts: bool = True) -> dict[str, Any]:  # fmt: skip
     """The post-mortem of ``run``: every incident (or only ``incident_id``), each with its
     timeline, derived figures and the chart data of its window; plus the run's notes."""
+    from sqlalchemy import select
+
+    from . import models as m
+    from .incidents import list_incidents
+    from .queries import NotFound
+    from .timeline import DEFINITIONS, timeline
+
     now = time.time() if now is None else now
     ru = conn.execute(select(m.runs).where(m.runs.c.name == run)).first()
     if ru is None:
@@ -81,6 +84,10 @@ def chart_data(conn: Connection, *, run_id: int, start: float, end: float, ranks
     """Loss, step time and MFU across ranks (median, min, max per step) and the GPU
     temperature of the involved ranks (all ranks, up to 8, when none is named) over
     ``start``..``end``."""
+    from sqlalchemy import select
+
+    from . import models as m
+
     s = m.step_stats.c
     out: dict[str, Any] = {}
     for metric, _label in CHART_METRICS:
@@ -215,7 +222,7 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
                 text += " " + link("runbook", e["runbook_url"])
             lines.append(("• " if slack else "- ") + " · ".join(bits) + " — " + text)
         lines.append("")
-    if report["notes"] and not report["incidents"]:
+    if report["notes"]:
         lines += [heading("Logbook", 2), ""]
         lines += [f"- `{clock(n['at'])}` {n['author']}: {n['text']}" for n in report["notes"]]
         lines.append("")
@@ -246,6 +253,11 @@ th{background:#f4f6f8}.sev-critical{color:#b00020;font-weight:600}.sev-warning{c
 """
 
 
+def _plot_time(ts: float) -> str:
+    """UTC as Plotly reads dates: it takes no zone offset (``+00:00`` draws NaN paths)."""
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
 def _chart(t: dict[str, Any], div_id: str) -> str:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
@@ -257,7 +269,7 @@ def _chart(t: dict[str, Any], div_id: str) -> str:
     )
 
     def x(ts: list[float]) -> list[str]:
-        return [datetime.fromtimestamp(v, tz=timezone.utc).isoformat() for v in ts]
+        return [_plot_time(v) for v in ts]
 
     for row, (metric, label) in enumerate(CHART_METRICS, start=1):
         d = c[metric]
@@ -275,10 +287,14 @@ def _chart(t: dict[str, Any], div_id: str) -> str:
              ("acted_at", "action", "#1565c0"), ("recovered_at", "recovered", "#2e7d32"))  # fmt: skip
     for key, label, color in marks:
         if f.get(key) is not None:
-            at = datetime.fromtimestamp(f[key], tz=timezone.utc).isoformat()
+            at = _plot_time(f[key])
             fig.add_vline(x=at, line={"color": color, "dash": "dot", "width": 1})
             fig.add_annotation(x=at, y=1.02, yref="paper", text=label, showarrow=False,
                                font={"color": color, "size": 10}, textangle=-30)  # fmt: skip
+    # A panel with no data (MFU of a run without FLOPs) would guess a linear axis and
+    # draw the time marks at NaN: every panel is a time axis.
+    fig.update_xaxes(type="date")
+    fig.update_xaxes(title_text="UTC", row=4, col=1)
     fig.update_layout(height=900, margin={"l": 60, "r": 20, "t": 60, "b": 40}, template="plotly_white",
                       legend={"orientation": "h"})  # fmt: skip
     return str(fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id))

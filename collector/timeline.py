@@ -172,7 +172,10 @@ def _one(values: set[Any]) -> str:
 
 def _event_text(kind: str, data: dict[str, Any]) -> str:
     if kind == "drill":
-        return f"fault injected (drill): {data.get('spec') or data.get('fault')}"
+        what = data.get("spec") or str(data.get("fault"))
+        if isinstance(data.get("scale"), (int, float)):
+            what += f" x{data['scale']:g}"
+        return f"fault injected (drill): {what}"
     if kind == "xid":
         return f"XID {data.get('code')} on GPU {data.get('gpu_uuid') or '?'}"
     if kind == "rank_state":

@@ -101,6 +101,10 @@ def rollback_incident(engine: Engine) -> dict[str, int]:
     alert_id = alert(engine, run_id, active_since=PENDING_AT, fired_at=FIRING_AT, state="resolved",
                      cleared_at=T0 + 70.0, resolved_at=T0 + 75.0, step=36, action="rollback")  # fmt: skip
     delivery(engine, alert_id, at=T0 + 36.3, duration_s=0.2)
+    with write(engine) as conn:  # rank 0's GPU warms up a little through the incident
+        conn.execute(insert(m.gpu_samples), [
+            {"run_id": run_id, "rank": 0, "ts": T0 + s, "day": int((T0 + s) // 86400), "recv_ts": T0 + s,
+             "temp_c": 60.0 + s / 10} for s in range(0, 60, 2)])  # fmt: skip
     result = {"ranks": {str(r): {"barrier_step": 40, "checkpoint_step": 30, "seconds": 0.1, "at": DONE_AT}
                         for r in (0, 1)}}  # fmt: skip
     action_id = action(engine, run_id, alert_id=alert_id, result=result, history=[
