@@ -12,7 +12,11 @@ from trainwarden.agent import Agent, AgentConfig
 
 from ..conftest import Server, start_serve, stop_serve
 
-MEDIAN_POINTS = "document.querySelector('#run-loss .js-plotly-plot').data[2].x.length"
+# The loss median's points on the run overview (its traces are named after what they draw).
+MEDIAN_POINTS = (
+    "(document.querySelector('#run-overview .js-plotly-plot').data || [])"
+    ".filter(t => t.name === 'loss median').map(t => t.x.length)[0] || 0"
+)
 
 
 @pytest.fixture(scope="module")
@@ -59,10 +63,12 @@ def test_run_page_draws_the_loss_and_updates_live(server: Server, page) -> None:
     page.wait_for_timeout(500)
 
     page.goto(f"{server.url}/runs/ui-live")
-    page.wait_for_selector("#run-loss .scatterlayer .trace", timeout=20_000)
+    page.wait_for_selector("#run-overview .scatterlayer .trace", timeout=20_000)
     page.wait_for_function(f"{MEDIAN_POINTS} >= 20", timeout=10_000)
-    assert page.locator("#run-step-time .scatterlayer .trace").count() >= 1
-    assert page.locator("#run-throughput .scatterlayer .trace").count() == 1
+    names = page.evaluate(
+        "document.querySelector('#run-overview .js-plotly-plot').data.map(t => t.name)"
+    )
+    assert "tokens/s" in names and "data wait" in names
     assert "2 / 2" in page.locator("#run-header").inner_text()
     if os.environ.get("TRAINWARDEN_SCREENSHOTS"):
         page.screenshot(
@@ -88,7 +94,7 @@ def test_runs_list_links_to_the_run(server: Server, page) -> None:  # type: igno
         page.screenshot(path=str(Path(os.environ["TRAINWARDEN_SCREENSHOTS"]) / "runs-page.png"))
     link.click()
     page.wait_for_url("**/runs/ui-list")
-    page.wait_for_selector("#run-loss .scatterlayer .trace", timeout=20_000)
+    page.wait_for_selector("#run-overview .scatterlayer .trace", timeout=20_000)
     assert page.errors == []
 
 

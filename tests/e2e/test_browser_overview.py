@@ -1,0 +1,203 @@
+"""The run overview in a real headless Chromium, served by a real ``trainwarden serve``: a
+seeded run of 3 ranks with a loss spike, a checkpoint, a restart and a firing alert."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs
+
+import httpx
+import pytest
+
+from ..collector.helpers import batch
+from ..conftest import Server, start_serve, stop_serve
+from .test_browser_alerts import wait_for
+
+RUN = "ui-overview"
+WORLD = 3
+SPIKE = (40, 2)  # (step, rank) of the loss spike
+T0 = time.time() - 600  # the steps' wall clock: in the past (the collector refuses the future)
+PLOT = "document.querySelector('#run-overview .js-plotly-plot')"
+# The x-range of each of the figure's six rows, as drawn now.
+X_RANGES = f"[1, 2, 3, 4, 5, 6].map(i => {PLOT}._fullLayout['xaxis' + (i > 1 ? i : '')].range.map(Number))"  # fmt: skip
+MEDIAN_POINTS = f"(({PLOT} || {{}}).data || []).filter(t => t.name === 'loss median').map(t => t.x.length)[0] || 0"  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("overview")
+    server = start_serve(f"sqlite:///{tmp / 'ui.db'}", tmp / "serve.log")
+    yield server
+    stop_serve(server)
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    """A tab that records console errors and uncaught exceptions in ``page.errors``."""
+    tab = browser.new_page(viewport={"width": 1280, "height": 1000})
+    tab.errors = []
+    tab.on("console", lambda msg: tab.errors.append(msg.text) if msg.type == "error" else None)
+    tab.on("pageerror", lambda exc: tab.errors.append(str(exc)))
+    yield tab
+    tab.close()
+
+
+def a_step(n: int, rank: int) -> dict[str, Any]:
+    loss = 4.0 / (1 + n * 0.1) + 0.05 * rank
+    spike = (n, rank) == SPIKE
+    row: dict[str, Any] = {
+        "step": n, "ts": T0 + n, "duration_s": 0.1 + 0.01 * rank, "data_wait_s": 0.01,
+        "tokens": 512, "loss": 30.0 if spike else loss, "grad_norm": 1.0 + 0.01 * (n % 7),
+        "compute_s": 0.07, "overlapped_comm_s": 0.02, "exposed_comm_s": 0.02,
+    }  # fmt: skip
+    if spike:
+        row["flags"] = ["loss_spike"]
+    return row
+
+
+def send(
+    server: Server, steps: range, events: dict[int, list[dict[str, Any]]] | None = None
+) -> None:
+    for rank in range(WORLD):
+        body = batch(RUN, rank=rank, world_size=WORLD, steps=[a_step(n, rank) for n in steps],
+                     events=(events or {}).get(rank, []))  # fmt: skip
+        now = time.time()
+        body["agent"].update(sent_at=now, heartbeat_s=2.0, last_step=steps[-1], last_step_end=now)
+        response = httpx.post(f"{server.url}/api/v1/ingest", json=body, timeout=10)
+        assert response.status_code == 200, response.text
+
+
+@pytest.fixture(scope="module")
+def seeded(server: Server) -> Server:
+    """Steps 0..59 of 3 ranks; a checkpoint at step 20, a restart of rank 0 at step 30 and
+    an XID 79 on rank 1 at step 50, reported now (FatalXid fires; the alert engine reads
+    recent events only)."""
+    events = {
+        0: [{"id": "ckpt-20", "kind": "checkpoint", "ts": T0 + 20.5, "step": 20,
+             "data": {"path": "/ckpt/step-20"}},
+            {"id": "restart-30", "kind": "restart", "ts": T0 + 30.2, "step": 30}],
+        1: [{"id": "xid-50", "kind": "xid", "ts": time.time(), "step": 50, "severity": "critical",
+             "data": {"code": 79}}],
+    }  # fmt: skip
+    send(server, range(60), events)
+    wait_for(lambda: server.get("/api/v1/alerts", run=RUN, rule="FatalXid", state="firing").json(),
+             20, "FatalXid firing")  # fmt: skip
+    return server
+
+
+def open_overview(page: Any, url: str) -> None:
+    page.goto(url)
+    page.wait_for_selector(
+        "#run-overview .scatterlayer .trace path", state="attached", timeout=20_000
+    )
+
+
+def names(page: Any) -> list[str]:
+    return page.evaluate(f"{PLOT}.data.map(t => t.name)")
+
+
+def test_overview_draws_every_row_with_markers_and_updates_live(seeded: Server, page: Any) -> None:
+    open_overview(page, f"{seeded.url}/runs/{RUN}")
+    page.wait_for_function(f"{MEDIAN_POINTS} >= 60", timeout=15_000)
+    drawn = names(page)
+    for name in ("tokens/s", "MFU", "loss median", "grad norm median", "compute",
+                 "exposed comm", "overlapped comm", "data wait", "loss spike", "rank 2",
+                 "checkpoint", "restart", "alert"):  # fmt: skip
+        if name == "MFU":
+            continue  # no FLOPs reported: the row says how to get MFU instead
+        assert name in drawn, (name, drawn)
+    assert "No MFU" in page.locator("#run-overview").inner_text()
+    spike = page.evaluate(f"{PLOT}.data.find(t => t.name === 'loss spike')")
+    assert spike["x"] == [SPIKE[0]] and "rank 2" in spike["text"][0]
+    # (Other alerts may fire later: these ranks stop heartbeating once seeded.)
+    alerts = page.evaluate(
+        f"{PLOT}.data.filter(t => t.name === 'alert').flatMap(t => t.x.map((x, i) => [x, t.text[i]]))"
+    )
+    assert [50, "alert FatalXid rank 1 (critical, firing)"] in alerts, alerts
+    assert "3 / 3" in page.locator("#run-header").inner_text()
+    assert "Whole run: steps 0–59" in page.locator("#run-range").inner_text()
+    if os.environ.get("TRAINWARDEN_SCREENSHOTS"):
+        page.wait_for_timeout(500)
+        shots = Path(os.environ["TRAINWARDEN_SCREENSHOTS"])
+        page.screenshot(path=str(shots / "overview.png"), full_page=True)
+
+    # New steps arrive while the page is open: every row grows without a reload.
+    send(seeded, range(60, 80))
+    page.wait_for_function(f"{MEDIAN_POINTS} >= 80", timeout=15_000)
+    # (The collector rolls up tokens/s a moment after the loss.)
+    page.wait_for_function(
+        f"{PLOT}.data.find(t => t.name === 'tokens/s').x.length >= 80", timeout=15_000
+    )
+    assert "Traceback" not in page.content()
+    assert page.errors == []
+
+
+def test_a_range_selection_zooms_every_row_and_goes_into_the_url(seeded: Server, page: Any) -> None:
+    open_overview(page, f"{seeded.url}/runs/{RUN}")
+    page.wait_for_function(f"{MEDIAN_POINTS} >= 60", timeout=15_000)
+    # What a drag across the loss row does: a relayout of its x-axis.
+    page.evaluate(f"Plotly.relayout({PLOT}, {{'xaxis4.range[0]': 10.2, 'xaxis4.range[1]': 29.7}})")
+    page.wait_for_function("location.search.includes('from=10')", timeout=10_000)
+    query = parse_qs(page.evaluate("location.search").lstrip("?"))
+    assert query["from"] == ["10"] and query["to"] == ["30"]
+    # The range is read again at full detail: the median holds exactly steps 10..30.
+    page.wait_for_function(f"{MEDIAN_POINTS} === 21", timeout=10_000)
+    page.wait_for_function(f"{X_RANGES}.every(r => r[0] === 10 && r[1] === 30)", timeout=10_000)
+    assert "Steps 10–30" in page.locator("#run-range").inner_text()
+    # Markers outside the range are left out; the restart at step 30 is in it.
+    assert "restart" in names(page) and "alert" not in names(page)  # the alerts: steps 50, 59
+
+    # "Whole run" shows every step again and clears the range from the URL.
+    page.click("#run-reset")
+    page.wait_for_function(f"{MEDIAN_POINTS} >= 60", timeout=10_000)
+    page.wait_for_function("!location.search.includes('from=')", timeout=10_000)
+    page.wait_for_function(f"{X_RANGES}.every(r => r[0] <= 0 && r[1] >= 59)", timeout=10_000)
+
+    # Back in the browser's history: the range comes back.
+    page.go_back()
+    page.wait_for_function(f"{MEDIAN_POINTS} === 21", timeout=10_000)
+    assert page.errors == []
+
+
+def test_a_shared_link_opens_zoomed_on_the_time_axis_with_its_rank(
+    seeded: Server, page: Any
+) -> None:
+    open_overview(page, f"{seeded.url}/runs/{RUN}?from=35&to=45&axis=time&rank=1")
+    page.wait_for_function(f"{MEDIAN_POINTS} === 11", timeout=15_000)
+    assert page.is_checked("#run-axis input[value=time]")
+    assert page.input_value("#run-rank") == "1"
+    drawn = names(page)
+    assert "rank 1" in drawn and "rank 2" in drawn  # the link's rank, and the spiking one
+    axis = page.evaluate(f"{PLOT}._fullLayout.xaxis.type")
+    assert axis == "date"
+    # Switching back to steps keeps the range, and the URL says so.
+    page.click("#run-axis input[value=step]")
+    page.wait_for_function("!location.search.includes('axis=time')", timeout=10_000)
+    page.wait_for_function(f"{PLOT}._fullLayout.xaxis.type === 'linear'", timeout=10_000)
+    page.wait_for_function(f"{X_RANGES}.every(r => r[0] === 35 && r[1] === 45)", timeout=10_000)
+    search = page.evaluate("location.search")
+    assert "from=35" in search and "rank=1" in search
+    assert page.errors == []
+
+
+def test_a_missing_run_says_so(server: Server, page: Any) -> None:
+    page.goto(f"{server.url}/runs/no-such-run?from=5&to=9")
+    notice = page.locator("#run-notice .notice-error")
+    notice.wait_for(timeout=20_000)
+    assert "not found" in notice.inner_text() and "runs list" in notice.inner_text()
+    page.locator("#run-overview", has_text="not found").wait_for(timeout=10_000)
+    assert "Traceback" not in page.content()
+    assert page.errors == []
+
+
+def test_an_empty_run_says_it_waits_for_steps(server: Server, page: Any) -> None:
+    body = batch("ui-empty", rank=0, world_size=1, steps=[])
+    assert httpx.post(f"{server.url}/api/v1/ingest", json=body, timeout=10).status_code == 200
+    page.goto(f"{server.url}/runs/ui-empty")
+    page.locator("#run-overview", has_text="No steps yet").wait_for(timeout=20_000)
+    assert "Traceback" not in page.content()
+    assert page.errors == []

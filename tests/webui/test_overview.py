@@ -1,0 +1,245 @@
+"""The run overview: its figure (a pure function), the view in the URL, and a range
+selected on the figure."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import math
+
+from trainwarden.collector.schemas import Series
+from trainwarden.webui import overview
+from trainwarden.webui.overview_figures import (
+    ROW_EMPTY,
+    Marker,
+    Overview,
+    RankLine,
+    overview_figure,
+    thin,
+)
+
+T0 = 1_700_000_000.0
+
+
+def series(metric: str, steps: int = 10, *, n: int = 4, value: float = 1.0, **cols: list) -> Series:
+    xs = list(range(steps))
+    base = {
+        "min": [value * 0.5] * steps,
+        "median": [value] * steps,
+        "max": [value * 2] * steps,
+        "total": [value] * steps,
+        "argmax_rank": [1] * steps,
+    }
+    base.update(cols)
+    return Series(run="r", metric=metric, unit="", step=xs, ts=[T0 + x for x in xs],
+                  n=[n] * steps, **base)  # fmt: skip
+
+
+PARTS = {"step_time": 1.0, "compute": 0.6, "overlapped_comm": 0.2, "exposed_comm": 0.1,
+         "data_wait": 0.05}  # fmt: skip
+
+
+def full(steps: int = 10, *, n: int = 4) -> dict[str, Series]:
+    return {m: series(m, steps, n=n, value=PARTS.get(m, 1.0)) for m in overview.METRICS}
+
+
+def traces(fig, row: int) -> list:  # type: ignore[no-untyped-def]
+    axis = "y" if row == 1 else f"y{row}"
+    return [t for t in fig.data if t.yaxis == axis and t.name]  # not the rows' placeholders
+
+
+def test_one_figure_with_every_row_on_one_shared_x_axis() -> None:
+    fig = overview_figure(Overview(series=full()), revision="r|step")
+    titles = [a.text for a in fig.layout.annotations]
+    for title in ("Throughput", "MFU", "Loss", "Grad norm", "Step time breakdown"):
+        assert any(t.startswith(title) for t in titles), title
+    # Every row follows the bottom row's x-axis: a zoom on one zooms them all.
+    assert {fig.layout["xaxis" + (str(i) if i > 1 else "")].matches for i in range(1, 6)} == {"x6"}
+    assert [t.name for t in traces(fig, 4)] == ["loss max", "loss min..max", "loss median"]
+    assert traces(fig, 4)[1].fill == "tonexty"
+    assert list(traces(fig, 2)[0].y) == [1.0] * 10  # the job's tokens/s
+    stacked = [t.name for t in traces(fig, 6)]
+    assert stacked == ["compute", "overlapped comm", "exposed comm", "other (idle, slowest rank)",
+                       "data wait"]  # fmt: skip
+    assert all(t.stackgroup == "time" for t in traces(fig, 6))
+    assert fig.layout.uirevision == "r|step"  # live refresh keeps hidden traces and zoom
+    assert fig.layout.yaxis4.fixedrange  # a drag selects steps, not values
+    assert fig.layout.xaxis6.title.text == "step"
+
+
+def test_breakdown_other_is_what_the_slowest_rank_holds_beyond_compute_and_exposed_comm() -> None:
+    fig = overview_figure(Overview(series=full(3)))
+    layers = {t.name: list(t.y) for t in traces(fig, 6)}
+    assert [round(v, 6) for v in layers["compute"]] == [0.4] * 3
+    assert layers["overlapped comm"] == [0.2] * 3
+    assert [round(v, 6) for v in layers["other (idle, slowest rank)"]] == [0.3] * 3
+
+
+def test_without_a_comm_split_the_breakdown_is_the_step_time() -> None:
+    parts = full(3)
+    for metric in ("compute", "exposed_comm", "overlapped_comm"):
+        parts[metric] = series(metric, 0)
+    fig = overview_figure(Overview(series=parts))
+    assert [t.name for t in traces(fig, 6)] == ["step time (no comm split reported)", "data wait"]
+
+
+def test_markers_say_what_they_are_and_alerts_draw_a_line_across_the_rows() -> None:
+    markers = [
+        Marker("alert", T0 + 3, 3, "alert LossSpike rank 1 (critical, firing)", "bad"),
+        Marker("checkpoint", T0 + 2, 2, "checkpoint at step 2: good", "good"),
+        Marker("checkpoint", T0 + 6, 6, "checkpoint at step 6: suspect, saved before ...", "warn"),
+        Marker("action", T0 + 7, 7, "action rollback done", "good"),
+        Marker("restart", T0 + 8, 8, "rank 0 restarted", "info"),
+        Marker("action", T0 + 9, None, "no step: left out on the step axis", "bad"),
+    ]
+    fig = overview_figure(Overview(series=full(), markers=markers))
+    shown = {t.name: (list(t.x), list(t.text)) for t in traces(fig, 1)}
+    assert shown["alert"] == ([3], ["alert LossSpike rank 1 (critical, firing)"])
+    assert [x for name, (xs, _) in shown.items() if name == "checkpoint" for x in xs] != []
+    checkpoints = [t for t in traces(fig, 1) if t.name == "checkpoint"]
+    assert {t.marker.symbol for t in checkpoints} == {"square", "square-open"}  # good vs suspect
+    assert shown["restart"] == ([8], ["rank 0 restarted"])
+    assert sum(len(t.x) for t in traces(fig, 1)) == 5
+    lines = [s for s in fig.layout.shapes if s.yref == "paper"]
+    assert sorted(s.x0 for s in lines) == [3, 8]  # the alert and the restart
+
+
+def test_time_axis_places_everything_at_its_time() -> None:
+    markers = [Marker("action", T0 + 9, None, "action stop done", "good")]
+    fig = overview_figure(Overview(series=full(), markers=markers), axis="time")
+    assert fig.layout.xaxis6.title.text == "time"
+    assert traces(fig, 2)[0].x[0] == dt.datetime.fromtimestamp(T0)
+    assert list(traces(fig, 1)[0].x) == [dt.datetime.fromtimestamp(T0 + 9)]
+
+
+def test_spikes_and_outlier_ranks_on_the_loss_row() -> None:
+    data = Overview(
+        series=full(),
+        spikes=[
+            (4, 2, "loss_spike", 9.0),
+            (5, 3, "nonfinite_loss", None),
+            (6, 1, "grad_norm_spike", 40.0),
+        ],  # fmt: skip
+        ranks=[RankLine(2, "1 loss spike", [0, 1, 4], [T0, T0 + 1, T0 + 4], [1.0, 1.1, 9.0])],
+    )
+    fig = overview_figure(data)
+    loss = {t.name: t for t in traces(fig, 4)}
+    assert list(loss["loss spike"].x) == [4, 5]
+    assert list(loss["loss spike"].y) == [9.0, 2.0]  # a NaN loss is marked at the row's top
+    assert "rank 3: nonfinite loss" in loss["loss spike"].text[1]
+    assert list(loss["rank 2"].y) == [1.0, 1.1, 9.0]
+    grad = {t.name: t for t in traces(fig, 5)}
+    assert list(grad["grad-norm spike"].x) == [6]
+
+
+def test_outlier_ranks_are_the_url_rank_then_spiky_ranks_then_a_usual_maximum() -> None:
+    loss = series("loss", 10, n=8, argmax_rank=[5] * 8 + [1, 2])
+    spikes = [(1, 3, "loss_spike", 2.0), (2, 3, "loss_spike", 2.0), (4, 6, "nonfinite_loss", None),
+              (7, 4, "grad_norm_spike", 3.0)]  # fmt: skip
+    picked = overview.outlier_ranks(loss, spikes, wanted=0)
+    assert [r for r, _ in picked] == [0, 3, 6]  # at most three
+    assert picked[1][1] == "2 loss spikes"
+    assert [r for r, _ in overview.outlier_ranks(loss, [], wanted=None)] == [5]
+    # With two ranks one is always the highest: not an outlier.
+    two = series("loss", 10, n=2, argmax_rank=[1] * 10)
+    assert overview.outlier_ranks(two, [], wanted=None) == []
+
+
+def test_empty_run_says_so_and_what_happens_next() -> None:
+    empty = {m: series(m, 0) for m in overview.METRICS}
+    fig = overview_figure(Overview(series=empty), theme="dark", revision="r")
+    assert fig.data == ()
+    assert "No steps yet" in fig.layout.annotations[0].text
+    assert fig.layout.template.layout.paper_bgcolor is not None  # the dark template
+    zoomed = overview_figure(Overview(series=empty), x_range=(5, 9))
+    assert "No steps in this range" in zoomed.layout.annotations[0].text
+
+
+def test_a_run_with_one_rank_draws_its_line_and_no_outliers() -> None:
+    one = full(5, n=1)
+    one["loss"] = series("loss", 5, n=1, min=[2.0] * 5, median=[2.0] * 5, max=[2.0] * 5)
+    assert overview.outlier_ranks(one["loss"], [], wanted=None) == []
+    fig = overview_figure(Overview(series=one))
+    median = traces(fig, 4)[2]
+    assert list(median.y) == [2.0] * 5
+    assert all(c[2] == 1 for c in median.customdata)  # hover: 1 rank
+
+
+def test_nan_and_infinite_values_are_gaps_and_the_figure_serializes() -> None:
+    nan, inf = float("nan"), float("inf")
+    parts = full(4)
+    parts["loss"] = series("loss", 4, min=[1.0, nan, 1.0, 1.0], median=[1.0, nan, inf, 1.0],
+                           max=[1.0, nan, 1.0, 1.0])  # fmt: skip
+    parts["mfu"] = series("mfu", 4, total=[nan] * 4)
+    fig = overview_figure(Overview(series=parts))
+    assert list(traces(fig, 4)[2].y) == [1.0, None, None, 1.0]
+    text = fig.to_json()
+    assert "NaN" not in text and "Infinity" not in text
+    json.loads(text)
+    # A row with nothing to draw says what to do instead.
+    notes = [a.text for a in fig.layout.annotations]
+    assert ROW_EMPTY["mfu"] in notes
+
+
+def test_theme_light_and_dark() -> None:
+    light = overview_figure(Overview(series=full()), theme="light")
+    dark = overview_figure(Overview(series=full()), theme="dark")
+    assert light.layout.template.layout.font.color != dark.layout.template.layout.font.color
+    assert dark.layout.paper_bgcolor == "rgba(0,0,0,0)"
+
+
+def test_a_range_shows_as_it_is_and_zooming_again_is_not_undone() -> None:
+    fig = overview_figure(Overview(series=full()), revision="r|step", x_range=(2, 8))
+    assert list(fig.layout.xaxis.range) == [2, 8]
+    other = overview_figure(Overview(series=full()), revision="r|step", x_range=(3, 5))
+    # A new range is a new x revision (applied); the same range keeps the user's zoom.
+    assert fig.layout.xaxis.uirevision != other.layout.xaxis.uirevision
+    assert (
+        fig.layout.xaxis.uirevision
+        == overview_figure(
+            Overview(series=full()), revision="r|step", x_range=(2, 8)
+        ).layout.xaxis.uirevision
+    )
+
+
+def test_thin_keeps_spikes() -> None:
+    steps = list(range(10_000))
+    values: list[float | None] = [1.0] * 10_000
+    values[7_777] = 50.0
+    values[123] = -3.0
+    xs, ts, ys = thin(steps, [float(s) for s in steps], values, 1_000)
+    assert len(xs) <= 1_000
+    assert 50.0 in ys and -3.0 in ys
+    assert xs == sorted(xs)
+    assert thin([1, 2], [1.0, 2.0], [math.nan, 1.0], 1_000) == ([1, 2], [1.0, 2.0], [math.nan, 1.0])
+
+
+def test_view_round_trips_through_the_query_string() -> None:
+    view = overview.parse_query("?from=100&to=900&axis=time&rank=3")
+    assert view == {"from": 100, "to": 900, "axis": "time", "rank": 3}
+    assert overview.parse_query(overview.to_query(view)) == view
+    assert overview.to_query(overview.parse_query("")) == ""
+    # What does not parse is left out; a reversed range is put the right way round.
+    assert overview.parse_query("?from=x&to=-4&axis=weird&rank=a") == {
+        "from": None, "to": None, "axis": "step", "rank": None,
+    }  # fmt: skip
+    assert overview.parse_query("?from=900&to=100")["from"] == 100
+
+
+def test_range_from_a_zoom_on_any_row() -> None:
+    pick = overview.range_from_relayout
+    assert pick({"xaxis.range[0]": 10.4, "xaxis.range[1]": 29.6}, axis="step", xmap=None) == (
+        10,
+        30,
+    )
+    assert pick({"xaxis3.range[0]": 5, "xaxis3.range[1]": 7}, axis="step", xmap=None) == (5, 7)
+    assert pick({"xaxis.range": [-3, 7]}, axis="step", xmap=None) == (0, 7)
+    assert pick({"xaxis.autorange": True}, axis="step", xmap=None) is None  # double-click
+    assert pick({"autosize": True}, axis="step", xmap=None) is False
+    assert pick(None, axis="step", xmap=None) is False
+    xmap = {"step": [0, 10, 20, 30], "ts": [T0, T0 + 10, T0 + 20, T0 + 30]}
+    start = dt.datetime.fromtimestamp(T0 + 12).strftime("%Y-%m-%d %H:%M:%S.%f")[:-2]
+    end = dt.datetime.fromtimestamp(T0 + 25).strftime("%Y-%m-%d %H:%M:%S")
+    assert pick({"xaxis.range[0]": start, "xaxis.range[1]": end}, axis="time", xmap=xmap) == (
+        10, 30,
+    )  # fmt: skip

@@ -1,0 +1,376 @@
+"""The run overview as one figure: stacked rows on one shared x-axis (a pure function).
+
+Rows, top to bottom: events (alerts, actions, checkpoints, restarts), throughput, MFU,
+loss (min..max band across ranks, median, outlier ranks, spikes), grad norm (band,
+median, spikes) and the step-time breakdown as a stacked area. The x-axis is the step
+or the wall-clock time; zooming one row zooms them all (``shared_xaxes``).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from trainwarden.collector.schemas import Series
+
+from .figures import COLORS, _translucent, empty_figure, themed
+
+ROWS = ["events", "throughput", "mfu", "loss", "grad_norm", "breakdown"]
+ROW_TITLES = [
+    "Alerts · actions · checkpoints · restarts",
+    "Throughput (tokens/s, whole job)",
+    "MFU (whole job)",
+    "Loss: median, min..max across ranks",
+    "Grad norm: median, min..max across ranks",
+    "Step time breakdown (s)",
+]
+ROW_HEIGHTS = [0.07, 0.16, 0.13, 0.26, 0.17, 0.21]
+# What an empty row says, and what to do about it.
+ROW_EMPTY = {
+    "throughput": "No throughput: pass tokens= to tw.step(step, tokens=...)",
+    "mfu": "No MFU: give tw.init flops_per_token (or flops_per_step) and a known GPU or peak_flops",
+    "loss": "No loss: call s.loss(value) inside the step",
+    "grad_norm": "No grad norm: call s.grad_norm(value) inside the step",
+    "breakdown": "No step times yet",
+}
+# The breakdown, bottom to top: (key, label, color). "other" is what the slowest rank's
+# step holds beyond the mean compute and exposed comm: idle, and waiting for that rank.
+BREAKDOWN = [
+    ("compute_only", "compute", "#2563eb"),
+    ("overlapped_comm", "overlapped comm", "#60a5fa"),
+    ("exposed_comm", "exposed comm", "#dc2626"),
+    ("other", "other (idle, slowest rank)", "#9ca3af"),
+    ("data_wait", "data wait", "#7c3aed"),
+]
+EVENT_ROWS = ["restart", "checkpoint", "action", "alert"]  # bottom to top in the events row
+MARKER_STYLE = {  # (kind, tone): (symbol, color)
+    ("alert", "bad"): ("triangle-down", "#dc2626"),
+    ("alert", "warn"): ("triangle-down", "#d97706"),
+    ("alert", "info"): ("triangle-down", "#2563eb"),
+    ("action", "good"): ("diamond", "#059669"),
+    ("action", "bad"): ("diamond", "#dc2626"),
+    ("checkpoint", "good"): ("square", "#059669"),
+    ("checkpoint", "warn"): ("square-open", "#d97706"),
+    ("restart", "info"): ("star", "#6b7280"),
+}
+RANK_COLORS = ["#ea580c", "#16a34a", "#9333ea", "#0d9488"]
+MAX_LINES = 40  # vertical lines across the rows (alerts and restarts); the rest are markers
+
+
+@dataclass(frozen=True)
+class Marker:
+    """Something that happened in the run, drawn on the shared x-axis."""
+
+    kind: str  # alert, action, checkpoint or restart
+    ts: float
+    step: int | None  # None: not placed on a step axis
+    text: str  # the hover text: what it is
+    tone: str = "info"  # bad, warn, good or info
+
+
+@dataclass(frozen=True)
+class RankLine:
+    """One rank's loss, drawn over the band (an outlier, or the rank in the URL)."""
+
+    rank: int
+    why: str
+    step: list[int]
+    ts: list[float]
+    value: list[float | None]
+
+
+@dataclass
+class Overview:
+    """What the overview draws; :func:`overview_figure` makes the figure of it."""
+
+    series: dict[str, Series]  # metric: per step across ranks
+    spikes: list[tuple[int, int, str, float | None]] = field(default_factory=list)
+    # (step, rank, flag, value) for flags of loss and grad norm
+    ranks: list[RankLine] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+
+
+def finite(values: Sequence[float | None]) -> list[float | None]:
+    """``values`` with NaN and infinities as gaps (None): Plotly draws no point there."""
+    return [v if v is not None and math.isfinite(v) else None for v in values]
+
+
+def when(ts: float) -> dt.datetime:
+    """A timestamp on the time axis (the server's local time, as on the other pages)."""
+    return dt.datetime.fromtimestamp(ts)
+
+
+def thin(
+    steps: Sequence[int], ts: Sequence[float], values: Sequence[float | None], points: int
+) -> tuple[list[int], list[float], list[float | None]]:
+    """At most about ``points`` points of a line, keeping each bucket's lowest and highest
+    value so that a spike survives the downsampling."""
+    if len(steps) <= points:
+        return list(steps), list(ts), list(values)
+    width = -(-len(steps) // max(1, points // 2))
+    keep: list[int] = []
+    for start in range(0, len(steps), width):
+        idx = [i for i in range(start, min(start + width, len(steps))) if _ok(values[i])]
+        if not idx:
+            keep.append(start)
+            continue
+        lo = min(idx, key=lambda i: values[i])  # type: ignore[arg-type,return-value]
+        hi = max(idx, key=lambda i: values[i])  # type: ignore[arg-type,return-value]
+        keep.extend(sorted({lo, hi}))
+    return [steps[i] for i in keep], [ts[i] for i in keep], [values[i] for i in keep]
+
+
+def _ok(v: float | None) -> bool:
+    return v is not None and math.isfinite(v)
+
+
+def _xs(series_steps: Sequence[int], ts: Sequence[float], axis: str) -> list[Any]:
+    return [when(t) for t in ts] if axis == "time" else list(series_steps)
+
+
+def _row_note(fig: go.Figure, row: int, text: str) -> None:
+    suffix = "" if row == 1 else str(row)
+    fig.add_annotation(text=text, showarrow=False, xref=f"x{suffix} domain",
+                       yref=f"y{suffix} domain", x=0.5, y=0.5,
+                       font={"size": 12, "color": "#6b7280"})  # fmt: skip
+
+
+def _band(fig: go.Figure, s: Series, row: int, *, axis: str, color: str, label: str) -> None:
+    x = _xs(s.step, s.ts, axis)
+    group = f"band-{s.metric}"
+    fig.add_trace(go.Scatter(x=x, y=finite(s.max), mode="lines", line={"width": 0, "color": color},
+                             name=f"{label} max", legendgroup=group, showlegend=False,
+                             hoverinfo="skip"), row=row, col=1)  # fmt: skip
+    fig.add_trace(go.Scatter(x=x, y=finite(s.min), mode="lines", line={"width": 0, "color": color},
+                             fill="tonexty", fillcolor=_translucent(color), legendgroup=group,
+                             name=f"{label} min..max", showlegend=False, hoverinfo="skip"),
+                  row=row, col=1)  # fmt: skip
+    fig.add_trace(
+        go.Scatter(
+            x=x, y=finite(s.median), mode="lines", line={"width": 2, "color": color},
+            name=f"{label} median", legendgroup=group, showlegend=False,
+            customdata=[[_num(lo), _num(hi), n] for lo, hi, n in zip(s.min, s.max, s.n, strict=False)],
+            hovertemplate=f"{label} median %{{y:.4g}}<br>min %{{customdata[0]}} · "
+            "max %{customdata[1]}<br>%{customdata[2]} ranks<extra></extra>",
+        ),
+        row=row, col=1,
+    )  # fmt: skip
+
+
+def _num(v: float | None) -> str:
+    return f"{v:.4g}" if v is not None and math.isfinite(v) else "—"
+
+
+def _line(fig: go.Figure, s: Series, row: int, *, axis: str, color: str, label: str) -> None:
+    fig.add_trace(go.Scatter(x=_xs(s.step, s.ts, axis), y=finite(s.total), mode="lines",
+                             line={"width": 2, "color": color}, name=label, showlegend=False,
+                             hovertemplate=f"{label} %{{y:.4s}}<extra></extra>"),
+                  row=row, col=1)  # fmt: skip
+
+
+def _spikes(fig: go.Figure, data: Overview, s: Series, row: int, *, axis: str,
+            flags: tuple[str, ...], label: str) -> None:  # fmt: skip
+    found = [sp for sp in data.spikes if sp[2] in flags]
+    if not found or not s.step:
+        return
+    top = max((v for v in finite(s.max) if v is not None), default=0.0)
+    step_ts = dict(zip(s.step, s.ts, strict=False))
+    xs: list[Any] = []
+    ys: list[float | None] = []
+    text: list[str] = []
+    for step, rank, flag, value in found:
+        if axis == "time":
+            t = step_ts.get(step) or _ts_at(step, s.step, s.ts)
+            xs.append(when(t))
+        else:
+            xs.append(step)
+        ys.append(value if _ok(value) else top)
+        text.append(f"rank {rank}: {flag.replace('_', ' ')} at step {step}")
+    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=label, text=text,
+                             marker={"symbol": "x", "size": 10, "color": "#dc2626",
+                                     "line": {"width": 1, "color": "#dc2626"}},
+                             hovertemplate="%{text}<extra></extra>"), row=row, col=1)  # fmt: skip
+
+
+def _ts_at(step: int, steps: Sequence[int], ts: Sequence[float]) -> float:
+    """The time of the point nearest ``step`` (steps ascending, not empty)."""
+    i = min(range(len(steps)), key=lambda k: abs(steps[k] - step))
+    return ts[i]
+
+
+def breakdown_layers(
+    series: dict[str, Series],
+) -> tuple[list[int], list[float], dict[str, list[float]]]:
+    """The stacked layers per step of the step_time series: compute not overlapped,
+    overlapped comm, exposed comm, other (the slowest rank's step time beyond the mean
+    compute and exposed comm) and data wait. Without a comm split: the step time."""
+    base = series.get("step_time")
+    if base is None or not base.step:
+        return [], [], {}
+
+    def at(metric: str) -> dict[int, float]:
+        s = series.get(metric)
+        if s is None:
+            return {}
+        return {st: v for st, v in zip(s.step, finite(s.total), strict=False) if v is not None}
+
+    step_time, compute, exposed = at("step_time"), at("compute"), at("exposed_comm")
+    overlapped, wait = at("overlapped_comm"), at("data_wait")
+    layers: dict[str, list[float]] = {}
+    if compute:
+        layers["compute_only"] = [
+            max(0.0, compute.get(s, 0.0) - overlapped.get(s, 0.0)) for s in base.step
+        ]
+        layers["overlapped_comm"] = [overlapped.get(s, 0.0) for s in base.step]
+        layers["exposed_comm"] = [exposed.get(s, 0.0) for s in base.step]
+        layers["other"] = [max(0.0, step_time.get(s, 0.0) - compute.get(s, 0.0) - exposed.get(s, 0.0))
+                           for s in base.step]  # fmt: skip
+    else:  # no comm split reported: the step as one layer
+        layers["step_time"] = [step_time.get(s, 0.0) for s in base.step]
+    if wait:
+        layers["data_wait"] = [wait.get(s, 0.0) for s in base.step]
+    return list(base.step), list(base.ts), layers
+
+
+def _breakdown(fig: go.Figure, series: dict[str, Series], row: int, *, axis: str) -> bool:
+    steps, ts, layers = breakdown_layers(series)
+    if not steps:
+        return False
+    x = _xs(steps, ts, axis)
+    styles = {key: (label, color) for key, label, color in BREAKDOWN}
+    styles["step_time"] = ("step time (no comm split reported)", "#d97706")
+    for key in [
+        "compute_only",
+        "overlapped_comm",
+        "exposed_comm",
+        "other",
+        "step_time",
+        "data_wait",
+    ]:
+        if key not in layers or not any(layers[key]):
+            continue
+        label, color = styles[key]
+        fig.add_trace(go.Scatter(x=x, y=layers[key], name=label, mode="lines", stackgroup="time",
+                                 line={"width": 0.5, "color": color},
+                                 hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>"),
+                      row=row, col=1)  # fmt: skip
+    return True
+
+
+def _markers(fig: go.Figure, markers: list[Marker], *, axis: str) -> None:
+    placed = [mk for mk in markers if axis == "time" or mk.step is not None]
+    seen: set[tuple[str, str]] = set()
+    for (kind, tone), (symbol, color) in MARKER_STYLE.items():
+        group = [mk for mk in placed if mk.kind == kind and mk.tone == tone]
+        if not group:
+            continue
+        seen.add((kind, tone))
+        x = [when(mk.ts) if axis == "time" else mk.step for mk in group]
+        fig.add_trace(go.Scatter(x=x, y=[kind] * len(group), mode="markers", name=f"{kind}",
+                                 marker={"symbol": symbol, "size": 12, "color": color},
+                                 text=[mk.text for mk in group],
+                                 hovertemplate="%{text}<extra></extra>"), row=1, col=1)  # fmt: skip
+    lines = [mk for mk in placed if mk.kind in ("alert", "restart")][-MAX_LINES:]
+    for mk in lines:
+        color = MARKER_STYLE.get((mk.kind, mk.tone), ("", "#6b7280"))[1]
+        at: Any = when(mk.ts) if axis == "time" else mk.step
+        fig.add_shape(type="line", xref="x", yref="paper", x0=at, x1=at, y0=0, y1=1,
+                      line={"width": 1, "dash": "dot", "color": color}, opacity=0.6,
+                      layer="below")  # fmt: skip
+
+
+def overview_figure(
+    data: Overview,
+    *,
+    axis: str = "step",
+    theme: str | None = "light",
+    revision: str = "",
+    x_range: tuple[int, int] | None = None,
+) -> go.Figure:
+    """The run overview. ``revision`` keeps the user's zoom and hidden traces across live
+    refreshes; ``x_range`` (steps) is the range the data was read for, shown as it is."""
+    base = data.series.get("step_time") or data.series.get("loss")
+    if not any(s.step for s in data.series.values()) or base is None:
+        fig = empty_figure(
+            "No steps yet for this run. It fills in as its agents report steps."
+            if x_range is None
+            else "No steps in this range. Double-click the plot or press 'Whole run'."
+        )
+        fig.update_layout(uirevision=revision)
+        return themed(fig, theme)
+    fig = make_subplots(rows=len(ROWS), cols=1, shared_xaxes=True, vertical_spacing=0.035,
+                        row_heights=ROW_HEIGHTS, subplot_titles=ROW_TITLES)  # fmt: skip
+    for annotation in fig.layout.annotations:  # the row titles: small, on the left
+        annotation.update(x=0, xanchor="left", font={"size": 12})
+    _markers(fig, data.markers, axis=axis)
+    s = data.series
+    drawn = {"events": True}
+    drawn["throughput"] = _has(s, "tokens_per_s", "total")
+    if drawn["throughput"]:
+        _line(fig, s["tokens_per_s"], 2, axis=axis, color=COLORS["tokens_per_s"], label="tokens/s")
+    drawn["mfu"] = _has(s, "mfu", "total")
+    if drawn["mfu"]:
+        _line(fig, s["mfu"], 3, axis=axis, color=COLORS["mfu"], label="MFU")
+    drawn["loss"] = _has(s, "loss", "median")
+    if drawn["loss"]:
+        _band(fig, s["loss"], 4, axis=axis, color=COLORS["loss"], label="loss")
+        for i, line in enumerate(data.ranks):
+            x = _xs(line.step, line.ts, axis)
+            fig.add_trace(go.Scatter(x=x, y=finite(line.value), mode="lines",
+                                     name=f"rank {line.rank}",
+                                     line={"width": 1.3, "color": RANK_COLORS[i % len(RANK_COLORS)]},
+                                     hovertemplate=f"rank {line.rank} ({line.why}) %{{y:.4g}}<extra></extra>"),
+                          row=4, col=1)  # fmt: skip
+        _spikes(fig, data, s["loss"], 4, axis=axis, label="loss spike",
+                flags=("loss_spike", "nonfinite_loss"))  # fmt: skip
+    drawn["grad_norm"] = _has(s, "grad_norm", "median")
+    if drawn["grad_norm"]:
+        _band(fig, s["grad_norm"], 5, axis=axis, color=COLORS["grad_norm"], label="grad norm")
+        _spikes(fig, data, s["grad_norm"], 5, axis=axis, label="grad-norm spike",
+                flags=("grad_norm_spike", "nonfinite_grad_norm"))  # fmt: skip
+    drawn["breakdown"] = _breakdown(fig, s, 6, axis=axis)
+    for row, name in enumerate(ROWS, start=1):
+        if not drawn[name]:
+            _row_note(fig, row, ROW_EMPTY[name])
+        # An axis no trace refers to is not drawn (nor its note): give each row one.
+        fig.add_trace(go.Scatter(x=[], y=[], name="", showlegend=False, hoverinfo="skip"),
+                      row=row, col=1)  # fmt: skip
+    fig.update_layout(
+        height=940,
+        margin={"l": 64, "r": 24, "t": 36, "b": 40},
+        hovermode="x unified",
+        legend={"orientation": "h", "y": 1.035, "x": 1, "xanchor": "right", "yanchor": "bottom",
+                "font": {"size": 11}, "traceorder": "normal"},
+        uirevision=revision,
+        dragmode="zoom",
+    )  # fmt: skip
+    # Drag selects a range of steps (or time); the y-axes follow the data in it.
+    fig.update_yaxes(fixedrange=True, automargin=True)
+    fig.update_yaxes(row=1, col=1, type="category", categoryorder="array",
+                     categoryarray=EVENT_ROWS, showticklabels=False, showgrid=False)  # fmt: skip
+    fig.update_yaxes(row=3, col=1, tickformat=".0%")
+    for row in (2, 3, 6):  # throughput, MFU and time from zero: a drop reads as a drop
+        fig.update_yaxes(row=row, col=1, rangemode="tozero")
+    xrev = f"{revision}|{x_range}"
+    # One type for all: an axis with no data would guess "linear" and stop matching a date axis.
+    fig.update_xaxes(type="date" if axis == "time" else "linear")
+    fig.update_xaxes(uirevision=xrev, showspikes=True, spikemode="across", spikethickness=1,
+                     spikedash="dot", spikecolor="#9ca3af")  # fmt: skip
+    fig.update_xaxes(title_text="time" if axis == "time" else "step", row=len(ROWS), col=1)
+    if x_range is not None:
+        if axis == "time":
+            fig.update_xaxes(range=[when(base.ts[0]), when(base.ts[-1])] if base.ts else None)
+        else:
+            fig.update_xaxes(range=list(x_range))
+    return themed(fig, theme)
+
+
+def _has(series: dict[str, Series], metric: str, column: str) -> bool:
+    s = series.get(metric)
+    return s is not None and any(_ok(v) for v in getattr(s, column))
