@@ -14,6 +14,7 @@ from . import models as m
 from .actions import ActionPolicy, _event, _history, _store_events, checkpoints, create_action
 from .db import write
 from .queries import NotFound
+from .schemas import RowId
 
 router = APIRouter(tags=["actions"])
 State = Literal["proposed", "approved", "executing", "done", "failed", "cancelled"]
@@ -119,7 +120,7 @@ def list_actions(
 
 
 @router.get("/api/v1/actions/{action_id}", response_model=ActionOut)
-def get_action(action_id: int, request: Request) -> ActionOut:
+def get_action(action_id: RowId, request: Request) -> ActionOut:
     """One action with the commands it sent to ranks (and when they were delivered)."""
     c = m.agent_commands.c
     with _engine(request).connect() as conn:
@@ -191,13 +192,13 @@ def request_action(run: str, body: ActionIn, request: Request) -> ActionOut:
 
 
 @router.post("/api/v1/actions/{action_id}/approve", response_model=ActionOut)
-def approve_action(action_id: int, body: ByIn, request: Request) -> ActionOut:
+def approve_action(action_id: RowId, body: ByIn, request: Request) -> ActionOut:
     """Approve a proposed action (policy ``require-ack``)."""
     return _decide(request, action_id, body, "approved")
 
 
 @router.post("/api/v1/actions/{action_id}/cancel", response_model=ActionOut)
-def cancel_action(action_id: int, body: ByIn, request: Request) -> ActionOut:
+def cancel_action(action_id: RowId, body: ByIn, request: Request) -> ActionOut:
     """Cancel an action that has not started executing."""
     return _decide(request, action_id, body, "cancelled")
 

@@ -14,6 +14,7 @@ from sqlalchemy import Connection, Engine, insert, select, update
 from . import models as m
 from .db import write
 from .queries import NotFound
+from .schemas import RowId
 
 router = APIRouter(tags=["alerts"])
 State = Literal["pending", "firing", "resolved"]
@@ -205,14 +206,14 @@ def _get(conn: Connection, alert_id: int) -> Any:
 
 
 @router.get("/api/v1/alerts/{alert_id}", response_model=AlertOut)
-def get_alert(alert_id: int, request: Request) -> AlertOut:
+def get_alert(alert_id: RowId, request: Request) -> AlertOut:
     """One alert with every delivery attempt to the notifiers."""
     with _engine(request).connect() as conn:
         return _out(_get(conn, alert_id), deliveries_of(conn, alert_id))
 
 
 @router.post("/api/v1/alerts/{alert_id}/ack", response_model=AlertOut)
-def ack_alert(alert_id: int, body: AckIn, request: Request) -> AlertOut:
+def ack_alert(alert_id: RowId, body: AckIn, request: Request) -> AlertOut:
     """Acknowledge: someone is on it. The alert stops being re-sent; it still resolves
     (and says so) when its condition clears. Acknowledging twice keeps the first."""
     with write(_engine(request)) as conn:
@@ -266,7 +267,7 @@ def list_silences(request: Request, expired: bool = False) -> list[SilenceOut]:
 
 
 @router.delete("/api/v1/silences/{silence_id}", response_model=SilenceOut)
-def expire_silence(silence_id: int, request: Request) -> SilenceOut:
+def expire_silence(silence_id: RowId, request: Request) -> SilenceOut:
     """End a silence now (it stays on record)."""
     now = time.time()
     s = m.silences.c

@@ -23,6 +23,8 @@ from . import queries
 from .db import write
 from .prom import CollectorMetrics
 from .schemas import (
+    MAX_RANK,
+    MAX_STEP,
     ColumnarBatch,
     EventOut,
     FlaggedStep,
@@ -223,8 +225,8 @@ def get_series(
     run: str,
     request: Request,
     metric: str,
-    from_step: Annotated[int | None, Query(alias="from", ge=0)] = None,
-    to_step: Annotated[int | None, Query(alias="to", ge=0)] = None,
+    from_step: Annotated[int | None, Query(alias="from", ge=0, le=MAX_STEP)] = None,
+    to_step: Annotated[int | None, Query(alias="to", ge=0, le=MAX_STEP)] = None,
     last: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
     points: Annotated[int | None, Query(ge=10, le=100_000)] = None,
 ) -> Series:
@@ -249,8 +251,8 @@ def get_heatmap(
     request: Request,
     metric: str,
     buckets: Annotated[int, Query(ge=1, le=5000)] = 200,
-    from_step: Annotated[int | None, Query(alias="from", ge=0)] = None,
-    to_step: Annotated[int | None, Query(alias="to", ge=0)] = None,
+    from_step: Annotated[int | None, Query(alias="from", ge=0, le=MAX_STEP)] = None,
+    to_step: Annotated[int | None, Query(alias="to", ge=0, le=MAX_STEP)] = None,
 ) -> Heatmap:
     """Retrieve a rank x step-bucket matrix of a metric (a straggler shows as a stripe)."""
     with _engine(request).connect() as conn:
@@ -262,11 +264,11 @@ def get_heatmap(
 @router.get("/api/v1/runs/{run}/ranks/{rank}/series", response_model=RankSeries, tags=["runs"])
 def get_rank_series(
     run: str,
-    rank: Annotated[int, Path(ge=0)],
+    rank: Annotated[int, Path(ge=0, le=MAX_RANK)],
     request: Request,
     metric: str,
-    from_step: Annotated[int | None, Query(alias="from", ge=0)] = None,
-    to_step: Annotated[int | None, Query(alias="to", ge=0)] = None,
+    from_step: Annotated[int | None, Query(alias="from", ge=0, le=MAX_STEP)] = None,
+    to_step: Annotated[int | None, Query(alias="to", ge=0, le=MAX_STEP)] = None,
     last: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
 ) -> RankSeries:
     """Retrieve one metric of one rank per step (e.g. each rank's own loss)."""
@@ -289,7 +291,7 @@ def get_flags(
 def get_gpu(
     run: str,
     request: Request,
-    rank: Annotated[int | None, Query(ge=0)] = None,
+    rank: Annotated[int | None, Query(ge=0, le=MAX_RANK)] = None,
     since: float | None = None,
     limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
 ) -> list[GpuSample]:

@@ -189,7 +189,9 @@ def create_app(
 
     @app.exception_handler(UnknownMetric)
     async def _unknown_metric(_request: Request, exc: UnknownMetric) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=422)
+        # The shape of every other 422 (and of the schema): a summary, and the field.
+        detail = [{"loc": ["query", "metric"], "msg": str(exc), "type": "value_error"}]
+        return JSONResponse({"error": f"metric: {exc}", "detail": detail}, status_code=422)
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 
 from . import incidents as svc
 from .db import write
 from .postmortem import render, report_of
+from .schemas import INT64_MAX, MAX_STEP, RowId
 from .timeline import timeline
 
 router = APIRouter(tags=["incidents"])
@@ -64,7 +65,9 @@ class CloseIn(BaseModel):
 class MergeIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     by: str = Field(min_length=1, max_length=128)
-    incidents: list[int] = Field(min_length=1, max_length=100, description="merged into this one")
+    incidents: list[Annotated[int, Field(ge=1, le=INT64_MAX)]] = Field(
+        min_length=1, max_length=100, description="merged into this one"
+    )
 
 
 class RetitleIn(BaseModel):
@@ -79,9 +82,13 @@ class NoteIn(BaseModel):
     model_config = ConfigDict(extra="forbid")
     author: str = Field(min_length=1, max_length=128)
     text: str = Field(min_length=1, max_length=10_000)
-    at: float | None = Field(default=None, description="what it is about (epoch s); default now")
-    step: int | None = Field(default=None, ge=0)
-    incident: int | None = Field(default=None, description="default: the run's open incident")
+    at: float | None = Field(
+        default=None, ge=0, le=4e9, description="what it is about (epoch s); default now"
+    )
+    step: int | None = Field(default=None, ge=0, le=MAX_STEP)
+    incident: int | None = Field(
+        default=None, ge=1, le=INT64_MAX, description="default: the run's open incident"
+    )
 
 
 class NoteOut(BaseModel):
@@ -120,7 +127,7 @@ def list_incidents(run: str, request: Request, merged: bool = False) -> list[Inc
 
 
 @router.get("/api/v1/incidents/{incident_id}", response_model=IncidentOut)
-def get_incident(incident_id: int, request: Request) -> IncidentOut:
+def get_incident(incident_id: RowId, request: Request) -> IncidentOut:
     """One incident with the ids of its alerts and actions and its history."""
     with _engine(request).connect() as conn:
         return IncidentOut(**svc.get_incident(conn, incident_id=incident_id))
@@ -141,21 +148,21 @@ def open_incident(body: OpenIn, request: Request) -> IncidentOut:
 
 
 @router.post("/api/v1/incidents/{incident_id}/close", response_model=IncidentOut)
-def close_incident(incident_id: int, body: CloseIn, request: Request) -> IncidentOut:
+def close_incident(incident_id: RowId, body: CloseIn, request: Request) -> IncidentOut:
     """Close an open incident now (with a one-line summary for the report)."""
     return _change(request, svc.close_incident, incident_id, incident_id=incident_id,
                    by=body.by, summary=body.summary)  # fmt: skip
 
 
 @router.post("/api/v1/incidents/{incident_id}/merge", response_model=IncidentOut)
-def merge_incidents(incident_id: int, body: MergeIn, request: Request) -> IncidentOut:
+def merge_incidents(incident_id: RowId, body: MergeIn, request: Request) -> IncidentOut:
     """Merge other incidents of the same run into this one."""
     return _change(request, svc.merge_incidents, incident_id, into=incident_id,
                    sources=body.incidents, by=body.by)  # fmt: skip
 
 
 @router.patch("/api/v1/incidents/{incident_id}", response_model=IncidentOut)
-def retitle_incident(incident_id: int, body: RetitleIn, request: Request) -> IncidentOut:
+def retitle_incident(incident_id: RowId, body: RetitleIn, request: Request) -> IncidentOut:
     """Give an incident a better title."""
     return _change(request, svc.retitle_incident, incident_id, incident_id=incident_id,
                    title=body.title, by=body.by)  # fmt: skip
@@ -185,7 +192,7 @@ def _price(request: Request, price: float | None) -> float | None:
 
 
 @router.get("/api/v1/runs/{run}/timeline")
-def get_timeline(run: str, request: Request, incident: int | None = None,
+def get_timeline(run: str, request: Request, incident: Annotated[int | None, Query(ge=1, le=INT64_MAX)] = None,
                  price: float | None = None) -> dict[str, Any]:  # fmt: skip
     """Ordered entries of one incident (with its derived figures: time to detect, page,
     act and recover; steps, GPU-hours and cost lost) or of the whole run."""
@@ -201,7 +208,7 @@ MEDIA = {"md": "text/markdown; charset=utf-8", "html": "text/html; charset=utf-8
 
 @router.get("/api/v1/runs/{run}/postmortem", response_class=Response)
 def get_postmortem(run: str, request: Request, format: Literal["md", "html", "json"] = "md",
-                   incident: int | None = None, price: float | None = None,
+                   incident: Annotated[int | None, Query(ge=1, le=INT64_MAX)] = None, price: float | None = None,
                    download: bool = False) -> Response:  # fmt: skip
     """The post-mortem report of a run (every incident, or ``incident``) as Markdown,
     a self-contained HTML page with charts, or JSON."""

@@ -10,6 +10,7 @@ import math
 import time
 from typing import Annotated, Any, Literal
 
+from fastapi import Path as FastApiPath
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -24,10 +25,20 @@ from pydantic import (
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_RECORDS_PER_BATCH = 20_000
 INT64_MAX = 2**63 - 1  # counters are stored as BIGINT
+MAX_STEP = 2**62  # a step number the database and every query can hold
+MAX_RANK = 1_000_000  # as world_size
+RowId = Annotated[int, FastApiPath(ge=1, le=INT64_MAX, description="The row's id")]
+"""An id in a URL path: past a BIGINT is not found, not an error of the database."""
 MAX_FUTURE_S = 24 * 3600.0  # a timestamp further ahead than this is a broken clock
 
 
+MIN_TS = 0.0  # epoch seconds: a negative one is no time at all
+
+
 def _not_in_the_future(ts: float) -> float:
+    """A plausible wall-clock time: after 1970, and not a day ahead of the collector's."""
+    if not ts >= MIN_TS:  # also NaN
+        raise ValueError(f"timestamp {ts} is before 1970: send epoch seconds")
     ahead = ts - time.time()
     if ahead > MAX_FUTURE_S:
         raise ValueError(
@@ -54,6 +65,11 @@ class AgentInfo(BaseModel):
     last_step_end: float | None = Field(default=None, description="Wall time the last step ended")
     in_step: bool | None = None
     phase: str | None = Field(default=None, max_length=32)
+
+    @field_validator("started_at", "sent_at", "last_step_end")
+    @classmethod
+    def _plausible(cls, ts: float | None) -> float | None:
+        return None if ts is None else _not_in_the_future(ts)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> AgentInfo:
@@ -146,6 +162,7 @@ class GpuSampleIn(BaseModel):
     """One NVML reading of this rank's GPU. Fields a GPU or driver lacks are left out."""
 
     ts: float
+    _ts_now = field_validator("ts")(_not_in_the_future)
     gpu_uuid: str | None = Field(default=None, max_length=64)
     gpu_name: str | None = Field(default=None, max_length=128)
     temp_c: float | None = None
@@ -278,7 +295,7 @@ def _validate_columns(steps: dict[str, list[Any]]) -> list[tuple[int, dict[str, 
             if value is not None and not math.isfinite(value):
                 raise ValueError(f"steps row {i}: {name}: must be a finite number")
     horizon = time.time() + MAX_FUTURE_S
-    ahead = [i for i, ts in enumerate(columns["ts"]) if ts > horizon]
+    ahead = [i for i, ts in enumerate(columns["ts"]) if not MIN_TS <= ts <= horizon]
     if ahead:
         try:
             _not_in_the_future(columns["ts"][ahead[0]])

@@ -159,7 +159,9 @@ def test_unknown_run_is_404_and_unknown_metric_is_422(client: TestClient) -> Non
     ingest(client, batch(steps=[step(0)]))
     response = client.get("/api/v1/runs/r1/series", params={"metric": "lossy"})
     assert response.status_code == 422
-    assert "known metrics" in response.json()["detail"]
+    body = response.json()
+    assert body["error"].startswith("metric: unknown metric") and "known metrics" in body["error"]
+    assert body["detail"][0]["loc"] == ["query", "metric"]
 
 
 def test_healthz_metrics_and_openapi(client: TestClient) -> None:
@@ -330,7 +332,7 @@ def test_heatmap_shows_the_slow_rank_as_a_stripe(client: TestClient) -> None:
     )
     assert all(v == 0.3 for v in heat["values"][2]) and all(v == 0.1 for v in heat["values"][0])
     bad = client.get("/api/v1/runs/r1/heatmap", params={"metric": "tokens_per_s"})
-    assert bad.status_code == 422 and "per-rank column" in bad.json()["detail"]
+    assert bad.status_code == 422 and "per-rank column" in bad.json()["error"]
 
 
 def test_an_oversized_body_is_413_and_stores_nothing(engine) -> None:  # type: ignore[no-untyped-def]
