@@ -21,7 +21,8 @@ comes before its alert) and ends when it closed (or now).
 Derived figures (seconds; ``None`` when a moment is missing, e.g. nobody was paged):
 
 - **fault**: the earliest injected fault, XID, loss divergence or bad rank state in the
-  window before the first alert went pending, else the first flagged or anomalous step;
+  window before the first alert went pending, on the alerts' ranks or nodes (any rank
+  for an alert about the whole run), else the first flagged or anomalous step;
 - **time to detect** = fault -> first alert pending;
 - **time to page** = first alert firing -> first page delivered (a receiver answered OK);
 - **time to act** = first alert firing -> first action executing (or done), dry runs
@@ -60,7 +61,7 @@ ORDER = {"derived:anomaly": 0, "event": 1, "alert:pending": 2, "alert:firing": 3
          "alert:resolved": 10, "note": 11}  # fmt: skip
 DEFINITIONS = {
     "fault": "the earliest injected fault, XID, loss divergence or bad rank state before the "
-    "first alert went pending; else the first flagged step",
+    "first alert went pending, on the alerts' ranks or nodes; else the first flagged step",
     "detect_s": "fault -> first alert pending",
     "page_s": "first alert firing -> first page delivered",
     "act_s": "first alert firing -> first action executing (dry runs excluded)",
@@ -317,8 +318,16 @@ def _figures(conn: Connection, ru: Any, alert_rows: list[Any], action_rows: list
 
     # The fault: the earliest fault event before the first alert went pending, else the
     # first flagged (or the alert's own anomalous) step.
+    # Only faults where the alerts are: an incident about rank 1 does not start at a
+    # thermal drill on rank 0 (alerts about the whole run take any rank's).
     until = pending_at if pending_at is not None else math.inf
-    fault = min((x for x in entries if x["source"] == "event" and x["ref"].get("fault") and x["at"] <= until),
+    ranks = {r.rank for r in alert_rows}
+    nodes = {r.node for r in alert_rows if r.node}
+
+    def near(x: dict[str, Any]) -> bool:
+        return None in ranks or x["rank"] is None or x["rank"] in ranks or x["node"] in nodes
+
+    fault = min((x for x in entries if x["source"] == "event" and x["ref"].get("fault") and x["at"] <= until and near(x)),
                 key=lambda x: x["at"], default=None)  # fmt: skip
     if fault is None and pending_at is not None:
         fault = _first_anomalous_step(conn, ru.id, alert_rows, start, pending_at)
@@ -337,8 +346,8 @@ def _figures(conn: Connection, ru: Any, alert_rows: list[Any], action_rows: list
     for r in real:
         if r.kind != "rollback" or r.state != "done":
             continue
-        ranks = list(((r.result or {}).get("ranks") or {}).values())
-        spans = [(x["barrier_step"], x["checkpoint_step"]) for x in ranks
+        restored = list(((r.result or {}).get("ranks") or {}).values())
+        spans = [(x["barrier_step"], x["checkpoint_step"]) for x in restored
                  if x.get("barrier_step") is not None and x.get("checkpoint_step") is not None]  # fmt: skip
         if spans:
             barrier, ckpt = max(spans)

@@ -285,3 +285,16 @@ def test_the_html_report_is_self_contained(engine: Engine) -> None:
     assert page.startswith("<!DOCTYPE html>") and "Plotly.newPlot" in page
     assert "<script src=" not in page and "<link " not in page  # nothing to fetch
     assert "data-kind='recovered'" in page and "fault injected (drill)" in page
+
+
+def test_the_fault_is_one_on_the_alerts_ranks_not_an_earlier_one_elsewhere(engine: Engine) -> None:
+    run_id = sc.make_run(engine)
+    sc.event(engine, run_id, "drill", T0 + 5, step=5, rank=0, data={"spec": "thermal=90C@rank=0,step=5"})  # fmt: skip
+    sc.event(engine, run_id, "xid", T0 + 9, step=9, rank=1, data={"code": 79})
+    sc.alert(
+        engine, run_id, rule="FatalXid", rank=1, active_since=T0 + 10, fired_at=T0 + 10, step=9
+    )
+    (incident_id,) = run_pass(engine, T0 + 11).opened
+    with engine.connect() as conn:
+        f = timeline(conn, run=sc.RUN, incident_id=incident_id, now=T0 + 20)["figures"]
+    assert (f["fault_at"], f["fault"], f["detect_s"]) == (T0 + 9, "XID 79 on GPU ?", 1.0)
