@@ -377,7 +377,7 @@ class PostOutcome:
             return f"posted (HTTP {self.status})"
         if self.status is not None:
             return f"HTTP {self.status}" + (f": {self.error}" if self.error else "")
-        return f"failed: {self.error}"
+        return str(self.error)
 
 
 def post_kind(url: str, kind: str = "auto") -> str:
