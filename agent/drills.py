@@ -17,6 +17,7 @@ then uses a simulated one. Every injected fault is also recorded as a ``drill`` 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import time
@@ -83,8 +84,12 @@ def _parse_one(text: str) -> Fault:
         if not pattern.match(value.strip()):
             raise fail(f"{kind} needs {example}")
         number = float(value.strip().rstrip("Cx"))
+        if not math.isfinite(number):
+            raise fail(f"{kind} needs a finite number, e.g. {example.split('e.g. ')[-1]}")
         if kind in ("slow", "loss_spike") and number <= 0:
             raise fail(f"{kind} factor must be positive")
+        if kind == "xid" and number < 1:
+            raise fail("an XID code is 1 or more, e.g. xid=79")
     elif value:
         raise fail(f"{kind} takes no value")
     params: dict[str, str] = {}
@@ -105,10 +110,14 @@ def _parse_one(text: str) -> Fault:
         else:
             raise fail("say when: step=S or steps=A-B")
         seconds = float(params["for"].rstrip("s")) if "for" in params else None
+        if min(first, rank or 0) < 0 or (last is not None and last < 0):
+            raise ValueError("negative")
+        if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError("not a duration")
     except DrillError:
         raise
     except ValueError:
-        raise fail("rank, step and steps take integers; for takes seconds like 30s") from None
+        raise fail("rank, step and steps take integers >= 0; for takes seconds like 30s") from None
     if kind in ("xid", "thermal", "slow", "hang", "die") and rank is None:
         raise fail(f"{kind} needs rank=R (which rank fails)")
     if kind == "hang" and seconds is None:

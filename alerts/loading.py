@@ -96,7 +96,7 @@ def parse_rule(raw: Any, *, runbooks_dirs: Sequence[Path] = (RUNBOOKS_DIR,)) -> 
     if not isinstance(raw, dict):
         raise RuleError(f"a rule is a mapping of fields, not {type(raw).__name__}")
     kind = raw.get("kind")
-    if kind not in KINDS:
+    if not isinstance(kind, str) or kind not in KINDS:
         said = "is required" if kind is None else f"{kind!r} is not a rule kind"
         raise RuleError(f"kind: {said}; known: {', '.join(KINDS)}")
     try:
