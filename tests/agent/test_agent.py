@@ -300,7 +300,18 @@ def test_a_busy_collector_loses_nothing_and_gets_each_record_once_in_order() -> 
 def test_a_refused_batch_is_dropped_and_counted_not_retried() -> None:
     from trainwarden.agent.exporter import CollectorError
 
-    transport = RecordingTransport(script=[CollectorError(422, "steps[0].ts: bad")])
+    class RefusesFirstSteps(RecordingTransport):
+        """422 for the first batch that carries steps (not a start event sent alone)."""
+
+        bodies_with_steps = False
+
+        def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+            if body["steps"] and not self.script and not self.bodies_with_steps:
+                self.bodies_with_steps = True
+                raise CollectorError(422, "steps[0].ts: bad")
+            return super().send(path, body)
+
+    transport = RefusesFirstSteps()
     agent = tw.init(run="unit", transport=transport, flush_interval_s=0.05)
     with tw.step(0):
         pass

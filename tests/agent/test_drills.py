@@ -177,7 +177,8 @@ def test_slow_drill_really_slows_the_steps() -> None:
     durations = {s["step"]: s["duration_s"] for s in transport.steps()}
     normal = sorted(durations[i] for i in [*range(0, 5), *range(10, 15)])[5]
     slow = sorted(durations[i] for i in range(5, 10))[2]
-    assert 1.7 < slow / normal < 2.5
+    # slow=2x: about twice as long; wide bounds, as a loaded machine stretches every step
+    assert 1.4 < slow / normal < 4, (slow, normal)
 
 
 def test_hang_drill_stops_the_training_thread_while_heartbeats_go_on() -> None:

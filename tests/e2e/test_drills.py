@@ -124,10 +124,11 @@ def test_two_rank_drills_show_the_right_states_events_and_flags(
     # Death: dead within 3 missed heartbeats; the blocked peer is its victim.
     dead_latency = dead["ts"] - drills["die"]["ts"]
     assert dead_latency <= 3 * HEARTBEAT_S + 0.5
-    assert (
-        rank0["state"] == "failed"
-        and "Connection closed by peer" in rank0["state_detail"]["reason"]
-    )
+    # The survivor fails on the dead peer's socket; gloo words it "closed" or "reset".
+    reason = rank0["state_detail"]["reason"]
+    assert rank0["state"] == "failed" and (
+        "Connection closed by peer" in reason or "Connection reset by peer" in reason
+    ), reason
 
     print(f"\nstraggler flagged {flagged_after} steps after the slowdown began; "
           f"hung flagged {hung_latency:.1f} s after the last progress; "
