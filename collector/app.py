@@ -214,7 +214,8 @@ def create_app(
         from trainwarden.webui.client import LocalClient
 
         dash_app = create_dash(
-            LocalClient(engine, policy=app.state.action_policy), refresh_s=settings.ui_refresh_s
+            LocalClient(engine, policy=app.state.action_policy, settings=settings),
+            refresh_s=settings.ui_refresh_s,
         )
         app.state.dash = dash_app
         app.mount("/", WSGIMiddleware(dash_app.server))  # type: ignore[arg-type]  # last: API routes match first

@@ -16,10 +16,11 @@ from fastapi import HTTPException
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from trainwarden.collector import actions_api, alerts_api, queries
+from trainwarden.collector import actions_api, alerts_api, incidents_api, queries
 from trainwarden.collector.actions import ActionPolicy
 from trainwarden.collector.actions_api import ActionOut, CheckpointOut
 from trainwarden.collector.alerts_api import AlertOut, SilenceOut
+from trainwarden.collector.incidents_api import IncidentOut, NoteOut
 from trainwarden.collector.schemas import (
     EventOut,
     FlaggedStep,
@@ -30,6 +31,7 @@ from trainwarden.collector.schemas import (
     RunSummary,
     Series,
 )
+from trainwarden.collector.settings import Settings
 
 
 class Refused(Exception):
@@ -80,6 +82,22 @@ class Client(Protocol):
 
     def decide(self, action_id: int, *, approve: bool, by: str, reason: str = "") -> ActionOut: ...
 
+    def incidents(self, run: str, *, merged: bool = False) -> list[IncidentOut]: ...
+
+    def timeline(self, run: str, *, incident: int | None = None) -> dict[str, Any]: ...
+
+    def notes(self, run: str) -> list[NoteOut]: ...
+
+    def add_note(
+        self, run: str, *, author: str, text: str, incident: int | None = None
+    ) -> NoteOut: ...
+
+    def close_incident(
+        self, incident_id: int, *, by: str, summary: str | None = None
+    ) -> IncidentOut: ...
+
+    def retitle_incident(self, incident_id: int, *, by: str, title: str) -> IncidentOut: ...
+
 
 @contextmanager
 def _refusals() -> Iterator[None]:
@@ -102,11 +120,13 @@ def _refusals() -> Iterator[None]:
 class LocalClient:
     """Reads in-process from the collector's database (the UI runs inside ``serve``)."""
 
-    def __init__(self, engine: Engine, *, policy: ActionPolicy | None = None) -> None:
+    def __init__(self, engine: Engine, *, policy: ActionPolicy | None = None,
+                 settings: Settings | None = None) -> None:  # fmt: skip
         self._engine = engine
-        # All that the alert and action routes read from their request: the app's engine
-        # and action policy.
-        state = SimpleNamespace(engine=engine, action_policy=policy or ActionPolicy())
+        # All that the API's routes read from their request: the app's engine, action
+        # policy and settings (the timeline's external URL and price per GPU-hour).
+        state = SimpleNamespace(engine=engine, action_policy=policy or ActionPolicy(),
+                                settings=settings or Settings())  # fmt: skip
         self._request: Any = SimpleNamespace(app=SimpleNamespace(state=state))
 
     def list_runs(self) -> list[RunSummary]:
@@ -194,3 +214,33 @@ class LocalClient:
             body = actions_api.ByIn(by=by, reason=reason)
             route = actions_api.approve_action if approve else actions_api.cancel_action
             return route(action_id, body, self._request)
+
+    # -- incidents, the logbook, timelines ------------------------------------------
+
+    def incidents(self, run: str, *, merged: bool = False) -> list[IncidentOut]:
+        """Raises ``NotFound`` for an unknown run."""
+        return incidents_api.list_incidents(run, self._request, merged=merged)
+
+    def timeline(self, run: str, *, incident: int | None = None) -> dict[str, Any]:
+        """Raises ``NotFound`` for an unknown run, or an incident not of this run."""
+        return incidents_api.get_timeline(run, self._request, incident=incident)
+
+    def notes(self, run: str) -> list[NoteOut]:
+        return incidents_api.list_notes(run, self._request)
+
+    def add_note(self, run: str, *, author: str, text: str, incident: int | None = None) -> NoteOut:
+        with _refusals():
+            body = incidents_api.NoteIn(author=author, text=text, incident=incident)
+            return incidents_api.add_note(run, body, self._request)
+
+    def close_incident(
+        self, incident_id: int, *, by: str, summary: str | None = None
+    ) -> IncidentOut:
+        with _refusals():
+            body = incidents_api.CloseIn(by=by, summary=summary)
+            return incidents_api.close_incident(incident_id, body, self._request)
+
+    def retitle_incident(self, incident_id: int, *, by: str, title: str) -> IncidentOut:
+        with _refusals():
+            body = incidents_api.RetitleIn(by=by, title=title)
+            return incidents_api.retitle_incident(incident_id, body, self._request)
