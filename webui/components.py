@@ -44,7 +44,12 @@ def notice(text: str, kind: str = "info") -> html.Div:
     return html.Div(text, className=f"notice notice-{kind}")
 
 
-RUN_TABS = (("Overview", ""), ("Ranks", "/ranks"), ("Hardware", "/hardware"))
+RUN_TABS = (
+    ("Overview", ""),
+    ("Ranks", "/ranks"),
+    ("Hardware", "/hardware"),
+    ("Timeline", "/timeline"),
+)
 
 
 def run_tabs(name: str, active: str) -> html.Nav:
