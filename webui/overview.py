@@ -17,8 +17,9 @@ import math
 import re
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
-from urllib.parse import parse_qs, urlencode
+from urllib.parse import parse_qs, quote, urlencode
 
 import dash
 from dash import Input, Output, State, dcc, html
@@ -201,7 +202,13 @@ def outlier_ranks(loss: Any, spikes: list[tuple[int, int, str, float | None]], *
 def load(client: Client, name: str, view: dict[str, Any]) -> Overview:
     """Everything the figure draws, for the view's range (the whole run when none)."""
     lo, hi = view.get("from"), view.get("to")
-    series = {m: client.series(name, m, points=POINTS, from_step=lo, to_step=hi) for m in METRICS}
+    # The series queries run side by side (the database works, Python waits): a run of a
+    # thousand ranks draws in about the time of its slowest query, not of their sum.
+    futures = {
+        m: _POOL.submit(client.series, name, m, points=POINTS, from_step=lo, to_step=hi)
+        for m in METRICS
+    }
+    series = {m: f.result() for m, f in futures.items()}
     base = series["step_time"] if series["step_time"].step else series["loss"]
     spikes = [
         (f.step, f.rank, flag, f.loss if flag in LOSS_FLAGS else f.grad_norm)
@@ -248,13 +255,21 @@ def _event_text(e: Any) -> str:
     return e.kind
 
 
+_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="trainwarden-ui-query")
+PANEL_RANKS = 32  # the overview lists every rank up to this; past it, those in trouble
+QUIET = ("healthy", "running", "finished")
+
+
 def ranks_panel(run: Any, gpu: list[Any], events: list[Any]) -> html.Div:
     """Rank states (culprits and victims say so), GPUs, and the latest health events."""
     latest: dict[int, Any] = {}
     for sample in gpu:
         latest[sample.rank] = sample
     rows = []
-    for r in run.ranks:
+    listed = list(run.ranks)
+    if len(listed) > PANEL_RANKS:  # a table of thousands of rows takes the browser minutes
+        listed = [r for r in listed if r.state not in QUIET][:PANEL_RANKS]
+    for r in listed:
         detail = r.state_detail or {}
         role = f"{detail['role']}: " if detail.get("role") else ""
         sample = latest.get(r.rank)
@@ -288,8 +303,23 @@ def ranks_panel(run: Any, gpu: list[Any], events: list[Any]) -> html.Div:
                  html.Span(_event_text(e), className=f"sev-{e.severity}")])
         for e in reversed(recent)
     ]  # fmt: skip
+    counts: dict[str, int] = {}
+    for r in run.ranks:
+        counts[r.state] = counts.get(r.state, 0) + 1
+    summary = None
+    if len(listed) < len(run.ranks):
+        chips = [
+            html.Span(f"{n} {state}", className=f"status status-{state}")
+            for state, n in sorted(counts.items())
+        ]
+        link = dcc.Link(
+            "every rank: the Ranks page", href=f"/runs/{quote(run.name, safe='')}/ranks"
+        )
+        summary = html.P([*chips, f" — {len(listed)} of {len(run.ranks)} ranks listed (those in trouble); ", link],
+                         className="hint state-chips")  # fmt: skip
     return html.Div(
-        [table, html.Ul(items, className="events") if items else None], className="ranks-panel"
+        [summary, table if rows else None, html.Ul(items, className="events") if items else None],
+        className="ranks-panel",
     )
 
 

@@ -35,6 +35,7 @@ STATE_HELP = {
     "finished": "ended its run cleanly",
 }
 RANK_ROWS = 64  # the states table lists every rank up to this; past it, only the unhealthy
+QUIET = ("healthy", "running", "finished")  # states a long list need not show
 
 
 @dataclass(frozen=True)
@@ -213,9 +214,12 @@ def states_table(run: str, ranks: Sequence[RankInfo], *, selected: int | None, k
         html.Span(f"{n} {state}", className=f"status status-{state}", title=STATE_HELP.get(state, ""))
         for state, n in state_counts(ranks).items()
     ]  # fmt: skip
-    shown = list(ranks) if len(ranks) <= RANK_ROWS else [r for r in ranks if r.state != "healthy"]
+    # Past RANK_ROWS ranks, only those in trouble, and at most RANK_ROWS of them: a table
+    # of thousands of rows takes the browser minutes to draw (Dash renders each cell).
+    shown = list(ranks) if len(ranks) <= RANK_ROWS else [r for r in ranks if r.state not in QUIET]
     order = {s: i for i, s in enumerate(STATES)}
     shown.sort(key=lambda r: (order.get(r.state, -1), r.rank))
+    shown = shown[:RANK_ROWS]
     rows = []
     for r in shown:
         detail = r.state_detail or {}
@@ -229,7 +233,7 @@ def states_table(run: str, ranks: Sequence[RankInfo], *, selected: int | None, k
         ], className="rank-row rank-selected" if r.rank == selected else "rank-row",
            id=f"ranks-row-{r.rank}"))  # fmt: skip
     hidden = len(ranks) - len(shown)
-    note = html.P(f"{hidden} healthy ranks not listed; click a heatmap row for any rank.",
+    note = html.P(f"{hidden} ranks not listed (the healthy first); click a heatmap row for any rank.",
                   className="hint") if hidden else None  # fmt: skip
     table = html.Table(
         [html.Thead(html.Tr([html.Th(h) for h in ("Rank", "Node", "State", "Why", "Step")])),

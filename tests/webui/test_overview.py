@@ -243,3 +243,32 @@ def test_range_from_a_zoom_on_any_row() -> None:
     assert pick({"xaxis.range[0]": start, "xaxis.range[1]": end}, axis="time", xmap=xmap) == (
         10, 30,
     )  # fmt: skip
+
+
+def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() -> None:
+    from types import SimpleNamespace
+
+    from trainwarden.webui.overview import PANEL_RANKS, ranks_panel
+
+    def r(n: int, state: str) -> SimpleNamespace:
+        return SimpleNamespace(rank=n, node=f"node{n // 8}", host="h", state=state, state_detail=None,
+                               last_step=10, gpu=None)  # fmt: skip
+
+    run = SimpleNamespace(
+        name="big run", ranks=[r(i, "finished") for i in range(1024)] + [r(1024, "hung")]
+    )
+    from dash import dcc, html
+
+    from .test_alerts_page import walk
+
+    def rows(panel: object) -> int:
+        return sum(isinstance(c, html.Tr) for c in walk(panel)) - 1  # less the header row
+
+    panel = ranks_panel(run, [], [])
+    assert rows(panel) == 1  # the hung rank only: a thousand-row table takes the browser minutes
+    texts = [k for c in walk(panel) for k in (c.children if isinstance(c.children, list) else [c.children])
+             if isinstance(k, str)]  # fmt: skip
+    assert any("1 of 1025 ranks listed" in t for t in texts), texts
+    assert [c.href for c in walk(panel) if isinstance(c, dcc.Link)] == ["/runs/big%20run/ranks"]
+    small = SimpleNamespace(name="s", ranks=[r(i, "healthy") for i in range(PANEL_RANKS)])
+    assert rows(ranks_panel(small, [], [])) == PANEL_RANKS
