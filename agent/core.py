@@ -245,6 +245,7 @@ class Agent:
             "sent": 0,
             "batches_sent": 0,
             "batches_failed": 0,
+            "batches_refused_auth": 0,  # 401/403: a missing or wrong token; records are kept
             "dropped_send_failed": 0,
             "exporter_cpu_ns": 0,
             "heartbeats": 0,

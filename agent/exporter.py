@@ -86,6 +86,11 @@ class CollectorError(RuntimeError):
 
 
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
+# A refused token (missing, revoked, or not allowed this run) is an operator's mistake
+# that a restart with the right TRAINWARDEN_TOKEN fixes: keep the records (spool, bounded)
+# and retry slowly, so that nothing is lost silently meanwhile.
+AUTH_REFUSED = frozenset({401, 403})
+AUTH_RETRY_S = 30.0
 MAX_BACKOFF_S = 30.0
 
 
@@ -290,14 +295,19 @@ class Exporter:
             answer = self._transport.send(INGEST_PATH, body)
         except Exception as exc:
             self._stats["batches_failed"] += 1
-            retryable = not isinstance(exc, CollectorError) or exc.status in RETRYABLE
+            refused = isinstance(exc, CollectorError) and exc.status in AUTH_REFUSED
+            retryable = refused or not isinstance(exc, CollectorError) or exc.status in RETRYABLE
             n = len(steps) + len(events) + len(gpu)
+            if refused:
+                self._stats["batches_refused_auth"] += 1
             self._gave_up = final
             if retryable:
                 # Keep it (the collector dedups a replay) and back off, honouring Retry-After.
                 if n and not spooled:
                     self._put((steps, events, gpu))
                 wait = getattr(exc, "retry_after", None) or self._backoff * random.uniform(0.5, 1.5)
+                if refused:
+                    wait = AUTH_RETRY_S * random.uniform(0.8, 1.2)
                 self._retry_at = time.monotonic() + wait
                 self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
             elif spooled:
@@ -307,7 +317,15 @@ class Exporter:
                     self._spool.remove(key[0])  # refused as malformed: it never will be taken
             else:
                 self._stats["dropped_send_failed"] += n
-            if not self._failing:
+            if refused and not self._failing:
+                log.error(
+                    "trainwarden: the collector refused this agent's token (%s). Records are "
+                    "kept in the spool (bounded) and resent every ~%.0f s; set TRAINWARDEN_TOKEN "
+                    "(or tw.init(token=...)) to a token with the ingest scope for run %r and "
+                    "restart", exc, AUTH_RETRY_S, self._run,
+                )  # fmt: skip
+                self._failing = True
+            elif not self._failing:
                 what = "retrying with backoff" if retryable else "dropping what it refuses"
                 log.warning("trainwarden: collector did not take a batch (%s); %s", exc, what)
                 self._failing = True

@@ -10,6 +10,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import Connection, Engine, select, update
 
+from . import auth
 from . import models as m
 from .actions import ActionPolicy, _event, _history, _store_events, checkpoints, create_action
 from .db import write
@@ -168,6 +169,7 @@ def list_checkpoints(run: str, request: Request) -> list[CheckpointOut]:
 def request_action(run: str, body: ActionIn, request: Request) -> ActionOut:
     """An operator asks for a rollback, an eviction or a stop: it is approved by the
     asking (unless the policy or ``dry_run`` says dry-run) and runs like any other."""
+    auth.check_admin()  # the UI calls this function in-process
     policy: ActionPolicy = request.app.state.action_policy
     now = time.time()
     with write(_engine(request)) as conn:
@@ -194,12 +196,14 @@ def request_action(run: str, body: ActionIn, request: Request) -> ActionOut:
 @router.post("/api/v1/actions/{action_id}/approve", response_model=ActionOut)
 def approve_action(action_id: RowId, body: ByIn, request: Request) -> ActionOut:
     """Approve a proposed action (policy ``require-ack``)."""
+    auth.check_admin()  # the UI calls this function in-process
     return _decide(request, action_id, body, "approved")
 
 
 @router.post("/api/v1/actions/{action_id}/cancel", response_model=ActionOut)
 def cancel_action(action_id: RowId, body: ByIn, request: Request) -> ActionOut:
     """Cancel an action that has not started executing."""
+    auth.check_admin()  # the UI calls this function in-process
     return _decide(request, action_id, body, "cancelled")
 
 

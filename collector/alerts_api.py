@@ -11,6 +11,7 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from sqlalchemy import Connection, Engine, insert, select, update
 
+from . import auth
 from . import models as m
 from .db import write
 from .queries import NotFound
@@ -216,6 +217,7 @@ def get_alert(alert_id: RowId, request: Request) -> AlertOut:
 def ack_alert(alert_id: RowId, body: AckIn, request: Request) -> AlertOut:
     """Acknowledge: someone is on it. The alert stops being re-sent; it still resolves
     (and says so) when its condition clears. Acknowledging twice keeps the first."""
+    auth.check_admin()  # the UI calls this function in-process
     with write(_engine(request)) as conn:
         row = _get(conn, alert_id)
         if row.state == "resolved":
@@ -238,6 +240,7 @@ def _silence_out(row: Any, now: float) -> SilenceOut:
 def create_silence(body: SilenceIn, request: Request) -> SilenceOut:
     """Silence matching alerts for a while: they are still evaluated and listed, but
     nobody is paged for them."""
+    auth.check_admin()  # the UI calls this function in-process
     now = time.time()
     starts = body.starts_at if body.starts_at is not None else now
     ends = body.ends_at if body.ends_at is not None else starts + (body.duration_s or 0.0)
@@ -269,6 +272,7 @@ def list_silences(request: Request, expired: bool = False) -> list[SilenceOut]:
 @router.delete("/api/v1/silences/{silence_id}", response_model=SilenceOut)
 def expire_silence(silence_id: RowId, request: Request) -> SilenceOut:
     """End a silence now (it stays on record)."""
+    auth.check_admin()  # the UI calls this function in-process
     now = time.time()
     s = m.silences.c
     with write(_engine(request)) as conn:

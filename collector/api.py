@@ -19,7 +19,7 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 from starlette.requests import ClientDisconnect
 
-from . import queries
+from . import auth, queries
 from .db import write
 from .prom import CollectorMetrics
 from .schemas import (
@@ -93,6 +93,7 @@ def _done(request: Request, future: Future[IngestResult], started: float) -> Ing
 
 async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> IngestResult:
     """Hand a validated batch to the group-commit writer and wait for its commit."""
+    auth.check_run(batch.run)  # an ingest token may be limited to some runs
     started = time.perf_counter()
     try:
         future = _writer(request).submit(batch)

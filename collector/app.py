@@ -17,7 +17,7 @@ from sqlalchemy import Engine
 
 from trainwarden.alerts import Rule, load_rule_packs
 
-from . import actions_api, alerts_api, incidents_api, otlp, runbooks
+from . import actions_api, alerts_api, auth, incidents_api, otlp, runbooks
 from .actions import ActionEngine, ActionPolicy, CommandBoard
 from .alerting import AlertEngine, EngineSettings, NotifierThread
 from .api import EXTRA_SCHEMAS, router
@@ -66,6 +66,7 @@ def create_app(
     actions: ActionPolicy | None = None,
     act: bool = True,
     incidents: bool = True,
+    auth_settings: auth.AuthSettings | None = None,
 ) -> FastAPI:
     """Build the app on an engine whose schema is already at head (see ``db.upgrade``).
 
@@ -78,6 +79,8 @@ def create_app(
     ``act``: run the action engine thread (tests turn it off and call ``run_once``).
     ``incidents``: run the incident engine thread (cool-down, posting and price from
     ``settings``; tests turn it off and call ``run_once``).
+    ``auth_settings``: check tokens, scopes and UI sessions (``serve`` passes them unless
+    ``--auth off``); ``None``: every request is let in, as tests built in-process want.
     """
     settings = settings or Settings()
     lags: deque[float] = deque(maxlen=20)  # the event loop's lateness over the last ~2 s
@@ -182,6 +185,11 @@ def create_app(
         limit=settings.max_inflight_ingest,
         on_reject=lambda: app.state.metrics.ingest_requests.labels("busy").inc(),
     )
+    app.state.authenticator = None
+    if auth_settings is not None:  # added last: the outermost, so a stranger gets nothing else
+        app.state.authenticator = auth.Authenticator(engine, auth_settings)
+        app.add_middleware(auth.AuthMiddleware, authenticator=app.state.authenticator)
+        app.include_router(auth.router)
 
     @app.exception_handler(NotFound)
     async def _not_found(_request: Request, exc: NotFound) -> JSONResponse:

@@ -1,5 +1,5 @@
 """The ``trainwarden`` command: ``serve``, ``demo``, ``loadgen``, ``note``, ``postmortem``,
-``db upgrade`` and ``db prune``."""
+``token create|list|revoke``, ``db upgrade`` and ``db prune``."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from .settings import Settings
 
@@ -25,6 +26,10 @@ def _settings(args: argparse.Namespace) -> Settings:
             ("price_per_gpu_hour", getattr(args, "price_per_gpu_hour", None)),
             ("incident_cooldown_s", getattr(args, "incident_cooldown", None)),
             ("postmortem_post", getattr(args, "postmortem_post", None)),
+            ("auth", getattr(args, "auth", None)),
+            ("trusted_user_header", getattr(args, "trusted_user_header", None)),
+            ("ssl_certfile", getattr(args, "ssl_certfile", None)),
+            ("ssl_keyfile", getattr(args, "ssl_keyfile", None)),
         )
         if v is not None
     }
@@ -106,18 +111,43 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from .db import masked
 
     settings = _settings(args)
+    if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
+        raise CliError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
     rules, runbook_dirs = _rules(args)
     notify = _notify(args)
     actions = _actions(args)
     engine = _open_database(settings.db)
+    auth_settings = settings.auth_settings()
     app = create_app(engine, settings, rules=rules, runbook_dirs=runbook_dirs, notify=notify,
-                     actions=actions)  # type: ignore[arg-type]  # fmt: skip
-    base = f"http://{settings.host}:{settings.port}"
+                     actions=actions, auth_settings=auth_settings)  # type: ignore[arg-type]  # fmt: skip
+    base = f"{'https' if settings.ssl_certfile else 'http'}://{settings.host}:{settings.port}"
+    if auth_settings is None:
+        logging.getLogger("trainwarden").warning(
+            "AUTH IS OFF (--auth off): anyone who reaches %s can send records, read every run, "
+            "acknowledge, silence and trigger rollbacks and evictions. Use it only on a "
+            "trusted network; see docs/security.md", base,
+        )  # fmt: skip
+    else:
+        _say_if_no_tokens(engine)
     print(
         f"trainwarden collector: dashboard {base}/  API {base}/api/v1  docs {base}/docs", flush=True
     )
     print(f"trainwarden collector: database {masked(settings.db)}", flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile)  # fmt: skip
+
+
+def _say_if_no_tokens(engine: Any) -> None:
+    """Auth is on and no token exists yet: say how to make the first one."""
+    from .tokens import list_tokens
+
+    with engine.connect() as conn:
+        if list_tokens(conn, revoked=False):
+            return
+    print("trainwarden collector: auth is on and there are no tokens yet; create them with\n"
+          "  trainwarden token create ops --scope admin          # the UI and the API\n"
+          "  trainwarden token create agents --scope ingest      # TRAINWARDEN_TOKEN for trainers",
+          flush=True)  # fmt: skip
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -231,6 +261,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="post each incident's report to this Slack-compatible or generic webhook when it "
         "closes (TRAINWARDEN_POSTMORTEM_POST)",
     )  # fmt: skip
+    serve.add_argument(
+        "--auth", choices=["required", "off"],
+        help="required (default): the API needs tokens, the UI a login; off: anyone who "
+        "reaches the port may do anything (TRAINWARDEN_AUTH); see docs/security.md",
+    )  # fmt: skip
+    serve.add_argument(
+        "--trusted-user-header", metavar="HEADER",
+        help="trust this header, set by an authenticating reverse proxy, as the UI user's name "
+        "(e.g. X-Forwarded-User; TRAINWARDEN_TRUSTED_USER_HEADER)",
+    )  # fmt: skip
+    serve.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate")
+    serve.add_argument("--ssl-keyfile", metavar="PEM", help="... and this private key")
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
@@ -265,6 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .reports_cli import add_parsers, cmd_note, cmd_postmortem
 
     add_parsers(sub, note=cmd_note, postmortem=cmd_postmortem, db_help=db_help)
+
+    from .tokens_cli import add_parsers as add_token_parsers
+
+    add_token_parsers(sub, db_help=db_help)
 
     load = sub.add_parser("loadgen", help="simulate many ranks sending to a collector (benchmarks)")
     load.add_argument("--url", default="http://127.0.0.1:8000", help="collector URL")

@@ -48,7 +48,7 @@ def start_server(engine: Engine, settings: Settings):  # type: ignore[no-untyped
 
     from .app import create_app
 
-    app = create_app(engine, settings)
+    app = create_app(engine, settings, auth_settings=settings.auth_settings())
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
     )
@@ -72,6 +72,7 @@ def launch_ranks(
     drill: str | None = None,
     work_ms: float = 20.0,
     log_path: str | None = None,
+    token: str | None = None,
 ) -> list[subprocess.Popen]:
     master_port = free_port()
     procs = []
@@ -86,6 +87,9 @@ def launch_ranks(
             OMP_NUM_THREADS="1",
         )
         env.pop("TRAINWARDEN_DRILL", None)
+        env.pop("TRAINWARDEN_TOKEN", None)
+        if token:
+            env["TRAINWARDEN_TOKEN"] = token  # an ingest token: the ranks may only send
         if drill:
             env["TRAINWARDEN_DRILL"] = drill
         cmd = [
@@ -110,10 +114,25 @@ def launch_ranks(
     return procs
 
 
-def print_alerts(base: str, run: str) -> None:
+def demo_tokens(engine: Engine) -> tuple[str, str]:
+    """(admin, ingest) tokens made fresh for this demo (the previous demo's are replaced)."""
+    from .db import write
+    from .tokens import replace_token
+
+    with write(engine) as conn:
+        admin = replace_token(conn, name="demo-admin", scopes=["admin"], by="trainwarden demo")
+        ingest = replace_token(conn, name="demo-ingest", scopes=["ingest"], runs="demo-*",
+                               by="trainwarden demo")  # fmt: skip
+    return admin, ingest
+
+
+def print_alerts(base: str, run: str, token: str | None = None) -> None:
     """What the alert engine raised during the demo, with the runbook of each."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        alerts = httpx.get(f"{base}/api/v1/alerts", params={"run": run}, timeout=10).json()
+        alerts = httpx.get(
+            f"{base}/api/v1/alerts", params={"run": run}, headers=headers, timeout=10
+        ).json()
     except (httpx.HTTPError, ValueError):
         return
     print(f"trainwarden demo: {len(alerts)} alerts ({base}/api/v1/alerts?run={run})", flush=True)
@@ -140,9 +159,17 @@ def run_demo(
     base = f"http://{settings.host}:{settings.port}"
     if settings.external_url is None:  # runbook links in alerts: absolute, clickable
         settings = settings.model_copy(update={"external_url": base})
+    admin = ingest = None
+    if settings.auth != "off":
+        admin, ingest = demo_tokens(engine)
     server = start_server(engine, settings)
     run = time.strftime("demo-%Y%m%d-%H%M%S")
     print(f"trainwarden demo: dashboard {base}/runs/{run}", flush=True)
+    if admin:
+        print(f"trainwarden demo: log in with one click: {base}/login?token={admin}&next=/runs/{run}",
+              flush=True)  # fmt: skip
+        print(f"trainwarden demo: admin token (API: Authorization: Bearer ...): {admin}",
+              flush=True)  # fmt: skip
     print(
         f"trainwarden demo: {ranks} ranks training for {steps} steps (Ctrl-C to stop)", flush=True
     )
@@ -158,6 +185,7 @@ def run_demo(
         data_delay=data_delay,
         drill=drill,
         log_path=log_path,
+        token=ingest,
     )
     try:
         codes = [p.wait() for p in procs]
@@ -169,7 +197,7 @@ def run_demo(
             )
         else:
             print("trainwarden demo: training finished", flush=True)
-        print_alerts(base, run)
+        print_alerts(base, run, admin)
         if keep_serving:
             print(
                 f"trainwarden demo: dashboard still at {base}/runs/{run} (Ctrl-C to stop)",

@@ -9,6 +9,7 @@ from fastapi import APIRouter, HTTPException, Query, Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 
+from . import auth
 from . import incidents as svc
 from .db import write
 from .postmortem import render, report_of
@@ -136,6 +137,7 @@ def get_incident(incident_id: RowId, request: Request) -> IncidentOut:
 @router.post("/api/v1/incidents", response_model=IncidentOut, status_code=201)
 def open_incident(body: OpenIn, request: Request) -> IncidentOut:
     """Open an incident by hand; it stays open until someone closes it."""
+    auth.check_admin()  # the UI calls this function in-process
     with write(_engine(request)) as conn:
         try:
             new_id = svc.open_incident(conn, run=body.run, title=body.title, by=body.by,
@@ -150,6 +152,7 @@ def open_incident(body: OpenIn, request: Request) -> IncidentOut:
 @router.post("/api/v1/incidents/{incident_id}/close", response_model=IncidentOut)
 def close_incident(incident_id: RowId, body: CloseIn, request: Request) -> IncidentOut:
     """Close an open incident now (with a one-line summary for the report)."""
+    auth.check_admin()  # the UI calls this function in-process
     return _change(request, svc.close_incident, incident_id, incident_id=incident_id,
                    by=body.by, summary=body.summary)  # fmt: skip
 
@@ -157,6 +160,7 @@ def close_incident(incident_id: RowId, body: CloseIn, request: Request) -> Incid
 @router.post("/api/v1/incidents/{incident_id}/merge", response_model=IncidentOut)
 def merge_incidents(incident_id: RowId, body: MergeIn, request: Request) -> IncidentOut:
     """Merge other incidents of the same run into this one."""
+    auth.check_admin()  # the UI calls this function in-process
     return _change(request, svc.merge_incidents, incident_id, into=incident_id,
                    sources=body.incidents, by=body.by)  # fmt: skip
 
@@ -164,6 +168,7 @@ def merge_incidents(incident_id: RowId, body: MergeIn, request: Request) -> Inci
 @router.patch("/api/v1/incidents/{incident_id}", response_model=IncidentOut)
 def retitle_incident(incident_id: RowId, body: RetitleIn, request: Request) -> IncidentOut:
     """Give an incident a better title."""
+    auth.check_admin()  # the UI calls this function in-process
     return _change(request, svc.retitle_incident, incident_id, incident_id=incident_id,
                    title=body.title, by=body.by)  # fmt: skip
 
@@ -171,6 +176,7 @@ def retitle_incident(incident_id: RowId, body: RetitleIn, request: Request) -> I
 @router.post("/api/v1/runs/{run}/notes", response_model=NoteOut, status_code=201)
 def add_note(run: str, body: NoteIn, request: Request) -> NoteOut:
     """Add a note to the run's logbook (it joins the run's open incident by default)."""
+    auth.check_admin()  # the UI calls this function in-process
     with write(_engine(request)) as conn:
         try:
             note = svc.add_note(conn, run=run, author=body.author, text=body.text, at=body.at,

@@ -43,6 +43,7 @@ from trainwarden.agent.otlp import (
     STEP_METRICS,
 )
 
+from . import auth
 from .api import submit
 from .schemas import IngestBatch
 
@@ -240,6 +241,8 @@ async def otlp_metrics(request: Request) -> Response:
     except BadRequest as exc:
         request.app.state.metrics.ingest_requests.labels("invalid").inc()
         raise HTTPException(400, str(exc)) from None
+    for batch in batches:  # all or nothing: no run is stored if one is not allowed
+        auth.check_run(batch.run)
     # Submitted together, the resources of one request share one group commit.
     await asyncio.gather(*(submit(request, batch) for batch in batches))
 

@@ -2,7 +2,8 @@
 post-mortem report from the command line.
 
 Both talk HTTP to a running collector (``--url``, default ``TRAINWARDEN_URL`` or
-http://127.0.0.1:8000): what an on-call engineer has. ``postmortem --db URL`` reads a
+http://127.0.0.1:8000) with the token in ``TRAINWARDEN_TOKEN`` (``note`` needs admin,
+``postmortem`` read): what an on-call engineer has. ``postmortem --db URL`` reads a
 database directly instead (a collector that is down, a copy of its database).
 """
 
@@ -31,12 +32,15 @@ def _shown(url: str) -> str:
 
 
 def _request(method: str, url: str, **kwargs: Any) -> Any:
+    """A request to the collector (only: a webhook never gets the token)."""
     import httpx
 
     from .cli import CliError
 
     try:
-        response = httpx.request(method, url, timeout=60, **kwargs)
+        token = os.environ.get("TRAINWARDEN_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        response = httpx.request(method, url, timeout=60, headers=headers, **kwargs)
     except httpx.HTTPError as exc:
         raise CliError(f"cannot reach the collector at {urlsplit(url).netloc}: {exc}") from None
     if response.status_code >= 400:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Literal
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from .db import default_db_url
+
+if TYPE_CHECKING:
+    from .auth import AuthSettings
 
 
 class Settings(BaseSettings):
@@ -55,3 +60,64 @@ class Settings(BaseSettings):
         description="Post each incident's report to this Slack-compatible or generic webhook "
         "when it closes (TRAINWARDEN_POSTMORTEM_POST)",
     )
+    auth: Literal["required", "off"] = Field(
+        default="required",
+        description="required: the API needs tokens and the UI a login (TRAINWARDEN_AUTH); "
+        "off: anyone who reaches the port may read, send and act",
+    )
+    trusted_user_header: str | None = Field(
+        default=None,
+        description="A header an authenticating reverse proxy sets to the user's name, "
+        "trusted for the web UI (TRAINWARDEN_TRUSTED_USER_HEADER, e.g. X-Forwarded-User)",
+    )
+    trusted_user_scope: Literal["read", "admin"] = Field(
+        default="admin", description="What a user named by the trusted header may do in the UI"
+    )
+    token_rate: float = Field(
+        default=2000.0,
+        ge=0,
+        description="Requests a second each token may make on average; 0: no limit "
+        "(TRAINWARDEN_TOKEN_RATE)",
+    )
+    token_burst: int = Field(
+        default=10_000, ge=1, description="Requests a token may make at once above its rate"
+    )
+    token_cache_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=300,
+        description="How long a token is trusted before it is read again: a revocation "
+        "takes effect within this (TRAINWARDEN_TOKEN_CACHE_S)",
+    )
+    session_secret: str | None = Field(
+        default=None,
+        description="Signs UI session cookies (TRAINWARDEN_SESSION_SECRET); give every "
+        "replica the same one; default: random per process (a restart ends sessions)",
+    )
+    metrics_auth: bool = Field(
+        default=False,
+        description="/metrics needs a token with read too (TRAINWARDEN_METRICS_AUTH); "
+        "default: open, for Prometheus",
+    )
+    ssl_certfile: str | None = Field(
+        default=None, description="Serve HTTPS with this certificate (PEM)"
+    )
+    ssl_keyfile: str | None = Field(default=None, description="... and this private key (PEM)")
+
+    def auth_settings(self) -> AuthSettings | None:
+        """The :class:`~.auth.AuthSettings` of ``auth=required``, else None."""
+        if self.auth == "off":
+            return None
+        from .auth import AuthSettings
+
+        made = AuthSettings(
+            trusted_user_header=self.trusted_user_header,
+            trusted_user_scope=self.trusted_user_scope,
+            cache_ttl_s=self.token_cache_s,
+            rate_per_s=self.token_rate,
+            burst=self.token_burst,
+            metrics_scope="read" if self.metrics_auth else None,
+        )
+        if self.session_secret:
+            made.session_secret = self.session_secret.encode()
+        return made

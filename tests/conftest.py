@@ -209,20 +209,46 @@ def engine(db_url: str):  # type: ignore[no-untyped-def]
 
 
 class Server:
-    def __init__(self, url: str, proc: subprocess.Popen, log: Path) -> None:
+    def __init__(
+        self, url: str, proc: subprocess.Popen, log: Path, token: str | None = None
+    ) -> None:
         self.url = url
         self.proc = proc
         self.log = log
+        self.token = token  # an admin token when started with auth=True
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"} if self.token else {}
 
     def get(self, path: str, **params: object) -> httpx.Response:
-        return httpx.get(self.url + path, params=params, timeout=10)
+        return httpx.get(self.url + path, params=params, headers=self.headers, timeout=10)
+
+
+def create_token(db_url: str, name: str, *scopes: str, runs: str = "*") -> str:
+    """``trainwarden token create`` as an operator runs it; returns the printed token."""
+    cmd = [sys.executable, "-m", "trainwarden.collector.cli", "token", "create", name,
+           "--db", db_url, "--runs", runs, *(f"--scope={s}" for s in scopes)]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout.strip().splitlines()[-1]
 
 
 def start_serve(
-    db_url: str, log: Path, *, env: dict[str, str] | None = None, port: int | None = None
+    db_url: str,
+    log: Path,
+    *,
+    env: dict[str, str] | None = None,
+    port: int | None = None,
+    auth: bool = False,
 ) -> Server:
-    """``trainwarden serve`` as a user runs it: a real process on loopback."""
+    """``trainwarden serve`` as a user runs it: a real process on loopback.
+
+    Tests that are not about access run it with ``--auth off`` (they send and read as
+    anyone may then); ``auth=True`` runs it as shipped (auth required) with an admin
+    token made first by ``trainwarden token create``: ``Server.get`` sends it."""
     port = port or free_port()
+    token = create_token(db_url, f"test-admin-{uuid.uuid4().hex[:6]}", "admin") if auth else None
     cmd = [
         sys.executable,
         "-m",
@@ -234,6 +260,8 @@ def start_serve(
         str(port),
         "--log-level",
         "warning",
+        "--auth",
+        "required" if auth else "off",
     ]
     proc = subprocess.Popen(
         cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
@@ -245,7 +273,7 @@ def start_serve(
             raise RuntimeError(f"serve exited with {proc.returncode}:\n{log.read_text()}")
         try:
             if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return Server(url, proc, log)
+                return Server(url, proc, log, token)
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
