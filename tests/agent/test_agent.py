@@ -329,3 +329,35 @@ def test_checkpoint_saved_is_an_event_with_its_step_and_path() -> None:
     (ckpt,) = [r for r in tw.recent() if r.kind == "event" and r.body["kind"] == "checkpoint"]
     assert ckpt.body["step"] == 200
     assert ckpt.body["data"] == {"path": "/ckpt/step-200", "seconds": 12.5}
+
+
+class RefusingTransport(RecordingTransport):
+    """A collector that refuses this agent's token (missing, revoked, wrong run)."""
+
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        from trainwarden.agent.exporter import CollectorError
+
+        raise CollectorError(401, '{"detail": "the token is not valid"}')
+
+
+def test_a_refused_token_loses_nothing_and_says_so_once(caplog, tmp_path: Path) -> None:
+    caplog.set_level(logging.WARNING, logger="trainwarden.agent")
+    spool = tmp_path / "spool"
+    tw.init(run="unit", transport=RefusingTransport(), flush_interval_s=0.01, spool_dir=str(spool))
+    for i in range(20):
+        with tw.step(i):
+            pass
+    time.sleep(0.2)
+    agent = tw.init.__globals__["_core"]._agent
+    tw.shutdown(timeout_s=2)
+    assert agent.stats["batches_refused_auth"] >= 1
+    assert agent.stats["dropped_send_failed"] == agent.stats["dropped_at_shutdown"] == 0
+    assert agent.stats["spooled"] == 23
+    said = [r for r in caplog.records if "refused this agent's token" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.ERROR
+    assert "TRAINWARDEN_TOKEN" in said[0].getMessage()
+
+    transport = RecordingTransport()  # restarted with the right token: replayed first
+    tw.init(run="unit", transport=transport, flush_interval_s=0.01, spool_dir=str(spool))
+    tw.shutdown(timeout_s=2)
+    assert [s["step"] for s in transport.steps()] == list(range(20))
