@@ -101,6 +101,7 @@ class Authenticator:
         self._used: dict[str, float] = {}  # token id -> last use (wall clock), not yet written
         self._written: dict[str, float] = {}  # token id -> when last_used_at was last written
         self._buckets: dict[str, list[float]] = {}  # token id -> [tokens left, at]
+        self._pending: dict[str, asyncio.Future[tuple[str | None, Principal | None]]] = {}
 
     def cached(self, token_id: str) -> tuple[str | None, Principal | None] | None:
         """(hash, principal) from the cache, or None when it must be read (no I/O here)."""
@@ -111,7 +112,10 @@ class Authenticator:
 
     def refresh(self, token_id: str) -> tuple[str | None, Principal | None]:
         """Read a token's row (blocking: run off the event loop), and write last-use times."""
-        row = tokens.find(self.engine, token_id)
+        try:
+            row = tokens.find(self.engine, token_id)
+        except Exception as exc:
+            raise _Unavailable() from exc
         found = (row.secret_hash, tokens.principal_of(row)) if row is not None else (None, None)
         if len(self._cache) >= self.MAX_CACHED:
             self._cache.clear()
@@ -150,9 +154,7 @@ class Authenticator:
         if parts is None:
             return None
         token_id, secret = parts
-        found = self.cached(token_id)
-        if found is None:
-            found = await asyncio.to_thread(self.refresh, token_id)
+        found = self.cached(token_id) or await self._read(token_id)
         principal = self.match(secret, found)
         if principal is not None:
             self._used[token_id] = time.time()
@@ -160,10 +162,18 @@ class Authenticator:
 
     async def by_id(self, token_id: str) -> Principal | None:
         """A live token's principal by id alone (a signed session already proved it)."""
-        found = self.cached(token_id)
-        if found is None:
-            found = await asyncio.to_thread(self.refresh, token_id)
+        found = self.cached(token_id) or await self._read(token_id)
         return found[1]
+
+    async def _read(self, token_id: str) -> tuple[str | None, Principal | None]:
+        """One database read per token at a time: when its entry expires under load, the
+        requests that arrive meanwhile wait for that read instead of each making one."""
+        pending = self._pending.get(token_id)
+        if pending is None:
+            pending = asyncio.ensure_future(asyncio.to_thread(self.refresh, token_id))
+            self._pending[token_id] = pending
+            pending.add_done_callback(lambda _: self._pending.pop(token_id, None))
+        return await asyncio.shield(pending)
 
     def take(self, token_id: str) -> float:
         """Token bucket: 0 when the request may go, else seconds until it may."""
@@ -206,6 +216,10 @@ class Authenticator:
         if principal is None:
             return None
         return Principal(principal.name, principal.scopes, principal.runs, token_id, "session")
+
+
+class _Unavailable(Exception):
+    """The tokens table cannot be read (the database is down or busy)."""
 
 
 def needs(method: str, path: str, settings: AuthSettings) -> str | None:
@@ -274,6 +288,16 @@ class AuthMiddleware:
         if need is None:
             await self.app(scope, receive, send)
             return
+        try:
+            await self._check(scope, receive, send, need)
+        except _Unavailable as exc:  # tokens cannot be read: like any database outage
+            why = (str(exc.__cause__).splitlines() or ["?"])[0]
+            log.warning("trainwarden: cannot check a token: %s", why)
+            await _refuse(send, 503, "cannot check the token now (database unavailable); "
+                          "retry later", retry_after=5)  # fmt: skip
+
+    async def _check(self, scope: Any, receive: Any, send: Any, need: str) -> None:
+        method, path = scope["method"], scope["path"]
         headers = dict(scope["headers"])
         principal: Principal | None = None
         raw = _bearer(headers)
@@ -386,7 +410,11 @@ def _form(message: str, target: str, status: int = 200) -> HTMLResponse:
 
 async def _log_in(request: Request, raw: str, target: str) -> Response:
     authenticator: Authenticator = request.app.state.authenticator
-    principal = await authenticator.verify(raw)
+    try:
+        principal = await authenticator.verify(raw)
+    except _Unavailable:
+        return _form("The collector cannot check tokens now (database unavailable); "
+                     "try again in a moment.", target, 503)  # fmt: skip
     if principal is None:
         return _form("That token is not valid (unknown, revoked or mistyped).", target, 401)
     if not principal.allows("read"):

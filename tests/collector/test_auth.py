@@ -281,3 +281,14 @@ def test_outside_a_request_the_check_lets_tests_and_tools_through() -> None:
             auth.check_admin()
     finally:
         auth.current.reset(reset)
+
+
+def test_tokens_that_cannot_be_checked_get_503_not_a_crash(engine: Engine) -> None:
+    raw = token(engine, "ops", "read")
+    with TestClient(make_app(engine)) as client:
+        models.tokens.drop(engine)  # the database cannot answer for tokens
+        try:
+            answer = client.get("/api/v1/runs", headers=bearer(raw))
+            assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
+        finally:
+            models.tokens.create(engine)
