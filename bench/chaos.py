@@ -39,7 +39,8 @@ from typing import Any
 import httpx
 import psycopg
 
-SERVE = [sys.executable, "-m", "trainwarden.collector.cli", "serve", "--log-level", "warning"]
+SERVE = [sys.executable, "-m", "trainwarden.collector.cli", "serve", "--log-level", "warning",
+         "--auth", "off"]  # fmt: skip
 
 
 def free_port() -> int:

@@ -43,17 +43,18 @@ def scratch_database(db_url: str) -> Iterator[tuple[str, str]]:
 
 
 @contextmanager
-def serving(db_url: str, *, log_name: str) -> Iterator[str]:
+def serving(db_url: str, *, log_name: str, auth: bool = False) -> Iterator[str]:
     """``trainwarden serve`` on ``db_url`` and a free loopback port; yields its URL.
 
-    Its output goes to a file in the temp directory named after ``log_name``.
+    Its output goes to a file in the temp directory named after ``log_name``. Auth is off
+    unless ``auth`` (bench/auth_cost.py measures what tokens cost).
     """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(os.path.join(tempfile.gettempdir(), f"trainwarden-{log_name}.log"), "w")  # noqa: SIM115
     cmd = [sys.executable, "-m", "trainwarden.collector.cli", "serve", "--db", db_url, "--port", str(port),
-           "--log-level", "warning"]  # fmt: skip
+           "--log-level", "warning", "--auth", "required" if auth else "off"]  # fmt: skip
     serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -312,7 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_token_parsers(sub, db_help=db_help)
 
-    load = sub.add_parser("loadgen", help="simulate many ranks sending to a collector (benchmarks)")
+    load = sub.add_parser(
+        "loadgen", help="simulate many ranks sending to a collector (benchmarks; an ingest "
+        "token from TRAINWARDEN_TOKEN when the collector requires one)",
+    )  # fmt: skip
     load.add_argument("--url", default="http://127.0.0.1:8000", help="collector URL")
     load.add_argument("--ranks", type=int, default=1024)
     load.add_argument(

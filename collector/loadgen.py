@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import time
 import uuid
@@ -97,6 +98,8 @@ class _Connection:
     def __init__(self, host: str, port: int, timeout_s: float = 30.0) -> None:
         self.host, self.port = host, port
         self.timeout = timeout_s
+        token = os.environ.get("TRAINWARDEN_TOKEN")  # an ingest token, as agents take it
+        self.auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self.lock = asyncio.Lock()
         # Opened on first use, again after the server closes it.
         self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
@@ -122,7 +125,7 @@ class _Connection:
         reader, writer = self.conn
         writer.write(
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            f"{self.auth}Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout)
