@@ -45,16 +45,6 @@ def train(ranks: list[Agent], steps: range) -> None:
                 s.loss(4.0 / (1 + step * 0.1) + 0.05 * rank)
 
 
-@pytest.fixture
-def page(browser):  # type: ignore[no-untyped-def]
-    page = browser.new_page(viewport={"width": 1280, "height": 1000})
-    page.errors = []  # type: ignore[attr-defined]
-    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    yield page
-    page.close()
-
-
 def test_run_page_draws_the_loss_and_updates_live(server: Server, page) -> None:  # type: ignore[no-untyped-def]
     ranks = agents(server, "ui-live")
     train(ranks, range(20))

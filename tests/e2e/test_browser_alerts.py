@@ -6,28 +6,16 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from ..collector.helpers import batch, step
 from ..conftest import Server
 
 RUN = "ui-alerts"
-
-
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    """A tab that records console errors and uncaught exceptions in ``page.errors``."""
-    tab = browser.new_page(viewport={"width": 1280, "height": 1000})
-    tab.errors = []
-    tab.on("console", lambda msg: tab.errors.append(msg.text) if msg.type == "error" else None)
-    tab.on("pageerror", lambda exc: tab.errors.append(str(exc)))
-    yield tab
-    tab.close()
 
 
 def ingest_xid(server: Server, *, run: str = RUN, code: int = 79) -> None:

@@ -35,17 +35,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     stop_serve(server)
 
 
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    """A tab that records console errors and uncaught exceptions in ``page.errors``."""
-    tab = browser.new_page(viewport={"width": 1280, "height": 1000})
-    tab.errors = []
-    tab.on("console", lambda msg: tab.errors.append(msg.text) if msg.type == "error" else None)
-    tab.on("pageerror", lambda exc: tab.errors.append(str(exc)))
-    yield tab
-    tab.close()
-
-
 def a_step(n: int, rank: int) -> dict[str, Any]:
     loss = 4.0 / (1 + n * 0.1) + 0.05 * rank
     spike = (n, rank) == SPIKE

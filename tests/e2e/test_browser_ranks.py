@@ -68,17 +68,6 @@ def seed(server: Server) -> None:
     raise AssertionError(f"the seeded run did not arrive: {run}")
 
 
-@pytest.fixture
-def page(browser: Any) -> Iterator[Any]:
-    """A tab that records console errors and uncaught exceptions in ``page.errors``."""
-    tab = browser.new_page(viewport={"width": 1280, "height": 1000})
-    tab.errors = []
-    tab.on("console", lambda msg: tab.errors.append(msg.text) if msg.type == "error" else None)
-    tab.on("pageerror", lambda exc: tab.errors.append(str(exc)))
-    yield tab
-    tab.close()
-
-
 def heatmap(page: Any, graph: str) -> dict[str, Any]:
     """The drawn heatmap of ``#graph``: its rank rows and its cells (gaps as None)."""
     handle = page.wait_for_function(HEATMAP, arg=f"#{graph}", timeout=20_000)
