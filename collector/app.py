@@ -17,7 +17,7 @@ from sqlalchemy import Engine
 
 from trainwarden.alerts import Rule, load_rule_packs
 
-from . import actions_api, alerts_api, auth, incidents_api, otlp, runbooks
+from . import actions_api, alerts_api, auth, economics_api, incidents_api, otlp, runbooks
 from .actions import ActionEngine, ActionPolicy, CommandBoard
 from .alerting import AlertEngine, EngineSettings, NotifierThread
 from .api import EXTRA_SCHEMAS, router
@@ -176,6 +176,7 @@ def create_app(
     app.include_router(alerts_api.router)
     app.include_router(actions_api.router)
     app.include_router(incidents_api.router)
+    app.include_router(economics_api.router)
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
     app.state.alert_engine = None

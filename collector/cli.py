@@ -24,6 +24,8 @@ def _settings(args: argparse.Namespace) -> Settings:
             ("host", getattr(args, "host", None)),
             ("port", getattr(args, "port", None)),
             ("price_per_gpu_hour", getattr(args, "price_per_gpu_hour", None)),
+            ("mtbf_hours", getattr(args, "mtbf_hours", None)),
+            ("gpu_mtbf_hours", getattr(args, "gpu_mtbf_hours", None)),
             ("incident_cooldown_s", getattr(args, "incident_cooldown", None)),
             ("postmortem_post", getattr(args, "postmortem_post", None)),
             ("auth", getattr(args, "auth", None)),
@@ -250,6 +252,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--price-per-gpu-hour", type=float, metavar="PRICE",
         help="what a GPU-hour costs, for the cost lost in post-mortems "
         "(TRAINWARDEN_PRICE_PER_GPU_HOUR)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--mtbf-hours", type=float, metavar="HOURS",
+        help="mean time between interruptions of a job, for the checkpoint cadence advisor "
+        "until a run has had two of its own (TRAINWARDEN_MTBF_HOURS)",
+    )  # fmt: skip
+    serve.add_argument(
+        "--gpu-mtbf-hours", type=float, metavar="HOURS",
+        help="without --mtbf-hours: one GPU's MTBF; a job of N GPUs is interrupted every "
+        "HOURS / N (default 50000; TRAINWARDEN_GPU_MTBF_HOURS)",
     )  # fmt: skip
     serve.add_argument(
         "--incident-cooldown", type=float, metavar="SECONDS",

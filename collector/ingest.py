@@ -39,6 +39,7 @@ from sqlalchemy import table as sql_table
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.dialects.postgresql import ARRAY
 
+from . import attempts
 from . import models as m
 from .db import is_sqlite
 from .partitions import day_of, ensure_partitions
@@ -110,16 +111,16 @@ def _track_ranks(
     known rank's ``last_step`` before this flush."""
     rk = m.ranks.c
     agents = sorted(agents, key=lambda pair: pair[0].rank)  # rank order, as the evaluator locks
-    previous = {
-        rank: (session, last_step)
-        for rank, session, last_step in conn.execute(
-            select(rk.rank, rk.session, rk.last_step).where(
-                rk.run_id == run_id, _one_of(conn, rk.rank, [a.rank for a, *_ in agents])
-            )
+    found = conn.execute(
+        select(rk.rank, rk.session, rk.last_step, rk.last_seen, rk.progress_at).where(
+            rk.run_id == run_id, _one_of(conn, rk.rank, [a.rank for a, *_ in agents])
         )
-    }
+    ).all()
+    previous = {row.rank: (row.session, row.last_step) for row in found}
     restarts = [a for a, *_ in agents if a.rank in previous and previous[a.rank][0] != a.session]
     if restarts:
+        back = {a.rank for a in restarts}
+        attempts.record_lost(conn, [row._asdict() for row in found if row.rank in back])
         conn.execute(
             _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
             [
@@ -419,6 +420,14 @@ def store_many(
     _queue_rollups(conn, {(row["run_id"], row["step"]) for row in stored}, now)
 
     accepted_events = _store_events(conn, requests, run_ids, now)
+    firsts: dict[str, tuple[int, float]] = {}
+    done = attempts.sessions_started(conn.engine)
+    for req in requests:
+        for agent, steps in req.agents:
+            if steps and agent.session not in done and agent.session not in firsts:
+                first = min(steps)
+                firsts[agent.session] = (first, _started_at(req, agent.rank, first))
+    attempts.record_first_steps(conn, firsts)
     _store_gpu(conn, requests, run_ids, now)
     for req in requests:  # a rank saying goodbye ends the run when it is the last
         if any(e.kind == "shutdown" for e in req.events):
@@ -433,6 +442,11 @@ def store_many(
         IngestResult(accepted_steps=n, accepted_events=e)
         for n, e in zip(accepted_steps, accepted_events, strict=True)
     ]
+
+
+def _started_at(req: _Request, rank: int, step: int) -> float:
+    """When ``rank`` started ``step`` in this request (its first step: a rare lookup)."""
+    return next(s["ts"] for r, s in req.steps if r == rank and s["step"] == step)
 
 
 def _store_events(
@@ -458,6 +472,7 @@ def _store_events(
         ).scalars()
     )
     counts = []
+    fresh_ids = set(fresh)
     for req in requests:
         counts.append(sum(1 for e in req.events if e.id in fresh))
         fresh -= {e.id for e in req.events}  # the same id twice in one flush counts once
@@ -465,6 +480,10 @@ def _store_events(
         rank = req.agents[0][0].rank
         where = (m.ranks.c.run_id == run_id) & (m.ranks.c.rank == rank)
         for e in req.events:
+            if e.kind == "attempt_start" and e.id in fresh_ids:
+                attempts.record_start(conn, run_id, req.agents[0][0], e, now)
+            elif e.kind == "attempt_end" and e.id in fresh_ids:
+                attempts.record_end(conn, req.agents[0][0], e)
             if e.kind == "gpu_telemetry":  # "ok" with the device, or "unavailable" and why
                 conn.execute(update(m.ranks).where(where).values(gpu=e.data))
             elif e.kind == "shutdown":  # failed: the process ended on an exception in a step

@@ -19,6 +19,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    UniqueConstraint,
     text,
 )
 
@@ -401,4 +402,56 @@ tokens = Table(
     Column("created_by", String(128), nullable=False),
     Column("revoked_at", Float),
     Column("last_used_at", Float),  # written at most once a minute per token
+)
+
+# -- run identity and attempts (migration 0011) -------------------------------------
+# Every process lifetime of a run is an attempt: a restart after a failure, a rollback
+# that restarted the job or an eviction opens the next one. Each rank's agent sends an
+# ``attempt_start`` event (config, tags, data snapshot, code version, environment) when
+# it starts and an ``attempt_end`` (why it ended) when it ends cleanly; a process that
+# dies without a goodbye is noticed when its rank comes back with a new session.
+
+attempts = Table(
+    "attempts",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("number", Integer, nullable=False),  # 1, 2, ... in the order they started
+    Column("key", String(255)),  # the launcher's id (torchelastic / Slurm restart), if any
+    Column("started_at", Float, nullable=False),
+    Column("world_size", Integer),
+    Column("nodes", JSON, nullable=False),  # host names, in the order ranks reported
+    Column("config", JSON(none_as_null=True)),
+    Column("tags", JSON(none_as_null=True)),
+    Column("data_snapshot", String(1000)),
+    Column("code", JSON(none_as_null=True)),  # {commit, dirty, branch, root}
+    Column("env", JSON(none_as_null=True)),  # rank 0's: python, torch, cuda, nccl, gpu ...
+    Column("packages_hash", String(64)),
+    Column("packages", JSON(none_as_null=True)),  # ["name==version", ...], stored once
+    UniqueConstraint("run_id", "number"),
+    Index("ix_attempts_run_id_key", "run_id", "key"),
+)
+
+# One row per process (agent session) of an attempt: how and when it ended.
+attempt_sessions = Table(
+    "attempt_sessions",
+    metadata,
+    Column("session", String(64), primary_key=True),
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
+    Column("attempt", Integer, nullable=False),  # attempts.number
+    Column("rank", Integer, nullable=False),
+    Column("host", String(255)),
+    Column("started_at", Float, nullable=False),
+    Column("first_step", BigInteger),
+    Column("first_step_at", Float),  # when the process's first step started
+    # Filled when the process says goodbye (attempt_end) or, for one that died without
+    # one, when its rank comes back with a new session: its last heartbeat and step.
+    Column("ended_at", Float),
+    Column("last_seen", Float),
+    Column("last_step", BigInteger),
+    Column("last_step_end", Float),
+    Column("end_reason", String(32)),  # completed | exception | sigterm | stopped | lost
+    Column("end_detail", String(1000)),
+    Column("exit_code", Integer),
+    Index("ix_attempt_sessions_run_id_attempt", "run_id", "attempt"),
 )

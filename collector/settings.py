@@ -49,6 +49,18 @@ class Settings(BaseSettings):
         description="What a GPU-hour costs, for the cost lost in post-mortems "
         "(TRAINWARDEN_PRICE_PER_GPU_HOUR); without it the cost is not shown",
     )
+    mtbf_hours: float | None = Field(
+        default=None,
+        gt=0,
+        description="The mean time between interruptions of a job (TRAINWARDEN_MTBF_HOURS), "
+        "for the checkpoint cadence advisor while a run has had too few of its own",
+    )
+    gpu_mtbf_hours: float = Field(
+        default=50_000.0,
+        gt=0,
+        description="Without --mtbf-hours: a GPU's MTBF; a job of N GPUs is interrupted "
+        "every gpu_mtbf_hours / N (TRAINWARDEN_GPU_MTBF_HOURS)",
+    )
     incident_cooldown_s: float = Field(
         default=300.0,
         ge=0,
