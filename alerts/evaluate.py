@@ -27,6 +27,7 @@ from .intervals import Interval
 from .rules import (
     AbsenceRule,
     BaselineRule,
+    CadenceRule,
     EventKindMatch,
     EventRule,
     FlagMatch,
@@ -95,6 +96,7 @@ class Snapshot:
     )  # recent events (kind, rank, step, ts, recv_ts, data)
     last_event: dict[str, float] = field(default_factory=dict)  # kind -> newest ts ever
     median_step_s: float | None = None
+    cadence: Mapping[str, Any] | None = None  # the cadence advisor's, when a rule asks
     lag_s: float = 0.0  # the collector's own ingest lag, allowed for by absence rules
     hold_s: float = 10.0
 
@@ -465,6 +467,34 @@ def _rate(rule: RateRule, snap: Snapshot) -> list[Verdict]:
     ]
 
 
+def _span_words(seconds: float) -> str:
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
+
+
+def _cadence(rule: CadenceRule, snap: Snapshot) -> list[Verdict]:
+    advice = snap.cadence
+    if not advice or (advice.get("checkpoints") or 0) < rule.params.min_checkpoints:
+        return []
+    ratio, best, now_s = (
+        advice.get("ratio"),
+        advice.get("optimal_interval_s"),
+        advice.get("interval_s"),
+    )
+    if not isinstance(ratio, (int, float)) or not _finite(ratio) or not best or not now_s:
+        return []
+    off = rule.params.off_by
+    if 1 / off <= ratio <= off:
+        return []
+    do = "save more often" if ratio > 1 else "save less often"
+    detail = (f"run: checkpoints every {_span_words(now_s)}; the optimum T* = sqrt(2 C tau) is "
+              f"{_span_words(best)} (C {advice.get('cost_s', 0):.1f} s, tau {_span_words(advice.get('mtbf_s') or 0)}): "
+              f"{do}; expected waste {100 * (advice.get('waste_now') or 0):.1f}% vs "
+              f"{100 * (advice.get('waste_optimal') or 0):.1f}% at T*")  # fmt: skip
+    return [Verdict(None, float(ratio), detail, snap.last_step)]
+
+
 _KINDS: dict[type, Callable[[Any, Snapshot], list[Verdict]]] = {
     ThresholdRule: _threshold,
     BaselineRule: _baseline,
@@ -472,6 +502,7 @@ _KINDS: dict[type, Callable[[Any, Snapshot], list[Verdict]]] = {
     EventRule: _event,
     AbsenceRule: _absence,
     RateRule: _rate,
+    CadenceRule: _cadence,
 }
 
 

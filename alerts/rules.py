@@ -308,6 +308,15 @@ class RateParams(_Strict):
     per: Literal["run", "rank"] = "run"
 
 
+class CadenceParams(_Strict):
+    """The run's checkpoint interval is more than ``off_by`` times longer or shorter than
+    the advisor's optimum T* = sqrt(2 C tau) (``collector/economics.py``), once it has
+    seen ``min_checkpoints`` checkpoints with their blocking save time."""
+
+    off_by: float = Field(default=2.0, gt=1, le=1000)
+    min_checkpoints: int = Field(default=3, ge=2, le=10_000)
+
+
 # -- rules --------------------------------------------------------------------------
 
 
@@ -441,7 +450,19 @@ class RateRule(_Rule):
         return self.params.per == "rank"
 
 
-Rule = ThresholdRule | BaselineRule | PeerRule | EventRule | AbsenceRule | RateRule
+class CadenceRule(_Rule):
+    kind: Literal["cadence"]
+    params: CadenceParams = Field(default_factory=CadenceParams)
+
+    @property
+    def per_rank(self) -> bool:
+        return False
+
+    def _for_units(self) -> tuple[Unit, ...]:
+        return ("s",)
+
+
+Rule = ThresholdRule | BaselineRule | PeerRule | EventRule | AbsenceRule | RateRule | CadenceRule
 KINDS: dict[str, type[_Rule]] = {
     "threshold": ThresholdRule,
     "baseline": BaselineRule,
@@ -449,4 +470,5 @@ KINDS: dict[str, type[_Rule]] = {
     "event": EventRule,
     "absence": AbsenceRule,
     "rate": RateRule,
+    "cadence": CadenceRule,
 }

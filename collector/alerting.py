@@ -26,6 +26,7 @@ collector at a time runs the pass (an advisory lock), as for the health evaluato
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import re
@@ -51,6 +52,7 @@ from trainwarden.alerts.intervals import ZERO
 from trainwarden.alerts.rules import (
     AbsenceRule,
     BaselineRule,
+    CadenceRule,
     EventKindMatch,
     EventRule,
     FlagMatch,
@@ -65,6 +67,7 @@ from trainwarden.alerts.rules import (
 
 from . import models as m
 from .db import leads, write
+from .economics import EconomicsSettings, economics
 from .runbooks import runbook_url
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,7 @@ class Needs:
     events_s: float = 0.0
     events_back: int = 0
     last_event: set[str] = field(default_factory=set)
+    cadence: bool = False  # the checkpoint cadence advisor's verdict
 
     def add_stats(self, metric: str, *, rows: int = 0, seconds: float = 0.0) -> None:
         if rows:
@@ -159,6 +163,8 @@ def needs_of(rules: Iterable[Rule], hold_s: float) -> Needs:
                          seconds=w.value if w.unit == "s" else 0.0)  # fmt: skip
         elif isinstance(rule, AbsenceRule) and rule.params.event is not None:
             n.last_event.add(rule.params.event)
+        elif isinstance(rule, CadenceRule):
+            n.cadence = True
     return n
 
 
@@ -194,8 +200,26 @@ def median_step_time(conn: Connection, run_id: int) -> float | None:
     return finite[len(finite) // 2] if finite else None
 
 
+CADENCE_EVERY_S = 60.0
+"""How often the cadence advisor is asked again about a run (it reads every checkpoint)."""
+
+
+def cadence_of(conn: Connection, run: Any, *, now: float, settings: EconomicsSettings,
+               cache: dict[int, tuple[float, dict[str, Any]]]) -> dict[str, Any]:  # fmt: skip
+    """The advisor's answer for ``run``, at most once a minute per run."""
+    cached = cache.get(run.id)
+    if cached is not None and now - cached[0] < CADENCE_EVERY_S:
+        return cached[1]
+    found = economics(conn, run.name, settings=settings, now=now)
+    advice = (
+        {} if found is None else {**found["advisor"], "checkpoints": found["checkpoints"]["count"]}
+    )
+    cache[run.id] = (now, advice)
+    return advice
+
+
 def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: float, hold_s: float,
-             first_steps: dict[int, int]) -> Snapshot:  # fmt: skip
+             first_steps: dict[int, int], cadence: Callable[[], dict[str, Any]] | None = None) -> Snapshot:  # fmt: skip
     """One run's recent records, as much as ``needs`` says."""
     run_id, last = run.id, run.last_step
     snap = Snapshot(run=run.name, now=now, last_step=last, started_at=run.created_at,
@@ -276,6 +300,8 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
         ts = conn.execute(select(func.max(e.ts)).where(e.run_id == run_id, e.kind == kind)).scalar()
         if ts is not None:
             snap.last_event[kind] = ts
+    if needs.cadence and cadence is not None:
+        snap.cadence = cadence()
     return snap
 
 
@@ -343,6 +369,8 @@ class AlertEngine:
             [r for r in rules if isinstance(r, FAST_KINDS)], self.settings.hold_s
         )
         self._first_steps: dict[int, int] = {}
+        self.economics = EconomicsSettings()  # serve's price and MTBF (app.py sets them)
+        self._cadence: dict[int, tuple[float, dict[str, Any]]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -424,8 +452,11 @@ class AlertEngine:
         for run in runs:
             result.runs += 1
             live = run.status == "running"
+            advice = functools.partial(
+                cadence_of, conn, run, now=now, settings=self.economics, cache=self._cadence
+            )
             snap = snapshot(conn, run, needs, now=now, lag_s=lag, hold_s=self.settings.hold_s,
-                            first_steps=self._first_steps) if live else Snapshot(run=run.name, now=now)  # fmt: skip
+                            first_steps=self._first_steps, cadence=advice) if live else Snapshot(run=run.name, now=now)  # fmt: skip
             for rule in rules:
                 if not live:
                     break

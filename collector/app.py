@@ -109,6 +109,7 @@ def create_app(
                 submit=notifier.submit if notifier else None,
                 lag=lambda: writer.lag_s() + loop_lag(), metrics=metrics,
             )  # fmt: skip
+            alert_engine.economics = economics_api.settings_of_app(settings)
             alert_engine.start()
         app.state.alert_engine = alert_engine
         app.state.notifier = notifier

@@ -21,13 +21,17 @@ def _engine(request: Request) -> Engine:
     return request.app.state.engine
 
 
-def settings_of(request: Request) -> svc.EconomicsSettings:
-    s = request.app.state.settings
+def settings_of_app(s: Any) -> svc.EconomicsSettings:
+    """The economics part of serve's :class:`~trainwarden.collector.settings.Settings`."""
     return svc.EconomicsSettings(
         price_per_gpu_hour=s.price_per_gpu_hour,
         mtbf_hours=s.mtbf_hours,
         gpu_mtbf_hours=s.gpu_mtbf_hours,
     )
+
+
+def settings_of(request: Request) -> svc.EconomicsSettings:
+    return settings_of_app(request.app.state.settings)
 
 
 def _run_id(conn: Connection, run: str) -> int:

@@ -631,3 +631,26 @@ def test_non_finite_loss_keeps_firing_for_10_minutes_after_the_nan() -> None:
     assert states(PACK["NonFiniteLoss"], later, 2) == [
         "firing", "firing", "firing", "firing", "resolved",
     ]  # fmt: skip
+
+
+# -- economics -------------------------------------------------------------------------------
+
+
+def test_checkpoint_cadence_fires_when_the_interval_is_more_than_2x_off() -> None:
+    rule = PACK["CheckpointCadence"]
+    advice = {"checkpoints": 5, "cost_s": 20.0, "mtbf_s": 25_000.0, "optimal_interval_s": 1000.0,
+              "waste_now": 0.16, "waste_optimal": 0.04}  # fmt: skip
+    rare = run()
+    rare.cadence = {**advice, "interval_s": 7200.0, "ratio": 7.2}
+    v = only(evaluate(rule, rare))
+    assert v.rank is None and v.value == pytest.approx(7.2)
+    assert "every 2.0 h" in v.detail and "17 min" in v.detail and "save more often" in v.detail
+    often = run()
+    often.cadence = {**advice, "interval_s": 300.0, "ratio": 0.3}
+    assert "save less often" in only(evaluate(rule, often)).detail
+    for quiet in ({**advice, "interval_s": 1900.0, "ratio": 1.9},  # within 2x
+                  {**advice, "interval_s": 7200.0, "ratio": 7.2, "checkpoints": 2},  # too few yet
+                  {**advice, "interval_s": None, "ratio": None}, None):  # fmt: skip
+        snap = run()
+        snap.cadence = quiet
+        assert evaluate(rule, snap) == []

@@ -34,6 +34,7 @@ PACK = [
     "GpuThermalThrottle", "GpuOverTemperature", "FatalXid", "EccUncorrectable", "RankHung",
     "RankDead", "CheckpointStale", "LowGpuUtilization",
     "ActionFailed",  # trainwarden's own: an action it took failed (issue 7)
+    "CheckpointCadence",  # the cadence advisor's (issue 11)
 ]  # fmt: skip
 HEADINGS = [
     "## What it means",

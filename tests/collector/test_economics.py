@@ -38,18 +38,24 @@ def test_advice_verdicts_and_where_tau_comes_from() -> None:
     ok = advise(cost_s=20, interval_s=1200, wall_s=3600, interruptions=0, world_size=8, settings=s)
     assert ok["verdict"] == "ok" and ok["mtbf_s"] == 7 * 3600 and "configured" in ok["mtbf_source"]
     assert ok["waste_now"] == pytest.approx(waste(1200, 20, 7 * 3600))
-    rare = advise(cost_s=20, interval_s=3 * 3600, wall_s=3600, interruptions=0, world_size=8, settings=s)
+    rare = advise(
+        cost_s=20, interval_s=3 * 3600, wall_s=3600, interruptions=0, world_size=8, settings=s
+    )
     assert rare["verdict"] == "too_rare" and rare["ratio"] > 2
     often = advise(cost_s=20, interval_s=60, wall_s=3600, interruptions=0, world_size=8, settings=s)
     assert often["verdict"] == "too_often" and often["waste_now"] > often["waste_optimal"]
     # Two interruptions of its own in 10 h: tau = 5 h, whatever was configured.
-    own = advise(cost_s=20, interval_s=600, wall_s=36_000, interruptions=2, world_size=8, settings=s)
+    own = advise(
+        cost_s=20, interval_s=600, wall_s=36_000, interruptions=2, world_size=8, settings=s
+    )
     assert own["mtbf_s"] == 18_000 and "observed" in own["mtbf_source"]
     # Nothing configured: 50,000 GPU-hours per GPU over the job's GPUs.
     default = advise(cost_s=20, interval_s=600, wall_s=60, interruptions=0, world_size=1000,
                      settings=EconomicsSettings())  # fmt: skip
     assert default["mtbf_s"] == pytest.approx(50_000 * 3600 / 1000)
-    unknown = advise(cost_s=None, interval_s=600, wall_s=60, interruptions=0, world_size=8, settings=s)
+    unknown = advise(
+        cost_s=None, interval_s=600, wall_s=60, interruptions=0, world_size=8, settings=s
+    )
     assert unknown["verdict"] == "unknown" and "blocking save time" in unknown["why"]
 
 
@@ -92,7 +98,13 @@ def _start(session: str, t: float, config: dict[str, Any], *, key: str | None = 
 def _steps(first: int, last: int, t_first: float) -> list[dict[str, Any]]:
     # A step every 2 s: 1.5 s in the step, 0.5 s between steps (data wait, and saves).
     return [
-        {"step": n, "ts": t_first + 2 * (n - first), "duration_s": 1.5, "data_wait_s": 0.5, "loss": 2.0}
+        {
+            "step": n,
+            "ts": t_first + 2 * (n - first),
+            "duration_s": 1.5,
+            "data_wait_s": 0.5,
+            "loss": 2.0,
+        }
         for n in range(first, last + 1)
     ]
 
@@ -107,7 +119,9 @@ def _ckpt(session: str, step: int, ts: float, seconds: float) -> dict[str, Any]:
             "data": {"path": f"/ckpt/{step}", "seconds": seconds, "bytes": 1000}}  # fmt: skip
 
 
-def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(client: TestClient) -> None:
+def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(
+    client: TestClient,
+) -> None:
     t0 = time.time() - 200
     config = {"lr": 3e-4, "optim": {"name": "adamw", "betas": [0.9, 0.95]}}
     # Attempt 1: both ranks start at t0, run steps 0..9 (step n at t0 + 10 + 2n); a
@@ -124,7 +138,9 @@ def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(clie
     # Attempt 2 starts at t0 + 40 and resumes from the checkpoint: steps 5..14 from t0 + 50.
     for rank in (0, 1):
         s = f"b{rank}"
-        _post(client, _body("job", rank, s, t0 + 40, events=[_start(s, t0 + 40, config, rank=rank)]))
+        _post(
+            client, _body("job", rank, s, t0 + 40, events=[_start(s, t0 + 40, config, rank=rank)])
+        )
         _post(client, _body("job", rank, s, t0 + 40, steps=_steps(5, 14, t0 + 50),
                             events=[_ckpt(s, 12, t0 + 65.5, 0.4)]))  # fmt: skip
     flush(client.app.state.engine, now=time.time(), grace_s=0)
@@ -135,9 +151,17 @@ def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(clie
     assert first["state"] == "ended" and first["exit_reason"] == "lost"
     assert first["exit_detail"].startswith("rank 1 on host1 at step 9: ended without a goodbye")
     assert {p["rank"]: p["end_reason"] for p in first["processes"]} == {0: "sigterm", 1: "lost"}
-    assert (first["started_at"], first["first_step"], first["last_step"]) == (pytest.approx(t0), 0, 9)
+    assert (first["started_at"], first["first_step"], first["last_step"]) == (
+        pytest.approx(t0),
+        0,
+        9,
+    )
     assert second["state"] == "running" and second["exit_reason"] is None
-    assert (second["first_step"], second["last_step"], second["nodes"]) == (5, 14, ["host0", "host1"])
+    assert (second["first_step"], second["last_step"], second["nodes"]) == (
+        5,
+        14,
+        ["host0", "host1"],
+    )
 
     with client.app.state.engine.connect() as conn:
         got = economics.economics(conn, "job", now=t0 + 80)
@@ -157,7 +181,9 @@ def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(clie
     assert b["recovery"] == pytest.approx(recovery)
     assert b["checkpoint"] == pytest.approx(checkpoint)
     assert b["data_wait"] == pytest.approx(data_wait)
-    assert b["other"] == pytest.approx(allocation - kept - replayed - recovery - checkpoint - data_wait)
+    assert b["other"] == pytest.approx(
+        allocation - kept - replayed - recovery - checkpoint - data_wait
+    )
     assert g["ettr"] == pytest.approx(kept / allocation)
     assert (g["replayed_steps"], g["attempts"], g["interruptions"]) == (5, 2, 1)
     assert g["gpu_hours"]["lost"] == pytest.approx((allocation - kept) / 3600)
@@ -165,13 +191,17 @@ def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(clie
     assert (ck["count"], ck["interval_steps"], ck["interval_s"]) == (2, 8, pytest.approx(46.0))
     assert ck["blocking_s"] == pytest.approx(0.3) and ck["bytes"] == 1000
     assert got["advisor"]["cost_s"] == pytest.approx(0.3)
-    assert got["advisor"]["optimal_interval_s"] == pytest.approx(math.sqrt(2 * 0.3 * 50_000 * 3600 / 2))
+    assert got["advisor"]["optimal_interval_s"] == pytest.approx(
+        math.sqrt(2 * 0.3 * 50_000 * 3600 / 2)
+    )
 
     # Over HTTP (now = the wall clock): the same shape, a price turns GPU-hours into money.
     client.app.state.settings.price_per_gpu_hour = 2.0
     over_http = client.get("/api/v1/runs/job/economics").json()
     assert 0 < over_http["goodput"]["ettr"] < kept / allocation  # more wall time has passed
-    assert over_http["goodput"]["cost"]["used"] == pytest.approx(over_http["goodput"]["gpu_hours"]["used"] * 2)
+    assert over_http["goodput"]["cost"]["used"] == pytest.approx(
+        over_http["goodput"]["gpu_hours"]["used"] * 2
+    )
 
 
 def test_identity_packages_and_the_diff_of_two_runs(client: TestClient) -> None:
@@ -197,13 +227,18 @@ def test_identity_packages_and_the_diff_of_two_runs(client: TestClient) -> None:
     assert client.get("/api/v1/runs/base/identity", params={"attempt": 0}).status_code == 422
 
 
-def test_launcher_keys_group_processes_and_a_replayed_start_changes_nothing(client: TestClient) -> None:
+def test_launcher_keys_group_processes_and_a_replayed_start_changes_nothing(
+    client: TestClient,
+) -> None:
     t = time.time() - 50
     for rank in (0, 1):  # restart 0 of a torchelastic job, then restart 1
         _post(client, _body("te", rank, f"x{rank}", t, events=[_start(f"x{rank}", t, {}, key="torchelastic:j:0", rank=rank)]))  # fmt: skip
     for rank in (0, 1):
         _post(client, _body("te", rank, f"y{rank}", t + 5, events=[_start(f"y{rank}", t + 5, {}, key="torchelastic:j:1", rank=rank)]))  # fmt: skip
-    _post(client, _body("te", 0, "y0", t + 5, events=[_start("y0", t + 5, {}, key="torchelastic:j:1")]))
+    _post(
+        client,
+        _body("te", 0, "y0", t + 5, events=[_start("y0", t + 5, {}, key="torchelastic:j:1")]),
+    )
     tries = client.get("/api/v1/runs/te/attempts").json()
     assert [(t_["number"], t_["key"], len(t_["processes"])) for t_ in tries] == [
         (1, "torchelastic:j:0", 2), (2, "torchelastic:j:1", 2)
@@ -226,3 +261,28 @@ def test_a_run_without_identity_events_still_answers(client: TestClient) -> None
     assert econ["goodput"]["breakdown_gpu_s"]["kept"] == pytest.approx(4 * 1.5)
     assert econ["checkpoints"]["count"] == 0 and econ["advisor"]["verdict"] == "unknown"
     assert client.get("/api/v1/runs/nope/economics").status_code == 404
+
+
+def test_the_cadence_rule_fires_on_a_run_that_checkpoints_too_rarely(client: TestClient) -> None:
+    from trainwarden.alerts import load_rule_packs
+    from trainwarden.collector.alerting import AlertEngine
+
+    engine = client.app.state.engine
+    t0 = time.time() - 4 * 3600
+    # Saves of 20 s every hour on 2 GPUs; tau = 7 h configured: T* = sqrt(2*20*25200) = 1004 s.
+    events = [_ckpt("c0", n * 1000, t0 + n * 3600, 20.0) for n in range(1, 5)]
+    _post(client, _body("slow-saves", 0, "c0", t0, steps=_steps(0, 3, t0), events=events))
+    flush(engine, now=time.time(), grace_s=0)
+    rule = next(r for r in load_rule_packs() if r.name == "CheckpointCadence")
+    alerts = AlertEngine(engine, [rule.model_copy(update={"for_": rule.for_.__class__(0, "s")})])
+    alerts.economics = EconomicsSettings(mtbf_hours=7)
+    alerts.run_once()
+    with engine.connect() as conn:
+        from trainwarden.collector import models as m
+
+        fired = conn.execute(m.alerts.select()).mappings().all()
+    assert [(a["rule"], a["state"], a["severity"]) for a in fired] == [
+        ("CheckpointCadence", "firing", "info")
+    ]
+    assert fired[0]["value"] == pytest.approx(3600 / math.sqrt(2 * 20 * 7 * 3600))
+    assert "save more often" in fired[0]["annotations"]["description"]
