@@ -145,22 +145,29 @@ def attempts(conn: Connection, run_id: int, *, now: float | None = None) -> list
 
 
 def _exit(procs: list[dict[str, Any]]) -> tuple[str, str]:
-    """An ended attempt's reason: the first failure among its processes, else how they
-    ended (a process with no goodbye whose rank never came back is ``lost``)."""
-    order = {"exception": 0, "lost": 1, "sigterm": 2, "stopped": 3, "completed": 4}
-    ranked = sorted(
-        procs, key=lambda p: (order.get(p["end_reason"] or "lost", 1), p["last_seen"] or 0)
-    )
-    first = ranked[0]
+    """An ended attempt's reason: its first failure (an exception, or a process gone
+    without a goodbye) by time, the cause, rather than what it did to the others; else
+    a signal or a stop; else completed."""
+
+    def when(p: dict[str, Any]) -> float:
+        return p["ended_at"] or p["last_seen"] or math.inf
+
+    for reasons in (("exception", "lost", None), ("sigterm", "stopped")):
+        hits = [p for p in procs if p["end_reason"] in reasons]
+        if hits:
+            first = min(hits, key=when)
+            break
+    else:
+        return "completed", f"all {len(procs)} processes completed"
     reason = first["end_reason"] or "lost"
-    if reason == "completed":
-        return reason, f"all {len(procs)} processes completed"
     what = first["end_detail"] or (
         "ended without a goodbye (crash, kill or node loss)" if reason == "lost" else reason
     )
     where = f"rank {first['rank']}" + (f" on {first['host']}" if first["host"] else "")
     at = "" if first["last_step"] is None else f" at step {first['last_step']}"
-    return reason, f"{where}{at}: {what}"
+    others = sorted({p["end_reason"] or "lost" for p in procs if p is not first})
+    tail = f" (then: {', '.join(others)})" if others else ""
+    return reason, f"{where}{at}: {what}{tail}"
 
 
 # -- identity and diff --------------------------------------------------------------------

@@ -64,7 +64,9 @@ def test_advice_verdicts_and_where_tau_comes_from() -> None:
 
 @pytest.fixture
 def client(engine):  # type: ignore[no-untyped-def]
-    with TestClient(create_app(engine, ui=False, health=None, rollups=False)) as c:
+    # No background engines: the cadence test runs the alert engine's pass itself.
+    app = create_app(engine, ui=False, health=None, rollups=False, alerting=None, incidents=False)
+    with TestClient(app) as c:
         yield c
 
 
