@@ -8,18 +8,21 @@ or the wall-clock time; zooming one row zooms them all (``shared_xaxes``).
 
 from __future__ import annotations
 
+import copy
 import datetime as dt
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import plotly.graph_objects as go
+import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from trainwarden.collector.schemas import Series
 
-from .figures import COLORS, _translucent, empty_figure, themed
+from .figures import COLORS, _translucent, empty_figure, template, themed
 
 ROWS = ["events", "throughput", "mfu", "loss", "grad_norm", "breakdown"]
 ROW_TITLES = [
@@ -134,47 +137,90 @@ def _xs(series_steps: Sequence[int], ts: Sequence[float], axis: str) -> list[Any
     return [when(t) for t in ts] if axis == "time" else list(series_steps)
 
 
-def _row_note(fig: go.Figure, row: int, text: str) -> None:
+# -- the figure as a plain dict ------------------------------------------------------
+# Plotly's graph objects validate every value they are given: for six rows of a thousand
+# points that cost ~0.1 s a refresh (0.35 s on a process's first figure), then a deep copy
+# when Dash serializes. The figure is built as the JSON Plotly.js reads instead; tests
+# wrap it in ``go.Figure`` to check it (which validates it there).
+
+
+def _axes(row: int) -> tuple[str, str]:
+    """The (x, y) axis ids of a row's traces: ``("x", "y")``, ``("x2", "y2")``, ..."""
     suffix = "" if row == 1 else str(row)
-    fig.add_annotation(text=text, showarrow=False, xref=f"x{suffix} domain",
-                       yref=f"y{suffix} domain", x=0.5, y=0.5,
-                       font={"size": 12, "color": "#6b7280"})  # fmt: skip
+    return f"x{suffix}", f"y{suffix}"
 
 
-def _band(fig: go.Figure, s: Series, row: int, *, axis: str, color: str, label: str) -> None:
+def _trace(row: int, **props: Any) -> dict[str, Any]:
+    x, y = _axes(row)
+    return {"type": "scatter", "xaxis": x, "yaxis": y, **props}
+
+
+@functools.cache
+def _skeleton() -> dict[str, Any]:
+    """The stacked rows' layout (axis domains, shared x, row titles), made once."""
+    fig = make_subplots(rows=len(ROWS), cols=1, shared_xaxes=True, vertical_spacing=0.035,
+                        row_heights=ROW_HEIGHTS, subplot_titles=ROW_TITLES)  # fmt: skip
+    layout: dict[str, Any] = fig.to_plotly_json()["layout"]
+    layout.pop("template", None)
+    for annotation in layout["annotations"]:  # the row titles: small, on the left
+        annotation.update(x=0, xanchor="left", font={"size": 12})
+    return layout
+
+
+@functools.cache
+def _template(name: str) -> dict[str, Any]:
+    """A Plotly template as JSON (Plotly.js knows no template names). Shared: read only."""
+    return go.layout.Template(pio.templates[name]).to_plotly_json()  # type: ignore[no-any-return]
+
+
+def themed_layout(layout: dict[str, Any], theme: str | None) -> dict[str, Any]:
+    """:func:`.figures.themed` for a layout dict: the theme's template, a transparent
+    background (the card shows)."""
+    layout["template"] = _template(template(theme))
+    layout["paper_bgcolor"] = "rgba(0,0,0,0)"
+    if theme == "dark":
+        layout["plot_bgcolor"] = "rgba(0,0,0,0)"
+    return layout
+
+
+def _row_note(layout: dict[str, Any], row: int, text: str) -> None:
+    x, y = _axes(row)
+    layout["annotations"].append({"text": text, "showarrow": False, "xref": f"{x} domain",
+                                  "yref": f"{y} domain", "x": 0.5, "y": 0.5,
+                                  "font": {"size": 12, "color": "#6b7280"}})  # fmt: skip
+
+
+def _band(traces: list[dict[str, Any]], s: Series, row: int, *, axis: str, color: str,
+          label: str) -> None:  # fmt: skip
     x = _xs(s.step, s.ts, axis)
     group = f"band-{s.metric}"
-    fig.add_trace(go.Scatter(x=x, y=finite(s.max), mode="lines", line={"width": 0, "color": color},
-                             name=f"{label} max", legendgroup=group, showlegend=False,
-                             hoverinfo="skip"), row=row, col=1)  # fmt: skip
-    fig.add_trace(go.Scatter(x=x, y=finite(s.min), mode="lines", line={"width": 0, "color": color},
-                             fill="tonexty", fillcolor=_translucent(color), legendgroup=group,
-                             name=f"{label} min..max", showlegend=False, hoverinfo="skip"),
-                  row=row, col=1)  # fmt: skip
-    fig.add_trace(
-        go.Scatter(
-            x=x, y=finite(s.median), mode="lines", line={"width": 2, "color": color},
-            name=f"{label} median", legendgroup=group, showlegend=False,
-            customdata=[[_num(lo), _num(hi), n] for lo, hi, n in zip(s.min, s.max, s.n, strict=False)],
-            hovertemplate=f"{label} median %{{y:.4g}}<br>min %{{customdata[0]}} · "
-            "max %{customdata[1]}<br>%{customdata[2]} ranks<extra></extra>",
-        ),
-        row=row, col=1,
-    )  # fmt: skip
+    traces.append(_trace(row, x=x, y=finite(s.max), mode="lines", line={"width": 0, "color": color},
+                         name=f"{label} max", legendgroup=group, showlegend=False,
+                         hoverinfo="skip"))  # fmt: skip
+    traces.append(_trace(row, x=x, y=finite(s.min), mode="lines", line={"width": 0, "color": color},
+                         fill="tonexty", fillcolor=_translucent(color), legendgroup=group,
+                         name=f"{label} min..max", showlegend=False, hoverinfo="skip"))  # fmt: skip
+    traces.append(_trace(
+        row, x=x, y=finite(s.median), mode="lines", line={"width": 2, "color": color},
+        name=f"{label} median", legendgroup=group, showlegend=False,
+        customdata=[[_num(lo), _num(hi), n] for lo, hi, n in zip(s.min, s.max, s.n, strict=False)],
+        hovertemplate=f"{label} median %{{y:.4g}}<br>min %{{customdata[0]}} · "
+        "max %{customdata[1]}<br>%{customdata[2]} ranks<extra></extra>",
+    ))  # fmt: skip
 
 
 def _num(v: float | None) -> str:
     return f"{v:.4g}" if v is not None and math.isfinite(v) else "—"
 
 
-def _line(fig: go.Figure, s: Series, row: int, *, axis: str, color: str, label: str) -> None:
-    fig.add_trace(go.Scatter(x=_xs(s.step, s.ts, axis), y=finite(s.total), mode="lines",
-                             line={"width": 2, "color": color}, name=label, showlegend=False,
-                             hovertemplate=f"{label} %{{y:.4s}}<extra></extra>"),
-                  row=row, col=1)  # fmt: skip
+def _line(traces: list[dict[str, Any]], s: Series, row: int, *, axis: str, color: str,
+          label: str) -> None:  # fmt: skip
+    traces.append(_trace(row, x=_xs(s.step, s.ts, axis), y=finite(s.total), mode="lines",
+                         line={"width": 2, "color": color}, name=label, showlegend=False,
+                         hovertemplate=f"{label} %{{y:.4s}}<extra></extra>"))  # fmt: skip
 
 
-def _spikes(fig: go.Figure, data: Overview, s: Series, row: int, *, axis: str,
+def _spikes(traces: list[dict[str, Any]], data: Overview, s: Series, row: int, *, axis: str,
             flags: tuple[str, ...], label: str) -> None:  # fmt: skip
     found = [sp for sp in data.spikes if sp[2] in flags]
     if not found or not s.step:
@@ -192,10 +238,10 @@ def _spikes(fig: go.Figure, data: Overview, s: Series, row: int, *, axis: str,
             xs.append(step)
         ys.append(value if _ok(value) else top)
         text.append(f"rank {rank}: {flag.replace('_', ' ')} at step {step}")
-    fig.add_trace(go.Scatter(x=xs, y=ys, mode="markers", name=label, text=text,
-                             marker={"symbol": "x", "size": 10, "color": "#dc2626",
-                                     "line": {"width": 1, "color": "#dc2626"}},
-                             hovertemplate="%{text}<extra></extra>"), row=row, col=1)  # fmt: skip
+    traces.append(_trace(row, x=xs, y=ys, mode="markers", name=label, text=text,
+                         marker={"symbol": "x", "size": 10, "color": "#dc2626",
+                                 "line": {"width": 1, "color": "#dc2626"}},
+                         hovertemplate="%{text}<extra></extra>"))  # fmt: skip
 
 
 def _ts_at(step: int, steps: Sequence[int], ts: Sequence[float]) -> float:
@@ -238,7 +284,8 @@ def breakdown_layers(
     return list(base.step), list(base.ts), layers
 
 
-def _breakdown(fig: go.Figure, series: dict[str, Series], row: int, *, axis: str) -> bool:
+def _breakdown(traces: list[dict[str, Any]], series: dict[str, Series], row: int, *,
+               axis: str) -> bool:  # fmt: skip
     steps, ts, layers = breakdown_layers(series)
     if not steps:
         return False
@@ -256,33 +303,31 @@ def _breakdown(fig: go.Figure, series: dict[str, Series], row: int, *, axis: str
         if key not in layers or not any(layers[key]):
             continue
         label, color = styles[key]
-        fig.add_trace(go.Scatter(x=x, y=layers[key], name=label, mode="lines", stackgroup="time",
-                                 line={"width": 0.5, "color": color},
-                                 hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>"),
-                      row=row, col=1)  # fmt: skip
+        traces.append(_trace(row, x=x, y=layers[key], name=label, mode="lines", stackgroup="time",
+                             line={"width": 0.5, "color": color},
+                             hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>"))  # fmt: skip
     return True
 
 
-def _markers(fig: go.Figure, markers: list[Marker], *, axis: str) -> None:
+def _markers(traces: list[dict[str, Any]], layout: dict[str, Any], markers: list[Marker], *,
+             axis: str) -> None:  # fmt: skip
     placed = [mk for mk in markers if axis == "time" or mk.step is not None]
-    seen: set[tuple[str, str]] = set()
     for (kind, tone), (symbol, color) in MARKER_STYLE.items():
         group = [mk for mk in placed if mk.kind == kind and mk.tone == tone]
         if not group:
             continue
-        seen.add((kind, tone))
         x = [when(mk.ts) if axis == "time" else mk.step for mk in group]
-        fig.add_trace(go.Scatter(x=x, y=[kind] * len(group), mode="markers", name=f"{kind}",
-                                 marker={"symbol": symbol, "size": 12, "color": color},
-                                 text=[mk.text for mk in group],
-                                 hovertemplate="%{text}<extra></extra>"), row=1, col=1)  # fmt: skip
+        traces.append(_trace(1, x=x, y=[kind] * len(group), mode="markers", name=f"{kind}",
+                             marker={"symbol": symbol, "size": 12, "color": color},
+                             text=[mk.text for mk in group],
+                             hovertemplate="%{text}<extra></extra>"))  # fmt: skip
     lines = [mk for mk in placed if mk.kind in ("alert", "restart")][-MAX_LINES:]
     for mk in lines:
         color = MARKER_STYLE.get((mk.kind, mk.tone), ("", "#6b7280"))[1]
         at: Any = when(mk.ts) if axis == "time" else mk.step
-        fig.add_shape(type="line", xref="x", yref="paper", x0=at, x1=at, y0=0, y1=1,
-                      line={"width": 1, "dash": "dot", "color": color}, opacity=0.6,
-                      layer="below")  # fmt: skip
+        layout["shapes"].append({"type": "line", "xref": "x", "yref": "paper", "x0": at, "x1": at,
+                                 "y0": 0, "y1": 1, "line": {"width": 1, "dash": "dot", "color": color},
+                                 "opacity": 0.6, "layer": "below"})  # fmt: skip
 
 
 def overview_figure(
@@ -292,9 +337,10 @@ def overview_figure(
     theme: str | None = "light",
     revision: str = "",
     x_range: tuple[int, int] | None = None,
-) -> go.Figure:
-    """The run overview. ``revision`` keeps the user's zoom and hidden traces across live
-    refreshes; ``x_range`` (steps) is the range the data was read for, shown as it is."""
+) -> dict[str, Any]:
+    """The run overview, as Plotly's JSON. ``revision`` keeps the user's zoom and hidden
+    traces across live refreshes; ``x_range`` (steps) is the range the data was read for,
+    shown as it is."""
     base = data.series.get("step_time") or data.series.get("loss")
     if not any(s.step for s in data.series.values()) or base is None:
         fig = empty_figure(
@@ -303,45 +349,43 @@ def overview_figure(
             else "No steps in this range. Double-click the plot or press 'Whole run'."
         )
         fig.update_layout(uirevision=revision)
-        return themed(fig, theme)
-    fig = make_subplots(rows=len(ROWS), cols=1, shared_xaxes=True, vertical_spacing=0.035,
-                        row_heights=ROW_HEIGHTS, subplot_titles=ROW_TITLES)  # fmt: skip
-    for annotation in fig.layout.annotations:  # the row titles: small, on the left
-        annotation.update(x=0, xanchor="left", font={"size": 12})
-    _markers(fig, data.markers, axis=axis)
+        return themed(fig, theme).to_plotly_json()  # type: ignore[no-any-return]
+    layout = copy.deepcopy(_skeleton())
+    layout["shapes"] = []
+    traces: list[dict[str, Any]] = []
+    _markers(traces, layout, data.markers, axis=axis)
     s = data.series
     drawn = {"events": True}
     drawn["throughput"] = _has(s, "tokens_per_s", "total")
     if drawn["throughput"]:
-        _line(fig, s["tokens_per_s"], 2, axis=axis, color=COLORS["tokens_per_s"], label="tokens/s")
+        _line(
+            traces, s["tokens_per_s"], 2, axis=axis, color=COLORS["tokens_per_s"], label="tokens/s"
+        )
     drawn["mfu"] = _has(s, "mfu", "total")
     if drawn["mfu"]:
-        _line(fig, s["mfu"], 3, axis=axis, color=COLORS["mfu"], label="MFU")
+        _line(traces, s["mfu"], 3, axis=axis, color=COLORS["mfu"], label="MFU")
     drawn["loss"] = _has(s, "loss", "median")
     if drawn["loss"]:
-        _band(fig, s["loss"], 4, axis=axis, color=COLORS["loss"], label="loss")
+        _band(traces, s["loss"], 4, axis=axis, color=COLORS["loss"], label="loss")
         for i, line in enumerate(data.ranks):
-            x = _xs(line.step, line.ts, axis)
-            fig.add_trace(go.Scatter(x=x, y=finite(line.value), mode="lines",
-                                     name=f"rank {line.rank}",
-                                     line={"width": 1.3, "color": RANK_COLORS[i % len(RANK_COLORS)]},
-                                     hovertemplate=f"rank {line.rank} ({line.why}) %{{y:.4g}}<extra></extra>"),
-                          row=4, col=1)  # fmt: skip
-        _spikes(fig, data, s["loss"], 4, axis=axis, label="loss spike",
+            traces.append(_trace(4, x=_xs(line.step, line.ts, axis), y=finite(line.value),
+                                 mode="lines", name=f"rank {line.rank}",
+                                 line={"width": 1.3, "color": RANK_COLORS[i % len(RANK_COLORS)]},
+                                 hovertemplate=f"rank {line.rank} ({line.why}) %{{y:.4g}}<extra></extra>"))  # fmt: skip
+        _spikes(traces, data, s["loss"], 4, axis=axis, label="loss spike",
                 flags=("loss_spike", "nonfinite_loss"))  # fmt: skip
     drawn["grad_norm"] = _has(s, "grad_norm", "median")
     if drawn["grad_norm"]:
-        _band(fig, s["grad_norm"], 5, axis=axis, color=COLORS["grad_norm"], label="grad norm")
-        _spikes(fig, data, s["grad_norm"], 5, axis=axis, label="grad-norm spike",
+        _band(traces, s["grad_norm"], 5, axis=axis, color=COLORS["grad_norm"], label="grad norm")
+        _spikes(traces, data, s["grad_norm"], 5, axis=axis, label="grad-norm spike",
                 flags=("grad_norm_spike", "nonfinite_grad_norm"))  # fmt: skip
-    drawn["breakdown"] = _breakdown(fig, s, 6, axis=axis)
+    drawn["breakdown"] = _breakdown(traces, s, 6, axis=axis)
     for row, name in enumerate(ROWS, start=1):
         if not drawn[name]:
-            _row_note(fig, row, ROW_EMPTY[name])
+            _row_note(layout, row, ROW_EMPTY[name])
         # An axis no trace refers to is not drawn (nor its note): give each row one.
-        fig.add_trace(go.Scatter(x=[], y=[], name="", showlegend=False, hoverinfo="skip"),
-                      row=row, col=1)  # fmt: skip
-    fig.update_layout(
+        traces.append(_trace(row, x=[], y=[], name="", showlegend=False, hoverinfo="skip"))
+    layout.update(
         height=940,
         margin={"l": 64, "r": 24, "t": 36, "b": 40},
         hovermode="x unified",
@@ -351,24 +395,26 @@ def overview_figure(
         dragmode="zoom",
     )  # fmt: skip
     # Drag selects a range of steps (or time); the y-axes follow the data in it.
-    fig.update_yaxes(fixedrange=True, automargin=True)
-    fig.update_yaxes(row=1, col=1, type="category", categoryorder="array",
-                     categoryarray=EVENT_ROWS, showticklabels=False, showgrid=False)  # fmt: skip
-    fig.update_yaxes(row=3, col=1, tickformat=".0%")
-    for row in (2, 3, 6):  # throughput, MFU and time from zero: a drop reads as a drop
-        fig.update_yaxes(row=row, col=1, rangemode="tozero")
     xrev = f"{revision}|{x_range}"
-    # One type for all: an axis with no data would guess "linear" and stop matching a date axis.
-    fig.update_xaxes(type="date" if axis == "time" else "linear")
-    fig.update_xaxes(uirevision=xrev, showspikes=True, spikemode="across", spikethickness=1,
-                     spikedash="dot", spikecolor="#9ca3af")  # fmt: skip
-    fig.update_xaxes(title_text="time" if axis == "time" else "step", row=len(ROWS), col=1)
-    if x_range is not None:
-        if axis == "time":
-            fig.update_xaxes(range=[when(base.ts[0]), when(base.ts[-1])] if base.ts else None)
-        else:
-            fig.update_xaxes(range=list(x_range))
-    return themed(fig, theme)
+    for row in range(1, len(ROWS) + 1):
+        x, y = _axes(row)
+        yaxis, xaxis = layout[y.replace("y", "yaxis", 1)], layout[x.replace("x", "xaxis", 1)]
+        yaxis.update(fixedrange=True, automargin=True)
+        # One type for all: an axis with no data would guess "linear" and stop matching a date axis.
+        xaxis.update(type="date" if axis == "time" else "linear", uirevision=xrev, showspikes=True,
+                     spikemode="across", spikethickness=1, spikedash="dot", spikecolor="#9ca3af")  # fmt: skip
+        if x_range is not None:
+            if axis == "time":
+                xaxis["range"] = [when(base.ts[0]), when(base.ts[-1])] if base.ts else None
+            else:
+                xaxis["range"] = list(x_range)
+    layout["yaxis"].update(type="category", categoryorder="array", categoryarray=EVENT_ROWS,
+                           showticklabels=False, showgrid=False)  # fmt: skip
+    layout["yaxis3"]["tickformat"] = ".0%"
+    for row in (2, 3, 6):  # throughput, MFU and time from zero: a drop reads as a drop
+        layout[f"yaxis{row}"]["rangemode"] = "tozero"
+    layout[f"xaxis{len(ROWS)}"]["title"] = {"text": "time" if axis == "time" else "step"}
+    return {"data": traces, "layout": themed_layout(layout, theme)}
 
 
 def _has(series: dict[str, Series], metric: str, column: str) -> bool:

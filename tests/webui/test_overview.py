@@ -7,18 +7,19 @@ import datetime as dt
 import json
 import math
 
+import plotly.graph_objects as go
+
 from trainwarden.collector.schemas import Series
-from trainwarden.webui import overview
-from trainwarden.webui.overview_figures import (
-    ROW_EMPTY,
-    Marker,
-    Overview,
-    RankLine,
-    overview_figure,
-    thin,
-)
+from trainwarden.webui import overview, overview_figures
+from trainwarden.webui.overview_figures import ROW_EMPTY, Marker, Overview, RankLine, thin
 
 T0 = 1_700_000_000.0
+
+
+def overview_figure(data: Overview, **kwargs: object) -> go.Figure:
+    """The figure (Plotly's JSON, as the page sends it), read back through ``go.Figure``:
+    which also checks that every property is one Plotly knows."""
+    return go.Figure(overview_figures.overview_figure(data, **kwargs))  # type: ignore[arg-type]
 
 
 def series(metric: str, steps: int = 10, *, n: int = 4, value: float = 1.0, **cols: list) -> Series:
