@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, func, select
+from sqlalchemy import Connection, Integer, func, select
+from sqlalchemy.dialects.postgresql import aggregate_order_by
 
 from . import models as m
 from .db import is_sqlite
@@ -128,12 +129,15 @@ def series(
         query = query.where(s.step >= from_step)
     if to_step is not None:
         query = query.where(s.step <= to_step)
-    if last is not None:
+    bucket = 1
+    if points is not None and not is_sqlite(conn):
+        rows, bucket = _squeezed(conn, query if last is None else
+                                 query.order_by(s.step.desc()).limit(last), points=points)  # fmt: skip
+    elif last is not None:
         query = query.order_by(s.step.desc()).limit(last)
-        rows: list[Any] = list(reversed(conn.execute(query).all()))
+        rows = list(reversed(conn.execute(query).all()))
     else:
         rows = list(conn.execute(query.order_by(s.step)).all())
-    bucket = 1
     if points is not None and len(rows) > points:
         bucket = -(-len(rows) // points)
         rows = [_squeeze(rows[i : i + bucket]) for i in range(0, len(rows), bucket)]
@@ -152,6 +156,35 @@ def series(
         total=list(columns[6]),
         argmax_rank=list(columns[7]),
     )
+
+
+def _squeezed(conn: Connection, query: Any, *, points: int) -> tuple[list[Any], int]:
+    """:func:`_squeeze` in PostgreSQL: the rows of ``query`` (step, ts, n, min, median, max,
+    total, argmax_rank) downsampled to at most ``points``, and the bucket size. A run of a
+    thousand ranks has 10,000 steps a metric: Python spent 20 ms a series fetching and
+    squeezing them, holding the GIL the page's other callbacks want."""
+    q = query.subquery()
+    numbered = select(
+        q,
+        func.row_number().over(order_by=q.c.step).label("i"),
+        func.count().over().label("rows"),
+    ).subquery()
+    size = func.greatest(1, func.ceil(numbered.c.rows / float(points))).cast(Integer)
+    b = (numbered.c.i - 1) // size
+    scored = select(numbered, b.label("b"), size.label("size"),
+                    func.avg(numbered.c.total).over(partition_by=b).label("mean")).subquery()  # fmt: skip
+    c = scored.c
+    first = func.array_agg(aggregate_order_by(c.ts, c.step))[1]
+    extreme = func.array_agg(
+        aggregate_order_by(c.total, func.abs(c.total - c.mean).desc().nulls_last(), c.step)
+    )[1]
+    top = func.array_agg(aggregate_order_by(c.argmax_rank, c.max.desc().nulls_last(), c.step))[1]
+    found = conn.execute(
+        select(func.min(c.step), first, func.max(c.n), func.min(c.min), func.avg(c.median),
+               func.max(c.max), extreme, top, func.max(c.size))
+        .group_by(c.b).order_by(c.b)
+    ).all()  # fmt: skip
+    return [row[:8] for row in found], (found[0][8] if found else 1)
 
 
 def _squeeze(rows: list[Any]) -> tuple[Any, ...]:
