@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from ..conftest import Server, free_port, start_serve, stop_serve
 from ..receivers import Receiver, running_alertmanager
@@ -91,6 +92,8 @@ def hook_got(recv: Receiver, path: str, alertname: str, status: str) -> list[Any
     return out
 
 
+# The embedded default; the alert engine runs on PostgreSQL in tests/collector/test_alerting.py.
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_drills_page_through_alertmanager_pagerduty_slack_and_webhooks(db_url: str, tmp_path: Path) -> None:  # fmt: skip
     recv = Receiver()
     run = "paged"

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from ..conftest import Server, free_port
 
@@ -65,6 +66,9 @@ def stop(procs: list[subprocess.Popen]) -> list[int | None]:
     return [p.wait() for p in procs]
 
 
+# One database: the health evaluator is the same code on both, and the collector tests
+# run every query on SQLite and PostgreSQL (the suite must stay well under 15 minutes).
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_two_rank_drills_show_the_right_states_events_and_flags(
     live_server: Server, tmp_path: Path
 ) -> None:

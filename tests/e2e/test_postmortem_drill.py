@@ -62,6 +62,7 @@ def first(entries: list[dict[str, Any]], source: str, kind: str, **ref: Any) -> 
     )
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)  # SQLite: tests/collector
 def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_durations(db_url: str, tmp_path: Path, browser: Any) -> None:  # fmt: skip
     recv = Receiver()
     rules, actions, notify = (
