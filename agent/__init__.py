@@ -1,10 +1,13 @@
 """trainwarden's per-rank agent. Import it as ``import trainwarden.agent as tw``.
 
-    tw.init(run="my-run", url="http://collector:8000")
+    tw.init(run="my-run", url="http://collector:8000", config={"lr": 3e-4}, tags=["baseline"])
     for step, batch in enumerate(loader):
         with tw.step(step, tokens=batch.numel()) as s:
             loss = model(batch); loss.backward(); opt.step(); opt.zero_grad()
             s.loss(loss)
+        if step % 1000 == 0:
+            with tw.checkpointing(step, path):
+                torch.save(state, path)
     tw.shutdown()
 
 This module stays light: it never imports fastapi, sqlalchemy, dash or plotly.
@@ -12,10 +15,12 @@ This module stays light: it never imports fastapi, sqlalchemy, dash or plotly.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from . import core as _core
+from .checkpoints import Checkpointing
 from .commands import STOPPED_EXIT_CODE, RollbackPlan
 from .config import AgentConfig, ConfigError
 from .core import Agent, Step
@@ -25,13 +30,16 @@ from .watch import Watch
 __all__ = [
     "Agent",
     "AgentConfig",
+    "Checkpointing",
     "ConfigError",
     "RollbackPlan",
     "STOPPED_EXIT_CODE",
     "Step",
     "Transport",
     "Watch",
+    "checkpoint_drained",
     "checkpoint_saved",
+    "checkpointing",
     "event",
     "init",
     "on_rollback",
@@ -69,6 +77,9 @@ def init(
     spool_dir: str | None = None,
     spool_max_mb: float | None = None,
     transport: Transport | None = None,
+    config: Any = None,
+    tags: Any = None,
+    data_snapshot: Any = None,
 ) -> Agent:
     """Start the agent for this process.
 
@@ -99,6 +110,20 @@ def init(
     ``$TMPDIR/trainwarden-spool-<uid>``, at most ``spool_max_mb``, 256 MB; ``"none"``:
     in memory) and go out in order when it answers again, from this process or the
     next one of the same run and rank. The training thread never waits for it.
+
+    Run identity: ``config`` (a mapping of hyperparameters; values that are not JSON,
+    such as a torch dtype or a path, are kept as text), ``tags`` (a list of strings,
+    ``TRAINWARDEN_TAGS="a,b"``) and ``data_snapshot`` (the data version,
+    ``TRAINWARDEN_DATA_SNAPSHOT``) go to the collector once per process, in its
+    ``attempt_start`` event, with the code version (git commit, dirty flag, branch; or
+    ``TRAINWARDEN_CODE_VERSION``), the environment (Python, torch, CUDA, NCCL, GPU,
+    driver, host, a hash of the installed packages; rank 0 sends the list) and the
+    launcher's attempt (torchelastic restart, Slurm job and restart, or
+    ``TRAINWARDEN_ATTEMPT``). A background thread gathers them: ``init`` does not wait.
+    The process's end sends ``attempt_end`` with its reason: ``completed``
+    (:func:`shutdown` or a normal exit), ``exception`` (an uncaught one),
+    ``sigterm`` or ``stopped`` (the collector's stop command).
+
     Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
     shuts the previous agent down first.
     """
@@ -125,6 +150,9 @@ def init(
         exporter=exporter,
         spool_dir=spool_dir,
         spool_max_mb=spool_max_mb,
+        config=config,
+        tags=tags,
+        data_snapshot=data_snapshot,
     )
     if _core._agent is not None:
         _core._agent.shutdown()
@@ -132,6 +160,7 @@ def init(
     _core.set_current(agent)
     if config.flush_on_sigterm:
         _core.install_sigterm_flush()
+    _core.install_excepthook()
     return agent
 
 
@@ -174,11 +203,44 @@ def event(kind: str, *, step: int | None = None, severity: str = "info", **data:
     _core.current().event(kind, step=step, severity=severity, **data)
 
 
-def checkpoint_saved(step: int, path: str, **meta: Any) -> None:
+def checkpoint_saved(
+    step: int,
+    path: Any,
+    *,
+    seconds: float | None = None,
+    bytes: int | None = None,  # noqa: A002 - the size, named as users say it
+    drain_seconds: float | None = None,
+    **meta: Any,
+) -> None:
     """Report that the trainer saved a checkpoint of ``step`` at ``path`` (the agent
-    never writes checkpoints itself). The collector keeps them with the run; the
-    CheckpointStale alert fires when none has been reported for 2 hours."""
-    _core.current().event("checkpoint", step=step, path=str(path), **meta)
+    never writes checkpoints itself). The collector keeps them with the run (rollbacks
+    restore them); the CheckpointStale alert fires when none has been reported for 2 hours.
+
+    ``seconds``: how long the save blocked training; ``bytes``: its size;
+    ``drain_seconds``: how long an async save took to finish writing after that. They
+    feed the checkpoint cost and the cadence advice; a wrong type or a negative or
+    non-finite value raises ``TypeError`` / ``ValueError``. :func:`checkpointing` measures
+    the first two for you."""
+    _core.current().checkpoint_saved(
+        step, path, seconds=seconds, bytes=bytes, drain_seconds=drain_seconds, **meta
+    )
+
+
+def checkpointing(step: int, path: Any = None) -> Checkpointing:
+    """Time a checkpoint save: ``with tw.checkpointing(step, path) as ck: save(path)``.
+
+    On a normal exit it reports :func:`checkpoint_saved` with ``seconds`` (the block's
+    time) and ``bytes`` (the file's size, or the sum over a directory, read on a
+    background thread); if the block raises, a ``checkpoint_failed`` warning, and the
+    exception goes on. For an async save, call ``ck.drained()`` when it has finished
+    writing: that reports the drain time since the block ended."""
+    return _core.current().checkpointing(step, path)
+
+
+def checkpoint_drained(step: int, seconds: float, path: Any = None) -> None:
+    """Report that the async save of ``step``'s checkpoint finished writing ``seconds``
+    after training went on (see also ``ck.drained()`` of :func:`checkpointing`)."""
+    _core.current().checkpoint_drained(step, seconds, path)
 
 
 def on_rollback(handler: Callable[[RollbackPlan], Any]) -> None:
@@ -211,5 +273,7 @@ def shutdown(timeout_s: float = 5.0) -> None:
     """Flush what is queued (waiting at most ``timeout_s``) and stop the agent."""
     agent = _core._agent
     if agent is not None:
+        if sys.exc_info()[1] is not None:  # in a `finally:` while an exception propagates
+            agent.note_exit_in_flight()
         agent.shutdown(timeout_s)
         _core.set_current(None)

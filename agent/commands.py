@@ -231,6 +231,7 @@ class Commands:
         self._agent.event(
             "shutdown", reason=reason, exit_code=STOPPED_EXIT_CODE, severity="warning"
         )
+        self._agent.end_reason("stopped", reason, STOPPED_EXIT_CODE)
         self._agent.shutdown(timeout_s=5.0)
         raise SystemExit(STOPPED_EXIT_CODE)
 

@@ -6,16 +6,24 @@ in the message, instead of surfacing as missing data an hour into the run.
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import re
 import socket
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from .mfu import dtype_name
 
 EXPORTERS = ("http", "otlp")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MAX_CONFIG_BYTES = 256 * 1024  # hyperparameters, not data: it is stored once per attempt
+MAX_TAG_CHARS = 200
+MAX_SNAPSHOT_CHARS = 4096
+_MAX_DEPTH = 32
+_INT64 = 2**63
 
 
 class ConfigError(ValueError):
@@ -53,6 +61,95 @@ def _as_float(value: Any, what: str, *, minimum: float) -> float:
     if not number > minimum:
         raise ConfigError(f"{what} must be > {minimum}, got {number}")
     return number
+
+
+def _json_value(value: Any, depth: int = 0) -> Any:
+    """``value`` as plain JSON: mappings and sequences recursively, numbers as numbers
+    (NaN and infinities as strings, as the wire carries them), anything else as ``str()``.
+    A config holds torch dtypes, paths and numpy scalars: never an error."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return value if -_INT64 <= value < _INT64 else str(value)  # JSON libraries stop at 64 bits
+    if isinstance(value, float):
+        return value if math.isfinite(value) else str(value)  # "nan", "inf", "-inf"
+    if type(value).__name__ == "bool_":  # numpy's: not an int, and float() would make it 1.0
+        return bool(value)
+    if depth >= _MAX_DEPTH:  # a structure that contains itself
+        return str(value)
+    if isinstance(value, Mapping):
+        return {str(k): _json_value(v, depth + 1) for k, v in value.items()}
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _json_value(getattr(value, f.name), depth + 1) for f in fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_json_value(v, depth + 1) for v in value]
+    if isinstance(value, (set, frozenset)):
+        return sorted((_json_value(v, depth + 1) for v in value), key=str)
+    if not isinstance(value, (bytes, bytearray)) and hasattr(value, "__index__"):
+        try:  # numpy integers, a one-element integer tensor
+            return _json_value(int(value.__index__()), depth + 1)
+        except Exception:
+            pass
+    if hasattr(value, "__float__") and not isinstance(value, complex):
+        try:  # numpy floats, Decimal, Fraction, a one-element float tensor
+            return _json_value(float(value), depth + 1)
+        except Exception:
+            pass
+    try:
+        return str(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+def run_config(config: Any) -> dict[str, Any] | None:
+    """The ``tw.init(config=...)`` mapping as JSON-safe data; :class:`ConfigError` if it is
+    not a mapping or is too big to keep with every attempt."""
+    if config is None:
+        return None
+    if not isinstance(config, Mapping):
+        raise ConfigError(
+            f"config must be a mapping of hyperparameters (a dict), got {type(config).__name__}; "
+            "for argparse pass vars(args), for a dataclass dataclasses.asdict(cfg)"
+        )
+    clean = _json_value(config)
+    size = len(json.dumps(clean, ensure_ascii=False).encode())
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"config is {size / 1024:.0f} KiB as JSON, over the {MAX_CONFIG_BYTES // 1024} KiB "
+            "limit: pass hyperparameters, not data (leave out vocabularies, tensors, file lists)"
+        )
+    return clean  # type: ignore[no-any-return]
+
+
+def run_tags(tags: Any) -> tuple[str, ...]:
+    """``tw.init(tags=[...])`` (or ``TRAINWARDEN_TAGS="a,b"``): strings, in order, once each."""
+    if tags is None:
+        tags = [t.strip() for t in (_env("TRAINWARDEN_TAGS") or "").split(",")]
+        tags = [t for t in tags if t]
+    elif not isinstance(tags, (list, tuple)) or not all(isinstance(t, str) for t in tags):
+        raise ConfigError(
+            f"tags must be a list of strings (e.g. tags=['baseline', 'lr-sweep']), got {tags!r}"
+        )
+    for t in tags:
+        if not t.strip() or len(t) > MAX_TAG_CHARS:
+            raise ConfigError(f"tag {t!r} is not valid: use 1-{MAX_TAG_CHARS} characters")
+    return tuple(dict.fromkeys(t.strip() for t in tags))
+
+
+def data_snapshot_name(value: Any) -> str | None:
+    """``tw.init(data_snapshot=...)`` (or ``TRAINWARDEN_DATA_SNAPSHOT``): a name, a path or
+    a URI of the data version the run trains on."""
+    value = _pick(value, "TRAINWARDEN_DATA_SNAPSHOT")
+    if value is None:
+        return None
+    if isinstance(value, os.PathLike):
+        value = os.fspath(value)
+    if not isinstance(value, str) or len(value) > MAX_SNAPSHOT_CHARS:
+        raise ConfigError(
+            f"data_snapshot must be a string of at most {MAX_SNAPSHOT_CHARS} characters "
+            f"(a dataset version, path or URI), got {value!r:.100}"
+        )
+    return value
 
 
 @dataclass(frozen=True)
@@ -110,6 +207,12 @@ class AgentConfig:
     """Past this, the spool's oldest batches are dropped (and counted)."""
     flush_on_sigterm: bool = True
     """On SIGTERM, flush (or spool) before dying of it, if no other handler is installed."""
+    run_config: dict[str, Any] | None = None
+    """The trainer's hyperparameters (``tw.init(config=...)``), JSON-safe; sent once per attempt."""
+    tags: tuple[str, ...] = ()
+    """Labels of the run (``TRAINWARDEN_TAGS``, comma-separated)."""
+    data_snapshot: str | None = None
+    """The data version the run trains on (``TRAINWARDEN_DATA_SNAPSHOT``)."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -138,6 +241,9 @@ class AgentConfig:
         exporter: str | None = None,
         spool_dir: str | None = None,
         spool_max_mb: float | None = None,
+        config: Any = None,
+        tags: Any = None,
+        data_snapshot: Any = None,
     ) -> AgentConfig:
         run = _pick(run, "TRAINWARDEN_RUN")
         if run is None:
@@ -190,6 +296,9 @@ class AgentConfig:
         node = _env("SLURMD_NODENAME") or _env("NODE_NAME") or host
 
         return cls(
+            run_config=run_config(config),
+            tags=run_tags(tags),
+            data_snapshot=data_snapshot_name(data_snapshot),
             peak_flops=None
             if peak_flops is None
             else _as_float(peak_flops, "peak_flops (TRAINWARDEN_PEAK_FLOPS)", minimum=0.0),

@@ -8,6 +8,7 @@ exporter thread.
 from __future__ import annotations
 
 import atexit
+import copy
 import logging
 import os
 import signal
@@ -18,6 +19,8 @@ import uuid
 from collections import deque
 from typing import Any
 
+from . import identity
+from .checkpoints import Checkpointing, checked_seconds, checked_step, checkpoint_data
 from .commands import Commands
 from .config import AgentConfig, ConfigError
 from .drills import Drill, DrillError, parse
@@ -34,6 +37,12 @@ log = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
 _SHUTDOWN_TIMEOUT_S = 5.0
+# Records wait (at most this long, in memory) behind the attempt_start event, so that the
+# collector learns which attempt a process is before its first step.
+_FIRST_EVENT_WAIT_S = 1.0
+_IDENTITY_WAIT_AT_EXIT_S = 2.0
+_CHECKPOINT_SIZE_WAIT_AT_EXIT_S = 1.0
+SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # what a shell, Slurm or Kubernetes reports: 143
 
 
 class StepRecord:
@@ -291,6 +300,18 @@ class Agent:
                 config.queue_size,
             )
         self._closed = False
+        # Until attempt_start is queued, records are held back (see _hold); one attribute
+        # read on the hot path once it is.
+        self._gate_lock = threading.Lock()
+        self._held: deque[Any] = deque()
+        self._gated = self._exporter is not None
+        self._gate_deadline = time.monotonic() + _FIRST_EVENT_WAIT_S
+        self._identity_thread: threading.Thread | None = None
+        self._identity = identity.skeleton(config)
+        self._attempt_started = False
+        self._attempt_lock = threading.Lock()
+        self._end: tuple[str, str, int | None] = ("completed", "", None)
+        self._checkpoints: set[Checkpointing] = set()  # sizes still being measured
         self.gpu_device: Any = None
         self.gpu_monitor: GpuMonitor | None = None
         self.event("start", pid=os.getpid(), world_size=config.world_size)
@@ -304,6 +325,52 @@ class Agent:
                 self.shutdown(timeout_s=0.5)
                 raise ConfigError(str(exc)) from None
         self._start_gpu_monitor(simulate=bool(self._drill and self._drill.needs_gpu))
+        self._identity_thread = threading.Thread(
+            target=self._collect_identity, name="trainwarden-identity", daemon=True
+        )
+        self._identity_thread.start()
+
+    # -- run identity: the attempt_start event -------------------------------------------
+
+    def _collect_identity(self) -> None:
+        try:
+            identity.collect(self.config, self._identity, gpu_device=self.gpu_device)
+        except Exception:  # never the trainer's problem: the fields stay None
+            log.debug("trainwarden: identity collection failed", exc_info=True)
+        self._start_attempt()
+
+    def _start_attempt(self) -> None:
+        """Queue ``attempt_start`` (once), ahead of every record held back so far."""
+        with self._attempt_lock:
+            if self._attempt_started:
+                return
+            self._attempt_started = True
+            data = copy.deepcopy(self._identity)  # the identity thread may still be filling it
+        self.stats["recorded"] += 1
+        record = EventRecord(self._event_body("attempt_start", None, "info", data, self.started_at))
+        self._open_gate(record)
+        self.flush_soon()
+
+    def end_reason(self, reason: str, detail: str = "", exit_code: int | None = None) -> None:
+        """How this process is ending (``attempt_end``'s reason), said before it shuts down."""
+        self._end = (reason, detail[:300], exit_code)
+
+    def note_exit_in_flight(self) -> None:
+        """``tw.shutdown()`` in a ``finally`` while an exception propagates: that exception
+        ends the attempt; ``sys.exit(n)`` ends it ``completed`` with its code."""
+        exc = sys.exc_info()[1]
+        if exc is None or self._end[0] != "completed":
+            return
+        if isinstance(exc, SystemExit):
+            code = exc.code
+            self._end = (
+                "completed",
+                "",
+                0 if code is None else code if isinstance(code, int) else 1,
+            )
+        else:
+            code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
+            self.end_reason("exception", f"{type(exc).__name__}: {exc}", code)
 
     def _open_spool(self) -> Spool:
         """The disk spool of this run and rank; in memory if the directory is unusable."""
@@ -377,8 +444,16 @@ class Agent:
 
     def flush(self, timeout_s: float) -> None:
         """Send what is queued now, waiting at most ``timeout_s``."""
+        if self._gated:
+            self._wait_for_identity(min(timeout_s / 2, _FIRST_EVENT_WAIT_S))
+            self._open_gate(None)
         if self._exporter is not None:
             self._exporter.flush(timeout_s)
+
+    def _wait_for_identity(self, timeout_s: float) -> None:
+        thread = self._identity_thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, timeout_s))
 
     def _header(self) -> dict[str, Any]:
         c = self.config
@@ -411,6 +486,42 @@ class Agent:
 
     def _enqueue(self, record: Any) -> None:
         self.stats["recorded"] += 1
+        if self._gated and self._hold(record):
+            return
+        self._put(record)
+
+    def _hold(self, record: Any) -> bool:
+        """Hold ``record`` back while attempt_start is not queued yet (True), for at most
+        ``_FIRST_EVENT_WAIT_S``: then the records go out without waiting for it."""
+        if time.monotonic() >= self._gate_deadline:
+            self._open_gate(None)
+            return False
+        with self._gate_lock:
+            if not self._gated:
+                return False
+            held = self._held
+            if len(held) >= self.config.queue_size:
+                held.popleft()
+                self.stats["dropped_queue_full"] += 1
+            held.append(record)
+            return True
+
+    def _open_gate(self, first: Any) -> None:
+        """Queue ``first`` (if any), then what was held back, in order. ``_gated`` turns
+        False only once they are all queued: a record that comes meanwhile waits on the
+        lock and goes behind them."""
+        with self._gate_lock:
+            if self._gated:
+                if first is not None:
+                    self._put(first)
+                while self._held:
+                    self._put(self._held.popleft())
+                self._gated = False
+                return
+        if first is not None:
+            self._put(first)  # it came late: as soon as it is ready
+
+    def _put(self, record: Any) -> None:
         if self._exporter is None:
             self._local.append(record)
             return
@@ -460,15 +571,54 @@ class Agent:
         self, kind: str, *, step: int | None = None, severity: str = "info", **data: Any
     ) -> None:
         """Queue an event (restart, shutdown, ...). Cheap; safe from any thread."""
-        body = {
+        self._enqueue(EventRecord(self._event_body(kind, step, severity, data, None)))
+
+    def event_at(
+        self, ts: float, kind: str, *, step: int | None, severity: str, data: dict[str, Any]
+    ) -> None:
+        """An event of an earlier moment ``ts`` (wall clock), queued now."""
+        self._enqueue(EventRecord(self._event_body(kind, step, severity, data, ts)))
+
+    @staticmethod
+    def _event_body(
+        kind: str, step: int | None, severity: str, data: dict[str, Any], ts: float | None
+    ) -> dict[str, Any]:
+        return {
             "id": uuid.uuid4().hex,
             "kind": kind,
-            "ts": time.time(),
+            "ts": time.time() if ts is None else ts,
             "step": step,
             "severity": severity,
             "data": data,
         }
-        self._enqueue(EventRecord(body))
+
+    # -- checkpoints ------------------------------------------------------------------------
+
+    def checkpoint_saved(
+        self,
+        step: int,
+        path: Any,
+        *,
+        seconds: float | None = None,
+        bytes: int | None = None,  # noqa: A002 - the public keyword
+        drain_seconds: float | None = None,
+        **meta: Any,
+    ) -> None:
+        step = checked_step(step)
+        data = checkpoint_data(path, seconds=seconds, bytes=bytes, drain_seconds=drain_seconds,
+                               meta=meta)  # fmt: skip
+        self.event_at(time.time(), "checkpoint", step=step, severity="info", data=data)
+
+    def checkpointing(self, step: int, path: Any = None) -> Checkpointing:
+        return Checkpointing(self, checked_step(step), path)
+
+    def checkpoint_drained(self, step: int, seconds: float, path: Any = None) -> None:
+        step = checked_step(step)
+        drain = checked_seconds(seconds, "seconds")
+        if drain is None:
+            raise TypeError("seconds must be a number of seconds, got None")
+        self.event("checkpoint_drained", step=step, path=None if path is None else os.fspath(path),
+                   drain_seconds=drain)  # fmt: skip
 
     def recent(self, n: int = 100) -> list[Any]:
         """The last ``n`` records kept locally (only when there is no collector)."""
@@ -478,6 +628,13 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        started = time.monotonic()
+        if self._identity_thread is not None:
+            # attempt_start goes out before the goodbye: with what is known by now.
+            self._wait_for_identity(min(timeout_s / 2, _IDENTITY_WAIT_AT_EXIT_S))
+            self._start_attempt()
+        self._open_gate(None)
+        self._finish_checkpoints(min(timeout_s / 4, _CHECKPOINT_SIZE_WAIT_AT_EXIT_S))
         # An exception that left a step and was never followed by a good step is how
         # this process ends: report it, so the collector marks the rank failed.
         if self._last_error is not None:
@@ -486,10 +643,23 @@ class Agent:
             )
         else:
             self.event("shutdown", step=self._last_step)
+        if self._identity_thread is not None:
+            reason, detail, exit_code = self._end
+            if reason == "completed" and self._last_error is not None:
+                reason, detail = "exception", self._last_error  # it left a step, and ends us
+            self.event("attempt_end", step=None, reason=reason, detail=detail,
+                       exit_code=exit_code, last_step=self._last_step)  # fmt: skip
         if self.gpu_monitor is not None:
             self.gpu_monitor.stop()
         if self._exporter is not None:
-            self._exporter.shutdown(timeout_s)
+            self._exporter.shutdown(max(0.1, timeout_s - (time.monotonic() - started)))
+
+    def _finish_checkpoints(self, timeout_s: float) -> None:
+        """Checkpoints whose size is still being measured go out now, with it if it comes
+        within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        for ck in list(self._checkpoints):
+            ck.finish(wait_s=max(0.0, deadline - time.monotonic()))
 
 
 _agent: Agent | None = None
@@ -518,6 +688,8 @@ def _forget_in_child() -> None:
         _agent._exporter = None
         _agent.gpu_monitor = None
         _agent._closed = True
+        _agent._gate_lock = threading.Lock()  # another thread may have held it at the fork
+        _agent._gated = False
 
 
 if hasattr(os, "register_at_fork"):
@@ -551,11 +723,36 @@ def _on_sigterm(signum: int, frame: Any) -> None:
         )
         try:
             agent.event("signal", step=agent._last_step, severity="warning", signal="SIGTERM")
+            agent.end_reason("sigterm", "SIGTERM", SIGTERM_EXIT_CODE)
             agent.shutdown(timeout_s=_SHUTDOWN_TIMEOUT_S)
         except Exception:
             log.exception("trainwarden: flush on SIGTERM failed")
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.kill(os.getpid(), signal.SIGTERM)  # die of it, as without the agent
+
+
+_previous_excepthook: Any = None
+
+
+def install_excepthook() -> None:
+    """Chain ``sys.excepthook``: an uncaught exception that ends the main thread is the
+    attempt's end reason (the atexit flush that follows sends it)."""
+    global _previous_excepthook
+    if _previous_excepthook is None:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _on_uncaught
+
+
+def _on_uncaught(exc_type: Any, exc: Any, tb: Any) -> None:
+    agent = _agent
+    # At an interactive prompt an exception does not end the process.
+    if agent is not None and not agent._closed and not hasattr(sys, "ps1"):
+        try:
+            code = 128 + signal.SIGINT if issubclass(exc_type, KeyboardInterrupt) else 1
+            agent.end_reason("exception", f"{exc_type.__name__}: {exc}", code)
+        except Exception:
+            pass
+    (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
 
 
 def _flush_at_exit() -> None:

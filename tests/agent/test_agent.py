@@ -73,11 +73,11 @@ def test_steps_are_timed_and_sent_off_the_training_thread() -> None:
     assert all(s["tokens"] == 128 for s in steps)
     assert transport.threads == {"trainwarden-exporter"}
     kinds = [e["kind"] for e in transport.events()]
-    assert kinds == ["start", "gpu_telemetry", "shutdown"]
+    assert kinds == ["attempt_start", "start", "gpu_telemetry", "shutdown", "attempt_end"]
     # No GPU here: one clear "no GPU telemetry" state, nothing else.
-    assert transport.events()[1]["data"]["state"] == "unavailable"
-    assert "NVML" in transport.events()[1]["data"]["reason"]
-    assert transport.events()[2]["step"] == 4
+    assert transport.events()[2]["data"]["state"] == "unavailable"
+    assert "NVML" in transport.events()[2]["data"]["reason"]
+    assert transport.events()[3]["step"] == 4
     header = transport.bodies[0]["agent"]
     assert (header["rank"], header["world_size"]) == (0, 1)
     assert header["session"]
@@ -141,10 +141,11 @@ def test_collector_down_spools_to_disk_and_the_next_process_sends_it_in_order(
     agent = tw.init.__globals__["_core"]._agent
     tw.shutdown(timeout_s=2)
     stats = agent.stats
-    assert stats["recorded"] == 53  # 50 steps + the start, gpu_telemetry and shutdown events
+    # 50 steps + the attempt_start, start, gpu_telemetry, shutdown and attempt_end events
+    assert stats["recorded"] == 55
     assert stats["sent"] == 0
     # Nothing lost: all of it waits on disk, for this rank of this run.
-    assert stats["spooled"] == 53
+    assert stats["spooled"] == 55
     assert stats["dropped_send_failed"] == stats["dropped_at_shutdown"] == 0
     files = sorted(p.name for p in (spool / "unit" / "rank-0").iterdir())
     assert files and all(f.endswith(".json") for f in files)
@@ -161,7 +162,8 @@ def test_collector_down_spools_to_disk_and_the_next_process_sends_it_in_order(
     assert [s["step"] for s in transport.steps()] == list(range(51))
     kinds = [e["kind"] for e in transport.events()]
     assert kinds.count("start") == 2 and kinds.count("shutdown") == 2
-    assert kinds.index("shutdown") < kinds.index("start", 1)  # the earlier process's first
+    second = [i for i, k in enumerate(kinds) if k == "start"][1]
+    assert kinds.index("shutdown") < second  # the earlier process's first
     assert list((spool / "unit" / "rank-0").iterdir()) == []
 
 
@@ -174,7 +176,7 @@ def test_without_a_spool_directory_what_waits_is_lost_at_exit_and_counted() -> N
     time.sleep(0.2)
     agent = tw.init.__globals__["_core"]._agent
     tw.shutdown(timeout_s=2)
-    assert (agent.stats["sent"], agent.stats["dropped_at_shutdown"]) == (0, 53)
+    assert (agent.stats["sent"], agent.stats["dropped_at_shutdown"]) == (0, 55)
 
 
 def test_the_spool_replays_in_order_when_the_collector_returns_and_keeps_its_bound(
@@ -352,7 +354,7 @@ def test_a_refused_token_loses_nothing_and_says_so_once(caplog, tmp_path: Path) 
     tw.shutdown(timeout_s=2)
     assert agent.stats["batches_refused_auth"] >= 1
     assert agent.stats["dropped_send_failed"] == agent.stats["dropped_at_shutdown"] == 0
-    assert agent.stats["spooled"] == 23
+    assert agent.stats["spooled"] == 25
     said = [r for r in caplog.records if "refused this agent's token" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.ERROR
     assert "TRAINWARDEN_TOKEN" in said[0].getMessage()

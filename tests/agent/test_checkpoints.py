@@ -1,0 +1,164 @@
+"""Checkpoint cost: ``tw.checkpoint_saved(..., seconds=, bytes=, drain_seconds=)`` and
+``with tw.checkpointing(step, path) as ck``, whose size is measured off the training thread."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import trainwarden.agent as tw
+from trainwarden.agent import checkpoints
+
+from .test_agent import RecordingTransport, _clean_agent  # noqa: F401 - its autouse fixture
+
+
+@pytest.fixture
+def transport() -> RecordingTransport:
+    transport = RecordingTransport()
+    tw.init(run="ckpt", transport=transport, flush_interval_s=0.05, profile_every=0)
+    return transport
+
+
+def _events(transport: RecordingTransport, kind: str) -> list[dict[str, Any]]:
+    tw.shutdown(timeout_s=5)
+    return [e for e in transport.events() if e["kind"] == kind]
+
+
+def _sharded_checkpoint(folder: Path) -> int:
+    """A directory tree as torch.distributed.checkpoint writes one; returns its bytes."""
+    (folder / "model").mkdir(parents=True)
+    (folder / "optim" / "shards").mkdir(parents=True)
+    sizes = {"model/__0_0.distcp": 4096, "model/__1_0.distcp": 1000,
+             "optim/shards/__0_0.distcp": 12_345, ".metadata": 77}  # fmt: skip
+    for name, size in sizes.items():
+        (folder / name).write_bytes(b"\0" * size)
+    (folder / "latest").symlink_to(folder / "model")  # not counted twice
+    return sum(sizes.values())
+
+
+def test_checkpointing_times_the_save_and_measures_a_directory(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    folder = tmp_path / "step-100"
+    with tw.checkpointing(100, folder) as ck:
+        size = _sharded_checkpoint(folder)
+        time.sleep(0.05)  # the save blocks training this long
+    assert ck.seconds is not None and 0.05 <= ck.seconds < 1.0
+    (event,) = _events(transport, "checkpoint")
+    assert event["step"] == 100 and event["severity"] == "info"
+    assert event["data"] == {"path": str(folder), "seconds": ck.seconds, "bytes": size}
+
+
+def test_a_single_file_and_a_missing_path(tmp_path: Path, transport: RecordingTransport) -> None:
+    path = tmp_path / "step-5.pt"
+    with tw.checkpointing(5, str(path)):
+        path.write_bytes(b"x" * 2048)
+    with tw.checkpointing(6, tmp_path / "never-written"):
+        pass
+    with tw.checkpointing(7):  # no path: the time alone
+        pass
+    saved = sorted(_events(transport, "checkpoint"), key=lambda e: e["step"])
+    assert [(e["step"], e["data"].get("bytes")) for e in saved] == [(5, 2048), (6, None), (7, None)]
+    assert [e["ts"] for e in saved] == sorted(e["ts"] for e in saved)  # when each save ended
+    assert saved[2]["data"]["path"] is None and "bytes" not in saved[1]["data"]
+
+
+def test_the_size_is_measured_off_the_training_thread(
+    tmp_path: Path, transport: RecordingTransport, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    threads: list[str] = []
+    original = checkpoints.size_of
+
+    def spy(path: str) -> int | None:
+        threads.append(threading.current_thread().name)
+        time.sleep(0.2)  # a slow shared file system
+        return original(path)
+
+    monkeypatch.setattr(checkpoints, "size_of", spy)
+    path = tmp_path / "ckpt.pt"
+    path.write_bytes(b"x" * 10)
+    started = time.perf_counter()
+    with tw.checkpointing(1, path):
+        pass
+    assert time.perf_counter() - started < 0.1  # the training thread went on at once
+    (event,) = _events(transport, "checkpoint")  # shutdown waits for the size
+    assert threads == ["trainwarden-checkpoint-size"] and event["data"]["bytes"] == 10
+
+
+def test_a_failed_save_is_a_warning_and_the_exception_goes_on(
+    tmp_path: Path, transport: RecordingTransport
+) -> None:
+    with pytest.raises(OSError, match="No space left"), tw.checkpointing(9, tmp_path / "x") as ck:
+        time.sleep(0.01)
+        raise OSError(28, "No space left on device")
+    assert _events(transport, "checkpoint") == []
+    (failed,) = [e for e in transport.events() if e["kind"] == "checkpoint_failed"]
+    assert failed["step"] == 9 and failed["severity"] == "warning"
+    assert failed["data"] == {"path": str(tmp_path / "x"), "seconds": ck.seconds,
+                              "error": "OSError: [Errno 28] No space left on device"}  # fmt: skip
+
+
+def test_an_async_save_reports_its_drain(tmp_path: Path, transport: RecordingTransport) -> None:
+    with tw.checkpointing(200, tmp_path / "async") as ck:
+        pass  # async_save() returned: training goes on while it writes
+    time.sleep(0.05)
+    drained = ck.drained()  # the writer finished
+    assert ck.drained() == drained  # once
+    tw.checkpoint_drained(300, 2.5, path="/ckpt/300")
+    tw.checkpoint_drained(400, 1)
+    tw.shutdown(timeout_s=5)
+    events = [e for e in transport.events() if e["kind"] == "checkpoint_drained"]
+    assert [(e["step"], e["data"]) for e in events] == [
+        (200, {"path": str(tmp_path / "async"), "drain_seconds": drained}),
+        (300, {"path": "/ckpt/300", "drain_seconds": 2.5}),
+        (400, {"path": None, "drain_seconds": 1.0}),
+    ]
+    assert 0.05 <= drained < 1.0
+
+
+def test_checkpoint_saved_carries_the_typed_fields_and_the_trainers_own(
+    transport: RecordingTransport,
+) -> None:
+    tw.checkpoint_saved(10, "/ckpt/10", seconds=12.5, bytes=np.int64(2**40), drain_seconds=30,
+                        kind="full")  # fmt: skip
+    tw.checkpoint_saved(20, Path("/ckpt/20"))
+    saved = _events(transport, "checkpoint")
+    assert saved[0]["data"] == {"path": "/ckpt/10", "seconds": 12.5, "bytes": 2**40,
+                                "drain_seconds": 30.0, "kind": "full"}  # fmt: skip
+    assert saved[1]["data"] == {"path": "/ckpt/20"}  # what rollbacks and CheckpointStale read
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"seconds": -1.0}, ValueError, "seconds must be a finite number of seconds >= 0"),
+        ({"seconds": math.nan}, ValueError, "seconds must be a finite"),
+        ({"seconds": "12s"}, TypeError, "seconds must be a number of seconds"),
+        ({"drain_seconds": math.inf}, ValueError, "drain_seconds must be a finite"),
+        ({"bytes": 1.5e9}, TypeError, "bytes must be an int"),
+        ({"bytes": -1}, ValueError, "bytes must be >= 0"),
+        ({"bytes": True}, TypeError, "bytes must be an int"),
+    ],
+)
+def test_wrong_checkpoint_fields_are_bugs_at_the_call_site(
+    transport: RecordingTransport, kwargs: dict[str, Any], error: type, message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        tw.checkpoint_saved(10, "/ckpt/10", **kwargs)
+
+
+def test_wrong_steps_fail_at_once(transport: RecordingTransport) -> None:
+    with pytest.raises(TypeError, match="step must be an int"):
+        tw.checkpointing("100")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="step must be >= 0"):
+        tw.checkpoint_saved(-1, "/ckpt")
+    with pytest.raises(ValueError, match="seconds must be a finite"):
+        tw.checkpoint_drained(1, -2.0)
+    with pytest.raises(RuntimeError, match="after the"):
+        tw.checkpointing(1).drained()
