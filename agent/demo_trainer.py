@@ -98,10 +98,10 @@ def _save(
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        torch.save({"step": step, "cursor": state["cursor"], "model": getattr(model, "module", model).state_dict(),
-                    "opt": opt.state_dict()}, tmp)  # fmt: skip
-        tmp.rename(path)
-        tw.checkpoint_saved(step, str(path))
+        with tw.checkpointing(step, path):  # its blocking time and size: the checkpoint's cost
+            torch.save({"step": step, "cursor": state["cursor"], "model": getattr(model, "module", model).state_dict(),
+                        "opt": opt.state_dict()}, tmp)  # fmt: skip
+            tmp.rename(path)
     if dist.is_initialized():
         dist.barrier()
 
@@ -126,15 +126,19 @@ def main(argv: list[str] | None = None) -> None:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
 
-    vocab, context = 64, 8
+    vocab, context, dim, lr = 64, 8, 32, 3e-3
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model: nn.Module = TinyLM(vocab, context, dim=32)
+    model: nn.Module = TinyLM(vocab, context, dim=dim)
     if world > 1:
         model = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
     data = MarkovData(vocab, context, chain_seed=args.seed, sample_seed=args.seed + 1 + rank)
 
-    tw.init(run=args.run, url=args.url)
+    config = {"lr": lr, "optimizer": "AdamW", "batch_size": args.batch_size, "vocab": vocab,
+              "context": context, "dim": dim, "seed": args.seed, "steps": args.steps,
+              "checkpoint_every": args.checkpoint_every}  # fmt: skip
+    tw.init(run=args.run, url=args.url, config=config, tags=["demo", "cpu"],
+            data_snapshot=f"markov:seed={args.seed}")  # fmt: skip
     tw.watch(model, opt, grad_norm=True)  # phases, comm split (DDP), MFU, grad-norm spikes
     state = {"step": args.start_step, "cursor": args.start_step}  # next step, next data batch
     end = args.start_step + args.steps
