@@ -251,15 +251,16 @@ def heatmap(
         if metric in HEATMAP_COLUMNS
         else None
     )
-    cells: list[Any] = []
-    edge = lo  # the first step not covered by stored bucket maxima
     if level is not None and use_rollups:
         # From the per-rank bucket maxima: cells are whole stored buckets, aligned to them;
         # read the widest level that tiles them (fewer rows: 64 x 16 steps = 4 x 64).
         width = -(-width // level) * level
         level = max(lv for lv in LEVELS if width % lv == 0)
         lo -= lo % level
-        edge = lo
+    count = (hi - lo) // width + 1
+    rows: dict[int, list[float | None]] = {}  # rank: the max per cell
+    edge = lo  # the first step not covered by stored bucket maxima
+    if level is not None and use_rollups:
         k = m.rank_buckets.c
         for lv in sorted({level, LEVELS[0]}, reverse=True):  # big closed buckets, then small
             closed = conn.execute(
@@ -270,49 +271,54 @@ def heatmap(
             if closed is None or (closed + 1) * lv <= edge:
                 continue
             cell = (k.bucket * lv - lo) // width
-            cells += _cells(conn,
-                select(k.rank, cell.label("cell"), func.max(k.max).label("value"))
-                .where(
-                    k.run_id == run_id, k.metric == metric, k.level == lv,
-                    k.bucket >= edge // lv, k.bucket <= min(hi // lv, closed),
-                )
-                .group_by(k.rank, "cell")
+            query = select(k.rank, cell.label("cell"), k.max.label("value")).where(
+                k.run_id == run_id, k.metric == metric, k.level == lv,
+                k.bucket >= edge // lv, k.bucket <= min(hi // lv, closed),
             )  # fmt: skip
+            # A stored bucket per cell (the usual case): no maxima to take in SQL first.
+            _cells(conn, query if lv == width else _max_per_cell(query), rows, count)
             edge = (closed + 1) * lv
     if edge <= hi:  # raw rows: the open bucket at the run's edge, or everything
         b = (
             r.step - lo
         ) // width  # floor division on both backends (SQLAlchemy 2's / is true division)
-        cells += _cells(
-            conn,
-            select(r.rank, b.label("cell"), func.max(getattr(r, column)).label("value"))
-            .where(r.run_id == run_id, r.step >= edge, r.step <= hi)
-            .group_by(r.rank, "cell"),
+        query = select(r.rank, b.label("cell"), getattr(r, column).label("value")).where(
+            r.run_id == run_id, r.step >= edge, r.step <= hi
         )
-    ranks = sorted({rank for rank, _, _ in cells})
-    index = {rank: i for i, rank in enumerate(ranks)}
-    count = (hi - lo) // width + 1
-    values: list[list[float | None]] = [[None] * count for _ in ranks]
-    for rank, bucket, value in cells:
-        row, i = values[index[rank]], int(bucket)
-        if value is not None and (row[i] is None or value > row[i]):
-            row[i] = value
+        _cells(conn, _max_per_cell(query), rows, count)
+    ranks = sorted(rows)
     return Heatmap(run=run, metric=metric, unit=unit, ranks=ranks,
-                   step_start=[lo + i * width for i in range(count)], bucket=width, values=values)  # fmt: skip
+                   step_start=[lo + i * width for i in range(count)], bucket=width,
+                   values=[rows[rank] for rank in ranks])  # fmt: skip
 
 
-def _cells(conn: Connection, query: Any) -> list[tuple[int, int, Any]]:
-    """(rank, cell, value) rows of a grouped heatmap query. On PostgreSQL, one row per rank
-    with arrays comes back (a row object per cell costs more than the query itself)."""
-    if is_sqlite(conn):
-        return [tuple(row) for row in conn.execute(query)]  # type: ignore[misc]
+def _max_per_cell(query: Any) -> Any:
+    """``query``'s (rank, cell, value) rows as one row per rank and cell: the max."""
     q = query.subquery()
-    out: list[tuple[int, int, Any]] = []
-    for rank, cells, values in conn.execute(
-        select(q.c.rank, func.array_agg(q.c.cell), func.array_agg(q.c.value)).group_by(q.c.rank)
-    ):
-        out += zip([rank] * len(cells), cells, values, strict=True)
-    return out
+    return select(q.c.rank, q.c.cell, func.max(q.c.value).label("value")).group_by(
+        q.c.rank, q.c.cell
+    )
+
+
+def _cells(conn: Connection, query: Any, rows: dict[int, list[float | None]], count: int) -> None:
+    """Puts the (rank, cell, value) rows of ``query`` into ``rows`` (rank: ``count`` cells),
+    keeping the max per cell. On PostgreSQL, one row per rank with arrays comes back (a row
+    object per cell costs more than the query itself)."""
+    if is_sqlite(conn):
+        found: Any = ((rank, [cell], [value]) for rank, cell, value in conn.execute(query))
+    else:
+        q = query.subquery()
+        found = conn.execute(
+            select(q.c.rank, func.array_agg(q.c.cell), func.array_agg(q.c.value)).group_by(q.c.rank)
+        )
+    for rank, cells, values in found:
+        row = rows.get(rank)
+        if row is None:
+            row = rows[rank] = [None] * count
+        for cell, value in zip(cells, values, strict=True):
+            i = int(cell)  # FLOOR() of a division: a float on PostgreSQL
+            if value is not None and (row[i] is None or value > row[i]):  # type: ignore[operator]
+                row[i] = value
 
 
 def rank_series(
