@@ -49,7 +49,7 @@ def test_a_straggler_is_the_stripe_and_is_named() -> None:
     fig = rf.heatmap_figure(grid, title="Step time", theme="light", revision="r:s", selected=2)
     trace = fig["data"][0]
     assert trace["type"] == "heatmap" and trace["y"] == [0, 1, 2, 3]
-    assert max(range(4), key=lambda i: sum(trace["z"][i])) == 2  # the row drawn hottest
+    assert max(range(4), key=lambda i: sum(rf.cells(trace["z"])[i])) == 2  # the row drawn hottest
     assert fig["layout"]["uirevision"] == "r:s"  # a live refresh keeps the zoom
     assert len(fig["layout"]["shapes"]) == 1  # the selected rank is outlined
 
@@ -58,7 +58,8 @@ def test_nan_and_infinite_cells_are_gaps_not_errors() -> None:
     grid = rf.grid_of(heatmap([[1.0, math.nan], [math.inf, 2.0]]))
     assert grid.values == [[1.0, None], [None, 2.0]]
     fig = rf.heatmap_figure(grid, title="Loss", theme="dark", revision="r")
-    assert fig["data"][0]["z"] == [[1.0, None], [None, 2.0]]
+    assert fig["data"][0]["z"]["dtype"] == "f4"  # a typed array: the browser copies, not parses
+    assert rf.cells(fig["data"][0]["z"]) == [[1.0, None], [None, 2.0]]
     assert "NaN" not in to_json_plotly(fig)  # valid JSON for the browser
     assert fig["layout"]["template"]["layout"]["paper_bgcolor"] == "rgb(17,17,17)"
 
@@ -172,7 +173,8 @@ def test_page_names_the_straggler_and_shows_a_rank_detail(api: TestClient, engin
     fig = ranks_page.heatmap_part(client, "r1", "step_time", "", "light")
     assert "stands out: rank 2 (3.0× its peers)" in fig["layout"]["title"]["text"]
     loss = ranks_page.heatmap_part(client, "r1", "loss_dev", "?from=10&to=19", "light")
-    assert len(loss["data"][0]["z"][0]) == 10 and loss["data"][0]["z"][3][0] > 0
+    z = rf.cells(loss["data"][0]["z"])
+    assert len(z[0]) == 10 and z[3][0] > 0
     note, states, detail = ranks_page.panels(client, "r1", "?rank=2", "light")
     assert note is None
     rows = [c for c in ranks_walk(states) if str(getattr(c, "id", "")).startswith("ranks-row-")]
