@@ -85,6 +85,10 @@ def test_two_ranks_send_over_otlp(live_server: Server) -> None:
     events = live_server.get("/api/v1/runs/otlp-e2e/events").json()
     # (rank 1 is twice as slow: the collector's own rank_state events may call it slow)
     assert sorted((e["kind"], e["rank"]) for e in events if e["kind"] != "rank_state") == [
+        ("attempt_end", 0),
+        ("attempt_end", 1),
+        ("attempt_start", 0),
+        ("attempt_start", 1),
         ("gpu_telemetry", 0),
         ("gpu_telemetry", 1),
         ("shutdown", 0),
@@ -92,6 +96,10 @@ def test_two_ranks_send_over_otlp(live_server: Server) -> None:
         ("start", 0),
         ("start", 1),
     ]
+    # The run's identity rides in the event's data attribute (JSON) through OTLP too.
+    attempts = live_server.get("/api/v1/runs/otlp-e2e/attempts").json()
+    assert [(a["number"], a["exit_reason"]) for a in attempts] == [(1, "completed")]
+    assert live_server.get("/api/v1/runs/otlp-e2e/identity").json()["env"]["python"]
     ranks = live_server.get("/api/v1/runs/otlp-e2e/ranks").json()
     assert [(r["rank"], r["state"], r["last_step"]) for r in ranks] == [
         (0, "finished", STEPS - 1),
