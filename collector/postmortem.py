@@ -30,6 +30,10 @@ FIGURES = (
     ("recover_s", "Time to recover"),
 )
 
+GOODPUT_KEYS = ("ettr", "wall_s", "attempts", "interruptions", "replayed_steps", "gpu_hours",
+                "price_per_gpu_hour", "cost")  # fmt: skip
+"""What the report keeps of the run's goodput (``collector/economics.py``)."""
+
 # -- gathering -------------------------------------------------------------------------------
 
 
@@ -41,6 +45,7 @@ def report_of(conn: Connection, *, run: str, incident_id: int | None = None,
     from sqlalchemy import select
 
     from . import models as m
+    from .economics import EconomicsSettings, goodput
     from .incidents import list_incidents
     from .queries import NotFound
     from .timeline import DEFINITIONS, timeline
@@ -65,10 +70,12 @@ def report_of(conn: Connection, *, run: str, incident_id: int | None = None,
     n = m.notes.c
     notes = [{"at": r.at, "author": r.author, "text": r.text, "step": r.step, "incident": r.incident_id}
              for r in conn.execute(select(m.notes).where(n.run_id == ru.id).order_by(n.at, n.id))]  # fmt: skip
+    good = goodput(conn, ru.id, settings=EconomicsSettings(price_per_gpu_hour=price_per_gpu_hour), now=now)  # fmt: skip
     return {
         "kind": "trainwarden.postmortem", "version": 1, "generated_at": now,
         "run": {"name": ru.name, "world_size": ru.world_size, "status": ru.status,
                 "created_at": ru.created_at, "updated_at": ru.updated_at, "last_step": ru.last_step},
+        "goodput": {k: good[k] for k in GOODPUT_KEYS},
         "incident_filter": incident_id, "price_per_gpu_hour": price_per_gpu_hour,
         "incidents": incidents, "notes": notes, "definitions": DEFINITIONS,
     }  # fmt: skip
@@ -152,6 +159,23 @@ def figure_lines(f: dict[str, Any]) -> list[tuple[str, str]]:
     return out
 
 
+def goodput_line(g: dict[str, Any] | None) -> str | None:
+    """The run's goodput in a line: ETTR, GPU-hours used and lost, and the money when a
+    price is set (None for a report from a collector that has no goodput)."""
+    if not g:
+        return None
+    ettr = "n/a" if g.get("ettr") is None else f"{g['ettr']:.1%}"
+    hours = g.get("gpu_hours") or {}
+    line = (f"ETTR {ettr} over {duration(g.get('wall_s'))} and {g.get('attempts', 0)} attempt(s) "
+            f"({g.get('interruptions', 0)} interruption(s), {g.get('replayed_steps', 0)} steps replayed); "
+            f"GPU-hours used {hours.get('used', 0.0):.3f}, lost {hours.get('lost', 0.0):.3f}")  # fmt: skip
+    cost = g.get("cost")
+    if cost is not None:
+        line += (f"; cost {cost['used']:.2f} used, {cost['lost']:.2f} lost at "
+                 f"{g['price_per_gpu_hour']:g} per GPU-hour")  # fmt: skip
+    return line
+
+
 def _where(e: dict[str, Any]) -> str:
     parts = []
     if e.get("rank") is not None:
@@ -188,6 +212,8 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
     lines.append(f"_{len(report['incidents'])} incident(s); world size {run['world_size']}; "
                  f"run {run['status']}, last step {run['last_step']}; generated {clock(report['generated_at'], ms=False)}_")  # fmt: skip
     lines.append("")
+    if good := goodput_line(report.get("goodput")):
+        lines += [f"{bold('Goodput')}: {good}", ""]
     if not report["incidents"]:
         lines.append("No incidents: no alert of this run fired and nobody opened one.")
         lines.append("")
@@ -309,6 +335,8 @@ def render_html(report: dict[str, Any]) -> str:
     body = [f"<h1>Post-mortem: run <code>{esc(run['name'])}</code></h1>",
             f"<p class='muted'>{len(report['incidents'])} incident(s) · world size {run['world_size']} · "
             f"run {esc(str(run['status']))}, last step {run['last_step']} · generated {clock(report['generated_at'], ms=False)}</p>"]  # fmt: skip
+    if good := goodput_line(report.get("goodput")):
+        body.append(f"<p id='goodput'><b>Goodput</b>: {esc(good)}</p>")
     if not report["incidents"]:
         body.append("<p class='none' id='no-incidents'>No incidents: no alert of this run fired and nobody opened one.</p>")  # fmt: skip
     for n, t in enumerate(report["incidents"]):

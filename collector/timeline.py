@@ -11,6 +11,9 @@ Entries (each: ``at``, ``step``, ``source``, ``kind``, ``rank``, ``node``, ``sev
   cancelled), with the rollback's result;
 - the run's events in the window: injected faults (``drill``), XIDs, rank states,
   checkpoints, restarts, shutdowns, loss divergence and your own (``tw.event``);
+- attempts (process lifetimes of the run): when each started, and when it ended and why
+  (``source: attempt``); the per-rank ``attempt_start`` / ``attempt_end`` events they are
+  made of are left out;
 - notes of the operator logbook, and the incident's own history (opened, retitled,
   merged, closed);
 - ``derived`` entries: the first anomalous step and the recovery.
@@ -46,17 +49,21 @@ from sqlalchemy import Connection, and_, or_, select
 
 from . import models as m
 from .alerting import median_step_time
+from .economics import attempts
 from .incidents import describe, members
 from .queries import NotFound
 
 LEAD_S = 120.0
 """How far before an incident's first pending alert its timeline starts."""
-NOISE = ("action", "action_failed", "command_ack", "gpu_telemetry")
-"""Event kinds the timeline leaves out: actions come from their own history."""
+NOISE = ("action", "action_failed", "command_ack", "gpu_telemetry", "attempt_start", "attempt_end")
+"""Event kinds the timeline leaves out: actions come from their own history, attempts
+from theirs (one entry per attempt rather than one per rank)."""
+END_SEVERITY = {"exception": "critical", "lost": "critical", "sigterm": "warning"}
+"""How an attempt's end reads: a crash or a lost process, a signal, else (completed, stopped) info."""
 FAULT_KINDS = ("drill", "xid", "loss_divergence")
 BAD_STATES = ("slow", "hung", "dead", "failed")
 # Ties (same instant) read in causal order: the fault, then its alert, its page, the action.
-ORDER = {"derived:anomaly": 0, "event": 1, "alert:pending": 2, "alert:firing": 3, "incident": 4,
+ORDER = {"derived:anomaly": 0, "event": 1, "attempt": 1, "alert:pending": 2, "alert:firing": 3, "incident": 4,
          "page": 5, "action": 6, "alert:acked": 7, "derived:recovered": 8, "alert:cleared": 9,
          "alert:resolved": 10, "note": 11}  # fmt: skip
 DEFINITIONS = {
@@ -216,6 +223,27 @@ def _event_entries(rows: list[Any], nodes: dict[int, str | None], link: _Links) 
     ]
 
 
+def _attempt_entries(tries: list[dict[str, Any]], start: float, end: float, link: _Links) -> list[dict[str, Any]]:  # fmt: skip
+    """An attempt's start and, once it ended, its end and why, inside ``start``..``end``."""
+    ui = link(f"/runs/{link.run}/info")
+    out = []
+    for t in tries:
+        n, nodes = t["number"], ", ".join(t["nodes"]) or "?"
+        if start <= t["started_at"] <= end:
+            text = f"attempt {n} started: world size {t['world_size'] or '?'} on {nodes}"
+            if n > 1 and t["first_step"] is not None:
+                text += f"; resumed at step {t['first_step']}"
+            out.append(_entry(t["started_at"], "attempt", "started", text, step=t["first_step"],
+                              ui_url=ui, ref={"attempt": n}))  # fmt: skip
+        reason, at = t["exit_reason"], t["ended_at"]
+        if reason is not None and at is not None and start <= at <= end:
+            severity = END_SEVERITY.get(reason, "info")
+            text = f"attempt {n} ended ({reason})" + (f": {t['exit_detail']}" if t["exit_detail"] else "")  # fmt: skip
+            out.append(_entry(at, "attempt", "ended", text, step=t["last_step"], severity=severity,
+                              ui_url=ui, ref={"attempt": n, "reason": reason}))  # fmt: skip
+    return out
+
+
 def _note_entries(rows: list[Any]) -> list[dict[str, Any]]:
     return [_entry(n.at, "note", "note", f"{n.author}: {n.text}", step=n.step,
                    ref={"note": n.id, "author": n.author}) for n in rows]  # fmt: skip
@@ -287,6 +315,7 @@ def timeline(conn: Connection, *, run: str, incident_id: int | None = None, now:
         *_action_entries(list(action_rows), link),
         *_event_entries(list(event_rows), nodes, link),
         *_note_entries(list(note_rows)),
+        *_attempt_entries(attempts(conn, ru.id, now=now), start, end, link),
     ]
     figures = None
     if incident is not None:

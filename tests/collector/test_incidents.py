@@ -5,6 +5,7 @@ Markdown / JSON / HTML renderers."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from trainwarden.collector.app import create_app
 from trainwarden.collector.db import write
 from trainwarden.collector.incidents import group
 from trainwarden.collector.postmortem import render_html, render_markdown, report_of
+from trainwarden.collector.rollup_worker import flush
 from trainwarden.collector.settings import Settings
 from trainwarden.collector.timeline import timeline
 
@@ -298,3 +300,43 @@ def test_the_fault_is_one_on_the_alerts_ranks_not_an_earlier_one_elsewhere(engin
     with engine.connect() as conn:
         f = timeline(conn, run=sc.RUN, incident_id=incident_id, now=T0 + 20)["figures"]
     assert (f["fault_at"], f["fault"], f["detect_s"]) == (T0 + 9, "XID 79 on GPU ?", 1.0)
+
+
+# -- attempts and goodput -------------------------------------------------------------------------
+
+
+def test_attempts_start_and_end_in_the_timeline_and_the_report_has_the_goodput(engine: Engine, client: TestClient) -> None:  # fmt: skip
+    from . import economics_scenario as econ
+
+    def post(body: dict[str, Any]) -> None:
+        assert client.post("/api/v1/ingest", json=body).status_code == 200
+
+    t0 = econ.seed(post)
+    flush(engine, now=time.time(), grace_s=0)  # the step rollups goodput reads
+    tl = client.get(f"/api/v1/runs/{econ.RUN}/timeline").json()
+    mine = [
+        (e["kind"], e["text"], e["severity"]) for e in tl["entries"] if e["source"] == "attempt"
+    ]
+    assert mine == [
+        ("started", "attempt 1 started: world size 2 on gpu-node0, gpu-node1", "info"),
+        ("ended", "attempt 1 ended (exception): rank 1 on gpu-node1 at step 155: RuntimeError: "
+                  "CUDA error: an illegal memory access was encountered (then: sigterm)", "critical"),
+        ("started", "attempt 2 started: world size 2 on gpu-node0, gpu-node1; resumed at step 144", "info"),
+    ]  # fmt: skip
+    ended = next(e for e in tl["entries"] if e["source"] == "attempt" and e["kind"] == "ended")
+    assert ended["at"] == pytest.approx(econ.at_step(t0 + 120, 0, 155) + 15)  # rank 0's SIGTERM
+    assert (ended["step"], ended["ui_url"]) == (155, f"/runs/{econ.RUN}/info")
+    # One entry per attempt, not one per rank's attempt_start / attempt_end event.
+    assert not [e for e in tl["entries"] if e["kind"] in ("attempt_start", "attempt_end")]
+
+    md = client.get(f"/api/v1/runs/{econ.RUN}/postmortem").text
+    report = client.get(f"/api/v1/runs/{econ.RUN}/postmortem", params={"format": "json"}).json()
+    g = report["goodput"]
+    assert (g["attempts"], g["interruptions"]) == (2, 1) and 0 < g["ettr"] < 1
+    line = next(x for x in md.splitlines() if x.startswith("**Goodput**"))
+    assert f"ETTR {g['ettr']:.1%}" in line and "2 attempt(s) (1 interruption(s)" in line
+    assert f"lost {g['gpu_hours']['lost']:.3f}" in line and "at 2.5 per GPU-hour" in line
+    page = client.get(f"/api/v1/runs/{econ.RUN}/postmortem", params={"format": "html"}).text
+    assert "<p id='goodput'><b>Goodput</b>: ETTR" in page
+    # A report from an older collector (no goodput) renders as before.
+    assert "Goodput" not in render_markdown({**report, "goodput": None})
