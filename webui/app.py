@@ -1,6 +1,6 @@
 """The Dash app: a runs list at ``/``, a run's overview at ``/runs/<name>``
-(:mod:`.overview`), its ranks, hardware and timeline pages, and the alerts page at ``/alerts``
-(:mod:`.alerts_page`).
+(:mod:`.overview`), its ranks, hardware, timeline and run (:mod:`.run_info_page`) pages,
+and the alerts page at ``/alerts`` (:mod:`.alerts_page`).
 
 Pages are small layouts plus one callback each; component ids carry the page prefix
 (``runs-``, ``run-``, ``alerts-``); figures come from :mod:`.figures`. A data error shows as a
@@ -17,7 +17,7 @@ from urllib.parse import quote, unquote
 import dash
 from dash import Input, Output, State, dcc, html
 
-from . import alerts_page, hardware_page, overview, ranks_page, timeline_page
+from . import alerts_page, hardware_page, overview, ranks_page, run_info_page, timeline_page
 from .client import Client
 from .components import ago, notice
 
@@ -150,7 +150,7 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         if path.startswith("/runs/"):
             rest = path[len("/runs/") :]
             for suffix, module in (("/ranks", ranks_page), ("/hardware", hardware_page),
-                                   ("/timeline", timeline_page)):  # fmt: skip
+                                   ("/timeline", timeline_page), ("/info", run_info_page)):  # fmt: skip
                 if rest.endswith(suffix) and len(rest) > len(suffix):
                     return module.layout(unquote(rest[: -len(suffix)]), search, refresh_s=refresh_s)
             return overview.layout(unquote(rest), search, refresh_s=refresh_s)
@@ -172,6 +172,7 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
     ranks_page.register(app, client)
     hardware_page.register(app, client)
     timeline_page.register(app, client)
+    run_info_page.register(app, client)
     overview.register(app, client)
 
     # The theme: toggled in the top bar, kept in the browser, applied to the document.

@@ -16,7 +16,7 @@ from fastapi import HTTPException
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from trainwarden.collector import actions_api, alerts_api, incidents_api, queries
+from trainwarden.collector import actions_api, alerts_api, economics_api, incidents_api, queries
 from trainwarden.collector.actions import ActionPolicy
 from trainwarden.collector.actions_api import ActionOut, CheckpointOut
 from trainwarden.collector.alerts_api import AlertOut, SilenceOut
@@ -97,6 +97,14 @@ class Client(Protocol):
     ) -> IncidentOut: ...
 
     def retitle_incident(self, incident_id: int, *, by: str, title: str) -> IncidentOut: ...
+
+    def attempts(self, run: str) -> list[dict[str, Any]]: ...
+
+    def identity(self, run: str) -> dict[str, Any]: ...
+
+    def economics(self, run: str) -> dict[str, Any]: ...
+
+    def diff(self, run: str, other: str) -> dict[str, Any]: ...
 
 
 @contextmanager
@@ -244,3 +252,22 @@ class LocalClient:
         with _refusals():
             body = incidents_api.RetitleIn(by=by, title=title)
             return incidents_api.retitle_incident(incident_id, body, self._request)
+
+    # -- run identity and economics --------------------------------------------------
+
+    def attempts(self, run: str) -> list[dict[str, Any]]:
+        """Raises ``NotFound`` for an unknown run; ``[]`` for a run whose agents sent no
+        ``attempt_start`` (trainwarden < 0.11)."""
+        return economics_api.list_attempts(run, self._request)
+
+    def identity(self, run: str) -> dict[str, Any]:
+        """Raises ``NotFound`` for an unknown run, or one without attempts."""
+        return economics_api.run_identity(run, self._request)
+
+    def economics(self, run: str) -> dict[str, Any]:
+        """Checkpoints, goodput and the cadence advisor at serve's price and MTBF settings."""
+        return economics_api.run_economics(run, self._request)
+
+    def diff(self, run: str, other: str) -> dict[str, Any]:
+        """Raises ``NotFound`` when either run is unknown."""
+        return economics_api.run_diff(run, other, self._request)

@@ -49,6 +49,7 @@ RUN_TABS = (
     ("Ranks", "/ranks"),
     ("Hardware", "/hardware"),
     ("Timeline", "/timeline"),
+    ("Run", "/info"),
 )
 
 
