@@ -1,0 +1,99 @@
+"""Issue 11's proof: a 2-rank run under ``torchrun --max-restarts=1`` with a ``die`` drill
+is two attempts with one exit reason, and its ETTR and replayed work match a calculation
+by hand from the stored timestamps."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from ..conftest import Server, free_port, start_serve, stop_serve
+
+WORKER = Path(__file__).with_name("restart_worker.py")
+STEPS, EVERY, DIE_AT = 50, 10, 35
+
+
+@pytest.fixture
+def server(pg_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    s = start_serve(pg_url, tmp_path / "serve.log")
+    yield s
+    stop_serve(s)
+
+
+def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
+    server: Server, pg_url: str, tmp_path: Path
+) -> None:
+    run = f"restart-{free_port()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", "--monitor-interval", "0.2", str(WORKER), "--run-name", run, "--url", server.url,
+           "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", str(STEPS), "--every", str(EVERY),
+           "--die-at", str(DIE_AT)]  # fmt: skip
+    log = tmp_path / "torchrun.log"
+    done = subprocess.run(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=240,
+                          env={"OMP_NUM_THREADS": "1", **os.environ})  # fmt: skip
+    assert done.returncode == 0, log.read_text()[-3000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # the last goodbyes and rollups
+        tries = server.get(f"/api/v1/runs/{run}/attempts").json()
+        econ = server.get(f"/api/v1/runs/{run}/economics").json()
+        if (len(tries) == 2 and tries[1]["state"] == "ended"
+                and econ["goodput"]["kept_steps"] == STEPS and not econ["goodput"]["running"]):  # fmt: skip
+            break
+        time.sleep(0.5)
+
+    # Two attempts, each of both ranks; the first ended by rank 1's death, the second completed.
+    first, second = tries
+    assert [t["number"] for t in tries] == [1, 2]
+    assert first["key"].startswith("torchelastic:") and first["key"].endswith(":0")
+    assert second["key"].endswith(":1") and first["key"][:-2] == second["key"][:-2]
+    assert first["exit_reason"] == "lost" and first["exit_detail"].startswith("rank 1 ")
+    assert (second["exit_reason"], second["state"]) == ("completed", "ended")
+    assert sorted(p["rank"] for p in first["processes"]) == [0, 1] == sorted(p["rank"] for p in second["processes"])  # fmt: skip
+    resume = second["first_step"]
+    assert resume == 31  # the checkpoint of step 30, the newest before rank 1 died at 35
+    # Rank 1 died before step 35; rank 0 may have got through step 35's compute and
+    # failed in its all-reduce: its failed step is the attempt's last.
+    assert first["last_step"] in (DIE_AT - 1, DIE_AT)
+
+    ident = server.get(f"/api/v1/runs/{run}/identity").json()
+    assert ident["config"] == {"lr": 0.05, "every": EVERY, "model": {"dim": 32}}
+    assert ident["tags"] == ["restart-drill"] and ident["env"]["torch"].startswith("2.")
+
+    # By hand, from the stored rows.
+    engine = create_engine(pg_url)
+    with engine.connect() as conn:
+        run_id = conn.execute(text("SELECT id FROM runs WHERE name = :n"), {"n": run}).scalar_one()
+        sessions = conn.execute(text(
+            "SELECT attempt, rank, started_at, first_step_at, last_step, last_step_end, ended_at "
+            "FROM attempt_sessions WHERE run_id = :r ORDER BY attempt, rank"), {"r": run_id}).mappings().all()  # fmt: skip
+        starts = dict(conn.execute(text("SELECT number, started_at FROM attempts WHERE run_id = :r"), {"r": run_id}).all())  # fmt: skip
+        kept = conn.execute(text("SELECT sum(duration_s) FROM rank_steps WHERE run_id = :r"), {"r": run_id}).scalar_one()  # fmt: skip
+        kept_end = {rank: ts + d for rank, ts, d in conn.execute(text(
+            "SELECT rank, ts, duration_s FROM rank_steps WHERE run_id = :r AND step = :s"),
+            {"r": run_id, "s": resume - 1})}  # fmt: skip
+    engine.dispose()
+    one = [s for s in sessions if s["attempt"] == 1]
+    two = [s for s in sessions if s["attempt"] == 2]
+    end = max(s["ended_at"] for s in two)
+    allocation = 2 * (starts[2] - starts[1]) + 2 * (end - starts[2])
+    replayed = sum(s["last_step_end"] - kept_end[s["rank"]] for s in one)
+    recovery = 2 * (min(s["first_step_at"] for s in two) - max(s["last_step_end"] for s in one))
+    g = econ["goodput"]
+    print(f"\nrestart drill: allocation {allocation:.2f} GPU-s, kept {kept:.2f}, replayed {replayed:.2f}, "
+          f"recovery {recovery:.2f}, ETTR {kept / allocation:.3f}; API: {g['breakdown_gpu_s']}")  # fmt: skip
+    assert g["allocation_gpu_s"] == pytest.approx(allocation, rel=1e-6)
+    assert g["breakdown_gpu_s"]["kept"] == pytest.approx(kept, rel=1e-6)
+    assert g["breakdown_gpu_s"]["replayed"] == pytest.approx(replayed, rel=1e-6)
+    assert g["breakdown_gpu_s"]["recovery"] == pytest.approx(recovery, rel=1e-6)
+    assert g["ettr"] == pytest.approx(kept / allocation, rel=1e-6)
+    assert g["replayed_steps"] == first["last_step"] - resume + 1 and g["interruptions"] == 1
+    assert 0 < g["ettr"] < 1 and replayed > 0 and recovery > 0
+    # Checkpoints: timed by tw.checkpointing on both ranks (at least the 0.05 s sleep).
+    ck = econ["checkpoints"]
+    assert ck["count"] >= 4 and ck["interval_steps"] == EVERY and ck["blocking_s"] >= 0.05
