@@ -123,7 +123,7 @@ def record_start(
     elif row.env is None:
         values["world_size"] = agent.world_size
     packages = data.get("packages")
-    if isinstance(packages, list):
+    if isinstance(packages, list) and packages:  # [] when rank 0 could not list them
         values["packages"] = [str(p) for p in packages]
     conn.execute(update(m.attempts).where(a.id == row.id).values(**values))
 
