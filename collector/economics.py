@@ -340,16 +340,13 @@ def _rank_seconds(conn: Connection, run_id: int, metric: str) -> tuple[float, in
     return float(total or 0.0), int(steps or 0)
 
 
-def _step_end(conn: Connection, run_id: int, rank: int, step: int, since: float) -> float | None:
-    """When ``rank`` finished ``step`` in a process started at ``since`` (its stored
-    execution, if that is the one)."""
+def _step_ends(conn: Connection, run_id: int, step: int) -> dict[int, tuple[float, float]]:
+    """Each rank's stored execution of ``step``: rank -> (start, end), in one query."""
     r = m.rank_steps.c
-    row = conn.execute(
-        select(r.ts, r.duration_s).where(r.run_id == run_id, r.rank == rank, r.step == step)
-    ).first()
-    if row is None or row.ts < since:
-        return None
-    return float(row.ts + row.duration_s)
+    rows = conn.execute(
+        select(r.rank, r.ts, r.duration_s).where(r.run_id == run_id, r.step == step)
+    )
+    return {rank: (float(ts), float(ts + d)) for rank, ts, d in rows}
 
 
 def goodput(
@@ -409,17 +406,16 @@ def goodput(
                     if nxt["world_size"]
                     else 0.0
                 )
+            stored = _step_ends(conn, run_id, resume - 1) if resume else {}
             for p in t["processes"]:
                 if resume is None or p["last_step"] is None or p["last_step_end"] is None:
                     continue
                 if p["last_step"] < resume:
                     continue  # nothing it did is run again
                 lost_steps = max(lost_steps, p["last_step"] - resume + 1)
-                kept_end = (
-                    _step_end(conn, run_id, p["rank"], resume - 1, p["started_at"])
-                    if resume > 0
-                    else None
-                )
+                # The end of the last step it did that was kept, if this process did it.
+                mine = stored.get(p["rank"])
+                kept_end = mine[1] if mine is not None and mine[0] >= p["started_at"] else None
                 begin = kept_end if kept_end is not None else p["first_step_at"]
                 if begin is not None:
                     lost += max(0.0, p["last_step_end"] - begin)
