@@ -33,7 +33,7 @@ FIGURES = (
     ("cost", "Cost"),
 )
 # Lanes of the chart, top to bottom: cause, then response, then what people wrote.
-LANES = ("event", "derived", "alert", "page", "action", "incident", "note")
+LANES = ("attempt", "event", "derived", "alert", "page", "action", "incident", "note")
 MOMENTS = (("fault_at", "fault"), ("pending_at", "alert"), ("recovered_at", "recovered"))
 COLORS = {"info": "#2563eb", "warning": "#d97706", "critical": "#dc2626"}
 
