@@ -20,6 +20,7 @@ from dash import Input, Output, State, dcc, html
 from . import alerts_page, hardware_page, overview, ranks_page, run_info_page, timeline_page
 from .client import Client
 from .components import ago, notice
+from .plotly_js import install_partial_plotly
 
 log = logging.getLogger(__name__)
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
@@ -107,6 +108,7 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         suppress_callback_exceptions=True,  # page components appear after routing
         update_title=None,  # type: ignore[arg-type]  # None: no "Updating..." tab title
     )
+    install_partial_plotly(app)  # plotly.js: a partial bundle, preloaded (webui/plotly_js.py)
     app.layout = html.Div(
         [
             dcc.Location(id="url"),

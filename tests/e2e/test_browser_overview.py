@@ -13,6 +13,8 @@ from urllib.parse import parse_qs
 import httpx
 import pytest
 
+from trainwarden.webui.plotly_js import BUNDLE
+
 from ..collector.helpers import batch
 from ..conftest import Server, start_serve, stop_serve
 from .test_browser_alerts import wait_for
@@ -90,7 +92,11 @@ def names(page: Any) -> list[str]:
 
 
 def test_overview_draws_every_row_with_markers_and_updates_live(seeded: Server, page: Any) -> None:
+    scripts: list[str] = []
+    page.on("request", lambda r: scripts.append(r.url.split("?")[0]) if "plotly" in r.url else None)
     open_overview(page, f"{seeded.url}/runs/{RUN}")
+    # plotly.js is the partial bundle, never Dash's full one (4.8 MB, 0.8 s to evaluate).
+    assert scripts and all(u.endswith(f"/assets/{BUNDLE}") for u in scripts), scripts
     page.wait_for_function(f"{MEDIAN_POINTS} >= 60", timeout=15_000)
     drawn = names(page)
     for name in ("tokens/s", "MFU", "loss median", "grad norm median", "compute",

@@ -1,0 +1,50 @@
+"""plotly.js for the UI: the "cartesian" partial bundle, run while the first figure is made.
+
+dcc.Graph fetches the full plotly.js (4.8 MB) when the first graph mounts, after the page's
+first callbacks, and Chromium then spends ~0.8 s evaluating it (2 vCPU) on the way to the
+first drawn graph. The UI draws scatter, bar and heatmap traces only, all in the cartesian
+partial bundle (1.5 MB, ~0.4 s to evaluate), vendored in ``assets/vendor/`` (MIT licence, in
+its header): ``npm pack plotly.js-cartesian-dist-min@VERSION``, the version that plotly's
+Python package ships (a test checks). A trace type outside that bundle (scattergl, sankey,
+maps) would not draw: use a bigger bundle then.
+
+The page's head preloads the bundle (it downloads alongside Dash's own scripts), and
+``window.Plotly`` starts as a promise of it: dcc.Graph draws with ``window.Plotly`` when it
+is set (``Promise.resolve(window.Plotly || <fetch the full bundle>)``, and Promise.resolve
+waits on a thenable), so the full bundle is never fetched. The bundle runs when the first
+graph asks for it: while the server computes that graph's figure, not before Dash has asked
+for it (run at once, it held up the page's first callbacks by its 0.4 s).
+"""
+
+from __future__ import annotations
+
+import dash
+
+VERSION = "4.1.1"
+BUNDLE = f"vendor/plotly-cartesian-{VERSION}.min.js"  # under the assets folder
+# Not one of the assets Dash puts in every page as a blocking <script>: loaded async instead.
+IGNORE = r"^plotly-.*\.js$"  # Dash matches it against the file's name
+_HEAD = """
+        <link rel="preload" as="script" href="{url}">
+        <script>
+            window.Plotly = window.Plotly || (function () {
+                var loading = null;
+                return {then: function (ok, fail) {
+                    loading = loading || new Promise(function (done, failed) {
+                        var s = document.createElement("script");
+                        s.src = "{url}";
+                        s.onload = function () { done(window.Plotly); };
+                        s.onerror = function () { failed(new Error("cannot load " + s.src)); };
+                        document.head.appendChild(s);
+                    });
+                    return loading.then(ok, fail);
+                }};
+            })();
+        </script>"""
+
+
+def install_partial_plotly(app: dash.Dash) -> None:
+    """Load the partial bundle from the head of ``app``'s pages (see the module's doc)."""
+    app.config.assets_ignore = "|".join(p for p in (app.config.assets_ignore, IGNORE) if p)
+    head = _HEAD.replace("{url}", app.get_asset_url(BUNDLE))
+    app.index_string = app.index_string.replace("{%css%}", "{%css%}" + head, 1)
