@@ -89,11 +89,12 @@ def record_start(
     s = m.attempt_sessions.c
     if conn.execute(select(s.session).where(s.session == agent.session)).first() is not None:
         return  # told twice (a second agent in one process, a replay): the first stands
+    where = agent.node or agent.host  # the scheduler's node name when the agent knows it
     number = _attempt_for(conn, run_id, agent.rank, key, ts)
     conn.execute(
         _insert(conn, m.attempt_sessions).on_conflict_do_nothing(index_elements=["session"]),
         {"session": agent.session, "run_id": run_id, "attempt": number, "rank": agent.rank,
-         "host": agent.host, "started_at": ts},
+         "host": where, "started_at": ts},
     )  # fmt: skip
     a = m.attempts.c
     row = conn.execute(
@@ -104,8 +105,8 @@ def record_start(
     env = _dict(data.get("env"))
     values: dict[str, Any] = {"started_at": min(row.started_at, ts)}
     nodes = list(row.nodes or [])
-    if agent.host not in nodes:
-        values["nodes"] = [*nodes, agent.host]
+    if where not in nodes:
+        values["nodes"] = [*nodes, where]
     tags = data.get("tags")
     identity = {
         "config": _dict(data.get("config")),

@@ -45,7 +45,7 @@ GPU_MTBF_HOURS = 50_000.0
 job of N GPUs is interrupted every 50,000 / N hours when nothing better is known."""
 OFF_BY = 2.0
 """The advisor calls an interval off when it is more than this factor from T*."""
-FAILED_ENDS = ("exception", "lost", "sigterm")
+FAILED_ENDS = ("exception", "lost", "sigterm", "evicted")
 """How a process ended that counts as an interruption (``completed`` / ``stopped`` don't)."""
 
 
@@ -93,6 +93,16 @@ def attempts(conn: Connection, run_id: int, *, now: float | None = None) -> list
             ).where(k.run_id == run_id)
         )
     }
+    ac = m.actions.c
+    evictions = [
+        (plan["evicted_at"], action_id, node, trigger)
+        for action_id, node, trigger, plan in conn.execute(
+            select(ac.id, ac.node, ac.trigger, ac.plan).where(
+                ac.run_id == run_id, ac.kind == "evict", ac.state == "done"
+            )
+        )
+        if isinstance(plan, dict) and isinstance(plan.get("evicted_at"), (int, float))
+    ]
     out = []
     for i, row in enumerate(rows):
         mine = [x for x in sessions if x.attempt == row.number]
@@ -130,6 +140,17 @@ def attempts(conn: Connection, run_id: int, *, now: float | None = None) -> list
         done = bool(procs) and (later or len(ended) == len(procs))
         reason, detail = _exit(procs) if done else (None, None)
         ends = [p["last_seen"] for p in procs if p["last_seen"] is not None]
+        if done and reason != "completed":
+            # A node evicted while it ran ended it: that is the cause, whatever the
+            # processes saw (the scheduler's SIGTERM, a lost peer).
+            until = rows[i + 1].started_at if later else (max(ends) if ends else now)
+            hit = [e for e in evictions if row.started_at <= e[0] <= until]
+            if hit:
+                at, action_id, node, trigger = min(hit)
+                reason, detail = (
+                    "evicted",
+                    f"node {node} evicted by action {action_id} ({trigger}); then {detail}",
+                )
         firsts = [p["first_step"] for p in procs if p["first_step"] is not None]
         lasts = [p["last_step"] for p in procs if p["last_step"] is not None]
         out.append({

@@ -22,6 +22,9 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
+from sqlalchemy.dialects.postgresql import JSONB
+
+USER_METRICS_TYPE = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 
 metadata = MetaData(
     naming_convention={
@@ -108,6 +111,9 @@ rank_steps = Table(
     Column("mem_reserved_bytes", BigInteger),
     Column("rss_bytes", BigInteger),
     Column("flags", JSON(none_as_null=True)),
+    # User metrics (migration 0012): {name: value} from s.metric(); JSONB on PostgreSQL,
+    # so that the rollup can take it apart (jsonb_each_text) next to the data.
+    Column("metrics", USER_METRICS_TYPE),
     # Spike flags are rare: a partial index finds a run's flagged steps without a scan.
     Index(
         "ix_rank_steps_flagged",
@@ -123,7 +129,7 @@ step_stats = Table(
     "step_stats",
     metadata,
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
-    Column("metric", String(32), primary_key=True),
+    Column("metric", String(48), primary_key=True),  # a built-in name, or "user." + a user's
     Column("step", BigInteger, primary_key=True),
     Column("ts", Float, nullable=False),
     Column("n", Integer, nullable=False),
@@ -420,7 +426,7 @@ attempts = Table(
     Column("key", String(255)),  # the launcher's id (torchelastic / Slurm restart), if any
     Column("started_at", Float, nullable=False),
     Column("world_size", Integer),
-    Column("nodes", JSON, nullable=False),  # host names, in the order ranks reported
+    Column("nodes", JSON, nullable=False),  # node (else host) names, as ranks reported
     Column("config", JSON(none_as_null=True)),
     Column("tags", JSON(none_as_null=True)),
     Column("data_snapshot", String(1000)),
@@ -440,7 +446,7 @@ attempt_sessions = Table(
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("attempt", Integer, nullable=False),  # attempts.number
     Column("rank", Integer, nullable=False),
-    Column("host", String(255)),
+    Column("host", String(255)),  # its node (the scheduler's name), else its host name
     Column("started_at", Float, nullable=False),
     Column("first_step", BigInteger),
     Column("first_step_at", Float),  # when the process's first step started

@@ -58,7 +58,12 @@ LEAD_S = 120.0
 NOISE = ("action", "action_failed", "command_ack", "gpu_telemetry", "attempt_start", "attempt_end")
 """Event kinds the timeline leaves out: actions come from their own history, attempts
 from theirs (one entry per attempt rather than one per rank)."""
-END_SEVERITY = {"exception": "critical", "lost": "critical", "sigterm": "warning"}
+END_SEVERITY = {
+    "exception": "critical",
+    "lost": "critical",
+    "evicted": "critical",
+    "sigterm": "warning",
+}
 """How an attempt's end reads: a crash or a lost process, a signal, else (completed, stopped) info."""
 FAULT_KINDS = ("drill", "xid", "loss_divergence")
 BAD_STATES = ("slow", "hung", "dead", "failed")

@@ -32,7 +32,7 @@ ENV = (
     ("python", "Python"), ("torch", "torch"), ("cuda", "CUDA"), ("nccl", "NCCL"), ("gpu", "GPU"),
     ("driver", "Driver"), ("platform", "Platform"),
 )  # fmt: skip
-END_CLASS = {"exception": "status-failed", "lost": "status-dead", "sigterm": "status-slow",
+END_CLASS = {"exception": "status-failed", "lost": "status-dead", "evicted": "status-evicted", "sigterm": "status-slow",
              "stopped": "status-finished", "completed": "status-finished"}  # fmt: skip
 NO_IDENTITY = (
     "This run has no identity yet: its agents sent no attempt_start (trainwarden older "
