@@ -29,7 +29,7 @@ from trainwarden.collector.queries import NotFound
 from . import alerts, figures
 from .client import Client
 from .components import ago, notice, run_tabs
-from .overview_figures import Marker, Overview, RankLine, overview_figure, thin
+from .overview_figures import Marker, Overview, RankLine, overview_figure, prepare, thin
 
 log = logging.getLogger(__name__)
 POINTS = 1_000  # per series: about one per pixel of a wide screen
@@ -398,7 +398,9 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
     )
     return html.Div(
         [
-            dcc.Location(id="run-url", refresh=False),
+            # The query string as the browser has it: the view is drawn from it already, and
+            # the figure's first callback does not wait on a sync() that would change nothing.
+            dcc.Location(id="run-url", refresh=False, search=search),
             dcc.Store(id="run-name", data=name),
             dcc.Store(id="run-view", data=view),
             dcc.Store(id="run-xmap"),
@@ -420,6 +422,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
 
 def register(app: dash.Dash, client: Client) -> None:
     """The page's callbacks."""
+    prepare()
 
     @app.callback(
         Output("run-header", "children"),
