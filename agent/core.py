@@ -31,7 +31,7 @@ from .profiler import SampledProfiler
 from .report import FlopModel, StepEncoder
 from .spikes import SpikeDetector
 from .spool import DiskSpool, MemorySpool, Spool, default_spool_dir
-from .values import Captured, capture, resolve_now
+from .values import Captured, capture, check_metric_name, resolve_now
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ class StepRecord:
         "profile",
         "error",
         "note",
+        "metrics",
         "queued_at",
     )
 
@@ -83,6 +84,8 @@ class StepRecord:
         self.profile: Any = None  # a sampled profiler window's results, analysed off-thread
         self.error: str | None = None
         self.note: str | None = None
+        # s.metric(...): a dict only once a step uses it
+        self.metrics: dict[str, float | Captured | None] | None = None
         self.queued_at = 0.0
 
 
@@ -179,6 +182,26 @@ class Step:
     def grad_norm(self, value: Any) -> None:
         """Record the global gradient norm (e.g. what ``clip_grad_norm_`` returned)."""
         self._record.grad_norm = capture(value)
+
+    def metric(self, name: str, value: Any) -> None:
+        """Record a scalar of your own for this step (learning rate, eval loss, an aux loss).
+
+        ``value``: a tensor (read later, off this thread, as for ``loss``) or a number;
+        NaN and Inf are kept as such. ``name`` matches ``^[a-z][a-z0-9_.]{0,31}$``, at most
+        32 names a step: a bad one raises ``ValueError`` here. The collector keeps it
+        across ranks as series ``user.<name>``.
+        """
+        metrics = self._record.metrics
+        if metrics is None:
+            metrics = self._record.metrics = {}
+        if name not in metrics:
+            check_metric_name(name, len(metrics))
+        metrics[name] = capture(value)
+
+    def metrics(self, **values: Any) -> None:
+        """Several user metrics at once: ``s.metrics(lr=lr, aux_loss=aux)`` (see :meth:`metric`)."""
+        for name, value in values.items():
+            self.metric(name, value)
 
     def phase(self, name: str) -> None:
         """Mark the start of a phase: ``forward``, ``backward``, ``optimizer`` or ``other``.

@@ -12,7 +12,9 @@ the transport is built).
   (``trainwarden.run``, ``trainwarden.rank``, ``trainwarden.session``, ...).
 - **Steps**: one gauge point per step and metric of ``STEP_METRICS``, with attribute
   ``trainwarden.step``; start time = step start, time = step end. The step's strings
-  (``STEP_ATTRIBUTES``) ride as attributes of its ``trainwarden.step.duration`` point.
+  (``STEP_ATTRIBUTES``) ride as attributes of its ``trainwarden.step.duration`` point. A user
+  metric (``s.metric(name, ...)``) is a gauge ``trainwarden.user.<name>``
+  (``USER_METRIC_PREFIX``) of the same shape; one the agent could not read is left out.
 - **GPU samples**: a gauge point per field of ``GPU_METRICS``, time = the reading, with
   the GPU's identity and throttle reasons (``GPU_ATTRIBUTES``) on every point.
 - **Events**: a ``trainwarden.event`` point of value 1 whose attributes hold the event
@@ -75,6 +77,7 @@ STEP_METRICS: dict[str, tuple[str, str]] = {
     "trainwarden.step.memory.rss": ("rss_bytes", "By"),
 }
 DURATION_METRIC = "trainwarden.step.duration"
+USER_METRIC_PREFIX = "trainwarden.user."  # + the user metric's name (StepIn.metrics)
 # StepIn field -> attribute on the step's duration point (``issues`` as a JSON object).
 STEP_ATTRIBUTES = {
     "comm_source": "trainwarden.comm_source",
@@ -255,6 +258,9 @@ class OtlpTransport:
                     add(name, step[field], {**attributes, **extra}, end, start)
                 else:
                     add(name, step[field], attributes, end, start)
+            for name, value in (step.get("metrics") or {}).items():
+                if value is not None:
+                    add(USER_METRIC_PREFIX + name, value, attributes, end, start)
         for sample in body.get("gpu", ()):
             attributes = {
                 a: _attribute(sample[f])

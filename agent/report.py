@@ -63,6 +63,23 @@ class StepEncoder:
             self._rss_value, self._rss_at = _rss_bytes(), now
         return self._rss_value
 
+    @staticmethod
+    def _user_metrics(
+        metrics: dict[str, Any], issues: dict[str, str], *, force: bool
+    ) -> dict[str, float | str | None] | None:
+        """``s.metric`` values as wire numbers; ``None`` while one is in flight (unless ``force``)."""
+        out: dict[str, float | str | None] = {}
+        for name, captured in metrics.items():
+            value = resolve(captured)
+            if value is NOT_READY:
+                if not force:
+                    return None
+                value, issues[f"user.{name}"] = None, "device copy did not complete"
+            elif (why := issue_of(captured)) is not None:
+                issues[f"user.{name}"] = why
+            out[name] = json_number(value)
+        return out
+
     def __call__(self, record: Any, *, force: bool) -> dict[str, Any] | None:
         """The JSON body of ``record``; ``None`` while a device value is in flight (unless ``force``)."""
         loss = resolve(record.loss)
@@ -78,6 +95,11 @@ class StepEncoder:
         for name, captured in (("loss", record.loss), ("grad_norm", record.grad_norm)):
             if (why := issue_of(captured)) is not None:
                 issues[name] = why
+        user = None
+        if record.metrics is not None:
+            user = self._user_metrics(record.metrics, issues, force=force)
+            if user is None:
+                return None
         if record.error is not None:
             issues["exception"] = record.error
         if record.note is not None:
@@ -140,6 +162,8 @@ class StepEncoder:
         )
         if flags:
             out["flags"] = flags
+        if user:
+            out["metrics"] = user
         if issues:
             out["issues"] = issues
         return out

@@ -9,8 +9,30 @@ returns the value once the event has completed and says "not yet" otherwise.
 from __future__ import annotations
 
 import math
+import re
 import sys
 from typing import Any
+
+USER_METRIC_NAME = r"^[a-z][a-z0-9_.]{0,31}$"
+"""What a user metric may be called (``s.metric(name, ...)``): the collector checks the same."""
+MAX_USER_METRICS = 32
+"""User metrics per step, at most."""
+_user_name = re.compile(USER_METRIC_NAME).match
+_checked_names: set[str] = set()  # names seen valid: checked once a process, not per step
+
+
+def check_metric_name(name: str, count: int) -> None:
+    """Raise ``ValueError`` naming a bad user metric ``name`` (``count``: those the step has)."""
+    if name not in _checked_names:
+        if not isinstance(name, str) or not _user_name(name):
+            raise ValueError(
+                f"user metric name {name!r} must match {USER_METRIC_NAME} "
+                "(lower case, digits, '_' and '.'; at most 32 characters)"
+            )
+        _checked_names.add(name)
+    if count >= MAX_USER_METRICS:
+        raise ValueError(f"user metric {name!r} is one too many: at most {MAX_USER_METRICS} a step")
+
 
 NOT_READY = object()
 """Returned by :func:`resolve` while a device copy is still in flight."""
