@@ -19,9 +19,10 @@ from sqlalchemy import Engine, text
 from sqlalchemy.exc import DBAPIError
 from starlette.requests import ClientDisconnect
 
-from . import auth, queries
+from . import auth, queries, user_metrics
 from .db import write
 from .prom import CollectorMetrics
+from .rollups import METRICS
 from .schemas import (
     MAX_RANK,
     MAX_STEP,
@@ -35,6 +36,7 @@ from .schemas import (
     RankInfo,
     RankSeries,
     RunDetail,
+    RunMetrics,
     RunSummary,
     Series,
 )
@@ -200,6 +202,13 @@ def get_run(run: str, request: Request) -> RunDetail:
     """Retrieve one run with its ranks."""
     with _engine(request).connect() as conn:
         return queries.get_run(conn, run=run)
+
+
+@router.get("/api/v1/runs/{run}/metrics", response_model=RunMetrics, tags=["runs"])
+def get_metrics(run: str, request: Request) -> RunMetrics:
+    """Retrieve the series a run has: the built-in metrics and its own (``user.<name>``)."""
+    with _engine(request).connect() as conn:
+        return RunMetrics(**user_metrics.run_metrics(conn, run=run, builtin=list(METRICS)))
 
 
 @router.get("/api/v1/runs/{run}/ranks", response_model=list[RankInfo], tags=["runs"])

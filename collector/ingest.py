@@ -181,9 +181,9 @@ def _rank_update(table: Any, new: Any) -> dict[str, Any]:
 # ---- bulk upserts: binary COPY into a staging table on PostgreSQL, executemany on SQLite
 
 
-def _pg_type(column: Any) -> str:
+def _pg_type(column: Any, dialect: Any) -> str:
     """The PostgreSQL type binary COPY sends a column's values as."""
-    kind = column.type
+    kind = column.type.dialect_impl(dialect)  # a variant's PostgreSQL type (JSONB)
     if isinstance(kind, BigInteger):
         return "int8"
     if isinstance(kind, Integer):
@@ -191,7 +191,7 @@ def _pg_type(column: Any) -> str:
     if isinstance(kind, Float):
         return "float8"
     if isinstance(kind, JSON):
-        return "json"
+        return "jsonb" if isinstance(kind, postgresql.JSONB) else "json"
     return "text"
 
 
@@ -202,7 +202,7 @@ def _stage(conn: Connection, table: Any, columns: list[str], rows: list[dict[str
     conn.exec_driver_sql(
         f"CREATE TEMP TABLE IF NOT EXISTS {name} (LIKE {table.name}) ON COMMIT DELETE ROWS"
     )
-    types = [_pg_type(table.c[c]) for c in columns]
+    types = [_pg_type(table.c[c], conn.dialect) for c in columns]
     cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
     try:
         with cursor.copy(f"COPY {name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)") as copy:
@@ -269,10 +269,28 @@ def _step_row(run_id: int, rank: int, s: dict[str, Any], now: float) -> dict[str
         value = row[name]
         if value is not None and not math.isfinite(value):
             # SQLite cannot store NaN: keep the fact in `issues` on every backend.
-            issues[name] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            issues[name] = _nonfinite_word(value)
             row[name] = None
+    user = row["metrics"]
+    if not user:
+        row["metrics"] = None  # an empty object is no metrics
+    else:
+        try:
+            clean = math.isfinite(sum(user.values()))  # one C loop: the usual all-finite row
+        except TypeError:  # a null among them
+            clean = False
+        if not clean:
+            row["metrics"] = user = dict(user)
+            for name, value in user.items():
+                if value is not None and not math.isfinite(value):
+                    issues[f"user.{name}"] = _nonfinite_word(value)
+                    user[name] = None
     row.update(run_id=run_id, rank=rank, day=day_of(s["ts"]), recv_ts=now, issues=issues or None)
     return row
+
+
+def _nonfinite_word(value: float) -> str:
+    return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
 
 
 def _later_execution(table: Any, new: Any) -> Any:

@@ -41,6 +41,7 @@ from trainwarden.agent.otlp import (
     STEP_ATTR,
     STEP_ATTRIBUTES,
     STEP_METRICS,
+    USER_METRIC_PREFIX,
 )
 
 from . import auth
@@ -110,7 +111,8 @@ def _batches(request: Any) -> tuple[list[IngestBatch], dict[str, int]]:
         ours = []
         for scope in resource_metrics.scope_metrics:
             for metric in scope.metrics:
-                if metric.name in known and _points(metric) is not None:
+                ours_by_name = metric.name in known or metric.name.startswith(USER_METRIC_PREFIX)
+                if ours_by_name and _points(metric) is not None:
                     ours.append(metric)
                 else:  # another metric, or ours as a histogram: not a column
                     kind = metric.WhichOneof("data")
@@ -131,7 +133,8 @@ def _batch(resource_metrics: Any, metrics: list[Any], where: str) -> IngestBatch
         for i, point in enumerate(_points(metric)):
             attrs = _attributes(point.attributes)
             name = metric.name
-            if name in STEP_METRICS:
+            user = name.startswith(USER_METRIC_PREFIX)
+            if name in STEP_METRICS or user:
                 if STEP_ATTR not in attrs:
                     raise BadRequest(
                         f"{where} (run {run}, rank {agent['rank']}): point {i} of {name} "
@@ -139,7 +142,10 @@ def _batch(resource_metrics: Any, metrics: list[Any], where: str) -> IngestBatch
                     )
                 step = steps[attrs[STEP_ATTR]]
                 step["step"] = attrs[STEP_ATTR]
-                step[STEP_METRICS[name][0]] = _number(point)
+                if user:  # the name is checked with the step (StepIn.metrics)
+                    step.setdefault("metrics", {})[name[len(USER_METRIC_PREFIX) :]] = _number(point)
+                else:
+                    step[STEP_METRICS[name][0]] = _number(point)
                 if point.start_time_unix_nano:
                     step["ts"] = point.start_time_unix_nano / 1e9
                 step_ends[attrs[STEP_ATTR]] = point.time_unix_nano

@@ -8,6 +8,7 @@ from sqlalchemy import Connection, Integer, func, select
 from sqlalchemy.dialects.postgresql import aggregate_order_by
 
 from . import models as m
+from . import user_metrics
 from .db import is_sqlite
 from .rollup_worker import HEATMAP_COLUMNS, LEVELS
 from .rollups import METRICS
@@ -29,8 +30,9 @@ class NotFound(LookupError):
 
 
 class UnknownMetric(ValueError):
-    def __init__(self, metric: str) -> None:
-        super().__init__(f"unknown metric {metric!r}; known metrics: {', '.join(METRICS)}")
+    def __init__(self, metric: str, user: list[str] | None = None) -> None:
+        known = ", ".join([*METRICS, *(user or ())])  # user: the run's user.<name> metrics
+        super().__init__(f"unknown metric {metric!r}; known metrics: {known}")
 
 
 def _from_ranks(fn, label: str):  # type: ignore[no-untyped-def]
@@ -75,7 +77,7 @@ def get_run(conn: Connection, *, run: str) -> RunDetail:
     return RunDetail(
         **dict(row),
         ranks=list_ranks(conn, run_id=row["id"]),
-        metrics=list(METRICS),
+        metrics=[*METRICS, *user_metrics.names(conn, run_id=row["id"])],
     )
 
 
@@ -118,9 +120,9 @@ def series(
     bucket's min of mins, max of maxes, mean of medians and, for ``total``, the
     bucket's most extreme value (a spike or a dip, whichever is further out).
     """
-    if metric not in METRICS:
-        raise UnknownMetric(metric)
     run_id = _run_row(conn, run)["id"]
+    if metric not in METRICS and not user_metrics.has(conn, run_id=run_id, metric=metric):
+        raise UnknownMetric(metric, user_metrics.names(conn, run_id=run_id))
     s = m.step_stats.c
     query = select(s.step, s.ts, s.n, s.min, s.median, s.max, s.total, s.argmax_rank).where(
         s.run_id == run_id, s.metric == metric
@@ -146,7 +148,7 @@ def series(
         bucket=bucket,
         run=run,
         metric=metric,
-        unit=METRICS[metric].unit,
+        unit=METRICS[metric].unit if metric in METRICS else "",  # a user metric has none
         step=list(columns[0]),
         ts=list(columns[1]),
         n=list(columns[2]),

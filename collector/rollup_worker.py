@@ -39,7 +39,13 @@ from .db import is_sqlite, write
 from .ingest import upsert
 from .loops import Loop
 from .partitions import ensure_ahead
-from .rollups import aggregate, aggregate_sql, stats_from_sql
+from .rollups import (
+    aggregate,
+    aggregate_sql,
+    aggregate_user_sql,
+    stats_from_sql,
+    user_stats_from_sql,
+)
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +122,9 @@ def _aggregate_here(
 
 
 _AGGREGATE_SQL = text(aggregate_sql()).bindparams(bindparam("steps", type_=ARRAY(BigInteger)))
+_AGGREGATE_USER_SQL = text(aggregate_user_sql()).bindparams(
+    bindparam("steps", type_=ARRAY(BigInteger))
+)
 
 
 def _aggregate_in_db(
@@ -128,9 +137,14 @@ def _aggregate_in_db(
     stats: list[dict[str, Any]] = []
     seen: Rolled = {}
     for run_id, steps in by_run.items():
+        ts = {}
         for row in conn.execute(_AGGREGATE_SQL, {"run": run_id, "steps": steps}).mappings():
             stats += stats_from_sql(run_id, row)
             seen[(run_id, row["step"])] = (row["rows_n"], row["newest"])
+            ts[row["step"]] = row["ts"]
+        for row in conn.execute(_AGGREGATE_USER_SQL, {"run": run_id, "steps": steps}).mappings():
+            if (stat := user_stats_from_sql(run_id, row, ts[row["step"]])) is not None:
+                stats.append(stat)
     return stats, seen
 
 

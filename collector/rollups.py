@@ -11,6 +11,7 @@ import math
 import statistics
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 
@@ -232,39 +233,92 @@ def stats_from_sql(run_id: int, row: Any) -> Iterable[dict[str, Any]]:
         }  # fmt: skip
 
 
+USER_PREFIX = "user."  # a user metric's step_stats name: user.<name> (see user_metrics)
+
+_USER_SQL = (  # one row per step and user metric; a null (or non-finite) value has no x
+    "SELECT s.step, kv.key AS name, count(v.x) AS n, "
+    "count(*) FILTER (WHERE s.issues->>('user.' || kv.key) IN ('nan', 'inf', '-inf')) AS bad, "
+    "min(v.x) AS min, percentile_cont(0.5) WITHIN GROUP (ORDER BY v.x) AS median, "
+    "max(v.x) AS max, avg(v.x) AS mean, "
+    "(array_agg(s.rank ORDER BY v.x DESC, s.rank DESC) FILTER (WHERE v.x IS NOT NULL))[1] AS top "
+    "FROM rank_steps s CROSS JOIN LATERAL jsonb_each_text(s.metrics) AS kv(key, value) "
+    "CROSS JOIN LATERAL (SELECT kv.value::float8 AS x) AS v "
+    "WHERE s.run_id = :run AND s.step = ANY(:steps) AND s.metrics IS NOT NULL "
+    "GROUP BY s.step, kv.key"
+)
+
+
+def aggregate_user_sql() -> str:
+    """``aggregate_sql`` for user metrics (``rank_steps.metrics``, JSONB): a row per step
+    and metric name, unpacked with ``jsonb_each_text`` next to the data."""
+    return _USER_SQL
+
+
+def user_stats_from_sql(run_id: int, row: Any, ts: float) -> dict[str, Any] | None:
+    """A ``step_stats`` row from one row of ``aggregate_user_sql`` (``ts``: the step's)."""
+    if not row["n"] and not row["bad"]:
+        return None
+    return {
+        "run_id": run_id, "metric": USER_PREFIX + row["name"], "step": row["step"], "ts": ts,
+        "n": row["n"], "nonfinite": row["bad"], "min": row["min"], "median": row["median"],
+        "max": row["max"], "mean": row["mean"], "total": row["mean"], "argmax_rank": row["top"],
+    }  # fmt: skip
+
+
 NONFINITE = frozenset({"nan", "inf", "-inf"})
 """How a non-finite value is marked in a row's ``issues`` (SQLite cannot store NaN)."""
 
 
 def _nonfinite(rows: list[Mapping[str, Any]], column: str | None) -> int:
+    """How many rows marked ``column`` (an issues key) non-finite."""
     if column is None:
         return 0
     return sum(1 for row in rows if (row["issues"] or {}).get(column) in NONFINITE)
 
 
 def aggregate(run_id: int, step: int, rows: list[Mapping[str, Any]]) -> Iterable[dict[str, Any]]:
-    """One ``step_stats`` row per metric that some rank reports at ``step``."""
+    """One ``step_stats`` row per metric that some rank reports at ``step``, built-in
+    and user metrics (``user.<name>``, whose run-level total is the mean over ranks)."""
     ts = min(row["ts"] for row in rows)
     for metric in METRICS.values():
         ranked = [(metric.value(row), row["rank"]) for row in rows]
-        present = [(v, r) for v, r in ranked if v is not None]
-        finite = [(v, r) for v, r in present if math.isfinite(v)]
-        nonfinite = len(present) - len(finite) + _nonfinite(rows, metric.source)
-        if not present and not nonfinite:
-            continue  # no rank reports this metric at this step
-        values = sorted(v for v, _ in finite)
-        top = max(finite, default=None)
-        yield {
-            "run_id": run_id,
-            "metric": metric.name,
-            "step": step,
-            "ts": ts,
-            "n": len(present),
-            "nonfinite": nonfinite,
-            "min": values[0] if values else None,
-            "median": statistics.median(values) if values else None,
-            "max": values[-1] if values else None,
-            "mean": statistics.fmean(values) if values else None,
-            "total": metric.total(rows),
-            "argmax_rank": top[1] if top else None,
-        }
+        stat = _stat(ranked, _nonfinite(rows, metric.source), partial(metric.total, rows))
+        if stat is not None:
+            yield {"run_id": run_id, "metric": metric.name, "step": step, "ts": ts, **stat}
+    user: dict[str, list[tuple[float | None, int]]] = {}
+    for row in rows:
+        for name, value in (row.get("metrics") or {}).items():
+            user.setdefault(name, []).append((value, row["rank"]))
+    for name, ranked in user.items():
+        key = USER_PREFIX + name
+        stat = _stat(ranked, _nonfinite(rows, key), None)
+        if stat is not None:
+            yield {"run_id": run_id, "metric": key, "step": step, "ts": ts, **stat}
+
+
+def _stat(
+    ranked: list[tuple[float | None, int]],
+    marked: int,
+    total: Callable[[], float | None] | None,
+) -> dict[str, Any] | None:
+    """The across-ranks columns of one metric from its (value, rank) pairs; ``marked``:
+    ranks whose non-finite value was stored as null. ``total``: the run-level value
+    (``None``: the mean). ``None`` when no rank reports the metric."""
+    present = [(v, r) for v, r in ranked if v is not None]
+    finite = [(v, r) for v, r in present if math.isfinite(v)]
+    nonfinite = len(present) - len(finite) + marked
+    if not present and not nonfinite:
+        return None
+    values = sorted(v for v, _ in finite)
+    top = max(finite, default=None)
+    mean = statistics.fmean(values) if values else None
+    return {
+        "n": len(present),
+        "nonfinite": nonfinite,
+        "min": values[0] if values else None,
+        "median": statistics.median(values) if values else None,
+        "max": values[-1] if values else None,
+        "mean": mean,
+        "total": mean if total is None else total(),
+        "argmax_rank": top[1] if top else None,
+    }

@@ -22,6 +22,8 @@ from pydantic import (
     model_validator,
 )
 
+from . import user_metrics
+
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
 MAX_RECORDS_PER_BATCH = 20_000
 INT64_MAX = 2**63 - 1  # counters are stored as BIGINT
@@ -119,8 +121,23 @@ class StepIn(BaseModel):
     rss_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
     flags: list[str] | None = Field(default=None, max_length=16, description="Spike flags")
     issues: dict[str, str] | None = None
+    metrics: dict[str, float | None] | None = Field(
+        default=None,
+        description="User metrics (s.metric): name (^[a-z][a-z0-9_.]{0,31}$) to value, at "
+        'most 32; NaN/Inf as for loss. Series "user.<name>"',
+    )
 
     _ts_now = field_validator("ts")(_not_in_the_future)
+
+    @field_validator("metrics")
+    @classmethod
+    def _user_metrics(
+        cls, metrics: dict[str, float | None] | None
+    ) -> dict[str, float | None] | None:
+        if not metrics:
+            return None
+        user_metrics.check(metrics)
+        return metrics
 
     @field_validator(
         "ts",
@@ -287,9 +304,12 @@ def _validate_columns(steps: dict[str, list[Any]]) -> list[tuple[int, dict[str, 
     except ValidationError as exc:
         error = exc.errors(include_url=False)[0]
         loc = error["loc"]
-        where = f"steps row {loc[1]}: {loc[0]}" if len(loc) > 1 else f"steps: {loc[0]}"
+        field = ".".join(map(str, (loc[0], *loc[2:])))  # a user metric's key follows its row
+        where = f"steps row {loc[1]}: {field}" if len(loc) > 1 else f"steps: {loc[0]}"
         raise ValueError(f"{where}: {error['msg']}") from None
     columns = {name: getattr(cols, name) for name in steps}
+    if columns.get("metrics"):
+        user_metrics.check_column(columns["metrics"])
     for name in _FINITE_COLUMNS:
         for i, value in enumerate(columns.get(name) or ()):
             if value is not None and not math.isfinite(value):
@@ -351,6 +371,16 @@ class RankInfo(BaseModel):
 class RunDetail(RunSummary):
     ranks: list[RankInfo]
     metrics: list[str]
+
+
+class RunMetrics(BaseModel):
+    """The series names a run has (``GET /api/v1/runs/{run}/series?metric=...``)."""
+
+    run: str
+    builtin: list[str] = Field(description="Metrics every run has (step_time, loss, ...)")
+    user: list[str] = Field(
+        description="The run's user metrics (s.metric), as user.<name>, once rolled up"
+    )
 
 
 class EventOut(BaseModel):

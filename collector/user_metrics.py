@@ -1,0 +1,99 @@
+"""User metrics: the scalars a trainer logs with ``s.metric(name, value)``.
+
+A step row keeps them in ``rank_steps.metrics`` (JSON, JSONB on PostgreSQL) as
+``{name: value}``; a non-finite value is stored as ``null`` and marked in the row's
+``issues`` under ``user.<name>`` (as ``loss`` is: SQLite and JSON cannot hold NaN).
+The rollup worker keeps each across ranks in ``step_stats`` as metric ``user.<name>``,
+which is what ``/series?metric=user.<name>`` reads. The names follow the agent's rule.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import Connection, select, text
+
+from trainwarden.agent.values import MAX_USER_METRICS, USER_METRIC_NAME
+
+from . import models as m
+
+PREFIX = "user."
+"""Series name of a user metric: ``user.<name>``."""
+_name = re.compile(USER_METRIC_NAME).match
+
+
+def bad_name(names: Iterable[str]) -> str | None:
+    """Why the first bad user metric name of ``names`` is refused, else ``None``."""
+    for name in names:
+        if not _name(name):
+            return (
+                f"user metric name {name!r} must match {USER_METRIC_NAME} "
+                "(lower case, digits, '_' and '.'; at most 32 characters)"
+            )
+    return None
+
+
+def check(metrics: dict[str, Any]) -> None:
+    """Raise ``ValueError`` naming what is wrong with one step's user metrics."""
+    if len(metrics) > MAX_USER_METRICS:
+        raise ValueError(f"{len(metrics)} user metrics: at most {MAX_USER_METRICS} a step")
+    if (why := bad_name(metrics)) is not None:
+        raise ValueError(why)
+
+
+def check_column(values: list[dict[str, Any] | None]) -> None:
+    """:func:`check` on a columnar batch's ``metrics`` column (one dict per row): each
+    distinct name is checked once; an error names the first row at fault."""
+    rows = [d for d in values if d]
+    if not rows:
+        return
+    if max(map(len, rows)) > MAX_USER_METRICS or bad_name(set().union(*rows)) is not None:
+        for i, metrics in enumerate(values):
+            try:
+                check(metrics or {})
+            except ValueError as exc:
+                raise ValueError(f"steps row {i}: metrics: {exc}") from None
+
+
+def is_user(metric: str) -> bool:
+    return metric.startswith(PREFIX)
+
+
+# Every metric name a run has in step_stats, one index probe per name (a loose index
+# scan: a DISTINCT would read a row per step and metric).
+_NAMES = text(
+    "WITH RECURSIVE found(metric) AS ("
+    " SELECT min(metric) FROM step_stats WHERE run_id = :run"
+    " UNION ALL"
+    " SELECT (SELECT min(metric) FROM step_stats WHERE run_id = :run AND metric > found.metric)"
+    " FROM found WHERE found.metric IS NOT NULL"
+    ") SELECT metric FROM found WHERE metric IS NOT NULL"
+)
+
+
+def names(conn: Connection, *, run_id: int) -> list[str]:
+    """The run's user metrics as series names (``user.<name>``), sorted; a metric is
+    listed once a step of it is rolled up."""
+    found = conn.execute(_NAMES, {"run": run_id}).scalars()
+    return sorted(name for name in found if is_user(name))
+
+
+def has(conn: Connection, *, run_id: int, metric: str) -> bool:
+    """Whether ``metric`` (``user.<name>``) has a rolled-up step in this run."""
+    if not is_user(metric):
+        return False
+    s = m.step_stats.c
+    query = select(s.step).where(s.run_id == run_id, s.metric == metric).limit(1)
+    return conn.execute(query).first() is not None
+
+
+def run_metrics(conn: Connection, *, run: str, builtin: list[str]) -> dict[str, Any]:
+    """``GET /api/v1/runs/{run}/metrics``: the built-in series names and the run's own."""
+    from .queries import NotFound  # queries imports this module
+
+    run_id = conn.execute(select(m.runs.c.id).where(m.runs.c.name == run)).scalar()
+    if run_id is None:
+        raise NotFound(f"run {run!r} not found")
+    return {"run": run, "builtin": builtin, "user": names(conn, run_id=run_id)}
