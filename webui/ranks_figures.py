@@ -101,8 +101,8 @@ def grid_of(heatmap: Heatmap) -> Grid:
 
 def column_medians(grid: Grid) -> list[float | None]:
     out: list[float | None] = []
-    for i in range(len(grid.x)):
-        column = [row[i] for row in grid.values if row[i] is not None]
+    for cells in zip(*grid.values, strict=True) if grid.values else [()] * len(grid.x):
+        column = [v for v in cells if v is not None]
         out.append(statistics.median(column) if column else None)  # type: ignore[type-var]
     return out
 
