@@ -2,8 +2,10 @@
 
     python bench/ingest.py [--db postgresql+psycopg://postgres@127.0.0.1:5432/test]
                            [--ranks 1024] [--ranks-per-node 8] [--duration 30]
+                           [--user-metrics 6]
 
-(a) raw binary COPY of the same wide rows into a table with rank_steps' key: the limit;
+(a) raw binary COPY of the same wide rows into a table with rank_steps' key: the limit
+    (the user metrics as one JSONB object a row, as rank_steps keeps them);
 (b) trainwarden end to end: ``trainwarden serve`` on a scratch database, fed by the load
     generator (one request per node per step); points/s sustained, and p95 from the
     request that completes a step to that step being queryable in the series API;
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import random
 import threading
 import time
 import uuid
@@ -27,21 +30,24 @@ import psycopg
 from common import DEFAULT_DB, scratch_database, serving
 from peer_mlflow import describe, find_mlflow, mlflow_points_per_s
 
-from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen_async
+from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen_async, user_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def raw_copy(dsn: str, rows: int) -> float:
-    """Rows/s of binary COPY into a wide table keyed (run_id, step, rank)."""
-    columns = ["run_id", "step", "rank", "ts", "recv_ts", *METRIC_COLUMNS]
+def raw_copy(dsn: str, rows: int, user: int) -> float:
+    """Rows/s of binary COPY into a wide table keyed (run_id, step, rank), with ``user``
+    user metrics a row in a JSONB column."""
+    columns = ["run_id", "step", "rank", "ts", "recv_ts", *METRIC_COLUMNS, "metrics"]
     types = ["integer", "bigint", "integer", "double precision", "double precision",
-             *(["double precision"] * len(METRIC_COLUMNS))]  # fmt: skip
+             *(["double precision"] * len(METRIC_COLUMNS)), "jsonb"]  # fmt: skip
     ranks = 4096
+    rng = random.Random(0)
     data = [
-        (1, i // ranks, i % ranks, 1.7e9 + i, 1.7e9 + i, *([0.5] * len(METRIC_COLUMNS)))
+        (1, i // ranks, i % ranks, 1.7e9 + i, 1.7e9 + i, *([0.5] * len(METRIC_COLUMNS)),
+         user_metrics(user, step=i // ranks, rng=rng) if user else None)
         for i in range(rows)
-    ]
+    ]  # fmt: skip
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS tw_bench_copy")
         cols = ", ".join(f"{c} {t}" for c, t in zip(columns, types, strict=True))
@@ -64,7 +70,7 @@ def raw_copy(dsn: str, rows: int) -> float:
 
 
 def end_to_end(
-    db_url: str, *, ranks: int, ranks_per_node: int, duration: float
+    db_url: str, *, ranks: int, ranks_per_node: int, duration: float, user: int
 ) -> dict[str, float]:
     with serving(db_url, log_name="bench-ingest") as url:
         run = f"bench-{uuid.uuid4().hex[:6]}"
@@ -96,7 +102,8 @@ def end_to_end(
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         result = asyncio.run(run_loadgen_async(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
-                                               duration_s=duration, run=run, on_sent=on_sent))  # fmt: skip
+                                               duration_s=duration, run=run, on_sent=on_sent,
+                                               user_metrics=user))  # fmt: skip
         time.sleep(3)
         stop.set()
         poller.join()
@@ -115,6 +122,10 @@ def main() -> None:
     p.add_argument("--ranks-per-node", type=int, default=8)
     p.add_argument("--duration", type=float, default=30)
     p.add_argument("--copy-rows", type=int, default=200_000)
+    p.add_argument(
+        "--user-metrics", type=int, default=6,
+        help="user metrics a row besides the 19 built-in ones (default 6: 25 a row)",
+    )  # fmt: skip
     p.add_argument("--mlflow-duration", type=float, default=30)
     p.add_argument(
         "--mlflow-ranks",
@@ -126,18 +137,20 @@ def main() -> None:
     args = p.parse_args()
 
     with scratch_database(args.db) as (sa_url, dsn):
-        copy_rows = raw_copy(dsn, args.copy_rows)
-        metrics = len(METRIC_COLUMNS)
+        copy_rows = raw_copy(dsn, args.copy_rows, args.user_metrics)
+        metrics = len(METRIC_COLUMNS) + args.user_metrics
         print(
             f"trainwarden ingest benchmark ({os.cpu_count()} cpus; one collector process; PostgreSQL "
-            f"on the same machine; {metrics} metrics per row)"
+            f"on the same machine; {metrics} metrics per row = {len(METRIC_COLUMNS)} built-in + "
+            f"{args.user_metrics} user metrics)"
         )
         print(
             f"(a) raw binary COPY:        {copy_rows:>12,.0f} rows/s = {copy_rows * metrics:>13,.0f} points/s"
         )
         e2e = end_to_end(
-            sa_url, ranks=args.ranks, ranks_per_node=args.ranks_per_node, duration=args.duration
-        )
+            sa_url, ranks=args.ranks, ranks_per_node=args.ranks_per_node, duration=args.duration,
+            user=args.user_metrics,
+        )  # fmt: skip
         print(
             f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = {e2e['points_per_s']:>13,.0f} points/s "
             f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s; {e2e['failed']:.0f} failed requests)"
@@ -154,7 +167,8 @@ def main() -> None:
             print(f"(c) MLflow log-batch peer: skipped: {find_mlflow()[1]}")
         else:
             print(
-                f"(c) MLflow log-batch:       {peer['points_per_s'] / metrics:>12,.0f} rows/s = {peer['points_per_s']:>13,.0f} points/s"
+                # The peer logs the built-in metrics of each row (bench/peer_mlflow.py).
+                f"(c) MLflow log-batch:       {peer['points_per_s'] / len(METRIC_COLUMNS):>12,.0f} rows/s = {peer['points_per_s']:>13,.0f} points/s"
             )
             print(f"    {describe(peer)}")
             ratio = (

@@ -337,6 +337,11 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--duration", type=float, default=30.0, help="seconds")
     load.add_argument("--run", help="run name (default loadgen-<time>)")
     load.add_argument("--slow-rank", type=int, help="make this rank a 1.3x straggler")
+    load.add_argument(
+        "--user-metrics", type=int, default=6, choices=range(33), metavar="N",
+        help="user metrics (s.metric) per row besides the 19 built-in ones, 0 to 32 (default 6: "
+        "25 metrics a row)",
+    )  # fmt: skip
     load.set_defaults(func=_cmd_loadgen)
 
     db = sub.add_parser("db", help="database maintenance")

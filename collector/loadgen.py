@@ -3,7 +3,8 @@
 Each simulated node sends one request per training step with its ranks' rows
 (``POST /api/v1/ingest/columns``), as a per-node forwarder would. Values are
 plausible: step times around the step period with jitter and a slow rank now and
-then, a falling loss, MFU, the communication split, memory.
+then, a falling loss, MFU, the communication split, memory; and ``user_metrics`` of
+the trainer's own (``s.metric``: a learning-rate schedule, MoE aux and z losses, ...).
 """
 
 from __future__ import annotations
@@ -25,6 +26,32 @@ METRIC_COLUMNS = (
     "compute_s", "exposed_comm_s", "overlapped_comm_s", "idle_s", "flops", "mfu", "peak_flops",
     "mem_allocated_bytes", "mem_reserved_bytes", "rss_bytes",
 )  # fmt: skip
+USER_METRICS = 6  # default: 19 built-in + 6 = the 25 metrics a row of issue 5's benchmark
+MAX_USER_METRICS = 32
+
+
+def _lr(step: int) -> float:
+    # Linear warm-up over 100 steps to 3e-4, then a cosine decay over 10,000 steps to 3e-5.
+    if step < 100:
+        return 3e-4 * (step + 1) / 100
+    return 3e-5 + 0.5 * (3e-4 - 3e-5) * (1 + math.cos(math.pi * min(1.0, (step - 100) / 10_000)))
+
+
+def user_metrics(count: int, *, step: int, rng: random.Random) -> dict[str, float]:
+    """``count`` user metrics of one rank at ``step``, as a trainer logs them."""
+    values = {
+        "lr": _lr(step),
+        "moe.aux_loss": 0.01 * (1 + rng.gauss(0, 0.1)),
+        "moe.load_balance": 1.0 + abs(rng.gauss(0, 0.05)),
+        "moe.z_loss": 1e-3 * (1 + rng.gauss(0, 0.05)),
+        "loss_scale": 65536.0,
+        "tokens_seen": float(step * 16384),
+    }
+    names = list(values)[:count]
+    out = {name: values[name] for name in names}
+    for i in range(len(out), count):  # more: auxiliary losses of a multi-task model
+        out[f"aux.loss{i}"] = 0.1 * (1 + rng.gauss(0, 0.1))
+    return out
 
 
 @dataclass
@@ -38,16 +65,22 @@ class LoadgenResult:
     seconds: float = 0.0
     latencies_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    user_metrics: int = 0
+
+    @property
+    def metrics_per_row(self) -> int:
+        return len(METRIC_COLUMNS) + self.user_metrics
 
     @property
     def points(self) -> int:
-        return self.rows * len(METRIC_COLUMNS)
+        return self.rows * self.metrics_per_row
 
     def summary(self) -> str:
         lat = sorted(self.latencies_s) or [math.nan]
         p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000  # noqa: E731
         return (
-            f"{self.ranks} ranks on {self.nodes} nodes, {self.steps} steps in {self.seconds:.1f}s: "
+            f"{self.ranks} ranks on {self.nodes} nodes, {self.steps} steps in {self.seconds:.1f}s, "
+            f"{self.metrics_per_row} metrics a row: "
             f"{self.rows / self.seconds:,.0f} rows/s = {self.points / self.seconds:,.0f} points/s; "
             f"requests {self.requests_ok} ok, {self.requests_failed} failed; "
             f"latency p50 {p(0.5):.0f} ms, p95 {p(0.95):.0f} ms, max {lat[-1] * 1000:.0f} ms"
@@ -55,7 +88,8 @@ class LoadgenResult:
 
 
 def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float, sessions: dict[int, str],
-              rng: random.Random, slow_rank: int | None) -> dict[str, Any]:  # fmt: skip
+              rng: random.Random, slow_rank: int | None, user: int = 0) -> dict[str, Any]:  # fmt: skip
+    """One node's columnar body; ``user``: user metrics per row (the ``metrics`` column)."""
     now = time.time()
     cols: dict[str, list[Any]] = {
         "rank": [],
@@ -81,6 +115,8 @@ def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float,
         }  # fmt: skip
         for name, value in row.items():
             cols[name].append(value)
+        if user:
+            cols.setdefault("metrics", []).append(user_metrics(user, step=step, rng=rng))
     agents = [{"rank": r, "local_rank": r % len(ranks), "host": f"node{ranks.start // len(ranks)}",
                "session": sessions[r], "heartbeat_s": 2.0, "last_step": step, "last_step_end": now,
                "in_step": False, "sent_at": now} for r in ranks]  # fmt: skip
@@ -146,7 +182,7 @@ class _Connection:
 
 async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: int, ranks: range, steps: int,
                 period_s: float, start: float, slow_rank: int | None,
-                on_sent: Callable[[int, float], None] | None) -> None:  # fmt: skip
+                on_sent: Callable[[int, float], None] | None, user: int) -> None:  # fmt: skip
     import orjson
 
     rng = random.Random(ranks.start)
@@ -157,7 +193,7 @@ async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: 
         if (delay := due - time.monotonic()) > 0:
             await asyncio.sleep(delay)
         body = node_body(run=run, world=world, ranks=ranks, step=step, period_s=period_s, sessions=sessions,
-                         rng=rng, slow_rank=slow_rank)  # fmt: skip
+                         rng=rng, slow_rank=slow_rank, user=user)  # fmt: skip
         sent = time.monotonic()
         try:
             status, payload = await client.post("/api/v1/ingest/columns", orjson.dumps(body))
@@ -181,14 +217,18 @@ async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: 
 async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_per_s: float, duration_s: float,
                             run: str | None = None, slow_rank: int | None = None,
                             on_sent: Callable[[int, float], None] | None = None,
-                            connections: int | None = None) -> LoadgenResult:  # fmt: skip
+                            connections: int | None = None,
+                            user_metrics: int = USER_METRICS) -> LoadgenResult:  # fmt: skip
     """``connections``: keep-alive connections, shared in turn by the nodes; default one
-    per node, as each node's forwarder has its own."""
+    per node, as each node's forwarder has its own. ``user_metrics``: per row, besides
+    the built-in ones (0 to 32)."""
+    if not 0 <= user_metrics <= MAX_USER_METRICS:
+        raise ValueError(f"user_metrics={user_metrics}: from 0 to {MAX_USER_METRICS}")
     nodes = math.ceil(ranks / ranks_per_node)
     period = 1.0 / steps_per_s
     steps = max(1, int(duration_s * steps_per_s))
     run = run or time.strftime("loadgen-%Y%m%d-%H%M%S")
-    result = LoadgenResult(ranks=ranks, nodes=nodes, steps=steps)
+    result = LoadgenResult(ranks=ranks, nodes=nodes, steps=steps, user_metrics=user_metrics)
     parts = urlsplit(url)
     pool = [_Connection(parts.hostname or "127.0.0.1", parts.port or 80)
             for _ in range(min(connections or nodes, nodes))]  # fmt: skip
@@ -198,7 +238,8 @@ async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_
         await asyncio.gather(*[
             _node(pool[n % len(pool)], result, run=run, world=ranks,
                   ranks=range(n * ranks_per_node, min(ranks, (n + 1) * ranks_per_node)),
-                  steps=steps, period_s=period, start=start, slow_rank=slow_rank, on_sent=on_sent)
+                  steps=steps, period_s=period, start=start, slow_rank=slow_rank, on_sent=on_sent,
+                  user=user_metrics)
             for n in range(nodes)
         ])  # fmt: skip
         result.seconds = time.perf_counter() - began
@@ -215,7 +256,7 @@ def run_loadgen(**kwargs: Any) -> LoadgenResult:
 def cmd_loadgen(args: Any) -> None:
     result = run_loadgen(url=args.url.rstrip("/"), ranks=args.ranks, ranks_per_node=args.ranks_per_node,
                          steps_per_s=args.steps_per_s, duration_s=args.duration, run=args.run,
-                         slow_rank=args.slow_rank)  # fmt: skip
+                         slow_rank=args.slow_rank, user_metrics=args.user_metrics)  # fmt: skip
     print(f"trainwarden loadgen: {result.summary()}")
     for error in result.errors:
         print(f"trainwarden loadgen: error: {error}")

@@ -17,6 +17,7 @@ def test_loadgen_rows_all_arrive_and_roll_up(live_server: Server) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "64 ranks on 8 nodes, 8 steps" in result.stdout and "0 failed" in result.stdout
+    assert "25 metrics a row" in result.stdout  # 19 built-in + 6 user metrics (the default)
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline:
         series = live_server.get("/api/v1/runs/lg/series", metric="step_time").json()
@@ -25,3 +26,7 @@ def test_loadgen_rows_all_arrive_and_roll_up(live_server: Server) -> None:
         time.sleep(0.3)
     assert series["n"] == [64] * 8
     assert len(live_server.get("/api/v1/runs/lg/ranks").json()) == 64
+    user = live_server.get("/api/v1/runs/lg/metrics").json()["user"]
+    assert len(user) == 6 and "user.lr" in user
+    lr = live_server.get("/api/v1/runs/lg/series", metric="user.lr").json()
+    assert lr["n"] == [64] * 8 and lr["min"] == lr["max"]  # one schedule on every rank
