@@ -8,6 +8,7 @@ back with a new process session is recorded as a ``restart`` event.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import time
 import uuid
@@ -16,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -195,6 +197,15 @@ def _pg_type(column: Any, dialect: Any) -> str:
     return "text"
 
 
+def _json_dumps(value: Any) -> bytes | str:
+    """JSON for COPY: orjson (3-4x faster than json: a user metrics object a row adds up),
+    json for what orjson refuses (an integer past 64 bits)."""
+    try:
+        return orjson.dumps(value)
+    except TypeError:
+        return json.dumps(value)
+
+
 def _stage(conn: Connection, table: Any, columns: list[str], rows: list[dict[str, Any]]) -> Any:
     """Binary-COPY ``rows`` into this session's temporary staging copy of ``table``
     (emptied at commit) and return it as a selectable."""
@@ -203,7 +214,10 @@ def _stage(conn: Connection, table: Any, columns: list[str], rows: list[dict[str
         f"CREATE TEMP TABLE IF NOT EXISTS {name} (LIKE {table.name}) ON COMMIT DELETE ROWS"
     )
     types = [_pg_type(table.c[c], conn.dialect) for c in columns]
-    cursor = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    from psycopg.types.json import set_json_dumps  # PostgreSQL only
+
+    cursor: Any = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
+    set_json_dumps(_json_dumps, context=cursor)
     try:
         with cursor.copy(f"COPY {name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)") as copy:
             copy.set_types(types)
