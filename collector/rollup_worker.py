@@ -137,14 +137,17 @@ def _aggregate_in_db(
     stats: list[dict[str, Any]] = []
     seen: Rolled = {}
     for run_id, steps in by_run.items():
-        ts = {}
+        ts = {}  # steps with user metrics: their time
         for row in conn.execute(_AGGREGATE_SQL, {"run": run_id, "steps": steps}).mappings():
             stats += stats_from_sql(run_id, row)
             seen[(run_id, row["step"])] = (row["rows_n"], row["newest"])
-            ts[row["step"]] = row["ts"]
-        for row in conn.execute(_AGGREGATE_USER_SQL, {"run": run_id, "steps": steps}).mappings():
-            if (stat := user_stats_from_sql(run_id, row, ts[row["step"]])) is not None:
-                stats.append(stat)
+            if row["user_n"]:
+                ts[row["step"]] = row["ts"]
+        if ts:  # a second pass over the rows, only where a rank sent user metrics
+            params = {"run": run_id, "steps": list(ts)}
+            for row in conn.execute(_AGGREGATE_USER_SQL, params).mappings():
+                if (stat := user_stats_from_sql(run_id, row, ts[row["step"]])) is not None:
+                    stats.append(stat)
     return stats, seen
 
 

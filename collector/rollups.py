@@ -198,7 +198,8 @@ def aggregate_sql() -> str:
     """One SELECT that rolls up ``keys`` steps of one run in PostgreSQL: a row per step
     with, per metric, the columns ``aggregate`` computes in Python (the GROUP BY runs
     next to the data, not in the collector's one Python core)."""
-    parts = ["step", "min(ts) AS ts", "count(*) AS rows_n", "max(recv_ts) AS newest"]
+    parts = ["step", "min(ts) AS ts", "count(*) AS rows_n", "max(recv_ts) AS newest",
+             "count(metrics) AS user_n"]  # fmt: skip
     for i, metric in enumerate(METRICS.values()):
         value, total = sql_of(metric)
         v = f"({value})::float8"
