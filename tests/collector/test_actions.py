@@ -89,6 +89,9 @@ class Rank:
 
     def shutdown(self, timeout_s: float = 0.0) -> None: ...
 
+    def end_reason(self, reason: str, detail: str = "", exit_code: int | None = None) -> None:
+        self.ended = (reason, detail, exit_code)  # the agent sends it as attempt_end
+
     # -- the trainer
 
     @property
@@ -769,6 +772,8 @@ def test_an_xid_evicts_its_node_once_and_stops_the_ranks_there(
     for _ in range(2):
         run.second()
     assert [r.exit_code for r in run.ranks] == [None, None, STOPPED_EXIT_CODE, STOPPED_EXIT_CODE]
+    # Their attempts end "stopped": what the agent sends as attempt_end.
+    assert [getattr(r, "ended", (None,))[0] for r in run.ranks] == [None, None, "stopped", "stopped"]
     assert [r.acks[-1]["reason"] for r in run.ranks[2:]] == ["node node1 evicted by trainwarden (rule:FatalXid)"] * 2  # fmt: skip
     done = action(run, evict["id"])
     assert done["state"] == "done"
