@@ -6,7 +6,7 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import tomllib
 import yaml
@@ -30,6 +30,25 @@ def test_dockerfile_copies_every_packaged_folder() -> None:
     }
     copied = set(re.findall(r"^COPY (\S+) \./", (ROOT / "Dockerfile").read_text(), flags=re.M))
     assert folders <= copied, f"Dockerfile misses {folders - copied}"
+
+
+def test_every_data_file_the_packages_read_is_in_the_wheel() -> None:
+    # package-data globs do not recurse: a file in a new subfolder (the vendored plotly.js)
+    # would be missing from a wheel, and from the Docker image, while a checkout works.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    data = pyproject["tool"]["setuptools"]["package-data"]
+    dirs = pyproject["tool"]["setuptools"]["package-dir"]
+    for folder, package in (("webui/assets", "trainwarden.webui"), ("agent/data", "trainwarden.agent"),
+                            ("alerts/rules", "trainwarden.alerts")):  # fmt: skip
+        base = ROOT / dirs[package]
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file():
+                rel = path.relative_to(base).as_posix()
+                here = PurePosixPath(rel)
+                whole = [g for g in data[package] if len(PurePosixPath(g).parts) == len(here.parts)]
+                assert any(here.match(g) for g in whole), (
+                    f"{rel} is not in package-data {data[package]}"
+                )
 
 
 def test_compose_runs_postgres_and_points_trainwarden_at_it() -> None:
