@@ -97,6 +97,10 @@ def create_app(
             loops.append(health_loop(engine, health, lag=lambda: writer.lag_s() + loop_lag()))
         for loop in loops:
             loop.start()
+        if ui:
+            from trainwarden.webui.app import warm_up
+
+            warm_up(app.state.dash)
         notifier = alert_engine = None
         if notify is not None:
             from trainwarden.alerts import Dispatcher

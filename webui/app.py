@@ -196,9 +196,13 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         Input("theme", "data"),
     )
 
-    # Dash sets itself up on its first requests (~0.3 s on 2 vCPU, measured): at startup,
-    # not while the first visitor waits for a graph. These read no data.
+    return app
+
+
+def warm_up(app: dash.Dash) -> None:
+    """Dash sets itself up on its first requests (~0.3 s on 2 vCPU, measured): make them
+    when the server starts (``serve``'s lifespan), not while the first visitor waits for a
+    graph. They read no data. After this, Flask takes no new routes."""
     warm = app.server.test_client()
     for route in ("", "_dash-layout", "_dash-dependencies"):
         warm.get(app.config.routes_pathname_prefix + route)
-    return app
