@@ -21,6 +21,7 @@ from . import alerts_page, hardware_page, overview, ranks_page, run_info_page, t
 from .client import Client
 from .components import ago, notice
 from .plotly_js import install_partial_plotly
+from .polyfill import replace_babel_polyfill
 
 log = logging.getLogger(__name__)
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
@@ -108,7 +109,8 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         suppress_callback_exceptions=True,  # page components appear after routing
         update_title=None,  # type: ignore[arg-type]  # None: no "Updating..." tab title
     )
-    install_partial_plotly(app)  # plotly.js: a partial bundle, preloaded (webui/plotly_js.py)
+    install_partial_plotly(app)  # plotly.js: a custom bundle, preloaded (webui/plotly_js.py)
+    replace_babel_polyfill(app)  # regenerator-runtime alone, not core-js too (webui/polyfill.py)
     app.layout = html.Div(
         [
             dcc.Location(id="url"),

@@ -1,12 +1,16 @@
-"""plotly.js for the UI: the "cartesian" partial bundle, run while the first figure is made.
+"""plotly.js for the UI: a custom bundle of the traces it draws, run while the first figure is made.
 
 dcc.Graph fetches the full plotly.js (4.8 MB) when the first graph mounts, after the page's
 first callbacks, and Chromium then spends ~0.8 s evaluating it (2 vCPU) on the way to the
-first drawn graph. The UI draws scatter, bar and heatmap traces only, all in the cartesian
-partial bundle (1.5 MB, ~0.4 s to evaluate), vendored in ``assets/vendor/`` (MIT licence, in
-its header): ``npm pack plotly.js-cartesian-dist-min@VERSION``, the version that plotly's
-Python package ships (a test checks). A trace type outside that bundle (scattergl, sankey,
-maps) would not draw: use a bigger bundle then.
+first drawn graph. The UI draws scatter, bar and heatmap traces only: the bundle is plotly.js's
+core (scatter, the cartesian axes, shapes, annotations, legend...) with the bar and heatmap
+traces, nothing else (1.26 MB; Chromium evaluates it in ~0.2 s, the "cartesian" partial
+bundle of 1.5 MB, with box, violin, contour, histograms, pie and world calendars, in ~0.4 s;
+measured side by side, 2 vCPU). It is vendored in ``assets/vendor/`` (MIT licence, in its
+header), built from the npm source package ``plotly.js@VERSION`` by ``webui/plotly_bundle.js``
+(its comment says how), VERSION being the one that plotly's Python package ships (a test
+checks). A trace type outside the bundle (box, histogram, scattergl, pie, maps) would not
+draw: add it to ``webui/plotly_bundle.js`` and rebuild.
 
 The page's head preloads the bundle (it downloads alongside Dash's own scripts), and
 ``window.Plotly`` starts as a promise of it: dcc.Graph draws with ``window.Plotly`` when it
@@ -21,7 +25,7 @@ from __future__ import annotations
 import dash
 
 VERSION = "4.1.1"
-BUNDLE = f"vendor/plotly-cartesian-{VERSION}.min.js"  # under the assets folder
+BUNDLE = f"vendor/plotly-scatter-bar-heatmap-{VERSION}.min.js"  # under the assets folder
 # Not one of the assets Dash puts in every page as a blocking <script>: loaded async instead.
 IGNORE = r"^plotly-.*\.js$"  # Dash matches it against the file's name
 _HEAD = """

@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from trainwarden.webui.plotly_js import BUNDLE
+from trainwarden.webui.polyfill import RUNTIME
 
 from ..collector.helpers import batch
 from ..conftest import Server, start_serve, stop_serve
@@ -92,11 +93,15 @@ def names(page: Any) -> list[str]:
 
 
 def test_overview_draws_every_row_with_markers_and_updates_live(seeded: Server, page: Any) -> None:
-    scripts: list[str] = []
-    page.on("request", lambda r: scripts.append(r.url.split("?")[0]) if "plotly" in r.url else None)
+    requested: list[str] = []
+    page.on("request", lambda r: requested.append(r.url.split("?")[0]))
     open_overview(page, f"{seeded.url}/runs/{RUN}")
-    # plotly.js is the partial bundle, never Dash's full one (4.8 MB, 0.8 s to evaluate).
+    # plotly.js is the custom bundle, never Dash's full one (4.8 MB, 0.8 s to evaluate).
+    scripts = [u for u in requested if "plotly" in u]
     assert scripts and all(u.endswith(f"/assets/{BUNDLE}") for u in scripts), scripts
+    # regenerator-runtime, not @babel/polyfill (webui/polyfill.py); the page draws without it.
+    assert any(u.endswith(f"/assets/{RUNTIME}") for u in requested), requested
+    assert not any("polyfill@" in u for u in requested), requested
     page.wait_for_function(f"{MEDIAN_POINTS} >= 60", timeout=15_000)
     drawn = names(page)
     for name in ("tokens/s", "MFU", "loss median", "grad norm median", "compute",
