@@ -134,9 +134,9 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
     # The page and the action both follow the firing; which comes first is a race between
     # the notifier and the action engine (an auto rollback need not wait for the page).
     said = [(entries[i]["source"], entries[i]["kind"]) for i in story]
-    page, act = story[3], story[4]
-    assert story[:3] == sorted(story[:3]) and story[2] < min(page, act), said
-    assert max(page, act) < story[5] < story[6], said
+    paged, acted = story[3], story[4]
+    assert story[:3] == sorted(story[:3]) and story[2] < min(paged, acted), said
+    assert max(paged, acted) < story[5] < story[6], said
     assert entries[story[0]]["text"] == "fault injected (drill): loss_spike x50"
 
     # The durations are the differences of the stored timestamps.
