@@ -467,12 +467,6 @@ def _rate(rule: RateRule, snap: Snapshot) -> list[Verdict]:
     ]
 
 
-def _span_words(seconds: float) -> str:
-    if seconds >= 5400:
-        return f"{seconds / 3600:.1f} h"
-    return f"{seconds / 60:.0f} min" if seconds >= 120 else f"{seconds:.0f} s"
-
-
 def _cadence(rule: CadenceRule, snap: Snapshot) -> list[Verdict]:
     advice = snap.cadence
     if not advice or (advice.get("checkpoints") or 0) < rule.params.min_checkpoints:
@@ -488,8 +482,8 @@ def _cadence(rule: CadenceRule, snap: Snapshot) -> list[Verdict]:
     if 1 / off <= ratio <= off:
         return []
     do = "save more often" if ratio > 1 else "save less often"
-    detail = (f"run: checkpoints every {_span_words(now_s)}; the optimum T* = sqrt(2 C tau) is "
-              f"{_span_words(best)} (C {advice.get('cost_s', 0):.1f} s, tau {_span_words(advice.get('mtbf_s') or 0)}): "
+    detail = (f"run: checkpoints every {_ago(now_s)}; the optimum T* = sqrt(2 C tau) is "
+              f"{_ago(best)} (C {advice.get('cost_s', 0):.1f} s, tau {_ago(advice.get('mtbf_s') or 0)}): "
               f"{do}; expected waste {100 * (advice.get('waste_now') or 0):.1f}% vs "
               f"{100 * (advice.get('waste_optimal') or 0):.1f}% at T*")  # fmt: skip
     return [Verdict(None, float(ratio), detail, snap.last_step)]

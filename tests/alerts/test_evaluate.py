@@ -644,7 +644,7 @@ def test_checkpoint_cadence_fires_when_the_interval_is_more_than_2x_off() -> Non
     rare.cadence = {**advice, "interval_s": 7200.0, "ratio": 7.2}
     v = only(evaluate(rule, rare))
     assert v.rank is None and v.value == pytest.approx(7.2)
-    assert "every 2.0 h" in v.detail and "17 min" in v.detail and "save more often" in v.detail
+    assert "every 2.0h" in v.detail and "is 16.7m" in v.detail and "save more often" in v.detail
     often = run()
     often.cadence = {**advice, "interval_s": 300.0, "ratio": 0.3}
     assert "save less often" in only(evaluate(rule, often)).detail
