@@ -42,6 +42,7 @@ from sqlalchemy import Connection, Engine, delete, func, insert, or_, select, up
 from trainwarden.alerts import Alert, Rule, advance, fingerprint
 from trainwarden.alerts.evaluate import (
     RankInfo,
+    Row,
     Snapshot,
     StatRow,
     Verdict,
@@ -218,9 +219,60 @@ def cadence_of(conn: Connection, run: Any, *, now: float, settings: EconomicsSet
     return advice
 
 
+@dataclass
+class SettledSteps:
+    """One run's rank rows of steps already rolled up, kept between passes: per step,
+    the rollup's stamp (rank count, time) when read, and the rows."""
+
+    cols: tuple[str, ...]
+    steps: dict[int, tuple[tuple[int, float], list[Row]]] = field(default_factory=dict)
+
+
+def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, ...],
+                 cache: dict[int, SettledSteps] | None = None) -> list[Row]:  # fmt: skip
+    """The rank rows of steps after ``since``, in (step, rank) order.
+
+    With a ``cache``, a step already rolled up is read once and kept while its rollup
+    stays the same (a late or replayed row rolls it up again, and it is read again):
+    a pass reads only the steps still arriving, not the whole window of every rank
+    (a rank-scoped rule's window of 20 steps at 4,096 ranks is 82,000 rows)."""
+    r_, s = m.rank_steps.c, m.step_stats.c
+    names = ("rank", "step", "ts", "recv_ts", *cols)
+    query = select(*(r_[c] for c in names)).where(r_.run_id == run_id, r_.step > since)
+    if cache is None:
+        return [
+            dict(zip(names, row, strict=True))
+            for row in conn.execute(query.order_by(r_.step, r_.rank))
+        ]
+    settled = {
+        row.step: (row.n, row.ts)
+        for row in conn.execute(
+            select(s.step, s.n, s.ts).where(s.run_id == run_id, s.metric == "step_time", s.step > since)
+        )
+    }  # fmt: skip
+    mine = cache.get(run_id)
+    if mine is None or mine.cols != cols:
+        mine = cache[run_id] = SettledSteps(cols)
+    mine.steps = {st: kept for st, kept in mine.steps.items() if settled.get(st) == kept[0]}
+    if mine.steps:
+        query = query.where(r_.step.not_in(sorted(mine.steps)))
+    fetched: dict[int, list[Row]] = {}
+    for row in conn.execute(query.order_by(r_.step, r_.rank)):
+        fetched.setdefault(row[1], []).append(dict(zip(names, row, strict=True)))
+    for st, rows in fetched.items():
+        if st in settled:
+            mine.steps[st] = (settled[st], rows)
+    out: list[Row] = []
+    for st in sorted(mine.steps.keys() | fetched.keys()):
+        out += mine.steps[st][1] if st in mine.steps else fetched[st]
+    return out
+
+
 def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: float, hold_s: float,
-             first_steps: dict[int, int], cadence: Callable[[], dict[str, Any]] | None = None) -> Snapshot:  # fmt: skip
-    """One run's recent records, as much as ``needs`` says."""
+             first_steps: dict[int, int], cadence: Callable[[], dict[str, Any]] | None = None,
+             step_cache: dict[int, SettledSteps] | None = None) -> Snapshot:  # fmt: skip
+    """One run's recent records, as much as ``needs`` says; ``step_cache`` keeps the
+    rank rows of rolled-up steps between passes (:func:`recent_steps`)."""
     run_id, last = run.id, run.last_step
     snap = Snapshot(run=run.name, now=now, last_step=last, started_at=run.created_at,
                     lag_s=lag_s, hold_s=hold_s)  # fmt: skip
@@ -269,11 +321,8 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
     if last is not None:
         back = max(needs.steps_back, _steps_for(needs.steps_s, snap.median_step_s))
         if back:
-            cols = sorted(needs.step_cols | {"duration_s"})
-            snap.steps = [dict(row) for row in conn.execute(
-                select(r_.rank, r_.step, r_.ts, r_.recv_ts, *(r_[c] for c in cols))
-                .where(r_.run_id == run_id, r_.step > last - back).order_by(r_.step, r_.rank)
-            ).mappings()]  # fmt: skip
+            cols = tuple(sorted(needs.step_cols | {"duration_s"}))
+            snap.steps = recent_steps(conn, run_id, since=last - back, cols=cols, cache=step_cache)
         back = max(needs.marked_back, _steps_for(needs.marked_s, snap.median_step_s))
         if back:
             snap.marked = [dict(row) for row in conn.execute(
@@ -369,6 +418,7 @@ class AlertEngine:
             [r for r in rules if isinstance(r, FAST_KINDS)], self.settings.hold_s
         )
         self._first_steps: dict[int, int] = {}
+        self._settled: dict[int, SettledSteps] = {}
         self.economics = EconomicsSettings()  # serve's price and MTBF (app.py sets them)
         self._cadence: dict[int, tuple[float, dict[str, Any]]] = {}
         self._wake = threading.Event()
@@ -449,6 +499,10 @@ class AlertEngine:
         lag = self.lag() if self.lag is not None else 0.0
         evaluated = {r.name for r in rules}
         seen: dict[str, tuple[Rule, Verdict, dict[str, str], Any, Snapshot]] = {}
+        watched = {run.id for run in runs if run.status == "running"}
+        self._settled = {
+            run_id: kept for run_id, kept in self._settled.items() if run_id in watched
+        }
         for run in runs:
             result.runs += 1
             live = run.status == "running"
@@ -456,7 +510,8 @@ class AlertEngine:
                 cadence_of, conn, run, now=now, settings=self.economics, cache=self._cadence
             )
             snap = snapshot(conn, run, needs, now=now, lag_s=lag, hold_s=self.settings.hold_s,
-                            first_steps=self._first_steps, cadence=advice) if live else Snapshot(run=run.name, now=now)  # fmt: skip
+                            first_steps=self._first_steps, cadence=advice,
+                            step_cache=self._settled) if live else Snapshot(run=run.name, now=now)  # fmt: skip
             for rule in rules:
                 if not live:
                     break

@@ -25,7 +25,6 @@ from sqlalchemy import (
     Engine,
     Float,
     Integer,
-    any_,
     bindparam,
     case,
     delete,
@@ -158,11 +157,14 @@ def _track_ranks(
 
 
 def _one_of(conn: Connection, column: Any, values: list[int]) -> Any:
-    """``column IN values``; on PostgreSQL as ``= ANY(array)``: one parameter, so the
-    statement is the same whatever the number of values (no per-value compile or parse)."""
+    """``column IN values``; on PostgreSQL as ``IN (SELECT unnest(array))``: one
+    parameter, so the statement is the same whatever the number of values (no per-value
+    compile or parse), and a hash semi-join, not ``= ANY(array)``'s linear search of the
+    array for each row (12 ms against 3 ms for 600 of 4,096 ranks: ingest ran it on
+    every flush)."""
     if is_sqlite(conn):
         return column.in_(values)
-    return column == any_(bindparam("one_of", values, type_=ARRAY(Integer)))
+    return column.in_(select(func.unnest(bindparam("one_of", values, type_=ARRAY(Integer)))))
 
 
 def _rank_update(table: Any, new: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from sqlalchemy import insert, select, update
 
 from trainwarden.alerts import Attempt, load_rule_packs
 from trainwarden.collector import models as m
-from trainwarden.collector.alerting import AlertEngine, EngineSettings
+from trainwarden.collector.alerting import AlertEngine, EngineSettings, recent_steps
 from trainwarden.collector.app import create_app
 from trainwarden.collector.db import write
 from trainwarden.collector.health import HealthSettings, evaluate
@@ -362,3 +362,40 @@ def test_two_collectors_evaluating_at_once_page_once(engine) -> None:
         assert conn.execute(select(m.alerts.c.id)).scalars().all() != []
         assert len(conn.execute(select(m.alerts.c.id)).scalars().all()) == 1
     assert [n.status for n in first.sent] == ["firing"]
+
+
+def test_a_pass_reads_a_rolled_up_step_once_and_again_when_its_rollup_changes(engine) -> None:
+    """The engine keeps rolled-up steps' rank rows between passes (a rank-scoped rule's
+    window at 4,096 ranks is 82,000 rows a pass): a cached step is not read again until
+    a late row rolls it up again; a step still arriving is read on every pass."""
+    for rank in (0, 1):
+        send(engine, rank=rank, at=T0, steps=[step(n) for n in (1, 2, 3)])
+    send(engine, rank=0, at=T0, steps=[step(4)])  # rank 1's step 4 comes late
+    flush(engine, now=T0 + 10, grace_s=0)
+    send(engine, rank=0, at=T0 + 11, steps=[step(5)])  # not rolled up yet
+    cols = ("compute_s", "duration_s")
+    cache: dict[int, Any] = {}
+
+    def read(**kw: Any) -> list[tuple[int, int, float]]:
+        with engine.connect() as conn:
+            run_id = conn.execute(select(m.runs.c.id)).scalar_one()
+            rows = recent_steps(conn, run_id, since=1, cols=cols, **kw)
+        return [(r["step"], r["rank"], r["duration_s"]) for r in rows]
+
+    first = read(cache=cache)
+    assert first == read() == [(2, 0, 0.1), (2, 1, 0.1), (3, 0, 0.1), (3, 1, 0.1), (4, 0, 0.1), (5, 0, 0.1)]
+    (run_cache,) = cache.values()
+    assert sorted(run_cache.steps) == [2, 3, 4]  # rolled up; step 5 is still arriving
+    # A cached step is not read again: a change behind the rollup's back does not show...
+    with write(engine) as conn:
+        conn.execute(update(m.rank_steps).where(m.rank_steps.c.step.in_((3, 5))).values(duration_s=0.2))
+    assert read(cache=cache) == [*first[:2], (3, 0, 0.1), (3, 1, 0.1), (4, 0, 0.1), (5, 0, 0.2)]
+    assert read()[2:4] == [(3, 0, 0.2), (3, 1, 0.2)]
+    # ...but a late row that rolls its step up again does, and steps leave the window.
+    send(engine, rank=1, at=T0 + 12, steps=[step(4, duration=0.3)])
+    flush(engine, now=T0 + 20, grace_s=0)
+    assert (4, 1, 0.3) in read(cache=cache)
+    with engine.connect() as conn:
+        run_id = conn.execute(select(m.runs.c.id)).scalar_one()
+        recent_steps(conn, run_id, since=3, cols=cols, cache=cache)
+    assert sorted(cache[run_id].steps) == [4, 5]
