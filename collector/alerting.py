@@ -334,7 +334,7 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
     if needs.gpu_s and snap.ranks:
         g = m.gpu_samples.c
         snap.gpu = [dict(row) for row in conn.execute(
-            select(m.gpu_samples).where(g.run_id == run_id, g.rank.in_(sorted(snap.ranks)), g.ts > now - needs.gpu_s)
+            select(m.gpu_samples).where(g.run_id == run_id, g.ts > now - needs.gpu_s)
             .order_by(g.ts)
         ).mappings()]  # fmt: skip
     events_s = max(needs.events_s, (needs.events_back * (snap.median_step_s or 1.0) * 2) if needs.events_back else 0.0)  # fmt: skip

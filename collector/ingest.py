@@ -8,12 +8,14 @@ back with a new process session is recorded as a ``restart`` event.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import time
 import uuid
 import weakref
 from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +53,8 @@ from .schemas import (
     GpuSampleIn,
     IngestBatch,
     IngestResult,
+    StepIn,
+    all_finite,
 )
 
 
@@ -208,26 +212,56 @@ def _json_dumps(value: Any) -> bytes | str:
         return json.dumps(value)
 
 
-def _stage(conn: Connection, table: Any, columns: list[str], rows: list[dict[str, Any]]) -> Any:
-    """Binary-COPY ``rows`` into this session's temporary staging copy of ``table``
-    (emptied at commit) and return it as a selectable."""
+def _stage(
+    conn: Connection, table: Any, columns: tuple[str, ...], rows: Iterable[Sequence[Any]]
+) -> str:
+    """Binary-COPY ``rows`` (values in ``columns`` order) into this session's temporary
+    staging copy of ``table`` (emptied at commit); returns its name."""
     name = f"tw_stage_{table.name}"
     conn.exec_driver_sql(
         f"CREATE TEMP TABLE IF NOT EXISTS {name} (LIKE {table.name}) ON COMMIT DELETE ROWS"
     )
-    types = [_pg_type(table.c[c], conn.dialect) for c in columns]
     from psycopg.types.json import set_json_dumps  # PostgreSQL only
 
     cursor: Any = conn.connection.dbapi_connection.cursor()  # type: ignore[union-attr]
     set_json_dumps(_json_dumps, context=cursor)
     try:
         with cursor.copy(f"COPY {name} ({', '.join(columns)}) FROM STDIN (FORMAT BINARY)") as copy:
-            copy.set_types(types)
+            copy.set_types(_pg_types(table, columns, conn.dialect))
             for row in rows:
-                copy.write_row([row[c] for c in columns])
+                copy.write_row(row)
     finally:
         cursor.close()
-    return sql_table(name, *(sql_column(c) for c in columns))
+    return name
+
+
+@functools.lru_cache(maxsize=64)
+def _pg_types(table: Any, columns: tuple[str, ...], dialect: Any) -> list[str]:
+    return [_pg_type(table.c[c], dialect) for c in columns]
+
+
+@functools.lru_cache(maxsize=64)
+def _upsert_sql(table: Any, columns: tuple[str, ...], key: tuple[str, ...], set_: Any, where: Any,
+                stage: str | None, dialect: Any) -> Any:  # fmt: skip
+    """The upsert statement, built once: from the staging table (as SQL text: nothing
+    left for SQLAlchemy to do a flush) on PostgreSQL, of parameters on SQLite."""
+    if stage is None:
+        stmt: Any = sqlite.insert(table)
+    else:
+        staged = sql_table(stage, *(sql_column(c) for c in columns))
+        source = select(*(staged.c[c] for c in columns)).order_by(*(staged.c[k] for k in key))
+        stmt = postgresql.insert(table).from_select(list(columns), source)
+    if set_ is None:
+        stmt = stmt.on_conflict_do_nothing(index_elements=list(key))
+    else:
+        stmt = stmt.on_conflict_do_update(
+            index_elements=list(key),
+            set_=set_(table, stmt.excluded),
+            where=None if where is None else where(table, stmt.excluded),
+        )
+    if stage is None:
+        return stmt
+    return str(stmt.compile(dialect=dialect, compile_kwargs={"literal_binds": True}))
 
 
 def upsert_rows(
@@ -242,67 +276,106 @@ def upsert_rows(
     """Insert ``rows`` (all with the same keys). On a key conflict: do nothing when
     ``set_`` is None, else apply ``set_(table, excluded)`` where ``where(table,
     excluded)`` holds. Rows are written in key order, so concurrent writers lock
-    rows in the same order and cannot deadlock."""
-    if not rows:
+    rows in the same order and cannot deadlock. ``set_`` and ``where``: module-level
+    functions (the statement is built once for each)."""
+    if rows:
+        names = tuple(rows[0])
+        upsert_columns(conn, table, {c: [row[c] for row in rows] for c in names}, key=key, set_=set_, where=where)  # fmt: skip
+
+
+def upsert_columns(
+    conn: Connection,
+    table: Any,
+    cols: dict[str, list[Any]],
+    *,
+    key: tuple[str, ...],
+    set_: Any = None,
+    where: Any = None,
+) -> None:
+    """:func:`upsert_rows` of rows given column-wise (lists of one length)."""
+    names = tuple(cols)
+    if not names or not cols[names[0]]:
         return
-    columns = list(rows[0])
+    rows = zip(*cols.values(), strict=True)
     if is_sqlite(conn):
-        stmt: Any = sqlite.insert(table)
-        values = rows
-    else:
-        stage = _stage(conn, table, columns, rows)
-        source = select(*(stage.c[c] for c in columns)).order_by(*(stage.c[k] for k in key))
-        stmt = postgresql.insert(table).from_select(columns, source)
-        values = None
-    if set_ is None:
-        stmt = stmt.on_conflict_do_nothing(index_elements=list(key))
-    else:
-        stmt = stmt.on_conflict_do_update(
-            index_elements=list(key),
-            set_=set_(table, stmt.excluded),
-            where=None if where is None else where(table, stmt.excluded),
-        )
-    if values is None:
-        conn.execute(stmt)
-    else:
-        conn.execute(stmt, sorted(values, key=lambda r: tuple(r[k] for k in key)))
+        stmt = _upsert_sql(table, names, key, set_, where, None, conn.dialect)
+        at = [names.index(k) for k in key]
+        ordered = sorted(rows, key=lambda row: tuple(row[i] for i in at))
+        conn.execute(stmt, [dict(zip(names, row, strict=True)) for row in ordered])
+        return
+    stage = _stage(conn, table, names, rows)
+    conn.exec_driver_sql(_upsert_sql(table, names, key, set_, where, stage, conn.dialect))
 
 
-# Every wire field of a step that is a rank_steps column of the same name.
-_STEP_COLUMNS = {c.name for c in m.rank_steps.columns} - {
-    "run_id",
-    "rank",
-    "day",
-    "recv_ts",
-    "issues",
-}
+def _take(cols: dict[str, list[Any]], keep: list[int]) -> dict[str, list[Any]]:
+    """The rows at ``keep`` of columns ``cols``."""
+    return {name: [values[i] for i in keep] for name, values in cols.items()}
 
 
-def _step_row(run_id: int, rank: int, s: dict[str, Any], now: float) -> dict[str, Any]:
-    row = {name: s.get(name) for name in _STEP_COLUMNS}
-    issues = dict(s.get("issues") or {})
-    for name in ("loss", "grad_norm"):
-        value = row[name]
-        if value is not None and not math.isfinite(value):
-            # SQLite cannot store NaN: keep the fact in `issues` on every backend.
-            issues[name] = _nonfinite_word(value)
-            row[name] = None
-    user = row["metrics"]
-    if not user:
-        row["metrics"] = None  # an empty object is no metrics
-    else:
+def _days(ts: list[float]) -> list[int]:
+    """``day_of`` of each time; one day for all in the usual case."""
+    first, last = day_of(min(ts)), day_of(max(ts))
+    return [first] * len(ts) if first == last else [day_of(t) for t in ts]
+
+
+# A stored step row: every wire field of a step that is a rank_steps column of the same
+# name, and those the collector adds.
+_STEP_COLUMNS = tuple(
+    c.name for c in m.rank_steps.columns if c.name not in ("run_id", "rank", "day", "recv_ts", "issues")
+)  # fmt: skip
+_STEP_ROW = ("run_id", "rank", "step", "day", "recv_ts", "issues",
+             *(c for c in _STEP_COLUMNS if c != "step"))  # fmt: skip
+_STEP_KEY = ("run_id", "step", "rank", "day")
+_NONFINITE_OK = ("loss", "grad_norm")  # stored as NULL, the fact kept in ``issues``
+
+
+def _step_columns(run_id: int, steps: dict[str, list[Any]], now: float) -> dict[str, list[Any]]:
+    """A request's validated step columns as ``rank_steps`` columns (``_STEP_ROW``): a
+    column not sent is all NULL; a non-finite loss, grad norm or user metric is stored
+    as NULL and named in the row's ``issues`` ("nan", "inf", "-inf")."""
+    n = len(steps["step"])
+    nulls = [None] * n
+    cols = {name: steps.get(name) or nulls for name in _STEP_COLUMNS}
+    issues: list[dict[str, str] | None] = list(steps.get("issues") or nulls)
+    dirty = False
+    for name in _NONFINITE_OK:
+        values = cols[name]
+        if values is not nulls and not all_finite(values):
+            cols[name] = values = list(values)
+            for i, value in enumerate(values):
+                if value is not None and not math.isfinite(value):
+                    issues[i] = {**(issues[i] or {}), name: _nonfinite_word(value)}
+                    values[i] = None
+                    dirty = True
+    user: list[Any] = cols["metrics"]
+    if user is not nulls:
+        if not all(user):
+            user = [d or None for d in user]  # an empty object is no metrics
         try:
-            clean = math.isfinite(sum(user.values()))  # one C loop: the usual all-finite row
+            clean = math.isfinite(sum(itertools.chain.from_iterable(d.values() for d in user if d)))
         except TypeError:  # a null among them
             clean = False
         if not clean:
-            row["metrics"] = user = dict(user)
-            for name, value in user.items():
-                if value is not None and not math.isfinite(value):
-                    issues[f"user.{name}"] = _nonfinite_word(value)
-                    user[name] = None
-    row.update(run_id=run_id, rank=rank, day=day_of(s["ts"]), recv_ts=now, issues=issues or None)
-    return row
+            user = list(user)
+            for i, metrics in enumerate(user):
+                bad = {
+                    k: v
+                    for k, v in (metrics or {}).items()
+                    if v is not None and not math.isfinite(v)
+                }
+                if bad:
+                    user[i] = {**metrics, **dict.fromkeys(bad)}
+                    issues[i] = {
+                        **(issues[i] or {}),
+                        **{f"user.{k}": _nonfinite_word(v) for k, v in bad.items()},
+                    }
+                    dirty = True
+        cols["metrics"] = user
+    if dirty or any(issues):
+        issues = [d or None for d in issues]
+    cols.update(run_id=[run_id] * n, rank=steps["rank"], day=_days(steps["ts"]),
+                recv_ts=[now] * n, issues=issues)  # fmt: skip
+    return {name: cols[name] for name in _STEP_ROW}
 
 
 def _nonfinite_word(value: float) -> str:
@@ -315,22 +388,25 @@ def _later_execution(table: Any, new: Any) -> Any:
     return table.c.ts < new.ts
 
 
+def _overwrite_step(table: Any, new: Any) -> dict[str, Any]:
+    return {name: new[name] for name in _STEP_ROW if name not in _STEP_KEY}
+
+
 def _write_steps(
-    conn: Connection, rows: list[dict[str, Any]], last_steps: dict[tuple[int, int], int | None]
-) -> list[dict[str, Any]]:
-    """Store step rows; return those stored (a stale re-delivery is not)."""
+    conn: Connection, cols: dict[str, list[Any]], last_steps: dict[tuple[int, int], int | None]
+) -> dict[str, list[Any]]:
+    """Store step rows, given column-wise; return those stored (a stale re-delivery is not)."""
     table, c = m.rank_steps, m.rank_steps.c
     # A step at or before its rank's last known step may exist already under another
     # day (run again after a rollback, or an old execution re-delivered late): of all
     # executions of a (run, rank, step) only the latest is kept.
     again = [
-        row
-        for row in rows
-        if (last := last_steps.get((row["run_id"], row["rank"]))) is not None
-        and row["step"] <= last
-    ]
+        i
+        for i, (run_id, rank, step) in enumerate(zip(cols["run_id"], cols["rank"], cols["step"], strict=True))
+        if (last := last_steps.get((run_id, rank))) is not None and step <= last
+    ]  # fmt: skip
     if again:
-        keys = {(r["run_id"], r["rank"], r["step"]): r for r in again}
+        keys = {(cols["run_id"][i], cols["rank"][i], cols["step"][i]): i for i in again}
         stored = conn.execute(
             select(c.run_id, c.rank, c.step, c.day, c.ts).where(
                 tuple_(c.run_id, c.rank, c.step).in_(list(keys))
@@ -338,11 +414,11 @@ def _write_steps(
         ).all()
         stale, older = set(), []
         for run_id, rank, step, day, ts in stored:
-            new = keys[(run_id, rank, step)]
-            if day == new["day"]:
+            i = keys[(run_id, rank, step)]
+            if day == cols["day"][i]:
                 continue  # same key: the upsert decides
-            if ts >= new["ts"]:
-                stale.add((run_id, rank, step))
+            if ts >= cols["ts"][i]:
+                stale.add(i)
             else:
                 older.append({"r": run_id, "k": rank, "s": step, "d": day})
         if older:
@@ -351,13 +427,10 @@ def _write_steps(
                                     c.step == bindparam("s"), c.day == bindparam("d")),
                 older,
             )  # fmt: skip
-        rows = [r for r in rows if (r["run_id"], r["rank"], r["step"]) not in stale]
-    upsert_rows(
-        conn, table, rows, key=("run_id", "step", "rank", "day"),
-        set_=lambda t, new: {k: new[k] for k in rows[0] if k not in ("run_id", "step", "rank", "day")},
-        where=_later_execution,
-    )  # fmt: skip
-    return rows
+        if stale:
+            cols = _take(cols, [i for i in range(len(cols["step"])) if i not in stale])
+    upsert_columns(conn, table, cols, key=_STEP_KEY, set_=_overwrite_step, where=_later_execution)
+    return cols
 
 
 def _queue_rollups(conn: Connection, keys: set[tuple[int, int]], now: float) -> None:
@@ -380,23 +453,30 @@ class _Request:
     run: str
     world_size: int
     agents: list[tuple[AgentInfo, list[int]]]  # each rank's header and its step numbers here
-    steps: list[tuple[int, dict[str, Any]]]  # (rank, every StepIn field)
+    steps: dict[str, list[Any]]  # step columns: "rank" and StepIn fields, of one length
     events: list[EventIn] = field(default_factory=list)
     gpu: list[GpuSampleIn] = field(default_factory=list)
+
+
+_STEP_FIELDS = tuple(StepIn.model_fields)
 
 
 def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
     if isinstance(batch, IngestBatch):
         a = batch.agent
-        steps = [s.model_dump() for s in batch.steps]
-        return _Request(batch.run, a.world_size, [(a, [s["step"] for s in steps])],
-                        [(a.rank, s) for s in steps], batch.events, batch.gpu)  # fmt: skip
-    pairs = batch.rows()
+        dumped = [s.model_dump() for s in batch.steps]
+        steps = {
+            "rank": [a.rank] * len(dumped),
+            **{name: [d[name] for d in dumped] for name in _STEP_FIELDS},
+        }
+        return _Request(batch.run, a.world_size, [(a, steps["step"])], steps if dumped else {},
+                        batch.events, batch.gpu)  # fmt: skip
+    cols = batch.columns()
     by_rank: dict[int, list[int]] = defaultdict(list)
-    for rank, step in pairs:
-        by_rank[rank].append(step["step"])
+    for rank, step in zip(cols.get("rank", ()), cols.get("step", ()), strict=True):
+        by_rank[rank].append(step)
     return _Request(
-        batch.run, batch.world_size, [(a, by_rank.get(a.rank, [])) for a in batch.agents], pairs
+        batch.run, batch.world_size, [(a, by_rank.get(a.rank, [])) for a in batch.agents], cols
     )
 
 
@@ -421,7 +501,7 @@ def store_many(
     requests = [_normalize(b) for b in batches]
     when = arrived or [now] * len(requests)
     # First, before this transaction locks anything: a day partition a row needs.
-    days = {day_of(s["ts"]) for req in requests for _r, s in req.steps}
+    days = {day for req in requests if req.steps for day in _days(req.steps["ts"])}
     days |= {day_of(g.ts) for req in requests for g in req.gpu}
     ensure_partitions(conn.engine, days)
     run_ids = {}
@@ -441,17 +521,22 @@ def store_many(
         known = _track_ranks(conn, run_id=run_id, agents=list(by_run[run_id].values()), now=now)
         last_steps.update({(run_id, rank): last for rank, last in known.items()})
 
-    # Steps: the same step twice in one flush (a replay inside it): the last one wins.
-    rows: dict[tuple[int, int, int], dict[str, Any]] = {}
+    # Steps, column-wise (no object a row): the same step twice in one flush (a replay
+    # inside it): the last one wins.
+    merged: dict[str, list[Any]] = {name: [] for name in _STEP_ROW}
     accepted_steps = []
     for req in requests:
-        run_id = run_ids[req.run]
-        mine = {(run_id, rank, s["step"]): (rank, s) for rank, s in req.steps}
-        accepted_steps.append(len(mine))
-        for key, (rank, s) in mine.items():
-            rows[key] = _step_row(run_id, rank, s, now)
-    stored = _write_steps(conn, list(rows.values()), last_steps)
-    _queue_rollups(conn, {(row["run_id"], row["step"]) for row in stored}, now)
+        if not req.steps:
+            accepted_steps.append(0)
+            continue
+        accepted_steps.append(len(set(zip(req.steps["rank"], req.steps["step"], strict=True))))
+        for name, values in _step_columns(run_ids[req.run], req.steps, now).items():
+            merged[name] += values
+    keys = list(zip(merged["run_id"], merged["rank"], merged["step"], strict=True))
+    if len(set(keys)) < len(keys):
+        merged = _take(merged, sorted({key: i for i, key in enumerate(keys)}.values()))
+    stored = _write_steps(conn, merged, last_steps)
+    _queue_rollups(conn, set(zip(stored["run_id"], stored["step"], strict=True)), now)
 
     accepted_events = _store_events(conn, requests, run_ids, now)
     firsts: dict[str, tuple[int, float]] = {}
@@ -468,7 +553,7 @@ def store_many(
             _update_run(conn, run_id=run_ids[req.run], world_size=req.world_size, last=None,
                         shutdown=True, now=now)  # fmt: skip
     for run, run_id in sorted(run_ids.items()):
-        req_last = [s["step"] for req in requests if req.run == run for _r, s in req.steps]
+        req_last = [max(req.steps["step"]) for req in requests if req.run == run and req.steps]
         world = max(req.world_size for req in requests if req.run == run)
         _update_run(conn, run_id=run_id, world_size=world, last=max(req_last, default=None),
                     shutdown=False, now=now)  # fmt: skip
@@ -480,7 +565,9 @@ def store_many(
 
 def _started_at(req: _Request, rank: int, step: int) -> float:
     """When ``rank`` started ``step`` in this request (its first step: a rare lookup)."""
-    return next(s["ts"] for r, s in req.steps if r == rank and s["step"] == step)
+    cols = req.steps
+    return next(ts for r, s, ts in zip(cols["rank"], cols["step"], cols["ts"], strict=True)
+                if r == rank and s == step)  # fmt: skip
 
 
 def _store_events(
