@@ -14,7 +14,7 @@ import math
 import time
 import uuid
 import weakref
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -305,6 +305,8 @@ def upsert_columns(
         return
     stage = _stage(conn, table, names, rows)
     conn.exec_driver_sql(_upsert_sql(table, names, key, set_, where, stage, conn.dialect))
+    # Emptied at commit, and now: a second upsert in this transaction must not see these.
+    conn.exec_driver_sql(f"DELETE FROM {stage}")
 
 
 def _take(cols: dict[str, list[Any]], keep: list[int]) -> dict[str, list[Any]]:
@@ -433,11 +435,17 @@ def _write_steps(
     return cols
 
 
-def _queue_rollups(conn: Connection, keys: set[tuple[int, int]], now: float) -> None:
-    """Tell the rollup worker about these (run, step)s. DO NOTHING when already queued:
-    no row lock, so the ranks of one step never queue behind each other here."""
-    rows = [{"run_id": r, "step": s, "first_seen": now} for r, s in sorted(keys)]
-    upsert_rows(conn, m.rollup_queue, rows, key=("run_id", "step"))
+def _queue_rollups(conn: Connection, counts: Counter[tuple[int, int]], now: float) -> None:
+    """Tell the rollup worker about these (run, step)s and how many rows of each this
+    flush wrote. A queued step's row is updated in key order (two collectors lock the
+    same steps in the same order); one flush at a time per collector."""
+    rows = [{"run_id": r, "step": s, "first_seen": now, "seen_n": n, "newest": now}
+            for (r, s), n in sorted(counts.items())]  # fmt: skip
+    upsert_rows(conn, m.rollup_queue, rows, key=("run_id", "step"), set_=_count_rows)
+
+
+def _count_rows(table: Any, new: Any) -> dict[str, Any]:
+    return {"seen_n": table.c.seen_n + new.seen_n, "newest": new.newest}
 
 
 # When this process last wrote each run's row: it is shared by every rank, so it is
@@ -536,7 +544,7 @@ def store_many(
     if len(set(keys)) < len(keys):
         merged = _take(merged, sorted({key: i for i, key in enumerate(keys)}.values()))
     stored = _write_steps(conn, merged, last_steps)
-    _queue_rollups(conn, set(zip(stored["run_id"], stored["step"], strict=True)), now)
+    _queue_rollups(conn, Counter(zip(stored["run_id"], stored["step"], strict=True)), now)
 
     accepted_events = _store_events(conn, requests, run_ids, now)
     firsts: dict[str, tuple[int, float]] = {}

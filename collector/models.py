@@ -199,6 +199,10 @@ rollup_queue = Table(
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("step", BigInteger, primary_key=True),
     Column("first_seen", Float, nullable=False),
+    # Rows ingest has written for the step (a replay counts again) and when it last did:
+    # the worker's frequent pass finds complete steps from these, not by counting rows.
+    Column("seen_n", Integer, nullable=False, server_default="0"),
+    Column("newest", Float),
     Column("rolled_n", Integer),  # rows the last rollup saw
     Column("rolled_at", Float),  # newest receive time the last rollup saw
 )

@@ -62,17 +62,22 @@ def roll_up_ready(
     """Roll up every queued step that is due: complete (or past its grace) and not yet
     rolled, or (``recheck``) rolled before a late or replayed row arrived. Returns how many."""
     q, s, r = m.rollup_queue.c, m.rank_steps.c, m.runs.c
-    counts = (
-        select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
-               func.count(s.rank).label("n"), func.max(s.recv_ts).label("newest"))
-        .join(m.runs, r.id == q.run_id)
-        .join(m.rank_steps, and_(s.run_id == q.run_id, s.step == q.step))
-        .group_by(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size)
-        .order_by(q.first_seen)
-        .limit(MAX_STEPS_PER_PASS)
-    )  # fmt: skip
-    if not recheck:  # the cheap pass: only steps never rolled up
-        counts = counts.where(q.rolled_n.is_(None))
+    if recheck:  # count the rows themselves: late rows, replays, another collector's
+        counts = (
+            select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
+                   func.count(s.rank).label("n"), func.max(s.recv_ts).label("newest"))
+            .join(m.runs, r.id == q.run_id)
+            .join(m.rank_steps, and_(s.run_id == q.run_id, s.step == q.step))
+            .group_by(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size)
+        )  # fmt: skip
+    else:  # the cheap pass: steps never rolled up, by what ingest counted as it wrote
+        counts = (
+            select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
+                   q.seen_n.label("n"), func.coalesce(q.newest, q.first_seen).label("newest"))
+            .join(m.runs, r.id == q.run_id)
+            .where(q.rolled_n.is_(None))
+        )  # fmt: skip
+    counts = counts.order_by(q.first_seen).limit(MAX_STEPS_PER_PASS)
     # An incomplete step waits until its rows stop coming, not a fixed time after its
     # first: when ingest runs behind, its ranks' rows are still being written, and a
     # step rolled up early is rolled up again for each late batch (with its heatmap
@@ -82,6 +87,8 @@ def roll_up_ready(
         if (row.rolled_n is None and (row.n >= row.world_size or now - row.newest >= grace_s))
         or (row.rolled_n is not None and (row.n != row.rolled_n or row.newest > row.rolled_at))
     ]  # fmt: skip
+    if not recheck:
+        due = _really_complete(conn, due, now=now, grace_s=grace_s)
     if due:
         keys = [(row.run_id, row.step) for row in due]
         stats, seen = (_aggregate_here if is_sqlite(conn) else _aggregate_in_db)(conn, keys)
@@ -98,6 +105,21 @@ def roll_up_ready(
         delete(m.rollup_queue).where(q.rolled_at.is_not(None), q.rolled_at < now - SETTLE_S)
     )
     return len(due)
+
+
+def _really_complete(conn: Connection, due: list[Any], *, now: float, grace_s: float) -> list[Any]:
+    """``due`` less the steps ingest's count calls complete that are not: a replayed
+    batch is counted again. Only those steps' rows are counted (about one a pass)."""
+    claimed = {(row.run_id, row.step): row.world_size for row in due if now - row.newest < grace_s}
+    if not claimed:
+        return due
+    s = m.rank_steps.c
+    found = conn.execute(
+        select(s.run_id, s.step, func.count()).where(tuple_(s.run_id, s.step).in_(list(claimed)))
+        .group_by(s.run_id, s.step)
+    ).all()  # fmt: skip
+    short = {(run_id, step) for run_id, step, n in found if n < claimed[(run_id, step)]}
+    return [row for row in due if (row.run_id, row.step) not in short]
 
 
 Rolled = dict[tuple[int, int], tuple[int, float]]  # (run, step): (rows, newest receive time)

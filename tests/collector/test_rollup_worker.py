@@ -9,7 +9,7 @@ from sqlalchemy import select
 from trainwarden.collector import models as m
 from trainwarden.collector.db import write
 from trainwarden.collector.ingest import ingest
-from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.rollup_worker import flush, roll_up_ready
 from trainwarden.collector.schemas import IngestBatch
 
 from .helpers import batch, step
@@ -142,3 +142,30 @@ def test_bucket_maxima_rolled_up_piecewise_with_gaps_match_raw_rows(engine) -> N
         assert heatmap(conn, run="r1", metric="step_time", buckets=7).bucket == 512  # the 256 level
         late = heatmap(conn, run="r1", metric="step_time", buckets=3, from_step=2_600)
         assert late.values and all(v is not None for row in late.values for v in row)
+
+
+def test_the_frequent_pass_goes_by_the_rows_ingest_counted_and_the_recheck_by_the_rows(
+    engine,
+) -> None:
+    for rank in range(3):
+        send(engine, rank, [0, 1] if rank < 2 else [0], at=T0)
+    q = m.rollup_queue.c
+    with engine.connect() as conn:
+        counted = conn.execute(select(q.step, q.seen_n, q.newest).order_by(q.step)).all()
+    assert [tuple(row) for row in counted] == [(0, 3, T0), (1, 2, T0)]
+    with write(engine) as conn:
+        assert roll_up_ready(conn, now=T0 + 0.1, grace_s=5, recheck=False) == 1  # step 0: 3 of 3
+    assert loss_stats(engine) == {0: (3, 2.0)}
+    send(engine, 1, [1], at=T0 + 3)  # a replay: counted again (3 of 3), and its time is the newest
+    with write(engine) as conn:
+        assert conn.execute(select(q.seen_n).where(q.step == 1)).scalar() == 3
+        assert roll_up_ready(conn, now=T0 + 5.1, grace_s=5, recheck=False) == 0  # 2 rows in fact
+        assert (
+            roll_up_ready(conn, now=T0 + 8.1, grace_s=5, recheck=False) == 1
+        )  # the last: grace over
+    assert loss_stats(engine)[1] == (2, 1.0)
+    send(engine, 2, [1], at=T0 + 9)  # late for a rolled-up step: the recheck's to find
+    with write(engine) as conn:
+        assert roll_up_ready(conn, now=T0 + 9.1, grace_s=5, recheck=False) == 0
+        assert roll_up_ready(conn, now=T0 + 9.2, grace_s=5, recheck=True) == 1
+    assert loss_stats(engine)[1] == (3, 2.0)
