@@ -90,6 +90,11 @@ class EngineSettings:
     """A burst of wake-ups runs one pass, not one each."""
     stale_run_s: float = 86400.0
     """A run silent this long is no longer evaluated (its open alerts resolve)."""
+    slow_rule_s: float = 15.0
+    """At most this long between evaluations of a rank-scoped threshold or baseline rule
+    that must hold for minutes: one reads every rank's rows of its window (a 20-step
+    window at 8,192 ranks is 164,000 rows), and its ``for`` is not the time to within a
+    pass. Evaluated every ``for``/20, at least every ``interval_s``."""
 
     @property
     def hold_s(self) -> float:
@@ -419,6 +424,7 @@ class AlertEngine:
         )
         self._first_steps: dict[int, int] = {}
         self._settled: dict[int, SettledSteps] = {}
+        self._evaluated_at: dict[str, float] = {}  # a slow rule's last evaluation
         self.economics = EconomicsSettings()  # serve's price and MTBF (app.py sets them)
         self._cadence: dict[int, tuple[float, dict[str, Any]]] = {}
         self._wake = threading.Event()
@@ -458,6 +464,26 @@ class AlertEngine:
                 log.exception("alert evaluation failed; retrying")
             self._stop.wait(self.settings.min_wake_s)
 
+    def period_s(self, rule: Rule) -> float:
+        """How often ``rule`` is evaluated: every pass, or (a rank-scoped threshold or
+        baseline rule whose ``for`` is in seconds) every ``for``/20 up to ``slow_rule_s``."""
+        interval = self.settings.interval_s
+        if not isinstance(rule, (ThresholdRule, BaselineRule)) or rule.params.scope != "rank":
+            return interval
+        if rule.for_.unit != "s":
+            return interval
+        return max(interval, min(self.settings.slow_rule_s, rule.for_.value / 20))
+
+    def _due(self, rule: Rule, now: float) -> bool:
+        period = self.period_s(rule)
+        if period <= self.settings.interval_s:
+            return True
+        last = self._evaluated_at.get(rule.name)
+        if last is not None and last <= now < last + period:
+            return False
+        self._evaluated_at[rule.name] = now
+        return True
+
     # -- one pass -------------------------------------------------------------------
 
     def run_once(self, *, now: float | None = None, fast_only: bool = False) -> PassResult:
@@ -482,6 +508,7 @@ class AlertEngine:
     def _pass(self, conn: Connection, now: float, fast_only: bool, notes: list[Any]) -> PassResult:
         result = PassResult()
         rules = [r for r in self.rules.values() if not fast_only or isinstance(r, FAST_KINDS)]
+        rules = [r for r in rules if self._due(r, now)]
         needs = self.fast_needs if fast_only else self.needs
         a = m.alerts.c
         open_rows = {

@@ -399,3 +399,20 @@ def test_a_pass_reads_a_rolled_up_step_once_and_again_when_its_rollup_changes(en
         run_id = conn.execute(select(m.runs.c.id)).scalar_one()
         recent_steps(conn, run_id, since=3, cols=cols, cache=cache)
     assert sorted(cache[run_id].steps) == [4, 5]
+
+
+def test_a_rank_rule_that_must_hold_for_minutes_is_evaluated_every_for_over_20_s(engine) -> None:
+    alerts = Engine(engine, "DataLoaderStall", "Straggler")
+    assert alerts.alerts.period_s(RULES["DataLoaderStall"]) == 15.0  # for: 5m
+    assert alerts.alerts.period_s(RULES["Straggler"]) == 2.0  # a peer rule: every pass
+    for rank in (0, 1):
+        send(engine, rank=rank, at=T0, steps=[step(n, duration=1.0) for n in range(1, 21)])
+    assert alerts.run(T0 + 1) == []  # evaluated: all fed
+    for rank in (0, 1):  # rank 1 now waits half of each step for its input
+        stalled = [step(n, duration=1.0, wait=0.5 if rank else 0.01) for n in range(21, 46)]
+        send(engine, rank=rank, at=T0 + 2, steps=stalled)
+    assert alerts.run(T0 + 3) == []  # not due again before T0 + 16
+    assert alerts.run(T0 + 15.9) == []
+    (row,) = alerts.run(T0 + 16)
+    assert (row["rule"], row["state"], row["rank"]) == ("DataLoaderStall", "pending", 1)
+    assert alerts.run(T0 + 18) == [row]  # not evaluated, left as it was
