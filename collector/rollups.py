@@ -197,7 +197,9 @@ def sql_of(metric: MetricDef) -> tuple[str, str]:
 def aggregate_sql() -> str:
     """One SELECT that rolls up ``keys`` steps of one run in PostgreSQL: a row per step
     with, per metric, the columns ``aggregate`` computes in Python (the GROUP BY runs
-    next to the data, not in the collector's one Python core)."""
+    next to the data, not in the collector's one Python core). The slowest rank is
+    ``max(ARRAY[value, rank])``: the highest value, the highest rank among equals, in
+    one pass (``array_agg(rank ORDER BY value DESC)`` sorted every metric's values again)."""
     parts = ["step", "min(ts) AS ts", "count(*) AS rows_n", "max(recv_ts) AS newest",
              "count(metrics) AS user_n"]  # fmt: skip
     for i, metric in enumerate(METRICS.values()):
@@ -212,7 +214,7 @@ def aggregate_sql() -> str:
             f"count({v}) AS n{i}", f"{bad} AS bad{i}", f"min({v}) AS min{i}",
             f"percentile_cont(0.5) WITHIN GROUP (ORDER BY {v}) AS median{i}",
             f"max({v}) AS max{i}", f"avg({v}) AS mean{i}", f"({total})::float8 AS total{i}",
-            f"(array_agg(rank ORDER BY {v} DESC, rank DESC) FILTER (WHERE {v} IS NOT NULL))[1] AS top{i}",
+            f"((max(ARRAY[{v}, rank::float8]) FILTER (WHERE {v} IS NOT NULL))[2])::int AS top{i}",
         ]  # fmt: skip
     return (
         f"SELECT {', '.join(parts)} FROM rank_steps "
@@ -241,7 +243,7 @@ _USER_SQL = (  # one row per step and user metric; a null (or non-finite) value 
     "count(*) FILTER (WHERE s.issues->>('user.' || kv.key) IN ('nan', 'inf', '-inf')) AS bad, "
     "min(v.x) AS min, percentile_cont(0.5) WITHIN GROUP (ORDER BY v.x) AS median, "
     "max(v.x) AS max, avg(v.x) AS mean, "
-    "(array_agg(s.rank ORDER BY v.x DESC, s.rank DESC) FILTER (WHERE v.x IS NOT NULL))[1] AS top "
+    "((max(ARRAY[v.x, s.rank::float8]) FILTER (WHERE v.x IS NOT NULL))[2])::int AS top "
     "FROM rank_steps s CROSS JOIN LATERAL jsonb_each_text(s.metrics) AS kv(key, value) "
     "CROSS JOIN LATERAL (SELECT kv.value::float8 AS x) AS v "
     "WHERE s.run_id = :run AND s.step = ANY(:steps) AND s.metrics IS NOT NULL "
