@@ -280,7 +280,8 @@ def upsert_rows(
     functions (the statement is built once for each)."""
     if rows:
         names = tuple(rows[0])
-        upsert_columns(conn, table, {c: [row[c] for row in rows] for c in names}, key=key, set_=set_, where=where)  # fmt: skip
+        cols = {c: [row[c] for row in rows] for c in names}
+        upsert_columns(conn, table, cols, key=key, set_=set_, where=where)
 
 
 def upsert_columns(
