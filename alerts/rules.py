@@ -45,7 +45,7 @@ RUNBOOKS_DIR = HERE.parent / "runbooks"
 
 STEP_METRICS = tuple(METRICS)
 """Per-step metrics: each rank's value (``rank_steps``) and their rollups (``step_stats``)."""
-RUN_STATS = ("min", "median", "max", "mean", "total")
+RUN_STATS = ("min", "median", "max", "p99", "mean", "total")
 """A run metric's statistic across ranks; ``total`` is the run-level value (rollups.py)."""
 GPU_METRICS = tuple(
     c.name

@@ -75,7 +75,7 @@ log = logging.getLogger(__name__)
 
 ADVISORY_LOCK_KEY = 0x7477_616C_6572  # "twaler": one alert engine across collectors
 OPEN = ("pending", "firing")
-STATS = ("min", "median", "max", "mean", "total")
+STATS = ("min", "median", "max", "p99", "mean", "total")
 FAST_KINDS = (EventRule, AbsenceRule, RateRule)
 """Rules a wake-up (ingest stored an event or a flagged step) evaluates at once."""
 

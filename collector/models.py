@@ -137,6 +137,7 @@ step_stats = Table(
     Column("min", Float),
     Column("median", Float),
     Column("max", Float),
+    Column("p99", Float),  # 99th percentile across ranks, interpolated (migration 0014)
     Column("mean", Float),
     Column("total", Float),
     Column("argmax_rank", Integer),

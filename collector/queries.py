@@ -117,14 +117,14 @@ def series(
 
     ``last`` keeps only the newest N steps (after the from/to filter). ``points``
     downsamples to at most N points so that spikes survive: each point holds its
-    bucket's min of mins, max of maxes, mean of medians and, for ``total``, the
+    bucket's min of mins, max of maxes and of p99s, mean of medians and, for ``total``, the
     bucket's most extreme value (a spike or a dip, whichever is further out).
     """
     run_id = _run_row(conn, run)["id"]
     if metric not in METRICS and not user_metrics.has(conn, run_id=run_id, metric=metric):
         raise UnknownMetric(metric, user_metrics.names(conn, run_id=run_id))
     s = m.step_stats.c
-    query = select(s.step, s.ts, s.n, s.min, s.median, s.max, s.total, s.argmax_rank).where(
+    query = select(s.step, s.ts, s.n, s.min, s.median, s.max, s.total, s.argmax_rank, s.p99).where(
         s.run_id == run_id, s.metric == metric
     )
     if from_step is not None:
@@ -143,7 +143,7 @@ def series(
     if points is not None and len(rows) > points:
         bucket = -(-len(rows) // points)
         rows = [_squeeze(rows[i : i + bucket]) for i in range(0, len(rows), bucket)]
-    columns: list[Any] = list(zip(*rows, strict=False)) if rows else [[] for _ in range(8)]
+    columns: list[Any] = list(zip(*rows, strict=False)) if rows else [[] for _ in range(9)]
     return Series(
         bucket=bucket,
         run=run,
@@ -157,6 +157,7 @@ def series(
         max=list(columns[5]),
         total=list(columns[6]),
         argmax_rank=list(columns[7]),
+        p99=list(columns[8]),
     )
 
 
@@ -183,17 +184,17 @@ def _squeezed(conn: Connection, query: Any, *, points: int) -> tuple[list[Any], 
     top = func.array_agg(aggregate_order_by(c.argmax_rank, c.max.desc().nulls_last(), c.step))[1]
     found = conn.execute(
         select(func.min(c.step), first, func.max(c.n), func.min(c.min), func.avg(c.median),
-               func.max(c.max), extreme, top, func.max(c.size))
+               func.max(c.max), extreme, top, func.max(c.p99), func.max(c.size))
         .group_by(c.b).order_by(c.b)
     ).all()  # fmt: skip
-    return [row[:8] for row in found], (found[0][8] if found else 1)
+    return [row[:9] for row in found], (found[0][9] if found else 1)
 
 
 def _squeeze(rows: list[Any]) -> tuple[Any, ...]:
     def clean(i: int) -> list[float]:
         return [r[i] for r in rows if r[i] is not None]
 
-    mins, meds, maxs, totals = clean(3), clean(4), clean(5), clean(6)
+    mins, meds, maxs, totals, p99s = clean(3), clean(4), clean(5), clean(6), clean(8)
     extreme = None
     if totals:
         mean = sum(totals) / len(totals)
@@ -202,7 +203,7 @@ def _squeeze(rows: list[Any]) -> tuple[Any, ...]:
     return (
         rows[0][0], rows[0][1], max(r[2] for r in rows),
         min(mins) if mins else None, sum(meds) / len(meds) if meds else None, max(maxs) if maxs else None,
-        extreme, top[7],
+        extreme, top[7], max(p99s) if p99s else None,
     )  # fmt: skip
 
 

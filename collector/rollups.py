@@ -212,7 +212,7 @@ def aggregate_sql() -> str:
         )
         parts += [
             f"count({v}) AS n{i}", f"{bad} AS bad{i}", f"min({v}) AS min{i}",
-            f"percentile_cont(0.5) WITHIN GROUP (ORDER BY {v}) AS median{i}",
+            f"percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY {v}) AS pct{i}",
             f"max({v}) AS max{i}", f"avg({v}) AS mean{i}", f"({total})::float8 AS total{i}",
             f"((max(ARRAY[{v}, rank::float8]) FILTER (WHERE {v} IS NOT NULL))[2])::int AS top{i}",
         ]  # fmt: skip
@@ -230,7 +230,7 @@ def stats_from_sql(run_id: int, row: Any) -> Iterable[dict[str, Any]]:
             continue
         yield {
             "run_id": run_id, "metric": metric.name, "step": row["step"], "ts": row["ts"],
-            "n": n, "nonfinite": bad, "min": row[f"min{i}"], "median": row[f"median{i}"],
+            "n": n, "nonfinite": bad, "min": row[f"min{i}"], **_percentiles(row[f"pct{i}"]),
             "max": row[f"max{i}"], "mean": row[f"mean{i}"], "total": row[f"total{i}"],
             "argmax_rank": row[f"top{i}"],
         }  # fmt: skip
@@ -241,7 +241,7 @@ USER_PREFIX = "user."  # a user metric's step_stats name: user.<name> (see user_
 _USER_SQL = (  # one row per step and user metric; a null (or non-finite) value has no x
     "SELECT s.step, kv.key AS name, count(v.x) AS n, "
     "count(*) FILTER (WHERE s.issues->>('user.' || kv.key) IN ('nan', 'inf', '-inf')) AS bad, "
-    "min(v.x) AS min, percentile_cont(0.5) WITHIN GROUP (ORDER BY v.x) AS median, "
+    "min(v.x) AS min, percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY v.x) AS pct, "
     "max(v.x) AS max, avg(v.x) AS mean, "
     "((max(ARRAY[v.x, s.rank::float8]) FILTER (WHERE v.x IS NOT NULL))[2])::int AS top "
     "FROM rank_steps s CROSS JOIN LATERAL jsonb_each_text(s.metrics) AS kv(key, value) "
@@ -263,9 +263,23 @@ def user_stats_from_sql(run_id: int, row: Any, ts: float) -> dict[str, Any] | No
         return None
     return {
         "run_id": run_id, "metric": USER_PREFIX + row["name"], "step": row["step"], "ts": ts,
-        "n": row["n"], "nonfinite": row["bad"], "min": row["min"], "median": row["median"],
+        "n": row["n"], "nonfinite": row["bad"], "min": row["min"], **_percentiles(row["pct"]),
         "max": row["max"], "mean": row["mean"], "total": row["mean"], "argmax_rank": row["top"],
     }  # fmt: skip
+
+
+def _percentiles(found: list[float | None] | None) -> dict[str, float | None]:
+    """median and p99 from ``percentile_cont(ARRAY[0.5, 0.99])`` (one sort for both)."""
+    median, p99 = found if found else (None, None)
+    return {"median": median, "p99": p99}
+
+
+def percentile(ordered: list[float], fraction: float) -> float:
+    """``percentile_cont``: linear interpolation between the closest ranks of sorted values."""
+    at = fraction * (len(ordered) - 1)
+    below = math.floor(at)
+    above = min(below + 1, len(ordered) - 1)
+    return ordered[below] + (ordered[above] - ordered[below]) * (at - below)
 
 
 NONFINITE = frozenset({"nan", "inf", "-inf"})
@@ -321,6 +335,7 @@ def _stat(
         "min": values[0] if values else None,
         "median": statistics.median(values) if values else None,
         "max": values[-1] if values else None,
+        "p99": percentile(values, 0.99) if values else None,
         "mean": mean,
         "total": mean if total is None else total(),
         "argmax_rank": top[1] if top else None,

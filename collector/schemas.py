@@ -427,6 +427,9 @@ class Series(BaseModel):
     max: list[float | None]
     total: list[float | None]
     argmax_rank: list[int | None]
+    p99: list[float | None] = Field(
+        default_factory=list, description="99th percentile across ranks (interpolated)"
+    )
     bucket: int = Field(default=1, description="Steps per point (1: not downsampled)")
 
 

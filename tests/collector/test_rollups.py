@@ -153,3 +153,10 @@ def test_postgres_rolls_up_in_sql_exactly_as_python_does(pg_url: str) -> None:
                 assert a[name] == pytest.approx(b[name], rel=1e-9), (a["metric"], a["step"], name)
             else:
                 assert a[name] == b[name], (a["metric"], a["step"], name)
+
+
+def test_p99_interpolates_between_the_closest_ranks_as_percentile_cont_does() -> None:
+    stats = by_metric([row(rank, loss=float(rank)) for rank in range(100)])
+    loss = stats["loss"]
+    assert loss["median"] == 49.5 and loss["p99"] == pytest.approx(98.01)  # 99 x 0.99 = 98.01
+    assert by_metric([row(0, loss=5.0)])["loss"]["p99"] == 5.0  # one rank: its value
