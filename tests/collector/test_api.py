@@ -318,6 +318,7 @@ def test_downsampled_series_keeps_the_spike(client: TestClient) -> None:
     assert small["bucket"] == 10 and len(small["step"]) == 100
     assert max(small["max"]) == 50.0 and max(small["total"]) == 50.0
     assert small["step"][small["max"].index(50.0)] == 630  # the bucket that holds step 637
+    assert full["p99"][637] == 50.0 and max(small["p99"]) == 50.0  # one rank: p99 is its value
 
 
 def test_heatmap_shows_the_slow_rank_as_a_stripe(client: TestClient) -> None:
