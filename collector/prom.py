@@ -152,7 +152,7 @@ class _RunsCollector(Collector):
             return
         f["last_step"].add_metric([name], last)
         rows = conn.execute(
-            select(s.metric, s.median, s.max, s.mean, s.total).where(
+            select(s.metric, s.median, s.p99, s.max, s.mean, s.total).where(
                 s.run_id == run_id, s.step == last
             )
         ).all()
@@ -161,6 +161,8 @@ class _RunsCollector(Collector):
             f["mfu"].add_metric([name], row.total)
         if (row := stats.get("step_time")) is not None:
             f["step_time"].add_metric([name, "p50"], row.median)
+            if row.p99 is not None:  # none in rows rolled up before migration 0014
+                f["step_time"].add_metric([name, "p99"], row.p99)
             f["step_time"].add_metric([name, "max"], row.max)
         if (row := stats.get("tokens_per_s")) is not None and row.total is not None:
             f["tokens"].add_metric([name], row.total)

@@ -385,6 +385,8 @@ def test_metrics_pass_promtool_and_carry_per_run_gauges(client: TestClient) -> N
     ):
         assert line in text, line
     assert "trainwarden_ingest_flush_requests_count " in text
+    p99 = float(text.split('trainwarden_run_step_time_seconds{run="r1",stat="p99"} ')[1].split()[0])
+    assert 0.0 < p99 <= 1.0  # at most the max
     lag = float(text.split("\ntrainwarden_ingest_lag_seconds ")[1].split()[0])
     assert 0.0 <= lag < 5.0
     assert 'trainwarden_run_exposed_comm_ratio{run="r1"} 0.3' in text  # mean of 0.2 and 0.4
