@@ -177,8 +177,10 @@ def test_slow_drill_really_slows_the_steps() -> None:
     durations = {s["step"]: s["duration_s"] for s in transport.steps()}
     normal = sorted(durations[i] for i in [*range(0, 5), *range(10, 15)])[5]
     slow = sorted(durations[i] for i in range(5, 10))[2]
-    # slow=2x: about twice as long; wide bounds, as a loaded machine stretches every step
-    assert 1.4 < slow / normal < 4, (slow, normal)
+    # slow=2x: about twice as long. The drill sleeps (2 - 1) x the step's own work, so a
+    # stall inside a slow step is doubled too: on a loaded 2-vCPU machine (CI) the median
+    # slow step was once 12x the normal one. The upper bound only catches a unit error.
+    assert 1.4 < slow / normal < 25, (slow, normal)
 
 
 def test_hang_drill_stops_the_training_thread_while_heartbeats_go_on() -> None:
