@@ -52,13 +52,16 @@ def main(out_dir: str, delays_ms: list[int], steps_per_delay: int) -> None:
     tw.watch(ddp, opt, count_flops=False)
 
     state = {"step": 0, "delay_s": 0.0}
+    slept: dict[int, float] = {}  # step: how long the delay really slept (a loaded host oversleeps)
 
     def user_hook(st, bucket):  # type: ignore[no-untyped-def]  # DDP checks annotations
         future = default_hooks.allreduce_hook(None, bucket)
         if bucket.is_last() and st["step"] % 2 == 1:
 
             def delay(fut: Any) -> Any:
+                started = time.perf_counter()
                 time.sleep(st["delay_s"])
+                slept[st["step"]] = time.perf_counter() - started
                 return fut.value()
 
             return future.then(delay)
@@ -80,6 +83,8 @@ def main(out_dir: str, delays_ms: list[int], steps_per_delay: int) -> None:
             step += 1
     tw.shutdown()
     dist.destroy_process_group()
+    with open(f"{out_dir}/rank{rank}-slept.json", "w") as f:
+        json.dump(slept, f)
 
 
 if __name__ == "__main__":
