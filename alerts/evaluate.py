@@ -217,17 +217,13 @@ def _series(snap: Snapshot, scope: str, metric: str, stat: str | None, fraction:
                 value = value / step_time if _finite(value) and _finite(step_time) and step_time else None  # type: ignore[operator]  # fmt: skip
             if _finite(value):
                 out[None].append((r.step, r.ts, float(value)))  # type: ignore[arg-type]
-    elif scope == "rank":  # every rank's rows of the window: the loop is kept tight
-        value_of, isfinite = METRICS[metric].value, math.isfinite
+    elif scope == "rank":
         for row in snap.steps:
-            value = value_of(row)
-            if value is None or not isinstance(value, (int, float)) or not isfinite(value):
-                continue
-            if fraction:
-                if not row["duration_s"]:
-                    continue
-                value = value / row["duration_s"]
-            out[row["rank"]].append((row["step"], row["ts"], float(value)))
+            value = _rank_value(metric, row)
+            if fraction and value is not None:
+                value = value / row["duration_s"] if row["duration_s"] else None
+            if value is not None:
+                out[row["rank"]].append((row["step"], row["ts"], value))
     else:  # gpu samples: timed, not stepped
         for row in snap.gpu:
             if _finite(row.get(metric)):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -45,7 +45,8 @@ RUNBOOKS_DIR = HERE.parent / "runbooks"
 
 STEP_METRICS = tuple(METRICS)
 """Per-step metrics: each rank's value (``rank_steps``) and their rollups (``step_stats``)."""
-RUN_STATS = ("min", "median", "max", "p99", "mean", "total")
+RunStat = Literal["min", "median", "max", "p99", "mean", "total"]
+RUN_STATS: tuple[str, ...] = get_args(RunStat)
 """A run metric's statistic across ranks; ``total`` is the run-level value (rollups.py)."""
 GPU_METRICS = tuple(
     c.name
@@ -111,9 +112,7 @@ class _MetricParams(_Strict):
 
     scope: Literal["run", "rank", "gpu"]
     metric: str
-    stat: Literal["min", "median", "max", "mean", "total"] | None = Field(
-        default=None, validate_default=True
-    )
+    stat: RunStat | None = Field(default=None, validate_default=True)
     window: Span | None = None
     """Compare the median over this window (steps or time); default: the latest value."""
 

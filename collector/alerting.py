@@ -51,6 +51,7 @@ from trainwarden.alerts.evaluate import (
 )
 from trainwarden.alerts.intervals import ZERO
 from trainwarden.alerts.rules import (
+    RUN_STATS,
     AbsenceRule,
     BaselineRule,
     CadenceRule,
@@ -75,7 +76,7 @@ log = logging.getLogger(__name__)
 
 ADVISORY_LOCK_KEY = 0x7477_616C_6572  # "twaler": one alert engine across collectors
 OPEN = ("pending", "firing")
-STATS = ("min", "median", "max", "p99", "mean", "total")
+STATS = RUN_STATS  # the step_stats columns a run rule may read
 FAST_KINDS = (EventRule, AbsenceRule, RateRule)
 """Rules a wake-up (ingest stored an event or a flagged step) evaluates at once."""
 

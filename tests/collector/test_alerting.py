@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import insert, select, update
 
-from trainwarden.alerts import Attempt, load_rule_packs
+from trainwarden.alerts import Attempt, load_rule_packs, parse_rule
 from trainwarden.collector import models as m
 from trainwarden.collector.alerting import AlertEngine, EngineSettings, recent_steps
 from trainwarden.collector.app import create_app
@@ -383,12 +383,18 @@ def test_a_pass_reads_a_rolled_up_step_once_and_again_when_its_rollup_changes(en
         return [(r["step"], r["rank"], r["duration_s"]) for r in rows]
 
     first = read(cache=cache)
-    assert first == read() == [(2, 0, 0.1), (2, 1, 0.1), (3, 0, 0.1), (3, 1, 0.1), (4, 0, 0.1), (5, 0, 0.1)]
+    assert (
+        first
+        == read()
+        == [(2, 0, 0.1), (2, 1, 0.1), (3, 0, 0.1), (3, 1, 0.1), (4, 0, 0.1), (5, 0, 0.1)]
+    )
     (run_cache,) = cache.values()
     assert sorted(run_cache.steps) == [2, 3, 4]  # rolled up; step 5 is still arriving
     # A cached step is not read again: a change behind the rollup's back does not show...
     with write(engine) as conn:
-        conn.execute(update(m.rank_steps).where(m.rank_steps.c.step.in_((3, 5))).values(duration_s=0.2))
+        conn.execute(
+            update(m.rank_steps).where(m.rank_steps.c.step.in_((3, 5))).values(duration_s=0.2)
+        )
     assert read(cache=cache) == [*first[:2], (3, 0, 0.1), (3, 1, 0.1), (4, 0, 0.1), (5, 0, 0.2)]
     assert read()[2:4] == [(3, 0, 0.2), (3, 1, 0.2)]
     # ...but a late row that rolls its step up again does, and steps leave the window.
@@ -416,3 +422,23 @@ def test_a_rank_rule_that_must_hold_for_minutes_is_evaluated_every_for_over_20_s
     (row,) = alerts.run(T0 + 16)
     assert (row["rule"], row["state"], row["rank"]) == ("DataLoaderStall", "pending", 1)
     assert alerts.run(T0 + 18) == [row]  # not evaluated, left as it was
+
+
+def test_a_run_rule_on_p99_sees_the_tail_the_median_hides(engine) -> None:
+    def rule(stat: str) -> Any:
+        return parse_rule({
+            "name": f"SlowTail{stat}", "kind": "threshold", "summary": "The slowest ranks' step time.",
+            "severity": "warning", "runbook": "Straggler.md",
+            "params": {"scope": "run", "metric": "step_time", "stat": stat, "above": 0.5},
+        })  # fmt: skip
+
+    for rank in range(4):  # one rank of four takes 1 s: p99 0.97 s, median 0.1 s
+        send(engine, rank=rank, world=4, at=T0, steps=[step(1, duration=1.0 if rank == 3 else 0.1)])
+    flush(engine, now=T0 + 1, grace_s=0)
+    alerts = AlertEngine(
+        engine, [rule("p99"), rule("median")], external_url=EXTERNAL, submit=lambda _: None
+    )
+    alerts.run_once(now=T0 + 2)
+    with engine.connect() as conn:
+        found = conn.execute(select(m.alerts.c.rule, m.alerts.c.value)).all()
+    assert [(name, round(value, 3)) for name, value in found] == [("SlowTailp99", 0.973)]
