@@ -31,7 +31,7 @@ ROW_TITLES = [
     "MFU (whole job)",
     "Loss: median, min..max across ranks",
     "Grad norm: median, min..max across ranks",
-    "Step time breakdown (s)",
+    "Step time breakdown (s); median and p99 across ranks",
 ]
 ROW_HEIGHTS = [0.07, 0.16, 0.13, 0.26, 0.17, 0.21]
 # What an empty row says, and what to do about it.
@@ -314,7 +314,28 @@ def _breakdown(traces: list[dict[str, Any]], series: dict[str, Series], row: int
         traces.append(_trace(row, x=x, y=layers[key], name=label, mode="lines", stackgroup="time",
                              line={"width": 0.5, "color": color},
                              hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>"))  # fmt: skip
+    _spread(traces, series["step_time"], row, axis=axis)
     return True
+
+
+SPREAD = [  # step time across ranks over the stack (whose top is the slowest rank): (column, label, dash)
+    ("p99", "step time p99 across ranks", "dash"),
+    ("median", "step time median across ranks", "dot"),
+]
+
+
+def _spread(traces: list[dict[str, Any]], s: Series, row: int, *, axis: str) -> None:
+    """Lines for the median and p99 step time over the stacked breakdown. The stack's top
+    is the slowest rank; p99 near the median and far below that top is one straggler,
+    p99 near the top is many slow ranks."""
+    x = _xs(s.step, s.ts, axis)
+    for column, label, dash in SPREAD:
+        values = getattr(s, column)
+        if len(values) != len(s.step) or not any(_ok(v) for v in values):
+            continue  # a collector from before p99 sends none
+        traces.append(_trace(row, x=x, y=finite(values), name=label, mode="lines",
+                             line={"width": 1.5, "color": "#b45309", "dash": dash},
+                             hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>"))  # fmt: skip
 
 
 def _markers(traces: list[dict[str, Any]], layout: dict[str, Any], markers: list[Marker], *,

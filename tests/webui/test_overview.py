@@ -59,10 +59,10 @@ def test_one_figure_with_every_row_on_one_shared_x_axis() -> None:
     assert [t.name for t in traces(fig, 4)] == ["loss max", "loss min..max", "loss median"]
     assert traces(fig, 4)[1].fill == "tonexty"
     assert list(traces(fig, 2)[0].y) == [1.0] * 10  # the job's tokens/s
-    stacked = [t.name for t in traces(fig, 6)]
+    stacked = [t.name for t in traces(fig, 6) if t.stackgroup]
     assert stacked == ["compute", "overlapped comm", "exposed comm", "other (idle, slowest rank)",
                        "data wait"]  # fmt: skip
-    assert all(t.stackgroup == "time" for t in traces(fig, 6))
+    assert all(t.stackgroup == "time" for t in traces(fig, 6)[: len(stacked)])
     assert fig.layout.uirevision == "r|step"  # live refresh keeps hidden traces and zoom
     assert fig.layout.yaxis4.fixedrange  # a drag selects steps, not values
     assert fig.layout.xaxis6.title.text == "step"
@@ -76,12 +76,29 @@ def test_breakdown_other_is_what_the_slowest_rank_holds_beyond_compute_and_expos
     assert [round(v, 6) for v in layers["other (idle, slowest rank)"]] == [0.3] * 3
 
 
+def test_step_time_median_and_p99_across_ranks_are_lines_over_the_stack() -> None:
+    parts = full(4)
+    parts["step_time"] = series("step_time", 4, value=1.0, p99=[1.1, 1.2, float("nan"), 1.9],
+                                median=[0.9, 1.0, 1.0, 1.0])  # fmt: skip
+    fig = overview_figure(Overview(series=parts))
+    lines = {t.name: t for t in traces(fig, 6) if not t.stackgroup}
+    assert set(lines) == {"step time p99 across ranks", "step time median across ranks"}
+    assert list(lines["step time p99 across ranks"].y) == [1.1, 1.2, None, 1.9]  # NaN: a gap
+    assert list(lines["step time median across ranks"].y) == [0.9, 1.0, 1.0, 1.0]
+    assert lines["step time p99 across ranks"].line.dash == "dash"
+    # A collector from before p99 (no p99 column): the median alone, no error.
+    parts["step_time"] = series("step_time", 4, value=1.0)
+    fig = overview_figure(Overview(series=parts))
+    assert [t.name for t in traces(fig, 6) if not t.stackgroup] == ["step time median across ranks"]
+
+
 def test_without_a_comm_split_the_breakdown_is_the_step_time() -> None:
     parts = full(3)
     for metric in ("compute", "exposed_comm", "overlapped_comm"):
         parts[metric] = series(metric, 0)
     fig = overview_figure(Overview(series=parts))
-    assert [t.name for t in traces(fig, 6)] == ["step time (no comm split reported)", "data wait"]
+    stacked = [t.name for t in traces(fig, 6) if t.stackgroup]
+    assert stacked == ["step time (no comm split reported)", "data wait"]
 
 
 def test_markers_say_what_they_are_and_alerts_draw_a_line_across_the_rows() -> None:
