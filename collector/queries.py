@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 from sqlalchemy import Connection, Integer, func, select
@@ -217,13 +218,9 @@ def heatmap(
     keeps (step_time, compute, exposed_comm, data_wait, loss), so a long run is not
     scanned row by row; their width is then a multiple of 16 or 256 steps.
     """
-    if metric not in METRICS:
-        raise UnknownMetric(metric)
-    column = METRICS[metric].source
-    if column is None:
-        raise UnknownMetric(f"{metric} (a heatmap needs a per-rank column metric)")
     run_id = _run_row(conn, run)["id"]
     r = m.rank_steps.c
+    value, unit = _per_rank(conn, run_id, metric)
     lo, hi = conn.execute(
         select(func.min(r.step), func.max(r.step)).where(r.run_id == run_id)
     ).one()
@@ -237,7 +234,6 @@ def heatmap(
             hi = conn.execute(
                 select(func.max(st.step)).where(st.run_id == run_id, st.metric == "step_time")
             ).scalar()
-    unit = METRICS[metric].unit
     if lo is None:
         return Heatmap(
             run=run, metric=metric, unit=unit, ranks=[], step_start=[], bucket=1, values=[]
@@ -285,7 +281,7 @@ def heatmap(
         b = (
             r.step - lo
         ) // width  # floor division on both backends (SQLAlchemy 2's / is true division)
-        query = select(r.rank, b.label("cell"), getattr(r, column).label("value")).where(
+        query = select(r.rank, b.label("cell"), value.label("value")).where(
             r.run_id == run_id, r.step >= edge, r.step <= hi
         )
         _cells(conn, _max_per_cell(query), rows, count)
@@ -293,6 +289,19 @@ def heatmap(
     return Heatmap(run=run, metric=metric, unit=unit, ranks=ranks,
                    step_start=[lo + i * width for i in range(count)], bucket=width,
                    values=[rows[rank] for rank in ranks])  # fmt: skip
+
+
+def _per_rank(conn: Connection, run_id: int, metric: str) -> tuple[Any, str]:
+    """(the SQL value of ``metric`` in a ``rank_steps`` row, its unit): a built-in column,
+    or a user metric's field of ``metrics`` (a non-finite value is stored as null: a gap)."""
+    if metric in METRICS:
+        column = METRICS[metric].source
+        if column is None:
+            raise UnknownMetric(f"{metric} (a heatmap needs a per-rank column metric)")
+        return getattr(m.rank_steps.c, column), METRICS[metric].unit
+    if not user_metrics.has(conn, run_id=run_id, metric=metric):
+        raise UnknownMetric(metric, user_metrics.names(conn, run_id=run_id))
+    return m.rank_steps.c.metrics[user_metrics.field(metric)].as_float(), ""
 
 
 def _max_per_cell(query: Any) -> Any:
@@ -334,12 +343,16 @@ def rank_series(
     to_step: int | None = None,
     last: int | None = None,
 ) -> RankSeries:
-    """``metric`` of one rank per step, from the per-rank rows."""
-    if metric not in METRICS:
-        raise UnknownMetric(metric)
-    definition = METRICS[metric]
+    """``metric`` of one rank per step, from the per-rank rows (a user metric too)."""
     run_id = _run_row(conn, run)["id"]
     r = m.rank_steps.c
+    if metric in METRICS:
+        definition = METRICS[metric]
+        unit, value = definition.unit, definition.value
+    elif user_metrics.has(conn, run_id=run_id, metric=metric):
+        unit, value = "", partial(user_metrics.value_of, user_metrics.field(metric))
+    else:
+        raise UnknownMetric(metric, user_metrics.names(conn, run_id=run_id))
     query = select(m.rank_steps).where(r.run_id == run_id, r.rank == rank)
     if from_step is not None:
         query = query.where(r.step >= from_step)
@@ -354,11 +367,11 @@ def rank_series(
     return RankSeries(
         run=run,
         metric=metric,
-        unit=definition.unit,
+        unit=unit,
         rank=rank,
         step=[row["step"] for row in rows],
         ts=[row["ts"] for row in rows],
-        value=[definition.value(row) for row in rows],
+        value=[value(row) for row in rows],
     )
 
 

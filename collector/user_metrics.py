@@ -10,7 +10,7 @@ which is what ``/series?metric=user.<name>`` reads. The names follow the agent's
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sqlalchemy import Connection, select, text
@@ -78,6 +78,18 @@ def names(conn: Connection, *, run_id: int) -> list[str]:
     listed once a step of it is rolled up."""
     found = conn.execute(_NAMES, {"run": run_id}).scalars()
     return sorted(name for name in found if is_user(name))
+
+
+def field(metric: str) -> str:
+    """The key in ``rank_steps.metrics`` of the series ``user.<name>``."""
+    return metric[len(PREFIX) :]
+
+
+def value_of(name: str, row: Mapping[str, Any]) -> float | None:
+    """User metric ``name`` of a ``rank_steps`` row; None where the step has none, or a
+    non-finite value (stored as null)."""
+    found = (row.get("metrics") or {}).get(name)
+    return None if found is None else float(found)
 
 
 def has(conn: Connection, *, run_id: int, metric: str) -> bool:

@@ -130,6 +130,38 @@ def test_bad_columnar_user_metrics_name_the_row(client: TestClient) -> None:
     assert "steps row 5: metrics: user metric name 'Bad'" in response.json()["error"]
 
 
+def test_user_metric_heatmap_and_one_ranks_series(client: TestClient) -> None:
+    # rank 2's aux loss runs high from step 4 on; rank 1 has a NaN at step 3
+    for rank in range(3):
+        steps = []
+        for n in range(8):
+            aux = 1.0 + rank / 10 + (5.0 if rank == 2 and n >= 4 else 0.0)
+            steps.append(with_metrics(n, aux="nan" if (rank, n) == (1, 3) else aux))
+        steps.append(step(8))  # a step without user metrics
+        ingest(client, batch(rank=rank, world_size=3, steps=steps))
+
+    heat = client.get("/api/v1/runs/r1/heatmap", params={"metric": "user.aux", "buckets": 3})
+    assert heat.status_code == 200, heat.text
+    body = heat.json()
+    assert body["ranks"] == [0, 1, 2] and body["bucket"] == 3 and body["unit"] == ""
+    assert body["step_start"] == [0, 3, 6]
+    assert body["values"][0] == pytest.approx([1.0, 1.0, 1.0])  # step 8 has none: not a 0
+    assert body["values"][1] == pytest.approx([1.1, 1.1, 1.1])  # the NaN is a gap, not a max
+    assert body["values"][2] == pytest.approx([1.2, 6.2, 6.2])  # the bad rank is a stripe
+
+    one = client.get("/api/v1/runs/r1/ranks/1/series", params={"metric": "user.aux"})
+    assert one.status_code == 200, one.text
+    values = one.json()["value"]
+    assert one.json()["step"] == list(range(9))
+    assert values[:3] == pytest.approx([1.1] * 3) and values[3] is None and values[8] is None
+
+    for path in ("/api/v1/runs/r1/heatmap", "/api/v1/runs/r1/ranks/1/series"):
+        response = client.get(path, params={"metric": "user.nope"})
+        assert response.status_code == 422
+        assert "unknown metric 'user.nope'" in response.json()["error"]
+        assert "user.aux" in response.json()["error"]  # what the run does have
+
+
 def test_unknown_metric_lists_the_runs_user_metrics(client: TestClient) -> None:
     ingest(client, batch(steps=[with_metrics(0, lr=0.1)]))
     for metric in ("user.nope", "lossy"):
