@@ -103,6 +103,21 @@ class Snapshot:
     def live(self) -> list[RankInfo]:
         return [r for r in self.ranks.values() if r.state in LIVE_STATES]
 
+    def by_step(self) -> dict[int, dict[int, Row]]:
+        """``steps`` grouped as {step: {rank: row}}, built once a snapshot (peer rules
+        each look for the newest complete step among every rank's recent rows)."""
+        key = (id(self.steps), len(self.steps))
+        if self._by_step is None or self._by_step[0] != key:
+            grouped: dict[int, dict[int, Row]] = defaultdict(dict)
+            for row in self.steps:
+                grouped[row["step"]][row["rank"]] = row
+            self._by_step = (key, grouped)
+        return self._by_step[1]
+
+    _by_step: tuple[tuple[int, int], dict[int, dict[int, Row]]] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
 
 @dataclass(frozen=True)
 class Verdict:
@@ -259,9 +274,7 @@ def _baseline(rule: BaselineRule, snap: Snapshot) -> list[Verdict]:
 
 def _complete_step(snap: Snapshot, min_ranks: int) -> tuple[int, dict[int, Row]] | None:
     """The newest step every live rank reported (or as many as ever reported one step)."""
-    by_step: dict[int, dict[int, Row]] = defaultdict(dict)
-    for row in snap.steps:
-        by_step[row["step"]][row["rank"]] = row
+    by_step = snap.by_step()
     if not by_step:
         return None
     live = {r.rank for r in snap.live()}

@@ -112,6 +112,7 @@ class Needs:
     first_step: bool = False
     steps_back: int = 0  # full per-rank rows over the last N steps ...
     steps_s: float = 0.0  # ... or the last S seconds (converted with the step time)
+    steps_arriving: bool = False  # rows of steps not rolled up yet too (else: settled steps)
     step_cols: set[str] = field(default_factory=set)
     marked_back: int = 0  # flagged / non-finite rows over the last N steps
     marked_s: float = 0.0
@@ -156,10 +157,13 @@ def needs_of(rules: Iterable[Rule], hold_s: float) -> Needs:
                     n.add_stats(metric, rows=rows, seconds=secs)
             elif p.scope == "rank":
                 n.steps_back, n.steps_s = max(n.steps_back, rows), max(n.steps_s, secs)
+                n.steps_arriving = True
                 n.step_cols |= set(metric_columns(p.metric))
             else:
                 n.gpu_s = max(n.gpu_s, secs, 60.0)
         elif isinstance(rule, PeerRule):
+            # The newest step every rank reported: a rolled-up one (the rollup worker rolls
+            # a step up as it completes), so the rows of steps still arriving are not read.
             n.steps_back = max(n.steps_back, 8)
             n.step_cols |= set(metric_columns(rule.params.metric))
         elif isinstance(rule, EventRule):
@@ -235,8 +239,9 @@ class SettledSteps:
 
 
 def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, ...],
-                 cache: dict[int, SettledSteps] | None = None) -> list[Row]:  # fmt: skip
-    """The rank rows of steps after ``since``, in (step, rank) order.
+                 cache: dict[int, SettledSteps] | None = None, arriving: bool = True) -> list[Row]:  # fmt: skip
+    """The rank rows of steps after ``since``, in (step, rank) order; with ``arriving``
+    false, only of the steps rolled up.
 
     With a ``cache``, a step already rolled up is read once and kept while its rollup
     stays the same (a late or replayed row rolls it up again, and it is read again):
@@ -245,10 +250,10 @@ def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, 
     r_, s = m.rank_steps.c, m.step_stats.c
     names = ("rank", "step", "ts", "recv_ts", *cols)
     query = select(*(r_[c] for c in names)).where(r_.run_id == run_id, r_.step > since)
-    if cache is None:
+    if cache is None and arriving:
         return [
             dict(zip(names, row, strict=True))
-            for row in conn.execute(query.order_by(r_.step, r_.rank))
+            for row in conn.execute(query.order_by(r_.step, r_.rank)).all()
         ]
     settled = {
         row.step: (row.n, row.ts)
@@ -256,14 +261,21 @@ def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, 
             select(s.step, s.n, s.ts).where(s.run_id == run_id, s.metric == "step_time", s.step > since)
         )
     }  # fmt: skip
-    mine = cache.get(run_id)
+    mine = None if cache is None else cache.get(run_id)
     if mine is None or mine.cols != cols:
-        mine = cache[run_id] = SettledSteps(cols)
+        mine = SettledSteps(cols)
+        if cache is not None:
+            cache[run_id] = mine
     mine.steps = {st: kept for st, kept in mine.steps.items() if settled.get(st) == kept[0]}
-    if mine.steps:
-        query = query.where(r_.step.not_in(sorted(mine.steps)))
     fetched: dict[int, list[Row]] = {}
-    for row in conn.execute(query.order_by(r_.step, r_.rank)):
+    if arriving:
+        if mine.steps:
+            query = query.where(r_.step.not_in(sorted(mine.steps)))
+    else:
+        wanted = sorted(settled.keys() - mine.steps.keys())
+        query = query.where(r_.step.in_(wanted)) if wanted else None
+    rows = [] if query is None else conn.execute(query.order_by(r_.step, r_.rank)).all()
+    for row in rows:
         fetched.setdefault(row[1], []).append(dict(zip(names, row, strict=True)))
     for st, rows in fetched.items():
         if st in settled:
@@ -286,7 +298,7 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
     for r in conn.execute(
         select(k.rank, k.node, k.gpu, k.local_rank, k.state, k.state_detail, k.last_seen,
                k.heartbeat_s, k.progress_at, k.last_step).where(k.run_id == run_id)
-    ):  # fmt: skip
+    ).all():  # fmt: skip
         gpu = (r.gpu or {}).get("uuid") if isinstance(r.gpu, dict) else None
         snap.ranks[r.rank] = RankInfo(
             rank=r.rank, node=r.node, gpu=gpu or (str(r.local_rank) if r.local_rank is not None else None),
@@ -328,7 +340,8 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
         back = max(needs.steps_back, _steps_for(needs.steps_s, snap.median_step_s))
         if back:
             cols = tuple(sorted(needs.step_cols | {"duration_s"}))
-            snap.steps = recent_steps(conn, run_id, since=last - back, cols=cols, cache=step_cache)
+            snap.steps = recent_steps(conn, run_id, since=last - back, cols=cols,
+                                      cache=step_cache, arriving=needs.steps_arriving)  # fmt: skip
         back = max(needs.marked_back, _steps_for(needs.marked_s, snap.median_step_s))
         if back:
             snap.marked = [dict(row) for row in conn.execute(
@@ -424,6 +437,7 @@ class AlertEngine:
             [r for r in rules if isinstance(r, FAST_KINDS)], self.settings.hold_s
         )
         self._first_steps: dict[int, int] = {}
+        self._due_needs: dict[tuple[str, ...], Needs] = {}
         self._settled: dict[int, SettledSteps] = {}
         self._evaluated_at: dict[str, float] = {}  # a slow rule's last evaluation
         self.economics = EconomicsSettings()  # serve's price and MTBF (app.py sets them)
@@ -475,6 +489,18 @@ class AlertEngine:
             return interval
         return max(interval, min(self.settings.slow_rule_s, rule.for_.value / 20))
 
+    def _needs_of_due(self, rules: list[Rule]) -> Needs:
+        """What this pass's rules need: a slow rule's window (DataLoaderStall's 20 steps
+        of every rank) is read only on the passes that evaluate it. The columns stay
+        those of all rules, so the settled steps kept between passes stay usable."""
+        key = tuple(r.name for r in rules)
+        needs = self._due_needs.get(key)
+        if needs is None:
+            needs = needs_of(rules, self.settings.hold_s)
+            needs.step_cols = set(self.needs.step_cols) if needs.step_cols else set()
+            self._due_needs[key] = needs
+        return needs
+
     def _due(self, rule: Rule, now: float) -> bool:
         period = self.period_s(rule)
         if period <= self.settings.interval_s:
@@ -510,7 +536,7 @@ class AlertEngine:
         result = PassResult()
         rules = [r for r in self.rules.values() if not fast_only or isinstance(r, FAST_KINDS)]
         rules = [r for r in rules if self._due(r, now)]
-        needs = self.fast_needs if fast_only else self.needs
+        needs = self.fast_needs if fast_only else self._needs_of_due(rules)
         a = m.alerts.c
         open_rows = {
             row.fingerprint: row for row in conn.execute(select(m.alerts).where(a.state.in_(OPEN)))

@@ -405,6 +405,11 @@ def test_a_pass_reads_a_rolled_up_step_once_and_again_when_its_rollup_changes(en
         run_id = conn.execute(select(m.runs.c.id)).scalar_one()
         recent_steps(conn, run_id, since=3, cols=cols, cache=cache)
     assert sorted(cache[run_id].steps) == [4, 5]
+    # Peer rules read rolled-up steps only: step 6, still arriving, is not read at all.
+    send(engine, rank=0, at=T0 + 21, steps=[step(6)])
+    settled = read(cache=cache, arriving=False)
+    assert {st for st, _, _ in settled} == {2, 3, 4, 5} and settled == read(arriving=False)
+    assert (6, 0, 0.1) in read(cache=cache)
 
 
 def test_a_rank_rule_that_must_hold_for_minutes_is_evaluated_every_for_over_20_s(engine) -> None:
@@ -422,6 +427,14 @@ def test_a_rank_rule_that_must_hold_for_minutes_is_evaluated_every_for_over_20_s
     (row,) = alerts.run(T0 + 16)
     assert (row["rule"], row["state"], row["rank"]) == ("DataLoaderStall", "pending", 1)
     assert alerts.run(T0 + 18) == [row]  # not evaluated, left as it was
+    # A pass without the slow rule reads the peer rule's 8 steps of every rank, not
+    # DataLoaderStall's 20 (with its columns: the rows kept between passes serve both).
+    engine_ = alerts.alerts
+    both = engine_._needs_of_due([RULES["DataLoaderStall"], RULES["Straggler"]])
+    peer = engine_._needs_of_due([RULES["Straggler"]])
+    assert (both.steps_back, peer.steps_back) == (20, 8)
+    assert both.steps_arriving and not peer.steps_arriving  # peers: rolled-up steps only
+    assert peer.step_cols == both.step_cols >= {"data_wait_s", "compute_s"}
 
 
 def test_a_run_rule_on_p99_sees_the_tail_the_median_hides(engine) -> None:
