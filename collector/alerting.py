@@ -268,13 +268,12 @@ def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, 
             cache[run_id] = mine
     mine.steps = {st: kept for st, kept in mine.steps.items() if settled.get(st) == kept[0]}
     fetched: dict[int, list[Row]] = {}
-    if arriving:
-        if mine.steps:
-            query = query.where(r_.step.not_in(sorted(mine.steps)))
-    else:
-        wanted = sorted(settled.keys() - mine.steps.keys())
-        query = query.where(r_.step.in_(wanted)) if wanted else None
-    rows = [] if query is None else conn.execute(query.order_by(r_.step, r_.rank)).all()
+    wanted = None if arriving else sorted(settled.keys() - mine.steps.keys())
+    if wanted is not None:
+        query = query.where(r_.step.in_(wanted))
+    elif mine.steps:
+        query = query.where(r_.step.not_in(sorted(mine.steps)))
+    rows = [] if wanted == [] else conn.execute(query.order_by(r_.step, r_.rank)).all()
     for row in rows:
         fetched.setdefault(row[1], []).append(dict(zip(names, row, strict=True)))
     for st, rows in fetched.items():
