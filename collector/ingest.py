@@ -139,24 +139,32 @@ def _track_ranks(
                 for a in restarts
             ],
         )  # fmt: skip
-    rows = []
-    for agent, steps, arrived in agents:
+    # Column-wise, as the steps are: one list a column, not one dict a rank.
+    heads = [a for a, *_ in agents]
+    arrived = [t for *_, t in agents]
+    last_steps = []
+    for agent, steps, _ in agents:
         last_step = max(steps, default=None)
         if agent.last_step is not None:
             last_step = agent.last_step if last_step is None else max(agent.last_step, last_step)
-        rows.append({
-            "run_id": run_id, "rank": agent.rank, "local_rank": agent.local_rank, "host": agent.host,
-            "node": agent.node or agent.host, "pid": agent.pid, "session": agent.session,
-            # Every request is a heartbeat, seen when it arrived (not when the writer got
-            # to it: a busy collector must not make its ranks look dead).
-            "first_seen": arrived, "last_seen": arrived,
-            "last_step": last_step, "state": "healthy", "state_since": now,
-            "heartbeat_s": agent.heartbeat_s,
-            "progress_at": agent.last_step_end,  # none before the first step: no hung verdict yet
-            "in_step": None if agent.in_step is None else int(agent.in_step), "phase": agent.phase,
-            "clock_skew_s": None if agent.sent_at is None else arrived - agent.sent_at,
-        })  # fmt: skip
-    upsert_rows(conn, m.ranks, rows, key=("run_id", "rank"), set_=_rank_update)
+        last_steps.append(last_step)
+    n = len(heads)
+    cols: dict[str, list[Any]] = {
+        "run_id": [run_id] * n, "rank": [a.rank for a in heads],
+        "local_rank": [a.local_rank for a in heads], "host": [a.host for a in heads],
+        "node": [a.node or a.host for a in heads], "pid": [a.pid for a in heads],
+        "session": [a.session for a in heads],
+        # Every request is a heartbeat, seen when it arrived (not when the writer got
+        # to it: a busy collector must not make its ranks look dead).
+        "first_seen": arrived, "last_seen": arrived,
+        "last_step": last_steps, "state": ["healthy"] * n, "state_since": [now] * n,
+        "heartbeat_s": [a.heartbeat_s for a in heads],
+        "progress_at": [a.last_step_end for a in heads],  # none before the first step: no hung verdict yet
+        "in_step": [None if a.in_step is None else int(a.in_step) for a in heads],
+        "phase": [a.phase for a in heads],
+        "clock_skew_s": [None if a.sent_at is None else t - a.sent_at for a, t in zip(heads, arrived, strict=True)],
+    }  # fmt: skip
+    upsert_columns(conn, m.ranks, cols, key=("run_id", "rank"), set_=_rank_update)
     return {rank: last for rank, (_session, last) in previous.items()}
 
 
