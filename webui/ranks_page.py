@@ -124,6 +124,34 @@ def heatmap_part(client: Client, name: str, key: str, search: str | None, theme:
                              empty=empty)  # fmt: skip
 
 
+USER_EMPTY = (
+    "No user metrics in this run: log your own inside the step with s.metric(name, value) "
+    "(an MoE router's load, an eval loss) and pick one here."
+)
+
+
+def user_metrics_of(client: Client, name: str) -> list[str]:
+    """The run's user metrics (``user.<name>``) that can be drawn."""
+    return [m for m in client.get_run(name).metrics if m.startswith("user.")]
+
+
+def user_heatmap_part(client: Client, name: str, metric: str | None, search: str | None,
+                      theme: str | None) -> Any:  # fmt: skip
+    """The chosen user metric per rank and step bucket (the max per cell)."""
+    rank, lo, hi = parse_query(search)
+    if not metric:
+        return themed(empty_figure(USER_EMPTY), theme)
+    grid = rf.grid_of(client.heatmap(name, metric, buckets=BUCKETS, from_step=lo, to_step=hi))
+    title = f"User metric {metric.removeprefix('user.')} (max per cell)"
+    # "x times its peers" means something for a metric that cannot go below zero only.
+    positive = all(v is None or v >= 0 for row in grid.values for v in row)
+    found = rf.stripes(grid) if positive else []
+    if found:
+        title += " · stands out: " + ", ".join(f"rank {r} ({x:.1f}× its peers)" for r, x in found)
+    return rf.heatmap_figure(grid, title=title, theme=theme, revision=f"{name}:user:{metric}",
+                             selected=rank, empty=f"No values of {metric} in these steps.")  # fmt: skip
+
+
 def panels(client: Client, name: str, search: str | None, theme: str | None) -> tuple[Any, Any, Any]:  # fmt: skip
     """(notice, rank states, the selected rank's detail)."""
     rank, lo, hi = parse_query(search)
@@ -174,6 +202,12 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             html.Div(id="ranks-states", className="ranks-panel", children=notice("Loading ranks…")),
             html.Div(id="ranks-detail", children=HINT),
             *[dcc.Graph(id=f"ranks-{key}", **graph) for key in HEATMAPS],
+            html.Div([
+                html.Label("User metric", htmlFor="ranks-user-metric", className="fact-key"),
+                dcc.Dropdown(id="ranks-user-metric", options=[], clearable=False,
+                             placeholder="none yet"),
+            ], className="ranks-user-pick", style={"maxWidth": "24rem", "margin": "0.5rem 0"}),  # fmt: skip
+            dcc.Graph(id="ranks-user", **graph),
             dcc.Store(id="ranks-heat-drawn"),  # the first heatmap is drawn: draw the others
             # Heatmaps of a big run are large: they refresh less often than the states.
             dcc.Interval(id="ranks-interval", interval=int(refresh_s * 1000)),
@@ -230,6 +264,39 @@ def register(app: dash.Dash, client: Client) -> None:
         heatmap_callback(key)
 
     @app.callback(
+        Output("ranks-user-metric", "options"),
+        Output("ranks-user-metric", "value"),
+        Input("ranks-heat-drawn", "data"),
+        State("ranks-user-metric", "value"),
+        State("ranks-run", "data"),
+    )
+    def user_choices(_drawn: Any, chosen: str | None, name: str) -> Any:
+        """The run's user metrics, refreshed with the heatmaps; the choice is kept."""
+        try:
+            found = user_metrics_of(client, name)
+        except Exception:  # the heatmaps say what is wrong
+            return dash.no_update, dash.no_update
+        options = [{"label": m.removeprefix("user."), "value": m} for m in found]
+        value = chosen if chosen in found else (found[0] if found else None)
+        return options, value
+
+    @app.callback(
+        Output("ranks-user", "figure"),
+        Input("ranks-user-metric", "value"),
+        Input("ranks-heat-drawn", "data"),
+        State("ranks-url", "search"),
+        State("theme", "data"),
+        State("ranks-run", "data"),
+    )
+    def draw_user(metric: str | None, _drawn: Any, search: str | None, theme: str | None,
+                  name: str) -> Any:  # fmt: skip
+        def failed(message: str) -> Any:
+            return themed(empty_figure(f"User metric: {message}"), theme)
+
+        return _guarded("the user metric", name,
+                        lambda: user_heatmap_part(client, name, metric, search, theme), failed)  # fmt: skip
+
+    @app.callback(
         Output("ranks-notice", "children"),
         Output("ranks-states", "children"),
         Output("ranks-detail", "children"),
@@ -249,8 +316,8 @@ def register(app: dash.Dash, client: Client) -> None:
 
     @app.callback(
         Output("ranks-url", "search"),
-        *[Input(f"ranks-{key}", "clickData") for key in HEATMAPS],
-        *[Input(f"ranks-{key}", "relayoutData") for key in STEP_HEATMAPS],
+        *[Input(f"ranks-{key}", "clickData") for key in (*HEATMAPS, "user")],
+        *[Input(f"ranks-{key}", "relayoutData") for key in (*STEP_HEATMAPS, "user")],
         State("ranks-url", "search"),
         prevent_initial_call=True,
     )
@@ -266,7 +333,7 @@ def register(app: dash.Dash, client: Client) -> None:
             if picked is None:
                 return dash.no_update
             rank = picked
-        elif trigger in {f"ranks-{k}" for k in STEP_HEATMAPS}:
+        elif trigger in {f"ranks-{k}" for k in (*STEP_HEATMAPS, "user")}:
             chosen = range_from_relayout(value)
             if chosen is None:
                 return dash.no_update

@@ -56,6 +56,8 @@ def seed(server: Server) -> None:
             with agent.step(step, tokens=512) as s:
                 time.sleep(0.01)
                 s.loss(4.0 / (1 + step * 0.1) + 0.01 * rank)
+                s.metric("moe.load", 2.0 if rank == 3 else 1.0)  # rank 3's experts get 2x
+                s.metric("eval.acc", 0.5)
     time.sleep(1.0)  # a few GPU readings after the last step
     for agent in ranks:
         agent.shutdown()
@@ -119,6 +121,23 @@ def test_the_straggler_is_a_stripe_on_its_rank_row(server: Server, page: Any) ->
     assert page.locator("#ranks-states .rank-row").count() == WORLD
     screenshot(page, "ranks.png")
     assert "Traceback" not in page.content()
+    assert page.errors == []
+
+
+def test_a_user_metric_is_picked_and_drawn_per_rank(server: Server, page: Any) -> None:
+    page.goto(f"{server.url}/runs/{RUN}/ranks")
+    first = heatmap(page, "ranks-user")  # the first of the run's user metrics, by name
+    assert first["title"].startswith("User metric eval.acc") and sorted(first["y"]) == [0, 1, 2, 3]
+    page.locator("#ranks-user-metric").click()
+    page.get_by_role("option", name="moe.load").click()
+    page.wait_for_function(
+        "() => { const gd = document.querySelector('#ranks-user .js-plotly-plot');"
+        " return gd && gd.layout.title && gd.layout.title.text.includes('moe.load'); }",
+        timeout=20_000,
+    )
+    found = heatmap(page, "ranks-user")
+    assert "stands out: rank 3 (2.0× its peers)" in found["title"]
+    assert row_means(found) == {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0}
     assert page.errors == []
 
 

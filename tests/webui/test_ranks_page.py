@@ -184,6 +184,29 @@ def test_page_names_the_straggler_and_shows_a_rank_detail(api: TestClient, engin
     assert "Rank 9 has not reported in run 'r1' (ranks 0–3)" in text(missing)
 
 
+def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, engine: Any) -> None:
+    ingest(api, batch("plain", rank=0, world_size=1, steps=[step(0)]))
+    client = LocalClient(engine)
+    assert ranks_page.user_metrics_of(client, "plain") == []
+    empty = ranks_page.user_heatmap_part(client, "plain", None, "", "light")
+    assert "s.metric(name, value)" in empty.layout.annotations[0].text
+
+    for r in range(4):  # rank 3's router sends it 2x the tokens; "delta" goes negative
+        steps = [{**step(i), "metrics": {"moe.load": 2.0 if r == 3 else 1.0, "delta": -1.0 - r}}
+                 for i in range(20)]  # fmt: skip
+        ingest(api, batch("moe", rank=r, world_size=4, steps=steps))
+    assert ranks_page.user_metrics_of(client, "moe") == ["user.delta", "user.moe.load"]
+    fig = ranks_page.user_heatmap_part(client, "moe", "user.moe.load", "?rank=3", "light")
+    assert fig["layout"]["title"]["text"] == (
+        "User metric moe.load (max per cell) · stands out: rank 3 (2.0× its peers)"
+    )
+    z = rf.cells(fig["data"][0]["z"])
+    assert [row[0] for row in z] == [1.0, 1.0, 1.0, 2.0]
+    delta = ranks_page.user_heatmap_part(client, "moe", "user.delta", "?from=5&to=9", "light")
+    assert "stands out" not in delta["layout"]["title"]["text"]  # no ratios below zero
+    assert len(rf.cells(delta["data"][0]["z"])[0]) == 5
+
+
 def test_one_rank_and_a_missing_run(api: TestClient, engine: Any) -> None:
     ingest(api, batch("solo", rank=0, world_size=1, steps=[step(i) for i in range(5)]))
     client = LocalClient(engine)
