@@ -16,7 +16,14 @@ from fastapi import HTTPException
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from trainwarden.collector import actions_api, alerts_api, economics_api, incidents_api, queries
+from trainwarden.collector import (
+    actions_api,
+    alerts_api,
+    economics_api,
+    incidents_api,
+    queries,
+    user_metrics,
+)
 from trainwarden.collector.actions import ActionPolicy
 from trainwarden.collector.actions_api import ActionOut, CheckpointOut
 from trainwarden.collector.alerts_api import AlertOut, SilenceOut
@@ -49,6 +56,8 @@ class Client(Protocol):
 
     def heatmap(self, run: str, metric: str, *, buckets: int = 200, from_step: int | None = None,
                 to_step: int | None = None) -> Heatmap: ...  # fmt: skip
+
+    def user_metrics(self, run: str) -> list[str]: ...
 
     def rank_series(self, run: str, rank: int, metric: str, *, from_step: int | None = None,
                     to_step: int | None = None, last: int | None = None) -> RankSeries: ...  # fmt: skip
@@ -157,6 +166,11 @@ class LocalClient:
         with self._engine.connect() as conn:
             return queries.heatmap(conn, run=run, metric=metric, buckets=buckets,
                                    from_step=from_step, to_step=to_step)  # fmt: skip
+
+    def user_metrics(self, run: str) -> list[str]:
+        """The run's user metrics (``user.<name>``), once rolled up."""
+        with self._engine.connect() as conn:
+            return list(user_metrics.run_metrics(conn, run=run, builtin=[])["user"])
 
     def rank_series(self, run: str, rank: int, metric: str, *, from_step: int | None = None,
                     to_step: int | None = None, last: int | None = None) -> RankSeries:  # fmt: skip

@@ -63,8 +63,16 @@ def parse_query(search: str | None) -> tuple[int | None, int | None, int | None]
     return number("rank"), lo, hi
 
 
-def query_string(rank: int | None, lo: int | None, hi: int | None) -> str:
-    pairs = [(k, v) for k, v in (("rank", rank), ("from", lo), ("to", hi)) if v is not None]
+def parse_user(search: str | None) -> str | None:
+    """The user metric picked in ``?user=moe.load``, as its series (``user.moe.load``)."""
+    found = (parse_qs((search or "").lstrip("?")).get("user") or [""])[0].strip()
+    return "user." + found.removeprefix("user.") if found else None
+
+
+def query_string(rank: int | None, lo: int | None, hi: int | None, *, user: str | None = None) -> str:
+    shown = None if user is None else user.removeprefix("user.")
+    pairs = [(k, v) for k, v in (("rank", rank), ("from", lo), ("to", hi), ("user", shown))
+             if v is not None]  # fmt: skip
     return "?" + urlencode(pairs) if pairs else ""
 
 
@@ -130,17 +138,27 @@ USER_EMPTY = (
 )
 
 
-def user_metrics_of(client: Client, name: str) -> list[str]:
-    """The run's user metrics (``user.<name>``) that can be drawn."""
-    return [m for m in client.get_run(name).metrics if m.startswith("user.")]
+def user_choices(client: Client, name: str, search: str | None) -> tuple[list[dict[str, str]], str | None, str]:  # fmt: skip
+    """(the picker's options, its value, its placeholder): the value is the URL's pick;
+    without one it stays empty and the placeholder names the metric drawn (the first), so
+    that loading the page does not write a pick into the URL."""
+    found = client.user_metrics(name)
+    options = [{"label": m.removeprefix("user."), "value": m} for m in found]
+    picked = parse_user(search)
+    placeholder = options[0]["label"] if options else "none yet"
+    return options, picked if picked in found else None, placeholder
 
 
 def user_heatmap_part(client: Client, name: str, metric: str | None, search: str | None,
                       theme: str | None) -> Any:  # fmt: skip
-    """The chosen user metric per rank and step bucket (the max per cell)."""
+    """The chosen user metric (else the run's first) per rank and step bucket (the max
+    per cell)."""
     rank, lo, hi = parse_query(search)
     if not metric:
-        return themed(empty_figure(USER_EMPTY), theme)
+        names = client.user_metrics(name)
+        if not names:
+            return themed(empty_figure(USER_EMPTY), theme)
+        metric = names[0]
     grid = rf.grid_of(client.heatmap(name, metric, buckets=BUCKETS, from_step=lo, to_step=hi))
     title = f"User metric {metric.removeprefix('user.')} (max per cell)"
     # "x times its peers" means something for a metric that cannot go below zero only.
@@ -161,7 +179,7 @@ def panels(client: Client, name: str, search: str | None, theme: str | None) -> 
         note = notice(f"Run {name!r} has no steps yet: the heatmaps fill as its ranks report.")
     elif len(run.ranks) == 1:
         note = notice("This run has one rank: there are no peers to compare it with.")
-    keep = query_string(None, lo, hi).lstrip("?")
+    keep = query_string(None, lo, hi, user=parse_user(search)).lstrip("?")
     states = rf.states_table(name, run.ranks, selected=rank, keep=keep)
     if rank is None:
         return note, states, HINT
@@ -266,19 +284,17 @@ def register(app: dash.Dash, client: Client) -> None:
     @app.callback(
         Output("ranks-user-metric", "options"),
         Output("ranks-user-metric", "value"),
+        Output("ranks-user-metric", "placeholder"),
         Input("ranks-heat-drawn", "data"),
-        State("ranks-user-metric", "value"),
+        State("ranks-url", "search"),
         State("ranks-run", "data"),
     )
-    def user_choices(_drawn: Any, chosen: str | None, name: str) -> Any:
-        """The run's user metrics, refreshed with the heatmaps; the choice is kept."""
+    def pick_user(_drawn: Any, search: str | None, name: str) -> Any:
+        """The run's user metrics, refreshed with the heatmaps; the pick is the URL's."""
         try:
-            found = user_metrics_of(client, name)
+            return user_choices(client, name, search)
         except Exception:  # the heatmaps say what is wrong
-            return dash.no_update, dash.no_update
-        options = [{"label": m.removeprefix("user."), "value": m} for m in found]
-        value = chosen if chosen in found else (found[0] if found else None)
-        return options, value
+            return dash.no_update, dash.no_update, dash.no_update
 
     @app.callback(
         Output("ranks-user", "figure"),
@@ -318,17 +334,24 @@ def register(app: dash.Dash, client: Client) -> None:
         Output("ranks-url", "search"),
         *[Input(f"ranks-{key}", "clickData") for key in (*HEATMAPS, "user")],
         *[Input(f"ranks-{key}", "relayoutData") for key in (*STEP_HEATMAPS, "user")],
+        Input("ranks-user-metric", "value"),
         State("ranks-url", "search"),
         prevent_initial_call=True,
     )
     def follow(*args: Any) -> Any:
-        """A click picks a rank, a zoom picks a step range: both go to the URL."""
+        """A click picks a rank, a zoom picks a step range, the picker a user metric: all
+        go to the URL."""
         search = args[-1]
         rank, lo, hi = parse_query(search)
+        user = parse_user(search)
         trigger = dash.ctx.triggered_id or ""
         prop = dash.ctx.triggered[0]["prop_id"] if dash.ctx.triggered else ""
         value = dash.ctx.triggered[0]["value"] if dash.ctx.triggered else None
-        if prop.endswith(".clickData"):
+        if trigger == "ranks-user-metric":
+            if not value:  # the picker was emptied (a refresh of a URL without a pick)
+                return dash.no_update
+            user = value
+        elif prop.endswith(".clickData"):
             picked = clicked_rank(value)
             if picked is None:
                 return dash.no_update
@@ -338,8 +361,8 @@ def register(app: dash.Dash, client: Client) -> None:
             if chosen is None:
                 return dash.no_update
             lo, hi = chosen
-        wanted = query_string(rank, lo, hi)
+        wanted = query_string(rank, lo, hi, user=user)
         return dash.no_update if wanted == (search or "") else wanted
 
 
-__all__ = ["layout", "parse_query", "query_string", "register"]
+__all__ = ["layout", "parse_query", "parse_user", "query_string", "register"]

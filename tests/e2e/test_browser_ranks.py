@@ -138,6 +138,13 @@ def test_a_user_metric_is_picked_and_drawn_per_rank(server: Server, page: Any) -
     found = heatmap(page, "ranks-user")
     assert "stands out: rank 3 (2.0× its peers)" in found["title"]
     assert row_means(found) == {0: 1.0, 1: 1.0, 2: 1.0, 3: 2.0}
+    page.wait_for_function("() => location.search.includes('user=moe.load')", timeout=10_000)
+    # The pick is in the address: shared, it opens on the same metric.
+    fresh = page.context.browser.new_page()
+    fresh.goto(page.url)
+    shared = heatmap(fresh, "ranks-user")
+    assert shared["title"].startswith("User metric moe.load")
+    fresh.close()
     assert page.errors == []
 
 

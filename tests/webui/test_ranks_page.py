@@ -142,6 +142,9 @@ def test_query_string_round_trip_and_bad_input() -> None:
     assert ranks_page.parse_query(None) == (None, None, None)
     assert ranks_page.query_string(3, None, 50) == "?rank=3&to=50"
     assert ranks_page.query_string(None, None, None) == ""
+    assert ranks_page.query_string(2, None, None, user="user.moe.load") == "?rank=2&user=moe.load"
+    assert ranks_page.parse_user("?rank=2&user=moe.load") == "user.moe.load"
+    assert ranks_page.parse_user("?user=") is None and ranks_page.parse_user(None) is None
     assert ranks_page.range_from_relayout({"xaxis.range[0]": 10.4, "xaxis.range[1]": 19.6}) == (10, 20)  # fmt: skip
     assert ranks_page.range_from_relayout({"xaxis.autorange": True}) == (None, None)
     assert ranks_page.range_from_relayout({"yaxis.range[0]": 1, "yaxis.range[1]": 2}) is None
@@ -187,7 +190,7 @@ def test_page_names_the_straggler_and_shows_a_rank_detail(api: TestClient, engin
 def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, engine: Any) -> None:
     ingest(api, batch("plain", rank=0, world_size=1, steps=[step(0)]))
     client = LocalClient(engine)
-    assert ranks_page.user_metrics_of(client, "plain") == []
+    assert ranks_page.user_choices(client, "plain", "") == ([], None, "none yet")
     empty = ranks_page.user_heatmap_part(client, "plain", None, "", "light")
     assert "s.metric(name, value)" in empty.layout.annotations[0].text
 
@@ -195,7 +198,13 @@ def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, e
         steps = [{**step(i), "metrics": {"moe.load": 2.0 if r == 3 else 1.0, "delta": -1.0 - r}}
                  for i in range(20)]  # fmt: skip
         ingest(api, batch("moe", rank=r, world_size=4, steps=steps))
-    assert ranks_page.user_metrics_of(client, "moe") == ["user.delta", "user.moe.load"]
+    options, value, placeholder = ranks_page.user_choices(client, "moe", "?rank=3")
+    assert [o["label"] for o in options] == ["delta", "moe.load"]
+    assert (value, placeholder) == (None, "delta")  # no pick in the URL: the first is drawn
+    first = ranks_page.user_heatmap_part(client, "moe", None, "", "light")
+    assert first["layout"]["title"]["text"].startswith("User metric delta")
+    assert ranks_page.user_choices(client, "moe", "?user=moe.load")[1] == "user.moe.load"
+    assert ranks_page.user_choices(client, "moe", "?user=gone")[1] is None
     fig = ranks_page.user_heatmap_part(client, "moe", "user.moe.load", "?rank=3", "light")
     assert fig["layout"]["title"]["text"] == (
         "User metric moe.load (max per cell) · stands out: rank 3 (2.0× its peers)"
