@@ -167,13 +167,18 @@ def main(argv: list[str] | None = None) -> None:
         state["cursor"] += 1
         state["step"] += 1  # before the step ends: a rollback at its end sets the next one
         with tw.step(step, tokens=x.numel()) as s:
-            loss = F.cross_entropy(model(x), y)
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
             if args.work_ms:
                 time.sleep(args.work_ms / 1000)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
             s.loss(loss)
+            # The trainer's own metrics (s.metric): per rank, rolled up across ranks, and a
+            # rank x step heatmap on the Ranks page. A tensor is read off this thread, later.
+            s.metrics(lr=opt.param_groups[0]["lr"],
+                      accuracy=(logits.detach().argmax(-1) == y).float().mean())  # fmt: skip
             if ckpt_dir is not None and args.checkpoint_every and step % args.checkpoint_every == 0:
                 _save(ckpt_dir, step, state, model, opt, rank)
     tw.shutdown()
