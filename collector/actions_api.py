@@ -185,9 +185,10 @@ def request_action(run: str, body: ActionIn, request: Request) -> ActionOut:
             if known is None:
                 raise HTTPException(422, f"rank: run {run!r} has no rank {body.rank}")
         mode = "dry-run" if body.dry_run or policy.of(body.kind).mode == "dry-run" else "auto"
+        by = auth.acting(body.by, limit=128 - len("operator:"))
         action_id = create_action(
-            conn, policy, run_id=run_row.id, kind=body.kind, now=now, trigger=f"operator:{body.by}",
-            node=body.node, rank=body.rank, detail=body.reason, mode=mode, approver=body.by,
+            conn, policy, run_id=run_row.id, kind=body.kind, now=now, trigger=f"operator:{by}",
+            node=body.node, rank=body.rank, detail=body.reason, mode=mode, approver=by,
             plan={"checkpoint_step": body.checkpoint_step} if body.checkpoint_step is not None else None,
         )  # fmt: skip
         return _out(_get(conn, action_id))
@@ -209,18 +210,19 @@ def cancel_action(action_id: RowId, body: ByIn, request: Request) -> ActionOut:
 
 def _decide(request: Request, action_id: int, body: ByIn, state: str) -> ActionOut:
     now = time.time()
+    by = auth.acting(body.by)
     with write(_engine(request)) as conn:
         row = _get(conn, action_id)
         allowed = ("proposed",) if state == "approved" else ("proposed", "approved")
         if row.state not in allowed:
             raise HTTPException(409, f"action {action_id} is {row.state}; only a {' or '.join(allowed)} one can be {state}")  # fmt: skip
         values: dict[str, Any] = {"state": state, "updated_at": now,
-                                  "history": _history(row, state, body.by, body.reason or None, now)}  # fmt: skip
+                                  "history": _history(row, state, by, body.reason or None, now)}  # fmt: skip
         if state == "approved":
-            values["approver"] = body.by
+            values["approver"] = by
         else:
-            values.update(finished_at=now, reason=body.reason or f"cancelled by {body.by}")
+            values.update(finished_at=now, reason=body.reason or f"cancelled by {by}")
         conn.execute(update(m.actions).where(m.actions.c.id == action_id).values(**values))
-        detail = f"{state} by {body.by}" + (f": {body.reason}" if body.reason else "")
+        detail = f"{state} by {by}" + (f": {body.reason}" if body.reason else "")
         _store_events(conn, [_event(row, state, detail, now)], now)  # for the run's timeline
         return _out(_get(conn, action_id))

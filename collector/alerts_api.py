@@ -224,7 +224,7 @@ def ack_alert(alert_id: RowId, body: AckIn, request: Request) -> AlertOut:
             raise HTTPException(409, f"alert {alert_id} is already resolved")
         if row.acked_at is None:
             conn.execute(update(m.alerts).where(m.alerts.c.id == alert_id).values(
-                acked_at=time.time(), acked_by=body.by, ack_comment=body.comment or None))  # fmt: skip
+                acked_at=time.time(), acked_by=auth.acting(body.by), ack_comment=body.comment or None))  # fmt: skip
         return _out(_get(conn, alert_id))
 
 
@@ -251,7 +251,7 @@ def create_silence(body: SilenceIn, request: Request) -> SilenceOut:
     with write(_engine(request)) as conn:
         new_id = conn.execute(insert(m.silences).values(
             matchers=[mt.model_dump() for mt in body.matchers], starts_at=starts, ends_at=ends,
-            created_by=body.created_by, comment=body.comment, created_at=now,
+            created_by=auth.acting(body.created_by), comment=body.comment, created_at=now,
         ).returning(m.silences.c.id)).scalar_one()  # fmt: skip
         row = conn.execute(select(m.silences).where(m.silences.c.id == new_id)).one()
     return _silence_out(row, now)

@@ -247,6 +247,19 @@ def check_admin() -> None:
         )  # fmt: skip
 
 
+def acting(typed: str, *, limit: int = 128) -> str:
+    """Who a change is recorded as (audit: acks, silences, actions, incidents, notes):
+    the name typed, followed by whom the request really acts as when that differs, the
+    token's name or the trusted proxy's user: ``alice (as token oncall)``. A typed name
+    alone cannot pass for someone else. At most ``limit`` characters (the columns')."""
+    principal = current.get()
+    if principal is None or principal.name == typed:
+        return typed[:limit]
+    kind = "user" if principal.via == "proxy" else "token"
+    suffix = f" (as {kind} {principal.name})"[: limit // 2]
+    return typed[: limit - len(suffix)] + suffix
+
+
 def check_run(run: str) -> None:
     """Refuse records for a run the ingest token's pattern does not match."""
     principal = current.get()

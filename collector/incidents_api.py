@@ -140,7 +140,7 @@ def open_incident(body: OpenIn, request: Request) -> IncidentOut:
     auth.check_admin()  # the UI calls this function in-process
     with write(_engine(request)) as conn:
         try:
-            new_id = svc.open_incident(conn, run=body.run, title=body.title, by=body.by,
+            new_id = svc.open_incident(conn, run=body.run, title=body.title, by=auth.acting(body.by),
                                        alert_ids=body.alerts, at=body.at, now=time.time())  # fmt: skip
         except svc.Conflict as exc:
             raise HTTPException(409, str(exc)) from None
@@ -154,7 +154,7 @@ def close_incident(incident_id: RowId, body: CloseIn, request: Request) -> Incid
     """Close an open incident now (with a one-line summary for the report)."""
     auth.check_admin()  # the UI calls this function in-process
     return _change(request, svc.close_incident, incident_id, incident_id=incident_id,
-                   by=body.by, summary=body.summary)  # fmt: skip
+                   by=auth.acting(body.by), summary=body.summary)  # fmt: skip
 
 
 @router.post("/api/v1/incidents/{incident_id}/merge", response_model=IncidentOut)
@@ -162,7 +162,7 @@ def merge_incidents(incident_id: RowId, body: MergeIn, request: Request) -> Inci
     """Merge other incidents of the same run into this one."""
     auth.check_admin()  # the UI calls this function in-process
     return _change(request, svc.merge_incidents, incident_id, into=incident_id,
-                   sources=body.incidents, by=body.by)  # fmt: skip
+                   sources=body.incidents, by=auth.acting(body.by))  # fmt: skip
 
 
 @router.patch("/api/v1/incidents/{incident_id}", response_model=IncidentOut)
@@ -170,7 +170,7 @@ def retitle_incident(incident_id: RowId, body: RetitleIn, request: Request) -> I
     """Give an incident a better title."""
     auth.check_admin()  # the UI calls this function in-process
     return _change(request, svc.retitle_incident, incident_id, incident_id=incident_id,
-                   title=body.title, by=body.by)  # fmt: skip
+                   title=body.title, by=auth.acting(body.by))  # fmt: skip
 
 
 @router.post("/api/v1/runs/{run}/notes", response_model=NoteOut, status_code=201)
@@ -179,7 +179,7 @@ def add_note(run: str, body: NoteIn, request: Request) -> NoteOut:
     auth.check_admin()  # the UI calls this function in-process
     with write(_engine(request)) as conn:
         try:
-            note = svc.add_note(conn, run=run, author=body.author, text=body.text, at=body.at,
+            note = svc.add_note(conn, run=run, author=auth.acting(body.author), text=body.text, at=body.at,
                                 step=body.step, incident_id=body.incident, now=time.time())  # fmt: skip
         except svc.Invalid as exc:
             raise HTTPException(422, str(exc)) from None

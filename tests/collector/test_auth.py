@@ -130,6 +130,33 @@ def test_the_right_scopes_do_the_work(client: TestClient, tokens: dict[str, str]
         assert client.get(path).status_code == 200, path
 
 
+def test_the_audit_trail_names_the_token_a_change_was_made_with(
+    engine: Engine, client: TestClient, tokens: dict[str, str]
+) -> None:
+    """A typed name alone cannot pass for someone else: acks, silences, actions, incidents
+    and notes record it with the token the request really used."""
+    admin = bearer(tokens["admin"])  # a token named "admin"
+    assert client.post("/api/v1/ingest", json=batch("r1", steps=[step(0)]),
+                       headers=bearer(tokens["ingest"])).status_code == 200  # fmt: skip
+    note = client.post("/api/v1/runs/r1/notes", json={"author": "ana", "text": "hi"}, headers=admin)
+    assert note.json()["author"] == "ana (as token admin)"
+    silence = client.post("/api/v1/silences", headers=admin, json={
+        "matchers": [{"name": "run", "value": "r1"}], "duration_s": 60, "created_by": "ana",
+        "comment": "maintenance"})  # fmt: skip
+    assert silence.json()["created_by"] == "ana (as token admin)"
+    same = client.post("/api/v1/incidents", json={"run": "r1", "title": "t", "by": "admin"}, headers=admin)  # fmt: skip
+    assert same.status_code == 201, same.text
+    with engine.connect() as conn:
+        opened_by = conn.execute(select(models.incidents.c.opened_by)).scalars().all()
+    assert opened_by == ["admin"]  # the token's own name: said once
+    action = client.post("/api/v1/runs/r1/actions", headers=admin,
+                         json={"kind": "rollback", "by": "b" * 128, "reason": "test", "dry_run": True})  # fmt: skip
+    assert action.status_code == 201, action.text
+    trigger = action.json()["trigger"]
+    assert trigger.startswith("operator:bbb") and trigger.endswith(" (as token admin)")
+    assert len(trigger) <= 128  # the column's width
+
+
 def test_an_ingest_token_sends_only_the_runs_its_pattern_matches(
     engine: Engine, client: TestClient
 ) -> None:
@@ -255,6 +282,9 @@ def test_an_admin_session_changes_and_a_revoked_token_ends_its_session(
         made = client.get("/login", params={"token": tokens["admin"], "next": "/alerts"})
         assert made.status_code == 303 and made.headers["location"] == "/alerts"
         assert client.post("/_test-silence").text.startswith("silenced #")
+        with engine.connect() as conn:  # the UI's typed name, and the session's token
+            by = conn.execute(select(models.silences.c.created_by)).scalar_one()
+        assert by == "ana (as token admin)"
         with write(engine) as conn:
             revoke_token(conn, name="admin")
         assert client.get("/").status_code == 303
