@@ -357,13 +357,17 @@ class ActionEngine:
 
     def _start_rollback(self, ctx: _Ctx, row: Any) -> None:
         pol = self.policy.rollback
-        spent = ctx.conn.execute(
-            select(m.actions.c.id).where(
+        # Spent: every rollback of the period that reached the ranks, whether it is running,
+        # done, or failed once it had started (a rollback that fails at the ranks again and
+        # again must stop the run, not retry forever); one that failed before it started
+        # (no good checkpoint, a dry run) touched nothing.
+        spent = [a for a in ctx.conn.execute(
+            select(m.actions.c.id, m.actions.c.state, m.actions.c.history).where(
                 m.actions.c.run_id == row.run_id, m.actions.c.kind == "rollback", m.actions.c.id != row.id,
-                m.actions.c.state.in_(("executing", "done")), m.actions.c.mode != "dry-run",
+                m.actions.c.state.in_(("executing", "done", "failed")), m.actions.c.mode != "dry-run",
                 m.actions.c.created_at > ctx.now - pol.budget.per.value,
             )
-        ).all()  # fmt: skip
+        ).all() if a.state != "failed" or any(h.get("state") == "executing" for h in a.history or ())]  # fmt: skip
         if len(spent) >= pol.budget.count:
             self._finish(ctx, row, "failed", reason=f"retry budget spent: {len(spent)} rollbacks within {pol.budget.per}; stopping the run instead")  # fmt: skip
             create_action(ctx.conn, self.policy, run_id=row.run_id, kind="stop", now=ctx.now,

@@ -677,6 +677,25 @@ def test_past_the_budget_the_rollback_fails_and_the_run_is_stopped(cluster: Any)
     )
 
 
+def test_rollbacks_that_fail_at_the_ranks_spend_the_budget_too(cluster: Any) -> None:
+    """A rollback that reaches the ranks and fails there (a handler that cannot read the
+    checkpoint) is an attempt: past the budget the run is stopped, not rolled back forever."""
+    run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "budget": {"count": 2, "per": "1h"}}},
+                  handlers={1: "raise"})  # fmt: skip
+    failed = []
+    for at in (35, 50):
+        run.spike(at=at)
+        rollback = run.act()[-1]
+        failed.append(settle(run, rollback["id"]))
+        calm(run, minutes=11)
+    assert [f["state"] for f in failed] == ["failed", "failed"]
+    assert all(f["reason"].startswith("rollback not applied: rank 1: RuntimeError") for f in failed)
+    run.spike(at=65)
+    third, stop = run.act()[-2:]
+    assert third["reason"] == "retry budget spent: 2 rollbacks within 1h; stopping the run instead"
+    assert (stop["kind"], stop["trigger"]) == ("stop", "budget")
+
+
 def test_stopping_a_run_whose_ranks_have_all_ended_is_done_at_once(cluster: Any) -> None:
     run = cluster({"stop": {"mode": "auto"}})
     run.train(5)
