@@ -195,6 +195,10 @@ def heatmap_figure(
     }
     if diverging:
         trace["zmid"] = 0
+    elif {v for row in grid.values for v in row if v is not None} == {0}:
+        # All zero (exposed comm of a run without a process group, on the profiler's
+        # sampled steps): the palest colour, not the middle of a -0.5..0.5 scale.
+        trace.update(zmin=0, zmax=1)
     layout: dict[str, Any] = {
         "title": {"text": title, "x": 0.01, "font": {"size": 15}},
         "height": min(640, max(220, 90 + 14 * len(grid.ranks))),

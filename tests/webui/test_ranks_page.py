@@ -64,6 +64,14 @@ def test_nan_and_infinite_cells_are_gaps_not_errors() -> None:
     assert fig["layout"]["template"]["layout"]["paper_bgcolor"] == "rgb(17,17,17)"
 
 
+def test_a_heatmap_of_zeros_is_pale_not_the_middle_of_a_scale() -> None:
+    zeros = rf.Grid(ranks=[0, 1], x=[0.0, 16.0], width=16, values=[[0.0, None], [0.0, None]], unit="s")
+    trace = rf.heatmap_figure(zeros, title="t", theme="light", revision="r")["data"][0]
+    assert (trace["zmin"], trace["zmax"]) == (0, 1)
+    some = rf.Grid(ranks=[0, 1], x=[0.0], width=16, values=[[0.1], [0.3]], unit="s")
+    assert "zmin" not in rf.heatmap_figure(some, title="t", theme="light", revision="r")["data"][0]
+
+
 def test_empty_heatmap_says_what_to_wait_for() -> None:
     for grid in (rf.grid_of(heatmap([])), rf.grid_of(heatmap([[None, None]]))):
         fig = rf.heatmap_figure(grid, title="Step time", theme=None, revision="r", empty="No steps yet")  # fmt: skip
