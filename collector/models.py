@@ -77,10 +77,13 @@ ranks = Table(
 # the record's own timestamp: a replayed record lands on the same key.
 PARTITION_BY = "RANGE (day)"
 
+# No foreign key to runs on the raw per-rank tables (migration 0015): PostgreSQL checked it
+# row by row, half of each insert's cost; ingest writes the run row first, nothing deletes
+# runs, and `db prune` drops their days whole.
 rank_steps = Table(
     "rank_steps",
     metadata,
-    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("run_id", Integer, primary_key=True),
     Column("step", BigInteger, primary_key=True),
     Column("rank", Integer, primary_key=True),
     Column("day", Integer, primary_key=True),  # floor(ts / 86400)
@@ -163,7 +166,7 @@ events = Table(
 gpu_samples = Table(
     "gpu_samples",
     metadata,
-    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("run_id", Integer, primary_key=True),  # no foreign key: see rank_steps
     Column("rank", Integer, primary_key=True),
     Column("ts", Float, primary_key=True),
     Column("day", Integer, primary_key=True),  # floor(ts / 86400), as for rank_steps
