@@ -29,7 +29,15 @@ from trainwarden.collector.queries import NotFound
 from . import alerts, figures
 from .client import Client
 from .components import ago, notice, run_tabs
-from .overview_figures import Marker, Overview, RankLine, overview_figure, prepare, thin
+from .overview_figures import (
+    Marker,
+    Overview,
+    RankLine,
+    overview_figure,
+    prepare,
+    thin,
+    user_figure,
+)
 
 log = logging.getLogger(__name__)
 POINTS = 1_000  # per series: about one per pixel of a wide screen
@@ -59,7 +67,9 @@ def parse_query(search: str | None) -> dict[str, Any]:
     if lo is not None and hi is not None and hi < lo:
         lo, hi = hi, lo
     axis = q.get("axis", ["step"])[0]
-    return {"from": lo, "to": hi, "axis": axis if axis in AXES else "step", "rank": number("rank")}
+    user = q.get("user", [""])[0].strip()
+    return {"from": lo, "to": hi, "axis": axis if axis in AXES else "step", "rank": number("rank"),
+            "user": "user." + user.removeprefix("user.") if user else None}  # fmt: skip
 
 
 def to_query(view: dict[str, Any]) -> str:
@@ -69,6 +79,8 @@ def to_query(view: dict[str, Any]) -> str:
         items.append(("axis", view["axis"]))
     if view.get("rank") is not None:
         items.append(("rank", view["rank"]))
+    if view.get("user"):
+        items.append(("user", view["user"].removeprefix("user.")))
     return "?" + urlencode(items) if items else ""
 
 
@@ -359,6 +371,35 @@ def run_alerts(client: Client, name: str) -> Any:
 # -- page ----------------------------------------------------------------------------
 
 
+USER_HINT = (
+    "No metrics of your own in this run: log them inside the step with "
+    "s.metric(name, value) (a learning rate, an eval loss, an MoE aux loss)."
+)
+
+
+def user_choices(client: Client, name: str, view: dict[str, Any]) -> tuple[list[dict[str, str]], str | None, str]:  # fmt: skip
+    """(the picker's options, its value: the URL's pick, its placeholder: the metric drawn
+    without a pick, the run's first)."""
+    found = client.user_metrics(name)
+    options = [{"label": m.removeprefix("user."), "value": m} for m in found]
+    picked = view.get("user")
+    return options, picked if picked in found else None, options[0]["label"] if options else "none yet"
+
+
+def user_part(client: Client, name: str, view: dict[str, Any], metric: str | None,
+              theme: str | None) -> Any:  # fmt: skip
+    """The picked user metric (else the run's first) across ranks, over the view's range."""
+    if not metric:
+        found = client.user_metrics(name)
+        if not found:
+            return figures.themed(figures.empty_figure(USER_HINT), theme)
+        metric = found[0]
+    axis = view.get("axis", "step")
+    series = client.series(name, metric, points=POINTS, from_step=view.get("from"),
+                           to_step=view.get("to"))  # fmt: skip
+    return user_figure(series, axis=axis, theme=theme, revision=f"{name}|{axis}|{metric}")
+
+
 def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
     view = parse_query(search)
     toolbar = html.Div(
@@ -414,6 +455,12 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
                 figure=figures.empty_figure("Loading…"),
                 config={"displaylogo": False, "doubleClick": "autosize"},
             ),
+            html.Div([
+                html.Label("Your metric", htmlFor="run-user-metric", className="fact-key"),
+                dcc.Dropdown(id="run-user-metric", options=[], clearable=False, placeholder="none yet"),
+            ], className="run-user-pick", style={"maxWidth": "24rem", "margin": "0.5rem 0"}),  # fmt: skip
+            dcc.Graph(id="run-user", figure=figures.empty_figure("Loading…"),
+                      config={"displaylogo": False}),  # fmt: skip
             html.Div(id="run-ranks"),
             dcc.Interval(id="run-interval", interval=int(refresh_s * 1000)),
         ]
@@ -480,6 +527,39 @@ def register(app: dash.Dash, client: Client) -> None:
         return fig, {"step": base.step, "ts": base.ts}, range_label(data, view)
 
     @app.callback(
+        Output("run-user-metric", "options"),
+        Output("run-user-metric", "value"),
+        Output("run-user-metric", "placeholder"),
+        Input("run-interval", "n_intervals"),
+        Input("run-view", "data"),
+        State("run-name", "data"),
+    )
+    def pick_user(_n: int | None, view: dict[str, Any], name: str) -> Any:
+        """The run's own metrics, refreshed live; the pick is the URL's."""
+        try:
+            return user_choices(client, name, view)
+        except Exception:  # the page's notice says what is wrong
+            return dash.no_update, dash.no_update, dash.no_update
+
+    @app.callback(
+        Output("run-user", "figure"),
+        Input("run-interval", "n_intervals"),
+        Input("run-view", "data"),
+        Input("run-user-metric", "value"),
+        Input("theme", "data"),
+        State("run-name", "data"),
+    )
+    def draw_user(_n: int | None, view: dict[str, Any], metric: str | None, theme: str | None,
+                  name: str) -> Any:  # fmt: skip
+        try:
+            return user_part(client, name, view, metric or view.get("user"), theme)
+        except NotFound:
+            return figures.themed(figures.empty_figure(f"Run {name!r} not found"), theme)
+        except Exception:  # the last drawn figure stays
+            log.exception("run page user metric %s", name)
+            return dash.no_update
+
+    @app.callback(
         Output("run-url", "search"),
         Output("run-view", "data"),
         Output("run-axis", "value"),
@@ -489,12 +569,13 @@ def register(app: dash.Dash, client: Client) -> None:
         Input("run-axis", "value"),
         Input("run-rank", "value"),
         Input("run-reset", "n_clicks"),
+        Input("run-user-metric", "value"),
         State("run-view", "data"),
         State("run-xmap", "data"),
         prevent_initial_call=True,
     )
     def sync(search: str | None, relayout: dict[str, Any] | None, axis: str | None,
-             rank: Any, _reset: int | None, view: dict[str, Any],
+             rank: Any, _reset: int | None, user: str | None, view: dict[str, Any],
              xmap: dict[str, list[Any]] | None) -> Any:  # fmt: skip
         keep = dash.no_update
         trigger = dash.ctx.triggered_id
@@ -515,6 +596,10 @@ def register(app: dash.Dash, client: Client) -> None:
             want["rank"] = int(rank) if isinstance(rank, (int, float)) and rank >= 0 else None
         elif trigger == "run-reset":
             want["from"] = want["to"] = None
+        elif trigger == "run-user-metric":
+            if not user:  # emptied by a refresh of a view without a pick
+                return keep, keep, keep, keep
+            want["user"] = user
         if want == view:
             return keep, keep, keep, keep
         # "?" for the default view: an empty search would leave the old one in the address bar.

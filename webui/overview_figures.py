@@ -446,6 +446,36 @@ def overview_figure(
     return {"data": traces, "layout": themed_layout(layout, theme)}
 
 
+USER_COLOR = "#0d9488"
+
+
+def user_figure(s: Series, *, axis: str = "step", theme: str | None = "light",
+                revision: str = "") -> dict[str, Any]:  # fmt: skip
+    """One user metric (``s.metric``) across ranks: the min..max band, the median, and the
+    p99 dashed (a few ranks apart from the rest show between p99 and max)."""
+    label = s.metric.removeprefix("user.")
+    title = {"text": f"{label}: median, p99, min..max across ranks", "x": 0.01, "font": {"size": 15}}
+    if not any(_ok(v) for v in s.median):
+        fig = empty_figure(f"No values of {label} in these steps.")
+        fig.update_layout(title=title, uirevision=revision)
+        return themed(fig, theme).to_plotly_json()  # type: ignore[no-any-return]
+    traces: list[dict[str, Any]] = []
+    _band(traces, s, 1, axis=axis, color=USER_COLOR, label=label)
+    if len(s.p99) == len(s.step) and any(_ok(v) for v in s.p99):
+        traces.append(_trace(1, x=_xs(s.step, s.ts, axis), y=finite(s.p99), mode="lines",
+                             line={"width": 1.2, "color": USER_COLOR, "dash": "dash"},
+                             name=f"{label} p99", showlegend=False,
+                             hovertemplate=f"{label} p99 %{{y:.4g}}<extra></extra>"))  # fmt: skip
+    layout = {
+        "title": title, "height": 280, "margin": {"l": 64, "r": 24, "t": 40, "b": 40},
+        "hovermode": "x unified", "uirevision": revision, "showlegend": False,
+        "xaxis": {"title": {"text": "time" if axis == "time" else "step"},
+                  "type": "date" if axis == "time" else "linear"},
+        "yaxis": {"automargin": True},
+    }  # fmt: skip
+    return {"data": traces, "layout": themed_layout(layout, theme)}
+
+
 def _has(series: dict[str, Series], metric: str, column: str) -> bool:
     s = series.get(metric)
     return s is not None and any(_ok(v) for v in getattr(s, column))

@@ -73,6 +73,44 @@ def test_run_page_draws_the_loss_and_updates_live(server: Server, page) -> None:
     assert page.errors == []
 
 
+USER_TRACES = (
+    "(() => { const gd = document.querySelector('#run-user .js-plotly-plot');"
+    " return gd && gd.data ? gd.data.map(t => t.name) : []; })()"
+)
+
+
+def test_the_trainers_own_metrics_are_picked_and_drawn_on_the_run_page(server: Server, page) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    ranks = agents(server, "ui-user")
+    for step in range(12):
+        for rank, agent in enumerate(ranks):
+            with agent.step(step, tokens=512) as s:
+                s.loss(2.0)
+                s.metrics(lr=1e-3 * (1 + step), aux=0.1 * (rank + 1))
+    for agent in ranks:
+        agent.shutdown()
+    page.goto(f"{server.url}/runs/ui-user")
+    # Without a pick, the run's first metric (by name) is drawn.
+    page.wait_for_function(f"{USER_TRACES}.includes('aux median')", timeout=20_000)
+    page.locator("#run-user-metric").click()
+    page.get_by_role("option", name="lr").click()
+    page.wait_for_function(f"{USER_TRACES}.includes('lr median')", timeout=20_000)
+    page.wait_for_function("() => location.search.includes('user=lr')", timeout=10_000)
+    median = page.evaluate(
+        "document.querySelector('#run-user .js-plotly-plot').data.find(t => t.name === 'lr median').y"
+    )
+    assert [round(v, 6) for v in median] == [round(1e-3 * (1 + i), 6) for i in range(12)]
+    if os.environ.get("TRAINWARDEN_SCREENSHOTS"):
+        page.screenshot(
+            path=str(Path(os.environ["TRAINWARDEN_SCREENSHOTS"]) / "run-user.png"), full_page=True
+        )
+    # The pick is in the address: a shared link opens on it.
+    fresh = page.context.browser.new_page()
+    fresh.goto(page.url)
+    fresh.wait_for_function(f"{USER_TRACES}.includes('lr median')", timeout=20_000)
+    fresh.close()
+    assert page.errors == []
+
+
 def test_runs_list_links_to_the_run(server: Server, page) -> None:  # type: ignore[no-untyped-def]
     ranks = agents(server, "ui-list", world=1)
     train(ranks, range(3))

@@ -233,15 +233,25 @@ def test_thin_keeps_spikes() -> None:
 
 
 def test_view_round_trips_through_the_query_string() -> None:
-    view = overview.parse_query("?from=100&to=900&axis=time&rank=3")
-    assert view == {"from": 100, "to": 900, "axis": "time", "rank": 3}
+    view = overview.parse_query("?from=100&to=900&axis=time&rank=3&user=moe.aux")
+    assert view == {"from": 100, "to": 900, "axis": "time", "rank": 3, "user": "user.moe.aux"}
     assert overview.parse_query(overview.to_query(view)) == view
     assert overview.to_query(overview.parse_query("")) == ""
     # What does not parse is left out; a reversed range is put the right way round.
-    assert overview.parse_query("?from=x&to=-4&axis=weird&rank=a") == {
-        "from": None, "to": None, "axis": "step", "rank": None,
+    assert overview.parse_query("?from=x&to=-4&axis=weird&rank=a&user=") == {
+        "from": None, "to": None, "axis": "step", "rank": None, "user": None,
     }  # fmt: skip
     assert overview.parse_query("?from=900&to=100")["from"] == 100
+
+
+def test_a_user_metric_draws_its_band_median_and_p99() -> None:
+    s = series("user.moe.aux", 5, value=2.0, p99=[3.0, 3.0, float("nan"), 3.0, 3.0])
+    fig = go.Figure(overview_figures.user_figure(s, theme="dark", revision="r|step|user.moe.aux"))
+    assert [t.name for t in fig.data] == ["moe.aux max", "moe.aux min..max", "moe.aux median", "moe.aux p99"]
+    assert list(fig.data[2].y) == [2.0] * 5 and list(fig.data[3].y) == [3.0, 3.0, None, 3.0, 3.0]
+    assert fig.layout.title.text.startswith("moe.aux: median, p99")
+    empty = overview_figures.user_figure(series("user.x", 0), theme="light")
+    assert "No values of x" in empty["layout"]["annotations"][0]["text"]
 
 
 def test_range_from_a_zoom_on_any_row() -> None:
