@@ -64,3 +64,9 @@ def run_tabs(name: str, active: str) -> html.Nav:
     ]
     links.append(dcc.Link("Alerts", href=f"/alerts?run={quote(name, safe='')}", className="tab"))
     return html.Nav(links, className="run-tabs")
+
+
+def is_default_pick(value: str | None, options: list[dict[str, str]] | None, picked: str | None) -> bool:  # fmt: skip
+    """Whether the picker shows the default (the first metric, no pick in the URL): a
+    refresh setting it must not write ``user=`` into the address."""
+    return picked is None and bool(options) and value == options[0]["value"]  # type: ignore[index]

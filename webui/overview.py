@@ -28,7 +28,7 @@ from trainwarden.collector.queries import NotFound
 
 from . import alerts, figures
 from .client import Client
-from .components import ago, notice, run_tabs
+from .components import ago, is_default_pick, notice, run_tabs
 from .overview_figures import (
     Marker,
     Overview,
@@ -377,13 +377,13 @@ USER_HINT = (
 )
 
 
-def user_choices(client: Client, name: str, view: dict[str, Any]) -> tuple[list[dict[str, str]], str | None, str]:  # fmt: skip
-    """(the picker's options, its value: the URL's pick, its placeholder: the metric drawn
-    without a pick, the run's first)."""
+def user_choices(client: Client, name: str, view: dict[str, Any]) -> tuple[list[dict[str, str]], str | None]:  # fmt: skip
+    """(the picker's options, its value): the URL's pick, else the run's first metric (a
+    default the URL does not get)."""
     found = client.user_metrics(name)
     options = [{"label": m.removeprefix("user."), "value": m} for m in found]
     picked = view.get("user")
-    return options, picked if picked in found else None, options[0]["label"] if options else "none yet"
+    return options, picked if picked in found else (found[0] if found else None)
 
 
 def user_part(client: Client, name: str, view: dict[str, Any], metric: str | None,
@@ -456,9 +456,11 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
                 config={"displaylogo": False, "doubleClick": "autosize"},
             ),
             html.Div([
-                html.Label("Your metric", htmlFor="run-user-metric", className="fact-key"),
-                dcc.Dropdown(id="run-user-metric", options=[], clearable=False, placeholder="none yet"),
-            ], className="run-user-pick", style={"maxWidth": "24rem", "margin": "0.5rem 0"}),  # fmt: skip
+                html.Span("Your metric ", className="fact-key"),
+                # RadioItems, not a Dropdown: dcc's Dropdown is a chunk loaded on demand, and
+                # loading it slowed the overview's first drawing.
+                dcc.RadioItems(id="run-user-metric", options=[], inline=True, className="user-pick"),
+            ], className="run-user-pick", style={"margin": "0.5rem 0"}),  # fmt: skip
             dcc.Graph(id="run-user", figure=figures.empty_figure("Loading…"),
                       config={"displaylogo": False}),  # fmt: skip
             html.Div(id="run-ranks"),
@@ -529,27 +531,27 @@ def register(app: dash.Dash, client: Client) -> None:
     @app.callback(
         Output("run-user-metric", "options"),
         Output("run-user-metric", "value"),
-        Output("run-user-metric", "placeholder"),
-        Input("run-interval", "n_intervals"),
-        Input("run-view", "data"),
+        Input("run-xmap", "data"),
+        State("run-view", "data"),
         State("run-name", "data"),
     )
-    def pick_user(_n: int | None, view: dict[str, Any], name: str) -> Any:
-        """The run's own metrics, refreshed live; the pick is the URL's."""
+    def pick_user(_drawn: Any, view: dict[str, Any], name: str) -> Any:
+        """The run's own metrics, refreshed after each drawing of the overview (so that
+        they do not compete with it while the page loads); the pick is the URL's."""
         try:
             return user_choices(client, name, view)
         except Exception:  # the page's notice says what is wrong
-            return dash.no_update, dash.no_update, dash.no_update
+            return dash.no_update, dash.no_update
 
     @app.callback(
         Output("run-user", "figure"),
-        Input("run-interval", "n_intervals"),
-        Input("run-view", "data"),
+        Input("run-xmap", "data"),
         Input("run-user-metric", "value"),
-        Input("theme", "data"),
+        State("run-view", "data"),
+        State("theme", "data"),
         State("run-name", "data"),
     )
-    def draw_user(_n: int | None, view: dict[str, Any], metric: str | None, theme: str | None,
+    def draw_user(_drawn: Any, metric: str | None, view: dict[str, Any], theme: str | None,
                   name: str) -> Any:  # fmt: skip
         try:
             return user_part(client, name, view, metric or view.get("user"), theme)
@@ -570,13 +572,14 @@ def register(app: dash.Dash, client: Client) -> None:
         Input("run-rank", "value"),
         Input("run-reset", "n_clicks"),
         Input("run-user-metric", "value"),
+        State("run-user-metric", "options"),
         State("run-view", "data"),
         State("run-xmap", "data"),
         prevent_initial_call=True,
     )
     def sync(search: str | None, relayout: dict[str, Any] | None, axis: str | None,
-             rank: Any, _reset: int | None, user: str | None, view: dict[str, Any],
-             xmap: dict[str, list[Any]] | None) -> Any:  # fmt: skip
+             rank: Any, _reset: int | None, user: str | None, options: list[dict[str, str]] | None,
+             view: dict[str, Any], xmap: dict[str, list[Any]] | None) -> Any:  # fmt: skip
         keep = dash.no_update
         trigger = dash.ctx.triggered_id
         if trigger == "run-url":  # opened, or back / forward in the browser
@@ -597,8 +600,8 @@ def register(app: dash.Dash, client: Client) -> None:
         elif trigger == "run-reset":
             want["from"] = want["to"] = None
         elif trigger == "run-user-metric":
-            if not user:  # emptied by a refresh of a view without a pick
-                return keep, keep, keep, keep
+            if not user or is_default_pick(user, options, view.get("user")):
+                return keep, keep, keep, keep  # set by a refresh, not picked
             want["user"] = user
         if want == view:
             return keep, keep, keep, keep

@@ -22,7 +22,7 @@ from trainwarden.collector.queries import NotFound
 
 from . import ranks_figures as rf
 from .client import Client
-from .components import notice, run_tabs
+from .components import is_default_pick, notice, run_tabs
 from .figures import empty_figure, themed
 
 log = logging.getLogger(__name__)
@@ -138,15 +138,13 @@ USER_EMPTY = (
 )
 
 
-def user_choices(client: Client, name: str, search: str | None) -> tuple[list[dict[str, str]], str | None, str]:  # fmt: skip
-    """(the picker's options, its value, its placeholder): the value is the URL's pick;
-    without one it stays empty and the placeholder names the metric drawn (the first), so
-    that loading the page does not write a pick into the URL."""
+def user_choices(client: Client, name: str, search: str | None) -> tuple[list[dict[str, str]], str | None]:  # fmt: skip
+    """(the picker's options, its value): the URL's pick, else the run's first metric (a
+    default the URL does not get: see :func:`.components.is_default_pick`)."""
     found = client.user_metrics(name)
     options = [{"label": m.removeprefix("user."), "value": m} for m in found]
     picked = parse_user(search)
-    placeholder = options[0]["label"] if options else "none yet"
-    return options, picked if picked in found else None, placeholder
+    return options, picked if picked in found else (found[0] if found else None)
 
 
 def user_heatmap_part(client: Client, name: str, metric: str | None, search: str | None,
@@ -220,13 +218,11 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             html.Div(id="ranks-states", className="ranks-panel", children=notice("Loading ranks…")),
             html.Div(id="ranks-detail", children=HINT),
             *[dcc.Graph(id=f"ranks-{key}", **graph) for key in HEATMAPS],
-            html.Div([
-                html.Label("User metric", htmlFor="ranks-user-metric", className="fact-key"),
-                dcc.Dropdown(id="ranks-user-metric", options=[], clearable=False,
-                             placeholder="none yet"),
-            ], className="ranks-user-pick", style={"maxWidth": "24rem", "margin": "0.5rem 0"}),  # fmt: skip
-            dcc.Graph(id="ranks-user", **graph),
+            # The user metric's picker and heatmap are made once the built-in heatmaps are
+            # drawn: a fifth graph (and its placeholder) at load slowed the first heatmap.
+            html.Div(id="ranks-user-box"),
             dcc.Store(id="ranks-heat-drawn"),  # the first heatmap is drawn: draw the others
+            dcc.Store(id="ranks-heat-done"),  # and the last: draw the user metric's
             # Heatmaps of a big run are large: they refresh less often than the states.
             dcc.Interval(id="ranks-interval", interval=int(refresh_s * 1000)),
             dcc.Interval(id="ranks-heat-interval", interval=int(max(refresh_s * 2.5, 5) * 1000)),
@@ -278,39 +274,80 @@ def register(app: dash.Dash, client: Client) -> None:
         def draw(_drawn: Any, search: str | None, theme: str | None, name: str) -> Any:
             return part(key, search, theme, name)
 
-    for key in others:
+    for key in others[:-1]:
         heatmap_callback(key)
 
-    @app.callback(
-        Output("ranks-user-metric", "options"),
-        Output("ranks-user-metric", "value"),
-        Output("ranks-user-metric", "placeholder"),
-        Input("ranks-heat-drawn", "data"),
-        State("ranks-url", "search"),
-        State("ranks-run", "data"),
-    )
-    def pick_user(_drawn: Any, search: str | None, name: str) -> Any:
-        """The run's user metrics, refreshed with the heatmaps; the pick is the URL's."""
-        try:
-            return user_choices(client, name, search)
-        except Exception:  # the heatmaps say what is wrong
-            return dash.no_update, dash.no_update, dash.no_update
+    last = others[-1]
 
     @app.callback(
-        Output("ranks-user", "figure"),
-        Input("ranks-user-metric", "value"),
+        Output(f"ranks-{last}", "figure"),
+        Output("ranks-heat-done", "data"),
         Input("ranks-heat-drawn", "data"),
         State("ranks-url", "search"),
         State("theme", "data"),
         State("ranks-run", "data"),
     )
-    def draw_user(metric: str | None, _drawn: Any, search: str | None, theme: str | None,
+    def draw_last(drawn: Any, search: str | None, theme: str | None, name: str) -> Any:
+        """The last of the built-in heatmaps; then the user metric's (below them all), so
+        that it does not compete with the first heatmap while the page loads."""
+        return part(last, search, theme, name), drawn
+
+    @app.callback(
+        Output("ranks-user-box", "children"),
+        Input("ranks-heat-done", "data"),
+        State("ranks-user-box", "children"),
+        State("ranks-url", "search"),
+        State("theme", "data"),
+        State("ranks-run", "data"),
+    )
+    def user_box(_done: Any, children: Any, search: str | None, theme: str | None, name: str) -> Any:
+        """The picker and the heatmap, made once (later refreshes update them in place);
+        a hint instead while the run has no user metric."""
+        if children and _has_picker(children):
+            return dash.no_update
+        try:
+            options, value = user_choices(client, name, search)
+        except Exception:  # the heatmaps say what is wrong
+            return dash.no_update
+        if not options:
+            return html.P(USER_EMPTY, className="hint")
+        figure = _guarded("the user metric", name,
+                          lambda: user_heatmap_part(client, name, value, search, theme),
+                          lambda message: themed(empty_figure(f"User metric: {message}"), theme))  # fmt: skip
+        return [
+            html.Div([
+                html.Span("User metric ", className="fact-key"),
+                # RadioItems, not a Dropdown: dcc's Dropdown is a chunk loaded on demand.
+                dcc.RadioItems(id="ranks-user-metric", options=options, value=value, inline=True,
+                               className="user-pick"),
+            ], className="ranks-user-pick", style={"margin": "0.5rem 0"}),
+            dcc.Graph(id="ranks-user", figure=figure, config={"displaylogo": False}),
+        ]  # fmt: skip
+
+    @app.callback(
+        Output("ranks-user-metric", "options"),
+        Output("ranks-user", "figure"),
+        Input("ranks-user-metric", "value"),
+        Input("ranks-heat-done", "data"),
+        State("ranks-url", "search"),
+        State("theme", "data"),
+        State("ranks-run", "data"),
+        prevent_initial_call=True,
+    )
+    def draw_user(metric: str | None, _done: Any, search: str | None, theme: str | None,
                   name: str) -> Any:  # fmt: skip
+        """A pick, or a refresh with the heatmaps: the run's metrics and the heatmap."""
         def failed(message: str) -> Any:
             return themed(empty_figure(f"User metric: {message}"), theme)
 
-        return _guarded("the user metric", name,
-                        lambda: user_heatmap_part(client, name, metric, search, theme), failed)  # fmt: skip
+        options: Any
+        try:
+            options = user_choices(client, name, search)[0]
+        except Exception:  # the figure below says what is wrong
+            options = dash.no_update
+        figure = _guarded("the user metric", name,
+                          lambda: user_heatmap_part(client, name, metric, search, theme), failed)  # fmt: skip
+        return options, figure
 
     @app.callback(
         Output("ranks-notice", "children"),
@@ -332,37 +369,58 @@ def register(app: dash.Dash, client: Client) -> None:
 
     @app.callback(
         Output("ranks-url", "search"),
-        *[Input(f"ranks-{key}", "clickData") for key in (*HEATMAPS, "user")],
-        *[Input(f"ranks-{key}", "relayoutData") for key in (*STEP_HEATMAPS, "user")],
-        Input("ranks-user-metric", "value"),
+        *[Input(f"ranks-{key}", "clickData") for key in HEATMAPS],
+        *[Input(f"ranks-{key}", "relayoutData") for key in STEP_HEATMAPS],
         State("ranks-url", "search"),
         prevent_initial_call=True,
     )
     def follow(*args: Any) -> Any:
-        """A click picks a rank, a zoom picks a step range, the picker a user metric: all
-        go to the URL."""
-        search = args[-1]
-        rank, lo, hi = parse_query(search)
-        user = parse_user(search)
-        trigger = dash.ctx.triggered_id or ""
-        prop = dash.ctx.triggered[0]["prop_id"] if dash.ctx.triggered else ""
-        value = dash.ctx.triggered[0]["value"] if dash.ctx.triggered else None
-        if trigger == "ranks-user-metric":
-            if not value:  # the picker was emptied (a refresh of a URL without a pick)
-                return dash.no_update
-            user = value
-        elif prop.endswith(".clickData"):
-            picked = clicked_rank(value)
-            if picked is None:
-                return dash.no_update
-            rank = picked
-        elif trigger in {f"ranks-{k}" for k in (*STEP_HEATMAPS, "user")}:
-            chosen = range_from_relayout(value)
-            if chosen is None:
-                return dash.no_update
-            lo, hi = chosen
-        wanted = query_string(rank, lo, hi, user=user)
-        return dash.no_update if wanted == (search or "") else wanted
+        """A click picks a rank, a zoom picks a step range: both go to the URL."""
+        return _follow(args[-1], None)
+
+    @app.callback(
+        Output("ranks-url", "search", allow_duplicate=True),
+        Input("ranks-user", "clickData"),
+        Input("ranks-user", "relayoutData"),
+        Input("ranks-user-metric", "value"),
+        State("ranks-user-metric", "options"),
+        State("ranks-url", "search"),
+        prevent_initial_call=True,
+    )
+    def follow_user(_click: Any, _zoom: Any, _value: Any, options: Any, search: str | None) -> Any:
+        """The same on the user metric's heatmap, and its picker: the metric goes to the URL."""
+        return _follow(search, options)
+
+
+def _has_picker(children: Any) -> bool:
+    """Whether the user box's children (Dash's JSON of them) hold the picker."""
+    return "ranks-user-metric" in str(children)
+
+
+def _follow(search: str | None, options: list[dict[str, str]] | None) -> Any:
+    """The URL after what triggered the callback: a click (a rank), a zoom (a step range)
+    or the user metric's picker (``options``: its options)."""
+    rank, lo, hi = parse_query(search)
+    user = parse_user(search)
+    trigger = dash.ctx.triggered_id or ""
+    prop = dash.ctx.triggered[0]["prop_id"] if dash.ctx.triggered else ""
+    value = dash.ctx.triggered[0]["value"] if dash.ctx.triggered else None
+    if trigger == "ranks-user-metric":
+        if not value or is_default_pick(value, options, user):
+            return dash.no_update  # set by a refresh, not picked
+        user = value
+    elif prop.endswith(".clickData"):
+        picked = clicked_rank(value)
+        if picked is None:
+            return dash.no_update
+        rank = picked
+    elif trigger in {f"ranks-{k}" for k in (*STEP_HEATMAPS, "user")}:
+        chosen = range_from_relayout(value)
+        if chosen is None:
+            return dash.no_update
+        lo, hi = chosen
+    wanted = query_string(rank, lo, hi, user=user)
+    return dash.no_update if wanted == (search or "") else wanted
 
 
 __all__ = ["layout", "parse_query", "parse_user", "query_string", "register"]

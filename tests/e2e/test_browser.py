@@ -91,8 +91,7 @@ def test_the_trainers_own_metrics_are_picked_and_drawn_on_the_run_page(server: S
     page.goto(f"{server.url}/runs/ui-user")
     # Without a pick, the run's first metric (by name) is drawn.
     page.wait_for_function(f"{USER_TRACES}.includes('aux median')", timeout=20_000)
-    page.locator("#run-user-metric").click()
-    page.get_by_role("option", name="lr").click()
+    page.locator("#run-user-metric label", has_text="lr").click()
     page.wait_for_function(f"{USER_TRACES}.includes('lr median')", timeout=20_000)
     page.wait_for_function("() => location.search.includes('user=lr')", timeout=10_000)
     median = page.evaluate(

@@ -128,8 +128,7 @@ def test_a_user_metric_is_picked_and_drawn_per_rank(server: Server, page: Any) -
     page.goto(f"{server.url}/runs/{RUN}/ranks")
     first = heatmap(page, "ranks-user")  # the first of the run's user metrics, by name
     assert first["title"].startswith("User metric eval.acc") and sorted(first["y"]) == [0, 1, 2, 3]
-    page.locator("#ranks-user-metric").click()
-    page.get_by_role("option", name="moe.load").click()
+    page.locator("#ranks-user-metric label", has_text="moe.load").click()
     page.wait_for_function(
         "() => { const gd = document.querySelector('#ranks-user .js-plotly-plot');"
         " return gd && gd.layout.title && gd.layout.title.text.includes('moe.load'); }",

@@ -20,6 +20,7 @@ from trainwarden.collector.schemas import GpuSample, Heatmap, RankInfo
 from trainwarden.webui import ranks_figures as rf
 from trainwarden.webui import ranks_page
 from trainwarden.webui.client import LocalClient
+from trainwarden.webui.components import is_default_pick
 
 from ..collector.helpers import batch, step
 from .test_alerts_page import text
@@ -198,7 +199,7 @@ def test_page_names_the_straggler_and_shows_a_rank_detail(api: TestClient, engin
 def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, engine: Any) -> None:
     ingest(api, batch("plain", rank=0, world_size=1, steps=[step(0)]))
     client = LocalClient(engine)
-    assert ranks_page.user_choices(client, "plain", "") == ([], None, "none yet")
+    assert ranks_page.user_choices(client, "plain", "") == ([], None)
     empty = ranks_page.user_heatmap_part(client, "plain", None, "", "light")
     assert "s.metric(name, value)" in empty.layout.annotations[0].text
 
@@ -206,13 +207,15 @@ def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, e
         steps = [{**step(i), "metrics": {"moe.load": 2.0 if r == 3 else 1.0, "delta": -1.0 - r}}
                  for i in range(20)]  # fmt: skip
         ingest(api, batch("moe", rank=r, world_size=4, steps=steps))
-    options, value, placeholder = ranks_page.user_choices(client, "moe", "?rank=3")
+    options, value = ranks_page.user_choices(client, "moe", "?rank=3")
     assert [o["label"] for o in options] == ["delta", "moe.load"]
-    assert (value, placeholder) == (None, "delta")  # no pick in the URL: the first is drawn
+    assert value == "user.delta"  # no pick in the URL: the first, which the URL does not get
+    assert is_default_pick(value, options, None) and not is_default_pick(value, options, "user.delta")
+    assert not is_default_pick("user.moe.load", options, None)
     first = ranks_page.user_heatmap_part(client, "moe", None, "", "light")
     assert first["layout"]["title"]["text"].startswith("User metric delta")
     assert ranks_page.user_choices(client, "moe", "?user=moe.load")[1] == "user.moe.load"
-    assert ranks_page.user_choices(client, "moe", "?user=gone")[1] is None
+    assert ranks_page.user_choices(client, "moe", "?user=gone")[1] == "user.delta"
     fig = ranks_page.user_heatmap_part(client, "moe", "user.moe.load", "?rank=3", "light")
     assert fig["layout"]["title"]["text"] == (
         "User metric moe.load (max per cell) · stands out: rank 3 (2.0× its peers)"
