@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import datetime as dt
 import time
-from urllib.parse import quote
+from typing import TYPE_CHECKING
+from urllib.parse import parse_qs, quote
 
 from dash import dcc, html
+
+if TYPE_CHECKING:
+    from .client import Client
 
 
 def _span(seconds: float) -> str:
@@ -70,3 +74,17 @@ def is_default_pick(value: str | None, options: list[dict[str, str]] | None, pic
     """Whether the picker shows the default (the first metric, no pick in the URL): a
     refresh setting it must not write ``user=`` into the address."""
     return picked is None and bool(options) and value == options[0]["value"]  # type: ignore[index]
+
+
+def parse_user(search: str | None) -> str | None:
+    """The user metric picked in ``?user=moe.load``, as its series (``user.moe.load``)."""
+    found = (parse_qs((search or "").lstrip("?")).get("user") or [""])[0].strip()
+    return "user." + found.removeprefix("user.") if found else None
+
+
+def user_choices(client: Client, name: str, picked: str | None) -> tuple[list[dict[str, str]], str | None]:  # fmt: skip
+    """(a user-metric picker's options, its value): ``picked`` (the URL's) when the run has
+    it, else the run's first metric, a default the URL does not get (:func:`is_default_pick`)."""
+    found = client.user_metrics(name)
+    options = [{"label": m.removeprefix("user."), "value": m} for m in found]
+    return options, picked if picked in found else (found[0] if found else None)

@@ -28,7 +28,7 @@ from trainwarden.collector.queries import NotFound
 
 from . import alerts, figures
 from .client import Client
-from .components import ago, is_default_pick, notice, run_tabs
+from .components import ago, is_default_pick, notice, parse_user, run_tabs, user_choices
 from .overview_figures import (
     Marker,
     Overview,
@@ -67,9 +67,8 @@ def parse_query(search: str | None) -> dict[str, Any]:
     if lo is not None and hi is not None and hi < lo:
         lo, hi = hi, lo
     axis = q.get("axis", ["step"])[0]
-    user = q.get("user", [""])[0].strip()
     return {"from": lo, "to": hi, "axis": axis if axis in AXES else "step", "rank": number("rank"),
-            "user": "user." + user.removeprefix("user.") if user else None}  # fmt: skip
+            "user": parse_user(search)}  # fmt: skip
 
 
 def to_query(view: dict[str, Any]) -> str:
@@ -377,15 +376,6 @@ USER_HINT = (
 )
 
 
-def user_choices(client: Client, name: str, view: dict[str, Any]) -> tuple[list[dict[str, str]], str | None]:  # fmt: skip
-    """(the picker's options, its value): the URL's pick, else the run's first metric (a
-    default the URL does not get)."""
-    found = client.user_metrics(name)
-    options = [{"label": m.removeprefix("user."), "value": m} for m in found]
-    picked = view.get("user")
-    return options, picked if picked in found else (found[0] if found else None)
-
-
 def user_part(client: Client, name: str, view: dict[str, Any], metric: str | None,
               theme: str | None) -> Any:  # fmt: skip
     """The picked user metric (else the run's first) across ranks, over the view's range."""
@@ -539,7 +529,7 @@ def register(app: dash.Dash, client: Client) -> None:
         """The run's own metrics, refreshed after each drawing of the overview (so that
         they do not compete with it while the page loads); the pick is the URL's."""
         try:
-            return user_choices(client, name, view)
+            return user_choices(client, name, view.get("user"))
         except Exception:  # the page's notice says what is wrong
             return dash.no_update, dash.no_update
 

@@ -20,9 +20,10 @@ from dash import Input, Output, State, dcc, html
 
 from trainwarden.collector.queries import NotFound
 
+from . import components
 from . import ranks_figures as rf
 from .client import Client
-from .components import is_default_pick, notice, run_tabs
+from .components import is_default_pick, notice, parse_user, run_tabs
 from .figures import empty_figure, themed
 
 log = logging.getLogger(__name__)
@@ -61,12 +62,6 @@ def parse_query(search: str | None) -> tuple[int | None, int | None, int | None]
     if lo is not None and hi is not None and hi < lo:
         lo, hi = hi, lo
     return number("rank"), lo, hi
-
-
-def parse_user(search: str | None) -> str | None:
-    """The user metric picked in ``?user=moe.load``, as its series (``user.moe.load``)."""
-    found = (parse_qs((search or "").lstrip("?")).get("user") or [""])[0].strip()
-    return "user." + found.removeprefix("user.") if found else None
 
 
 def query_string(rank: int | None, lo: int | None, hi: int | None, *, user: str | None = None) -> str:
@@ -119,9 +114,7 @@ def heatmap_part(client: Client, name: str, key: str, search: str | None, theme:
         empty = "No loss yet: the trainer reports it with s.loss(value)."
         return rf.heatmap_figure(grid, title=title, theme=theme, revision=revision,
                                  selected=rank, diverging=True, empty=empty)  # fmt: skip
-    found = rf.stripes(grid)
-    if found:
-        title += " · stands out: " + ", ".join(f"rank {r} ({x:.1f}× its peers)" for r, x in found)
+    title = _stands_out(title, rf.stripes(grid))
     empty = (
         "No exposed-communication times: the agent splits communication when "
         "torch.distributed is initialised (comm split)."
@@ -132,6 +125,13 @@ def heatmap_part(client: Client, name: str, key: str, search: str | None, theme:
                              empty=empty)  # fmt: skip
 
 
+def _stands_out(title: str, found: list[tuple[int, float]]) -> str:
+    """A heatmap's title naming the ranks whose row stands out."""
+    if not found:
+        return title
+    return title + " · stands out: " + ", ".join(f"rank {r} ({x:.1f}× its peers)" for r, x in found)
+
+
 USER_EMPTY = (
     "No user metrics in this run: log your own inside the step with s.metric(name, value) "
     "(an MoE router's load, an eval loss) and pick one here."
@@ -139,12 +139,8 @@ USER_EMPTY = (
 
 
 def user_choices(client: Client, name: str, search: str | None) -> tuple[list[dict[str, str]], str | None]:  # fmt: skip
-    """(the picker's options, its value): the URL's pick, else the run's first metric (a
-    default the URL does not get: see :func:`.components.is_default_pick`)."""
-    found = client.user_metrics(name)
-    options = [{"label": m.removeprefix("user."), "value": m} for m in found]
-    picked = parse_user(search)
-    return options, picked if picked in found else (found[0] if found else None)
+    """:func:`.components.user_choices` with the pick of the page's URL."""
+    return components.user_choices(client, name, parse_user(search))
 
 
 def user_heatmap_part(client: Client, name: str, metric: str | None, search: str | None,
@@ -161,9 +157,7 @@ def user_heatmap_part(client: Client, name: str, metric: str | None, search: str
     title = f"User metric {metric.removeprefix('user.')} (max per cell)"
     # "x times its peers" means something for a metric that cannot go below zero only.
     positive = all(v is None or v >= 0 for row in grid.values for v in row)
-    found = rf.stripes(grid) if positive else []
-    if found:
-        title += " · stands out: " + ", ".join(f"rank {r} ({x:.1f}× its peers)" for r, x in found)
+    title = _stands_out(title, rf.stripes(grid) if positive else [])
     return rf.heatmap_figure(grid, title=title, theme=theme, revision=f"{name}:user:{metric}",
                              selected=rank, empty=f"No values of {metric} in these steps.")  # fmt: skip
 
