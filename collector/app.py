@@ -20,7 +20,7 @@ from trainwarden.alerts import Rule, load_rule_packs
 from . import actions_api, alerts_api, auth, economics_api, incidents_api, otlp, runbooks
 from .actions import ActionEngine, ActionPolicy, CommandBoard
 from .alerting import AlertEngine, EngineSettings, NotifierThread
-from .api import EXTRA_SCHEMAS, router
+from .api import EXTRA_SCHEMAS, DirectIngest, router
 from .health import HealthSettings, health_loop
 from .incidents import IncidentEngine, IncidentSettings
 from .limits import BodyLimit, IngestBackpressure
@@ -185,6 +185,7 @@ def create_app(
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
     app.state.alert_engine = None
+    app.add_middleware(DirectIngest)  # the innermost of ours: under the limits and auth
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_middleware(
         IngestBackpressure,
