@@ -27,6 +27,7 @@ from sqlalchemy import (
     bindparam,
     delete,
     func,
+    or_,
     select,
     text,
     tuple_,
@@ -63,11 +64,16 @@ def roll_up_ready(
     rolled, or (``recheck``) rolled before a late or replayed row arrived. Returns how many."""
     q, s, r = m.rollup_queue.c, m.rank_steps.c, m.runs.c
     if recheck:  # count the rows themselves: late rows, replays, another collector's
+        # ... of the steps some ingest wrote to since their rollup: every write adds to
+        # seen_n, in the database (so another collector's too), and the rollup records
+        # the rows it saw; a quiet step has the two equal and is not counted again (at
+        # 4,096 ranks, recounting 30 s of queued steps was a tenth of PostgreSQL's time).
         counts = (
             select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
                    func.count(s.rank).label("n"), func.max(s.recv_ts).label("newest"))
             .join(m.runs, r.id == q.run_id)
             .join(m.rank_steps, and_(s.run_id == q.run_id, s.step == q.step))
+            .where(or_(q.rolled_n.is_(None), q.seen_n != q.rolled_n))
             .group_by(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size)
         )  # fmt: skip
     else:  # the cheap pass: steps never rolled up, by what ingest counted as it wrote

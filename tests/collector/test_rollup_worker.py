@@ -169,3 +169,21 @@ def test_the_frequent_pass_goes_by_the_rows_ingest_counted_and_the_recheck_by_th
         assert roll_up_ready(conn, now=T0 + 9.1, grace_s=5, recheck=False) == 0
         assert roll_up_ready(conn, now=T0 + 9.2, grace_s=5, recheck=True) == 1
     assert loss_stats(engine)[1] == (3, 2.0)
+
+
+def test_the_recheck_counts_only_steps_ingest_wrote_to_since_their_rollup(engine) -> None:
+    for rank in range(3):
+        send(engine, rank, [0, 1], at=T0)
+    with write(engine) as conn:
+        assert roll_up_ready(conn, now=T0 + 0.1, grace_s=5, recheck=False) == 2
+    # Rows that leave behind ingest's back (not a thing trainwarden does) show which steps
+    # the recheck counts: neither step has had a write since its rollup, so neither is.
+    r = m.rank_steps.c
+    with write(engine) as conn:
+        conn.execute(m.rank_steps.delete().where(r.rank == 0))
+        assert roll_up_ready(conn, now=T0 + 1, grace_s=5, recheck=True) == 0
+    assert loss_stats(engine) == {0: (3, 2.0), 1: (3, 2.0)}
+    send(engine, 1, [1], at=T0 + 2)  # a replay into step 1: now step 1 is counted again
+    with write(engine) as conn:
+        assert roll_up_ready(conn, now=T0 + 2.1, grace_s=5, recheck=True) == 1
+    assert loss_stats(engine) == {0: (3, 2.0), 1: (2, 2.0)}
