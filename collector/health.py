@@ -124,14 +124,15 @@ def _recent_views(conn: Connection, run_id: int, world: int, count: int) -> dict
     ).all()
     complete = [step for step, n in counts if n >= world]
     if complete:
+        names = ("duration_s", "compute_s", "exposed_comm_s", "loss")
         rows = conn.execute(
-            select(r.step, r.rank, r.duration_s, r.compute_s, r.exposed_comm_s, r.loss).where(
+            select(r.step, r.rank, *(r[c] for c in names)).where(
                 r.run_id == run_id, r.step.in_(complete)
             )
-        ).mappings()
+        ).all()
         by_step: dict[int, dict[int, Any]] = defaultdict(dict)
-        for row in rows:
-            by_step[row["step"]][row["rank"]] = row
+        for step, rank, *values in rows:  # plain dicts: a RowMapping's lookups cost more
+            by_step[step][rank] = dict(zip(names, values, strict=True))
         for step, ranks in by_step.items():
             cache[step] = view_of(ranks)
     for step in [s for s in cache if s <= lo]:

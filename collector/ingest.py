@@ -121,8 +121,11 @@ def _track_ranks(
             rk.run_id == run_id, _one_of(conn, rk.rank, [a.rank for a, *_ in agents])
         )
     ).all()
-    previous = {row.rank: (row.session, row.last_step) for row in found}
-    restarts = [a for a, *_ in agents if a.rank in previous and previous[a.rank][0] != a.session]
+    # Rows unpacked as tuples: a Row's attribute access costs, and this runs every flush.
+    previous = {rank: (session, last_step) for rank, session, last_step, _, _ in found}
+    restarts = [
+        a for a, *_ in agents if (p := previous.get(a.rank)) is not None and p[0] != a.session
+    ]
     if restarts:
         back = {a.rank for a in restarts}
         attempts.record_lost(conn, [row._asdict() for row in found if row.rank in back])
