@@ -76,13 +76,13 @@ class StepView:
     exposed: dict[int, float | None]  # exposed communication seconds, per rank
 
 
-def _compute(row: Any) -> float:
-    return row["compute_s"] if row["compute_s"] is not None else row["duration_s"]
+StepRow = tuple[int, float, float | None, float | None]
+"""(rank, compute seconds (the step's when not split), exposed comm seconds, loss)."""
 
 
-def view_of(rows: dict[int, Any]) -> StepView:
+def view_of(rows: list[StepRow]) -> StepView:
     """O(ranks log ranks): ratios via the median without each rank, z via median/MAD."""
-    ranked = sorted((_compute(row), rank) for rank, row in rows.items())
+    ranked = sorted((compute, rank) for rank, compute, _, _ in rows)
     values = [v for v, _ in ranked]
     ratio = {}
     if len(ranked) >= 2:
@@ -90,13 +90,13 @@ def view_of(rows: dict[int, Any]) -> StepView:
             base = median_without(values, i)
             ratio[rank] = value / base if base > 0 else 1.0
     z: dict[int, float] = {}
-    losses = {r: row["loss"] for r, row in rows.items() if row["loss"] is not None}
+    losses = {rank: loss for rank, _, _, loss in rows if loss is not None}
     if len(losses) >= 3:
         center = statistics.median(losses.values())
         mad = statistics.median(abs(v - center) for v in losses.values())
         scale = max(1.4826 * mad, 1e-3 * abs(center), 1e-12)
         z = {rank: (value - center) / scale for rank, value in losses.items()}
-    return StepView(ratio, z, {r: row["exposed_comm_s"] for r, row in rows.items()})
+    return StepView(ratio, z, {rank: exposed for rank, _, exposed, _ in rows})
 
 
 # Views of complete steps, per database and run: each step is read and computed once,
@@ -124,15 +124,13 @@ def _recent_views(conn: Connection, run_id: int, world: int, count: int) -> dict
     ).all()
     complete = [step for step, n in counts if n >= world]
     if complete:
-        names = ("duration_s", "compute_s", "exposed_comm_s", "loss")
         rows = conn.execute(
-            select(r.step, r.rank, *(r[c] for c in names)).where(
-                r.run_id == run_id, r.step.in_(complete)
-            )
-        ).all()
-        by_step: dict[int, dict[int, Any]] = defaultdict(dict)
-        for step, rank, *values in rows:  # plain dicts: a RowMapping's lookups cost more
-            by_step[step][rank] = dict(zip(names, values, strict=True))
+            select(r.step, r.rank, func.coalesce(r.compute_s, r.duration_s), r.exposed_comm_s,
+                   r.loss).where(r.run_id == run_id, r.step.in_(complete))
+        ).all()  # fmt: skip
+        by_step: dict[int, list[StepRow]] = defaultdict(list)
+        for row in rows:  # plain tuples: 4,096 and more a step, read once each
+            by_step[row[0]].append(row[1:])
         for step, ranks in by_step.items():
             cache[step] = view_of(ranks)
     for step in [s for s in cache if s <= lo]:

@@ -118,13 +118,13 @@ def _track_ranks(
     agents = sorted(agents, key=lambda pair: pair[0].rank)  # rank order, as the evaluator locks
     found = conn.execute(
         select(rk.rank, rk.session, rk.last_step, rk.last_seen, rk.progress_at).where(
-            rk.run_id == run_id, _one_of(conn, rk.rank, [a.rank for a, *_ in agents])
+            rk.run_id == run_id, _one_of(conn, rk.rank, [a.rank for a, _, _ in agents])
         )
     ).all()
     # Rows unpacked as tuples: a Row's attribute access costs, and this runs every flush.
     previous = {rank: (session, last_step) for rank, session, last_step, _, _ in found}
     restarts = [
-        a for a, *_ in agents if (p := previous.get(a.rank)) is not None and p[0] != a.session
+        a for a, _, _ in agents if (p := previous.get(a.rank)) is not None and p[0] != a.session
     ]
     if restarts:
         back = {a.rank for a in restarts}
@@ -143,8 +143,8 @@ def _track_ranks(
             ],
         )  # fmt: skip
     # Column-wise, as the steps are: one list a column, not one dict a rank.
-    heads = [a for a, *_ in agents]
-    arrived = [t for *_, t in agents]
+    heads = [a for a, _, _ in agents]
+    arrived = [t for _, _, t in agents]
     last_steps = []
     for agent, steps, _ in agents:
         last_step = max(steps, default=None)
