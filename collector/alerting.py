@@ -70,6 +70,7 @@ from trainwarden.alerts.rules import (
 from . import models as m
 from .db import leads, write
 from .economics import EconomicsSettings, economics
+from .loops import spaced
 from .runbooks import runbook_url
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,10 @@ class EngineSettings:
     """A burst of wake-ups runs one pass, not one each."""
     stale_run_s: float = 86400.0
     """A run silent this long is no longer evaluated (its open alerts resolve)."""
+    max_cpu_share: float = 0.25
+    """A full pass may cost at most this share of one core (the engine thread's CPU):
+    past that (16,384 ranks on a 2-core collector) passes are spaced out instead of
+    taking time from ingest; ``trainwarden_alert_interval_seconds`` shows the interval."""
     slow_rule_s: float = 15.0
     """At most this long between evaluations of a rank-scoped threshold or baseline rule
     that must hold for minutes: one reads every rank's rows of its window (a 20-step
@@ -431,6 +436,9 @@ class AlertEngine:
         self.lag = lag
         self.clock = clock
         self.metrics = metrics  # prom.CollectorMetrics: pass durations, notifications
+        self.spacing_s = self.settings.interval_s  # between full passes (max_cpu_share)
+        if metrics is not None:
+            metrics.alert_interval_seconds.set(self.spacing_s)
         self.needs = needs_of(rules, self.settings.hold_s)
         self.fast_needs = needs_of(
             [r for r in rules if isinstance(r, FAST_KINDS)], self.settings.hold_s
@@ -468,14 +476,23 @@ class AlertEngine:
             woken = self._wake.wait(max(0.0, due - time.monotonic()))
             if self._stop.is_set():
                 return
-            full = time.monotonic() >= due
+            started, cpu = time.monotonic(), time.thread_time()
+            full = started >= due
             if full:
-                due = time.monotonic() + self.settings.interval_s
+                due = started + self.settings.interval_s
             self._wake.clear()
             try:
                 self.run_once(fast_only=woken and not full)
             except Exception:
                 log.exception("alert evaluation failed; retrying")
+            if full:  # a full pass over its CPU share spaces the next one out
+                spent = time.thread_time() - cpu
+                self.spacing_s = spaced(
+                    self.settings.interval_s, spent, self.settings.max_cpu_share
+                )
+                due = max(due, started + self.spacing_s)
+                if self.metrics is not None:
+                    self.metrics.alert_interval_seconds.set(self.spacing_s)
             self._stop.wait(self.settings.min_wake_s)
 
     def period_s(self, rule: Rule) -> float:

@@ -53,6 +53,7 @@ class HealthSettings:
     divergence_z: float = 6.0
     divergence_window: int = 5
     interval_s: float = 1.0
+    max_cpu_share: float = 0.15  # of one core; past it evaluations are spaced out (Loop)
 
 
 def _median_step_time(conn: Connection, run_id: int) -> float | None:
@@ -356,5 +357,6 @@ def health_loop(
     """The evaluator's thread inside ``serve``."""
     settings = settings or HealthSettings()
     return Loop(
-        "trainwarden-health", settings.interval_s, lambda: evaluate_once(engine, settings, lag)
-    )
+        "trainwarden-health", settings.interval_s, lambda: evaluate_once(engine, settings, lag),
+        max_cpu_share=settings.max_cpu_share,
+    )  # fmt: skip

@@ -67,6 +67,12 @@ class CollectorMetrics:
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
             registry=self.registry,
         )
+        self.alert_interval_seconds = Gauge(
+            "trainwarden_alert_interval_seconds",
+            "Seconds between full passes of the alert engine: the configured interval, or more "
+            "when a pass costs over its share of a core (very large runs).",
+            registry=self.registry,
+        )
         self.alert_notifications = Counter(
             "trainwarden_alert_notifications",
             "Notifications handed to the notifiers, by status (firing, resolved).",

@@ -1,0 +1,73 @@
+"""Background loops keep to their share of a core: work that grows with the number of
+ranks spaces itself out instead of starving ingest."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from fastapi.testclient import TestClient
+
+from trainwarden.alerts import load_rule_packs
+from trainwarden.collector.alerting import AlertEngine, EngineSettings
+from trainwarden.collector.app import create_app
+from trainwarden.collector.loops import Loop, spaced
+from trainwarden.collector.prom import CollectorMetrics
+
+
+def burn(cpu_s: float) -> None:
+    """Spend ``cpu_s`` of this thread's CPU time."""
+    until = time.thread_time() + cpu_s
+    while time.thread_time() < until:
+        pass
+
+
+def test_spaced_keeps_the_interval_until_a_pass_costs_more_than_its_share() -> None:
+    assert spaced(1.0, 0.1, 0.25) == 1.0
+    assert spaced(1.0, 0.5, 0.25) == 2.0  # 0.5 s of CPU at a quarter of a core
+    assert spaced(1.0, 5.0, None) == 1.0  # no share: the interval, whatever a pass costs
+
+
+def test_a_loop_over_its_cpu_share_spaces_its_passes_out() -> None:
+    passes: list[float] = []
+    done = threading.Event()
+
+    def work() -> None:
+        passes.append(time.monotonic())
+        burn(0.05)
+        if len(passes) == 2:
+            done.set()
+
+    loop = Loop("test-burner", 0.01, work, max_cpu_share=0.1)
+    loop.start()
+    try:
+        assert done.wait(10)
+    finally:
+        loop.stop()
+    assert loop.spacing_s >= 0.5  # 50 ms of CPU a pass, a tenth of a core: 0.5 s apart
+    assert passes[1] - passes[0] >= 0.5
+
+
+def test_the_alert_engine_spaces_full_passes_over_its_share_and_says_so(engine) -> None:  # type: ignore[no-untyped-def]
+    metrics = CollectorMetrics(engine)
+    alerts = AlertEngine(
+        engine, load_rule_packs(), settings=EngineSettings(interval_s=0.01, max_cpu_share=1e-6),
+        submit=lambda _: None, metrics=metrics,
+    )  # fmt: skip
+    assert metrics.alert_interval_seconds._value.get() == 0.01
+    alerts.start()
+    try:
+        deadline = time.monotonic() + 10
+        while alerts.spacing_s == 0.01 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        alerts.stop()
+    # Any CPU at all is over a millionth of a core: the next pass waits past the interval.
+    assert alerts.spacing_s > 0.01
+    assert metrics.alert_interval_seconds._value.get() == alerts.spacing_s
+
+
+def test_metrics_show_the_alert_interval(engine) -> None:  # type: ignore[no-untyped-def]
+    with TestClient(create_app(engine, ui=False)) as client:
+        text = client.get("/metrics").text
+    assert "trainwarden_alert_interval_seconds 2.0" in text
