@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 
 from trainwarden.alerts import load_rule_packs
 from trainwarden.collector.alerting import AlertEngine, EngineSettings
-from trainwarden.collector.app import create_app
+from trainwarden.collector.app import _stop_together, create_app
 from trainwarden.collector.loops import Loop, spaced
 from trainwarden.collector.prom import CollectorMetrics
 
@@ -71,3 +71,33 @@ def test_metrics_show_the_alert_interval(engine) -> None:  # type: ignore[no-unt
     with TestClient(create_app(engine, ui=False)) as client:
         text = client.get("/metrics").text
     assert "trainwarden_alert_interval_seconds 2.0" in text
+
+
+def test_serve_stops_every_background_thread_at_once(engine) -> None:  # type: ignore[no-untyped-def]
+    def ours() -> set[str]:
+        return {t.name for t in threading.enumerate() if t.name.startswith("trainwarden-")}
+
+    before = ours()
+    with TestClient(create_app(engine, ui=False)):
+        started = ours() - before
+    assert {
+        "trainwarden-health",
+        "trainwarden-rollup",
+        "trainwarden-alerts",
+        "trainwarden-actions",
+    } <= started
+    assert not ours() - before, "threads left running after shutdown"
+
+
+def test_stops_run_together_not_one_after_another() -> None:
+    # Each stop waits for the others at a barrier: run one after another they would
+    # time out (the sum of the passes in progress), together they all get through.
+    barrier = threading.Barrier(3, timeout=10)
+    through: list[int] = []
+
+    def stop(i: int) -> None:
+        barrier.wait()
+        through.append(i)
+
+    _stop_together([lambda i=i: stop(i) for i in range(3)])  # type: ignore[misc]
+    assert sorted(through) == [0, 1, 2]
