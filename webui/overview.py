@@ -445,14 +445,23 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
                 figure=figures.empty_figure("Loading…"),
                 config={"displaylogo": False, "doubleClick": "autosize"},
             ),
-            html.Div([
-                html.Span("Your metric ", className="fact-key"),
-                # RadioItems, not a Dropdown: dcc's Dropdown is a chunk loaded on demand, and
-                # loading it slowed the overview's first drawing.
-                dcc.RadioItems(id="run-user-metric", options=[], inline=True, className="user-pick"),
-            ], className="run-user-pick", style={"margin": "0.5rem 0"}),  # fmt: skip
-            dcc.Graph(id="run-user", figure=figures.empty_figure("Loading…"),
-                      config={"displaylogo": False}),  # fmt: skip
+            html.Div(
+                [
+                    html.Span("Your metric ", className="fact-key"),
+                    # RadioItems, not a Dropdown: dcc's Dropdown is a chunk loaded on demand, and
+                    # loading it slowed the overview's first drawing.
+                    dcc.RadioItems(
+                        id="run-user-metric", options=[], inline=True, className="user-pick"
+                    ),
+                ],
+                className="run-user-pick",
+                style={"margin": "0.5rem 0"},
+            ),  # fmt: skip
+            dcc.Graph(
+                id="run-user",
+                figure=figures.empty_figure("Loading…"),
+                config={"displaylogo": False},
+            ),  # fmt: skip
             html.Div(id="run-ranks"),
             dcc.Interval(id="run-interval", interval=int(refresh_s * 1000)),
         ]

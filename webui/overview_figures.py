@@ -454,7 +454,11 @@ def user_figure(s: Series, *, axis: str = "step", theme: str | None = "light",
     """One user metric (``s.metric``) across ranks: the min..max band, the median, and the
     p99 dashed (a few ranks apart from the rest show between p99 and max)."""
     label = s.metric.removeprefix("user.")
-    title = {"text": f"{label}: median, p99, min..max across ranks", "x": 0.01, "font": {"size": 15}}
+    title = {
+        "text": f"{label}: median, p99, min..max across ranks",
+        "x": 0.01,
+        "font": {"size": 15},
+    }
     if not any(_ok(v) for v in s.median):
         fig = empty_figure(f"No values of {label} in these steps.")
         fig.update_layout(title=title, uirevision=revision)

@@ -64,7 +64,9 @@ def parse_query(search: str | None) -> tuple[int | None, int | None, int | None]
     return number("rank"), lo, hi
 
 
-def query_string(rank: int | None, lo: int | None, hi: int | None, *, user: str | None = None) -> str:
+def query_string(
+    rank: int | None, lo: int | None, hi: int | None, *, user: str | None = None
+) -> str:
     shown = None if user is None else user.removeprefix("user.")
     pairs = [(k, v) for k, v in (("rank", rank), ("from", lo), ("to", hi), ("user", shown))
              if v is not None]  # fmt: skip
@@ -294,7 +296,9 @@ def register(app: dash.Dash, client: Client) -> None:
         State("theme", "data"),
         State("ranks-run", "data"),
     )
-    def user_box(_done: Any, children: Any, search: str | None, theme: str | None, name: str) -> Any:
+    def user_box(
+        _done: Any, children: Any, search: str | None, theme: str | None, name: str
+    ) -> Any:
         """The picker and the heatmap, made once (later refreshes update them in place);
         a hint instead while the run has no user metric."""
         if children and _has_picker(children):
@@ -331,6 +335,7 @@ def register(app: dash.Dash, client: Client) -> None:
     def draw_user(metric: str | None, _done: Any, search: str | None, theme: str | None,
                   name: str) -> Any:  # fmt: skip
         """A pick, or a refresh with the heatmaps: the run's metrics and the heatmap."""
+
         def failed(message: str) -> Any:
             return themed(empty_figure(f"User metric: {message}"), theme)
 

@@ -58,13 +58,14 @@ def upgrade() -> None:
         sa.Column("end_detail", sa.String(length=1000), nullable=True),
         sa.Column("exit_code", sa.Integer(), nullable=True),
         sa.ForeignKeyConstraint(
-            ["run_id"], ["runs.id"], name=op.f("fk_attempt_sessions_run_id_runs"), ondelete="CASCADE"
+            ["run_id"],
+            ["runs.id"],
+            name=op.f("fk_attempt_sessions_run_id_runs"),
+            ondelete="CASCADE",
         ),
         sa.PrimaryKeyConstraint("session", name=op.f("pk_attempt_sessions")),
     )
-    op.create_index(
-        "ix_attempt_sessions_run_id_attempt", "attempt_sessions", ["run_id", "attempt"]
-    )
+    op.create_index("ix_attempt_sessions_run_id_attempt", "attempt_sessions", ["run_id", "attempt"])
 
 
 def downgrade() -> None:

@@ -792,7 +792,12 @@ def test_an_xid_evicts_its_node_once_and_stops_the_ranks_there(
         run.second()
     assert [r.exit_code for r in run.ranks] == [None, None, STOPPED_EXIT_CODE, STOPPED_EXIT_CODE]
     # Their attempts end "stopped": what the agent sends as attempt_end.
-    assert [getattr(r, "ended", (None,))[0] for r in run.ranks] == [None, None, "stopped", "stopped"]
+    assert [getattr(r, "ended", (None,))[0] for r in run.ranks] == [
+        None,
+        None,
+        "stopped",
+        "stopped",
+    ]
     assert [r.acks[-1]["reason"] for r in run.ranks[2:]] == ["node node1 evicted by trainwarden (rule:FatalXid)"] * 2  # fmt: skip
     done = action(run, evict["id"])
     assert done["state"] == "done"

@@ -241,7 +241,10 @@ def test_every_column_events_and_gpu_samples_match_the_native_route(client: Test
     assert gpu_of["otlp"] == gpu_of["native"] and len(gpu_of["otlp"]) == 1
     assert gpu_of["otlp"][0]["throttle"] == ["sw_power_cap"]
     events = {
-        run: strip(client.get(f"/api/v1/runs/{run}/events", params={"kind": "xid"}).json(), ("id", "recv_ts"))
+        run: strip(
+            client.get(f"/api/v1/runs/{run}/events", params={"kind": "xid"}).json(),
+            ("id", "recv_ts"),
+        )
         for run in ("native", "otlp")
     }
     assert events["otlp"] == events["native"] and events["otlp"][0]["data"]["nested"] == {

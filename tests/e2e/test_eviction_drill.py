@@ -110,8 +110,14 @@ def test_fatal_xid_drains_the_node_and_the_job_resumes_without_it(
         # the second ran on node1 alone and completed.
         tries = wait_for(lambda: (t := server.get(f"/api/v1/runs/{run}/attempts").json())
                          and len(t) == 2 and t[1]["state"] == "ended" and t, 30, "two attempts")  # fmt: skip
-        assert [(t["key"], t["world_size"]) for t in tries] == [(f"slurm:{job}:0", 2), (f"slurm:{job}:1", 1)]
-        assert tries[0]["exit_reason"] == "evicted" and f"node node2 evicted by action {action['id']}" in tries[0]["exit_detail"]
+        assert [(t["key"], t["world_size"]) for t in tries] == [
+            (f"slurm:{job}:0", 2),
+            (f"slurm:{job}:1", 1),
+        ]
+        assert (
+            tries[0]["exit_reason"] == "evicted"
+            and f"node node2 evicted by action {action['id']}" in tries[0]["exit_detail"]
+        )
         assert tries[1]["exit_reason"] == "completed" and tries[1]["nodes"] == ["node1"]
 
         (xid,) = server.get(f"/api/v1/runs/{run}/events", kind="xid").json()

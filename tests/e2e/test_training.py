@@ -70,12 +70,15 @@ def test_both_ranks_steps_arrive(live_server: Server) -> None:
 
     # The trainer's own metrics (s.metrics): learning rate and batch accuracy, per rank.
     assert live_server.get("/api/v1/runs/e2e/metrics").json()["user"] == [
-        "user.accuracy", "user.lr"
+        "user.accuracy",
+        "user.lr",
     ]
     lr = live_server.get("/api/v1/runs/e2e/series", metric="user.lr").json()
     assert lr["n"] == [2] * 30 and lr["max"] == [3e-3] * 30
     accuracy = live_server.get("/api/v1/runs/e2e/heatmap", metric="user.accuracy").json()
-    assert accuracy["ranks"] == [0, 1] and all(0 <= v <= 1 for row in accuracy["values"] for v in row)
+    assert accuracy["ranks"] == [0, 1] and all(
+        0 <= v <= 1 for row in accuracy["values"] for v in row
+    )
 
     step_time = live_server.get("/api/v1/runs/e2e/series", metric="step_time").json()
     assert all(0 < v < 5 for v in step_time["max"])

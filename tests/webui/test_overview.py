@@ -247,7 +247,12 @@ def test_view_round_trips_through_the_query_string() -> None:
 def test_a_user_metric_draws_its_band_median_and_p99() -> None:
     s = series("user.moe.aux", 5, value=2.0, p99=[3.0, 3.0, float("nan"), 3.0, 3.0])
     fig = go.Figure(overview_figures.user_figure(s, theme="dark", revision="r|step|user.moe.aux"))
-    assert [t.name for t in fig.data] == ["moe.aux max", "moe.aux min..max", "moe.aux median", "moe.aux p99"]
+    assert [t.name for t in fig.data] == [
+        "moe.aux max",
+        "moe.aux min..max",
+        "moe.aux median",
+        "moe.aux p99",
+    ]
     assert list(fig.data[2].y) == [2.0] * 5 and list(fig.data[3].y) == [3.0, 3.0, None, 3.0, 3.0]
     assert fig.layout.title.text.startswith("moe.aux: median, p99")
     empty = overview_figures.user_figure(series("user.x", 0), theme="light")

@@ -66,7 +66,9 @@ def test_nan_and_infinite_cells_are_gaps_not_errors() -> None:
 
 
 def test_a_heatmap_of_zeros_is_pale_not_the_middle_of_a_scale() -> None:
-    zeros = rf.Grid(ranks=[0, 1], x=[0.0, 16.0], width=16, values=[[0.0, None], [0.0, None]], unit="s")
+    zeros = rf.Grid(
+        ranks=[0, 1], x=[0.0, 16.0], width=16, values=[[0.0, None], [0.0, None]], unit="s"
+    )
     trace = rf.heatmap_figure(zeros, title="t", theme="light", revision="r")["data"][0]
     assert (trace["zmin"], trace["zmax"]) == (0, 1)
     some = rf.Grid(ranks=[0, 1], x=[0.0], width=16, values=[[0.1], [0.3]], unit="s")
@@ -129,11 +131,15 @@ def test_a_big_run_lists_only_its_unhealthy_ranks() -> None:
 def test_a_big_finished_run_lists_at_most_a_screenful_of_ranks() -> None:
     # 1,024 finished ranks and 100 slow ones: not a table of a thousand rows (it takes the
     # browser minutes to draw), the slow first and at most RANK_ROWS of them.
-    ranks = [rank(i, "finished") for i in range(1024)] + [rank(1024 + i, "slow") for i in range(100)]
+    ranks = [rank(i, "finished") for i in range(1024)] + [
+        rank(1024 + i, "slow") for i in range(100)
+    ]
     rows = [c for c in ranks_walk(rf.states_table("r", ranks, selected=None))
             if str(getattr(c, "id", "")).startswith("ranks-row-")]  # fmt: skip
     assert len(rows) == rf.RANK_ROWS and rows[0].id == "ranks-row-1024"
-    assert f"{1124 - rf.RANK_ROWS} ranks not listed" in text(rf.states_table("r", ranks, selected=None))
+    assert f"{1124 - rf.RANK_ROWS} ranks not listed" in text(
+        rf.states_table("r", ranks, selected=None)
+    )
 
 
 def ranks_walk(component: Any) -> Iterator[Any]:
@@ -210,7 +216,9 @@ def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, e
     options, value = ranks_page.user_choices(client, "moe", "?rank=3")
     assert [o["label"] for o in options] == ["delta", "moe.load"]
     assert value == "user.delta"  # no pick in the URL: the first, which the URL does not get
-    assert is_default_pick(value, options, None) and not is_default_pick(value, options, "user.delta")
+    assert is_default_pick(value, options, None) and not is_default_pick(
+        value, options, "user.delta"
+    )
     assert not is_default_pick("user.moe.load", options, None)
     first = ranks_page.user_heatmap_part(client, "moe", None, "", "light")
     assert first["layout"]["title"]["text"].startswith("User metric delta")
