@@ -99,6 +99,19 @@ def test_fatal_xid_fires_at_once_pages_once_and_resolves_after_keep_firing_for(e
     assert alerts.sent[1].ends_at == T0 + 3700
 
 
+def test_an_alert_names_its_ranks_gpu_or_else_its_local_rank(engine) -> None:
+    alerts = Engine(engine, "FatalXid")
+    for rank in (0, 1):
+        send(engine, rank=rank, at=T0, steps=[step(1)])
+    with write(engine) as conn:  # as the agent's GPU inventory leaves it
+        conn.execute(update(m.ranks).where(m.ranks.c.rank == 1).values(gpu={"uuid": "GPU-5d1e"}))
+    for rank in (0, 1):
+        send(engine, rank=rank, at=T0 + 2, events=[xid(79, T0 + 2, f"x{rank}")])
+    found = {row["rank"]: (row["node"], row["gpu"]) for row in alerts.run(T0 + 2.5)}
+    local_rank_0 = batch(rank=0, world_size=2)["agent"].get("local_rank", 0)
+    assert found == {0: ("node0", str(local_rank_0)), 1: ("node0", "GPU-5d1e")}
+
+
 def test_an_xid_whose_catalog_action_is_not_fatal_raises_nothing(engine) -> None:
     alerts = Engine(engine, "FatalXid")
     send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(13, T0, "a"), xid(31, T0, "b")])
