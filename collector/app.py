@@ -18,7 +18,7 @@ from sqlalchemy import Engine
 
 from trainwarden.alerts import Rule, load_rule_packs
 
-from . import actions_api, alerts_api, auth, economics_api, incidents_api, otlp, runbooks
+from . import actions_api, alerts_api, api, auth, economics_api, incidents_api, otlp, runbooks
 from .actions import ActionEngine, ActionPolicy, CommandBoard
 from .alerting import AlertEngine, EngineSettings, NotifierThread
 from .api import EXTRA_SCHEMAS, DirectIngest, router
@@ -191,7 +191,11 @@ def create_app(
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
     app.state.alert_engine = None
-    app.add_middleware(DirectIngest)  # the innermost of ours: under the limits and auth
+    direct = {"/api/v1/ingest": api.ingest, "/api/v1/ingest/columns": api.ingest_columns,
+              "/v1/metrics": otlp.otlp_metrics}  # fmt: skip
+    app.add_middleware(
+        DirectIngest, routes=direct
+    )  # the innermost of ours: under the limits and auth
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_middleware(
         IngestBackpressure,

@@ -183,6 +183,18 @@ def test_healthz_metrics_and_openapi(client: TestClient) -> None:
         assert path in paths
 
 
+def test_ingest_answers_as_its_route_would(client: TestClient) -> None:
+    # POSTs are answered by DirectIngest, past FastAPI's routing: the same body and the
+    # same errors; anything else still goes to FastAPI.
+    answer = client.post("/api/v1/ingest", json=batch(steps=[step(0), step(1)]))
+    assert answer.status_code == 200
+    assert answer.headers["content-type"] == "application/json"
+    assert answer.json() == {"accepted_steps": 2, "accepted_events": 0, "commands": []}
+    bad = client.post("/api/v1/ingest", content=b"{", headers={"content-type": "application/json"})
+    assert bad.status_code == 422 and bad.json()["error"].startswith("body: body is not valid JSON")
+    assert client.get("/api/v1/ingest").status_code == 405
+
+
 def telemetry_step(n: int, *, rank: int, flags: list[str] | None = None) -> dict:
     return {
         **step(n, loss=2.0 + rank, duration=1.0),
