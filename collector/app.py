@@ -191,11 +191,11 @@ def create_app(
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
     app.state.alert_engine = None
+    # The ingest routes, answered past FastAPI's layers; the innermost of our middleware
+    # (added first), so under the body limit, the backpressure gate and auth.
     direct = {"/api/v1/ingest": api.ingest, "/api/v1/ingest/columns": api.ingest_columns,
               "/v1/metrics": otlp.otlp_metrics}  # fmt: skip
-    app.add_middleware(
-        DirectIngest, routes=direct
-    )  # the innermost of ours: under the limits and auth
+    app.add_middleware(DirectIngest, routes=direct)
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_middleware(
         IngestBackpressure,
