@@ -117,13 +117,15 @@ rank_steps = Table(
     # User metrics (migration 0012): {name: value} from s.metric(); JSONB on PostgreSQL,
     # so that the rollup can take it apart (jsonb_each_text) next to the data.
     Column("metrics", USER_METRICS_TYPE),
-    # Spike flags are rare: a partial index finds a run's flagged steps without a scan.
+    # Spike flags and issues (a non-finite value) are rare: a partial index finds a run's
+    # notable rows without a scan (the alert engine asks for either, every pass; the
+    # timeline and the flagged-steps query for flags: implied, so the index serves too).
     Index(
-        "ix_rank_steps_flagged",
+        "ix_rank_steps_notable",
         "run_id",
         "step",
-        postgresql_where=text("flags IS NOT NULL"),
-        sqlite_where=text("flags IS NOT NULL"),
+        postgresql_where=text("flags IS NOT NULL OR issues IS NOT NULL"),
+        sqlite_where=text("flags IS NOT NULL OR issues IS NOT NULL"),
     ),
     postgresql_partition_by=PARTITION_BY,
 )
