@@ -43,6 +43,17 @@ class Transport(Protocol):
     def close(self) -> None: ...
 
 
+SENDER_HEADER = "X-Trainwarden-Sender"
+
+
+def sender(body: dict[str, Any]) -> str:
+    """``RUN/RANK``: who sends ``body``, in a header the collector can read without the
+    body. A collector too busy to take a request (503) still counts it as the rank's
+    heartbeat, so a rank it turns away does not look dead."""
+    agent = body.get("agent") or {}
+    return f"{body.get('run', '')}/{agent.get('rank', '')}"
+
+
 class HttpTransport:
     """The real transport: one keep-alive httpx client."""
 
@@ -56,7 +67,9 @@ class HttpTransport:
 
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         response = self._client.post(
-            path, content=_dumps(body), headers={"Content-Type": "application/json"}
+            path,
+            content=_dumps(body),
+            headers={"Content-Type": "application/json", SENDER_HEADER: sender(body)},
         )
         if response.status_code >= 400:
             retry_after = response.headers.get("Retry-After", "")

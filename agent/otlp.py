@@ -30,7 +30,7 @@ import json
 from typing import Any
 
 from .config import ConfigError
-from .exporter import CollectorError
+from .exporter import SENDER_HEADER, CollectorError, sender
 
 OTLP_PATH = "/v1/metrics"
 PREFIX = "trainwarden."
@@ -191,6 +191,7 @@ class OtlpTransport:
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         """Send one native batch body (``path`` is the native route; OTLP has its own)."""
         data = self.metrics_data(body)
+        self._session.headers[SENDER_HEADER] = sender(body)  # a 503 still counts as a beat
         self._last = None
         result = self._exporter.export(data)
         response = self._last

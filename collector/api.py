@@ -70,8 +70,8 @@ def _writer(request: Request) -> IngestWriter:
     return request.app.state.writer
 
 
-def _busy(metrics: CollectorMetrics, why: str) -> HTTPException:
-    metrics.ingest_requests.labels("busy").inc()
+def _busy(metrics: CollectorMetrics, why: str, sender: str | None = None) -> HTTPException:
+    metrics.busy(sender)
     return HTTPException(
         503, f"collector busy: {why}; retry later", headers={"Retry-After": RETRY_AFTER_S}
     )
@@ -95,6 +95,13 @@ def _done(request: Request, future: Future[IngestResult], started: float) -> Ing
     return result
 
 
+def _sender(batch: IngestBatch | ColumnarBatch) -> str:
+    """The batch's run and ranks as the sender header has them: a refused batch is
+    still its ranks' heartbeat."""
+    agents = [batch.agent] if isinstance(batch, IngestBatch) else batch.agents
+    return f"{batch.run}/{','.join(str(a.rank) for a in agents)}"
+
+
 async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> IngestResult:
     """Hand a validated batch to the group-commit writer and wait for its commit."""
     auth.check_run(batch.run)  # an ingest token may be limited to some runs
@@ -102,7 +109,7 @@ async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> Ingest
     try:
         future = _writer(request).submit(batch)
     except Busy as exc:
-        raise _busy(_metrics(request), str(exc)) from None
+        raise _busy(_metrics(request), str(exc), _sender(batch)) from None
     await asyncio.wait([asyncio.wrap_future(future)])  # the commit; errors are read below
     result = _done(request, future, started)
     board = getattr(request.app.state, "commands", None)

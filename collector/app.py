@@ -24,7 +24,7 @@ from .alerting import AlertEngine, EngineSettings, NotifierThread
 from .api import EXTRA_SCHEMAS, DirectIngest, router
 from .health import HealthSettings, health_loop
 from .incidents import IncidentEngine, IncidentSettings
-from .limits import BodyLimit, IngestBackpressure
+from .limits import BodyLimit, IngestBackpressure, Pressure
 from .loops import Loop
 from .prom import CollectorMetrics
 from .queries import NotFound, UnknownMetric
@@ -106,7 +106,9 @@ def create_app(
         if rollups:
             loops.append(rollup_loop(engine))
         if health is not None:
-            loops.append(health_loop(engine, health, lag=lambda: writer.lag_s() + loop_lag()))
+            app.state.pressure = pressure = Pressure(lambda: writer.lag_s() + loop_lag())
+            metrics.on_busy = pressure.refused
+            loops.append(health_loop(engine, health, pressure=pressure))
         for loop in loops:
             loop.start()
         if ui:
@@ -200,7 +202,7 @@ def create_app(
     app.add_middleware(
         IngestBackpressure,
         limit=settings.max_inflight_ingest,
-        on_reject=lambda: app.state.metrics.ingest_requests.labels("busy").inc(),
+        on_reject=lambda sender: app.state.metrics.busy(sender),
     )
     app.state.authenticator = None
     if auth_settings is not None:  # added last: the outermost, so a stranger gets nothing else

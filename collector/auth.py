@@ -43,6 +43,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from sqlalchemy import Engine
 
 from . import tokens
+from .limits import json_response
 from .tokens import Principal
 
 log = logging.getLogger(__name__)
@@ -372,7 +373,7 @@ def _scope_of(need: str) -> str:
 
 async def _refuse(send: Any, status: int, detail: str, *, error: str | None = None,
                   scope: str | None = None, retry_after: int | None = None) -> None:  # fmt: skip
-    headers = [(b"content-type", b"application/json")]
+    headers = []
     if status in (401, 403):
         challenge = 'Bearer realm="trainwarden"'
         if error:
@@ -382,8 +383,7 @@ async def _refuse(send: Any, status: int, detail: str, *, error: str | None = No
         headers.append((b"www-authenticate", challenge.encode()))
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": json.dumps({"detail": detail}).encode()})
+    await json_response(send, status, json.dumps({"detail": detail}).encode(), headers)
 
 
 async def _redirect(send: Any, location: str) -> None:

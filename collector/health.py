@@ -15,6 +15,14 @@ ranks and recent steps, and writes state changes (with an event each) back. Rule
 - **loss divergence** (not a state: an event and a detail): the rank's loss leaves its
   peers' band, robust z-score over the ranks of the same step, on
   ``divergence_window`` consecutive steps; needs at least 3 ranks.
+
+A busy collector is not a dead rank. The dead threshold grows by how late the collector
+is: its own delay (requests waiting to be read or written) or, when it fell behind
+lately (``limits.Pressure``) and that is larger, how much later than their heartbeat the
+run's ranks have been arriving. A request it refused with 503 still counts as its
+ranks' heartbeat (the agent names them in a header). Hung is judged from what the rank
+itself said in its latest request: how long it had gone without a step when it sent it,
+by its own clock; a request kept waiting, or a node whose clock is off, changes nothing.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import time
 import uuid
 import weakref
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +42,7 @@ from sqlalchemy import Connection, Engine, bindparam, func, or_, select, text, u
 from . import models as m
 from .db import is_sqlite, write
 from .ingest import _insert
+from .limits import Pressure
 from .loops import Loop
 
 log = logging.getLogger(__name__)
@@ -194,17 +203,48 @@ def _events(conn: Connection, *, run_id: int, now: float, events: list[dict[str,
         )  # fmt: skip
 
 
+def _arrival_lateness(conn: Connection, run_id: int) -> float:
+    """How much later than its heartbeat interval a live rank of the run last arrived,
+    at most (0 when on time): what the collector's own backlog or refusals cost them."""
+    k = m.ranks.c
+    late = conn.execute(
+        select(func.max(k.arrival_gap_s - func.coalesce(k.heartbeat_s, 2.0))).where(
+            k.run_id == run_id, k.state.in_(LIVE)
+        )
+    ).scalar()
+    return max(0.0, late or 0.0)
+
+
+def _idle_s(rank: Any, *, now: float, late: float, refused_at: float | None) -> float:
+    """How long the rank has gone without completing a step, at the least.
+
+    What it said: how long it had gone without one when it sent its latest request, by
+    its own clock (``progress_at`` and ``sent_at`` both are the agent's: no skew between
+    clocks, no time the request spent in transit or in a queue). Plus the time since,
+    less ``late`` (news of a step may be on its way); not when a later request of the
+    rank was refused (it may have carried that news)."""
+    sent_at = rank["last_seen"] - (rank["clock_skew_s"] or 0.0)
+    said = sent_at - rank["progress_at"]
+    if refused_at is not None and refused_at > rank["last_seen"]:
+        return said
+    return said + max(0.0, now - rank["last_seen"] - late)
+
+
 def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_step: float | None,
-            slow: dict[int, float], steps: dict[int, StepView], lag_s: float = 0.0) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
-    """The state and detail of every live rank. ``lag_s``: how far behind the collector's
-    own ingest is; silence that long is the collector's, not the rank's."""
-    hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0)) + lag_s
+            slow: dict[int, float], steps: dict[int, StepView], lag_s: float = 0.0,
+            heard: Mapping[int, float] | None = None) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
+    """The state and detail of every live rank. ``lag_s``: how late the collector hears
+    from ranks; silence that long is the collector's, not the rank's. ``heard``: when a
+    rank last sent a request the collector refused (as alive as one it took)."""
+    hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
+    heard = heard or {}
     dead, stalled = [], []
     for r in ranks:
         beat = r["heartbeat_s"] or 2.0
-        if now - r["last_seen"] > settings.dead_after_beats * beat + lag_s:
+        seen = max(r["last_seen"], heard.get(r["rank"], r["last_seen"]))
+        if now - seen > settings.dead_after_beats * beat + lag_s:
             dead.append(r)
-        elif r["progress_at"] is not None and now - r["progress_at"] > hung_after:
+        elif r["progress_at"] is not None and _idle_s(r, now=now, late=lag_s, refused_at=heard.get(r["rank"])) > hung_after:  # fmt: skip
             stalled.append(r)
     out: dict[int, tuple[str, dict[str, Any]]] = {}
     for r in dead:
@@ -222,7 +262,7 @@ def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_st
                         if (r["last_step"] if r["last_step"] is not None else -1, PHASE_ORDER.get(r["phase"], 5)) == key]  # fmt: skip
         blamed = sorted(r["rank"] for r in (dead or culprits))
         for r in stalled:
-            idle = now - r["progress_at"]
+            idle = _idle_s(r, now=now, late=lag_s, refused_at=heard.get(r["rank"]))
             detail: dict[str, Any]
             if r in culprits:
                 detail = {"role": "culprit", "reason": f"no step completed for {idle:.1f}s (in {r['phase'] or 'between steps'})"}  # fmt: skip
@@ -248,7 +288,7 @@ def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_st
 
 
 _RANK_FIELDS = ("rank", "state", "state_detail", "last_seen", "heartbeat_s", "progress_at",
-                "last_step", "phase")  # fmt: skip
+                "clock_skew_s", "last_step", "phase")  # fmt: skip
 
 
 def evaluate(
@@ -257,23 +297,34 @@ def evaluate(
     now: float | None = None,
     settings: HealthSettings | None = None,
     lag_s: float = 0.0,
+    pressed: bool = False,
+    heard: Callable[[str], Mapping[int, float]] | None = None,
 ) -> int:
     """Bring every live rank's state up to date; returns the number of state changes.
 
     ``lag_s``: how far behind the collector's own ingest is (requests waiting to be
     read or written); it is added to the dead and hung thresholds, so an overloaded
-    collector does not declare its ranks dead for its own delay."""
+    collector does not declare its ranks dead for its own delay. ``pressed``: the
+    collector fell behind or refused requests lately (``Pressure``); then how much later
+    than their heartbeat the run's live ranks have been arriving is added instead, when
+    that is more: requests refused 503, or read late, space every rank out. ``heard``:
+    a run's ranks whose requests the collector refused, and when (``Pressure.heard``).
+
+    Hung is read from what the rank itself said: how long it had gone without a step
+    when it sent its latest request, by its own clock; a request kept waiting, or a node
+    whose clock is off, does not make a rank look hung."""
     now = time.time() if now is None else now
     settings = settings or HealthSettings()
     changes = 0
     runs = conn.execute(
-        select(m.runs.c.id, m.runs.c.world_size).where(m.runs.c.status == "running")
+        select(m.runs.c.id, m.runs.c.name, m.runs.c.world_size).where(m.runs.c.status == "running")
     ).all()
-    for run_id, world in runs:
+    for run_id, name, world in runs:
         window = max(settings.straggler_window, settings.divergence_window)
         steps = _recent_views(conn, run_id, world, window)
         slow = stragglers(steps, ratio=settings.straggler_ratio, window=settings.straggler_window)
         median_step = _median_step_time(conn, run_id)
+        late = max(lag_s, _arrival_lateness(conn, run_id)) if pressed else lag_s
         k = m.ranks.c
         query = select(*(k[c] for c in _RANK_FIELDS)).where(k.run_id == run_id, k.state.in_(LIVE))
         if not slow:  # read only the ranks whose state can change (a large run: a handful)
@@ -283,8 +334,9 @@ def evaluate(
                     k.state != "healthy",
                     k.state_detail.is_not(None),
                     k.last_seen
-                    < now - lag_s - settings.dead_after_beats * func.coalesce(k.heartbeat_s, 2.0),
-                    k.progress_at < now - lag_s - hung_after,
+                    < now - late - settings.dead_after_beats * func.coalesce(k.heartbeat_s, 2.0),
+                    # _idle_s, at its most (late 0)
+                    k.progress_at + func.coalesce(k.clock_skew_s, 0.0) < now - hung_after,
                 )
             )
         # In rank order, the order ingest locks rank rows in: no deadlocks.
@@ -299,7 +351,7 @@ def evaluate(
         if not ranks:
             continue
         states = _states(list(ranks), now=now, settings=settings, median_step=median_step,
-                         slow=slow, steps=steps, lag_s=lag_s)  # fmt: skip
+                         slow=slow, steps=steps, lag_s=late, heard=heard(name) if heard else None)  # fmt: skip
         # Decide everything first, then write in two statements in rank order: the rank
         # rows stay locked for as short a time as possible (ingest updates them too).
         details, changed, events = [], [], []
@@ -338,7 +390,7 @@ def evaluate(
 
 
 def evaluate_once(
-    engine: Engine, settings: HealthSettings, lag: Callable[[], float] | None = None
+    engine: Engine, settings: HealthSettings, pressure: Pressure | None = None
 ) -> int:
     """One evaluation in its own transaction; on PostgreSQL only one collector runs it."""
     with write(engine) as conn:
@@ -348,15 +400,19 @@ def evaluate_once(
             ).scalar()
             if not locked:
                 return 0
-        return evaluate(conn, settings=settings, lag_s=lag() if lag is not None else 0.0)
+        if pressure is None:
+            return evaluate(conn, settings=settings)
+        return evaluate(conn, settings=settings, lag_s=pressure.lag_s(), pressed=pressure.pressed(),
+                        heard=pressure.heard)  # fmt: skip
 
 
 def health_loop(
-    engine: Engine, settings: HealthSettings | None = None, lag: Callable[[], float] | None = None
+    engine: Engine, settings: HealthSettings | None = None, pressure: Pressure | None = None
 ) -> Loop:
-    """The evaluator's thread inside ``serve``."""
+    """The evaluator's thread inside ``serve``; ``pressure``: the collector's delay and
+    whether it fell behind lately."""
     settings = settings or HealthSettings()
     return Loop(
-        "trainwarden-health", settings.interval_s, lambda: evaluate_once(engine, settings, lag),
+        "trainwarden-health", settings.interval_s, lambda: evaluate_once(engine, settings, pressure),
         max_cpu_share=settings.max_cpu_share,
     )  # fmt: skip

@@ -187,6 +187,8 @@ def _rank_update(table: Any, new: Any) -> dict[str, Any]:
     old = table.c
     renewed = old.session != new.session  # a new process: healthy until the evaluator says not
     return {
+        # The gap since its last request; none for a new process (its gap is the restart).
+        "arrival_gap_s": case((renewed, null()), else_=new.last_seen - old.last_seen),
         **{c: new[c] for c in ("local_rank", "host", "node", "pid", "last_seen", "heartbeat_s",
                                "in_step", "phase", "clock_skew_s", "session")},
         "last_step": func.coalesce(new.last_step, old.last_step),

@@ -1,9 +1,108 @@
-"""Request body limit: a body over the limit gets 413 before it is parsed or stored."""
+"""Request body limit (413 before a body is parsed or stored), ingest backpressure (503
+past a number of requests in progress) and the pressure record the health evaluator
+reads to tell a busy collector from a silent rank."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
+
+SENDER_HEADER = b"x-trainwarden-sender"  # RUN/RANKS, sent by the agent and loadgen
+MAX_SENDER_RANKS = 4096  # ranks one refused request may vouch for
+MAX_HEARD = 1 << 20  # (run, rank) pairs remembered; past it the oldest half goes
+
+
+def sender_ranks(value: str) -> tuple[str, list[int]] | None:
+    """``RUN/RANKS`` (``run-a/3``, ``run-a/0-7``, ``run-a/0,2,4-6``) as (run, ranks);
+    None for anything else: a malformed header is ignored, never an error."""
+    run, sep, spec = value.partition("/")
+    if not sep or not run or len(run) > 128 or not spec:
+        return None
+    ranks: list[int] = []
+    for part in spec.split(","):
+        first, dash, last = part.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            return None
+        lo, hi = int(first), int(last) if dash else int(first)
+        if hi < lo or len(ranks) + hi - lo + 1 > MAX_SENDER_RANKS:
+            return None
+        ranks.extend(range(lo, hi + 1))
+    return run, ranks
+
+
+class Pressure:
+    """When the collector last fell behind on its ingest (refused a request with 503, or
+    let requests wait longer than ``behind_s``), and which ranks it turned away.
+
+    For ``memory_s`` after it fell behind, the health evaluator allows for ranks arriving
+    later than their heartbeat; a collector that is keeping up and still hears late from
+    a rank blames the rank. A refused request that names its sender (``SENDER_HEADER``)
+    is a heartbeat: its ranks are alive, whatever the collector could take."""
+
+    def __init__(self, lag: Callable[[], float], *, behind_s: float = 1.0, memory_s: float = 30.0) -> None:  # fmt: skip
+        self._lag = lag
+        self.behind_s = behind_s
+        self.memory_s = memory_s
+        self._at = float("-inf")  # time.monotonic() of the last sign
+        self._heard: dict[str, dict[int, float]] = {}  # run -> rank -> when refused (time.time())
+        self._pairs = 0
+        self._lock = threading.Lock()  # refused on the event loop, heard by the health thread
+
+    def refused(self, sender: str | None = None) -> None:
+        """An ingest request was answered 503; ``sender``: its header, if it had one."""
+        self._at = time.monotonic()
+        who = sender_ranks(sender) if sender else None
+        if who is None:
+            return
+        run, ranks = who
+        now = time.time()
+        with self._lock:
+            heard = self._heard.setdefault(run, {})
+            before = len(heard)
+            heard.update(dict.fromkeys(ranks, now))
+            self._pairs += len(heard) - before
+            if self._pairs > MAX_HEARD:  # a bound on memory whatever senders claim
+                self._forget(now)
+
+    def _forget(self, now: float) -> None:
+        cutoff = now - self.memory_s
+        for run in list(self._heard):
+            kept = {r: t for r, t in self._heard[run].items() if t >= cutoff}
+            if kept:
+                self._heard[run] = kept
+            else:
+                del self._heard[run]
+        self._pairs = sum(map(len, self._heard.values()))
+        if self._pairs > MAX_HEARD // 2:
+            self._heard, self._pairs = {}, 0
+
+    def heard(self, run: str) -> dict[int, float]:
+        """When each of the run's ranks last sent a request this collector refused."""
+        with self._lock:
+            return dict(self._heard.get(run, {}))
+
+    def lag_s(self) -> float:
+        """The collector's delay now (its ``lag``), noted when past ``behind_s``."""
+        lag = self._lag()
+        if lag > self.behind_s:
+            self._at = time.monotonic()
+        return lag
+
+    def pressed(self) -> bool:
+        """Whether the collector fell behind in the last ``memory_s``."""
+        self.lag_s()
+        return time.monotonic() - self._at < self.memory_s
+
+
+async def json_response(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = []) -> None:  # noqa: B006  # fmt: skip
+    """A whole JSON answer from an ASGI middleware, with its length: without one the
+    server sends it chunked, which a minimal HTTP client (the load generator) misreads."""
+    head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": status, "headers": head + headers})
+    await send({"type": "http.response.body", "body": body})
 
 
 class BodyLimit:
@@ -19,9 +118,7 @@ class BodyLimit:
                 "error": f"request body {size} is over the {self.limit:,}-byte limit; send smaller batches"
             }
         )
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body.encode()})
+        await json_response(send, 413, body.encode())
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -81,13 +178,12 @@ class IngestBackpressure:
             return
         if self.inflight >= self.limit:
             if self.on_reject is not None:
-                self.on_reject()
+                sender = next((v for k, v in scope["headers"] if k == SENDER_HEADER), None)
+                self.on_reject(sender.decode("latin-1") if sender is not None else None)
             body = json.dumps(
                 {"error": "collector busy: too many ingest requests in progress; retry later"}
             )
-            await send({"type": "http.response.start", "status": 503,
-                        "headers": [(b"content-type", b"application/json"), (b"retry-after", self.retry_after)]})  # fmt: skip
-            await send({"type": "http.response.body", "body": body.encode()})
+            await json_response(send, 503, body.encode(), [(b"retry-after", self.retry_after)])
             return
         self.inflight += 1  # the event loop is single-threaded: no lock needed
         try:

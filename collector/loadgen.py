@@ -140,39 +140,56 @@ class _Connection:
         # Opened on first use, again after the server closes it.
         self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def post(self, path: str, body: bytes, headers: str = "") -> tuple[int, bytes]:
+        """``headers``: more header lines, each ending in CRLF."""
         async with self.lock:
             try:
                 try:
-                    return await self._exchange(path, body)
+                    return await self._exchange(path, body, headers)
                 except (ConnectionError, asyncio.IncompleteReadError):
                     if self.conn is None:
                         raise
                     # The server closed an idle keep-alive connection: once more on a new one.
                     self.close()
-                    return await self._exchange(path, body)
+                    return await self._exchange(path, body, headers)
             except BaseException:
                 self.close()
                 raise
 
-    async def _exchange(self, path: str, body: bytes) -> tuple[int, bytes]:
+    async def _exchange(self, path: str, body: bytes, headers: str) -> tuple[int, bytes]:
         if self.conn is None:
             self.conn = await asyncio.open_connection(self.host, self.port)
         reader, writer = self.conn
         writer.write(
             f"POST {path} HTTP/1.1\r\nHost: {self.host}\r\nContent-Type: application/json\r\n"
-            f"{self.auth}Content-Length: {len(body)}\r\n\r\n".encode()
+            f"{self.auth}{headers}Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout)
         status = int(head[9:12])
-        length = 0
+        length, chunked = 0, False
         for line in head.split(b"\r\n")[1:]:
             name, _, value = line.partition(b":")
-            if name.strip().lower() == b"content-length":
+            name = name.strip().lower()
+            if name == b"content-length":
                 length = int(value)
+            elif name == b"transfer-encoding":
+                chunked = b"chunked" in value.lower()
+        if chunked:
+            return status, await asyncio.wait_for(self._chunks(reader), self.timeout)
         payload = await asyncio.wait_for(reader.readexactly(length), self.timeout)
         return status, payload
+
+    @staticmethod
+    async def _chunks(reader: asyncio.StreamReader) -> bytes:
+        """A chunked body (a server may send one), read to its end."""
+        parts = []
+        while size := int((await reader.readuntil(b"\r\n")).split(b";")[0], 16):
+            parts.append(await reader.readexactly(size))
+            await reader.readexactly(2)
+        while await reader.readuntil(b"\r\n") != b"\r\n":  # trailers, then the blank line
+            pass
+        return b"".join(parts)
 
     def close(self) -> None:
         if self.conn is not None:
@@ -187,6 +204,9 @@ async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: 
 
     rng = random.Random(ranks.start)
     sessions = {r: uuid.uuid4().hex for r in ranks}
+    # Who sends, readable without the body: a collector too busy to take the request
+    # still counts it as these ranks' heartbeat.
+    sender = f"X-Trainwarden-Sender: {run}/{ranks.start}-{ranks.stop - 1}\r\n"
     await asyncio.sleep(rng.random() * period_s)  # nodes are not in phase with each other
     for step in range(steps):
         due = start + step * period_s + rng.random() * period_s * 0.2
@@ -196,7 +216,9 @@ async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: 
                          rng=rng, slow_rank=slow_rank, user=user)  # fmt: skip
         sent = time.monotonic()
         try:
-            status, payload = await client.post("/api/v1/ingest/columns", orjson.dumps(body))
+            status, payload = await client.post(
+                "/api/v1/ingest/columns", orjson.dumps(body), sender
+            )
             ok = status == 200
             if not ok and len(result.errors) < 5:
                 result.errors.append(f"{status}: {payload[:200].decode(errors='replace')}")

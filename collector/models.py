@@ -70,6 +70,9 @@ ranks = Table(
     Column("state_detail", JSON(none_as_null=True)),
     Column("clock_skew_s", Float),
     Column("gpu", JSON(none_as_null=True)),
+    # Seconds between the rank's last two requests as they arrived (migration 0017): how
+    # far apart the collector really hears from live ranks, which the evaluator allows for.
+    Column("arrival_gap_s", Float),
 )
 
 # Per-rank raw data is partitioned by day on PostgreSQL (migration 0006) so that

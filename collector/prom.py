@@ -6,7 +6,7 @@ two apps in one process never share counters.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -20,6 +20,8 @@ from . import models as m
 class CollectorMetrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        # Told of each ingest request refused 503, with its sender header (or None).
+        self.on_busy: Callable[[str | None], None] | None = None
         self.ingest_requests = Counter(
             "trainwarden_ingest_requests",
             "Ingest requests by outcome.",
@@ -80,6 +82,12 @@ class CollectorMetrics:
             registry=self.registry,
         )
         self.registry.register(_RunsCollector(engine))
+
+    def busy(self, sender: str | None = None) -> None:
+        """An ingest request was refused (503): counted, and told to ``on_busy``."""
+        self.ingest_requests.labels("busy").inc()
+        if self.on_busy is not None:
+            self.on_busy(sender)
 
     def on_flush(self, requests: int, _rows: int, seconds: float) -> None:
         self.ingest_flush_requests.observe(requests)

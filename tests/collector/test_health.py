@@ -20,13 +20,15 @@ T0 = 1_700_000_000.0
 
 
 def send(engine, *, rank: int, world: int = 2, steps=(), at: float, phase=None, in_step=False,
-         last_step=None, heartbeat: float = 2.0, session: str | None = None) -> None:  # fmt: skip
+         last_step=None, heartbeat: float = 2.0, session: str | None = None, late: float = 0.0) -> None:  # fmt: skip
+    """A request that arrives at ``at``; ``late``: how long before that the agent sent
+    it, by its own clock (a clock behind the collector's, or a request kept waiting)."""
     body = batch(rank=rank, world_size=world, steps=list(steps), session=session)
     done = [s["step"] for s in steps]
     last = last_step if last_step is not None else (max(done) if done else None)
     # A batch with steps means a step just ended; a bare heartbeat leaves progress as it was.
-    body["agent"].update(heartbeat_s=heartbeat, last_step=last, in_step=in_step, phase=phase, sent_at=at,
-                         last_step_end=at if done else None)  # fmt: skip
+    body["agent"].update(heartbeat_s=heartbeat, last_step=last, in_step=in_step, phase=phase, sent_at=at - late,
+                         last_step_end=at - late if done else None)  # fmt: skip
     with write(engine) as conn:
         ingest(conn, batch=IngestBatch.model_validate(body), now=at)
 
@@ -199,3 +201,162 @@ def test_the_writers_lag_is_the_age_of_its_oldest_waiting_request(engine) -> Non
     done.result(10)
     writer.stop()
     assert writer.lag_s() == 0.0
+
+
+def beats(engine, ranks, *, every: float, times: int, start: float = T0 + 1) -> float:
+    """Each rank of ``ranks`` completes a step and is heard from every ``every`` seconds,
+    ``times`` times; returns when the last arrived."""
+    at = start
+    for n in range(times):
+        at = start + n * every
+        for rank in ranks:
+            send(engine, rank=rank, world=4, steps=[step(n)], at=at)
+    return at
+
+
+def evaluated(engine, now: float, **kwargs) -> dict[int, str]:
+    flush(engine, now=now, grace_s=0)
+    with write(engine) as conn:
+        evaluate(conn, now=now, settings=HealthSettings(), **kwargs)
+        return dict(conn.execute(select(m.ranks.c.rank, m.ranks.c.state)).all())
+
+
+def test_ingest_records_each_ranks_gap_between_arrivals(engine) -> None:
+    send(engine, rank=0, steps=[step(0)], at=T0 + 1)
+    send(engine, rank=0, steps=[step(1)], at=T0 + 4.5)
+    send(engine, rank=1, steps=[step(0)], at=T0 + 1, session="a")
+    send(engine, rank=1, steps=[step(0)], at=T0 + 9, session="b")  # a new process: no gap
+    with engine.connect() as conn:
+        gaps = dict(conn.execute(select(m.ranks.c.rank, m.ranks.c.arrival_gap_s)).all())
+    assert gaps == {0: pytest.approx(3.5), 1: None}
+
+
+def test_a_collector_that_fell_behind_allows_for_the_late_arrivals_it_caused(engine) -> None:
+    # The collector refused requests (503): its live ranks got through 7 s apart instead
+    # of every 2 s. Rank 3 was last heard 8 s ago: late like its peers, not dead.
+    last = beats(engine, range(4), every=7.0, times=3)
+    beats(engine, range(3), every=7.0, times=1, start=last + 7)
+    now = last + 8
+    assert evaluated(engine, now, pressed=True)[3] == "healthy"
+    # A collector keeping up blames the rank: 8 s is 4 heartbeats.
+    assert evaluated(engine, now, pressed=False)[3] == "dead"
+
+
+def test_a_late_rank_is_dead_once_silent_past_its_peers_lateness(engine) -> None:
+    last = beats(engine, range(4), every=7.0, times=3)
+    beats(engine, range(3), every=7.0, times=1, start=last + 7)
+    # Peers 5 s later than their 2 s heartbeat: dead after 2.25 beats + 5 s = 9.5 s.
+    assert evaluated(engine, last + 9.4, pressed=True)[3] == "healthy"
+    assert evaluated(engine, last + 9.6, pressed=True)[3] == "dead"
+
+
+def test_one_late_rank_does_not_excuse_another_when_the_collector_kept_up(engine) -> None:
+    last = beats(engine, range(4), every=1.0, times=10)
+    beats(engine, [0, 1, 2], every=1.0, times=1, start=last + 1)
+    send(engine, rank=2, world=4, at=last + 9, steps=[step(11)])  # rank 2 was 7 s late itself
+    assert evaluated(engine, last + 9.5, pressed=True)[3] == "healthy"  # a busy collector's delay
+    assert evaluated(engine, last + 9.5, pressed=False)[3] == "dead"
+
+
+@pytest.mark.parametrize("late", [0.0, 30.0])
+def test_progress_is_read_on_the_collectors_clock(engine, late: float) -> None:
+    # The agent's clock is 30 s behind the collector's (or its request waited 30 s to be
+    # read): the step it says ended 30 s "ago" ended just before it sent.
+    for rank in (0, 1):
+        send(engine, rank=rank, steps=[step(i) for i in range(10)], at=T0 + 40, late=late)
+    assert {r: s for r, (s, _) in states(engine, T0 + 41).items()} == {0: "healthy", 1: "healthy"}
+    # And a rank that beats but makes no progress is hung whatever its clock says.
+    send(engine, rank=0, at=T0 + 52, in_step=True, phase="forward", last_step=9, late=late)
+    send(engine, rank=1, at=T0 + 52, in_step=True, phase="backward", last_step=9, late=late)
+    result = states(engine, T0 + 52.5)
+    assert result[0][0] == "hung" and result[0][1]["role"] == "culprit"
+    assert "no step completed for 12.5s" in result[0][1]["reason"]  # since T0 + 40
+
+
+def test_pressure_remembers_refusals_and_lag_for_a_while() -> None:
+    from trainwarden.collector.limits import Pressure
+
+    lag = [0.0]
+    pressure = Pressure(lambda: lag[0], behind_s=1.0, memory_s=0.2)
+    assert not pressure.pressed()
+    pressure.refused()
+    assert pressure.pressed()
+    time.sleep(0.25)
+    assert not pressure.pressed()
+    lag[0] = 1.5
+    assert pressure.lag_s() == 1.5 and pressure.pressed()
+    lag[0] = 0.0
+    assert pressure.pressed()  # still within memory_s of the lag
+    time.sleep(0.25)
+    assert not pressure.pressed()
+
+
+def test_a_request_the_collector_refused_is_its_ranks_heartbeat(engine) -> None:
+    for rank in (0, 1):
+        send(engine, rank=rank, steps=[step(i) for i in range(10)], at=T0 + 10)
+    send(engine, rank=0, steps=[step(10)], at=T0 + 17)
+    # Rank 1's requests since T0 + 10 were refused (503), the last at T0 + 16.5: alive,
+    # and not hung either (what it sent may have said it made progress).
+    assert evaluated(engine, T0 + 18, heard=lambda run: {1: T0 + 16.5})[1] == "healthy"
+    assert evaluated(engine, T0 + 18)[1] == "dead"  # nothing heard: 8 s of silence
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("run-a/3", ("run-a", [3])),
+        ("run-a/0-3", ("run-a", [0, 1, 2, 3])),
+        ("r:1.b/0,2,4-5", ("r:1.b", [0, 2, 4, 5])),
+        ("run-a/", None),
+        ("/3", None),
+        ("run-a", None),
+        ("run-a/3-1", None),
+        ("run-a/x", None),
+        ("run-a/-3", None),
+        ("run-a/0-99999999", None),  # more ranks than one request may vouch for
+    ],
+)
+def test_the_sender_header_names_a_run_and_its_ranks(value: str, expected) -> None:
+    from trainwarden.collector.limits import sender_ranks
+
+    assert sender_ranks(value) == expected
+
+
+def test_the_backpressure_gate_hands_on_who_it_refused() -> None:
+    import asyncio
+
+    from trainwarden.agent.exporter import SENDER_HEADER, sender
+    from trainwarden.collector.limits import IngestBackpressure, Pressure
+
+    async def app(scope, receive, send) -> None:  # never reached: the gate is full
+        raise AssertionError("admitted")
+
+    pressure = Pressure(lambda: 0.0)
+    gate = IngestBackpressure(app, limit=1, on_reject=pressure.refused)
+    gate.inflight = 1
+    answers: list[dict] = []
+
+    async def collect(message: dict) -> None:
+        answers.append(message)
+
+    header = sender({"run": "big-run", "agent": {"rank": 7}})
+    scope = {"type": "http", "method": "POST", "path": "/api/v1/ingest",
+             "headers": [(SENDER_HEADER.lower().encode(), header.encode())]}  # fmt: skip
+    before = time.time()
+    asyncio.run(gate(scope, None, collect))
+    assert answers[0]["status"] == 503
+    length = dict(answers[0]["headers"])[b"content-length"]  # not chunked: any client reads it
+    assert int(length) == len(answers[1]["body"])
+    assert pressure.pressed() and list(pressure.heard("big-run")) == [7]
+    assert pressure.heard("big-run")[7] >= before and pressure.heard("other") == {}
+
+
+def test_what_refused_senders_claim_is_bounded(monkeypatch) -> None:
+    from trainwarden.collector import limits
+
+    monkeypatch.setattr(limits, "MAX_HEARD", 10_000)
+    pressure = limits.Pressure(lambda: 0.0, memory_s=60.0)
+    for n in range(20):
+        pressure.refused(f"run-{n}/0-4095")  # 4,096 ranks a request, 81,920 claimed
+    held = sum(len(pressure.heard(f"run-{n}")) for n in range(20))
+    assert 0 < held <= 10_000 and len(pressure.heard("run-19")) == 4096

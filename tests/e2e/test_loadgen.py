@@ -30,3 +30,42 @@ def test_loadgen_rows_all_arrive_and_roll_up(live_server: Server) -> None:
     assert len(user) == 6 and "user.lr" in user
     lr = live_server.get("/api/v1/runs/lg/series", metric="user.lr").json()
     assert lr["n"] == [64] * 8 and lr["min"] == lr["max"]  # one schedule on every rank
+
+
+def test_the_load_generators_client_reads_chunked_and_sized_answers_on_one_connection() -> None:
+    import asyncio
+
+    from trainwarden.collector.loadgen import _Connection
+
+    seen: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        answers = [
+            b"HTTP/1.1 503 Service Unavailable\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b'7\r\n{"error\r\n5\r\n": 1}\r\n0\r\n\r\n',
+            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}",
+        ]
+        for answer in answers:
+            head = await reader.readuntil(b"\r\n\r\n")
+            seen.append(head)
+            length = next(int(v) for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n"))
+                          if k.lower() == b"content-length")  # fmt: skip
+            await reader.readexactly(length)
+            writer.write(answer)
+            await writer.drain()
+        writer.close()
+
+    async def main() -> list[tuple[int, bytes]]:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        conn = _Connection("127.0.0.1", port, timeout_s=5)
+        try:
+            return [
+                await conn.post("/x", b"{}", "X-Trainwarden-Sender: r/0-7\r\n") for _ in range(2)
+            ]
+        finally:
+            conn.close()
+            server.close()
+
+    assert asyncio.run(main()) == [(503, b'{"error": 1}'), (200, b"{}")]
+    assert all(b"X-Trainwarden-Sender: r/0-7\r\n" in head for head in seen)
