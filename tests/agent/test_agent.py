@@ -368,3 +368,40 @@ def test_a_refused_token_loses_nothing_and_says_so_once(caplog, tmp_path: Path) 
     tw.init(run="unit", transport=transport, flush_interval_s=0.01, spool_dir=str(spool))
     tw.shutdown(timeout_s=2)
     assert [s["step"] for s in transport.steps()] == list(range(20))
+
+
+def test_the_http_transport_names_its_sender_so_a_refusal_still_counts_as_a_beat() -> None:
+    import http.server
+
+    from trainwarden.agent.exporter import CollectorError, HttpTransport
+
+    seen: list[str | None] = []
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (the standard library's name)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            seen.append(self.headers.get("X-Trainwarden-Sender"))
+            body = b'{"error": "collector busy"}'
+            self.send_response(503)
+            self.send_header("Retry-After", "2")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Busy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    transport = HttpTransport(f"http://127.0.0.1:{server.server_port}", token=None, timeout_s=5)
+    try:
+        with pytest.raises(CollectorError) as refused:
+            transport.send(
+                "/api/v1/ingest", {"run": "llama-70b", "agent": {"rank": 12}, "steps": []}
+            )
+        assert refused.value.status == 503 and refused.value.retry_after == 2.0
+        assert seen == ["llama-70b/12"]
+    finally:
+        transport.close()
+        server.shutdown()
