@@ -33,7 +33,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,6 +70,8 @@ from trainwarden.alerts.rules import (
 from . import models as m
 from .db import leads, write
 from .economics import EconomicsSettings, economics
+from .health import arrival_lateness
+from .limits import Pressure
 from .loops import spaced
 from .runbooks import runbook_url
 
@@ -292,10 +294,19 @@ def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, 
 
 def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: float, hold_s: float,
              first_steps: dict[int, int], cadence: Callable[[], dict[str, Any]] | None = None,
-             step_cache: dict[int, SettledSteps] | None = None) -> Snapshot:  # fmt: skip
+             step_cache: dict[int, SettledSteps] | None = None, pressed: bool = False,
+             heard: Mapping[int, float] | None = None) -> Snapshot:  # fmt: skip
     """One run's recent records, as much as ``needs`` says; ``step_cache`` keeps the
-    rank rows of rolled-up steps between passes (:func:`recent_steps`)."""
+    rank rows of rolled-up steps between passes (:func:`recent_steps`).
+
+    As the health evaluator does: ``pressed`` (the collector fell behind lately) widens
+    ``lag_s`` to how late the run's ranks have been arriving, and ``heard`` (ranks whose
+    requests the collector refused, and when) counts as their heartbeat, so that an
+    absence rule (RankDead) does not page for a busy collector."""
     run_id, last = run.id, run.last_step
+    if pressed:
+        lag_s = max(lag_s, arrival_lateness(conn, run_id))
+    heard = heard or {}
     snap = Snapshot(run=run.name, now=now, last_step=last, started_at=run.created_at,
                     lag_s=lag_s, hold_s=hold_s)  # fmt: skip
     k = m.ranks.c
@@ -309,7 +320,7 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
     for rank, node, gpu, local_rank, state, role, seen, beat, progress, step in rows:
         snap.ranks[rank] = RankInfo(
             rank=rank, node=node, gpu=gpu or (str(local_rank) if local_rank is not None else None),
-            state=state, role=role, last_seen=seen, heartbeat_s=beat, progress_at=progress,
+            state=state, role=role, last_seen=max(seen, heard.get(rank, seen)), heartbeat_s=beat, progress_at=progress,
             last_step=step,
         )  # fmt: skip
     # The run row's last step is refreshed every few seconds; the ranks' are current.
@@ -430,6 +441,7 @@ class AlertEngine:
         lag: Callable[[], float] | None = None,
         clock: Callable[[], float] = time.time,
         metrics: Any = None,
+        pressure: Pressure | None = None,
     ) -> None:
         self.engine = engine
         self.rules = {r.name: r for r in rules}
@@ -437,6 +449,7 @@ class AlertEngine:
         self.external_url = external_url
         self.submit = submit
         self.lag = lag
+        self.pressure = pressure  # whether the collector fell behind, whom it refused
         self.clock = clock
         self.metrics = metrics  # prom.CollectorMetrics: pass durations, notifications
         self.spacing_s = self.settings.interval_s  # between full passes (max_cpu_share)
@@ -570,6 +583,7 @@ class AlertEngine:
             )
         ).all()
         lag = self.lag() if self.lag is not None else 0.0
+        pressed = self.pressure is not None and self.pressure.pressed()
         evaluated = {r.name for r in rules}
         seen: dict[str, tuple[Rule, Verdict, dict[str, str], Any, Snapshot]] = {}
         watched = {run.id for run in runs if run.status == "running"}
@@ -582,9 +596,10 @@ class AlertEngine:
             advice = functools.partial(
                 cadence_of, conn, run, now=now, settings=self.economics, cache=self._cadence
             )
+            heard = self.pressure.heard(run.name) if self.pressure is not None else None
             snap = snapshot(conn, run, needs, now=now, lag_s=lag, hold_s=self.settings.hold_s,
-                            first_steps=self._first_steps, cadence=advice,
-                            step_cache=self._settled) if live else Snapshot(run=run.name, now=now)  # fmt: skip
+                            first_steps=self._first_steps, cadence=advice, step_cache=self._settled,
+                            pressed=pressed, heard=heard) if live else Snapshot(run=run.name, now=now)  # fmt: skip
             for rule in rules:
                 if not live:
                     break

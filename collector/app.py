@@ -105,9 +105,11 @@ def create_app(
         loops: list[Loop] = []
         if rollups:
             loops.append(rollup_loop(engine))
+        # Whether the collector fell behind lately, and whom it refused: health and the
+        # absence alerts allow for it (a busy collector is not a dead rank).
+        app.state.pressure = pressure = Pressure(lambda: writer.lag_s() + loop_lag())
+        metrics.on_busy = pressure.refused
         if health is not None:
-            app.state.pressure = pressure = Pressure(lambda: writer.lag_s() + loop_lag())
-            metrics.on_busy = pressure.refused
             loops.append(health_loop(engine, health, pressure=pressure))
         for loop in loops:
             loop.start()
@@ -125,7 +127,7 @@ def create_app(
             alert_engine = AlertEngine(
                 engine, app.state.rules, settings=alerting, external_url=settings.external_url,
                 submit=notifier.submit if notifier else None,
-                lag=lambda: writer.lag_s() + loop_lag(), metrics=metrics,
+                lag=lambda: writer.lag_s() + loop_lag(), metrics=metrics, pressure=pressure,
             )  # fmt: skip
             alert_engine.economics = economics_api.settings_of_app(settings)
             alert_engine.start()

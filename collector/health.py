@@ -203,7 +203,7 @@ def _events(conn: Connection, *, run_id: int, now: float, events: list[dict[str,
         )  # fmt: skip
 
 
-def _arrival_lateness(conn: Connection, run_id: int) -> float:
+def arrival_lateness(conn: Connection, run_id: int) -> float:
     """How much later than its heartbeat interval a live rank of the run last arrived,
     at most (0 when on time): what the collector's own backlog or refusals cost them."""
     k = m.ranks.c
@@ -324,7 +324,7 @@ def evaluate(
         steps = _recent_views(conn, run_id, world, window)
         slow = stragglers(steps, ratio=settings.straggler_ratio, window=settings.straggler_window)
         median_step = _median_step_time(conn, run_id)
-        late = max(lag_s, _arrival_lateness(conn, run_id)) if pressed else lag_s
+        late = max(lag_s, arrival_lateness(conn, run_id)) if pressed else lag_s
         k = m.ranks.c
         query = select(*(k[c] for c in _RANK_FIELDS)).where(k.run_id == run_id, k.state.in_(LIVE))
         if not slow:  # read only the ranks whose state can change (a large run: a handful)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -19,6 +20,7 @@ from trainwarden.collector.app import create_app
 from trainwarden.collector.db import write
 from trainwarden.collector.health import HealthSettings, evaluate
 from trainwarden.collector.ingest import ingest
+from trainwarden.collector.limits import Pressure
 from trainwarden.collector.rollup_worker import flush
 from trainwarden.collector.schemas import IngestBatch
 
@@ -50,11 +52,12 @@ class Engine:
         self.engine = engine
         self.names = names
         self.settings = EngineSettings(**settings)
+        self.pressure: Pressure | None = None
         self.alerts = self._new()
 
     def _new(self) -> AlertEngine:
         return AlertEngine(self.engine, [RULES[n] for n in self.names], settings=self.settings,
-                           external_url=EXTERNAL, submit=self.sent.append)  # fmt: skip
+                           external_url=EXTERNAL, submit=self.sent.append, pressure=self.pressure)  # fmt: skip
 
     def restart(self) -> None:
         self.alerts = self._new()
@@ -468,3 +471,23 @@ def test_a_run_rule_on_p99_sees_the_tail_the_median_hides(engine) -> None:
     with engine.connect() as conn:
         found = conn.execute(select(m.alerts.c.rule, m.alerts.c.value)).all()
     assert [(name, round(value, 3)) for name, value in found] == [("SlowTailp99", 0.973)]
+
+
+def test_rank_dead_does_not_page_for_a_collector_too_busy_to_take_the_ranks_requests(
+    engine,
+) -> None:
+    alerts = Engine(engine, "RankDead")
+    alerts.pressure = pressure = Pressure(lambda: 0.0)
+    alerts.restart()
+    now = time.time()  # the refusals are stamped with the wall clock
+    for rank in (0, 1):
+        send(engine, rank=rank, at=now - 10, steps=[step(0)])
+    send(engine, rank=0, at=now, steps=[step(1)])
+    pressure.refused("r1/1")  # rank 1's latest request was refused (503): it is alive
+    assert alerts.run(now + 1) == []  # 11 s since rank 1 was last stored
+    send(engine, rank=0, at=now + 3, steps=[step(2)])
+    # Nothing from rank 1 since, taken or refused: dead after 2.25 beats, plus the 1 s
+    # by which rank 0 last arrived later than its heartbeat (the collector was behind).
+    assert alerts.run(now + 5) == []
+    (row,) = alerts.run(now + 6)
+    assert (row["rule"], row["rank"], row["state"]) == ("RankDead", 1, "firing")
