@@ -324,6 +324,7 @@ def test_the_sender_header_names_a_run_and_its_ranks(value: str, expected) -> No
 
 def test_the_backpressure_gate_hands_on_who_it_refused() -> None:
     import asyncio
+    import concurrent.futures
 
     from trainwarden.agent.exporter import SENDER_HEADER, sender
     from trainwarden.collector.limits import IngestBackpressure, Pressure
@@ -343,7 +344,8 @@ def test_the_backpressure_gate_hands_on_who_it_refused() -> None:
     scope = {"type": "http", "method": "POST", "path": "/api/v1/ingest",
              "headers": [(SENDER_HEADER.lower().encode(), header.encode())]}  # fmt: skip
     before = time.time()
-    asyncio.run(gate(scope, None, collect))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # no loop of the caller's to nest in
+        pool.submit(asyncio.run, gate(scope, None, collect)).result(30)
     assert answers[0]["status"] == 503
     length = dict(answers[0]["headers"])[b"content-length"]  # not chunked: any client reads it
     assert int(length) == len(answers[1]["body"])
