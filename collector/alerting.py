@@ -94,6 +94,10 @@ class EngineSettings:
     """A burst of wake-ups runs one pass, not one each."""
     stale_run_s: float = 86400.0
     """A run silent this long is no longer evaluated (its open alerts resolve)."""
+    group_over: int = 10
+    """More notifications than this of one rule, run and status in one pass go out as one
+    (a job that dies whole, or a collector cut off from it, is one page, not one a rank);
+    the alerts themselves stay one a rank."""
     max_cpu_share: float = 0.25
     """A full pass may cost at most this share of one core (the engine thread's CPU):
     past that (16,384 ranks on a 2-core collector) passes are spaced out instead of
@@ -389,6 +393,63 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
     if needs.cadence and cadence is not None:
         snap.cadence = cadence()
     return snap
+
+
+# -- storms -------------------------------------------------------------------------
+
+
+def grouped(notes: list[Any], *, over: int) -> list[Any]:
+    """``notes`` with each set of more than ``over`` of one rule, run and status made one.
+
+    Its labels are the rule's and the run's, without rank, node or GPU, and
+    ``grouped="true"``: the same for the set's firing and resolved notes, as its
+    fingerprint is, so that Alertmanager and PagerDuty resolve what fired. How many, and
+    which ranks, are in its annotations (``alerts``, ``summary``). Its deliveries are
+    recorded on the first alert's row."""
+    from trainwarden.alerts.notify import Notification
+
+    sets: dict[tuple[str, str, str], list[Any]] = {}
+    for note in notes:
+        sets.setdefault((note.alertname, note.labels.get("run", ""), note.status), []).append(note)
+    out = []
+    for (rule, run, status), members in sets.items():
+        if len(members) <= over:
+            out += members
+            continue
+        first = members[0]
+        labels = {k: v for k, v in first.labels.items() if k not in ("rank", "node", "gpu")}
+        labels["grouped"] = "true"
+        ranks = sorted(
+            {int(n.labels["rank"]) for n in members if n.labels.get("rank", "").isdigit()}
+        )
+        who = f"{len(ranks):,} ranks ({_spans(ranks)})" if ranks else f"{len(members):,} alerts"
+        annotations = {
+            **first.annotations,
+            "alerts": str(len(members)),
+            "summary": f"{rule} on {who} of run {run}",
+            "description": f"{len(members):,} {rule} alerts {'fired' if status == 'firing' else 'resolved'} "
+                           f"together; the first: {first.annotations.get('description', '')}",
+        }  # fmt: skip
+        out.append(Notification(
+            alert_id=first.alert_id, fingerprint=fingerprint(rule, {"run": run, "group": "1"}),
+            status=status, labels=labels, annotations=annotations,
+            starts_at=min(n.starts_at for n in members),
+            ends_at=max(n.ends_at for n in members) if status == "resolved" and all(n.ends_at for n in members) else None,
+            generator_url=first.generator_url,
+        ))  # fmt: skip
+    return out
+
+
+def _spans(ranks: list[int], most: int = 8) -> str:
+    """``0-7, 16, 24-31``: sorted ranks as runs, at most ``most`` of them, then "...".."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans[:most])
+    return text + (", ..." if len(spans) > most else "")
 
 
 # -- silences -----------------------------------------------------------------------
@@ -698,6 +759,7 @@ class AlertEngine:
             if (r.labels or {}).get("category") == "liveness" and r.rank is not None:
                 liveness.setdefault((r.run_id, r.rank), r.id)
         sent = 0
+        first_note = len(notes)
         for r in rows:
             labels = self._full_labels(r)
             silenced = next((s.id for s in silences if silence_matches(s.matchers, labels)), None)
@@ -721,6 +783,7 @@ class AlertEngine:
             if changes:
                 conn.execute(update(m.alerts).where(a.id == r.id).values(**changes))
                 sent += "notified" in changes
+        notes[first_note:] = grouped(notes[first_note:], over=self.settings.group_over)
         return sent
 
     def _full_labels(self, r: Any) -> dict[str, str]:

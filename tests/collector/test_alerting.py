@@ -491,3 +491,43 @@ def test_rank_dead_does_not_page_for_a_collector_too_busy_to_take_the_ranks_requ
     assert alerts.run(now + 5) == []
     (row,) = alerts.run(now + 6)
     assert (row["rule"], row["rank"], row["state"]) == ("RankDead", 1, "firing")
+
+
+def test_a_job_that_dies_whole_is_one_page_not_one_a_rank(engine) -> None:
+    alerts = Engine(engine, "RankDead")
+    world = 24
+    for rank in range(world):
+        send(engine, rank=rank, world=world, at=T0, steps=[step(0)])
+    send(engine, rank=23, world=world, at=T0 + 9, steps=[step(1)])
+    rows = alerts.run(T0 + 10)  # ranks 0-22 silent for 10 s; rank 23 beats on
+    assert sorted(r["rank"] for r in rows if r["state"] == "firing") == list(range(23))
+    (page,) = alerts.sent  # one page, the alerts stay one a rank
+    assert page.status == "firing" and page.annotations["alerts"] == "23"
+    assert page.labels["alertname"] == "RankDead" and page.labels["run"] == "r1"
+    assert page.labels["grouped"] == "true" and {"rank", "node"}.isdisjoint(page.labels)
+    assert page.annotations["summary"] == "RankDead on 23 ranks (0-22) of run r1"
+    assert "runbook_url" in page.annotations
+    for rank in range(world):  # back
+        send(engine, rank=rank, world=world, at=T0 + 11, steps=[step(2)])
+    alerts.run(T0 + 11)
+    fired, resolved = alerts.sent
+    assert resolved.status == "resolved" and resolved.fingerprint == fired.fingerprint
+    assert resolved.labels == fired.labels  # Alertmanager knows an alert by its labels
+
+
+def test_a_few_ranks_page_one_by_one() -> None:
+    from trainwarden.alerts.notify import Notification
+    from trainwarden.collector.alerting import grouped
+
+    def note(rank: int, rule: str = "RankDead") -> Notification:
+        return Notification(alert_id=rank, fingerprint=f"f{rank}", status="firing",
+                            labels={"alertname": rule, "run": "r", "rank": str(rank)},
+                            annotations={"summary": "s"}, starts_at=T0, ends_at=None)  # fmt: skip
+
+    few = [note(r) for r in range(10)] + [note(r, "RankHung") for r in range(3)]
+    assert grouped(few, over=10) == few
+    many = [note(r) for r in (*range(0, 8), 9, *range(16, 40))]
+    (one,) = grouped(many, over=10)
+    assert one.annotations["summary"] == "RankDead on 33 ranks (0-7, 9, 16-39) of run r"
+    assert one.alert_id == 0 and one.annotations["alerts"] == "33"
+    assert one.labels == {"alertname": "RankDead", "run": "r", "grouped": "true"}
