@@ -204,7 +204,7 @@ def create_app(
     app.add_middleware(
         IngestBackpressure,
         limit=settings.max_inflight_ingest,
-        on_reject=lambda sender: app.state.metrics.busy(sender),
+        on_reject=lambda sender: app.state.metrics.busy(auth.vouched(sender)),
     )
     app.state.authenticator = None
     if auth_settings is not None:  # added last: the outermost, so a stranger gets nothing else

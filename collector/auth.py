@@ -271,6 +271,15 @@ def check_run(run: str) -> None:
         )  # fmt: skip
 
 
+def vouched(sender: str | None) -> str | None:
+    """A refused request's sender header (``RUN/RANKS``) if its token may send that run,
+    else None: a token for one run cannot keep another run's ranks alive."""
+    principal = current.get()
+    if sender is None or principal is None or principal.may_ingest(sender.partition("/")[0]):
+        return sender
+    return None
+
+
 def _bearer(headers: dict[bytes, bytes]) -> str | None:
     value = headers.get(b"authorization", b"").decode("latin-1").strip()
     scheme, _, credentials = value.partition(" ")

@@ -12,7 +12,7 @@ from typing import Any
 
 SENDER_HEADER = b"x-trainwarden-sender"  # RUN/RANKS, sent by the agent and loadgen
 MAX_SENDER_RANKS = 4096  # ranks one refused request may vouch for
-MAX_HEARD = 1 << 20  # (run, rank) pairs remembered; past it the oldest half goes
+MAX_HEARD = 1 << 18  # (run, rank) pairs remembered (~25 MB); past it the old ones go
 
 
 def sender_ranks(value: str) -> tuple[str, list[int]] | None:

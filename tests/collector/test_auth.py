@@ -322,3 +322,16 @@ def test_tokens_that_cannot_be_checked_get_503_not_a_crash(engine: Engine) -> No
             assert answer.status_code == 503 and answer.headers["retry-after"] == "5"
         finally:
             models.tokens.create(engine)
+
+
+def test_a_refused_request_vouches_only_for_the_runs_its_token_may_send() -> None:
+    from trainwarden.collector.tokens import Principal
+
+    token = auth.current.set(Principal("ci", frozenset({"ingest"}), runs="team-a-*"))
+    try:
+        assert auth.vouched("team-a-1/0-7") == "team-a-1/0-7"
+        assert auth.vouched("team-b-1/0-7") is None  # cannot keep another run's ranks alive
+        assert auth.vouched(None) is None
+    finally:
+        auth.current.reset(token)
+    assert auth.vouched("team-b-1/3") == "team-b-1/3"  # auth off: as sent
