@@ -94,10 +94,10 @@ class EngineSettings:
     """A burst of wake-ups runs one pass, not one each."""
     stale_run_s: float = 86400.0
     """A run silent this long is no longer evaluated (its open alerts resolve)."""
-    group_over: int = 10
+    group_over: int = 3
     """More notifications than this of one rule, run and status in one pass go out as one
-    (a job that dies whole, or a collector cut off from it, is one page, not one a rank);
-    the alerts themselves stay one a rank."""
+    (a node's 8 ranks dying, a job that dies whole, or a collector cut off from it, is one
+    page, not one a rank); the alerts themselves stay one a rank."""
     max_cpu_share: float = 0.25
     """A full pass may cost at most this share of one core (the engine thread's CPU):
     past that (16,384 ranks on a 2-core collector) passes are spaced out instead of

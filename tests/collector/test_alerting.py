@@ -524,10 +524,22 @@ def test_a_few_ranks_page_one_by_one() -> None:
                             labels={"alertname": rule, "run": "r", "rank": str(rank)},
                             annotations={"summary": "s"}, starts_at=T0, ends_at=None)  # fmt: skip
 
-    few = [note(r) for r in range(10)] + [note(r, "RankHung") for r in range(3)]
-    assert grouped(few, over=10) == few
+    few = [note(r) for r in range(3)] + [note(r, "RankHung") for r in range(3)]
+    assert grouped(few, over=3) == few
     many = [note(r) for r in (*range(0, 8), 9, *range(16, 40))]
-    (one,) = grouped(many, over=10)
+    (one,) = grouped(many, over=3)
     assert one.annotations["summary"] == "RankDead on 33 ranks (0-7, 9, 16-39) of run r"
     assert one.alert_id == 0 and one.annotations["alerts"] == "33"
     assert one.labels == {"alertname": "RankDead", "run": "r", "grouped": "true"}
+
+
+def test_a_node_that_dies_is_one_page(engine) -> None:
+    alerts = Engine(engine, "RankDead")
+    for rank in range(16):
+        send(engine, rank=rank, world=16, at=T0, steps=[step(0)], node=f"node{rank // 8}")
+    for rank in range(8):  # node1 (ranks 8-15) goes dark; node0 beats on
+        send(engine, rank=rank, world=16, at=T0 + 9, steps=[step(1)], node="node0")
+    rows = alerts.run(T0 + 10)
+    assert sorted(r["rank"] for r in rows if r["state"] == "firing") == list(range(8, 16))
+    (page,) = alerts.sent
+    assert page.annotations["summary"] == "RankDead on 8 ranks (8-15) of run r1"
