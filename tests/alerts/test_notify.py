@@ -152,6 +152,38 @@ def test_alertmanager_shows_the_alert_with_its_runbook_and_resolves_it(
     ]
 
 
+def test_alertmanager_resolves_the_one_page_a_storm_became(
+    tmp_path: Path, alertmanager: str, receiver: Receiver
+) -> None:
+    from trainwarden.collector.alerting import grouped
+
+    cfg = config(tmp_path, f"""\
+        receivers:
+          - {{name: am, kind: alertmanager, url: "{alertmanager}"}}
+        routes:
+          - receivers: [am]
+        """)  # fmt: skip
+    ranks = [episode(rank=str(r), node=f"n{r // 8}") for r in range(8, 16)]  # a node's ranks
+    (firing,) = grouped([f for f, _ in ranks], over=3)
+    (resolved,) = grouped([r for _, r in ranks], over=3)
+
+    async def main() -> None:
+        d = Dispatcher(cfg)
+        await d.start()
+        async with httpx.AsyncClient(base_url=alertmanager) as am:
+            assert d.submit(firing)
+            await d.drain(10)
+            (alert,) = (await am.get("/api/v2/alerts")).json()  # one page for eight ranks
+            assert alert["labels"]["grouped"] == "true" and "rank" not in alert["labels"]
+            assert alert["annotations"]["summary"] == "Straggler on 8 ranks (8-15) of run r1"
+            assert d.submit(resolved)
+            await d.drain(10)
+            assert (await am.get("/api/v2/alerts", params={"active": "true"})).json() == []
+        await d.stop()
+
+    asyncio.run(main())
+
+
 # -- PagerDuty, Slack and webhook payloads -------------------------------------------------
 
 
