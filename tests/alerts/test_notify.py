@@ -108,15 +108,20 @@ def alertmanager(tmp_path: Path, receiver: Receiver) -> Iterator[str]:
         yield url
 
 
-def test_alertmanager_shows_the_alert_with_its_runbook_and_resolves_it(
-    tmp_path: Path, alertmanager: str, receiver: Receiver
-) -> None:
-    cfg = config(tmp_path, f"""\
+def to_alertmanager(tmp_path: Path, url: str) -> NotifyConfig:
+    """A notifier config that sends every alert to the Alertmanager at ``url``."""
+    return config(tmp_path, f"""\
         receivers:
-          - {{name: am, kind: alertmanager, url: "{alertmanager}"}}
+          - {{name: am, kind: alertmanager, url: "{url}"}}
         routes:
           - receivers: [am]
         """)  # fmt: skip
+
+
+def test_alertmanager_shows_the_alert_with_its_runbook_and_resolves_it(
+    tmp_path: Path, alertmanager: str, receiver: Receiver
+) -> None:
+    cfg = to_alertmanager(tmp_path, alertmanager)
     firing, resolved = episode()
     attempts: list[Attempt] = []
 
@@ -157,12 +162,7 @@ def test_alertmanager_resolves_the_one_page_a_storm_became(
 ) -> None:
     from trainwarden.collector.alerting import grouped
 
-    cfg = config(tmp_path, f"""\
-        receivers:
-          - {{name: am, kind: alertmanager, url: "{alertmanager}"}}
-        routes:
-          - receivers: [am]
-        """)  # fmt: skip
+    cfg = to_alertmanager(tmp_path, alertmanager)
     ranks = [episode(rank=str(r), node=f"n{r // 8}") for r in range(8, 16)]  # a node's ranks
     (firing,) = grouped([f for f, _ in ranks], over=3)
     (resolved,) = grouped([r for _, r in ranks], over=3)
