@@ -402,8 +402,9 @@ def grouped(notes: list[Any], *, over: int) -> list[Any]:
     """``notes`` with each set of more than ``over`` of one rule, run and status made one.
 
     Its labels are the rule's and the run's, without rank, node or GPU, and
-    ``grouped="true"``: the same for the set's firing and resolved notes, as its
-    fingerprint is, so that Alertmanager and PagerDuty resolve what fired. How many, and
+    ``grouped="true"``: the same for the set's firing and resolved notes, and so is its
+    fingerprint (of the rule and those labels, as every alert's is), so that Alertmanager
+    and PagerDuty resolve what fired. How many, and
     which ranks, are in its annotations (``alerts``, ``summary``). Its deliveries are
     recorded on the first alert's row."""
     from trainwarden.alerts.notify import Notification
@@ -431,7 +432,7 @@ def grouped(notes: list[Any], *, over: int) -> list[Any]:
                            f"together; the first: {first.annotations.get('description', '')}",
         }  # fmt: skip
         out.append(Notification(
-            alert_id=first.alert_id, fingerprint=fingerprint(rule, {"run": run, "group": "1"}),
+            alert_id=first.alert_id, fingerprint=fingerprint(rule, labels),
             status=status, labels=labels, annotations=annotations,
             starts_at=min(n.starts_at for n in members),
             ends_at=max(n.ends_at for n in members) if status == "resolved" and all(n.ends_at for n in members) else None,
