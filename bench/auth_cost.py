@@ -11,14 +11,13 @@ ingest token on every request); prints points/s and the p95 request latency of e
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import subprocess
 import sys
 
 from common import DEFAULT_DB, scratch_database, serving
 
-from trainwarden.collector.loadgen import run_loadgen_async
+from trainwarden.collector.loadgen import run_loadgen
 
 
 def measure(db_url: str, *, auth: bool, args: argparse.Namespace) -> tuple[float, float]:
@@ -31,10 +30,10 @@ def measure(db_url: str, *, auth: bool, args: argparse.Namespace) -> tuple[float
     else:
         os.environ.pop("TRAINWARDEN_TOKEN", None)
     with serving(db_url, log_name=f"auth-cost-{auth}", auth=auth) as url:
-        result = asyncio.run(run_loadgen_async(
+        result = run_loadgen(
             url=url, ranks=args.ranks, ranks_per_node=args.ranks_per_node,
             steps_per_s=args.steps_per_s, duration_s=args.duration,
-        ))  # fmt: skip
+        )  # fmt: skip
     if result.requests_failed:
         raise SystemExit(f"auth={auth}: {result.summary()}; {result.errors[:3]}")
     lat = sorted(result.latencies_s)

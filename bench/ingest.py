@@ -17,7 +17,6 @@ Prints points/s for each and the ratios.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import threading
@@ -30,7 +29,7 @@ import psycopg
 from common import DEFAULT_DB, scratch_database, serving
 from peer_mlflow import describe, find_mlflow, mlflow_points_per_s
 
-from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen_async, user_metrics
+from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen, user_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,9 +100,8 @@ def end_to_end(
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
-        result = asyncio.run(run_loadgen_async(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
-                                               duration_s=duration, run=run, on_sent=on_sent,
-                                               user_metrics=user))  # fmt: skip
+        result = run_loadgen(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
+                             duration_s=duration, run=run, on_sent=on_sent, user_metrics=user)  # fmt: skip
         time.sleep(3)
         stop.set()
         poller.join()

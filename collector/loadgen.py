@@ -13,6 +13,7 @@ import asyncio
 import math
 import os
 import random
+import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -37,21 +38,50 @@ def _lr(step: int) -> float:
     return 3e-5 + 0.5 * (3e-4 - 3e-5) * (1 + math.cos(math.pi * min(1.0, (step - 100) / 10_000)))
 
 
-def user_metrics(count: int, *, step: int, rng: random.Random) -> dict[str, float]:
-    """``count`` user metrics of one rank at ``step``, as a trainer logs them."""
+# Standard normal draws the simulated values take their noise from: a node takes a
+# run of them at a random place in the pool, not a fresh draw a value (random.gauss
+# was a third of the load generator's CPU; it shares the machine with the collector).
+def _pool(size: int, seed: int) -> list[float]:
+    draw = random.Random(seed).gauss
+    return [draw(0.0, 1.0) for _ in range(size)]
+
+
+_NORMALS = _pool(8191, seed=20261122)
+
+
+def _normals(rng: random.Random, k: int) -> list[float]:
+    """``k`` standard normal values (a run of the pool; fresh draws past its size)."""
+    if k > len(_NORMALS) // 2:
+        return [rng.gauss(0.0, 1.0) for _ in range(k)]
+    at = int(rng.random() * (len(_NORMALS) - k))
+    return _NORMALS[at : at + k]
+
+
+def _user_noise(count: int) -> int:
+    """How many normal values :func:`user_metrics` takes for ``count`` metrics."""
+    return 3 + max(0, count - 6) if count else 0
+
+
+def user_metrics(count: int, *, step: int, rng: random.Random,
+                 z: list[float] | None = None) -> dict[str, float]:  # fmt: skip
+    """``count`` user metrics of one rank at ``step``, as a trainer logs them; ``z``:
+    the normal values to use (``_user_noise(count)`` of them; default drawn here)."""
+    z = _normals(rng, _user_noise(count)) if z is None else z
+    if count <= 0:
+        return {}
     values = {
         "lr": _lr(step),
-        "moe.aux_loss": 0.01 * (1 + rng.gauss(0, 0.1)),
-        "moe.load_balance": 1.0 + abs(rng.gauss(0, 0.05)),
-        "moe.z_loss": 1e-3 * (1 + rng.gauss(0, 0.05)),
+        "moe.aux_loss": 0.01 * (1 + 0.1 * z[0]),
+        "moe.load_balance": 1.0 + abs(0.05 * z[1]),
+        "moe.z_loss": 1e-3 * (1 + 0.05 * z[2]),
         "loss_scale": 65536.0,
         "tokens_seen": float(step * 16384),
     }
-    names = list(values)[:count]
-    out = {name: values[name] for name in names}
-    for i in range(len(out), count):  # more: auxiliary losses of a multi-task model
-        out[f"aux.loss{i}"] = 0.1 * (1 + rng.gauss(0, 0.1))
-    return out
+    if count <= len(values):
+        return dict(list(values.items())[:count])
+    for i in range(len(values), count):  # more: auxiliary losses of a multi-task model
+        values[f"aux.loss{i}"] = 0.1 * (1 + 0.1 * z[i - 3])
+    return values
 
 
 @dataclass
@@ -89,35 +119,41 @@ class LoadgenResult:
 
 def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float, sessions: dict[int, str],
               rng: random.Random, slow_rank: int | None, user: int = 0) -> dict[str, Any]:  # fmt: skip
-    """One node's columnar body; ``user``: user metrics per row (the ``metrics`` column)."""
+    """One node's columnar body; ``user``: user metrics per row (the ``metrics`` column).
+
+    Built column by column, with no dict a row: the load generator shares the machine
+    with the collector it measures, so its CPU a row is kept small."""
     now = time.time()
-    cols: dict[str, list[Any]] = {
-        "rank": [],
-        "step": [],
-        "ts": [],
-        **{c: [] for c in METRIC_COLUMNS},
-    }
+    n = len(ranks)
+    u = _user_noise(user)
+    z = _normals(rng, n * (5 + u))  # one run of normal values: 5 a row, and the user metrics'
     loss_base = 2.0 + 8.0 * math.exp(-step / 500)
-    for rank in ranks:
-        slow = 1.3 if rank == slow_rank else 1.0
-        compute = period_s * 0.7 * slow * (1 + rng.gauss(0, 0.02))
-        exposed = period_s * 0.2 * (1 + rng.gauss(0, 0.1))
-        duration = compute + exposed
-        flops = 4.0e14 * period_s
-        row = {
-            "rank": rank, "step": step, "ts": now - duration, "duration_s": duration,
-            "data_wait_s": abs(rng.gauss(0.01, 0.003)) * period_s, "tokens": 16384,
-            "loss": loss_base + rng.gauss(0, 0.02), "grad_norm": abs(rng.gauss(1.0, 0.05)),
-            "fwd_s": duration * 0.3, "bwd_s": duration * 0.6, "opt_s": duration * 0.08, "other_s": duration * 0.02,
-            "compute_s": compute, "exposed_comm_s": exposed, "overlapped_comm_s": period_s * 0.15, "idle_s": 0.0,
-            "flops": flops, "mfu": flops / (duration * 989.4e12), "peak_flops": 989.4e12,
-            "mem_allocated_bytes": 60 << 30, "mem_reserved_bytes": 70 << 30, "rss_bytes": 24 << 30,
-        }  # fmt: skip
-        for name, value in row.items():
-            cols[name].append(value)
-        if user:
-            cols.setdefault("metrics", []).append(user_metrics(user, step=step, rng=rng))
-    agents = [{"rank": r, "local_rank": r % len(ranks), "host": f"node{ranks.start // len(ranks)}",
+    flops = 4.0e14 * period_s
+    compute = [
+        period_s * 0.7 * (1.3 if r == slow_rank else 1.0) * (1 + 0.02 * x)
+        for r, x in zip(ranks, z[:n], strict=True)
+    ]
+    exposed = [period_s * 0.2 * (1 + 0.1 * x) for x in z[n : 2 * n]]
+    duration = [c + e for c, e in zip(compute, exposed, strict=True)]
+    cols: dict[str, list[Any]] = {
+        "rank": list(ranks), "step": [step] * n, "ts": [now - d for d in duration],
+        "duration_s": duration, "data_wait_s": [abs(0.01 + 0.003 * x) * period_s for x in z[2 * n : 3 * n]],
+        "tokens": [16384] * n, "loss": [loss_base + 0.02 * x for x in z[3 * n : 4 * n]],
+        "grad_norm": [abs(1.0 + 0.05 * x) for x in z[4 * n : 5 * n]],
+        "fwd_s": [d * 0.3 for d in duration], "bwd_s": [d * 0.6 for d in duration],
+        "opt_s": [d * 0.08 for d in duration], "other_s": [d * 0.02 for d in duration],
+        "compute_s": compute, "exposed_comm_s": exposed, "overlapped_comm_s": [period_s * 0.15] * n,
+        "idle_s": [0.0] * n, "flops": [flops] * n, "mfu": [flops / (d * 989.4e12) for d in duration],
+        "peak_flops": [989.4e12] * n, "mem_allocated_bytes": [60 << 30] * n,
+        "mem_reserved_bytes": [70 << 30] * n, "rss_bytes": [24 << 30] * n,
+    }  # fmt: skip
+    if user:
+        at = 5 * n
+        cols["metrics"] = [
+            user_metrics(user, step=step, rng=rng, z=z[at + i * u : at + (i + 1) * u])
+            for i in range(n)
+        ]
+    agents = [{"rank": r, "local_rank": r % n, "host": f"node{ranks.start // n}",
                "session": sessions[r], "heartbeat_s": 2.0, "last_step": step, "last_step_end": now,
                "in_step": False, "sent_at": now} for r in ranks]  # fmt: skip
     return {"run": run, "world_size": world, "agents": agents, "steps": cols}
@@ -165,7 +201,11 @@ class _Connection:
             f"{self.auth}{headers}Content-Length: {len(body)}\r\n\r\n".encode()
             + body
         )
-        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), self.timeout)
+        # One timeout for the whole answer (each wait_for is a task: the client's CPU).
+        return await asyncio.wait_for(self._answer(reader), self.timeout)
+
+    async def _answer(self, reader: asyncio.StreamReader) -> tuple[int, bytes]:
+        head = await reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
         length, chunked = 0, False
         for line in head.split(b"\r\n")[1:]:
@@ -176,9 +216,8 @@ class _Connection:
             elif name == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
         if chunked:
-            return status, await asyncio.wait_for(self._chunks(reader), self.timeout)
-        payload = await asyncio.wait_for(reader.readexactly(length), self.timeout)
-        return status, payload
+            return status, await self._chunks(reader)
+        return status, await reader.readexactly(length)
 
     @staticmethod
     async def _chunks(reader: asyncio.StreamReader) -> bytes:
@@ -271,8 +310,23 @@ async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_
     return result
 
 
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's event loop where it is installed (uvicorn[standard] brings it): a
+    request's round trip costs the load generator about half the CPU of asyncio's own
+    loop, and it shares the machine with the collector it measures."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def run_loadgen(**kwargs: Any) -> LoadgenResult:
-    return asyncio.run(run_loadgen_async(**kwargs))
+    factory = _loop_factory()
+    if factory is None or sys.version_info < (3, 11):  # asyncio.Runner is 3.11's
+        return asyncio.run(run_loadgen_async(**kwargs))
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(run_loadgen_async(**kwargs))
 
 
 def cmd_loadgen(args: Any) -> None:
