@@ -122,10 +122,15 @@ def _track_ranks(
         )
     ).all()
     # Rows unpacked as tuples: a Row's attribute access costs, and this runs every flush.
-    previous = {rank: (session, last_step) for rank, session, last_step, _, _ in found}
+    previous = {rank: (session, last_step, seen) for rank, session, last_step, seen, _ in found}
+    # A request that arrived before the rank's stored heartbeat is stale: with several
+    # collectors, a rank's consecutive requests can commit out of order (one collector
+    # behind another). It adds its steps but changes nothing of the rank (the upsert's
+    # WHERE), and an old process's late request is no restart.
     restarts = [
-        a for a, _, _ in agents if (p := previous.get(a.rank)) is not None and p[0] != a.session
-    ]
+        a for a, _, t in agents
+        if (p := previous.get(a.rank)) is not None and p[0] != a.session and t >= p[2]
+    ]  # fmt: skip
     if restarts:
         back = {a.rank for a in restarts}
         attempts.record_lost(conn, [row._asdict() for row in found if row.rank in back])
@@ -167,8 +172,10 @@ def _track_ranks(
         "phase": [a.phase for a in heads],
         "clock_skew_s": [None if a.sent_at is None else t - a.sent_at for a, t in zip(heads, arrived, strict=True)],
     }  # fmt: skip
-    upsert_columns(conn, m.ranks, cols, key=("run_id", "rank"), set_=_rank_update)
-    return {rank: last for rank, (_session, last) in previous.items()}
+    upsert_columns(
+        conn, m.ranks, cols, key=("run_id", "rank"), set_=_rank_update, where=_newer_heartbeat
+    )
+    return {rank: last for rank, (_session, last, _seen) in previous.items()}
 
 
 def _one_of(conn: Connection, column: Any, values: list[int]) -> Any:
@@ -180,6 +187,11 @@ def _one_of(conn: Connection, column: Any, values: list[int]) -> Any:
     if is_sqlite(conn):
         return column.in_(values)
     return column.in_(select(func.unnest(bindparam("one_of", values, type_=ARRAY(Integer)))))
+
+
+def _newer_heartbeat(table: Any, new: Any) -> Any:
+    """A rank's row is updated by a request that arrived at or after its stored heartbeat."""
+    return table.c.last_seen <= new.last_seen
 
 
 def _rank_update(table: Any, new: Any) -> dict[str, Any]:

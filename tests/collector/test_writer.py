@@ -101,3 +101,34 @@ def test_one_agents_batch_and_a_node_batch_in_one_flush(engine) -> None:  # type
     again = writer.submit(agent).result(30)  # replayed: the event is not counted twice
     writer.stop()
     assert again.accepted_events == 0 and rows(engine) == 18
+
+
+def test_a_ranks_stale_request_committed_late_adds_its_steps_but_not_its_heartbeat(engine) -> None:  # type: ignore[no-untyped-def]
+    # Two collectors behind a load balancer: a rank's request that arrived first can
+    # commit after the next one (its collector was behind). Here even from the rank's
+    # previous process, which had exited.
+    from trainwarden.collector.db import write
+    from trainwarden.collector.ingest import store_many
+
+    def request(session: str, step_no: int) -> IngestBatch:
+        body = batch(run="w", rank=3, world_size=8, steps=[step(step_no)], session=session)
+        return IngestBatch.model_validate(body)
+
+    with write(engine) as conn:  # the new process's request, arrived at t=200
+        store_many(conn, [request("new", 11)], now=200.0, arrived=[200.0])
+    with write(engine) as conn:  # the old process's last one, arrived at t=100
+        store_many(conn, [request("old", 10)], now=201.0, arrived=[100.0])
+    with engine.connect() as conn:
+        k, e = m.ranks.c, m.events.c
+        rank = conn.execute(select(k.session, k.last_seen, k.last_step).where(k.rank == 3)).one()
+        restarts = conn.execute(select(func.count()).where(e.kind == "restart")).scalar_one()
+    assert tuple(rank) == ("new", 200.0, 11)  # not put back to the old process, nor step 10
+    assert restarts == 0
+    assert rows(engine) == 2  # its step is kept
+
+    with write(engine) as conn:  # a request that did come later does update the rank
+        store_many(conn, [request("newer", 12)], now=300.0, arrived=[300.0])
+    with engine.connect() as conn:
+        rank = conn.execute(select(k.session, k.last_seen, k.last_step).where(k.rank == 3)).one()
+        restarts = conn.execute(select(func.count()).where(e.kind == "restart")).scalar_one()
+    assert tuple(rank) == ("newer", 300.0, 12) and restarts == 1
