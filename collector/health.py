@@ -165,15 +165,15 @@ def stragglers(views: dict[int, StepView], *, ratio: float, window: int) -> dict
     ``window`` steps: {rank: median ratio}."""
     if len(views) < window:
         return {}
-    ratios: dict[int, list[float]] = defaultdict(list)
-    for step in sorted(views)[-window:]:
-        for rank, value in views[step].ratio.items():
-            ratios[rank].append(value)
-    return {
-        rank: statistics.median(values)
-        for rank, values in ratios.items()
-        if len(values) == window and all(v > ratio for v in values)
-    }
+    steps = [views[step].ratio for step in sorted(views)[-window:]]
+    # Only a rank slow on the newest step can be slow on all of them: that handful is
+    # checked, not every rank of every step on every evaluation (once a second).
+    out = {}
+    for rank in [r for r, v in steps[-1].items() if v > ratio]:
+        values = [s[rank] for s in steps if rank in s]
+        if len(values) == window and all(v > ratio for v in values):
+            out[rank] = statistics.median(values)
+    return out
 
 
 def diverging(views: dict[int, StepView], *, z: float, window: int) -> dict[int, tuple[float, int]]:
@@ -182,15 +182,13 @@ def diverging(views: dict[int, StepView], *, z: float, window: int) -> dict[int,
     ordered = sorted(views)[-window:]
     if len(ordered) < window or any(not views[step].z for step in ordered):
         return {}
-    scores: dict[int, list[float]] = defaultdict(list)
-    for step in ordered:
-        for rank, value in views[step].z.items():
-            scores[rank].append(value)
-    return {
-        rank: (statistics.median(values), ordered[0])
-        for rank, values in scores.items()
-        if len(values) == window and all(abs(v) > z for v in values)
-    }
+    steps = [views[step].z for step in ordered]
+    out = {}
+    for rank in [r for r, v in steps[-1].items() if abs(v) > z]:  # as for stragglers
+        values = [s[rank] for s in steps if rank in s]
+        if len(values) == window and all(abs(v) > z for v in values):
+            out[rank] = (statistics.median(values), ordered[0])
+    return out
 
 
 def _events(conn: Connection, *, run_id: int, now: float, events: list[dict[str, Any]]) -> None:

@@ -362,3 +362,37 @@ def test_what_refused_senders_claim_is_bounded(monkeypatch) -> None:
         pressure.refused(f"run-{n}/0-4095")  # 4,096 ranks a request, 81,920 claimed
     held = sum(len(pressure.heard(f"run-{n}")) for n in range(20))
     assert 0 < held <= 10_000 and len(pressure.heard("run-19")) == 4096
+
+
+def test_stragglers_and_diverging_are_the_ranks_over_the_line_on_every_step() -> None:
+    # Against the definition, over random runs: some ranks missing a step, some over the
+    # line on all but one step (the evaluator checks only ranks over it on the newest).
+    import random
+    import statistics
+
+    from trainwarden.collector.health import StepView, diverging, stragglers
+
+    rng = random.Random(7)
+    for _ in range(300):
+        window, ranks = rng.randint(1, 5), rng.randint(3, 40)
+        views = {}
+        for n in range(rng.randint(window - 1, window + 3)):
+            present = [r for r in range(ranks) if rng.random() > 0.05]
+            views[n] = StepView(
+                ratio={r: rng.choice([1.0, 1.1, 1.3, 2.0]) for r in present},
+                z={r: rng.choice([0.0, -7.0, 3.0, 8.0]) for r in present},
+                exposed={},
+            )
+        last = sorted(views)[-window:]
+        want_slow = {
+            r: statistics.median(views[s].ratio[r] for s in last)
+            for r in range(ranks)
+            if len(last) == window and all(views[s].ratio.get(r, 0.0) > 1.2 for s in last)
+        }
+        want_div = {
+            r: (statistics.median(views[s].z[r] for s in last), last[0])
+            for r in range(ranks)
+            if len(last) == window and all(abs(views[s].z.get(r, 0.0)) > 6.0 for s in last)
+        }
+        assert stragglers(views, ratio=1.2, window=window) == want_slow
+        assert diverging(views, z=6.0, window=window) == want_div
