@@ -398,46 +398,53 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
 # -- storms -------------------------------------------------------------------------
 
 
-def grouped(notes: list[Any], *, over: int) -> list[Any]:
-    """``notes`` with each set of more than ``over`` of one rule, run and status made one.
+def group_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """A storm group's labels: the rule's and the run's, without rank, node or GPU, and
+    ``grouped="true"``; its fingerprint is of the rule and these, as every alert's is."""
+    out = {k: v for k, v in labels.items() if k not in ("rank", "node", "gpu")}
+    out["grouped"] = "true"
+    return out
 
-    Its labels are the rule's and the run's, without rank, node or GPU, and
-    ``grouped="true"``: the same for the set's firing and resolved notes, and so is its
-    fingerprint (of the rule and those labels, as every alert's is), so that Alertmanager
-    and PagerDuty resolve what fired. How many, and
-    which ranks, are in its annotations (``alerts``, ``summary``). Its deliveries are
-    recorded on the first alert's row."""
+
+def group_note(members: list[Any]) -> Any:
+    """One notification for ``members`` (notifications of one rule, run and status).
+
+    Its labels (:func:`group_labels`) are the same whenever the group fires, grows or
+    resolves, and so is its fingerprint, so that Alertmanager and PagerDuty update and
+    resolve what fired. How many, and which ranks, are in its annotations (``alerts``,
+    ``summary``). Its deliveries are recorded on the first alert's row."""
     from trainwarden.alerts.notify import Notification
 
+    first = members[0]
+    rule, run, status = first.alertname, first.labels.get("run", ""), first.status
+    labels = group_labels(first.labels)
+    ranks = sorted({int(n.labels["rank"]) for n in members if n.labels.get("rank", "").isdigit()})
+    who = f"{len(ranks):,} ranks ({_spans(ranks)})" if ranks else f"{len(members):,} alerts"
+    annotations = {
+        **first.annotations,
+        "alerts": str(len(members)),
+        "summary": f"{rule} on {who} of run {run}",
+        "description": f"{len(members):,} {rule} alerts {'firing' if status == 'firing' else 'resolved'} "
+                       f"together; the first: {first.annotations.get('description', '')}",
+    }  # fmt: skip
+    return Notification(
+        alert_id=first.alert_id, fingerprint=fingerprint(rule, labels),
+        status=status, labels=labels, annotations=annotations,
+        starts_at=min(n.starts_at for n in members),
+        ends_at=max(n.ends_at for n in members) if status == "resolved" and all(n.ends_at for n in members) else None,
+        generator_url=first.generator_url,
+    )  # fmt: skip
+
+
+def grouped(notes: list[Any], *, over: int) -> list[Any]:
+    """``notes`` with each set of more than ``over`` of one rule, run and status made one
+    (:func:`group_note`)."""
     sets: dict[tuple[str, str, str], list[Any]] = {}
     for note in notes:
         sets.setdefault((note.alertname, note.labels.get("run", ""), note.status), []).append(note)
     out = []
-    for (rule, run, status), members in sets.items():
-        if len(members) <= over:
-            out += members
-            continue
-        first = members[0]
-        labels = {k: v for k, v in first.labels.items() if k not in ("rank", "node", "gpu")}
-        labels["grouped"] = "true"
-        ranks = sorted(
-            {int(n.labels["rank"]) for n in members if n.labels.get("rank", "").isdigit()}
-        )
-        who = f"{len(ranks):,} ranks ({_spans(ranks)})" if ranks else f"{len(members):,} alerts"
-        annotations = {
-            **first.annotations,
-            "alerts": str(len(members)),
-            "summary": f"{rule} on {who} of run {run}",
-            "description": f"{len(members):,} {rule} alerts {'fired' if status == 'firing' else 'resolved'} "
-                           f"together; the first: {first.annotations.get('description', '')}",
-        }  # fmt: skip
-        out.append(Notification(
-            alert_id=first.alert_id, fingerprint=fingerprint(rule, labels),
-            status=status, labels=labels, annotations=annotations,
-            starts_at=min(n.starts_at for n in members),
-            ends_at=max(n.ends_at for n in members) if status == "resolved" and all(n.ends_at for n in members) else None,
-            generator_url=first.generator_url,
-        ))  # fmt: skip
+    for members in sets.values():
+        out += members if len(members) <= over else [group_note(members)]
     return out
 
 
@@ -468,6 +475,17 @@ def silence_matches(matchers: Sequence[dict[str, Any]], labels: dict[str, str]) 
 
 
 # -- the engine ---------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    """An alert in a routing pass: what to send for it, and what to change on its row."""
+
+    row: Any
+    labels: dict[str, str]
+    status: str | None = None  # "firing" or "resolved" to notify; None: nothing
+    quiet: bool = False  # silenced or inhibited
+    changes: dict[str, Any] = field(default_factory=dict)
 
 
 Submit = Callable[[Any], object]
@@ -759,8 +777,7 @@ class AlertEngine:
                 evicting.setdefault((r.run_id, r.node), r.id)
             if (r.labels or {}).get("category") == "liveness" and r.rank is not None:
                 liveness.setdefault((r.run_id, r.rank), r.id)
-        sent = 0
-        first_note = len(notes)
+        entries: list[_Entry] = []
         for r in rows:
             labels = self._full_labels(r)
             silenced = next((s.id for s in silences if silence_matches(s.matchers, labels)), None)
@@ -769,23 +786,70 @@ class AlertEngine:
                 inhibited = evicting.get((r.run_id, r.node))
             if inhibited is None and r.rank is not None and labels.get("category") != "liveness":
                 inhibited = liveness.get((r.run_id, r.rank))
-            changes: dict[str, Any] = {}
+            entry = _Entry(r, labels)
             if (silenced, inhibited) != (r.silenced_by, r.inhibited_by):
-                changes.update(silenced_by=silenced, inhibited_by=inhibited)
-            quiet = silenced is not None or inhibited is not None
+                entry.changes.update(silenced_by=silenced, inhibited_by=inhibited)
+            entry.quiet = quiet = silenced is not None or inhibited is not None
             if r.state == "firing" and not quiet:
                 due = r.last_sent_at is None or (r.acked_at is None and now - r.last_sent_at >= self.settings.resend_s)  # fmt: skip
                 if r.notified != "firing" or due:
-                    notes.append(self._notification(r, labels, "firing"))
-                    changes.update(notified="firing", last_sent_at=now)
+                    entry.status = "firing"
             elif r.state == "resolved" and r.notified == "firing":
-                notes.append(self._notification(r, labels, "resolved"))
-                changes.update(notified="resolved", last_sent_at=now)
-            if changes:
-                conn.execute(update(m.alerts).where(a.id == r.id).values(**changes))
-                sent += "notified" in changes
-        notes[first_note:] = grouped(notes[first_note:], over=self.settings.group_over)
+                entry.status = "resolved"
+            entries.append(entry)
+        sets: dict[tuple[str, int], list[_Entry]] = {}
+        for entry in entries:
+            sets.setdefault((entry.row.rule, entry.row.run_id), []).append(entry)
+        for members in sets.values():
+            notes += self._storm(members, now)
+        sent = 0
+        for entry in entries:
+            if entry.changes:
+                conn.execute(update(m.alerts).where(a.id == entry.row.id).values(**entry.changes))
+                sent += "notified" in entry.changes
         return sent
+
+    def _storm(self, entries: list[_Entry], now: float) -> list[Any]:
+        """The notifications of one rule and run's alerts in this pass, storm or not.
+
+        More than ``group_over`` alerts to page at once are one notification (their
+        group's: :func:`group_note`), and alerts that fire while their group is still
+        open join it: the group's notification is sent again with them (Alertmanager
+        and PagerDuty update the page they have, by its fingerprint; nothing pages
+        twice). An alert is resolved under the fingerprint it was paged under: its own,
+        or, once none of its group is firing any more, the group's."""
+        over = self.settings.group_over
+        gfp = fingerprint(entries[0].row.rule, group_labels(entries[0].labels))
+        in_group = [e for e in entries if e.row.notified == "firing" and e.row.notified_as == gfp]
+        firing = [e for e in entries if e.status == "firing"]
+        fresh = [e for e in firing if e.row.notified != "firing"]
+        alone = [e for e in firing if e.row.notified == "firing" and e.row.notified_as != gfp]
+        still = [e for e in in_group if e.row.state == "firing"]  # the group's open members
+        notes: list[Any] = []
+        group_due = any(e.status == "firing" for e in in_group)
+        if fresh and (still or len(fresh) > over) or group_due:
+            members = [e for e in still if not e.quiet] + fresh  # silenced: not paged again
+            notes.append(
+                group_note([self._notification(e.row, e.labels, "firing") for e in members])
+            )
+            for e in members:  # one resend of the group, not one per member
+                e.changes.update(notified="firing", notified_as=gfp, last_sent_at=now)
+        else:
+            alone += fresh
+        for e in alone:
+            notes.append(self._notification(e.row, e.labels, "firing"))
+            e.changes.update(notified="firing", notified_as=e.row.fingerprint, last_sent_at=now)
+        resolving = [e for e in entries if e.status == "resolved"]
+        ended = [e for e in resolving if e.row.notified_as == gfp]
+        for e in resolving:
+            if e not in ended:
+                notes.append(self._notification(e.row, e.labels, "resolved"))
+            e.changes.update(notified="resolved", last_sent_at=now)
+        if ended and not any(e.changes.get("notified_as") == gfp for e in entries) and not still:
+            notes.append(
+                group_note([self._notification(e.row, e.labels, "resolved") for e in ended])
+            )
+        return notes
 
     def _full_labels(self, r: Any) -> dict[str, str]:
         labels = {

@@ -265,6 +265,8 @@ alerts = Table(
     Column("silenced_by", Integer),
     Column("inhibited_by", Integer),
     Column("notified", String(16)),  # the last status sent to the notifiers
+    # The fingerprint it was last notified under: its own, or its storm group's.
+    Column("notified_as", String(32)),
     Column("last_sent_at", Float),
     Index("ix_alerts_state", "state"),
     Index("ix_alerts_run_id_active_since", "run_id", "active_since"),

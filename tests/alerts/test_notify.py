@@ -164,13 +164,18 @@ def test_alertmanager_resolves_the_one_page_a_storm_became(
 
     cfg = to_alertmanager(tmp_path, alertmanager)
     ranks = [episode(rank=str(r), node=f"n{r // 8}") for r in range(8, 16)]  # a node's ranks
-    (firing,) = grouped([f for f, _ in ranks], over=3)
+    (first,) = grouped([f for f, _ in ranks[:5]], over=3)  # five in one pass
+    (firing,) = grouped([f for f, _ in ranks], over=3)  # the other three join in the next
     (resolved,) = grouped([r for _, r in ranks], over=3)
 
     async def main() -> None:
         d = Dispatcher(cfg)
         await d.start()
         async with httpx.AsyncClient(base_url=alertmanager) as am:
+            assert d.submit(first)
+            await d.drain(10)
+            (alert,) = (await am.get("/api/v2/alerts")).json()
+            assert alert["annotations"]["summary"] == "Straggler on 5 ranks (8-12) of run r1"
             assert d.submit(firing)
             await d.drain(10)
             (alert,) = (await am.get("/api/v2/alerts")).json()  # one page for eight ranks

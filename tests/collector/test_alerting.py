@@ -533,6 +533,63 @@ def test_a_few_ranks_page_one_by_one() -> None:
     assert one.labels == {"alertname": "RankDead", "run": "r", "grouped": "true"}
 
 
+def test_a_storm_over_several_passes_pages_once_and_resolves_once(engine) -> None:
+    # A node's ranks send on their own: they go silent a few seconds apart, and their
+    # dead verdicts fall into different passes.
+    alerts = Engine(engine, "RankDead")
+    world = 9  # rank 8 beats on throughout
+
+    def beat(ranks: range | list[int], at: float, n: int) -> None:
+        for rank in ranks:
+            send(engine, rank=rank, world=world, at=at, steps=[step(n)], node="node0")
+
+    beat(range(9), T0, 0)
+    beat(range(5, 9), T0 + 3, 1)
+    alerts.run(T0 + 5)  # ranks 0-4 silent for 5 s: dead
+    (page,) = alerts.sent
+    assert page.annotations["summary"] == "RankDead on 5 ranks (0-4) of run r1"
+    beat([8], T0 + 7, 2)
+    alerts.run(T0 + 8)  # ranks 5-7 now too: they join the page, which is sent again
+    (_, update) = alerts.sent
+    assert update.fingerprint == page.fingerprint and update.labels == page.labels
+    assert update.status == "firing" and update.annotations["alerts"] == "8"
+    assert update.annotations["summary"] == "RankDead on 8 ranks (0-7) of run r1"
+
+    # Back a few at a time: nothing until the last, then the page resolves.
+    for i, back in enumerate(([0, 1, 2], [3, 4, 5], [6, 7])):
+        beat([*back, 8], T0 + 9 + i, 3 + i)
+        rows = alerts.run(T0 + 9 + i)
+        assert {r["rank"] for r in rows if r["state"] == "resolved"} >= set(back)
+        assert len(alerts.sent) == (2 if i < 2 else 3)
+    resolved = alerts.sent[-1]
+    assert resolved.status == "resolved" and resolved.fingerprint == page.fingerprint
+    assert resolved.labels == page.labels
+
+
+def test_alerts_paged_alone_resolve_alone_and_a_group_as_a_group(engine) -> None:
+    alerts = Engine(engine, "RankDead")
+    world = 9
+
+    def beat(ranks: range | list[int], at: float, n: int) -> None:
+        for rank in ranks:
+            send(engine, rank=rank, world=world, at=at, steps=[step(n)], node="node0")
+
+    beat(range(9), T0, 0)
+    beat(range(2, 9), T0 + 3, 1)
+    alerts.run(T0 + 5)  # ranks 0 and 1: too few for a group, paged one by one
+    assert sorted(n.labels["rank"] for n in alerts.sent) == ["0", "1"]
+    beat([8], T0 + 7, 2)
+    alerts.run(T0 + 8)  # ranks 2-7: six at once, a group of their own
+    fired = alerts.sent[2:]
+    assert [n.annotations["alerts"] for n in fired] == ["6"]
+    beat(range(9), T0 + 9, 3)
+    alerts.run(T0 + 9)  # all back at once
+    paged = {n.fingerprint for n in alerts.sent if n.status == "firing"}
+    resolved = [n for n in alerts.sent if n.status == "resolved"]
+    # Each resolved under the fingerprint it was paged under, and nothing else.
+    assert sorted(n.fingerprint for n in resolved) == sorted(paged) and len(resolved) == 3
+
+
 def test_a_node_that_dies_is_one_page(engine) -> None:
     alerts = Engine(engine, "RankDead")
     for rank in range(16):
