@@ -827,7 +827,7 @@ class AlertEngine:
         still = [e for e in in_group if e.row.state == "firing"]  # the group's open members
         notes: list[Any] = []
         group_due = any(e.status == "firing" for e in in_group)
-        if fresh and (still or len(fresh) > over) or group_due:
+        if group_due or (fresh and (still or len(fresh) > over)):
             members = [e for e in still if not e.quiet] + fresh  # silenced: not paged again
             notes.append(
                 group_note([self._notification(e.row, e.labels, "firing") for e in members])

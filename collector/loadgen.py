@@ -311,9 +311,9 @@ async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's event loop where it is installed (uvicorn[standard] brings it): a
-    request's round trip costs the load generator about half the CPU of asyncio's own
-    loop, and it shares the machine with the collector it measures."""
+    """uvloop's event loop where it is installed (uvicorn[standard] brings it): its
+    round trips cost less CPU than asyncio's own loop, and the load generator shares the
+    machine with the collector it measures."""
     try:
         import uvloop
     except ImportError:
