@@ -4,6 +4,7 @@ validation is pydantic's, work is in ``ingest`` and ``queries``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -77,7 +78,9 @@ def _busy(metrics: CollectorMetrics, why: str, sender: str | None = None) -> HTT
     )
 
 
-def _done(request: Request, future: Future[IngestResult], started: float) -> IngestResult:
+def _done(
+    request: Request, future: Future[IngestResult] | asyncio.Future[IngestResult], started: float
+) -> IngestResult:
     """The outcome of a submitted batch, with its metrics and error mapping."""
     metrics = _metrics(request)
     try:
@@ -89,9 +92,10 @@ def _done(request: Request, future: Future[IngestResult], started: float) -> Ing
         metrics.ingest_requests.labels("unavailable").inc()
         raise _unavailable(exc) from exc
     metrics.ingest_seconds.observe(time.perf_counter() - started)
-    metrics.ingest_requests.labels("ok").inc()
-    metrics.ingest_records.labels("step").inc(result.accepted_steps)
-    metrics.ingest_records.labels("event").inc(result.accepted_events)
+    metrics.ingest_ok.inc()
+    metrics.ingest_steps.inc(result.accepted_steps)
+    if result.accepted_events:
+        metrics.ingest_events.inc(result.accepted_events)
     return result
 
 
@@ -107,10 +111,11 @@ async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> Ingest
     auth.check_run(batch.run)  # an ingest token may be limited to some runs
     started = time.perf_counter()
     try:
-        future = _writer(request).submit(batch)
+        future = _writer(request).submit_async(batch)
     except Busy as exc:
         raise _busy(_metrics(request), str(exc), _sender(batch)) from None
-    await asyncio.wait([asyncio.wrap_future(future)])  # the commit; errors are read below
+    with contextlib.suppress(Exception):  # read below
+        await future  # the commit
     result = _done(request, future, started)
     board = getattr(request.app.state, "commands", None)
     if board is not None and isinstance(batch, IngestBatch) and batch.run in board.runs:

@@ -34,6 +34,11 @@ class CollectorMetrics:
             ["kind"],
             registry=self.registry,
         )
+        # The children every ingest request counts into, looked up once (a request a
+        # node a second: ``labels`` costs more than ``inc``).
+        self.ingest_ok = self.ingest_requests.labels("ok")
+        self.ingest_steps = self.ingest_records.labels("step")
+        self.ingest_events = self.ingest_records.labels("event")
         self.ingest_seconds = Histogram(
             "trainwarden_ingest_seconds",
             "Time from an ingest batch being queued to its commit.",

@@ -14,6 +14,8 @@ growing the collector's memory.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 import threading
@@ -66,8 +68,28 @@ class Busy(Exception):
 class _Pending:
     batch: IngestBatch | ColumnarBatch
     rows: int
-    future: Future[IngestResult]
+    # A thread's future (submit), or an event loop's (submit_async, with its loop).
+    future: Future[IngestResult] | asyncio.Future[IngestResult]
     arrived: float  # wall time: a rank's heartbeat is when its request came in
+    loop: asyncio.AbstractEventLoop | None = None
+    result: IngestResult | None = None
+    error: BaseException | None = None
+
+    @property
+    def settled(self) -> bool:
+        return self.result is not None or self.error is not None
+
+
+def _settle(items: list[_Pending]) -> None:
+    """In the event loop: complete its requests' futures (one call a flush)."""
+    for item in items:
+        future = item.future
+        if future.done():  # the request was cancelled (its client went away)
+            continue
+        if item.error is not None:
+            future.set_exception(item.error)
+        else:
+            future.set_result(item.result)  # type: ignore[arg-type]
 
 
 class IngestWriter:
@@ -106,14 +128,27 @@ class IngestWriter:
 
     def submit(self, batch: IngestBatch | ColumnarBatch) -> Future[IngestResult]:
         """Queue ``batch``; the future completes when it is committed (or failed)."""
-        rows = batch_rows(batch)
         future: Future[IngestResult] = Future()
+        self._enqueue(batch, future, None)
+        return future
+
+    def submit_async(self, batch: IngestBatch | ColumnarBatch) -> asyncio.Future[IngestResult]:
+        """:meth:`submit` from a coroutine: an asyncio future of the running loop. A
+        flush completes all of a loop's futures in one callback (not one thread-safe
+        call, and one wake-up of the loop, a request: the HTTP thread's cost a request)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[IngestResult] = loop.create_future()
+        self._enqueue(batch, future, loop)
+        return future
+
+    def _enqueue(self, batch: IngestBatch | ColumnarBatch, future: Any, loop: Any) -> None:
+        rows = batch_rows(batch)
         with self._cond:
             if self._stopping:
                 raise Busy("collector is shutting down")
             if self._queue and self._rows + rows > self.max_pending_rows:
                 raise Busy(f"{self._rows:,} rows are waiting to be written")
-            self._queue.append(_Pending(batch, rows, future, time.time()))
+            self._queue.append(_Pending(batch, rows, future, time.time(), loop))
             self._rows += rows
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -121,7 +156,6 @@ class IngestWriter:
                 )
                 self._thread.start()
             self._cond.notify()
-        return future
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Write what is queued, then end the thread."""
@@ -153,13 +187,30 @@ class IngestWriter:
         while (group := self._take()) is not None:
             try:
                 self._write(group)
-                self._writing_since = None
             except BaseException as exc:  # never leave a request waiting forever
-                self._writing_since = None
                 log.exception("ingest writer failed")
                 for item in group:
-                    if not item.future.done():
-                        item.future.set_exception(exc)
+                    if not item.settled:
+                        item.error = exc
+            self._writing_since = None
+            self._deliver(group)
+
+    @staticmethod
+    def _deliver(group: list[_Pending]) -> None:
+        """Hand each request its outcome: a thread's future at once, an event loop's
+        futures together, in one callback a loop."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Pending]] = {}
+        for item in group:
+            if item.loop is not None:
+                by_loop.setdefault(item.loop, []).append(item)
+            elif not item.future.done():
+                if item.error is not None:
+                    item.future.set_exception(item.error)
+                else:
+                    item.future.set_result(item.result)  # type: ignore[arg-type]
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
+                loop.call_soon_threadsafe(_settle, items)
 
     def _write(self, group: list[_Pending]) -> None:
         started = time.perf_counter()
@@ -175,7 +226,7 @@ class IngestWriter:
                 self._isolate(group, exc)  # this data, not the database
                 return
             for item in group:  # unreachable, restarting, deadlocked: retry later
-                item.future.set_exception(exc)
+                item.error = exc
             return
         except Exception as exc:  # validated data the storage layer still refused
             forget_runs(self.engine)
@@ -183,7 +234,7 @@ class IngestWriter:
             return
         self.flushes += 1
         for item, result in zip(group, results, strict=True):
-            item.future.set_result(result)
+            item.result = result
         if self.on_flush is not None:
             self.on_flush(len(group), sum(i.rows for i in group), time.perf_counter() - started)
 
@@ -195,9 +246,7 @@ class IngestWriter:
                 self._write([item])
             return
         log.warning("ingest batch refused: %s", _first_line(exc))
-        group[0].future.set_exception(
-            exc if isinstance(exc, ValueError) else ValueError(_first_line(exc))
-        )
+        group[0].error = exc if isinstance(exc, ValueError) else ValueError(_first_line(exc))
 
 
 def _first_line(exc: BaseException) -> str:

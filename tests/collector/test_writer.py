@@ -3,7 +3,9 @@ a full queue refuses instead of growing."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from sqlalchemy import func, select
@@ -132,3 +134,50 @@ def test_a_ranks_stale_request_committed_late_adds_its_steps_but_not_its_heartbe
         rank = conn.execute(select(k.session, k.last_seen, k.last_step).where(k.rank == 3)).one()
         restarts = conn.execute(select(func.count()).where(e.kind == "restart")).scalar_one()
     assert tuple(rank) == ("newer", 300.0, 12) and restarts == 1
+
+
+def test_a_flushs_requests_from_an_event_loop_complete_in_one_callback(engine) -> None:  # type: ignore[no-untyped-def]
+    # submit_async: the HTTP thread's futures. A flush of many requests wakes their loop
+    # once (not a thread-safe call a request), and a bad batch among them still fails
+    # alone, with its own error; a cancelled request is skipped.
+    writer = IngestWriter(engine)
+    gate = threading.Event()
+    writer.on_flush = lambda *_: gate.wait(10)
+    agent = AgentInfo(rank=16, world_size=64, host="n16", session="s16")
+    bad = IngestBatch.model_construct(
+        run="w", agent=agent, steps=[StepIn.model_construct(step=0, ts=1_700_000_000.0, duration_s=None)],
+        events=[], gpu=[],
+    )  # fmt: skip
+
+    async def main() -> tuple[list[object], int]:
+        loop = asyncio.get_running_loop()
+        calls = 0
+        threadsafe = loop.call_soon_threadsafe
+
+        def counted(*args: object) -> object:
+            nonlocal calls
+            calls += 1
+            return threadsafe(*args)  # type: ignore[arg-type]
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        first = writer.submit_async(node(0, range(1)))  # taken at once, then held
+        while writer.pending_rows:
+            await asyncio.sleep(0.001)
+        gone = writer.submit_async(node(48, range(1)))  # delivered before the others
+        gone.cancel()
+        held = [writer.submit_async(node(8 * n, range(1))) for n in range(1, 6)]
+        refused = writer.submit_async(bad)
+        gate.set()
+        outcomes = await asyncio.gather(first, *held, refused, return_exceptions=True)
+        await asyncio.sleep(0.05)  # the cancelled one's delivery, if any, has run
+        return outcomes, calls
+
+    # In a thread of its own: a browser test's Playwright keeps a loop running in the
+    # main thread for the rest of the session, and asyncio.run refuses to nest.
+    with ThreadPoolExecutor(1) as pool:
+        outcomes, calls = pool.submit(asyncio.run, main()).result(60)
+    writer.stop()
+    assert [o.accepted_steps for o in outcomes[:6]] == [8] * 6  # type: ignore[union-attr]
+    assert isinstance(outcomes[6], ValueError) and "the database refused" in str(outcomes[6])
+    assert calls == 2  # the first flush, then the other seven requests' flush
+    assert rows(engine) == 8 * 7  # the cancelled request was stored all the same
