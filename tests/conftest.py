@@ -241,6 +241,7 @@ def start_serve(
     env: dict[str, str] | None = None,
     port: int | None = None,
     auth: bool = False,
+    log_level: str = "warning",
 ) -> Server:
     """``trainwarden serve`` as a user runs it: a real process on loopback.
 
@@ -259,7 +260,7 @@ def start_serve(
         "--port",
         str(port),
         "--log-level",
-        "warning",
+        log_level,
         "--auth",
         "required" if auth else "off",
     ]
