@@ -102,8 +102,8 @@ def _done(
 def _sender(batch: IngestBatch | ColumnarBatch) -> str:
     """The batch's run and ranks as the sender header has them: a refused batch is
     still its ranks' heartbeat."""
-    agents = [batch.agent] if isinstance(batch, IngestBatch) else batch.agents
-    return f"{batch.run}/{','.join(str(a.rank) for a in agents)}"
+    ranks = [batch.agent.rank] if isinstance(batch, IngestBatch) else batch.header_columns()["rank"]
+    return f"{batch.run}/{','.join(map(str, ranks))}"
 
 
 async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> IngestResult:

@@ -47,6 +47,7 @@ from . import models as m
 from .db import is_sqlite
 from .partitions import day_of, ensure_partitions
 from .schemas import (
+    AGENT_FIELDS,
     AgentInfo,
     ColumnarBatch,
     EventIn,
@@ -107,75 +108,99 @@ def forget_runs(engine: Engine) -> None:
     _run_ids.pop(engine, None)
 
 
+_HEAD_COLUMNS = (*AGENT_FIELDS, "top", "arrived")  # a flush's headers: and each one's request's
+
+
+def _newest(heads: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    """A run's headers in a flush with one row a rank: where a rank sent twice (two
+    requests of a node in one flush), its newest header wins, with the highest step of
+    both and the later arrival."""
+    ranks = heads["rank"]
+    if len(set(ranks)) == len(ranks):
+        return heads
+    last = {rank: i for i, rank in enumerate(ranks)}  # the newest: the later request
+    top: dict[int, int] = {}
+    for rank, step in zip(ranks, heads["top"], strict=True):
+        if step is not None:
+            top[rank] = max(step, top.get(rank, step))
+    keep = sorted(last.values())
+    out = _take(heads, keep)
+    out["top"] = [top.get(rank) for rank in out["rank"]]
+    return out
+
+
 def _track_ranks(
-    conn: Connection, *, run_id: int, agents: list[tuple[AgentInfo, list[int], float]], now: float
+    conn: Connection, *, run_id: int, heads: dict[str, list[Any]], now: float
 ) -> dict[int, int | None]:
     """Heartbeat and progress of the ranks in a flush, in a fixed number of statements
     whatever their number; a rank back with a new process session gets a ``restart``
-    event. ``agents``: (header, step numbers, when its request arrived). Returns each
-    known rank's ``last_step`` before this flush."""
+    event. ``heads``: the ranks' headers column-wise (AgentInfo's fields, one row a
+    rank), with ``top`` (each rank's highest step in the flush) and ``arrived`` (when its
+    request came in). Returns each known rank's ``last_step`` before this flush."""
     rk = m.ranks.c
-    agents = sorted(agents, key=lambda pair: pair[0].rank)  # rank order, as the evaluator locks
+    ranks, sessions, arrived = heads["rank"], heads["session"], heads["arrived"]
     found = conn.execute(
         select(rk.rank, rk.session, rk.last_step, rk.last_seen, rk.progress_at).where(
-            rk.run_id == run_id, _one_of(conn, rk.rank, [a.rank for a, _, _ in agents])
+            rk.run_id == run_id, _one_of(conn, rk.rank, ranks)
         )
     ).all()
     # Rows unpacked as tuples: a Row's attribute access costs, and this runs every flush.
-    previous = {rank: (session, last_step, seen) for rank, session, last_step, seen, _ in found}
+    at = dict(zip(ranks, range(len(ranks)), strict=True))
+    previous: dict[int, int | None] = {}
     # A request that arrived before the rank's stored heartbeat is stale: with several
     # collectors, a rank's consecutive requests can commit out of order (one collector
     # behind another). It adds its steps but changes nothing of the rank (the upsert's
     # WHERE), and an old process's late request is no restart.
-    restarts = [
-        a for a, _, t in agents
-        if (p := previous.get(a.rank)) is not None and p[0] != a.session and t >= p[2]
-    ]  # fmt: skip
+    restarts: list[tuple[int, str]] = []  # (row in heads, the previous session)
+    for rank, session, last_step, seen, _ in found:
+        previous[rank] = last_step
+        i = at[rank]
+        if session != sessions[i] and arrived[i] >= seen:
+            restarts.append((i, session))
     if restarts:
-        back = {a.rank for a in restarts}
+        restarts.sort(key=lambda pair: ranks[pair[0]])  # rank order, as the evaluator locks
+        back = {ranks[i] for i, _ in restarts}
         attempts.record_lost(conn, [row._asdict() for row in found if row.rank in back])
         conn.execute(
             _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
             [
                 {
                     # Derived from both sessions so that a replayed batch cannot add it twice.
-                    "uid": uuid.uuid5(uuid.NAMESPACE_OID, f"restart:{previous[a.rank][0]}:{a.session}").hex,
-                    "run_id": run_id, "rank": a.rank, "step": None, "ts": a.started_at or now, "recv_ts": now,
+                    "uid": uuid.uuid5(uuid.NAMESPACE_OID, f"restart:{before}:{sessions[i]}").hex,
+                    "run_id": run_id, "rank": ranks[i], "step": None,
+                    "ts": heads["started_at"][i] or now, "recv_ts": now,
                     "kind": "restart", "severity": "warning",
-                    "data": {"previous_session": previous[a.rank][0], "session": a.session, "pid": a.pid},
+                    "data": {"previous_session": before, "session": sessions[i], "pid": heads["pid"][i]},
                 }
-                for a in restarts
+                for i, before in restarts
             ],
         )  # fmt: skip
-    # Column-wise, as the steps are: one list a column, not one dict a rank.
-    heads = [a for a, _, _ in agents]
-    arrived = [t for _, _, t in agents]
-    last_steps = []
-    for agent, steps, _ in agents:
-        last_step = max(steps, default=None)
-        if agent.last_step is not None:
-            last_step = agent.last_step if last_step is None else max(agent.last_step, last_step)
-        last_steps.append(last_step)
-    n = len(heads)
+    n = len(ranks)
+    said = heads["last_step"]  # the header's own last step, or its steps here: the higher
+    last_steps = [t if s is None else (s if t is None else max(s, t))
+                  for s, t in zip(said, heads["top"], strict=True)]  # fmt: skip
+    node = heads["node"]
+    in_step = heads["in_step"]
+    sent = heads["sent_at"]
     cols: dict[str, list[Any]] = {
-        "run_id": [run_id] * n, "rank": [a.rank for a in heads],
-        "local_rank": [a.local_rank for a in heads], "host": [a.host for a in heads],
-        "node": [a.node or a.host for a in heads], "pid": [a.pid for a in heads],
-        "session": [a.session for a in heads],
+        "run_id": [run_id] * n, "rank": ranks, "local_rank": heads["local_rank"],
+        "host": heads["host"],
+        "node": heads["host"] if node.count(None) == n else [v or h for v, h in zip(node, heads["host"], strict=True)],
+        "pid": heads["pid"], "session": sessions,
         # Every request is a heartbeat, seen when it arrived (not when the writer got
         # to it: a busy collector must not make its ranks look dead).
         "first_seen": arrived, "last_seen": arrived,
         "last_step": last_steps, "state": ["healthy"] * n, "state_since": [now] * n,
-        "heartbeat_s": [a.heartbeat_s for a in heads],
-        "progress_at": [a.last_step_end for a in heads],  # none before the first step: no hung verdict yet
-        "in_step": [None if a.in_step is None else int(a.in_step) for a in heads],
-        "phase": [a.phase for a in heads],
-        "clock_skew_s": [None if a.sent_at is None else t - a.sent_at for a, t in zip(heads, arrived, strict=True)],
+        "heartbeat_s": heads["heartbeat_s"],
+        "progress_at": heads["last_step_end"],  # none before the first step: no hung verdict yet
+        "in_step": in_step if in_step.count(None) == n else [None if v is None else int(v) for v in in_step],
+        "phase": heads["phase"],
+        "clock_skew_s": [None if s is None else t - s for s, t in zip(sent, arrived, strict=True)],
     }  # fmt: skip
     upsert_columns(
         conn, m.ranks, cols, key=("run_id", "rank"), set_=_rank_update, where=_newer_heartbeat
     )
-    return {rank: last for rank, (_session, last, _seen) in previous.items()}
+    return previous
 
 
 def _one_of(conn: Connection, column: Any, values: list[int]) -> Any:
@@ -486,8 +511,11 @@ class _Request:
 
     run: str
     world_size: int
-    agents: list[tuple[AgentInfo, list[int]]]  # each rank's header and its step numbers here
+    heads: dict[str, list[Any]]  # the ranks' headers, column-wise: AgentInfo's fields
+    top: list[int | None]  # each header's rank: its highest step number here (None: none)
+    low: list[int | None]  # ... and its lowest
     steps: dict[str, list[Any]]  # step columns: "rank" and StepIn fields, of one length
+    agent: AgentInfo | None = None  # one agent's batch: its header (events and GPU samples)
     events: list[EventIn] = field(default_factory=list)
     gpu: list[GpuSampleIn] = field(default_factory=list)
 
@@ -503,22 +531,27 @@ def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
             "rank": [a.rank] * len(dumped),
             **{name: [d[name] for d in dumped] for name in _STEP_FIELDS},
         }
-        return _Request(batch.run, a.world_size, [(a, steps["step"])], steps if dumped else {},
-                        batch.events, batch.gpu)  # fmt: skip
-    cols = batch.columns()
-    by_rank: dict[int, list[int]] = defaultdict(list)
-    for rank, step in zip(cols.get("rank", ()), cols.get("step", ()), strict=True):
-        by_rank[rank].append(step)
-    return _Request(
-        batch.run, batch.world_size, [(a, by_rank.get(a.rank, [])) for a in batch.agents], cols
-    )
+        numbers = steps["step"]
+        return _Request(batch.run, a.world_size, {name: [getattr(a, name)] for name in AGENT_FIELDS},
+                        [max(numbers, default=None)], [min(numbers, default=None)],
+                        steps if dumped else {}, a, batch.events, batch.gpu)  # fmt: skip
+    cols, heads = batch.columns(), batch.header_columns()
+    if cols.get("rank") == heads["rank"]:  # a row a rank, in the headers' order: the usual
+        top = low = cols["step"]
+    else:
+        by_rank: dict[int, list[int]] = defaultdict(list)
+        for rank, step in zip(cols.get("rank", ()), cols.get("step", ()), strict=True):
+            by_rank[rank].append(step)
+        top = [max(by_rank[r]) if r in by_rank else None for r in heads["rank"]]
+        low = [min(by_rank[r]) if r in by_rank else None for r in heads["rank"]]
+    return _Request(batch.run, batch.world_size, heads, top, low, cols)
 
 
 def batch_rows(batch: IngestBatch | ColumnarBatch) -> int:
     """How many records a validated batch carries (what the writer's bound counts)."""
     if isinstance(batch, IngestBatch):
         return len(batch.steps) + len(batch.events) + len(batch.gpu) + 1
-    return len(batch.steps.get("rank", ())) + len(batch.agents)
+    return len(batch.steps.get("rank", ())) + len(batch.header_columns()["rank"])
 
 
 def store_many(
@@ -543,16 +576,19 @@ def store_many(
         if req.run not in run_ids:
             run_ids[req.run] = _run_id(conn, name=req.run, world_size=req.world_size, now=now)
 
-    # Ranks: the newest header of each rank wins; its steps are all this flush brings.
-    by_run: dict[int, dict[int, tuple[AgentInfo, list[int], float]]] = defaultdict(dict)
+    # Ranks: each run's headers column-wise (a list a field, not an object a rank).
+    by_run: dict[int, dict[str, list[Any]]] = {}
     for req, at in zip(requests, when, strict=True):
-        ranks = by_run[run_ids[req.run]]
-        for agent, steps in req.agents:
-            earlier = ranks.get(agent.rank)
-            ranks[agent.rank] = (agent, steps if earlier is None else [*earlier[1], *steps], at)
+        heads = by_run.get(run_ids[req.run])
+        if heads is None:
+            heads = by_run[run_ids[req.run]] = {name: [] for name in _HEAD_COLUMNS}
+        for name in AGENT_FIELDS:
+            heads[name] += req.heads[name]
+        heads["top"] += req.top
+        heads["arrived"] += [at] * len(req.top)
     last_steps: dict[tuple[int, int], int | None] = {}
     for run_id in sorted(by_run):
-        known = _track_ranks(conn, run_id=run_id, agents=list(by_run[run_id].values()), now=now)
+        known = _track_ranks(conn, run_id=run_id, heads=_newest(by_run[run_id]), now=now)
         last_steps.update({(run_id, rank): last for rank, last in known.items()})
 
     # Steps, column-wise (no object a row): the same step twice in one flush (a replay
@@ -576,10 +612,12 @@ def store_many(
     firsts: dict[str, tuple[int, float]] = {}
     done = attempts.sessions_started(conn.engine)
     for req in requests:
-        for agent, steps in req.agents:
-            if steps and agent.session not in done and agent.session not in firsts:
-                first = min(steps)
-                firsts[agent.session] = (first, _started_at(req, agent.rank, first))
+        if not done.issuperset(req.heads["session"]):  # a process's first steps: rare
+            for rank, session, first in zip(
+                req.heads["rank"], req.heads["session"], req.low, strict=True
+            ):
+                if first is not None and session not in done and session not in firsts:
+                    firsts[session] = (first, _started_at(req, rank, first))
     attempts.record_first_steps(conn, firsts)
     _store_gpu(conn, requests, run_ids, now)
     for req in requests:  # a rank saying goodbye ends the run when it is the last
@@ -610,7 +648,7 @@ def _store_events(
     """Insert every request's events; a replayed event id is ignored and not counted."""
     rows = []
     for req in requests:
-        rank = req.agents[0][0].rank if req.agents else None
+        rank = req.agent.rank if req.agent is not None else None
         rows += [
             {"uid": e.id, "run_id": run_ids[req.run], "rank": rank, "step": e.step, "ts": e.ts,
              "recv_ts": now, "kind": e.kind, "severity": e.severity, "data": e.data}
@@ -631,14 +669,15 @@ def _store_events(
     for req in requests:
         counts.append(sum(1 for e in req.events if e.id in fresh))
         fresh -= {e.id for e in req.events}  # the same id twice in one flush counts once
-        run_id = run_ids[req.run]
-        rank = req.agents[0][0].rank
-        where = (m.ranks.c.run_id == run_id) & (m.ranks.c.rank == rank)
+        if req.agent is None:  # a node's columns: steps only
+            continue
+        run_id, agent = run_ids[req.run], req.agent
+        where = (m.ranks.c.run_id == run_id) & (m.ranks.c.rank == agent.rank)
         for e in req.events:
             if e.kind == "attempt_start" and e.id in fresh_ids:
-                attempts.record_start(conn, run_id, req.agents[0][0], e, now)
+                attempts.record_start(conn, run_id, agent, e, now)
             elif e.kind == "attempt_end" and e.id in fresh_ids:
-                attempts.record_end(conn, req.agents[0][0], e)
+                attempts.record_end(conn, agent, e)
             if e.kind == "gpu_telemetry":  # "ok" with the device, or "unavailable" and why
                 conn.execute(update(m.ranks).where(where).values(gpu=e.data))
             elif e.kind == "shutdown":  # failed: the process ended on an exception in a step
@@ -657,9 +696,9 @@ def _store_gpu(
 ) -> None:
     rows = []
     for req in requests:
-        if not req.gpu:
+        if not req.gpu or req.agent is None:
             continue
-        run_id, rank = run_ids[req.run], req.agents[0][0].rank
+        run_id, rank = run_ids[req.run], req.agent.rank
         rows += [
             {**g.model_dump(), "run_id": run_id, "rank": rank, "day": day_of(g.ts), "recv_ts": now,
              "remap_pending": None if g.remap_pending is None else int(g.remap_pending),

@@ -153,10 +153,11 @@ def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float,
             user_metrics(user, step=step, rng=rng, z=z[at + i * u : at + (i + 1) * u])
             for i in range(n)
         ]
-    agents = [{"rank": r, "local_rank": r % n, "host": f"node{ranks.start // n}",
-               "session": sessions[r], "heartbeat_s": 2.0, "last_step": step, "last_step_end": now,
-               "in_step": False, "sent_at": now} for r in ranks]  # fmt: skip
-    return {"run": run, "world_size": world, "agents": agents, "steps": cols}
+    # The ranks' headers column-wise too (agent_columns): what a node's forwarder sends.
+    heads = {"rank": list(ranks), "local_rank": [r % n for r in ranks], "host": [f"node{ranks.start // n}"] * n,
+             "session": [sessions[r] for r in ranks], "heartbeat_s": [2.0] * n, "last_step": [step] * n,
+             "last_step_end": [now] * n, "in_step": [False] * n, "sent_at": [now] * n}  # fmt: skip
+    return {"run": run, "world_size": world, "agent_columns": heads, "steps": cols}
 
 
 class _Connection:

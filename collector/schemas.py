@@ -217,17 +217,46 @@ class IngestBatch(BaseModel):
 STEP_COLUMNS = frozenset(StepIn.model_fields)
 
 
+def _agent_column_model() -> type[BaseModel]:
+    """``AgentInfo`` turned column-wise (``world_size`` is the batch's): each field a list
+    of its type with its constraints, validated in one pass, with no object a rank. A
+    field with a default may be left out (every rank takes the default)."""
+    fields: dict[str, Any] = {}
+    for name, info in AgentInfo.model_fields.items():
+        if name == "world_size":
+            continue
+        args = (info.annotation, *info.metadata)
+        item = Annotated[args] if info.metadata else info.annotation  # type: ignore[valid-type]
+        fields[name] = (list[item], ...) if info.is_required() else (list[item] | None, None)  # type: ignore[valid-type]
+    return create_model(
+        "AgentColumns",
+        __doc__="The ranks' headers column-wise: a field of ``AgentInfo`` (but ``world_size``, "
+        "the batch's) to a list with one value a rank, all lists of one length.",
+        **fields,
+    )
+
+
+AgentColumns = _agent_column_model()
+AGENT_FIELDS = tuple(AgentInfo.model_fields)
+_AGENT_DEFAULTS = {name: info.default for name, info in AgentInfo.model_fields.items()
+                   if not info.is_required()}  # fmt: skip
+_AGENT_TIMES = ("started_at", "sent_at", "last_step_end")
+
+
 class ColumnarBatch(BaseModel):
     """``POST /api/v1/ingest/columns``: several ranks' steps in one request, column-wise.
 
-    For per-node forwarders and load generators: ``agents`` has one header per rank in
-    the request; ``steps`` maps a step field (as in ``StepIn``) plus ``rank`` to a list,
-    all lists of one length.
+    For per-node forwarders and load generators: the ranks' headers come either as
+    ``agents`` (one ``AgentInfo`` a rank in the request) or as ``agent_columns`` (the same
+    fields column-wise: one list a field, a value a rank; cheaper to check and to store);
+    ``steps`` maps a step field (as in ``StepIn``) plus ``rank`` to a list, all lists of
+    one length.
     """
 
     run: str = Field(pattern=RUN_NAME_PATTERN)
     world_size: int = Field(ge=1, le=1_000_000)
-    agents: list[AgentInfo] = Field(min_length=1, max_length=65_536)
+    agents: list[AgentInfo] = Field(default_factory=list, max_length=65_536)
+    agent_columns: AgentColumns | None = None  # type: ignore[valid-type]
     steps: dict[str, list[Any]] = Field(default_factory=dict)
 
     @model_validator(mode="before")
@@ -240,6 +269,7 @@ class ColumnarBatch(BaseModel):
 
     @model_validator(mode="after")
     def _columns(self) -> ColumnarBatch:
+        self._heads = self._header_columns()
         if not self.steps:
             self._cols = {}
             return self
@@ -256,21 +286,67 @@ class ColumnarBatch(BaseModel):
             raise ValueError(f"step columns differ in length: {lengths}")
         if lengths["rank"] > MAX_RECORDS_PER_BATCH * 4:
             raise ValueError(f"at most {MAX_RECORDS_PER_BATCH * 4} step rows per request")
-        known = {a.rank for a in self.agents}
-        stray = set(self.steps["rank"]) - known
-        if stray:
-            raise ValueError(
-                f"step rows for ranks {sorted(stray)[:5]} that have no entry in agents"
-            )
+        heads = self._heads["rank"]
+        if self.steps["rank"] != heads:  # else: a row a rank, in the headers' order
+            stray = set(self.steps["rank"]) - set(heads)
+            if stray:
+                which = "agent_columns" if self.agent_columns is not None else "agents"
+                raise ValueError(
+                    f"step rows for ranks {sorted(stray)[:5]} that have no entry in {which}"
+                )
         self._cols = _validate_columns(self.steps)  # every value checked here, at the edge
         return self
 
+    def _header_columns(self) -> dict[str, list[Any]]:
+        if self.agent_columns is None:
+            if not self.agents:
+                raise ValueError("no ranks: send their headers as agents or agent_columns")
+            return {name: [getattr(a, name) for a in self.agents] for name in AGENT_FIELDS}
+        if self.agents:
+            raise ValueError("send the ranks' headers as agents or as agent_columns, not both")
+        given = {name: v for name, v in self.agent_columns if v is not None}
+        lengths = {name: len(values) for name, values in given.items()}
+        n = lengths["rank"]
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"agent_columns differ in length: {lengths}")
+        if not 1 <= n <= 65_536:
+            raise ValueError(f"agent_columns: {n} ranks; from 1 to 65,536 a request")
+        heads = {name: given.get(name) or [_AGENT_DEFAULTS[name]] * n
+                 if name != "world_size" else [self.world_size] * n for name in AGENT_FIELDS}  # fmt: skip
+        ranks = heads["rank"]
+        if max(ranks) >= self.world_size:
+            i = next(i for i, rank in enumerate(ranks) if rank >= self.world_size)
+            raise ValueError(
+                f"agent_columns row {i}: rank {ranks[i]} is outside world_size {self.world_size}"
+            )
+        horizon = time.time() + MAX_FUTURE_S
+        for name in _AGENT_TIMES:  # as AgentInfo checks each: after 1970, not a day ahead
+            values = given.get(name)
+            if not values:
+                continue
+            known = [t for t in values if t is not None] if None in values else values
+            if known and all_finite(known) and min(known) >= MIN_TS and max(known) <= horizon:
+                continue
+            for i, ts in enumerate(values):
+                if ts is not None:
+                    try:
+                        _not_in_the_future(ts)
+                    except ValueError as exc:
+                        raise ValueError(f"agent_columns row {i}: {name}: {exc}") from None
+        return heads
+
     _cols: dict[str, list[Any]] = PrivateAttr(default_factory=dict)
+    _heads: dict[str, list[Any]] = PrivateAttr(default_factory=dict)
 
     def columns(self) -> dict[str, list[Any]]:
         """The validated step columns: ``rank`` and the fields sent, all of one length
         (the writer keeps them column-wise: no object a row)."""
         return self._cols
+
+    def header_columns(self) -> dict[str, list[Any]]:
+        """The ranks' headers column-wise, whichever way they came: every ``AgentInfo``
+        field (defaults filled in) to a list with a value a rank."""
+        return self._heads
 
     def rows(self) -> list[tuple[int, dict[str, Any]]]:
         """(rank, step fields) pairs: the fields sent."""

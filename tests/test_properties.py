@@ -16,7 +16,7 @@ from pydantic import ValidationError
 
 from trainwarden.agent.drills import KINDS, DrillError, parse
 from trainwarden.alerts import RuleError, parse_rule
-from trainwarden.collector.schemas import ColumnarBatch, IngestBatch
+from trainwarden.collector.schemas import AgentInfo, ColumnarBatch, IngestBatch
 
 SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
@@ -150,6 +150,49 @@ def test_row_wise_and_columnar_bodies_agree(rows: list[dict[str, Any]], rank: in
                 isinstance(x[n], float) and math.isnan(x[n]) and math.isnan(y[n])
             )
             assert same, (n, x[n], y[n])
+
+
+opt_ts = st.none() | st.floats(allow_nan=True, allow_infinity=True) | st.floats(1.6e9, 1.7e9)
+headers = st.fixed_dictionaries(
+    {"rank": st.integers(0, 9), "host": st.sampled_from(["h", "node-7", ""]), "session": st.text(min_size=1, max_size=3)},
+    optional={"local_rank": st.integers(-1, 8), "node": st.none() | st.sampled_from(["n1", "x" * 300]),
+              "pid": st.none() | st.integers(-1, 2**31), "sent_at": opt_ts, "last_step_end": opt_ts,
+              "started_at": opt_ts, "heartbeat_s": st.none() | st.floats(-1, 5000),
+              "last_step": st.none() | st.integers(0, 2**40), "in_step": st.none() | st.booleans(),
+              "phase": st.none() | st.sampled_from(["fwd", "p" * 40])},
+)  # fmt: skip
+
+
+@SETTINGS
+@given(st.lists(headers, min_size=1, max_size=6), st.integers(1, 10))
+def test_headers_as_agents_and_as_agent_columns_agree(
+    heads: list[dict[str, Any]], world: int
+) -> None:
+    # The same ranks' headers sent row-wise (agents, one AgentInfo each) and column-wise
+    # (agent_columns): both accepted with the same header columns, or both refused.
+    # Column-wise, a field is sent for every rank or for none (what a forwarder does).
+    names = {k for h in heads for k in h}
+    heads = [{k: h.get(k, AgentInfo.model_fields[k].default) for k in names} for h in heads]
+    rows = {"run": "r", "world_size": world, "agents": heads}
+    cols = {
+        "run": "r",
+        "world_size": world,
+        "agent_columns": {k: [h[k] for h in heads] for k in names},
+    }
+    try:
+        a = ColumnarBatch.model_validate(rows)
+    except ValidationError:
+        with pytest.raises(ValidationError):
+            ColumnarBatch.model_validate(cols)
+        return
+    b = ColumnarBatch.model_validate(cols)
+    x, y = a.header_columns(), b.header_columns()
+    assert x.keys() == y.keys()
+    for name in x:
+        assert x[name] == y[name] or all(
+            u == v or (isinstance(u, float) and math.isnan(u) and math.isnan(v))
+            for u, v in zip(x[name], y[name], strict=True)
+        ), (name, x[name], y[name])
 
 
 @SETTINGS

@@ -311,6 +311,70 @@ def test_bad_columnar_bodies_say_what_is_wrong(client: TestClient, change, messa
     assert client.get("/api/v1/runs").json() == []
 
 
+def as_agent_columns(body: dict) -> dict:
+    """``body`` with its ranks' headers sent column-wise (a list a field)."""
+    agents = body.pop("agents")
+    names = {k for a in agents for k in a}
+    return {**body, "agent_columns": {k: [a.get(k) for a in agents] for k in sorted(names)}}
+
+
+def test_headers_sent_as_columns_are_stored_as_rows_are(client: TestClient) -> None:
+    now = time.time()
+    extra = {"pid": 4242, "sent_at": now, "last_step": 2, "last_step_end": now - 0.1,
+             "in_step": False, "heartbeat_s": 2.0, "local_rank": 3}  # fmt: skip
+    for run, columnar in (("as-rows", False), ("as-columns", True)):
+        body = columns_body(range(8), range(3), run=run)
+        for agent in body["agents"]:
+            agent.update(extra)
+        body["agents"][5]["node"] = None  # its host stands for its node
+        if columnar:
+            body = as_agent_columns(body)
+        response = client.post("/api/v1/ingest/columns", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["accepted_steps"] == 24
+    flush(client.app.state.engine, now=time.time(), grace_s=0)
+
+    def seen(run: str) -> list[dict]:
+        ranks = client.get(f"/api/v1/runs/{run}/ranks").json()
+        return [
+            {
+                k: v
+                for k, v in r.items()
+                if k not in ("first_seen", "last_seen", "state_since", "clock_skew_s")
+            }
+            for r in ranks
+        ]
+
+    assert seen("as-columns") == seen("as-rows")
+    assert len(seen("as-rows")) == 8 and seen("as-rows")[0]["pid"] == 4242
+    series = [client.get(f"/api/v1/runs/{run}/series", params={"metric": "loss"}).json()
+              for run in ("as-rows", "as-columns")]  # fmt: skip
+    assert series[0]["max"] == series[1]["max"] == [2.7] * 3
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda b: b["agent_columns"]["host"].pop(), "agent_columns differ in length"),
+        (lambda b: b["agent_columns"]["rank"].__setitem__(2, 8), "agent_columns row 2: rank 8 is outside world_size 8"),
+        (lambda b: b["agent_columns"].update(sent_at=[time.time()] * 7 + [time.time() + 3 * 86400]),
+         "agent_columns row 7: sent_at: timestamp is 72 h in the future"),
+        (lambda b: b["agent_columns"]["host"].__setitem__(4, ""), "agent_columns.host[4]: String should have at least 1 character"),
+        (lambda b: b["agent_columns"].pop("session"), "agent_columns.session"),
+        (lambda b: b.update(agents=[{"rank": 0, "host": "h", "session": "s"}]), "not both"),
+        (lambda b: b.pop("agent_columns"), "no ranks"),
+        (lambda b: b["agent_columns"]["rank"].__setitem__(7, 6), "ranks [7] that have no entry in agent_columns"),
+    ],
+)  # fmt: skip
+def test_bad_agent_columns_say_what_is_wrong(client: TestClient, change, message: str) -> None:
+    body = as_agent_columns(columns_body(range(8), range(3)))
+    change(body)
+    response = client.post("/api/v1/ingest/columns", json=body)
+    assert response.status_code == 422
+    assert message in response.json()["error"], response.json()["error"]
+    assert client.get("/api/v1/runs").json() == []
+
+
 def test_a_refused_first_batch_leaves_no_stale_run(client: TestClient) -> None:
     body = columns_body(range(8), range(2))
     body["steps"]["duration_s"][3] = -1  # row 3 fails inside the transaction that creates the run
