@@ -6,8 +6,10 @@ older collector; every known field is checked, and a wrong one is a 422 naming i
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from fastapi import Path as FastApiPath
@@ -304,7 +306,7 @@ class ColumnarBatch(BaseModel):
             return {name: [getattr(a, name) for a in self.agents] for name in AGENT_FIELDS}
         if self.agents:
             raise ValueError("send the ranks' headers as agents or as agent_columns, not both")
-        given = {name: v for name, v in self.agent_columns if v is not None}
+        given = {name: v for name, v in self.agent_columns.__dict__.items() if v is not None}
         lengths = {name: len(values) for name, values in given.items()}
         n = lengths["rank"]
         if len(set(lengths.values())) != 1:
@@ -338,15 +340,18 @@ class ColumnarBatch(BaseModel):
     _cols: dict[str, list[Any]] = PrivateAttr(default_factory=dict)
     _heads: dict[str, list[Any]] = PrivateAttr(default_factory=dict)
 
+    # The two below read the private attributes' dict directly: ``self._cols`` goes
+    # through pydantic's __getattr__ (a Python call), and the writer asks per request.
+
     def columns(self) -> dict[str, list[Any]]:
         """The validated step columns: ``rank`` and the fields sent, all of one length
         (the writer keeps them column-wise: no object a row)."""
-        return self._cols
+        return self.__pydantic_private__["_cols"]  # type: ignore[index]
 
     def header_columns(self) -> dict[str, list[Any]]:
         """The ranks' headers column-wise, whichever way they came: every ``AgentInfo``
         field (defaults filled in) to a list with a value a rank."""
-        return self._heads
+        return self.__pydantic_private__["_heads"]  # type: ignore[index]
 
     def rows(self) -> list[tuple[int, dict[str, Any]]]:
         """(rank, step fields) pairs: the fields sent."""
@@ -379,7 +384,7 @@ _NONFINITE_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 def _validate_columns(steps: dict[str, list[Any]]) -> dict[str, list[Any]]:
     for name in ("loss", "grad_norm"):  # NaN/Inf may come as words, as in ``StepIn``
         values = steps.get(name)
-        if values and any(isinstance(v, str) for v in values):
+        if values and str in map(type, values):
             steps = {
                 **steps,
                 name: [_NONFINITE_WORDS.get(v, v) if isinstance(v, str) else v for v in values],
@@ -392,15 +397,18 @@ def _validate_columns(steps: dict[str, list[Any]]) -> dict[str, list[Any]]:
         field = ".".join(map(str, (loc[0], *loc[2:])))  # a user metric's key follows its row
         where = f"steps row {loc[1]}: {field}" if len(loc) > 1 else f"steps: {loc[0]}"
         raise ValueError(f"{where}: {error['msg']}") from None
-    columns = {name: getattr(cols, name) for name in steps}
+    fields = cols.__dict__
+    columns = {name: fields[name] for name in steps}
     if columns.get("metrics"):
         user_metrics.check_column(columns["metrics"])
-    for name in _FINITE_COLUMNS:
-        values = columns.get(name)
-        if values and not all_finite(values):  # one C loop; the row at fault only if not
-            for i, value in enumerate(values):
-                if value is not None and not math.isfinite(value):
-                    raise ValueError(f"steps row {i}: {name}: must be a finite number")
+    finite = [values for name in _FINITE_COLUMNS if (values := columns.get(name))]
+    if not all_finite(itertools.chain.from_iterable(finite)):  # one C loop for them all
+        for name in _FINITE_COLUMNS:  # the column and row at fault
+            values = columns.get(name)
+            if values and not all_finite(values):
+                for i, value in enumerate(values):
+                    if value is not None and not math.isfinite(value):
+                        raise ValueError(f"steps row {i}: {name}: must be a finite number")
     horizon = time.time() + MAX_FUTURE_S
     ts = columns["ts"]
     if not MIN_TS <= min(ts) <= max(ts) <= horizon:
@@ -412,7 +420,7 @@ def _validate_columns(steps: dict[str, list[Any]]) -> dict[str, list[Any]]:
     return columns
 
 
-def all_finite(values: list[Any]) -> bool:
+def all_finite(values: Iterable[Any]) -> bool:
     """Whether every number in ``values`` (None aside) is finite, in one C loop: a sum is
     finite when its terms are. False may be wrong (a sum that overflows, a non-number):
     then look row by row."""
