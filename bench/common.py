@@ -49,6 +49,39 @@ def serving(db_url: str, *, log_name: str, auth: bool = False) -> Iterator[str]:
     Its output goes to a file in the temp directory named after ``log_name``. Auth is off
     unless ``auth`` (bench/auth_cost.py measures what tokens cost).
     """
+    with serving_process(db_url, log_name=log_name, auth=auth) as (url, _proc):
+        yield url
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds process ``pid`` has used so far, all its threads (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def postgres_cpu_seconds() -> float:
+    """CPU seconds used so far by the machine's PostgreSQL processes (its backends and
+    background workers, whatever their database): the server is on this machine."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/comm") as f:
+                if not f.read().startswith("postgres"):
+                    continue
+            total += cpu_seconds(int(entry))
+        except OSError:  # gone meanwhile
+            continue
+    return total
+
+
+@contextmanager
+def serving_process(
+    db_url: str, *, log_name: str, auth: bool = False
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """:func:`serving`, yielding the URL and the ``serve`` process (for its CPU time)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -67,7 +100,7 @@ def serving(db_url: str, *, log_name: str, auth: bool = False) -> Iterator[str]:
             time.sleep(0.2)
         else:
             raise RuntimeError(f"trainwarden serve did not start; see {log.name}")
-        yield url
+        yield url, serve
     finally:
         serve.terminate()
         serve.wait(10)

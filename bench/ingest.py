@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import httpx
 import psycopg
-from common import DEFAULT_DB, scratch_database, serving
+from common import DEFAULT_DB, cpu_seconds, postgres_cpu_seconds, scratch_database, serving_process
 from peer_mlflow import describe, find_mlflow, mlflow_points_per_s
 
 from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen, user_metrics
@@ -71,7 +72,7 @@ def raw_copy(dsn: str, rows: int, user: int) -> float:
 def end_to_end(
     db_url: str, *, ranks: int, ranks_per_node: int, duration: float, user: int
 ) -> dict[str, float]:
-    with serving(db_url, log_name="bench-ingest") as url:
+    with serving_process(db_url, log_name="bench-ingest") as (url, serve):
         run = f"bench-{uuid.uuid4().hex[:6]}"
         nodes = -(-ranks // ranks_per_node)
         sent: dict[int, list[float]] = {}
@@ -100,8 +101,11 @@ def end_to_end(
 
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
+        # CPU a stored row of each part, over the load: they share the machine's cores.
+        cpu = (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds())
         result = run_loadgen(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
                              duration_s=duration, run=run, on_sent=on_sent, user_metrics=user)  # fmt: skip
+        used = [b - a for a, b in zip(cpu, (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds()), strict=True)]  # fmt: skip
         time.sleep(3)
         stop.set()
         poller.join()
@@ -110,7 +114,15 @@ def end_to_end(
         return {"points_per_s": result.points / result.seconds, "rows_per_s": result.rows / result.seconds,
                 "offered_rows_per_s": float(ranks), "failed": float(result.requests_failed),
                 "p95_queryable_s": p95, "steps_measured": float(len(delays)),
-                "request_p95_s": sorted(result.latencies_s)[int(0.95 * len(result.latencies_s))]}  # fmt: skip
+                "request_p95_s": sorted(result.latencies_s)[int(0.95 * len(result.latencies_s))],
+                "cpu_us_per_row": [u / max(1, result.rows) * 1e6 for u in used],
+                "seconds": result.seconds}  # fmt: skip
+
+
+def _own_cpu_seconds() -> float:
+    """This process's CPU seconds: the load generator, and the latency probe's thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main() -> None:
@@ -156,6 +168,13 @@ def main() -> None:
         print(
             f"    p95 step complete -> queryable: {e2e['p95_queryable_s']:.2f} s over {e2e['steps_measured']:.0f} steps "
             f"(target <= 2 s); request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
+        )
+        serve_us, pg_us, load_us = e2e["cpu_us_per_row"]
+        cores = (serve_us + pg_us + load_us) * e2e["rows_per_s"] / 1e6
+        print(
+            f"    CPU a stored row: collector {serve_us:.0f} us, PostgreSQL {pg_us:.0f} us, load generator "
+            f"(and the latency probe) {load_us:.0f} us: {cores:.2f} of {os.cpu_count()} cores busy; the "
+            f"collector's Python runs on one core at a time (its interpreter lock)"
         )
         print(f"    (b)/(a) = {e2e['points_per_s'] / (copy_rows * metrics):.4f}")
         peer = mlflow_points_per_s(
