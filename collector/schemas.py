@@ -229,7 +229,8 @@ def _agent_column_model() -> type[BaseModel]:
             continue
         args = (info.annotation, *info.metadata)
         item = Annotated[args] if info.metadata else info.annotation  # type: ignore[valid-type]
-        fields[name] = (list[item], ...) if info.is_required() else (list[item] | None, None)  # type: ignore[valid-type]
+        column = Annotated[list[item], Field(max_length=65_536)]  # type: ignore[valid-type]
+        fields[name] = (column, ...) if info.is_required() else (column | None, None)
     return create_model(
         "AgentColumns",
         __doc__="The ranks' headers column-wise: a field of ``AgentInfo`` (but ``world_size``, "
