@@ -81,10 +81,12 @@ class _Pending:
 
 
 def _settle(items: list[_Pending]) -> None:
-    """In the event loop: complete its requests' futures (one call a flush)."""
+    """Complete the requests' futures with their outcomes: in the writer thread for
+    :meth:`IngestWriter.submit`'s, in their event loop (one call a flush) for
+    :meth:`IngestWriter.submit_async`'s."""
     for item in items:
         future = item.future
-        if future.done():  # the request was cancelled (its client went away)
+        if future.done():  # cancelled: the request's client went away
             continue
         if item.error is not None:
             future.set_exception(item.error)
@@ -203,11 +205,7 @@ class IngestWriter:
         for item in group:
             if item.loop is not None:
                 by_loop.setdefault(item.loop, []).append(item)
-            elif not item.future.done():
-                if item.error is not None:
-                    item.future.set_exception(item.error)
-                else:
-                    item.future.set_result(item.result)  # type: ignore[arg-type]
+        _settle([item for item in group if item.loop is None])
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
                 loop.call_soon_threadsafe(_settle, items)
