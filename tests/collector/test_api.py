@@ -155,8 +155,14 @@ def test_malformed_ingest_is_a_422_naming_the_field(
 
 def test_unknown_run_is_404_and_unknown_metric_is_422(client: TestClient) -> None:
     assert client.get("/api/v1/runs/nope").status_code == 404
-    assert client.get("/api/v1/runs/nope/series", params={"metric": "loss"}).status_code == 404
+    for path in ("ranks", "events", "series?metric=loss", "heatmap?metric=step_time",
+                 "ranks/0/series?metric=loss", "flags", "gpu"):  # fmt: skip
+        response = client.get(f"/api/v1/runs/nope/{path}")
+        assert response.status_code == 404, path
+        assert response.json()["detail"] == "run 'nope' not found", path
     ingest(client, batch(steps=[step(0)]))
+    for path in ("ranks", "events", "series?metric=loss", "flags", "gpu"):
+        assert client.get(f"/api/v1/runs/r1/{path}").status_code == 200, path
     response = client.get("/api/v1/runs/r1/series", params={"metric": "lossy"})
     assert response.status_code == 422
     body = response.json()
