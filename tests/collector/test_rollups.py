@@ -160,3 +160,35 @@ def test_p99_interpolates_between_the_closest_ranks_as_percentile_cont_does() ->
     loss = stats["loss"]
     assert loss["median"] == 49.5 and loss["p99"] == pytest.approx(98.01)  # 99 x 0.99 = 98.01
     assert by_metric([row(0, loss=5.0)])["loss"]["p99"] == 5.0  # one rank: its value
+
+
+def test_postgres_sessions_run_without_jit_whatever_the_server_default(pg_url: str) -> None:
+    """The collector's PostgreSQL connections turn the JIT compiler off (a rollup pass of
+    several steps spent half its time compiling its plan), also where the database asks
+    for it: pooled, reused and in write transactions."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    from trainwarden.collector.db import make_engine, write
+
+    name = make_url(pg_url).database
+    admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'ALTER DATABASE "{name}" SET jit = on'))
+    try:
+        plain = create_engine(pg_url)
+        with plain.connect() as conn:
+            assert conn.execute(text("SHOW jit")).scalar() == "on"  # what the server says
+        plain.dispose()
+        engine = make_engine(pg_url)
+        for _ in range(3):  # the same pooled connection, again after a rollback
+            with engine.connect() as conn:
+                assert conn.execute(text("SHOW jit")).scalar() == "off"
+                conn.rollback()
+            with write(engine) as conn:
+                assert conn.execute(text("SHOW jit")).scalar() == "off"
+        engine.dispose()
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'ALTER DATABASE "{name}" RESET jit'))
+        admin.dispose()
