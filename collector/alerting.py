@@ -68,7 +68,7 @@ from trainwarden.alerts.rules import (
 )
 
 from . import models as m
-from .db import leads, write
+from .db import fetch_rows, leads, write
 from .economics import EconomicsSettings, economics
 from .health import arrival_lateness
 from .limits import Pressure
@@ -264,7 +264,7 @@ def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, 
     if cache is None and arriving:
         return [
             dict(zip(names, row, strict=True))
-            for row in conn.execute(query.order_by(r_.step, r_.rank)).all()
+            for row in fetch_rows(conn, query.order_by(r_.step, r_.rank))
         ]
     settled = {
         row.step: (row.n, row.ts)
@@ -284,7 +284,7 @@ def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, 
         query = query.where(r_.step.in_(wanted))
     elif mine.steps:
         query = query.where(r_.step.not_in(sorted(mine.steps)))
-    rows = [] if wanted == [] else conn.execute(query.order_by(r_.step, r_.rank)).all()
+    rows = [] if wanted == [] else fetch_rows(conn, query.order_by(r_.step, r_.rank))
     for row in rows:
         fetched.setdefault(row[1], []).append(dict(zip(names, row, strict=True)))
     for st, rows in fetched.items():
@@ -316,11 +316,11 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
     k = m.ranks.c
     # Every rank, every pass: the two JSON fields are read in SQL (not parsed a row here),
     # and rows are unpacked as tuples (at 16,384 ranks: 230 -> 150 ms a pass).
-    rows = conn.execute(
+    rows = fetch_rows(conn,
         select(k.rank, k.node, k.gpu["uuid"].as_string(), k.local_rank, k.state,
                k.state_detail["role"].as_string(), k.last_seen, k.heartbeat_s, k.progress_at,
                k.last_step).where(k.run_id == run_id)
-    ).all()  # fmt: skip
+    )  # fmt: skip
     for rank, node, gpu, local_rank, state, role, seen, beat, progress, step in rows:
         snap.ranks[rank] = RankInfo(
             rank=rank, node=node, gpu=gpu or (str(local_rank) if local_rank is not None else None),
@@ -345,9 +345,9 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
             query = query.where(s.ts > now - secs)
         if rows_n and not secs:
             query = query.limit(rows_n)
-        rows = conn.execute(query.order_by(s.step.desc())).all()
+        stats = conn.execute(query.order_by(s.step.desc())).all()
         snap.stats[metric] = [
-            StatRow(r.step, r.ts, {c: getattr(r, c) for c in STATS}) for r in reversed(rows)
+            StatRow(r.step, r.ts, {c: getattr(r, c) for c in STATS}) for r in reversed(stats)
         ]
     if needs.first_step:
         if run_id not in first_steps:

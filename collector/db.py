@@ -11,6 +11,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
@@ -108,6 +109,25 @@ def _sqlite_setup(engine: Engine) -> None:
     def _on_begin(conn):  # type: ignore[no-untyped-def]
         immediate = conn.get_execution_options().get("tw_immediate")
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def fetch_rows(conn: Connection, query: Any) -> list[tuple[Any, ...]]:
+    """All rows of a Core ``query`` as plain tuples, in the caller's transaction.
+
+    On PostgreSQL they come in binary: the health loop, the alert engine and ingest read
+    a step's or a run's rank rows this way (16,384 and more a step), and psycopg turns
+    binary numbers into Python ones in half the time it parses their text (a step's
+    11 columns at 32,768 rows: 2.3 -> 1.2 us a row with the tuple made into a dict).
+    Only for plain columns and expressions: SQLAlchemy's result processing is skipped."""
+    if is_sqlite(conn):
+        return [tuple(row) for row in conn.execute(query)]
+    compiled = query.compile(dialect=conn.dialect, compile_kwargs={"render_postcompile": True})
+    cursor: Any = conn.connection.dbapi_connection.cursor(binary=True)  # type: ignore[union-attr]
+    try:
+        cursor.execute(str(compiled), compiled.params)
+        return cursor.fetchall()
+    finally:
+        cursor.close()
 
 
 def check_connection(engine: Engine) -> None:

@@ -40,7 +40,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, func, or_, select, text, update
 
 from . import models as m
-from .db import is_sqlite, write
+from .db import fetch_rows, is_sqlite, write
 from .ingest import _insert
 from .limits import Pressure
 from .loops import Loop
@@ -134,10 +134,10 @@ def _recent_views(conn: Connection, run_id: int, world: int, count: int) -> dict
     ).all()
     complete = [step for step, n in counts if n >= world]
     if complete:
-        rows = conn.execute(
+        rows = fetch_rows(conn,
             select(r.step, r.rank, func.coalesce(r.compute_s, r.duration_s), r.exposed_comm_s,
                    r.loss).where(r.run_id == run_id, r.step.in_(complete))
-        ).all()  # fmt: skip
+        )  # fmt: skip
         by_step: dict[int, list[StepRow]] = defaultdict(list)
         for row in rows:  # plain tuples: 4,096 and more a step, read once each
             by_step[row[0]].append(row[1:])

@@ -44,7 +44,7 @@ from sqlalchemy.dialects.postgresql import ARRAY
 
 from . import attempts
 from . import models as m
-from .db import is_sqlite
+from .db import fetch_rows, is_sqlite
 from .partitions import day_of, ensure_partitions
 from .schemas import (
     AGENT_FIELDS,
@@ -139,11 +139,11 @@ def _track_ranks(
     request came in). Returns each known rank's ``last_step`` before this flush."""
     rk = m.ranks.c
     ranks, sessions, arrived = heads["rank"], heads["session"], heads["arrived"]
-    found = conn.execute(
+    found = fetch_rows(conn,
         select(rk.rank, rk.session, rk.last_step, rk.last_seen, rk.progress_at).where(
             rk.run_id == run_id, _one_of(conn, rk.rank, ranks)
         )
-    ).all()
+    )  # fmt: skip
     # Rows unpacked as tuples: a Row's attribute access costs, and this runs every flush.
     at = dict(zip(ranks, range(len(ranks)), strict=True))
     previous: dict[int, int | None] = {}
@@ -160,7 +160,9 @@ def _track_ranks(
     if restarts:
         restarts.sort(key=lambda pair: ranks[pair[0]])  # rank order, as the evaluator locks
         back = {ranks[i] for i, _ in restarts}
-        attempts.record_lost(conn, [row._asdict() for row in found if row.rank in back])
+        attempts.record_lost(
+            conn, [dict(zip(_FOUND, row, strict=True)) for row in found if row[0] in back]
+        )
         conn.execute(
             _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
             [
@@ -201,6 +203,9 @@ def _track_ranks(
         conn, m.ranks, cols, key=("run_id", "rank"), set_=_rank_update, where=_newer_heartbeat
     )
     return previous
+
+
+_FOUND = ("rank", "session", "last_step", "last_seen", "progress_at")  # _track_ranks' read
 
 
 def _one_of(conn: Connection, column: Any, values: list[int]) -> Any:

@@ -1,0 +1,49 @@
+"""db.fetch_rows: the hot reads' rows, the same as SQLAlchemy's on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select, update
+
+from trainwarden.collector import models as m
+from trainwarden.collector.db import fetch_rows, write
+from trainwarden.collector.ingest import ingest
+from trainwarden.collector.schemas import IngestBatch
+
+from .helpers import batch, step
+
+
+def test_fetch_rows_reads_what_sqlalchemy_reads(engine) -> None:  # type: ignore[no-untyped-def]
+    """Integers past 32 bits, floats to the last bit, NULLs, text, a JSON field read as
+    text, an expression, an IN list and an array parameter: the same tuples either way."""
+    for rank in range(3):
+        steps = [step(n, loss=None if n == 2 else 1 / 3 + n * 1e-12) for n in range(4)]
+        body = batch(rank=rank, world_size=3, steps=steps)
+        for s in body["steps"]:
+            s["tokens"] = 2**40 + s["step"]
+        with write(engine) as conn:
+            ingest(conn, batch=IngestBatch.model_validate(body))
+    with write(engine) as conn:
+        conn.execute(update(m.ranks).where(m.ranks.c.rank == 1).values(gpu={"uuid": "GPU-1"}))
+    r, k = m.rank_steps.c, m.ranks.c
+    queries = [
+        select(r.rank, r.step, r.ts, r.loss, r.tokens, func.coalesce(r.loss, r.duration_s))
+        .where(r.run_id == 1, r.step.in_([1, 2, 3]), r.step.not_in([3]))
+        .order_by(r.step, r.rank),
+        select(k.rank, k.host, k.gpu["uuid"].as_string(), k.session, k.last_step)
+        .where(k.run_id == 1)
+        .order_by(k.rank),
+        select(r.rank, r.step).where(r.run_id == 2),  # nothing
+    ]
+    with engine.connect() as conn:
+        for query in queries:
+            expected = [tuple(row) for row in conn.execute(query)]
+            got = fetch_rows(conn, query)
+            assert got == expected
+            assert all(type(row) is tuple for row in got)
+            for row, want in zip(got, expected, strict=True):
+                assert [type(v) for v in row] == [type(v) for v in want]
+        # Not vacuous: the rows are there, with what was stored.
+        steps = fetch_rows(conn, queries[0])
+        assert len(steps) == 6 and {row[4] for row in steps} == {2**40 + 1, 2**40 + 2}
+        assert [row[3] for row in steps if row[1] == 1] == [1 / 3 + 1e-12] * 3
+        assert [row[2] for row in fetch_rows(conn, queries[1])] == [None, "GPU-1", None]
