@@ -57,41 +57,54 @@ RECHECK_EVERY = 8  # passes between looks at already rolled-up steps (late rows,
 MAX_STEPS_PER_PASS = 2_000
 
 
+def due_query(recheck: bool) -> Any:
+    """The queued steps a pass looks at, with their rank count and newest receive time
+    (``n``, ``newest``), oldest first, at most ``MAX_STEPS_PER_PASS``."""
+    q, s, r = m.rollup_queue.c, m.rank_steps.c, m.runs.c
+    if not recheck:  # the cheap pass: steps never rolled up, by what ingest counted as it wrote
+        return (
+            select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
+                   q.seen_n.label("n"), func.coalesce(q.newest, q.first_seen).label("newest"))
+            .join(m.runs, r.id == q.run_id)
+            .where(q.rolled_n.is_(None))
+            .order_by(q.first_seen).limit(MAX_STEPS_PER_PASS)
+        )  # fmt: skip
+    # Count the rows themselves (late rows, replays, another collector's) of the steps
+    # some ingest wrote to since their rollup: every write adds to seen_n, in the
+    # database (so another collector's too), and the rollup records the rows it saw; a
+    # quiet step has the two equal and is not counted again (at 4,096 ranks, recounting
+    # 30 s of queued steps was a tenth of PostgreSQL's time).
+    # Counted by subqueries on each queued step's key (the primary key's prefix): as a
+    # join, PostgreSQL hashed the whole day's partition of rank_steps against the queue
+    # (at 16,384 ranks, 0.8 s a call after 4 minutes, 2 s at most, and growing with the
+    # day; the soak's steady decline in rows/s).
+    mine = and_(s.run_id == q.run_id, s.step == q.step)
+    return (
+        select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
+               select(func.count()).where(mine).scalar_subquery().label("n"),
+               select(func.max(s.recv_ts)).where(mine).scalar_subquery().label("newest"))
+        .join(m.runs, r.id == q.run_id)
+        .where(or_(q.rolled_n.is_(None), q.seen_n != q.rolled_n))
+        .order_by(q.first_seen).limit(MAX_STEPS_PER_PASS)
+    )  # fmt: skip
+
+
 def roll_up_ready(
     conn: Connection, *, now: float, grace_s: float = GRACE_S, recheck: bool = True
 ) -> int:
     """Roll up every queued step that is due: complete (or past its grace) and not yet
     rolled, or (``recheck``) rolled before a late or replayed row arrived. Returns how many."""
-    q, s, r = m.rollup_queue.c, m.rank_steps.c, m.runs.c
-    if recheck:  # count the rows themselves: late rows, replays, another collector's
-        # ... of the steps some ingest wrote to since their rollup: every write adds to
-        # seen_n, in the database (so another collector's too), and the rollup records
-        # the rows it saw; a quiet step has the two equal and is not counted again (at
-        # 4,096 ranks, recounting 30 s of queued steps was a tenth of PostgreSQL's time).
-        counts = (
-            select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
-                   func.count(s.rank).label("n"), func.max(s.recv_ts).label("newest"))
-            .join(m.runs, r.id == q.run_id)
-            .join(m.rank_steps, and_(s.run_id == q.run_id, s.step == q.step))
-            .where(or_(q.rolled_n.is_(None), q.seen_n != q.rolled_n))
-            .group_by(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size)
-        )  # fmt: skip
-    else:  # the cheap pass: steps never rolled up, by what ingest counted as it wrote
-        counts = (
-            select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
-                   q.seen_n.label("n"), func.coalesce(q.newest, q.first_seen).label("newest"))
-            .join(m.runs, r.id == q.run_id)
-            .where(q.rolled_n.is_(None))
-        )  # fmt: skip
-    counts = counts.order_by(q.first_seen).limit(MAX_STEPS_PER_PASS)
+    q = m.rollup_queue.c
+    counts = due_query(recheck)
     # An incomplete step waits until its rows stop coming, not a fixed time after its
     # first: when ingest runs behind, its ranks' rows are still being written, and a
     # step rolled up early is rolled up again for each late batch (with its heatmap
     # bucket): work that grows as the collector falls behind.
     due = [
         row for row in conn.execute(counts)
-        if (row.rolled_n is None and (row.n >= row.world_size or now - row.newest >= grace_s))
-        or (row.rolled_n is not None and (row.n != row.rolled_n or row.newest > row.rolled_at))
+        if row.n  # none: queued, but its rows are gone (a pruned day)
+        and ((row.rolled_n is None and (row.n >= row.world_size or now - row.newest >= grace_s))
+             or (row.rolled_n is not None and (row.n != row.rolled_n or row.newest > row.rolled_at)))
     ]  # fmt: skip
     if not recheck:
         due = _really_complete(conn, due, now=now, grace_s=grace_s)

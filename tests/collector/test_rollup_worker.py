@@ -187,3 +187,60 @@ def test_the_recheck_counts_only_steps_ingest_wrote_to_since_their_rollup(engine
     with write(engine) as conn:
         assert roll_up_ready(conn, now=T0 + 2.1, grace_s=5, recheck=True) == 1
     assert loss_stats(engine) == {0: (3, 2.0), 1: (2, 2.0)}
+
+
+def test_the_recheck_reads_the_queued_steps_by_key_not_the_days_rows(pg_url: str) -> None:
+    """PostgreSQL's plan for the recheck's count: by each queued step's key, not a scan of
+    the day's partition (as a join it hashed every row of the day against the queue: 0.8 s
+    a call after 4 minutes at 16,384 ranks, and more as the day went on). Checked on
+    300 steps x 512 ranks with 10 steps queued: the rows read are those 10 steps'."""
+    from sqlalchemy import text
+    from sqlalchemy.dialects import postgresql
+
+    from trainwarden.collector.db import make_engine
+    from trainwarden.collector.partitions import day_of, ensure_partitions
+    from trainwarden.collector.rollup_worker import due_query
+
+    engine = make_engine(pg_url)
+    ensure_partitions(engine, {day_of(T0)})
+    with write(engine) as conn:
+        conn.execute(text("TRUNCATE runs, rank_steps, rollup_queue RESTART IDENTITY CASCADE"))
+        conn.execute(
+            text("INSERT INTO runs (name, created_at, updated_at, world_size) VALUES ('big', :t, :t, 512)"),
+            {"t": T0},
+        )  # fmt: skip
+        conn.execute(
+            text("INSERT INTO rank_steps (run_id, step, rank, day, ts, recv_ts, duration_s) "
+                 "SELECT 1, s, r, :day, :t + s, :t + s, 1.0 "
+                 "FROM generate_series(0, 299) s, generate_series(0, 511) r"),
+            {"day": day_of(T0), "t": T0},
+        )  # fmt: skip
+        conn.execute(
+            text("INSERT INTO rollup_queue (run_id, step, first_seen, seen_n, newest, rolled_n, rolled_at) "
+                 "SELECT 1, s, :t + s, 513, :t + s, 512, :t + s FROM generate_series(290, 299) s"),
+            {"t": T0},
+        )  # fmt: skip
+    with engine.connect() as conn:
+        conn.execute(text("ANALYZE rank_steps"))
+        conn.execute(text("ANALYZE rollup_queue"))
+        # Whatever join the planner would pick: it picked a hash join over the whole
+        # partition when its estimates were off, which this forces.
+        conn.execute(text("SET enable_nestloop = off"))
+        sql = due_query(True).compile(
+            dialect=postgresql.dialect(), compile_kwargs={"literal_binds": True}
+        )
+        plan = conn.execute(text(f"EXPLAIN (ANALYZE, FORMAT JSON) {sql}")).scalar_one()
+
+        def read(node: dict) -> int:  # rows the plan read from rank_steps' partitions
+            own = node["Actual Rows"] * node["Actual Loops"]
+            mine = own if node.get("Relation Name", "").startswith("rank_steps") else 0
+            return mine + sum(read(child) for child in node.get("Plans", []))
+
+        queued = 10 * 512
+        assert queued <= read(plan[0]["Plan"]) <= 2 * queued  # of 153,600 rows
+        rows = conn.execute(due_query(True)).all()
+        conn.execute(text("RESET enable_nestloop"))
+    assert [(row.step, row.n) for row in rows] == [(s, 512) for s in range(290, 300)]
+    with write(engine) as conn:  # the session's database is shared: leave it empty
+        conn.execute(text("TRUNCATE runs, rank_steps, rollup_queue RESTART IDENTITY CASCADE"))
+    engine.dispose()
