@@ -272,14 +272,27 @@ def _upsert_buckets(select_sql: str) -> Any:
     )
 
 
-_FROM_RAW = _upsert_buckets(
-    " UNION ALL ".join(
-        f"SELECT run_id, '{metric}' AS metric, {LEVELS[0]} AS level, step / {LEVELS[0]} AS bucket, "
-        f"rank, max({column}) AS max FROM rank_steps WHERE run_id = :run AND step BETWEEN :lo AND :hi "
-        f"AND {column} IS NOT NULL GROUP BY run_id, step / {LEVELS[0]}, rank"
-        for metric, column in HEATMAP_COLUMNS.items()
+def _from_raw_sql() -> str:
+    """Each rank's maxima of every heatmap metric in one GROUP BY over the buckets' rows,
+    then a row per metric (a cross join with the metric names; none where all are NULL).
+    As five GROUP BYs over the same rows, one a metric, it took 1.5-1.7 s for a 16-step
+    bucket of 16,384 ranks; this way 0.3 s (the same 81,920 rows)."""
+    small = LEVELS[0]
+    maxima = ", ".join(
+        f"max({column}) AS m{i}" for i, column in enumerate(HEATMAP_COLUMNS.values())
     )
-)
+    pick = " ".join(f"WHEN '{metric}' THEN t.m{i}" for i, metric in enumerate(HEATMAP_COLUMNS))
+    names = " UNION ALL ".join(f"SELECT '{metric}' AS metric" for metric in HEATMAP_COLUMNS)
+    return (
+        "SELECT run_id, metric, level, bucket, rank, max FROM ("
+        f"SELECT t.run_id, k.metric, {small} AS level, t.bucket, t.rank, CASE k.metric {pick} END AS max "
+        f"FROM (SELECT run_id, step / {small} AS bucket, rank, {maxima} FROM rank_steps "
+        f"WHERE run_id = :run AND step BETWEEN :lo AND :hi GROUP BY run_id, step / {small}, rank) AS t "
+        f"CROSS JOIN ({names}) AS k) AS c WHERE max IS NOT NULL"
+    )
+
+
+_FROM_RAW = _upsert_buckets(_from_raw_sql())
 _FROM_CHILD = {  # a level's buckets from the closed buckets of the level below
     child: _upsert_buckets(
         f"SELECT run_id, metric, {parent} AS level, bucket / {parent // child} AS bucket, rank, "

@@ -244,3 +244,35 @@ def test_the_recheck_reads_the_queued_steps_by_key_not_the_days_rows(pg_url: str
     with write(engine) as conn:  # the session's database is shared: leave it empty
         conn.execute(text("TRUNCATE runs, rank_steps, rollup_queue RESTART IDENTITY CASCADE"))
     engine.dispose()
+
+
+def test_bucket_maxima_of_every_heatmap_metric_are_each_ranks_maxima(engine) -> None:  # type: ignore[no-untyped-def]
+    """One pass computes every heatmap metric's maxima: each stored under its own name,
+    none for a rank that never reported the metric in the bucket (NULLs, a NaN loss)."""
+    from trainwarden.collector.rollup_worker import HEATMAP_COLUMNS
+
+    rng = __import__("random").Random(5)
+    sent: dict[tuple[str, int, int], list[float]] = {}  # (metric, rank, bucket) -> values
+    for rank in range(3):
+        steps = []
+        for i in range(32):
+            row = step(i, duration=rng.random(), loss="nan" if rank == 2 else rng.random())
+            row["data_wait_s"] = rng.random() / 10
+            if rank != 1:  # rank 1 sends no communication split
+                row.update(compute_s=rng.random() / 2, exposed_comm_s=rng.random() / 5)
+            steps.append(row)
+            for metric, column in HEATMAP_COLUMNS.items():
+                value = row.get(column)
+                if isinstance(value, float):
+                    sent.setdefault((metric, rank, i // 16), []).append(value)
+        with write(engine) as conn:
+            ingest(conn, batch=IngestBatch.model_validate(batch(rank=rank, world_size=3, steps=steps)), now=T0)  # fmt: skip
+    flush(engine, now=T0 + 1)
+    k = m.rank_buckets.c
+    with engine.connect() as conn:
+        stored = conn.execute(select(k.metric, k.rank, k.bucket, k.max).where(k.level == 16)).all()
+    expected = {key: max(values) for key, values in sent.items()}
+    assert {(metric, rank, bucket): top for metric, rank, bucket, top in stored} == expected
+    assert ("compute", 1, 0) not in expected and ("loss", 2, 0) not in expected  # not vacuous
+    # 2 buckets of: step time and data wait of 3 ranks, loss, compute and exposed comm of 2
+    assert len(expected) == 2 * (3 + 3 + 2 + 2 + 2)
