@@ -214,3 +214,42 @@ print(frozen, during, len(young))
     assert frozen > 10_000  # what import left: never scanned again
     assert during == 0  # the bursts died before a collection was due
     assert after >= 1  # cycles still get collected once enough pile up
+
+
+def test_new_steps_are_copied_straight_in_and_a_key_stored_meanwhile_falls_back_to_the_upsert(
+    engine, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # The usual flush (steps past each rank's last known one) is COPYed into rank_steps
+    # itself, not staged. A row that is there after all (another collector stored it,
+    # and this rank's row does not say so yet) makes that COPY fail: it is undone to its
+    # savepoint and the upsert decides, keeping the latest execution of the step.
+    from sqlalchemy import update
+
+    from trainwarden.collector import ingest
+    from trainwarden.collector.db import is_sqlite, write
+
+    copied: list[str] = []
+    real = ingest._copy
+    monkeypatch.setattr(ingest, "_copy", lambda conn, table, into, *a: (copied.append(into), real(conn, table, into, *a)))  # fmt: skip
+
+    def request(*steps: dict[str, object]) -> IngestBatch:
+        return IngestBatch.model_validate(batch(run="w", rank=3, world_size=8, steps=list(steps)))
+
+    with write(engine) as conn:
+        ingest.store_many(conn, [request(step(5), step(6))], now=100.0)
+    with write(engine) as conn:  # as if another collector's rank row had been written over
+        conn.execute(update(m.ranks).values(last_step=4))
+    again = {**step(6, loss=0.5), "ts": 1_700_000_100.0}  # step 6 run again after a rollback
+    with write(engine) as conn:
+        ingest.store_many(conn, [request(again, step(7))], now=200.0)
+    with engine.connect() as conn:
+        c = m.rank_steps.c
+        stored = conn.execute(select(c.step, c.loss).order_by(c.step)).all()
+        queued = conn.execute(select(m.rollup_queue.c.step, m.rollup_queue.c.seen_n)
+                              .order_by(m.rollup_queue.c.step)).all()  # fmt: skip
+    assert [tuple(r) for r in stored] == [(5, 1.0), (6, 0.5), (7, 1.0)]
+    assert [tuple(r) for r in queued] == [(5, 1), (6, 2), (7, 1)]
+    if not is_sqlite(engine):
+        assert [t for t in copied if "rank_steps" in t] == [
+            "rank_steps", "rank_steps", "tw_stage_rank_steps"
+        ]  # fmt: skip
