@@ -844,11 +844,15 @@ class AlertEngine:
         for e in resolving:
             if e not in ended:
                 notes.append(self._notification(e.row, e.labels, "resolved"))
-            e.changes.update(notified="resolved", last_sent_at=now)
+                e.changes.update(notified="resolved", last_sent_at=now)
+        # A group's members that end while it is still open wait, paged as firing, for
+        # its resolve, which then names every one of them (not those of its last pass).
         if ended and not any(e.changes.get("notified_as") == gfp for e in entries) and not still:
             notes.append(
                 group_note([self._notification(e.row, e.labels, "resolved") for e in ended])
             )
+            for e in ended:
+                e.changes.update(notified="resolved", last_sent_at=now)
         return notes
 
     def _full_labels(self, r: Any) -> dict[str, str]:

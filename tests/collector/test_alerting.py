@@ -569,6 +569,14 @@ def test_a_storm_over_several_passes_pages_once_and_resolves_once(engine) -> Non
     resolved = alerts.sent[-1]
     assert resolved.status == "resolved" and resolved.fingerprint == page.fingerprint
     assert resolved.labels == page.labels
+    # It names every rank paged under it (the silenced one too), not the last pass's two.
+    assert resolved.annotations["summary"] == "RankDead on 8 ranks (0-7) of run r1"
+    assert resolved.annotations["alerts"] == "8" and resolved.ends_at == T0 + 11
+    alerts.run(T0 + 12)
+    assert len(alerts.sent) == 3  # nothing is sent again
+    with engine.connect() as conn:
+        states = conn.execute(select(m.alerts.c.state, m.alerts.c.notified).distinct()).all()
+    assert [tuple(s) for s in states] == [("resolved", "resolved")]
 
 
 def test_alerts_paged_alone_resolve_alone_and_a_group_as_a_group(engine) -> None:
