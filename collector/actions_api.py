@@ -14,7 +14,7 @@ from . import auth
 from . import models as m
 from .actions import ActionPolicy, _event, _history, _store_events, checkpoints, create_action
 from .db import write
-from .queries import NotFound
+from .queries import NotFound, run_id_of
 from .schemas import RowId
 
 router = APIRouter(tags=["actions"])
@@ -158,10 +158,7 @@ def list_checkpoints(run: str, request: Request) -> list[CheckpointOut]:
     suspect because they were saved after the onset of an anomaly that rolls back."""
     policy: ActionPolicy = request.app.state.action_policy
     with _engine(request).connect() as conn:
-        run_row = conn.execute(select(m.runs.c.id).where(m.runs.c.name == run)).first()
-        if run_row is None:
-            raise NotFound(f"run {run!r} not found")
-        found = checkpoints(conn, run_row.id, margin_steps=policy.rollback.margin_steps)
+        found = checkpoints(conn, run_id_of(conn, run), margin_steps=policy.rollback.margin_steps)
         return [CheckpointOut(**c) for c in found]
 
 
@@ -173,21 +170,19 @@ def request_action(run: str, body: ActionIn, request: Request) -> ActionOut:
     policy: ActionPolicy = request.app.state.action_policy
     now = time.time()
     with write(_engine(request)) as conn:
-        run_row = conn.execute(select(m.runs.c.id).where(m.runs.c.name == run)).first()
-        if run_row is None:
-            raise NotFound(f"run {run!r} not found")
+        run_id = run_id_of(conn, run)
         if body.kind == "evict":
-            known = conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_row.id, m.ranks.c.node == body.node)).first()  # fmt: skip
+            known = conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_id, m.ranks.c.node == body.node)).first()  # fmt: skip
             if known is None:
                 raise HTTPException(422, f"node: no rank of run {run!r} runs on node {body.node!r}")
         if body.rank is not None:  # a stop sent to no rank would wait for its answer forever
-            known = conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_row.id, m.ranks.c.rank == body.rank)).first()  # fmt: skip
+            known = conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_id, m.ranks.c.rank == body.rank)).first()  # fmt: skip
             if known is None:
                 raise HTTPException(422, f"rank: run {run!r} has no rank {body.rank}")
         mode = "dry-run" if body.dry_run or policy.of(body.kind).mode == "dry-run" else "auto"
         by = auth.acting(body.by, limit=128 - len("operator:"))
         action_id = create_action(
-            conn, policy, run_id=run_row.id, kind=body.kind, now=now, trigger=f"operator:{by}",
+            conn, policy, run_id=run_id, kind=body.kind, now=now, trigger=f"operator:{by}",
             node=body.node, rank=body.rank, detail=body.reason, mode=mode, approver=by,
             plan={"checkpoint_step": body.checkpoint_step} if body.checkpoint_step is not None else None,
         )  # fmt: skip

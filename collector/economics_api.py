@@ -6,11 +6,11 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query, Request
-from sqlalchemy import Connection, Engine, select
+from sqlalchemy import Engine
 
 from . import economics as svc
-from . import models as m
 from .queries import NotFound
+from .queries import run_id_of as _run_id
 
 router = APIRouter(tags=["runs"])
 
@@ -32,13 +32,6 @@ def settings_of_app(s: Any) -> svc.EconomicsSettings:
 
 def settings_of(request: Request) -> svc.EconomicsSettings:
     return settings_of_app(request.app.state.settings)
-
-
-def _run_id(conn: Connection, run: str) -> int:
-    found = conn.execute(select(m.runs.c.id).where(m.runs.c.name == run)).first()
-    if found is None:
-        raise NotFound(f"run {run!r} not found")
-    return int(found[0])
 
 
 @router.get("/api/v1/runs/{run}/attempts")

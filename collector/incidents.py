@@ -33,6 +33,7 @@ from . import models as m
 from .db import leads, write
 from .loops import Loop
 from .queries import NotFound
+from .queries import run_id_of as _run_id
 
 log = logging.getLogger(__name__)
 
@@ -240,13 +241,6 @@ def _set_closed(conn: Connection, incident_id: int, *, by: str, now: float, deta
 
 
 # -- reading --------------------------------------------------------------------------
-
-
-def _run_id(conn: Connection, run: str) -> int:
-    run_id = conn.execute(select(m.runs.c.id).where(m.runs.c.name == run)).scalar()
-    if run_id is None:
-        raise NotFound(f"run {run!r} not found")
-    return int(run_id)
 
 
 def members(conn: Connection, incident_id: int) -> dict[str, list[int]]:

@@ -103,9 +103,7 @@ def has(conn: Connection, *, run_id: int, metric: str) -> bool:
 
 def run_metrics(conn: Connection, *, run: str, builtin: list[str]) -> dict[str, Any]:
     """``GET /api/v1/runs/{run}/metrics``: the built-in series names and the run's own."""
-    from .queries import NotFound  # queries imports this module
+    from .queries import run_id_of  # queries imports this module
 
-    run_id = conn.execute(select(m.runs.c.id).where(m.runs.c.name == run)).scalar()
-    if run_id is None:
-        raise NotFound(f"run {run!r} not found")
+    run_id = run_id_of(conn, run)
     return {"run": run, "builtin": builtin, "user": names(conn, run_id=run_id)}
