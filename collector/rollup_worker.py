@@ -90,10 +90,14 @@ def due_query(recheck: bool) -> Any:
 
 
 def roll_up_ready(
-    conn: Connection, *, now: float, grace_s: float = GRACE_S, recheck: bool = True
-) -> int:
+    conn: Connection, *, now: float, grace_s: float = GRACE_S, recheck: bool = True,
+    buckets: list[tuple[int, int]] | None = None,
+) -> int:  # fmt: skip
     """Roll up every queued step that is due: complete (or past its grace) and not yet
-    rolled, or (``recheck``) rolled before a late or replayed row arrived. Returns how many."""
+    rolled, or (``recheck``) rolled before a late or replayed row arrived. Returns how many.
+    ``buckets``: the rolled-up (run, step)s are added to it, for the caller to write their
+    heatmap buckets' maxima after this transaction (:func:`bucket_maxima`); by default
+    they are written here."""
     q = m.rollup_queue.c
     counts = due_query(recheck)
     # An incomplete step waits until its rows stop coming, not a fixed time after its
@@ -112,7 +116,10 @@ def roll_up_ready(
         keys = [(row.run_id, row.step) for row in due]
         stats, seen = (_aggregate_here if is_sqlite(conn) else _aggregate_in_db)(conn, keys)
         upsert(conn, m.step_stats, stats, key=["run_id", "metric", "step"])
-        _bucket_maxima(conn, list(seen))
+        if buckets is None:
+            _bucket_maxima(conn, list(seen))
+        else:
+            buckets += seen
         conn.execute(
             update(m.rollup_queue)
             .where(q.run_id == bindparam("r"), q.step == bindparam("s"))
@@ -303,16 +310,33 @@ _FROM_CHILD = {  # a level's buckets from the closed buckets of the level below
 }
 
 
+def _locked(conn: Connection, *, wait: bool) -> bool:
+    """The rollup's advisory lock, to the end of this transaction (PostgreSQL): ``wait``
+    for it, or False at once when another collector holds it."""
+    if is_sqlite(conn):
+        return True
+    lock = "pg_advisory_xact_lock" if wait else "pg_try_advisory_xact_lock"
+    return conn.execute(text(f"SELECT {lock}(:k)"), {"k": ADVISORY_LOCK_KEY}).scalar() is not False
+
+
 def _locked_pass(engine: Engine, *, now: float, grace_s: float, recheck: bool, wait: bool) -> int:
-    """One pass in its own transaction, under the advisory lock on PostgreSQL: ``wait``
-    for it (flush), or skip the pass when another collector holds it (the loop)."""
+    """One pass under the advisory lock: ``wait`` for it (flush), or skip the pass when
+    another collector holds it (the loop). The steps' rollups are committed first, and
+    their heatmap buckets' maxima written after, in a transaction of their own: a bucket
+    of 16 steps at 16,384 ranks takes a second, and the steps waiting on it would not
+    be queryable until it was done (the tail of ingest -> queryable). The second waits
+    for the lock (another collector's pass is short). A crash between the two loses a
+    re-rolled bucket's update; a newly closed bucket is written with the next step."""
+    buckets: list[tuple[int, int]] = []
     with write(engine) as conn:
-        if not is_sqlite(conn):
-            lock = "pg_advisory_xact_lock" if wait else "pg_try_advisory_xact_lock"
-            got = conn.execute(text(f"SELECT {lock}(:k)"), {"k": ADVISORY_LOCK_KEY}).scalar()
-            if got is False:
-                return 0
-        return roll_up_ready(conn, now=now, grace_s=grace_s, recheck=recheck)
+        if not _locked(conn, wait=wait):
+            return 0
+        done = roll_up_ready(conn, now=now, grace_s=grace_s, recheck=recheck, buckets=buckets)
+    if buckets:
+        with write(engine) as conn:
+            _locked(conn, wait=True)
+            _bucket_maxima(conn, buckets)
+    return done
 
 
 def flush(engine: Engine, *, now: float, grace_s: float = GRACE_S) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from trainwarden.collector import models as m
 from trainwarden.collector.db import write
@@ -276,3 +276,32 @@ def test_bucket_maxima_of_every_heatmap_metric_are_each_ranks_maxima(engine) -> 
     assert ("compute", 1, 0) not in expected and ("loss", 2, 0) not in expected  # not vacuous
     # 2 buckets of: step time and data wait of 3 ranks, loss, compute and exposed comm of 2
     assert len(expected) == 2 * (3 + 3 + 2 + 2 + 2)
+
+
+def test_a_steps_rollup_is_queryable_before_its_heatmap_bucket_is_written(
+    engine, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    # A 16-step bucket's maxima at 16,384 ranks take a second: the steps' rollups are
+    # committed before that work starts, not held back by it.
+    from trainwarden.collector import rollup_worker
+
+    seen_then: list[int] = []
+    real = rollup_worker._bucket_maxima
+
+    def watched(conn, groups):  # type: ignore[no-untyped-def]
+        with engine.connect() as other:  # another session: what the series API sees
+            seen_then.append(other.execute(
+                select(func.count(func.distinct(m.step_stats.c.step)))
+            ).scalar_one())  # fmt: skip
+        real(conn, groups)
+
+    monkeypatch.setattr(rollup_worker, "_bucket_maxima", watched)
+    for rank in range(2):
+        send(engine, rank=rank, world=2, steps=list(range(17)), at=T0 + 20)
+    assert flush(engine, now=T0 + 100) == 17
+    assert seen_then == [17]  # every step's rollup already visible
+    with engine.connect() as conn:  # and the bucket was written after them
+        k = m.rank_buckets.c
+        assert (
+            conn.execute(select(func.count()).where(k.level == 16, k.bucket == 0)).scalar_one() > 0
+        )
