@@ -503,8 +503,9 @@ def _insert_new(conn: Connection, table: Any, cols: dict[str, list[Any]]) -> boo
     """COPY step rows straight into ``table``, for steps past each rank's last known one
     (the usual flush: new steps only); False, and nothing written, if a row's key is
     there already after all (another collector stored it first), for the upsert to
-    decide. Half of PostgreSQL's cost of the staged upsert, which copies every row
-    into a temporary table, reads it back, and inserts it speculatively a row."""
+    decide. Cheaper for PostgreSQL than the staged upsert, which copies every row into
+    a temporary table, reads it back, and inserts it speculatively a row (at 16,384
+    ranks, rank_steps' statements 15.1 -> 9.4 s over 60 s)."""
     from psycopg import errors
 
     try:

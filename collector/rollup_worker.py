@@ -96,7 +96,7 @@ def roll_up_ready(
     """Roll up every queued step that is due: complete (or past its grace) and not yet
     rolled, or (``recheck``) rolled before a late or replayed row arrived. Returns how many.
     ``buckets``: the rolled-up (run, step)s are added to it, for the caller to write their
-    heatmap buckets' maxima after this transaction (:func:`bucket_maxima`); by default
+    heatmap buckets' maxima after this transaction (:func:`_bucket_maxima`); by default
     they are written here."""
     q = m.rollup_queue.c
     counts = due_query(recheck)
