@@ -580,28 +580,32 @@ def register(app: dash.Dash, client: Client) -> None:
              rank: Any, _reset: int | None, user: str | None, options: list[dict[str, str]] | None,
              view: dict[str, Any], xmap: dict[str, list[Any]] | None) -> Any:  # fmt: skip
         keep = dash.no_update
-        trigger = dash.ctx.triggered_id
-        if trigger == "run-url":  # opened, or back / forward in the browser
+        # Every input that fired: Dash sends those that changed together in one call, in
+        # no set order (a pick redraws the chart, whose relayout can come with it).
+        fired = [t["prop_id"].rpartition(".")[0] for t in dash.ctx.triggered]
+        if "run-url" in fired:  # opened, or back / forward in the browser
             want = parse_query(search)
             return (keep, want if want != view else keep,
                     want["axis"] if want["axis"] != axis else keep,
                     want["rank"] if want["rank"] != rank else keep)  # fmt: skip
         want = dict(view)
-        if trigger == "run-overview":
-            picked = range_from_relayout(relayout, axis=view.get("axis", "step"), xmap=xmap)
-            if picked is False:
-                return keep, keep, keep, keep
-            want["from"], want["to"] = picked if picked is not None else (None, None)
-        elif trigger == "run-axis":
-            want["axis"] = axis if axis in AXES else "step"
-        elif trigger == "run-rank":
-            want["rank"] = int(rank) if isinstance(rank, (int, float)) and rank >= 0 else None
-        elif trigger == "run-reset":
-            want["from"] = want["to"] = None
-        elif trigger == "run-user-metric":
-            if not user or is_default_pick(user, options, view.get("user")):
-                return keep, keep, keep, keep  # set by a refresh, not picked
-            want["user"] = user
+        for trigger in fired:
+            if trigger == "run-overview":
+                picked = range_from_relayout(relayout, axis=view.get("axis", "step"), xmap=xmap)
+                if picked is not False:
+                    want["from"], want["to"] = picked if picked is not None else (None, None)
+            elif trigger == "run-axis":
+                want["axis"] = axis if axis in AXES else "step"
+            elif trigger == "run-rank":
+                want["rank"] = int(rank) if isinstance(rank, (int, float)) and rank >= 0 else None
+            elif trigger == "run-reset":
+                want["from"] = want["to"] = None
+            elif (
+                trigger == "run-user-metric"
+                and user
+                and not is_default_pick(user, options, view.get("user"))
+            ):  # a pick (a refresh setting the default is none)
+                want["user"] = user
         if want == view:
             return keep, keep, keep, keep
         # "?" for the default view: an empty search would leave the old one in the address bar.

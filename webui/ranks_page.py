@@ -381,13 +381,24 @@ def register(app: dash.Dash, client: Client) -> None:
         Output("ranks-url", "search", allow_duplicate=True),
         Input("ranks-user", "clickData"),
         Input("ranks-user", "relayoutData"),
+        State("ranks-url", "search"),
+        prevent_initial_call=True,
+    )
+    def follow_user(_click: Any, _zoom: Any, search: str | None) -> Any:
+        """The same on the user metric's heatmap."""
+        return _follow(search, None)
+
+    @app.callback(
+        Output("ranks-url", "search", allow_duplicate=True),
         Input("ranks-user-metric", "value"),
         State("ranks-user-metric", "options"),
         State("ranks-url", "search"),
         prevent_initial_call=True,
     )
-    def follow_user(_click: Any, _zoom: Any, _value: Any, options: Any, search: str | None) -> Any:
-        """The same on the user metric's heatmap, and its picker: the metric goes to the URL."""
+    def follow_pick(_value: Any, options: Any, search: str | None) -> Any:
+        """The user metric's picker: the metric goes to the URL. A callback of its own:
+        Dash drops the answer of a call still in flight when the same callback is called
+        again, and a pick redraws the heatmap, whose relayout would call it again."""
         return _follow(search, options)
 
 
@@ -398,26 +409,24 @@ def _has_picker(children: Any) -> bool:
 
 def _follow(search: str | None, options: list[dict[str, str]] | None) -> Any:
     """The URL after what triggered the callback: a click (a rank), a zoom (a step range)
-    or the user metric's picker (``options``: its options)."""
+    or the user metric's picker (``options``: its options). Every triggered input is
+    applied: Dash sends inputs that changed together in one call, in no set order (a
+    pick redraws the heatmap, whose autosize relayout can come first)."""
     rank, lo, hi = parse_query(search)
     user = parse_user(search)
-    trigger = dash.ctx.triggered_id or ""
-    prop = dash.ctx.triggered[0]["prop_id"] if dash.ctx.triggered else ""
-    value = dash.ctx.triggered[0]["value"] if dash.ctx.triggered else None
-    if trigger == "ranks-user-metric":
-        if not value or is_default_pick(value, options, user):
-            return dash.no_update  # set by a refresh, not picked
-        user = value
-    elif prop.endswith(".clickData"):
-        picked = clicked_rank(value)
-        if picked is None:
-            return dash.no_update
-        rank = picked
-    elif trigger in {f"ranks-{k}" for k in (*STEP_HEATMAPS, "user")}:
-        chosen = range_from_relayout(value)
-        if chosen is None:
-            return dash.no_update
-        lo, hi = chosen
+    for fired in dash.ctx.triggered:
+        prop, value = fired["prop_id"], fired["value"]
+        if prop == "ranks-user-metric.value":
+            if value and not is_default_pick(value, options, user):  # else set by a refresh
+                user = value
+        elif prop.endswith(".clickData"):
+            picked = clicked_rank(value)
+            if picked is not None:
+                rank = picked
+        elif prop.endswith(".relayoutData"):
+            chosen = range_from_relayout(value)
+            if chosen is not None:
+                lo, hi = chosen
     wanted = query_string(rank, lo, hi, user=user)
     return dash.no_update if wanted == (search or "") else wanted
 

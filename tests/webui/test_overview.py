@@ -278,6 +278,37 @@ def test_range_from_a_zoom_on_any_row() -> None:
     )  # fmt: skip
 
 
+def test_a_pick_that_fires_with_the_charts_relayout_still_goes_to_the_url() -> None:
+    """Dash sends inputs that changed together in one call, in no set order: every one
+    is applied (a pick's redraw relayout first used to hide the pick)."""
+    from sqlalchemy import create_engine
+
+    from trainwarden.webui.app import create_dash
+    from trainwarden.webui.client import LocalClient
+
+    from .dash_call import dash_call
+
+    app = create_dash(LocalClient(create_engine("sqlite://")))
+    view = overview.parse_query("?rank=3")
+    options = [{"label": m, "value": f"user.{m}"} for m in ("lr", "moe.aux")]
+    values = {"run-url.search": "?rank=3", "run-view.data": view, "run-axis.value": "step",
+              "run-rank.value": 3, "run-user-metric.value": "user.moe.aux",
+              "run-user-metric.options": options, "run-overview.relayoutData": {"autosize": True}}  # fmt: skip
+    for changed in (["run-overview.relayoutData", "run-user-metric.value"],
+                    ["run-user-metric.value", "run-overview.relayoutData"]):  # fmt: skip
+        found = dash_call(app, "run-url.search", values, changed)
+        assert found["run-url"] == {"search": "?rank=3&user=moe.aux"}, changed
+        assert found["run-view"]["data"]["user"] == "user.moe.aux"
+    zoom = {**values, "run-overview.relayoutData": {"xaxis.range[0]": 10, "xaxis.range[1]": 20}}
+    found = dash_call(app, "run-url.search", zoom,
+                      ["run-overview.relayoutData", "run-user-metric.value"])  # fmt: skip
+    assert found["run-url"] == {"search": "?from=10&to=20&rank=3&user=moe.aux"}
+    # Back / forward in the browser: the address wins over what fired with it.
+    back = {**zoom, "run-url.search": "?rank=1"}
+    found = dash_call(app, "run-url.search", back, ["run-overview.relayoutData", "run-url.search"])
+    assert "run-url" not in found and found["run-view"]["data"] == overview.parse_query("?rank=1")
+
+
 def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() -> None:
     from types import SimpleNamespace
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 from plotly.io.json import to_json_plotly
+from sqlalchemy import create_engine
 
 from trainwarden.collector.app import create_app
 from trainwarden.collector.queries import NotFound
@@ -19,10 +20,12 @@ from trainwarden.collector.rollup_worker import flush
 from trainwarden.collector.schemas import GpuSample, Heatmap, RankInfo
 from trainwarden.webui import ranks_figures as rf
 from trainwarden.webui import ranks_page
+from trainwarden.webui.app import create_dash
 from trainwarden.webui.client import LocalClient
 from trainwarden.webui.components import is_default_pick
 
 from ..collector.helpers import batch, step
+from .dash_call import dash_call
 from .test_alerts_page import text
 
 
@@ -165,6 +168,42 @@ def test_query_string_round_trip_and_bad_input() -> None:
     assert ranks_page.range_from_relayout({"yaxis.range[0]": 1, "yaxis.range[1]": 2}) is None
     assert ranks_page.clicked_rank({"points": [{"x": 20, "y": 2}]}) == 2
     assert ranks_page.clicked_rank({}) is None
+
+
+def test_the_user_metric_pick_goes_to_the_url_whatever_the_heatmap_does() -> None:
+    """A pick redraws the user heatmap, whose relayout comes while the pick's call is in
+    flight: Dash drops the answer of a callback called again meanwhile (under dash 4.4.1
+    the pick never reached the address). The pick has a callback of its own."""
+    app = create_dash(LocalClient(create_engine("sqlite://")))
+    options = [{"label": m, "value": f"user.{m}"} for m in ("eval.acc", "moe.load")]
+    values = {"ranks-user-metric.value": "user.moe.load", "ranks-user-metric.options": options,
+              "ranks-user.relayoutData": {"autosize": True}, "ranks-url.search": "?rank=2"}  # fmt: skip
+    pick = dash_call(app, "ranks-url.search", values, ["ranks-user-metric.value"])
+    assert pick == {"ranks-url": {"search": "?rank=2&user=moe.load"}}
+    picker = [cb for key, cb in app.callback_map.items()
+              if {"id": "ranks-user-metric", "property": "value"} in cb["inputs"]
+              and key.startswith("ranks-url.search")]  # fmt: skip
+    assert [i["id"] for cb in picker for i in cb["inputs"]] == ["ranks-user-metric"]
+    # The heatmap's own relayout (autosize) changes nothing; a zoom on it is a range.
+    assert dash_call(app, "ranks-url.search", values, ["ranks-user.relayoutData"]) == {}
+    zoom = {**values, "ranks-user.relayoutData": {"xaxis.range[0]": 10, "xaxis.range[1]": 19}}
+    found = dash_call(app, "ranks-url.search", zoom, ["ranks-user.relayoutData"])
+    assert found == {"ranks-url": {"search": "?rank=2&from=10&to=20"}}
+    # A refresh that sets the default metric writes nothing.
+    default = {**values, "ranks-user-metric.value": "user.eval.acc"}
+    assert dash_call(app, "ranks-url.search", default, ["ranks-user-metric.value"]) == {}
+
+
+def test_inputs_that_fire_together_are_all_applied() -> None:
+    """Dash sends inputs that changed together in one call, in no set order: a click on
+    a rank and a zoom in one call both go to the URL, whichever is first."""
+    app = create_dash(LocalClient(create_engine("sqlite://")))
+    click = {"ranks-step_time.clickData": {"points": [{"x": 20, "y": 3}]},
+             "ranks-exposed_comm.relayoutData": {"xaxis.range[0]": 0, "xaxis.range[1]": 9}}  # fmt: skip
+    for changed in (["ranks-exposed_comm.relayoutData", "ranks-step_time.clickData"],
+                    ["ranks-step_time.clickData", "ranks-exposed_comm.relayoutData"]):  # fmt: skip
+        found = dash_call(app, "ranks-url.search", click, changed)
+        assert found == {"ranks-url": {"search": "?rank=3&from=0&to=10"}}, changed
 
 
 # -- through a real database -----------------------------------------------------------
