@@ -581,7 +581,7 @@ def register(app: dash.Dash, client: Client) -> None:
              view: dict[str, Any], xmap: dict[str, list[Any]] | None) -> Any:  # fmt: skip
         keep = dash.no_update
         # Every input that fired: Dash sends those that changed together in one call, in
-        # no set order (a pick redraws the chart, whose relayout can come with it).
+        # no set order (a pick and a refresh's relayout of the chart can come together).
         fired = [t["prop_id"].rpartition(".")[0] for t in dash.ctx.triggered]
         if "run-url" in fired:  # opened, or back / forward in the browser
             want = parse_query(search)

@@ -397,8 +397,9 @@ def register(app: dash.Dash, client: Client) -> None:
     )
     def follow_pick(_value: Any, options: Any, search: str | None) -> Any:
         """The user metric's picker: the metric goes to the URL. A callback of its own:
-        Dash drops the answer of a call still in flight when the same callback is called
-        again, and a pick redraws the heatmap, whose relayout would call it again."""
+        dash-renderer drops an executing call when the same callback is requested again
+        (its duplicate pruning), and a pick redraws the heatmap, whose relayout would
+        request it again before the pick's answer came."""
         return _follow(search, options)
 
 
