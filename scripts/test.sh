@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# All the tests: installs what they need (once), then runs pytest. Arguments go to pytest.
+# All the tests: installs what they need (once), then runs pytest. With arguments, one pytest
+# runs with them; without, the whole suite runs in parallel, then the serial tests (below).
 # PostgreSQL: TRAINWARDEN_TEST_DATABASE_URL, else 127.0.0.1:5432, else a throwaway cluster
 # from the local PostgreSQL binaries (tests/conftest.py). Chromium: /usr/bin/chromium.
 # promtool (Debian's prometheus), Alertmanager (prometheus-alertmanager), Slurm and munge
@@ -44,4 +45,24 @@ if [ ! -x /usr/sbin/slurmctld ] || [ ! -x /usr/sbin/slurmd ] || [ ! -x /usr/sbin
 fi
 
 ./scripts/install.sh --dev
-exec .venv/bin/python -m pytest "$@"
+if [ $# -gt 0 ]; then  # a selection of one's own: one pytest, as asked
+  exec .venv/bin/python -m pytest "$@"
+fi
+# The whole suite: most of its time is end-to-end drills waiting on real timers and
+# processes, so it runs on TRAINWARDEN_TEST_WORKERS pytest-xdist workers (2 by default; a
+# test file stays on one worker, with its module fixtures). The tests marked `serial`
+# measure timings that a second worker's load would distort (the comm split): they run
+# afterwards, alone. Both parts always run; the exit status is the first failure's.
+workers="${TRAINWARDEN_TEST_WORKERS:-2}"
+rc=0
+if [ "$workers" -gt 1 ]; then
+  .venv/bin/python -m pytest -n "$workers" --dist loadfile -m "not serial" || rc=$?
+else
+  .venv/bin/python -m pytest -m "not serial" || rc=$?
+fi
+echo "trainwarden: the serial tests (timing-sensitive), alone"
+.venv/bin/python -m pytest -m serial || { s=$?; [ "$rc" -ne 0 ] || rc=$s; }
+if [ "$rc" -ne 0 ]; then
+  echo "trainwarden: TESTS FAILED (see both summaries above)" >&2
+fi
+exit "$rc"

@@ -311,7 +311,12 @@ def _stop_leftovers() -> None:
         try:
             owner = int((base / "owner").read_text())
         except (OSError, ValueError):
-            return True  # removed already: nobody owns it
+            # No owner yet: another test process (a parallel worker) may have just made
+            # it and not written its owner; a cluster left without one is old.
+            try:
+                return time.time() - base.stat().st_mtime > 60
+            except OSError:
+                return True  # removed already: nobody owns it
         return not Path(f"/proc/{owner}").exists()
 
     _kill(_processes_of(stale))

@@ -162,11 +162,12 @@ def test_clicking_a_rank_shows_its_detail_and_keeps_it_in_the_url(server: Server
         SLOW_RANK,
     )
     # The heatmaps refresh live: a click that lands while one is being redrawn is lost
-    # (as it would be for a person, who clicks again). Up to three clicks.
+    # (as it would be for a person, who clicks again). Up to three clicks, each waited on
+    # long: a click while the last one's callback is in flight makes Dash drop its answer.
     for attempt in range(3):
         page.mouse.click(box["x"], box["y"])
         try:
-            page.wait_for_url(f"**/runs/{RUN}/ranks?rank={SLOW_RANK}", timeout=5_000)
+            page.wait_for_url(f"**/runs/{RUN}/ranks?rank={SLOW_RANK}", timeout=15_000)
             break
         except Exception:
             if attempt == 2:

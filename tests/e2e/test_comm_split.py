@@ -20,6 +20,10 @@ import pytest
 
 from ..conftest import ROOT, free_port
 
+# Its assertions are timings (the injected delay within 10 ms): alone, not beside another
+# worker's load (scripts/test.sh runs the serial tests after the parallel part).
+pytestmark = pytest.mark.serial
+
 STEPS = 30
 WARMUP = 4
 
