@@ -533,14 +533,23 @@ def register(app: dash.Dash, client: Client) -> None:
         Input("run-xmap", "data"),
         State("run-view", "data"),
         State("run-name", "data"),
+        State("run-user-metric", "options"),
+        State("run-user-metric", "value"),
     )
-    def pick_user(_drawn: Any, view: dict[str, Any], name: str) -> Any:
+    def pick_user(_drawn: Any, view: dict[str, Any], name: str,
+                  shown: list[dict[str, str]] | None, value: str | None) -> Any:  # fmt: skip
         """The run's own metrics, refreshed after each drawing of the overview (so that
-        they do not compete with it while the page loads); the pick is the URL's."""
+        they do not compete with it while the page loads); the pick is the URL's.
+
+        Only what changed is set: setting the picker's value fires ``sync``, and a
+        refresh that called it while a zoom's call was in flight made Dash drop the
+        zoom's answer (its duplicate pruning), so that a drag was sometimes lost."""
         try:
-            return user_choices(client, name, view.get("user"))
+            options, pick = user_choices(client, name, view.get("user"))
         except Exception:  # the page's notice says what is wrong
             return dash.no_update, dash.no_update
+        return (options if options != shown else dash.no_update,
+                pick if pick != value else dash.no_update)  # fmt: skip
 
     @app.callback(
         Output("run-user", "figure"),

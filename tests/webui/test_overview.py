@@ -309,6 +309,41 @@ def test_a_pick_that_fires_with_the_charts_relayout_still_goes_to_the_url() -> N
     assert "run-url" not in found and found["run-view"]["data"] == overview.parse_query("?rank=1")
 
 
+def test_a_refresh_sets_the_user_metric_picker_only_when_it_changed() -> None:
+    """Each drawing of the overview re-reads the run's user metrics. Setting the picker's
+    value fires the URL callback, and a call of it while a zoom's was in flight made
+    Dash drop the zoom: a refresh that changes nothing sets nothing."""
+    from sqlalchemy import create_engine
+
+    from trainwarden.webui.app import create_dash
+    from trainwarden.webui.client import LocalClient
+
+    from .dash_call import dash_call
+
+    class Metrics(LocalClient):
+        found = ["user.lr", "user.moe.aux"]
+
+        def user_metrics(self, run: str) -> list[str]:
+            return list(self.found)
+
+    client = Metrics(create_engine("sqlite://"))
+    app = create_dash(client)
+    options = [{"label": m.removeprefix("user."), "value": m} for m in client.found]
+    first = {"run-name.data": "r", "run-view.data": overview.parse_query("?user=moe.aux"),
+             "run-xmap.data": {"step": [1], "ts": [1.0]}}  # fmt: skip
+    # The page opens: the picker gets the run's metrics and the URL's pick.
+    found = dash_call(app, "run-user-metric.options", first, ["run-xmap.data"])
+    assert found == {"run-user-metric": {"options": options, "value": "user.moe.aux"}}
+    # A refresh with the same metrics and pick: nothing is set (so `sync` does not fire).
+    again = {**first, "run-user-metric.options": options, "run-user-metric.value": "user.moe.aux"}
+    assert dash_call(app, "run-user-metric.options", again, ["run-xmap.data"]) == {}
+    # A new metric appears: the options change, the pick stays.
+    client.found = [*client.found, "user.tokens_dropped"]
+    found = dash_call(app, "run-user-metric.options", again, ["run-xmap.data"])
+    assert found == {"run-user-metric": {"options": [*options, {"label": "tokens_dropped",
+                                                                "value": "user.tokens_dropped"}]}}  # fmt: skip
+
+
 def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() -> None:
     from types import SimpleNamespace
 
