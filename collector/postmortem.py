@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 CHART_POINTS = 2000
 CHART_METRICS = (("loss", "Loss"), ("step_time", "Step time (s)"), ("mfu", "MFU"))
+MFU_FORMAT = ".2~p"  # as the run overview draws it (webui/overview_figures.py)
 FIGURES = (
     ("detect_s", "Time to detect"),
     ("page_s", "Time to page"),
@@ -299,12 +300,16 @@ def _chart(t: dict[str, Any], div_id: str) -> str:
 
     for row, (metric, label) in enumerate(CHART_METRICS, start=1):
         d = c[metric]
+        value = "%{y}"
+        if metric == "mfu":  # "0.45%", never "0.0045"
+            fig.update_yaxes(tickformat=MFU_FORMAT, row=row, col=1)
+            value = f"%{{y:{MFU_FORMAT}}}"
         fig.add_trace(go.Scatter(x=x(d["ts"]), y=d["max"], name=f"{label} max", line={"width": 0},
                                  showlegend=False, hoverinfo="skip"), row=row, col=1)  # fmt: skip
         fig.add_trace(go.Scatter(x=x(d["ts"]), y=d["min"], name=f"{label} min", fill="tonexty",
                                  line={"width": 0}, showlegend=False, hoverinfo="skip"), row=row, col=1)  # fmt: skip
         fig.add_trace(go.Scatter(x=x(d["ts"]), y=d["median"], name=label, mode="lines",
-                                 customdata=d["step"], hovertemplate="step %{customdata}: %{y}<extra></extra>"),
+                                 customdata=d["step"], hovertemplate=f"step %{{customdata}}: {value}<extra></extra>"),
                       row=row, col=1)  # fmt: skip
     for rank, d in c["temp_c"].items():
         fig.add_trace(go.Scatter(x=x(d["ts"]), y=d["temp_c"], name=f"rank {rank} °C", mode="lines"), row=4, col=1)  # fmt: skip

@@ -24,6 +24,9 @@ from trainwarden.collector.schemas import Series
 
 from .figures import COLORS, TEMPLATES, _translucent, empty_figure, template, themed
 
+# MFU as a percentage to two significant digits: "0.45%" on a small model or a CPU (a whole
+# percent printed 0% on every tick), "38%" on a real one; never an SI "4.5m".
+MFU_FORMAT = ".2~p"
 ROWS = ["events", "throughput", "mfu", "loss", "grad_norm", "breakdown"]
 ROW_TITLES = [
     "Alerts · actions · checkpoints · restarts",
@@ -222,10 +225,10 @@ def _num(v: float | None) -> str:
 
 
 def _line(traces: list[dict[str, Any]], s: Series, row: int, *, axis: str, color: str,
-          label: str) -> None:  # fmt: skip
+          label: str, fmt: str = ".4s") -> None:  # fmt: skip
     traces.append(_trace(row, x=_xs(s.step, s.ts, axis), y=finite(s.total), mode="lines",
                          line={"width": 2, "color": color}, name=label, showlegend=False,
-                         hovertemplate=f"{label} %{{y:.4s}}<extra></extra>"))  # fmt: skip
+                         hovertemplate=f"{label} %{{y:{fmt}}}<extra></extra>"))  # fmt: skip
 
 
 def _spikes(traces: list[dict[str, Any]], data: Overview, s: Series, row: int, *, axis: str,
@@ -392,7 +395,7 @@ def overview_figure(
         )
     drawn["mfu"] = _has(s, "mfu", "total")
     if drawn["mfu"]:
-        _line(traces, s["mfu"], 3, axis=axis, color=COLORS["mfu"], label="MFU")
+        _line(traces, s["mfu"], 3, axis=axis, color=COLORS["mfu"], label="MFU", fmt=MFU_FORMAT)
     drawn["loss"] = _has(s, "loss", "median")
     if drawn["loss"]:
         _band(traces, s["loss"], 4, axis=axis, color=COLORS["loss"], label="loss")
@@ -439,7 +442,7 @@ def overview_figure(
                 xaxis["range"] = list(x_range)
     layout["yaxis"].update(type="category", categoryorder="array", categoryarray=EVENT_ROWS,
                            showticklabels=False, showgrid=False)  # fmt: skip
-    layout["yaxis3"]["tickformat"] = ".0%"
+    layout["yaxis3"]["tickformat"] = MFU_FORMAT
     for row in (2, 3, 6):  # throughput, MFU and time from zero: a drop reads as a drop
         layout[f"yaxis{row}"]["rangemode"] = "tozero"
     layout[f"xaxis{len(ROWS)}"]["title"] = {"text": "time" if axis == "time" else "step"}

@@ -287,6 +287,8 @@ def test_the_html_report_is_self_contained(engine: Engine) -> None:
     assert page.startswith("<!DOCTYPE html>") and "Plotly.newPlot" in page
     assert "<script src=" not in page and "<link " not in page  # nothing to fetch
     assert "data-kind='recovered'" in page and "fault injected (drill)" in page
+    # MFU as the run overview shows it: a percentage to two significant digits.
+    assert '"tickformat":".2~p"' in page and "%{y:.2~p}" in page
 
 
 def test_the_fault_is_one_on_the_alerts_ranks_not_an_earlier_one_elsewhere(engine: Engine) -> None:

@@ -215,3 +215,30 @@ def test_an_empty_run_says_it_waits_for_steps(server: Server, page: Any) -> None
     page.locator("#run-overview", has_text="No steps yet").wait_for(timeout=20_000)
     assert "Traceback" not in page.content()
     assert page.errors == []
+
+
+def test_a_small_mfu_reads_as_a_percentage_on_its_ticks_and_hover(
+    server: Server, page: Any
+) -> None:
+    """MFU under 1 % (a CPU, a small model): the ticks keep two significant digits (a
+    whole percent printed "0%" on every tick) and the hover says %, not an SI "4.5m"."""
+    run, peak = "ui-mfu", 1e12
+    mfu = [0.004 + 0.0005 * (n % 4) for n in range(30)]
+    steps = [{"step": n, "ts": T0 + n, "duration_s": 0.1, "tokens": 512, "loss": 2.0,
+              "flops": m * 0.1 * peak, "peak_flops": peak, "mfu": m}
+             for n, m in enumerate(mfu)]  # fmt: skip
+    body = batch(run, rank=0, world_size=1, steps=steps)
+    assert httpx.post(f"{server.url}/api/v1/ingest", json=body, timeout=10).status_code == 200
+    open_overview(page, f"{server.url}/runs/{run}")
+    page.wait_for_function(
+        f"({PLOT}.data || []).some(t => t.name === 'MFU' && t.x.length >= 29)", timeout=20_000
+    )
+    ticks = page.evaluate(
+        "[...document.querySelectorAll('#run-overview .y3tick text')].map(t => t.textContent)"
+    )
+    assert len(ticks) >= 3 and all(t.endswith("%") for t in ticks), ticks
+    assert len(set(ticks)) == len(ticks), ticks  # no two ticks read the same
+    assert any(t.startswith("0.") for t in ticks), ticks  # e.g. 0.45%, not 0%
+    hover = page.evaluate(f"{PLOT}.data.find(t => t.name === 'MFU').hovertemplate")
+    assert "%{y:.2~p}" in hover, hover
+    assert page.errors == []
