@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import base64
 import datetime as dt
+import itertools
 import math
 import statistics
 import sys
@@ -119,14 +120,17 @@ def deviation(grid: Grid) -> Grid:
 
 
 def gpu_grid(samples: Iterable[GpuSample], *, field: str = "temp_c", buckets: int = 120) -> Grid:
-    """A GPU reading per rank and time bucket (the bucket's max: a hot spell stays visible)."""
+    """A GPU reading per rank and time bucket (the bucket's max: a hot spell stays visible).
+
+    A bucket is never narrower than the agents' sampling interval (the median gap
+    between a rank's readings): narrower, a short run's row was a comb of empty cells."""
     points = [(s.rank, s.ts, _finite(getattr(s, field))) for s in samples]
     points = [p for p in points if p[2] is not None]
     if not points:
         return Grid([], [], 1.0, [], "°C")
     lo = min(p[1] for p in points)
     hi = max(p[1] for p in points)
-    width = max((hi - lo) / buckets, 1.0)
+    width = max((hi - lo) / buckets, _sampling_interval(points), 1.0)
     count = int((hi - lo) // width) + 1
     ranks = sorted({p[0] for p in points})
     index = {rank: i for i, rank in enumerate(ranks)}
@@ -136,6 +140,15 @@ def gpu_grid(samples: Iterable[GpuSample], *, field: str = "temp_c", buckets: in
         if row[i] is None or value > row[i]:  # type: ignore[operator]
             row[i] = value
     return Grid(ranks, [lo + i * width for i in range(count)], width, values, "°C")
+
+
+def _sampling_interval(points: list[tuple[int, float, float | None]]) -> float:
+    """The median gap between successive readings of the same rank (0 with too few)."""
+    by_rank: dict[int, list[float]] = {}
+    for rank, ts, _ in points:
+        by_rank.setdefault(rank, []).append(ts)
+    gaps = [b - a for times in by_rank.values() for a, b in itertools.pairwise(sorted(times)) if b > a]  # fmt: skip
+    return statistics.median(gaps) if gaps else 0.0
 
 
 def row_ratios(grid: Grid) -> dict[int, float]:

@@ -110,6 +110,20 @@ def test_gpu_temperature_grid_keeps_the_hottest_reading_per_bucket() -> None:
     assert rf.gpu_grid([]).ranks == []
 
 
+def test_gpu_temperature_buckets_are_never_narrower_than_the_sampling_interval() -> None:
+    """A short run sampled every 5 s: 120 buckets of 1 s would leave four cells in five
+    empty. Each rank's row is full, and a hot reading still shows in its own bucket."""
+    samples = [GpuSample(rank=r, ts=1000.0 + t + 0.3 * r, temp_c=90.0 if (r, t) == (0, 40) else 45.0)
+               for r in range(2) for t in range(0, 60, 5)]  # fmt: skip
+    grid = rf.gpu_grid(samples)
+    assert grid.width == pytest.approx(5.0)
+    assert all(v is not None for row in grid.values for v in row), grid.values
+    assert max(grid.values[0]) == 90.0 and max(grid.values[1]) == 45.0
+    # A long run: the 120 buckets are wider than the interval and stay as they were.
+    long = [GpuSample(rank=0, ts=1000.0 + t, temp_c=45.0) for t in range(0, 3600, 5)]
+    assert rf.gpu_grid(long).width == pytest.approx(3595 / 120)
+
+
 def test_states_table_counts_states_and_lists_the_unhealthy_first() -> None:
     ranks = [rank(0), rank(1, "slow", state_detail={"role": "culprit", "reason": "compute 3x"}),
              rank(2, "dead"), rank(3, "evicted"), rank(4, "hung")]  # fmt: skip
