@@ -195,7 +195,10 @@ def themed_layout(layout: dict[str, Any], theme: str | None) -> dict[str, Any]:
 
 
 def _row_note(layout: dict[str, Any], row: int, text: str) -> None:
+    """``text`` across an empty row, whose y-axis then has no tick labels (an empty axis
+    would number a made-up range: 0-400 % on a run without MFU)."""
     x, y = _axes(row)
+    layout[y.replace("y", "yaxis", 1)]["showticklabels"] = False
     layout["annotations"].append({"text": text, "showarrow": False, "xref": f"{x} domain",
                                   "yref": f"{y} domain", "x": 0.5, "y": 0.5,
                                   "font": {"size": 12, "color": "#6b7280"}})  # fmt: skip

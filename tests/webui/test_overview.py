@@ -197,6 +197,9 @@ def test_nan_and_infinite_values_are_gaps_and_the_figure_serializes() -> None:
     # A row with nothing to draw says what to do instead.
     notes = [a.text for a in fig.layout.annotations]
     assert ROW_EMPTY["mfu"] in notes
+    # Its axis numbers nothing; the rows with data keep their tick labels.
+    assert fig.layout.yaxis3.showticklabels is False
+    assert fig.layout.yaxis4.showticklabels is not False
 
 
 def test_theme_light_and_dark() -> None:
