@@ -29,6 +29,7 @@ from trainwarden.collector.queries import NotFound
 from . import alerts, figures
 from .client import Client
 from .components import ago, is_default_pick, notice, parse_user, run_tabs, user_choices
+from .hardware_figures import ACTION_TEXT, xid_rows
 from .overview_figures import (
     Marker,
     Overview,
@@ -257,8 +258,10 @@ def _event_text(e: Any) -> str:
     d = e.data or {}
     if e.kind == "rank_state":
         return f"{d.get('from')} → {d.get('to')}" + (f": {d['reason']}" if d.get("reason") else "")
-    if e.kind == "xid":
-        return f"XID {d.get('code')} {d.get('name', '')}: {d.get('meaning', '')} Action: {d.get('action')}"
+    if e.kind == "xid":  # the catalog's words when the event has the code alone
+        (x,) = xid_rows([e], [])
+        code = "?" if x.code is None else x.code
+        return f"XID {code} {x.name}: {x.meaning} Action: {ACTION_TEXT.get(x.action, x.action)}."
     if e.kind == "drill":
         return f"drill injected: {d.get('spec') or d.get('fault')}"
     if e.kind == "loss_divergence":

@@ -9,7 +9,7 @@ import math
 
 import plotly.graph_objects as go
 
-from trainwarden.collector.schemas import Series
+from trainwarden.collector.schemas import EventOut, Series
 from trainwarden.webui import overview, overview_figures
 from trainwarden.webui.overview_figures import ROW_EMPTY, Marker, Overview, RankLine, thin
 
@@ -374,3 +374,20 @@ def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() ->
     assert [c.href for c in walk(panel) if isinstance(c, dcc.Link)] == ["/runs/big%20run/ranks"]
     small = SimpleNamespace(name="s", ranks=[r(i, "healthy") for i in range(PANEL_RANKS)])
     assert rows(ranks_panel(small, [], [])) == PANEL_RANKS
+
+
+def test_an_xid_event_reads_with_the_catalogs_words_when_it_has_only_its_code() -> None:
+    def xid(data: dict[str, object]) -> str:
+        event = EventOut(id=1, kind="xid", severity="critical", ts=1.0, recv_ts=1.0, rank=1,
+                         step=50, data=data)  # fmt: skip
+        return overview._event_text(event)
+
+    # Only the code (an older agent, a hand-written event): looked up, never "None".
+    assert xid({"code": 79}) == (
+        "XID 79 GPU has fallen off the bus: The GPU no longer answers on PCIe: a hardware, "
+        "power or thermal fault. Action: drain the node."
+    )
+    # What the agent sent wins over the catalog.
+    sent = {"code": 79, "name": "n", "meaning": "m.", "action": "reboot_node"}
+    assert xid(sent) == "XID 79 n: m. Action: reboot the node."
+    assert "None" not in xid({})
