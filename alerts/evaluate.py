@@ -494,6 +494,10 @@ def _cadence(rule: CadenceRule, snap: Snapshot) -> list[Verdict]:
     off = rule.params.off_by
     if 1 / off <= ratio <= off:
         return []
+    waste_now, waste_best = advice.get("waste_now"), advice.get("waste_optimal")
+    if (isinstance(waste_now, (int, float)) and isinstance(waste_best, (int, float))
+            and waste_now - waste_best < rule.params.min_saving):  # fmt: skip
+        return []  # far off T*, but following it would gain next to nothing
     do = "save more often" if ratio > 1 else "save less often"
     detail = (f"run: checkpoints every {_ago(now_s)}; the optimum T* = sqrt(2 C tau) is "
               f"{_ago(best)} (C {advice.get('cost_s', 0):.1f} s, tau {_ago(advice.get('mtbf_s') or 0)}): "

@@ -314,6 +314,10 @@ class CadenceParams(_Strict):
 
     off_by: float = Field(default=2.0, gt=1, le=1000)
     min_checkpoints: int = Field(default=3, ge=2, le=10_000)
+    min_saving: float = Field(default=0.005, ge=0, le=1)
+    """Fire only if T* would waste at least this fraction of the run's time less than the
+    current interval (0.005: half a percent). Far off T* can still be free: a save of
+    0.05 s every 15 s wastes 0.3 %, and 'save less often' would gain nothing to speak of."""
 
 
 # -- rules --------------------------------------------------------------------------

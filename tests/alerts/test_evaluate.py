@@ -650,7 +650,16 @@ def test_checkpoint_cadence_fires_when_the_interval_is_more_than_2x_off() -> Non
     assert "save less often" in only(evaluate(rule, often)).detail
     for quiet in ({**advice, "interval_s": 1900.0, "ratio": 1.9},  # within 2x
                   {**advice, "interval_s": 7200.0, "ratio": 7.2, "checkpoints": 2},  # too few yet
-                  {**advice, "interval_s": None, "ratio": None}, None):  # fmt: skip
+                  {**advice, "interval_s": None, "ratio": None}, None,
+                  # 7x too often, but a save costs next to nothing: 0.3 % wasted now
+                  # against 0.1 % at T* would gain 0.2 % (under min_saving, 0.5 %).
+                  {**advice, "interval_s": 15.0, "ratio": 0.14, "cost_s": 0.05,
+                   "waste_now": 0.003, "waste_optimal": 0.001}):  # fmt: skip
         snap = run()
         snap.cadence = quiet
         assert evaluate(rule, snap) == []
+    # The same gain over min_saving fires.
+    pricey = run()
+    pricey.cadence = {**advice, "interval_s": 15.0, "ratio": 0.14, "waste_now": 0.009,
+                      "waste_optimal": 0.001}  # fmt: skip
+    assert "save less often" in only(evaluate(rule, pricey)).detail
