@@ -21,10 +21,15 @@ from sqlalchemy import Engine
 from .settings import Settings
 
 # What the demo injects unless told otherwise: visible, and nothing that ends the run.
+# The loss spike is 1000x: the demo's steps take ~55 ms, so LossSpike's 20 steps are ~1 s
+# and the doubled loss must outlast a few of the engine's 2 s passes to go pending, then
+# firing (its rollback, dry-run by default, then names the checkpoint it would go back
+# to). At 30x the demo's model shrugged it off: its loss rose 15 % and nothing fired.
 DEFAULT_DRILL = (
     "thermal=90C@rank=0,step=300; slow=1.5x@rank=1,steps=600-900; "
-    "loss_spike=30x@step=1200; xid=63@rank=1,step=1500"
+    "loss_spike=1000x@step=1200; xid=63@rank=1,step=1500"
 )
+CHECKPOINT_EVERY = 250  # steps: markers on the overview, and a rollback has somewhere to go
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -73,6 +78,8 @@ def launch_ranks(
     work_ms: float = 20.0,
     log_path: str | None = None,
     token: str | None = None,
+    checkpoint_dir: str | None = None,
+    checkpoint_every: int = CHECKPOINT_EVERY,
 ) -> list[subprocess.Popen]:
     master_port = free_port()
     procs = []
@@ -107,6 +114,8 @@ def launch_ranks(
             "--work-ms",
             str(work_ms),
         ]
+        if checkpoint_dir:
+            cmd += ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(checkpoint_every)]
         log = open(log_path, "a") if log_path else None  # noqa: SIM115 (closed with the process)
         procs.append(
             subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT if log else None)
@@ -177,6 +186,9 @@ def run_demo(
         print(f"trainwarden demo: drill {drill}", flush=True)
     log_path = os.path.join(tempfile.gettempdir(), f"trainwarden-{run}.log")
     print(f"trainwarden demo: training output in {log_path}", flush=True)
+    checkpoints = os.path.join(tempfile.gettempdir(), f"trainwarden-{run}-checkpoints")
+    print(f"trainwarden demo: a checkpoint every {CHECKPOINT_EVERY} steps in {checkpoints}",
+          flush=True)  # fmt: skip
     procs = launch_ranks(
         run=run,
         url=base,
@@ -186,6 +198,7 @@ def run_demo(
         drill=drill,
         log_path=log_path,
         token=ingest,
+        checkpoint_dir=checkpoints,
     )
     try:
         codes = [p.wait() for p in procs]

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from trainwarden.collector.db import make_engine
-from trainwarden.collector.queries import list_runs, series
+from trainwarden.collector.queries import events, list_runs, series
 
 from ..conftest import free_port
 
@@ -52,3 +53,6 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
         assert (run.world_size, run.ranks_seen, run.last_step, run.status) == (2, 2, 24, "finished")
         loss = series(conn, run=run.name, metric="loss")
         assert loss.n == [2] * 25
+        # The demo trainer checkpoints (step 0 here), so that a rollback has a target.
+        assert [e.step for e in events(conn, run=run.name, kind="checkpoint")] == [0]
+    assert f"checkpoint every 250 steps in {tempfile.gettempdir()}" in result.stdout
