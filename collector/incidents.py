@@ -4,7 +4,8 @@ The engine (one pass every ``interval_s`` inside ``serve``; one collector at a t
 PostgreSQL through an advisory lock, as for alerts and actions):
 
 1. **Open**: an alert of a run that fired and belongs to no incident joins the run's
-   open incident, or opens one (titled after it) when the run has none.
+   open incident, or opens one (titled after it) when the run has none. A more severe
+   alert that joins takes over the title, unless an operator gave one.
 2. **Gather**: an action joins the incident of the alert that triggered it; an
    operator's action (no alert) joins the run's open incident if it came after it
    opened. The run's events and notes join by time (see ``collector/timeline.py``);
@@ -101,15 +102,18 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
     ).all()
     for alert in fired:
         incident_id = _open_of(conn, alert.run_id)
+        where = f" on rank {alert.rank}" if alert.rank is not None else ""
+        where += f" ({alert.node})" if alert.node else ""
+        title = f"{alert.rule}{where}"
         if incident_id is None:
-            where = f" on rank {alert.rank}" if alert.rank is not None else ""
-            where += f" ({alert.node})" if alert.node else ""
             incident_id = _create(
-                conn, run_id=alert.run_id, title=f"{alert.rule}{where}", by=ENGINE, auto=True,
+                conn, run_id=alert.run_id, title=title, by=ENGINE, auto=True,
                 severity=alert.severity, opened_at=alert.fired_at, now=now,
                 detail=f"alert {alert.id} ({alert.rule}) fired",
             )  # fmt: skip
             result.opened.append(incident_id)
+        else:
+            _escalate(conn, incident_id, title=title, alert=alert, now=now)
         _attach(conn, incident_id, "alert", [alert.id], now)
         _widen(conn, incident_id, ranks=[alert.rank], nodes=[alert.node], severity=alert.severity,
                now=now)  # fmt: skip
@@ -147,6 +151,20 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
                         detail=f"every alert resolved and every action ended; quiet for {now - quiet_since:.0f} s")  # fmt: skip
             result.closed.append(row.id)
     return result
+
+
+def _escalate(conn: Connection, incident_id: int, *, title: str, alert: Any, now: float) -> None:
+    """A more severe alert joining an incident the engine titled takes over its title
+    (a warning's incident that an XID joined read "StepTimeRegression" under a critical
+    badge). A title an operator gave is theirs: it stays."""
+    row = _get(conn, incident_id)
+    if not row.auto or SEVERITY_ORDER.get(alert.severity, 0) <= SEVERITY_ORDER.get(row.severity, 0):
+        return
+    if any(e.get("what") == "retitled" and e.get("by") != ENGINE for e in row.history or []):
+        return
+    _log(conn, row, _entry("retitled", ENGINE, now,
+                           f"{row.title!r} -> {title!r}: alert {alert.id} ({alert.rule}, "
+                           f"{alert.severity}) joined"), title=title[:200])  # fmt: skip
 
 
 def _quiet_since(conn: Connection, incident_id: int, opened_at: float) -> float | None:

@@ -103,6 +103,32 @@ def test_an_alert_firing_during_the_cooldown_keeps_the_incident_open(engine: Eng
     assert run_pass(engine, T0 + 5 + COOLDOWN).opened == []
 
 
+def test_a_more_severe_alert_that_joins_takes_over_the_title_unless_an_operator_gave_one(engine: Engine, client: TestClient) -> None:  # fmt: skip
+    run_id = sc.make_run(engine)
+    sc.alert(engine, run_id, rule="StepTimeRegression", severity="warning", active_since=T0, fired_at=T0)  # fmt: skip
+    (incident,) = run_pass(engine, T0 + 1).opened
+    assert client.get(f"/api/v1/incidents/{incident}").json()["title"] == "StepTimeRegression on rank 0 (node0)"  # fmt: skip
+    xid = sc.alert(engine, run_id, rule="FatalXid", rank=1, active_since=T0 + 30, fired_at=T0 + 30)
+    run_pass(engine, T0 + 31)
+    body = client.get(f"/api/v1/incidents/{incident}").json()
+    assert (body["title"], body["severity"]) == ("FatalXid on rank 1 (node1)", "critical")
+    assert body["history"][-1]["what"] == "retitled" and f"alert {xid} (FatalXid" in body["history"][-1]["detail"]  # fmt: skip
+    # As severe, or less: the title stays.
+    sc.alert(engine, run_id, rule="RankDead", rank=0, active_since=T0 + 40, fired_at=T0 + 40)
+    run_pass(engine, T0 + 41)
+    assert client.get(f"/api/v1/incidents/{incident}").json()["title"] == "FatalXid on rank 1 (node1)"  # fmt: skip
+
+    # An operator's title is kept whatever joins.
+    other = sc.make_run(engine, "other")
+    sc.alert(engine, other, rule="Straggler", severity="info", active_since=T0, fired_at=T0)
+    (named,) = run_pass(engine, T0 + 1).opened
+    client.patch(f"/api/v1/incidents/{named}", json={"title": "node3 is slow", "by": "ana"})
+    sc.alert(engine, other, rule="FatalXid", rank=1, active_since=T0 + 30, fired_at=T0 + 30)
+    run_pass(engine, T0 + 31)
+    body = client.get(f"/api/v1/incidents/{named}").json()
+    assert (body["title"], body["severity"]) == ("node3 is slow", "critical")
+
+
 # -- operators' changes ------------------------------------------------------------------------
 
 
