@@ -6,6 +6,7 @@ odd steps only; the agent's records go to a JSON file through the transport seam
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -82,9 +83,14 @@ def main(out_dir: str, delays_ms: list[int], steps_per_delay: int) -> None:
                 s.loss(loss)
             step += 1
     tw.shutdown()
-    dist.destroy_process_group()
     with open(f"{out_dir}/rank{rank}-slept.json", "w") as f:
         json.dump(slept, f)
+    # DDP (its reducer) holds the process group: free it before destroying the group. Left
+    # to interpreter exit, torch's gloo aborted ~1 exit in 6 here ("terminate called
+    # without an active exception", SIGABRT), with or without trainwarden.
+    del ddp, opt, model
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

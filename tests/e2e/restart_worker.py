@@ -12,6 +12,7 @@ one and goes on from the step after it. The ``die`` drill runs in the first atte
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from datetime import timedelta
@@ -79,6 +80,8 @@ def main() -> None:
                 time.sleep(0.05)  # the save's cost, the same on every rank
             dist.barrier()  # every rank sees the file before anyone can die after it
     tw.shutdown()
+    del model, opt  # DDP holds the process group: free it first (see comm_worker.py)
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -52,9 +52,13 @@ def run_ranks(out: Path, delays_ms: list[int], profile_every: int) -> list[list[
             "MASTER_PORT": str(port),
             "TRAINWARDEN_PROFILE_EVERY": str(profile_every),
         }
-        # torch.profiler prints its own lines to stderr on every window
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.DEVNULL))
-    assert [p.wait(timeout=240) for p in procs] == [0, 0]
+        # torch.profiler prints its own lines to stderr on every window: to a file, whose
+        # tail a failure shows.
+        with open(out / f"rank{rank}.stderr", "wb") as err:
+            procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=err))
+    codes = [p.wait(timeout=240) for p in procs]
+    tails = [(out / f"rank{r}.stderr").read_text(errors="replace")[-3000:] for r in range(2)]
+    assert codes == [0, 0], "\n".join(f"--- rank {r} stderr:\n{t}" for r, t in enumerate(tails))
     ranks = []
     for rank in range(2):
         steps = json.loads((out / f"rank{rank}.json").read_text())
