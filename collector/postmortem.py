@@ -23,7 +23,10 @@ if TYPE_CHECKING:
 
 CHART_POINTS = 2000
 CHART_METRICS = (("loss", "Loss"), ("step_time", "Step time (s)"), ("mfu", "MFU"))
-MFU_FORMAT = ".2~p"  # as the run overview draws it (webui/overview_figures.py)
+# MFU as a percentage to two significant digits, here and in the run overview: "0.45%" on a
+# small model or a CPU (a whole percent printed 0% on every tick), "38%" on a real one;
+# never an SI "4.5m".
+MFU_FORMAT = ".2~p"
 FIGURES = (
     ("detect_s", "Time to detect"),
     ("page_s", "Time to page"),

@@ -20,13 +20,11 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
+from trainwarden.collector.postmortem import MFU_FORMAT
 from trainwarden.collector.schemas import Series
 
 from .figures import COLORS, TEMPLATES, _translucent, empty_figure, template, themed
 
-# MFU as a percentage to two significant digits: "0.45%" on a small model or a CPU (a whole
-# percent printed 0% on every tick), "38%" on a real one; never an SI "4.5m".
-MFU_FORMAT = ".2~p"
 ROWS = ["events", "throughput", "mfu", "loss", "grad_norm", "breakdown"]
 ROW_TITLES = [
     "Alerts · actions · checkpoints · restarts",
