@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,15 +26,13 @@ from sqlalchemy.engine import make_url
 from trainwarden.collector import models
 from trainwarden.collector.db import make_engine, upgrade
 
+from .net import free_port
+
+__all__ = ["free_port"]  # imported from here by many tests
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_PG = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
 CHROMIUM = "/usr/bin/chromium"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pg_answers(url: str) -> str | None:

@@ -16,7 +16,7 @@ from trainwarden.agent.config import AgentConfig, ConfigError
 from trainwarden.agent.exporter import CollectorError
 from trainwarden.agent.otlp import OtlpTransport
 
-from ..conftest import free_port
+from ..net import free_port
 
 
 def test_exporter_is_http_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
