@@ -53,13 +53,17 @@ def _as_int(value: Any, what: str, *, minimum: int) -> int:
     return number
 
 
-def _as_float(value: Any, what: str, *, minimum: float) -> float:
+def _as_float(value: Any, what: str, *, minimum: float, zero_is_off: bool = False) -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
         raise ConfigError(f"{what} must be a number, got {value!r}") from None
+    if zero_is_off and number == 0:
+        return 0.0
     if not number > minimum:
-        raise ConfigError(f"{what} must be > {minimum}, got {number}")
+        raise ConfigError(
+            f"{what} must be > {minimum}{' (or 0: off)' if zero_is_off else ''}, got {number}"
+        )
     return number
 
 
@@ -324,6 +328,7 @@ class AgentConfig:
                 _pick(gpu_interval_s, "TRAINWARDEN_GPU_INTERVAL", cls.gpu_interval_s),
                 "gpu_interval_s (TRAINWARDEN_GPU_INTERVAL)",
                 minimum=0.0,
+                zero_is_off=True,
             ),
             exporter=exporter_v,
             spool_dir=_pick(spool_dir, "TRAINWARDEN_SPOOL_DIR"),

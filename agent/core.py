@@ -23,6 +23,7 @@ from . import identity
 from .checkpoints import Checkpointing, checked_seconds, checked_step, checkpoint_data
 from .commands import Commands
 from .config import AgentConfig, ConfigError
+from .device_clock import DeviceClock, event_now
 from .drills import Drill, DrillError, parse
 from .exporter import Exporter, HttpTransport, Transport
 from .gpu import XID_SEVERITY, GpuMonitor, describe_xid, open_device
@@ -65,6 +66,7 @@ class StepRecord:
         "note",
         "metrics",
         "queued_at",
+        "gpu",
     )
 
     def __init__(self, step: int, tokens: Any) -> None:
@@ -87,6 +89,7 @@ class StepRecord:
         # s.metric(...): a dict only once a step uses it
         self.metrics: dict[str, float | Captured | None] | None = None
         self.queued_at = 0.0
+        self.gpu: DeviceClock | None = None  # the step's CUDA events, once the trainer uses CUDA
 
 
 class EventRecord:
@@ -131,6 +134,13 @@ class Step:
         if last_end is not None:
             # The gap since the previous step ended: the trainer's loader, not our sampling.
             record.data_wait_ns = entered - last_end
+        if agent._cuda_possible and not agent._cuda:
+            agent._check_cuda()
+        if agent._peak_pending:  # a GPU is there, but this step runs on the CPU
+            agent._resolve_peak(now=True)
+        arrived = None
+        if agent._cuda and (agent._count_flops_next or agent._profiler.due(agent._steps_run + 1)):
+            arrived = event_now(agent._torch.cuda.Event)
         if agent._count_flops_next:
             self._counter = agent._start_flop_count()
         agent._steps_run += 1
@@ -139,6 +149,8 @@ class Step:
         t0 = time.perf_counter_ns()
         record.wall_start_ns = time.time_ns()
         record.start_ns = t0
+        if agent._cuda:
+            record.gpu = DeviceClock(agent._torch, arrived)
         agent._current = record
         if agent._drill is not None:
             agent._drill.on_step_start(agent, record.step)
@@ -149,6 +161,8 @@ class Step:
         agent = self._agent
         if agent._drill is not None:
             agent._drill_slowdown(record)
+        if record.gpu is not None:
+            record.gpu.end = record.gpu.now()
         t1 = time.perf_counter_ns()
         agent._current = None
         record.duration_ns = t1 - record.start_ns
@@ -160,6 +174,8 @@ class Step:
             record.note = "profiled step (slower): no MFU"
         if self._counter is not None:
             agent._finish_flop_count(self._counter, record)
+        if record.gpu is not None and (self._profiling is not None or self._counter is not None):
+            record.gpu.settled = record.gpu.now()  # the sampling work is not the next step's wait
         if agent._cuda_memory is not None:
             record.memory = agent._cuda_memory()  # host-side counters: no sync
         record.queued_at = time.monotonic()
@@ -259,15 +275,21 @@ class Agent:
             self.flop_model = FlopModel(
                 per_token=config.flops_per_token, source="given: flops_per_token"
             )
+        # CUDA: the agent never initializes it. While a GPU is there but the trainer has
+        # not used it yet, each step asks (_check_cuda); from the first step after it has,
+        # steps run on the GPU's clock and report CUDA memory, and the peak is the GPU's.
+        self._torch: Any = sys.modules.get("torch")
+        self._cuda = False
+        self._cuda_possible = False
+        if self._torch is not None:
+            try:
+                self._cuda_possible = bool(self._torch.cuda.is_available())
+            except Exception:  # a broken driver: no CUDA for the agent
+                self._cuda_possible = False
+        self._peak_pending = False
         self.peak: Peak | None = Peak(config.peak_flops, "given") if config.peak_flops else None
         if self.peak is None and self.flop_model.source is not None:
-            self.peak = resolve_peak(config.dtype, local_rank=config.local_rank)
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_available():
-            self._cuda_memory = lambda: (
-                torch.cuda.max_memory_allocated(),
-                torch.cuda.memory_reserved(),
-            )
+            self._resolve_peak()
         self._encode = StepEncoder(spikes=self.spikes, flop_model=self.flop_model, peak=self.peak)
         self._queue: deque[Any] = deque()
         self._local: deque[Any] = deque(maxlen=config.queue_size)
@@ -352,6 +374,8 @@ class Agent:
             target=self._collect_identity, name="trainwarden-identity", daemon=True
         )
         self._identity_thread.start()
+        # Opening NVML can take a while: the wait for attempt_start counts from here.
+        self._gate_deadline = time.monotonic() + _FIRST_EVENT_WAIT_S
 
     # -- run identity: the attempt_start event -------------------------------------------
 
@@ -411,6 +435,9 @@ class Agent:
     # -- GPU health ---------------------------------------------------------------
 
     def _start_gpu_monitor(self, *, simulate: bool) -> None:
+        if self.config.gpu_interval_s == 0 and not simulate:
+            self.event("gpu_telemetry", state="off", reason="gpu_interval_s=0")
+            return
         device, reason = open_device(self.config.local_rank, simulate=simulate)
         if device is None:
             log.info("trainwarden: no GPU telemetry (%s)", reason)
@@ -564,9 +591,39 @@ class Agent:
 
     def count_flops_on_next_step(self) -> None:
         if self.peak is None:
-            self.peak = resolve_peak(self.config.dtype, local_rank=self.config.local_rank)
-            self._encode.peak = self.peak
+            self._resolve_peak()
         self._count_flops_next = True
+
+    def _resolve_peak(self, *, now: bool = False) -> None:
+        """The device's peak FLOP/s: now, or (a GPU the trainer has not used yet) at the
+        first step, once it is known whether the trainer runs on it or on the CPU."""
+        if not now and self._cuda_possible and not self._cuda and not self._check_cuda():
+            self._peak_pending = True
+            return
+        self._peak_pending = False
+        self.peak = resolve_peak(
+            self.config.dtype, local_rank=self.config.local_rank, cuda=self._cuda
+        )
+        if hasattr(self, "_encode"):
+            self._encode.peak = self.peak
+
+    def _check_cuda(self) -> bool:
+        """Whether the trainer has initialized CUDA (from then on, the agent uses it)."""
+        torch = self._torch
+        try:
+            if not torch.cuda.is_initialized():
+                return False
+        except Exception:
+            self._cuda_possible = False
+            return False
+        self._cuda = True
+        self._cuda_memory = lambda: (
+            torch.cuda.max_memory_allocated(),
+            torch.cuda.memory_reserved(),
+        )
+        if self._peak_pending:
+            self._resolve_peak(now=True)
+        return True
 
     def _start_flop_count(self) -> Any:
         from torch.utils.flop_counter import FlopCounterMode
@@ -713,6 +770,9 @@ def _forget_in_child() -> None:
         _agent._closed = True
         _agent._gate_lock = threading.Lock()  # another thread may have held it at the fork
         _agent._gated = False
+        # CUDA cannot be used in a child forked after it was initialized: no GPU clock.
+        _agent._cuda = _agent._cuda_possible = _agent._peak_pending = False
+        _agent._cuda_memory = None
 
 
 if hasattr(os, "register_at_fork"):

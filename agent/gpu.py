@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -85,21 +86,27 @@ class NvmlDevice:
         self._events: Any = None
 
     def _find_handle(self, local_rank: int) -> Any:
-        # NVML ignores CUDA_VISIBLE_DEVICES: match torch's device by UUID when we can.
+        """This rank's GPU. NVML ignores CUDA_VISIBLE_DEVICES and numbers the GPUs its own
+        way: match the trainer's device by UUID if it has initialized CUDA (the agent never
+        does), else read CUDA_VISIBLE_DEVICES (indices or UUIDs) for local rank's GPU."""
         n = self._nvml
+        torch = sys.modules.get("torch")
         try:
-            import torch
-
-            if torch.cuda.is_available():
-                uuid = str(
-                    torch.cuda.get_device_properties(local_rank % torch.cuda.device_count()).uuid
-                )
+            if torch is not None and torch.cuda.is_initialized():
+                uuid = str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
                 return n.nvmlDeviceGetHandleByUUID(
-                    uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
+                    uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
                 )
         except Exception:
             pass
-        return n.nvmlDeviceGetHandleByIndex(local_rank)
+        visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+        visible = [v for v in visible if v]
+        if visible:
+            chosen = visible[local_rank % len(visible)]
+            if chosen.isdigit():
+                return n.nvmlDeviceGetHandleByIndex(int(chosen))
+            return n.nvmlDeviceGetHandleByUUID(chosen)
+        return n.nvmlDeviceGetHandleByIndex(local_rank % max(1, n.nvmlDeviceGetCount()))
 
     def _get(self, fn: Callable[..., Any], *args: Any) -> Any:
         try:

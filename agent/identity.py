@@ -156,7 +156,8 @@ def environment(*, world_size: int, local_rank: int, gpu_device: Any = None) -> 
     if cuda:
         _try(env, "nccl", lambda: _nccl_version(torch))
         _try(env, "gpu_count", lambda: int(torch.cuda.device_count()))
-        _try(env, "gpu", lambda: str(torch.cuda.get_device_name(local_rank)))
+        if torch.cuda.is_initialized():  # never initialize CUDA for the trainer: NVML below
+            _try(env, "gpu", lambda: str(torch.cuda.get_device_name()))
     if gpu_device is not None and not getattr(gpu_device, "simulated", True):
         nvml = getattr(gpu_device, "_nvml", None)
         _try(env, "gpu", lambda: str(gpu_device.name))

@@ -123,12 +123,24 @@ def mfu(flops: float, seconds: float, peak_flops: float) -> float | None:
     return flops / (seconds * peak_flops)
 
 
-def resolve_peak(dtype: Any = "bf16", *, local_rank: int = 0) -> Peak | None:
-    """This process's device peak: the table entry for its GPU, else a CPU measurement."""
+def resolve_peak(
+    dtype: Any = "bf16", *, local_rank: int = 0, cuda: bool | None = None
+) -> Peak | None:
+    """This process's device peak: the table entry for its GPU, else a CPU measurement.
+
+    ``cuda``: whether the trainer runs on the GPU (the agent's answer: it has initialized
+    CUDA); ``None`` asks whether a GPU is there at all.
+    """
     import torch
 
-    if torch.cuda.is_available():
-        name = torch.cuda.get_device_name(local_rank % torch.cuda.device_count())
+    if cuda is None:
+        cuda = torch.cuda.is_available()
+    if cuda:
+        name = (
+            torch.cuda.get_device_name()  # the trainer's current device
+            if torch.cuda.is_initialized()
+            else torch.cuda.get_device_name(local_rank % torch.cuda.device_count())
+        )
         peak = peak_for(name, dtype)
         if peak is None:
             log.warning(

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from . import device_clock
 from .mfu import Peak, mfu
 from .profiler import split_from_profile
 from .spikes import SpikeDetector
@@ -55,6 +56,7 @@ class StepEncoder:
         self.peak = peak
         self._rss_at = 0.0
         self._rss_value = 0
+        self._previous_gpu_end: Any = None  # the last step's end event on the GPU's clock
 
     def _rss(self) -> int:
         # Peak RSS changes slowly: one system call per second is plenty.
@@ -105,19 +107,40 @@ class StepEncoder:
         if record.note is not None:
             issues["timing"] = record.note
 
-        duration = record.duration_ns / 1e9
+        start = record.start_ns
+        duration_ns, data_wait_ns = record.duration_ns, record.data_wait_ns
+        phases, comm = record.phases, record.comm
+        if record.gpu is not None:  # the GPU's clock (device_clock.py)
+            if device_clock.ready(record.gpu):
+                try:
+                    timing = device_clock.read(record.gpu, self._previous_gpu_end)
+                    marks = [(n, start + at) for (n, _), at in zip(phases, timing.marks_ns, strict=True)]  # fmt: skip
+                except (RuntimeError, ValueError) as exc:  # e.g. events on two GPUs: host times
+                    issues["step_time"] = f"GPU events unreadable ({exc}): host times"[:200]
+                else:
+                    duration_ns, data_wait_ns = timing.duration_ns, timing.gap_ns
+                    phases = marks
+                    comm = [(start + a, start + b) for a, b in timing.comm]
+                settled = record.gpu.settled
+                self._previous_gpu_end = record.gpu.end if settled is None else settled
+            elif not force:
+                return None
+            else:
+                issues["step_time"] = "GPU events did not complete: host times"
+                self._previous_gpu_end = None
+        duration = duration_ns / 1e9
         out: dict[str, Any] = {
             "step": record.step,
             "ts": record.wall_start_ns / 1e9,
             "duration_s": duration,
-            "data_wait_s": None if record.data_wait_ns is None else record.data_wait_ns / 1e9,
+            "data_wait_s": None if data_wait_ns is None else data_wait_ns / 1e9,
             "tokens": record.tokens,
             "loss": json_number(loss),
             "grad_norm": json_number(grad),
         }
-        start, end = record.start_ns, record.start_ns + record.duration_ns
-        if record.phases:
-            for name, ns in phase_durations(record.phases, start, end).items():
+        end = start + duration_ns
+        if phases:
+            for name, ns in phase_durations(phases, start, end).items():
                 if name in _PHASE_KEYS:
                     out[_PHASE_KEYS[name]] = ns / 1e9
         split, source = None, "profiler"
@@ -129,10 +152,10 @@ class StepEncoder:
                 # the step; scale its split to the step's measured duration.
                 window = split["compute"] + split["exposed_comm"] + split["idle"]
                 if window > 0:
-                    scale = record.duration_ns / window
+                    scale = duration_ns / window
                     split = {name: round(ns * scale) for name, ns in split.items()}
         if split is None:
-            split, source = split_from_hook(record.comm, start, end), "hook"
+            split, source = split_from_hook(comm, start, end), "hook"
         if split is not None:
             for name, ns in split.items():
                 out[_SPLIT_KEYS[name]] = ns / 1e9

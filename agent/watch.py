@@ -44,6 +44,8 @@ def _mark(agent: Any, name: str) -> Callable[..., None]:
         record = agent._current
         if record is not None:
             record.phases.append((name, perf()))
+            if record.gpu is not None:
+                record.gpu.marks.append(record.gpu.now())
 
     return hook
 
@@ -125,6 +127,8 @@ def install_comm_hook(agent: Any, ddp: Any) -> bool:
     def hook(_state, bucket):  # type: ignore[no-untyped-def]
         record = agent._current
         ready = perf()
+        clock = None if record is None else record.gpu
+        ready_on_gpu = None if clock is None else clock.now()  # the bucket's gradients are done
         future = inner[0](inner[1], bucket)
         if record is None:
             return future
@@ -132,6 +136,10 @@ def install_comm_hook(agent: Any, ddp: Any) -> bool:
 
         def done(fut: Any) -> Any:  # runs on the communication thread
             intervals.append((ready, perf()))
+            if clock is not None:
+                # A CUDA future's callback runs on a stream made to wait for the
+                # collective: this event completes when the collective has.
+                clock.comm.append((ready_on_gpu, clock.now()))
             return fut.value()
 
         return future.then(done)

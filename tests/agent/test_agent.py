@@ -74,10 +74,41 @@ def test_steps_are_timed_and_sent_off_the_training_thread() -> None:
     assert transport.threads == {"trainwarden-exporter"}
     kinds = [e["kind"] for e in transport.events()]
     assert kinds == ["attempt_start", "start", "gpu_telemetry", "shutdown", "attempt_end"]
-    # No GPU here: one clear "no GPU telemetry" state, nothing else.
-    assert transport.events()[2]["data"]["state"] == "unavailable"
-    assert "NVML" in transport.events()[2]["data"]["reason"]
+    telemetry = transport.events()[2]["data"]
+    if nvml_gpu_present():  # a GPU machine: its name, and samples from the NVML thread
+        assert telemetry["state"] == "ok" and telemetry["name"] and not telemetry["simulated"]
+        assert any(b["gpu"] for b in transport.bodies)
+    else:  # one clear "no GPU telemetry" state, nothing else
+        assert telemetry["state"] == "unavailable" and "NVML" in telemetry["reason"]
+        assert not any(b["gpu"] for b in transport.bodies)
     assert transport.events()[3]["step"] == 4
+
+
+def nvml_gpu_present() -> bool:
+    """Whether this machine has a GPU that NVML answers for (the agent then samples it)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return bool(pynvml.nvmlDeviceGetCount())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
+
+
+def test_gpu_telemetry_can_be_turned_off() -> None:
+    transport = RecordingTransport()
+    tw.init(run="unit", transport=transport, gpu_interval_s=0)
+    with tw.step(0):
+        pass
+    tw.shutdown()
+    (telemetry,) = [e for e in transport.events() if e["kind"] == "gpu_telemetry"]
+    assert telemetry["data"] == {"state": "off", "reason": "gpu_interval_s=0"}
+    assert not any(b["gpu"] for b in transport.bodies)
+    with pytest.raises(tw.ConfigError, match=r"gpu_interval_s .* must be > 0.0 \(or 0: off\)"):
+        tw.init(run="unit", transport=transport, gpu_interval_s=-1)
     header = transport.bodies[0]["agent"]
     assert (header["rank"], header["world_size"]) == (0, 1)
     assert header["session"]
@@ -133,7 +164,13 @@ def test_collector_down_spools_to_disk_and_the_next_process_sends_it_in_order(
     transport = RecordingTransport(fail=True)
     caplog.set_level(logging.WARNING, logger="trainwarden.agent")
     spool = tmp_path / "spool"
-    tw.init(run="unit", transport=transport, flush_interval_s=0.01, spool_dir=str(spool))
+    tw.init(
+        run="unit",
+        transport=transport,
+        flush_interval_s=0.01,
+        gpu_interval_s=0,
+        spool_dir=str(spool),
+    )
     for i in range(50):
         with tw.step(i):
             pass
@@ -169,7 +206,9 @@ def test_collector_down_spools_to_disk_and_the_next_process_sends_it_in_order(
 
 def test_without_a_spool_directory_what_waits_is_lost_at_exit_and_counted() -> None:
     transport = RecordingTransport(fail=True)
-    tw.init(run="unit", transport=transport, flush_interval_s=0.01, spool_dir="none")
+    tw.init(
+        run="unit", transport=transport, flush_interval_s=0.01, gpu_interval_s=0, spool_dir="none"
+    )
     for i in range(50):
         with tw.step(i):
             pass
@@ -350,7 +389,13 @@ class RefusingTransport(RecordingTransport):
 def test_a_refused_token_loses_nothing_and_says_so_once(caplog, tmp_path: Path) -> None:
     caplog.set_level(logging.WARNING, logger="trainwarden.agent")
     spool = tmp_path / "spool"
-    tw.init(run="unit", transport=RefusingTransport(), flush_interval_s=0.01, spool_dir=str(spool))
+    tw.init(
+        run="unit",
+        transport=RefusingTransport(),
+        flush_interval_s=0.01,
+        gpu_interval_s=0,
+        spool_dir=str(spool),
+    )
     for i in range(20):
         with tw.step(i):
             pass

@@ -5,6 +5,9 @@ Run on a machine with a GPU: ``./scripts/test.sh tests/agent/test_gpu.py -s``.
 
 from __future__ import annotations
 
+import statistics
+import time
+
 import pytest
 import torch
 from torch import nn
@@ -38,15 +41,24 @@ def test_instrumented_steps_never_sync_the_device_and_report_mfu() -> None:
             opt.zero_grad()
             s.loss(loss)
     torch.cuda.synchronize()
+    # The GPU's own times of each step, from events around the agent's step: the truth
+    # the agent's step time must match while the host runs ahead of the GPU.
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(30)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(30)]
+    host = {}
     torch.cuda.set_sync_debug_mode("error")  # any host-device sync below raises
     try:
         for i in range(3, 30):
+            starts[i].record()
+            t0 = time.perf_counter()
             with tw.step(i, tokens=8192) as s:
                 loss = model(x).float().square().mean()
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
                 s.loss(loss)
+            host[i] = time.perf_counter() - t0
+            ends[i].record()
     finally:
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
@@ -55,12 +67,37 @@ def test_instrumented_steps_never_sync_the_device_and_report_mfu() -> None:
     assert len(steps) == 30
     name = torch.cuda.get_device_name()
     print(f"\n{name}: peak {steps[-1].get('peak_source')}")
+    ahead = 0
+    ratios: list[float] = []
     for s in steps[5:]:
+        i = s["step"]
         assert s["loss"] is not None and s["grad_norm"] is not None
         assert s["mem_allocated_bytes"] > 0
-        if "mfu" in s:
-            print(f"step {s['step']}: {s['duration_s'] * 1000:.2f} ms, MFU {s['mfu']:.3f}")
-            assert 0 < s["mfu"] < 1
+        gpu_s = starts[i].elapsed_time(ends[i]) / 1000
+        ahead += host[i] < gpu_s / 2
+        print(f"step {i}: agent {s['duration_s'] * 1000:.2f} ms, GPU {gpu_s * 1000:.2f} ms, "
+              f"host {host[i] * 1000:.2f} ms, MFU {s.get('mfu', 0):.3f}")  # fmt: skip
+        # The agent's events lie inside ours: never longer. (Ours can be longer: a host
+        # stall between them lets the GPU idle outside the agent's step; seen once.)
+        assert s["duration_s"] <= gpu_s * 1.01 + 1e-4
+        ratios.append(s["duration_s"] / gpu_s)
+        assert 0 < s["mfu"] < 1
+    assert ahead > 0, "the host never ran ahead of the GPU: this test did not test that case"
+    assert statistics.median(ratios) == pytest.approx(1, abs=0.02), ratios
+
+
+def test_a_step_without_gpu_work_keeps_its_host_time_after_cuda_is_up() -> None:
+    torch.ones(1, device="cuda").sum().item()  # CUDA initialized: the agent uses its clock
+    transport = RecordingTransport()
+    tw.init(run="gpu-idle", transport=transport, profile_every=0)
+    for i in range(4):
+        time.sleep(0.01)  # between steps: the GPU waits (data wait)
+        with tw.step(i):
+            time.sleep(0.02)  # CPU work only: the idle GPU reaches each event at once
+    tw.shutdown()
+    steps = transport.steps()
+    assert all(0.019 < s["duration_s"] < 0.05 for s in steps), steps
+    assert all(0.009 < s["data_wait_s"] < 0.05 for s in steps[1:]), steps
 
 
 def test_sampled_profiler_reads_the_kernel_timeline() -> None:
@@ -112,3 +149,34 @@ def test_real_nvml_sampler_and_xid_listener() -> None:
     assert isinstance(sample.get("throttle", []), list)
     assert device.wait_xid(200) is None  # the listener registers and waits without error
     device.close()
+
+
+def test_a_child_forked_after_cuda_is_up_steps_without_touching_cuda() -> None:
+    import json
+    import os
+
+    torch.ones(1, device="cuda").sum().item()
+    transport = RecordingTransport()
+    tw.init(run="gpu-fork", transport=transport)
+    with tw.step(0):
+        torch.ones(1, device="cuda").sum()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker: CUDA is unusable here, and the agent must not try
+        code = 1
+        try:
+            with tw.step(1):
+                pass
+            os.write(write, json.dumps({"ok": True}).encode())
+            code = 0
+        except BaseException as exc:
+            os.write(write, json.dumps({"error": repr(exc)}).encode())
+        finally:
+            os._exit(code)
+    os.close(write)
+    _, status = os.waitpid(pid, 0)
+    child = json.loads(os.read(read, 1000))
+    os.close(read)
+    tw.shutdown()
+    assert child == {"ok": True} and os.WEXITSTATUS(status) == 0
+    assert [s["step"] for s in transport.steps()] == [0]
