@@ -1,0 +1,281 @@
+"""The agent on a real GPU: NVML and XID, step time and MFU, the comm split, the cost.
+
+    python bench/gpu_check.py [--layers 8] [--width 8192] [--tokens 8192]
+
+Needs one CUDA GPU (NCCL runs with world size 1). What it checks, each against a
+reference measured in the same run:
+
+1. NVML: the agent's ``NvmlDevice.sample()`` on this GPU (every field it read) and its
+   XID path (``nvmlDeviceRegisterEvents`` + a wait), and the GPU samples the agent's
+   own sampler thread sends during training.
+2. Step time and MFU: a bf16 MLP stack whose FLOPs are known exactly. Reference: the
+   bare loop timed with CUDA events (the GPU's own clock). Then the same loop under
+   ``tw.step`` + ``tw.watch`` two ways: as the agent recommends (no host sync: the
+   host queues steps ahead of the GPU) and with a ``loss.item()`` each step (what many
+   trainers do). For each: the agent's step time and MFU per step vs the GPU's.
+3. Comm split on DDP over NCCL: the sampled profiler window's compute / exposed /
+   overlapped / idle and the kernels it classed as NCCL; the hook split beside it.
+4. Cost: median step time with the agent ÷ bare, in alternating blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+import torch
+from torch import nn
+
+import trainwarden.agent as tw
+
+
+class Collect:
+    """A transport that keeps what the agent sends."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.bodies.append(body)
+        return {}
+
+    def close(self) -> None:
+        pass
+
+    def steps(self) -> list[dict[str, Any]]:
+        return sorted((s for b in self.bodies for s in b["steps"]), key=lambda s: s["step"])
+
+    def gpu(self) -> list[dict[str, Any]]:
+        return [g for b in self.bodies for g in b.get("gpu", [])]
+
+    def events(self) -> list[dict[str, Any]]:
+        return [e for b in self.bodies for e in b.get("events", [])]
+
+
+def section(title: str) -> None:
+    print(f"\n== {title}", flush=True)
+
+
+def nvml_check() -> None:
+    section("1. NVML and XID")
+    import pynvml
+
+    from trainwarden.agent.gpu import NvmlDevice
+
+    pynvml.nvmlInit()
+    print(
+        f"driver {pynvml.nvmlSystemGetDriverVersion()}, nvidia-ml-py {pynvml.__version__ if hasattr(pynvml, '__version__') else '?'}"
+    )
+    pynvml.nvmlShutdown()
+    device = NvmlDevice(0)
+    sample = device.sample()
+    print(f"{device.name} ({device.uuid})")
+    for key, value in sample.items():
+        print(f"   {key:28s} {value}")
+    t0 = time.perf_counter()
+    try:
+        got = device.wait_xid(300)
+        print(f"XID path: registered, waited {time.perf_counter() - t0:.2f} s, got {got!r}")
+    except Exception as exc:  # noqa: BLE001 - what NVML says is the finding
+        print(f"XID path: {type(exc).__name__}: {exc}")
+    device.close()
+
+
+def mlp(layers: int, width: int) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(width, width, bias=False) for _ in range(layers)]).to(
+        "cuda", torch.bfloat16
+    )
+
+
+def run_steps(model: nn.Module, opt: Any, x: torch.Tensor, first: int, n: int, *,
+              agent: bool, sync: bool) -> tuple[list[float], list[float]]:  # fmt: skip
+    """n steps; (GPU ms per step from our own events, host ms per step)."""
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    host = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        starts[i].record()
+        if agent:
+            with tw.step(first + i, tokens=x.shape[0]) as s:
+                loss = model(x).float().square().mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                s.loss(loss)
+                if sync:
+                    loss.item()
+        else:
+            loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if sync:
+                loss.item()
+        ends[i].record()
+        host.append((time.perf_counter() - t0) * 1000)
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)], host
+
+
+def mfu_check(layers: int, width: int, tokens: int) -> None:
+    section("2. Step time and MFU (bf16 MLP, FLOPs known)")
+    torch.manual_seed(0)
+    model = mlp(layers, width)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+    x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    flops = 3 * 2 * tokens * width * width * layers  # forward + backward of the linears
+    from trainwarden.agent.mfu import resolve_peak
+
+    peak = resolve_peak("bf16")
+    assert peak is not None, "no peak FLOP/s for this GPU in the agent's table"
+    print(f"model: {layers} x Linear({width}, {width}) bf16, {tokens} tokens/step, "
+          f"{flops / 1e12:.2f} TFLOP/step; peak {peak.flops / 1e12:.0f} TFLOP/s ({peak.source})")  # fmt: skip
+    run_steps(model, opt, x, 0, 5, agent=False, sync=True)  # warm-up
+    gpu, host = run_steps(model, opt, x, 0, 20, agent=False, sync=False)
+    bare = statistics.median(gpu)
+    print(f"bare loop: GPU {bare:.2f} ms/step (host {statistics.median(host):.2f} ms) -> "
+          f"MFU {flops / (bare / 1000) / peak.flops:.3f}")  # fmt: skip
+
+    for sync in (False, True):
+        transport = Collect()
+        tw.init(run=f"gpu-mfu-{int(sync)}", transport=transport, flops_per_step=flops,
+                dtype="bf16", profile_every=0, gpu_interval_s=0.5)  # fmt: skip
+        tw.watch(model, opt, count_flops=False)
+        gpu, host = run_steps(model, opt, x, 0, 40, agent=True, sync=sync)
+        tw.shutdown()
+        steps = transport.steps()
+        mode = "loss.item() every step" if sync else "no host sync (the agent's way)"
+        print(f"\nagent, {mode}: {len(steps)} steps reported")
+        print("   step  GPU ms  host ms  agent duration ms  agent MFU  GPU MFU  data wait ms")
+        for s in steps:
+            i = s["step"]
+            if i < 3 or i % 6 == 0 or i == len(steps) - 1:
+                true_mfu = flops / (gpu[i] / 1000) / peak.flops
+                print(f"   {i:4d} {gpu[i]:7.2f} {host[i]:8.2f} {s['duration_s'] * 1000:18.2f}"
+                      f" {s.get('mfu', float('nan')):10.3f} {true_mfu:8.3f}"
+                      f" {(s.get('data_wait_s') or 0) * 1000:12.2f}")  # fmt: skip
+        reported = [s["mfu"] for s in steps[5:] if "mfu" in s]
+        truth = [flops / (g / 1000) / peak.flops for g in gpu[5:]]
+        print(f"   median MFU: agent {statistics.median(reported):.3f}, GPU events "
+              f"{statistics.median(truth):.3f}; agent max {max(reported):.3f}")  # fmt: skip
+        samples = transport.gpu()
+        print(f"   GPU samples sent by the sampler thread: {len(samples)}")
+        if samples:
+            last = samples[-1]
+            keys = ("temp_c", "power_w", "sm_clock_mhz", "util_gpu", "throttle", "ecc_uncorrected")
+            print("   last: " + ", ".join(f"{k}={last.get(k)}" for k in keys))
+        for e in transport.events():
+            if e["kind"] in ("gpu_telemetry", "xid"):
+                print(f"   event {e['kind']}: {e.get('data')}")
+    del model, opt, x
+    torch.cuda.empty_cache()
+
+
+def comm_check(width: int, tokens: int) -> None:
+    section("3. Comm split on DDP over NCCL (world size 1)")
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    store = dist.FileStore(tempfile.mktemp(prefix="tw-gpu-store-"), 1)
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = DDP(mlp(8, width), device_ids=[0], bucket_cap_mb=25)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+    x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    transport = Collect()
+    profile_dir = tempfile.mkdtemp(prefix="tw-gpu-prof-")
+    tw.init(run="gpu-comm", transport=transport, profile_every=10, profile_dir=profile_dir,
+            dtype="bf16", flops_per_step=3 * 2 * tokens * width * width * 8)  # fmt: skip
+    tw.watch(model, opt, count_flops=False)
+    run_steps(model, opt, x, 0, 30, agent=True, sync=False)
+    tw.shutdown()
+    print("   step  source    duration  compute  exposed  overlapped  idle (ms)")
+    for s in transport.steps():
+        if s["step"] in (5, 9, 18, 19, 20, 29) or s.get("comm_source") == "profiler":
+
+            def ms(k: str, s: dict[str, Any] = s) -> str:
+                v = s.get(k)
+                return "     -" if v is None else f"{v * 1000:8.2f}"
+
+            print(f"   {s['step']:4d}  {s.get('comm_source', '-'):8s} {ms('duration_s')} "
+                  f"{ms('compute_s')} {ms('exposed_comm_s')} {ms('overlapped_comm_s')} "
+                  f"{ms('idle_s')}")  # fmt: skip
+    import json
+
+    names: dict[str, float] = {}
+    for path in sorted(os.listdir(profile_dir))[:1]:
+        with open(os.path.join(profile_dir, path)) as f:
+            trace = json.load(f)
+        for ev in trace.get("traceEvents", []):
+            if ev.get("cat") == "kernel":
+                names[ev["name"][:70]] = names.get(ev["name"][:70], 0.0) + ev.get("dur", 0) / 1000
+        print(f"   kernels in {path} (ms, NCCL marked *):")
+        for name, dur in sorted(names.items(), key=lambda kv: -kv[1])[:12]:
+            print(f"     {'*' if 'nccl' in name.lower() else ' '} {dur:8.3f}  {name}")
+    del model, opt
+    dist.destroy_process_group()
+
+
+def cost_check(layers: int, width: int, tokens: int, blocks: int) -> None:
+    section("4. What the agent costs the step (alternating blocks, GPU events)")
+    torch.manual_seed(0)
+    model = mlp(layers, width)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6, foreach=True)
+    x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
+    transport = Collect()
+    for grad_norm in (False, True):
+        tw.init(run="gpu-cost", transport=transport, flops_per_step=1e12, dtype="bf16",
+                profile_every=0)  # fmt: skip
+        tw.watch(model, opt, grad_norm=grad_norm, count_flops=False)
+        bare: list[float] = []
+        agent: list[float] = []
+        step = 0
+        for _ in range(blocks):
+            for use, out in ((False, bare), (True, agent)):
+                t0 = time.perf_counter()
+                run_steps(model, opt, x, step, 10, agent=use, sync=False)
+                out.append((time.perf_counter() - t0) / 10 * 1000)  # wall per step, GPU drained
+                step += 10
+        tw.shutdown()
+        b, a = statistics.median(bare), statistics.median(agent)
+        print(f"   bare {b:.3f} ms/step; agent + tw.watch(grad_norm={grad_norm}) {a:.3f} ms/step;"
+              f" ratio {a / b:.4f}")  # fmt: skip
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=8192)
+    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--blocks", type=int, default=10)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; run it on a machine with a GPU", file=sys.stderr)
+        return 2
+    print(f"trainwarden GPU check: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+          f"CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+          f"python {sys.version.split()[0]}")  # fmt: skip
+    failed = 0
+    for check in (
+        nvml_check,
+        lambda: mfu_check(args.layers, args.width, args.tokens),
+        lambda: comm_check(args.width, args.tokens),
+        lambda: cost_check(args.layers, args.width, args.tokens, args.blocks),
+    ):
+        try:
+            check()
+        except Exception:  # noqa: BLE001 - report it and go on to the next check
+            traceback.print_exc()
+            failed += 1
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
