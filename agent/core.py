@@ -140,7 +140,7 @@ class Step:
             agent._resolve_peak(now=True)
         arrived = None
         if agent._cuda and (agent._count_flops_next or agent._profiler.due(agent._steps_run + 1)):
-            arrived = event_now(agent._torch.cuda.Event)
+            arrived = event_now(agent._torch.cuda)
         if agent._count_flops_next:
             self._counter = agent._start_flop_count()
         agent._steps_run += 1
@@ -150,7 +150,9 @@ class Step:
         record.wall_start_ns = time.time_ns()
         record.start_ns = t0
         if agent._cuda:
-            record.gpu = DeviceClock(agent._torch, arrived)
+            clock = DeviceClock(agent._torch, arrived)
+            if clock.start is not None:  # else a CUDA graph is being captured: host times
+                record.gpu = clock
         agent._current = record
         if agent._drill is not None:
             agent._drill.on_step_start(agent, record.step)
@@ -163,6 +165,8 @@ class Step:
             agent._drill_slowdown(record)
         if record.gpu is not None:
             record.gpu.end = record.gpu.now()
+            if record.gpu.end is None:  # a CUDA graph capture began inside the step
+                record.gpu = None
         t1 = time.perf_counter_ns()
         agent._current = None
         record.duration_ns = t1 - record.start_ns

@@ -24,10 +24,10 @@ Interval = tuple[int, int]
 class DeviceClock:
     """The CUDA events of one step (created on the training thread)."""
 
-    __slots__ = ("_event", "arrived", "start", "end", "settled", "marks", "comm")
+    __slots__ = ("_cuda", "arrived", "start", "end", "settled", "marks", "comm")
 
     def __init__(self, torch: Any, arrived: Any = None) -> None:
-        self._event = torch.cuda.Event
+        self._cuda = torch.cuda
         # Before a sampled step's profiler start or FLOP counter: the GPU's wait for this
         # step ends here, as the host's data wait does (that work is the agent's).
         self.arrived = arrived
@@ -36,17 +36,20 @@ class DeviceClock:
         # After a sampled step's profiler stop or FLOP count: the next step's GPU wait
         # counts from here, as its host data wait does (that work is the agent's).
         self.settled: Any = None
-        self.marks: list[Any] = []  # one per phase mark, in the order of record.phases
+        self.marks: list[Any] = []  # one per phase mark (None: under capture), as record.phases
         self.comm: list[tuple[Any, Any]] = []  # (bucket ready, collective done)
 
     def now(self) -> Any:
         """An event recorded now on the current stream: when the GPU gets to this point."""
-        return event_now(self._event)
+        return event_now(self._cuda)
 
 
-def event_now(event_type: Any) -> Any:
-    """A ``torch.cuda.Event`` with timing, recorded now on the current stream."""
-    event = event_type(enable_timing=True)
+def event_now(cuda: Any) -> Any:
+    """A ``torch.cuda.Event`` with timing, recorded now on the current stream; ``None``
+    while that stream is being captured into a CUDA graph (no event may go there)."""
+    if cuda.is_current_stream_capturing():
+        return None
+    event = cuda.Event(enable_timing=True)
     event.record()
     return event
 
@@ -56,7 +59,7 @@ class Timing:
 
     __slots__ = ("duration_ns", "marks_ns", "comm", "gap_ns")
 
-    def __init__(self, duration_ns: int, marks_ns: list[int], comm: list[Interval],
+    def __init__(self, duration_ns: int, marks_ns: list[int | None], comm: list[Interval],
                  gap_ns: int | None) -> None:  # fmt: skip
         self.duration_ns = duration_ns
         self.marks_ns = marks_ns
@@ -85,7 +88,7 @@ def read(clock: DeviceClock, previous_end: Any) -> Timing:
         gap = max(0, round(previous_end.elapsed_time(arrived) * 1e6))
     return Timing(
         ns(clock.end),
-        [ns(mark) for mark in clock.marks],
+        [None if mark is None else ns(mark) for mark in clock.marks],
         [(ns(begin), ns(done)) for begin, done in clock.comm],
         gap,
     )

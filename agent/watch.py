@@ -136,10 +136,12 @@ def install_comm_hook(agent: Any, ddp: Any) -> bool:
 
         def done(fut: Any) -> Any:  # runs on the communication thread
             intervals.append((ready, perf()))
-            if clock is not None:
+            if ready_on_gpu is not None:
                 # A CUDA future's callback runs on a stream made to wait for the
                 # collective: this event completes when the collective has.
-                clock.comm.append((ready_on_gpu, clock.now()))
+                done_on_gpu = clock.now()
+                if done_on_gpu is not None:
+                    clock.comm.append((ready_on_gpu, done_on_gpu))
             return fut.value()
 
         return future.then(done)

@@ -180,3 +180,29 @@ def test_a_child_forked_after_cuda_is_up_steps_without_touching_cuda() -> None:
     tw.shutdown()
     assert child == {"ok": True} and os.WEXITSTATUS(status) == 0
     assert [s["step"] for s in transport.steps()] == [0]
+
+
+def test_a_cuda_graph_captured_and_replayed_inside_steps() -> None:
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()).cuda()
+    x = torch.randn(256, 1024, device="cuda")
+    side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graph asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    transport = RecordingTransport()
+    tw.init(run="gpu-graph", transport=transport, profile_every=0)
+    tw.watch(model)  # its hooks fire during the capture: no event may be recorded there
+    graph = torch.cuda.CUDAGraph()
+    with tw.step(0), torch.cuda.graph(graph):
+        y = model(x)
+    for i in range(1, 4):
+        with tw.step(i) as s:
+            graph.replay()
+            s.loss(y.sum())
+    tw.shutdown()
+    steps = transport.steps()
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert all(s["duration_s"] > 0 and "step_time" not in s.get("issues", {}) for s in steps)
+    assert all(s["loss"] is not None for s in steps[1:])
