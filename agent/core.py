@@ -91,6 +91,12 @@ class StepRecord:
         self.queued_at = 0.0
         self.gpu: DeviceClock | None = None  # the step's CUDA events, once the trainer uses CUDA
 
+    def mark(self, phase: str) -> None:
+        """A phase starts now (on the GPU's clock too, when the step has one)."""
+        self.phases.append((phase, time.perf_counter_ns()))
+        if self.gpu is not None:
+            self.gpu.marks.append(self.gpu.now())
+
 
 class EventRecord:
     __slots__ = ("kind", "body", "queued_at")
@@ -228,7 +234,7 @@ class Step:
 
         The manual alternative to ``tw.watch``: a phase lasts until the next mark.
         """
-        self._record.phases.append((name, time.perf_counter_ns()))
+        self._record.mark(name)
 
     def should_skip_step(self) -> bool:
         """True when this step's gradient norm is non-finite or over 20x its running mean.

@@ -3,7 +3,7 @@
 On a GPU the host only *queues* work; a trainer that never waits on the device (the
 agent's own rule) runs ahead of it by many steps, and the host's time for a step is
 then the time to queue it: on an H200 a 39 ms step measured 1.7 ms on the host, and
-MFU came out 18x the truth (bench/results/gpu-h200.txt). So once the trainer uses CUDA
+MFU came out 18x the truth (bench/results/gpu-h200-host-clock.txt). So once the trainer uses CUDA
 the agent records an event where the step starts, at each phase mark, around each
 gradient bucket's collective and where the step ends. Recording is asynchronous and
 never waits on the device; the exporter thread reads the events once the step's last

@@ -38,14 +38,10 @@ class Watch:
 
 
 def _mark(agent: Any, name: str) -> Callable[..., None]:
-    perf = time.perf_counter_ns
-
     def hook(*_args: Any) -> None:
         record = agent._current
         if record is not None:
-            record.phases.append((name, perf()))
-            if record.gpu is not None:
-                record.gpu.marks.append(record.gpu.now())
+            record.mark(name)
 
     return hook
 

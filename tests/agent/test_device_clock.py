@@ -1,0 +1,99 @@
+"""The GPU-clock path (agent/device_clock.py) on a machine without a GPU.
+
+A stand-in for ``torch.cuda``'s events is the only way to run this path here: each
+event stamps the host's clock scaled 3x, i.e. a GPU whose work takes three times the
+host's time, so every figure the agent reports must come out 3x the host's. The real
+path runs in tests/agent/test_gpu.py on a GPU (seen on an H200: within 0.01 ms of CUDA
+events around the step).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+import trainwarden.agent as tw
+
+from .test_agent import RecordingTransport
+
+SLOWER = 3.0
+
+
+class FakeEvent:
+    def __init__(self, enable_timing: bool = False) -> None:
+        assert enable_timing
+        self.at: float | None = None
+
+    def record(self) -> None:
+        self.at = time.perf_counter() * SLOWER
+
+    def query(self) -> bool:
+        return self.at is not None
+
+    def elapsed_time(self, other: FakeEvent) -> float:
+        assert self.at is not None and other.at is not None
+        return (other.at - self.at) * 1000  # ms, as torch.cuda.Event says
+
+
+class FakeCuda:
+    Event = FakeEvent
+    capturing = False
+
+    @classmethod
+    def is_current_stream_capturing(cls) -> bool:
+        return cls.capturing
+
+
+class FakeTorch:
+    cuda = FakeCuda
+
+
+@pytest.fixture
+def gpu_agent() -> Any:
+    """An agent that believes the trainer runs on a (3x slower) GPU."""
+    transport = RecordingTransport()
+    tw.init(run="clock", transport=transport, profile_every=0, gpu_interval_s=0)
+    agent = tw.init.__globals__["_core"]._agent
+    agent._torch, agent._cuda, agent._cuda_possible = FakeTorch, True, True
+    yield transport
+    FakeCuda.capturing = False
+    tw.shutdown()
+
+
+def test_steps_phases_and_data_wait_come_from_the_gpus_clock(gpu_agent: Any) -> None:
+    for i in range(4):
+        time.sleep(0.01)  # between steps: the GPU waits
+        with tw.step(i) as s:
+            s.phase("forward")
+            time.sleep(0.02)
+            s.phase("backward")
+            time.sleep(0.02)
+    tw.shutdown()
+    steps = gpu_agent.steps()
+    assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    for s in steps:
+        assert "issues" not in s, s
+        assert s["duration_s"] == pytest.approx(0.04 * SLOWER, rel=0.25), s
+        assert s["fwd_s"] == pytest.approx(0.02 * SLOWER, rel=0.25), s
+        assert s["bwd_s"] == pytest.approx(0.02 * SLOWER, rel=0.25), s
+    assert steps[0]["data_wait_s"] is None
+    for s in steps[1:]:
+        assert s["data_wait_s"] == pytest.approx(0.01 * SLOWER, rel=0.35), s
+
+
+def test_marks_under_cuda_graph_capture_are_left_out(gpu_agent: Any) -> None:
+    with tw.step(0) as s:
+        s.phase("forward")
+        time.sleep(0.02)
+        FakeCuda.capturing = True  # a capture begins: this mark cannot go on the GPU
+        s.phase("backward")
+        FakeCuda.capturing = False
+        time.sleep(0.02)
+    tw.shutdown()
+    (step,) = gpu_agent.steps()
+    assert "issues" not in step, step
+    assert step["duration_s"] == pytest.approx(0.04 * SLOWER, rel=0.25)
+    assert step["fwd_s"] == pytest.approx(0.04 * SLOWER, rel=0.25)  # no backward mark
+    assert step["bwd_s"] == 0
