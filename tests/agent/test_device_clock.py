@@ -63,24 +63,31 @@ def gpu_agent() -> Any:
 
 
 def test_steps_phases_and_data_wait_come_from_the_gpus_clock(gpu_agent: Any) -> None:
+    host: dict[int, dict[str, float]] = {}  # what the host saw, to compare with 3x
+    ended = None
     for i in range(4):
         time.sleep(0.01)  # between steps: the GPU waits
+        t0 = time.perf_counter()
         with tw.step(i) as s:
             s.phase("forward")
             time.sleep(0.02)
+            t1 = time.perf_counter()
             s.phase("backward")
             time.sleep(0.02)
+        t2 = time.perf_counter()
+        host[i] = {"duration_s": t2 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1,
+                   "data_wait_s": t0 - ended if ended is not None else 0.0}  # fmt: skip
+        ended = t2
     tw.shutdown()
     steps = gpu_agent.steps()
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
+    assert steps[0]["data_wait_s"] is None
     for s in steps:
         assert "issues" not in s, s
-        assert s["duration_s"] == pytest.approx(0.04 * SLOWER, rel=0.25), s
-        assert s["fwd_s"] == pytest.approx(0.02 * SLOWER, rel=0.25), s
-        assert s["bwd_s"] == pytest.approx(0.02 * SLOWER, rel=0.25), s
-    assert steps[0]["data_wait_s"] is None
-    for s in steps[1:]:
-        assert s["data_wait_s"] == pytest.approx(0.01 * SLOWER, rel=0.35), s
+        seen = host[s["step"]]
+        for key in ("duration_s", "fwd_s", "bwd_s") + (("data_wait_s",) if s["step"] else ()):
+            # The agent's marks are a few microseconds inside the test's own.
+            assert s[key] == pytest.approx(seen[key] * SLOWER, rel=0.1, abs=0.003), (key, s)
 
 
 def test_marks_under_cuda_graph_capture_are_left_out(gpu_agent: Any) -> None:
@@ -94,6 +101,6 @@ def test_marks_under_cuda_graph_capture_are_left_out(gpu_agent: Any) -> None:
     tw.shutdown()
     (step,) = gpu_agent.steps()
     assert "issues" not in step, step
-    assert step["duration_s"] == pytest.approx(0.04 * SLOWER, rel=0.25)
-    assert step["fwd_s"] == pytest.approx(0.04 * SLOWER, rel=0.25)  # no backward mark
+    assert step["duration_s"] > 0.04 * SLOWER * 0.95  # the GPU's clock (3x), not the host's
+    assert step["fwd_s"] == pytest.approx(step["duration_s"], rel=0.01)  # no backward mark
     assert step["bwd_s"] == 0
