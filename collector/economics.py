@@ -370,6 +370,22 @@ def _step_ends(conn: Connection, run_id: int, step: int) -> dict[int, tuple[floa
     return {rank: (float(ts), float(ts + d)) for rank, ts, d in rows}
 
 
+def _restored_step(plan: dict[str, Any], result: dict[str, Any] | None) -> int | None:
+    """The checkpoint step a done rollback went back to: what the ranks restored (the
+    result), else what was planned. (The plan's own top-level ``checkpoint_step`` is only
+    an operator's choice, None when a rule asked for the rollback.)"""
+    restored = {
+        r.get("checkpoint_step")
+        for r in ((result or {}).get("ranks") or {}).values()
+        if isinstance(r, dict)
+    }
+    steps = [s for s in restored if isinstance(s, int)]
+    if steps:
+        return min(steps)
+    planned = (plan.get("rollback") or {}).get("checkpoint_step", plan.get("checkpoint_step"))
+    return planned if isinstance(planned, int) else None
+
+
 def goodput(
     conn: Connection,
     run_id: int,
@@ -453,7 +469,7 @@ def goodput(
         select(ac.plan, ac.result).where(ac.run_id == run_id, ac.kind == "rollback", ac.state == "done")
     ):  # fmt: skip
         plan = plan or {}
-        barrier, ckpt = plan.get("barrier_step"), plan.get("checkpoint_step")
+        barrier, ckpt = plan.get("barrier_step"), _restored_step(plan, result)
         if isinstance(barrier, int) and isinstance(ckpt, int) and barrier > ckpt:
             rollbacks += 1
             replayed_steps += barrier - ckpt

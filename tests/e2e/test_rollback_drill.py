@@ -96,6 +96,12 @@ def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tm
         assert (plan["skip_from"], plan["checkpoint_path"].endswith("step-30.pt")) == (31, True)
         for r in range(world):
             assert f"rolled back to step 30 after step {barrier}" in logs[r]
+        # Goodput: the steps the rollback threw away (31 up to the barrier) count as replayed
+        # work, and the rollback as an interruption.
+        goodput = server.get(f"/api/v1/runs/{run}/economics").json()["goodput"]
+        assert (goodput["rollbacks"], goodput["interruptions"], goodput["replayed_steps"]) == (
+            1, 1, barrier - 30), goodput  # fmt: skip
+        assert goodput["breakdown_gpu_s"]["replayed"] > 0, goodput
         history = [h["state"] for h in action["history"]]
         assert history[:3] == ["proposed", "approved", "executing"] and history[-1] == "done"
 
