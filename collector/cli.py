@@ -171,6 +171,13 @@ def cmd_demo(args: argparse.Namespace) -> None:
         parse("" if args.drill.lower() == "none" else args.drill)
     except DrillError as exc:
         raise CliError(str(exc)) from None
+    import os
+
+    from .demo import demo_policy
+
+    # The demo's own policy (a rollback runs) unless one is named, as for serve.
+    named = args.actions or os.environ.get("TRAINWARDEN_ACTIONS")
+    actions = _actions(args) if named else demo_policy()
     settings = _settings(args)
     engine = _open_database(settings.db)
     run_demo(
@@ -181,6 +188,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
         data_delay=args.data_delay,
         drill=None if args.drill.lower() == "none" else args.drill,
         keep_serving=not args.exit_when_done,
+        actions=actions,  # type: ignore[arg-type]
     )
 
 
@@ -308,8 +316,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--data-delay",
         type=float,
-        default=0.03,
-        help="seconds the demo's data loader takes per batch (default 0.03)",
+        default=0.002,
+        help="seconds the demo's data loader sleeps per batch, on top of making it (default "
+        "0.002: with the making, ~5 ms, a tenth of a step, under DataLoaderStall's fifth)",
     )
     demo.add_argument(
         "--drill",
@@ -322,6 +331,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="stop serving when training ends (default: keep the dashboard up)",
     )
+    demo.add_argument(
+        "--actions", metavar="FILE",
+        help="the action policy, as for serve (default TRAINWARDEN_ACTIONS, else the demo's: "
+        "rollback auto, so that the loss-spike drill is rolled back; evict and stop dry-run)",
+    )  # fmt: skip
     demo.set_defaults(func=cmd_demo)
 
     from .reports_cli import add_parsers, cmd_note, cmd_postmortem

@@ -14,10 +14,12 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import httpx
 from sqlalchemy import Engine
 
+from .actions import ActionPolicy, RollbackPolicy
 from .settings import Settings
 
 # What the demo injects unless told otherwise: visible, and nothing that ends the run.
@@ -30,6 +32,19 @@ DEFAULT_DRILL = (
     "loss_spike=1000x@step=1200; xid=63@rank=1,step=1500"
 )
 CHECKPOINT_EVERY = 250  # steps: markers on the overview, and a rollback has somewhere to go
+# A demo step: ~45 ms of "device" work (a sleep inside the step, as a GPU would take) and
+# a ~5 ms wait for its batch (making it, and the CLI's --data-delay sleep of 2 ms): a
+# healthy input pipeline, a tenth of the step, under DataLoaderStall's fifth. (A 30 ms
+# sleep against 20 ms of work kept that alert pending on every rank: a fault nobody had
+# injected, at the top of the demo's page.)
+WORK_MS = 45.0
+
+
+def demo_policy() -> ActionPolicy:
+    """The demo's actions: a rollback runs (LossSpike sends every rank back to the newest
+    good checkpoint, and the run goes on from there); an eviction or a stop stays a dry
+    run (there is no scheduler to drain a node through, and the run should go on)."""
+    return ActionPolicy(rollback=RollbackPolicy(mode="auto"))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -47,13 +62,13 @@ def _port_free(host: str, port: int) -> bool:
         return True
 
 
-def start_server(engine: Engine, settings: Settings):  # type: ignore[no-untyped-def]
+def start_server(engine: Engine, settings: Settings, actions: ActionPolicy | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
     """Start uvicorn on a thread; returns the server once it accepts connections."""
     import uvicorn
 
     from .app import create_app
 
-    app = create_app(engine, settings, auth_settings=settings.auth_settings())
+    app = create_app(engine, settings, actions=actions, auth_settings=settings.auth_settings())
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
     )
@@ -75,7 +90,7 @@ def launch_ranks(
     steps: int,
     data_delay: float,
     drill: str | None = None,
-    work_ms: float = 20.0,
+    work_ms: float = WORK_MS,
     log_path: str | None = None,
     token: str | None = None,
     checkpoint_dir: str | None = None,
@@ -135,20 +150,50 @@ def demo_tokens(engine: Engine) -> tuple[str, str]:
     return admin, ingest
 
 
-def print_alerts(base: str, run: str, token: str | None = None) -> None:
-    """What the alert engine raised during the demo, with the runbook of each."""
+def _listed(base: str, what: str, run: str, token: str | None) -> list[dict[str, Any]] | None:
+    """``GET /api/v1/{what}?run=...``, announced with its count; None if it cannot be read."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        alerts = httpx.get(
-            f"{base}/api/v1/alerts", params={"run": run}, headers=headers, timeout=10
+        found = httpx.get(
+            f"{base}/api/v1/{what}", params={"run": run}, headers=headers, timeout=10
         ).json()
     except (httpx.HTTPError, ValueError):
+        return None
+    print(f"trainwarden demo: {len(found)} {what} ({base}/api/v1/{what}?run={run})", flush=True)
+    return list(found)
+
+
+def print_alerts(base: str, run: str, token: str | None = None) -> None:
+    """What the alert engine raised during the demo, with the runbook of each."""
+    alerts = _listed(base, "alerts", run, token)
+    if alerts is None:
         return
-    print(f"trainwarden demo: {len(alerts)} alerts ({base}/api/v1/alerts?run={run})", flush=True)
     for a in reversed(alerts):  # oldest first
         where = f" rank {a['rank']}" if a["rank"] is not None else ""
         print(f"  {a['state']:8} {a['severity']:8} {a['rule']}{where}: "
               f"{a['annotations'].get('description', '')}  runbook: {a['runbook_url']}", flush=True)  # fmt: skip
+
+
+def print_actions(base: str, run: str, token: str | None = None) -> None:
+    """What the action engine did (or, in a dry run, would have done) during the demo."""
+    actions = _listed(base, "actions", run, token)
+    if actions is None:
+        return
+    for a in sorted(actions, key=lambda a: a["id"]):
+        result, plan = a.get("result") or {}, a.get("plan") or {}
+        if result.get("dry_run"):
+            what = "dry run, nothing done; would " + ", ".join(
+                f"{k}: {v}" for k, v in (result.get("would") or {}).items()
+            )
+        elif a["kind"] == "rollback" and a["state"] == "done":
+            ranks = result.get("ranks") or {}
+            steps = sorted({r.get("checkpoint_step") for r in ranks.values()})
+            what = (f"every rank ({len(ranks)}) restored the checkpoint of step "
+                    f"{', '.join(map(str, steps))} after step {plan.get('barrier_step')}, "
+                    f"{result.get('restored_within_s')} s after the commit")  # fmt: skip
+        else:
+            what = a.get("reason") or ""
+        print(f"  {a['kind']:8} {a['state']:8} {a['mode']:8} {a['trigger']}: {what}", flush=True)
 
 
 def run_demo(
@@ -160,7 +205,10 @@ def run_demo(
     data_delay: float,
     keep_serving: bool,
     drill: str | None = None,
+    actions: ActionPolicy | None = None,
 ) -> None:
+    """``actions``: the action policy (default :func:`demo_policy`)."""
+    actions = actions or demo_policy()
     if not _port_free(settings.host, settings.port):
         port = free_port(settings.host)
         print(f"trainwarden demo: port {settings.port} is taken; using {port}", flush=True)
@@ -171,7 +219,7 @@ def run_demo(
     admin = ingest = None
     if settings.auth != "off":
         admin, ingest = demo_tokens(engine)
-    server = start_server(engine, settings)
+    server = start_server(engine, settings, actions)
     run = time.strftime("demo-%Y%m%d-%H%M%S")
     print(f"trainwarden demo: dashboard {base}/runs/{run}", flush=True)
     if admin:
@@ -184,6 +232,8 @@ def run_demo(
     )
     if drill:
         print(f"trainwarden demo: drill {drill}", flush=True)
+    modes = ", ".join(f"{kind} {actions.of(kind).mode}" for kind in ("rollback", "evict", "stop"))
+    print(f"trainwarden demo: actions: {modes} (--actions FILE for your own)", flush=True)
     log_path = os.path.join(tempfile.gettempdir(), f"trainwarden-{run}.log")
     print(f"trainwarden demo: training output in {log_path}", flush=True)
     checkpoints = os.path.join(tempfile.gettempdir(), f"trainwarden-{run}-checkpoints")
@@ -211,6 +261,7 @@ def run_demo(
         else:
             print("trainwarden demo: training finished", flush=True)
         print_alerts(base, run, admin)
+        print_actions(base, run, admin)
         if keep_serving:
             print(
                 f"trainwarden demo: dashboard still at {base}/runs/{run} (Ctrl-C to stop)",

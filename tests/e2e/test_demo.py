@@ -1,8 +1,10 @@
-"""The README's demo command, as a user runs it (shortened)."""
+"""The README's demo command, as a user runs it (shortened): its drills raise their alerts,
+and its own action policy rolls the loss spike back on every rank."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -12,6 +14,12 @@ from trainwarden.collector.db import make_engine
 from trainwarden.collector.queries import events, list_runs, series
 
 from ..conftest import free_port
+
+# LossSpike (the default pack's) compares the loss with its median over 200 steps after a
+# 50-step warm-up: the spike comes just after that and after the checkpoint at step 250.
+# The alert goes pending a pass or two later and fires 20 steps after that: at the demo's
+# ~60 ms a step, 40-120 steps after the spike; the run goes on long enough for the rollback.
+SPIKE, STEPS = 258, 420
 
 
 def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path) -> None:
@@ -25,14 +33,12 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
             "trainwarden.collector.cli",
             "demo",
             "--steps",
-            "25",
-            "--data-delay",
-            "0",
+            str(STEPS),
             "--port",
             str(port),
             "--exit-when-done",
             "--drill",
-            "xid=79@rank=1,step=10",
+            f"xid=79@rank=1,step=10; loss_spike=1000x@step={SPIKE}",
         ],
         env=env,
         capture_output=True,
@@ -42,17 +48,32 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"dashboard http://127.0.0.1:{port}/runs/demo-" in result.stdout
     assert "training finished" in result.stdout
-    # The XID drill raised FatalXid, listed at the end with its runbook.
+    assert "actions: rollback auto, evict dry-run, stop dry-run" in result.stdout
+    # The XID drill raised FatalXid, listed at the end with its runbook; its eviction is a
+    # dry run. The loss spike raised LossSpike, and its rollback ran.
     assert "firing   critical FatalXid rank 1: rank 1" in result.stdout, result.stdout
     assert f"runbook: http://127.0.0.1:{port}/runbooks/FatalXid" in result.stdout
+    assert "critical LossSpike: run: loss" in result.stdout, result.stdout
+    assert "evict    done     dry-run  rule:FatalXid: dry run, nothing done" in result.stdout
+    assert "rollback done     auto     rule:LossSpike: every rank (2) restored the checkpoint of step 250 after step" in result.stdout, result.stdout  # fmt: skip
+    # Nothing the demo did not inject: its input pipeline is healthy (it was not).
+    assert "DataLoaderStall" not in result.stdout, result.stdout
 
     db = tmp_path / "trainwarden" / "trainwarden.db"
     assert db.exists()
     with make_engine(f"sqlite:///{db}").connect() as conn:
         (run,) = list_runs(conn)
-        assert (run.world_size, run.ranks_seen, run.last_step, run.status) == (2, 2, 24, "finished")
+        assert (run.world_size, run.ranks_seen, run.last_step, run.status) == (2, 2, STEPS - 1, "finished")  # fmt: skip
         loss = series(conn, run=run.name, metric="loss")
-        assert loss.n == [2] * 25
-        # The demo trainer checkpoints (step 0 here), so that a rollback has a target.
-        assert [e.step for e in events(conn, run=run.name, kind="checkpoint")] == [0]
+        assert loss.n == [2] * STEPS
+        # After the rollback the replayed steps are the ones kept, and the loss is back on
+        # the trend it had before the spike.
+        by_step = dict(zip(loss.step, loss.median, strict=True))
+        before = statistics.median(by_step[s] for s in range(SPIKE - 20, SPIKE))
+        after = statistics.median(by_step[s] for s in range(STEPS - 20, STEPS))
+        assert after < 1.1 * before, (before, after)
+        # The demo trainer checkpoints every 250 steps (the rollback's target), and again
+        # on its way past 250 after the rollback.
+        steps = [e.step for e in events(conn, run=run.name, kind="checkpoint")]
+        assert steps[:2] == [0, 250] and set(steps) == {0, 250}, steps
     assert f"checkpoint every 250 steps in {tempfile.gettempdir()}" in result.stdout
