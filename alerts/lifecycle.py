@@ -38,6 +38,7 @@ class Alert:
     active_since: float | None = None  # when the condition last became true (time)
     active_since_step: int | None = None  # ... and at which step
     fired_at: float | None = None
+    fired_at_step: int | None = None  # the run's step at the pass that fired it
     cleared_at: float | None = None  # when the condition last became false while firing
     cleared_at_step: int | None = None
     resolved_at: float | None = None
@@ -74,11 +75,12 @@ def advance(
     if active:
         if alert.state in ("inactive", "resolved"):  # a new episode
             alert = replace(alert, state="pending", active_since=now, active_since_step=step,
-                            fired_at=None, cleared_at=None, cleared_at_step=None, resolved_at=None)  # fmt: skip
+                            fired_at=None, fired_at_step=None, cleared_at=None,
+                            cleared_at_step=None, resolved_at=None)  # fmt: skip
         elif alert.state == "firing" and alert.cleared_at is not None:
             return replace(alert, cleared_at=None, cleared_at_step=None)  # back in time
         if alert.state == "pending" and _held(alert, for_, now, step):
-            return replace(alert, state="firing", fired_at=now)
+            return replace(alert, state="firing", fired_at=now, fired_at_step=step)
         return alert
     if alert.state == "pending":
         return replace(alert, state="inactive", active_since=None, active_since_step=None)

@@ -719,8 +719,9 @@ class AlertEngine:
         }
         fields = dict(
             state=new.state, active_since=new.active_since, active_since_step=new.active_since_step,
-            fired_at=new.fired_at, cleared_at=new.cleared_at, cleared_at_step=new.cleared_at_step,
-            resolved_at=new.resolved_at, value=_num(v.value), step=v.step, annotations=annotations,
+            fired_at=new.fired_at, fired_at_step=new.fired_at_step, cleared_at=new.cleared_at,
+            cleared_at_step=new.cleared_at_step, resolved_at=new.resolved_at, value=_num(v.value),
+            step=v.step, annotations=annotations,
             node=info.node if info else None, gpu=info.gpu if info else None,
         )  # fmt: skip
         if row is None:
@@ -922,7 +923,8 @@ def _num(value: float | None) -> float | None:
 def _alert_of(row: Any) -> Alert:
     return Alert(
         rule=row.rule, labels=dict(row.labels), state=row.state, active_since=row.active_since,
-        active_since_step=row.active_since_step, fired_at=row.fired_at, cleared_at=row.cleared_at,
+        active_since_step=row.active_since_step, fired_at=row.fired_at,
+        fired_at_step=row.fired_at_step, cleared_at=row.cleared_at,
         cleared_at_step=row.cleared_at_step, resolved_at=row.resolved_at,
     )  # fmt: skip
 

@@ -128,7 +128,7 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
         out.append(_entry(a.active_since, "alert", "pending", f"{a.rule} pending: {desc}".strip(),
                           step=a.active_since_step, severity=a.severity, **common))  # fmt: skip
         if a.fired_at is not None:
-            out.append(_entry(a.fired_at, "alert", "firing", f"{a.rule} firing", step=a.step,
+            out.append(_entry(a.fired_at, "alert", "firing", f"{a.rule} firing", step=a.fired_at_step,
                               severity=a.severity, **common))  # fmt: skip
         if a.acked_at is not None:
             by = f" by {a.acked_by}" + (f": {a.ack_comment}" if a.ack_comment else "")

@@ -159,7 +159,7 @@ def markers(client: Client, name: str, *, steps: list[int], times: list[float],
             Marker(
                 "alert",
                 a.fired_at,
-                a.step,
+                a.fired_at_step,  # None (an alert fired before 0019): the step running then
                 f"alert {a.rule}{where} ({a.severity}, {a.state})",
                 tone,
             )

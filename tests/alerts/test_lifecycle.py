@@ -40,6 +40,20 @@ def test_for_in_steps_counts_the_runs_steps() -> None:
     assert run(a, verdicts, for_=STEPS5) == ["pending"] * 5 + ["firing", "firing"]
 
 
+def test_an_alert_keeps_the_steps_it_went_pending_and_fired_at() -> None:
+    a = Alert("LossSpike", {"run": "r"})
+    for t in range(9):
+        a = advance(a, active=True, now=t, step=100 + t, for_=STEPS5, keep_firing_for=ZERO)
+    assert (a.state, a.active_since_step, a.fired_at_step) == ("firing", 100, 105)
+    a = advance(a, active=False, now=10, step=110, for_=STEPS5, keep_firing_for=ZERO)
+    a = advance(a, active=True, now=11, step=111, for_=STEPS5, keep_firing_for=ZERO)
+    assert (a.state, a.active_since_step, a.fired_at_step) == (
+        "pending",
+        111,
+        None,
+    )  # a new episode
+
+
 def test_without_for_an_alert_fires_at_once_and_resolves_when_clear() -> None:
     a = Alert("FatalXid", {"rank": "1", "code": "79"})
     states = run(a, [(True, 0, None), (False, 5, None), (False, 6, None)])

@@ -59,14 +59,19 @@ def event(engine: Engine, run_id: int, kind: str, ts: float, *, step: int | None
 def alert(engine: Engine, run_id: int, *, rule: str = "LossSpike", rank: int = 0,
           active_since: float, fired_at: float | None, state: str = "firing",
           cleared_at: float | None = None, resolved_at: float | None = None,
-          severity: str = "critical", step: int | None = None, action: str = "none") -> int:  # fmt: skip
+          severity: str = "critical", step: int | None = None, action: str = "none",
+          pending_step: int | None = None, fired_step: int | None = None) -> int:  # fmt: skip
+    """``step``: the newest step the condition held at; ``pending_step`` / ``fired_step``:
+    the run's step when it went pending / fired (default ``step``)."""
     with write(engine) as conn:
         return int(conn.execute(insert(m.alerts).values(
             fingerprint=f"{rule}{rank}{active_since}"[:32], rule=rule, run_id=run_id, rank=rank,
             node=f"node{rank}", severity=severity, state=state, labels={"run": RUN, "rank": str(rank)},
             annotations={"summary": "The loss spiked.", "description": f"loss x50 at step {step}",
                          "runbook_url": f"/runbooks/{rule}"},
-            step=step, active_since=active_since, active_since_step=step, fired_at=fired_at,
+            step=step, active_since=active_since,
+            active_since_step=step if pending_step is None else pending_step, fired_at=fired_at,
+            fired_at_step=(step if fired_step is None else fired_step) if fired_at is not None else None,
             cleared_at=cleared_at, resolved_at=resolved_at, updated_at=active_since, action=action,
         ).returning(m.alerts.c.id)).scalar_one())  # fmt: skip
 
@@ -99,7 +104,8 @@ def rollback_incident(engine: Engine) -> dict[str, int]:
     event(engine, run_id, "checkpoint", T0 + 30.05, step=30, data={"path": "/ckpt/step-30.pt"})
     event(engine, run_id, "drill", FAULT_AT, step=35, data={"fault": "loss_spike", "spec": "loss_spike=50x@step=35"})  # fmt: skip
     alert_id = alert(engine, run_id, active_since=PENDING_AT, fired_at=FIRING_AT, state="resolved",
-                     cleared_at=T0 + 70.0, resolved_at=T0 + 75.0, step=36, action="rollback")  # fmt: skip
+                     cleared_at=T0 + 70.0, resolved_at=T0 + 75.0, step=39, pending_step=36,
+                     fired_step=37, action="rollback")  # fmt: skip
     delivery(engine, alert_id, at=T0 + 36.3, duration_s=0.2)
     with write(engine) as conn:  # rank 0's GPU warms up a little through the incident
         conn.execute(insert(m.gpu_samples), [

@@ -140,8 +140,12 @@ def test_straggler_is_pending_for_20_steps_then_fires_then_resolves(engine) -> N
     straggling(engine, 20, 30, at=T0 + 4)
     (row,) = alerts.run(T0 + 5)
     assert row["state"] == "firing" and row["fired_at"] == T0 + 5
+    assert (row["active_since_step"], row["fired_at_step"], row["step"]) == (4, 29, 29)
     assert [n.status for n in alerts.sent] == ["firing"]
-    straggling(engine, 30, 35, at=T0 + 6, slow_rank=-1)  # everyone even again
+    straggling(engine, 30, 35, at=T0 + 5.5)  # still slow: the alert's step moves on, not its firing
+    (row,) = alerts.run(T0 + 5.8)
+    assert (row["state"], row["fired_at_step"], row["step"]) == ("firing", 29, 34)
+    straggling(engine, 35, 40, at=T0 + 6, slow_rank=-1)  # everyone even again
     (row,) = alerts.run(T0 + 7)
     assert row["state"] == "resolved"
     assert [n.status for n in alerts.sent] == ["firing", "resolved"]

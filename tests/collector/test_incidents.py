@@ -220,6 +220,9 @@ def test_the_timeline_orders_a_rollback_incident_and_derives_its_figures_from_th
         firing["runbook_url"] == "/runbooks/LossSpike"
         and firing["ui_url"] == f"/alerts?run={sc.RUN}"
     )
+    # Each at the run's step when it happened (the alert held until step 39).
+    pending = next(e for e in t["entries"] if e["kind"] == "pending")
+    assert (pending["step"], firing["step"]) == (36, 37)
     done = next(e for e in t["entries"] if e["kind"] == "done")
     assert "restored checkpoint step 30 after step 40" in done["text"]
     recovered = next(e for e in t["entries"] if e["kind"] == "recovered")
