@@ -74,16 +74,36 @@ def _node(info: RankInfo | None) -> str:
     return (info.node or info.host or "unknown node") if info else "unknown node"
 
 
+def xid_problems(xids: Iterable[XidRow]) -> dict[int, list[str]]:
+    """Per rank, the XIDs its GPU reported that call for something (the catalog's action
+    is not "nothing to do"), newest first: "XID 79 at 05:40:31: reboot the node"."""
+    found: dict[int, list[str]] = {}
+    for x in sorted(xids, key=lambda r: -r.ts):
+        if x.rank is None or x.action == "ignore":
+            continue
+        when = dt.datetime.fromtimestamp(x.ts).strftime("%H:%M:%S")
+        todo = ACTION_TEXT.get(x.action, x.action)
+        found.setdefault(x.rank, []).append(
+            f"XID {x.code} at {when}" + (f": {todo}" if todo else "")
+        )
+    return found
+
+
 def gpu_table(run: str, samples: Sequence[GpuSample], ranks: Sequence[RankInfo], *,
-              selected: int | None = None) -> html.Div:  # fmt: skip
+              selected: int | None = None, xids: Sequence[XidRow] = ()) -> html.Div:  # fmt: skip
     """The newest reading of every GPU, grouped by node; the hot, throttled and failing
-    ones marked. Past GPU_ROWS GPUs, only those with a problem are listed."""
+    ones marked, and those whose GPU reported an XID that calls for action (a GPU off the
+    bus may send no reading again). Past GPU_ROWS GPUs, only those with a problem are
+    listed."""
     now = latest(samples)
     info = {r.rank: r for r in ranks}
-    every = sorted(set(now) | set(info))
+    failed = xid_problems(xids)
+    every = sorted(set(now) | set(info) | set(failed))
     if selected is not None:
         every = [r for r in every if r == selected]
-    shown = every if len(every) <= GPU_ROWS else [r for r in every if r in now and problems(now[r])]
+    shown = every if len(every) <= GPU_ROWS else [
+        r for r in every if r in failed or (r in now and problems(now[r]))
+    ]  # fmt: skip
     by_node: dict[str, list[int]] = {}
     for rank in shown:
         by_node.setdefault(_node(info.get(rank)), []).append(rank)
@@ -96,7 +116,7 @@ def gpu_table(run: str, samples: Sequence[GpuSample], ranks: Sequence[RankInfo],
         rows.append(html.Tr(html.Td(f"{node} · {len(members)} GPU{'s' if len(members) != 1 else ''}{hottest}",
                                     colSpan=9), className="node-row"))  # fmt: skip
         for rank in members:
-            rows.append(_gpu_row(base, rank, now.get(rank), info.get(rank)))
+            rows.append(_gpu_row(base, rank, now.get(rank), info.get(rank), failed.get(rank, [])))
     hidden = len(every) - len(shown)
     note = html.P(f"{hidden} GPUs with nothing wrong are not listed; add ?rank=N to see one.",
                   className="hint") if hidden else None  # fmt: skip
@@ -107,15 +127,16 @@ def gpu_table(run: str, samples: Sequence[GpuSample], ranks: Sequence[RankInfo],
     return html.Div([table, note])
 
 
-def _gpu_row(base: str, rank: int, s: GpuSample | None, info: RankInfo | None) -> html.Tr:
+def _gpu_row(base: str, rank: int, s: GpuSample | None, info: RankInfo | None,
+             xids: list[str]) -> html.Tr:  # fmt: skip
     link = dcc.Link(str(rank), href=f"{base}/ranks?rank={rank}", className="rank-link")
     if s is None:
         reason = (info.gpu or {}).get("reason") if info and info.gpu else None
-        text = f"no GPU telemetry{': ' + str(reason) if reason else ''}"
+        text = "; ".join([f"no GPU telemetry{': ' + str(reason) if reason else ''}", *xids])
         return html.Tr([html.Td(link), html.Td(text, colSpan=8, className="detail")],
-                       id=f"hw-gpu-{rank}")  # fmt: skip
+                       id=f"hw-gpu-{rank}", className="gpu-bad" if xids else None)  # fmt: skip
     temp = _finite(s.temp_c)
-    wrong = problems(s)
+    wrong = [*xids, *problems(s)]
     name = s.gpu_name or "GPU"
     if s.simulated and "simulated" not in name.lower():
         name += " (simulated)"

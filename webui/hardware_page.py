@@ -65,8 +65,9 @@ def page_parts(client: Client, name: str, search: str | None, theme: str | None)
         )
     revision = f"{name}:{rank}"
     graphs = [hf.gpu_figure(samples, key, theme=theme, revision=revision) for key in GRAPHS]
-    table = hf.gpu_table(name, samples, run.ranks, selected=rank)
-    return (note, table, hf.xid_table(hf.xid_rows(events, run.ranks)), *graphs)
+    xids = hf.xid_rows(events, run.ranks)
+    table = hf.gpu_table(name, samples, run.ranks, selected=rank, xids=xids)
+    return (note, table, hf.xid_table(xids), *graphs)
 
 
 def register(app: dash.Dash, client: Client) -> None:

@@ -73,6 +73,24 @@ def test_a_big_run_lists_only_the_gpus_with_a_problem() -> None:
     assert ids == ["hw-gpu-100"] and "100 GPUs with nothing wrong" in text(table)
 
 
+def test_a_gpu_with_an_xid_that_calls_for_action_is_a_problem_even_with_fine_readings() -> None:
+    # Rank 1's readings are fine; its GPU reported XID 63 (reset the GPU) and 45 (nothing
+    # to do). Rank 2's GPU fell off the bus (XID 79) and sent no reading after it.
+    xids = hf.xid_rows([xid(63, rank=1), xid(45, rank=1), xid(79, rank=2)], [])
+    table = hf.gpu_table("r", [sample(0), sample(1)], [rank(0), rank(1), rank(2)], xids=xids)
+    when = time.strftime("%H:%M:%S", time.localtime(NOW))
+    assert row(table, 1).className == "gpu-bad" and row(table, 0).className is None
+    assert f"XID 63 at {when}: reset the GPU" in text(row(table, 1))
+    assert "XID 45" not in text(table)
+    assert row(table, 2).className == "gpu-bad"
+    assert f"no GPU telemetry; XID 79 at {when}: drain the node" in text(row(table, 2))
+    # In a big run, where only GPUs with a problem are listed, both are.
+    samples = [sample(i) for i in range(100)]
+    big = hf.gpu_table("r", samples, [], xids=hf.xid_rows([xid(63, rank=7), xid(79, rank=120)], []))
+    ids = [c.id for c in walk(big) if str(getattr(c, "id", "")).startswith("hw-gpu-")]
+    assert ids == ["hw-gpu-7", "hw-gpu-120"], ids
+
+
 def test_xid_rows_carry_the_catalog_meaning() -> None:
     full = xid(79, name="GPU has fallen off the bus", meaning="gone", action="reboot_node")
     bare = xid(48, rank=0)  # an older agent sent only the code
