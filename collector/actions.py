@@ -586,6 +586,45 @@ class ActionEngine:
 # -- helpers ------------------------------------------------------------------------------------
 
 
+def summary(kind: str, state: str, result: dict[str, Any] | None, reason: str | None) -> str:
+    """What an action did, in a line (the UI's actions table, the demo's closing list):
+    what a dry run would have done, what a done one did, else why it failed or waits."""
+    result = result or {}
+    if result.get("dry_run"):
+        would = dict(result.get("would") or {})
+        extra = ""
+        if kind == "evict" and would.get("backend") is None:
+            would.pop("backend", None)
+            extra = " (no eviction backend is configured)"
+        what = ", ".join(f"{k} {v}" for k, v in would.items() if v not in (None, [], {}, ""))
+        problem = f"; problem: {result['problem']}" if result.get("problem") else ""
+        return f"dry run, nothing done; would {kind}: {what}{extra}{problem}"
+    if state in ("failed", "cancelled") and reason:
+        return reason
+    if state != "done" or not result:
+        return reason or "—"
+    if kind == "rollback" and result.get("ranks"):
+        ranks = [r for r in result["ranks"].values() if isinstance(r, dict)]
+        at = sorted(
+            {str(r["checkpoint_step"]) for r in ranks if r.get("checkpoint_step") is not None}
+        )
+        after = sorted({str(r["barrier_step"]) for r in ranks if r.get("barrier_step") is not None})
+        took = result.get("restored_within_s")
+        return (f"every rank ({len(ranks)}) restored the checkpoint of step {', '.join(at)} "
+                f"after step {', '.join(after)}"
+                + (f", {took} s after the commit" if took is not None else ""))  # fmt: skip
+    if kind == "evict" and result.get("node"):
+        stopped = result.get("ranks_stopped") or []
+        return (f"node {result['node']} evicted ({'; '.join(result.get('steps') or [])}); "
+                f"ranks stopped: {stopped or 'none'}")  # fmt: skip
+    if kind == "stop" and "stopped" in result:
+        gone, silent = result.get("already_gone") or [], result.get("no_answer") or []
+        return (f"ranks stopped: {result['stopped'] or 'none'}"
+                + (f"; already gone: {gone}" if gone else "")
+                + (f"; no answer: {silent}" if silent else ""))  # fmt: skip
+    return ", ".join(f"{k} {v}" for k, v in result.items())
+
+
 def create_action(conn: Connection, policy: ActionPolicy, *, run_id: int, kind: str, now: float, trigger: str,
                   alert_id: int | None = None, fingerprint: str | None = None, rank: int | None = None,
                   node: str | None = None, detail: str | None = None, mode: str | None = None,

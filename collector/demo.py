@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine
 
-from .actions import ActionPolicy, RollbackPolicy
+from .actions import ActionPolicy, RollbackPolicy, summary
 from .settings import Settings
 
 # What the demo injects unless told otherwise: visible, and nothing that ends the run.
@@ -180,19 +180,7 @@ def print_actions(base: str, run: str, token: str | None = None) -> None:
     if actions is None:
         return
     for a in sorted(actions, key=lambda a: a["id"]):
-        result, plan = a.get("result") or {}, a.get("plan") or {}
-        if result.get("dry_run"):
-            what = "dry run, nothing done; would " + ", ".join(
-                f"{k}: {v}" for k, v in (result.get("would") or {}).items()
-            )
-        elif a["kind"] == "rollback" and a["state"] == "done":
-            ranks = result.get("ranks") or {}
-            steps = sorted({r.get("checkpoint_step") for r in ranks.values()})
-            what = (f"every rank ({len(ranks)}) restored the checkpoint of step "
-                    f"{', '.join(map(str, steps))} after step {plan.get('barrier_step')}, "
-                    f"{result.get('restored_within_s')} s after the commit")  # fmt: skip
-        else:
-            what = a.get("reason") or ""
+        what = summary(a["kind"], a["state"], a.get("result"), a.get("reason"))
         print(f"  {a['kind']:8} {a['state']:8} {a['mode']:8} {a['trigger']}: {what}", flush=True)
 
 

@@ -10,6 +10,7 @@ from urllib.parse import parse_qs, quote, urlencode
 
 from dash import dcc, html
 
+from trainwarden.collector.actions import summary
 from trainwarden.collector.actions_api import ActionOut
 from trainwarden.collector.alerts_api import AlertOut, Matcher, SilenceOut
 from trainwarden.collector.runbooks import runbook_url
@@ -226,14 +227,7 @@ def _compact(value: Any, limit: int = 160) -> str:
 
 def action_summary(action: ActionOut) -> str:
     """Why it failed or was cancelled, else what it did (or, dry-run, would do)."""
-    result = action.result or {}
-    if result.get("dry_run"):
-        problem = f"; problem: {result['problem']}" if result.get("problem") else ""
-        would = _compact(result.get("would"))
-        return _compact(f"dry run, nothing done; would {action.kind}: {would}{problem}")
-    if action.state in ("failed", "cancelled") and action.reason:
-        return _compact(action.reason)
-    return _compact(result or action.reason or "—")
+    return _compact(summary(action.kind, action.state, action.result, action.reason))
 
 
 def action_row(action: ActionOut, *, now: float) -> html.Tr:

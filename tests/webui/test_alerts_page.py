@@ -168,6 +168,12 @@ def test_actions_offer_approve_and_cancel_only_while_undecided() -> None:
     assert "dry run, nothing done; would evict: node node1" in text(row)
     failed = action(state="failed", reason="blast-radius guard: too many nodes")
     assert "blast-radius guard" in text(alerts.action_row(failed, now=NOW))
+    unset = action(state="done", mode="dry-run", result={"dry_run": True, "would": {"node": "node1", "backend": None}, "problem": None})  # fmt: skip
+    assert "would evict: node node1 (no eviction backend is configured)" in text(alerts.action_row(unset, now=NOW))  # fmt: skip
+    # A done rollback in words, not its result's fields (every rank's step, seconds, time).
+    ranks = {str(r): {"barrier_step": 1259, "checkpoint_step": 1000, "seconds": 0.01, "at": NOW} for r in (0, 1)}  # fmt: skip
+    rolled = action(kind="rollback", state="done", mode="auto", result={"ranks": ranks, "restored_within_s": 0.12})  # fmt: skip
+    assert "every rank (2) restored the checkpoint of step 1000 after step 1259, 0.12 s after the commit" in text(alerts.action_row(rolled, now=NOW))  # fmt: skip
 
 
 def test_run_page_panel_lists_open_alerts_with_runbooks() -> None:
