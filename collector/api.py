@@ -38,6 +38,7 @@ from .schemas import (
     IngestResult,
     RankInfo,
     RankSeries,
+    ReplacedSeries,
     RunDetail,
     RunMetrics,
     RunSummary,
@@ -356,6 +357,23 @@ def get_flags(
     """Retrieve the steps on which a rank flagged a spike or a non-finite value."""
     with _engine(request).connect() as conn:
         return queries.flagged_steps(conn, run=run, limit=limit)
+
+
+@router.get("/api/v1/runs/{run}/replaced", response_model=ReplacedSeries, tags=["runs"])
+def get_replaced(
+    run: str,
+    request: Request,
+    metric: Annotated[str, Query(description="loss, grad_norm or step_time")] = "loss",
+    from_step: Annotated[int | None, Query(alias="from", ge=0, le=MAX_STEP)] = None,
+    to_step: Annotated[int | None, Query(alias="to", ge=0, le=MAX_STEP)] = None,
+    points: Annotated[int | None, Query(ge=2, le=100_000)] = None,
+) -> ReplacedSeries:
+    """Retrieve the executions of steps that a rollback or a restart replaced (the series
+    keeps the steps run again): the loss spike a rollback went back from, per step across
+    ranks; ``points`` downsamples, keeping each bucket's min and max."""
+    with _engine(request).connect() as conn:
+        return queries.replaced_series(conn, run=run, metric=metric, points=points,
+                                       from_step=from_step, to_step=to_step)  # fmt: skip
 
 
 @router.get("/api/v1/runs/{run}/gpu", response_model=list[GpuSample], tags=["runs"])

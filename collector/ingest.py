@@ -31,6 +31,8 @@ from sqlalchemy import (
     case,
     delete,
     func,
+    insert,
+    literal,
     null,
     or_,
     select,
@@ -469,22 +471,38 @@ def _write_steps(
         for i, (run_id, rank, step) in enumerate(zip(cols["run_id"], cols["rank"], cols["step"], strict=True))
         if (last := last_steps.get((run_id, rank))) is not None and step <= last
     ]  # fmt: skip
+    if not again and cols["step"]:
+        # A rank's last step goes back with a rollback, so steps past it may be stored
+        # already: on PostgreSQL the COPY of new steps finds out (and then every row is
+        # looked at); SQLite (small runs) looks every time.
+        if not is_sqlite(conn) and _insert_new(conn, table, cols):
+            return cols
+        again = list(range(len(cols["step"])))
     if again:
         keys = {(cols["run_id"][i], cols["rank"][i], cols["step"][i]): i for i in again}
-        stored = conn.execute(
-            select(c.run_id, c.rank, c.step, c.day, c.ts).where(
-                tuple_(c.run_id, c.rank, c.step).in_(list(keys))
+        listed = list(keys)
+        stored = [
+            row
+            for at in range(0, len(listed), 1000)  # SQLite caps the parameters of a statement
+            for row in conn.execute(
+                select(c.run_id, c.rank, c.step, c.day, c.ts).where(
+                    tuple_(c.run_id, c.rank, c.step).in_(listed[at : at + 1000])
+                )
             )
-        ).all()
-        stale, older = set(), []
+        ]
+        stale, older, replaced = set(), [], []
         for run_id, rank, step, day, ts in stored:
             i = keys[(run_id, rank, step)]
+            if ts < cols["ts"][i]:  # a later execution: this one is replaced (the upsert's test)
+                replaced.append((run_id, rank, step, day))
             if day == cols["day"][i]:
                 continue  # same key: the upsert decides
             if ts >= cols["ts"][i]:
                 stale.add(i)
             else:
                 older.append({"r": run_id, "k": rank, "s": step, "d": day})
+        if replaced:
+            _keep_replaced(conn, replaced, now=cols["recv_ts"][0])
         if older:
             conn.execute(
                 delete(table).where(c.run_id == bindparam("r"), c.rank == bindparam("k"),
@@ -493,10 +511,27 @@ def _write_steps(
             )  # fmt: skip
         if stale:
             cols = _take(cols, [i for i in range(len(cols["step"])) if i not in stale])
-    elif cols["step"] and not is_sqlite(conn) and _insert_new(conn, table, cols):
-        return cols
     upsert_columns(conn, table, cols, key=_STEP_KEY, set_=_overwrite_step, where=_later_execution)
     return cols
+
+
+_REPLACED_COLUMNS = ("run_id", "rank", "step", "day", "ts", "duration_s", "loss", "grad_norm",
+                     "flags", "issues")  # fmt: skip
+
+
+def _keep_replaced(conn: Connection, keys: list[tuple[int, int, int, int]], *, now: float) -> None:
+    """Copy the stored executions that later ones are about to replace into
+    ``replaced_steps`` (a rollback's or a restart's steps run again: rare, and never on the
+    usual path of new steps)."""
+    c = m.rank_steps.c
+    for i in range(0, len(keys), 1000):
+        chunk = keys[i : i + 1000]
+        rows = select(*(c[name] for name in _REPLACED_COLUMNS), literal(now).label("replaced_at")).where(
+            tuple_(c.run_id, c.rank, c.step, c.day).in_(chunk)
+        )  # fmt: skip
+        conn.execute(
+            insert(m.replaced_steps).from_select([*_REPLACED_COLUMNS, "replaced_at"], rows)
+        )
 
 
 def _insert_new(conn: Connection, table: Any, cols: dict[str, list[Any]]) -> bool:

@@ -133,6 +133,27 @@ rank_steps = Table(
     postgresql_partition_by=PARTITION_BY,
 )
 
+# An execution of a step that a later one replaced (a rollback or a restart ran the step
+# again; rank_steps keeps the latest): the figures a post-mortem wants to see, since the
+# replaced executions are where a spike was. Rare, so not partitioned; pruned with the raw
+# data by ``day`` (migration 0020).
+replaced_steps = Table(
+    "replaced_steps",
+    metadata,
+    Column("run_id", Integer, nullable=False),
+    Column("rank", Integer, nullable=False),
+    Column("step", BigInteger, nullable=False),
+    Column("day", Integer, nullable=False),
+    Column("ts", Float, nullable=False),
+    Column("replaced_at", Float, nullable=False),
+    Column("duration_s", Float),
+    Column("loss", Float),
+    Column("grad_norm", Float),
+    Column("flags", JSON(none_as_null=True)),
+    Column("issues", JSON(none_as_null=True)),
+    Index("ix_replaced_steps_run_step", "run_id", "step"),
+)
+
 step_stats = Table(
     "step_stats",
     metadata,

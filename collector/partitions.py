@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, Engine, delete, text
+from sqlalchemy import Connection, Engine, delete, func, select, text
 
 from . import models as m
 from .db import is_sqlite
@@ -111,16 +111,22 @@ class PruneResult:
     dropped: list[str]  # partitions dropped (PostgreSQL)
     deleted_rows: int  # rows deleted (SQLite)
     dry_run: bool
+    replaced_rows: int = 0  # replaced executions of steps deleted (both; not partitioned)
 
     def summary(self) -> str:
         cutoff = dt.datetime.fromtimestamp(self.cutoff_day * DAY_S, tz=dt.timezone.utc)
         verb = "would drop" if self.dry_run else "dropped"
         head = f"raw per-rank data before {cutoff:%Y-%m-%d} (UTC): "
+        deleting = "would delete" if self.dry_run else "deleted"
+        replaced = (
+            f"; {deleting} {self.replaced_rows:,} replaced step executions"
+            if self.replaced_rows
+            else ""
+        )
         if self.dropped or not self.deleted_rows:
             names = ", ".join(self.dropped) if self.dropped else "nothing"
-            return head + f"{verb} {len(self.dropped)} partitions ({names})"
-        verb = "would delete" if self.dry_run else "deleted"
-        return head + f"{verb} {self.deleted_rows:,} rows"
+            return head + f"{verb} {len(self.dropped)} partitions ({names})" + replaced
+        return head + f"{deleting} {self.deleted_rows:,} rows" + replaced
 
 
 def prune(
@@ -132,6 +138,14 @@ def prune(
         raise ValueError("--keep-raw must be at least 1d: raw data is kept in whole days")
     now = time.time() if now is None else now
     cutoff = day_of(now - keep_raw_s)  # days < cutoff are entirely older than the limit
+    with engine.connect() as conn, conn.begin():
+        old = m.replaced_steps.c.day < cutoff
+        if dry_run:
+            replaced = conn.execute(
+                select(func.count()).select_from(m.replaced_steps).where(old)
+            ).scalar_one()
+        else:
+            replaced = conn.execute(delete(m.replaced_steps).where(old)).rowcount
     if is_sqlite(engine):
         deleted = 0
         with engine.connect() as conn, conn.begin():
@@ -142,7 +156,7 @@ def prune(
                     ).scalar_one()
                 else:
                     deleted += conn.execute(delete(raw).where(raw.c.day < cutoff)).rowcount
-        return PruneResult(cutoff, [], deleted, dry_run)
+        return PruneResult(cutoff, [], deleted, dry_run, replaced)
     dropped = []
     with engine.connect() as conn, conn.begin():
         conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": DDL_LOCK})
@@ -153,7 +167,7 @@ def prune(
                     if not dry_run:
                         conn.execute(text(f"DROP TABLE {name}"))
     forget_partitions(engine)
-    return PruneResult(cutoff, dropped, 0, dry_run)
+    return PruneResult(cutoff, dropped, 0, dry_run, replaced)
 
 
 def parse_age(value: str) -> float:

@@ -20,6 +20,7 @@ from .schemas import (
     Heatmap,
     RankInfo,
     RankSeries,
+    ReplacedSeries,
     RunDetail,
     RunSummary,
     Series,
@@ -31,9 +32,12 @@ class NotFound(LookupError):
 
 
 class UnknownMetric(ValueError):
-    def __init__(self, metric: str, user: list[str] | None = None) -> None:
-        known = ", ".join([*METRICS, *(user or ())])  # user: the run's user.<name> metrics
-        super().__init__(f"unknown metric {metric!r}; known metrics: {known}")
+    def __init__(
+        self, metric: str, user: list[str] | None = None, *, known: list[str] | None = None
+    ) -> None:
+        # user: the run's user.<name> metrics; known: the only metrics this query has
+        names = ", ".join(known if known is not None else [*METRICS, *(user or ())])
+        super().__init__(f"unknown metric {metric!r}; known metrics: {names}")
 
 
 def _from_ranks(fn, label: str):  # type: ignore[no-untyped-def]
@@ -382,6 +386,51 @@ def rank_series(
         ts=[row["ts"] for row in rows],
         value=[value(row) for row in rows],
     )
+
+
+REPLACED_METRICS = {"loss": "loss", "grad_norm": "grad_norm", "step_time": "duration_s"}
+
+
+def replaced_series(
+    conn: Connection,
+    *,
+    run: str,
+    metric: str,
+    points: int | None = None,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> ReplacedSeries:
+    """The replaced executions of ``metric`` (loss, grad_norm or step_time) per step:
+    min / mean / max across ranks and executions; ``points`` downsamples to at most N
+    points (each bucket's min of mins and max of maxes: a spike survives)."""
+    run_id = run_id_of(conn, run)
+    if metric not in REPLACED_METRICS:
+        raise UnknownMetric(metric, known=list(REPLACED_METRICS))
+    r = m.replaced_steps.c
+    value = r[REPLACED_METRICS[metric]]
+    where = [r.run_id == run_id]
+    if from_step is not None:
+        where.append(r.step >= from_step)
+    if to_step is not None:
+        where.append(r.step <= to_step)
+    first, last = conn.execute(select(func.min(r.step), func.max(r.step)).where(*where)).one()
+    bucket = 1
+    if points is not None and first is not None:
+        bucket = max(1, -(-(last - first + 1) // points))
+    key = r.step - r.step % bucket if bucket > 1 else r.step
+    rows = conn.execute(
+        select(key.label("s"), func.count(value), func.min(value), func.avg(value), func.max(value),
+               func.min(r.ts))
+        .where(*where)
+        .group_by(key)
+        .order_by(key)
+    ).all()  # fmt: skip
+    return ReplacedSeries(
+        run=run, metric=metric, unit=METRICS[metric].unit, bucket=bucket,
+        step=[int(row[0]) for row in rows], ts=[float(row[5]) for row in rows],
+        n=[int(row[1]) for row in rows],
+        min=[row[2] for row in rows], mean=[row[3] for row in rows], max=[row[4] for row in rows],
+    )  # fmt: skip
 
 
 def flagged_steps(conn: Connection, *, run: str, limit: int = 10_000) -> list[FlaggedStep]:

@@ -518,6 +518,23 @@ class Series(BaseModel):
     bucket: int = Field(default=1, description="Steps per point (1: not downsampled)")
 
 
+class ReplacedSeries(BaseModel):
+    """Executions of steps that a later execution replaced (a rollback or a restart ran
+    the steps again; the series keeps the latest), per step across ranks, column-wise:
+    where a spike that was rolled back still shows."""
+
+    run: str
+    metric: str
+    unit: str
+    step: list[int] = Field(description="the step (downsampled: the bucket's first step)")
+    ts: list[float] = Field(description="when the point's first replaced execution started")
+    n: list[int] = Field(description="replaced executions in the point (ranks x times)")
+    min: list[float | None]
+    mean: list[float | None]
+    max: list[float | None]
+    bucket: int = Field(default=1, description="Steps per point (1: not downsampled)")
+
+
 class RankSeries(BaseModel):
     """One metric of one rank, per step."""
 

@@ -34,6 +34,7 @@ from trainwarden.collector.schemas import (
     GpuSample,
     Heatmap,
     RankSeries,
+    ReplacedSeries,
     RunDetail,
     RunSummary,
     Series,
@@ -63,6 +64,9 @@ class Client(Protocol):
                     to_step: int | None = None, last: int | None = None) -> RankSeries: ...  # fmt: skip
 
     def flags(self, run: str) -> list[FlaggedStep]: ...
+
+    def replaced(self, run: str, metric: str, *, points: int | None = None,
+                 from_step: int | None = None, to_step: int | None = None) -> ReplacedSeries: ...  # fmt: skip
 
     def events(self, run: str, *, kind: str | None = None) -> list[EventOut]: ...
 
@@ -181,6 +185,13 @@ class LocalClient:
     def flags(self, run: str) -> list[FlaggedStep]:
         with self._engine.connect() as conn:
             return queries.flagged_steps(conn, run=run)
+
+    def replaced(self, run: str, metric: str, *, points: int | None = None,
+                 from_step: int | None = None, to_step: int | None = None) -> ReplacedSeries:  # fmt: skip
+        """Executions of steps that a rollback or restart ran again (the spike it left)."""
+        with self._engine.connect() as conn:
+            return queries.replaced_series(conn, run=run, metric=metric, points=points,
+                                           from_step=from_step, to_step=to_step)  # fmt: skip
 
     def events(self, run: str, *, kind: str | None = None) -> list[EventOut]:
         with self._engine.connect() as conn:

@@ -31,6 +31,7 @@ from .client import Client
 from .components import ago, is_default_pick, notice, parse_user, run_tabs, user_choices
 from .hardware_figures import ACTION_TEXT, xid_rows
 from .overview_figures import (
+    REPLACED,
     Marker,
     Overview,
     RankLine,
@@ -236,7 +237,10 @@ def load(client: Client, name: str, view: dict[str, Any]) -> Overview:
             lines.append(RankLine(rank, why, *thin(rs.step, rs.ts, rs.value, POINTS)))
     zoomed = lo is not None or hi is not None
     found = markers(client, name, steps=list(base.step), times=list(base.ts), zoomed=zoomed)
-    return Overview(series=series, spikes=spikes, ranks=lines, markers=found)
+    replaced = {m: client.replaced(name, m, points=POINTS, from_step=lo, to_step=hi)
+                for m in REPLACED}  # fmt: skip
+    return Overview(series=series, spikes=spikes, ranks=lines, markers=found,
+                    replaced={m: r for m, r in replaced.items() if r.step})  # fmt: skip
 
 
 def range_label(data: Overview, view: dict[str, Any]) -> str:

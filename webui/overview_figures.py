@@ -21,7 +21,7 @@ import plotly.io as pio
 from plotly.subplots import make_subplots
 
 from trainwarden.collector.postmortem import MFU_FORMAT
-from trainwarden.collector.schemas import Series
+from trainwarden.collector.schemas import ReplacedSeries, Series
 
 from .figures import COLORS, TEMPLATES, _translucent, empty_figure, template, themed
 
@@ -98,6 +98,30 @@ class Overview:
     # (step, rank, flag, value) for flags of loss and grad norm
     ranks: list[RankLine] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
+    # metric: the executions of steps a rollback or restart ran again (loss, grad norm)
+    replaced: dict[str, ReplacedSeries] = field(default_factory=dict)
+
+
+REPLACED = ("loss", "grad_norm")  # rows that draw the replaced executions (their max)
+REPLACED_COLOR = "#9ca3af"
+
+
+def _replaced(traces: list[dict[str, Any]], data: Overview, metric: str, row: int, *,
+              axis: str, label: str) -> None:  # fmt: skip
+    """The steps' earlier executions that a rollback or restart replaced, as a dashed
+    line of their max across ranks: the spike a rollback went back from stays in sight."""
+    r = data.replaced.get(metric)
+    if r is None or not r.step:
+        return
+    traces.append(_trace(
+        row, x=_xs(r.step, r.ts, axis), y=finite(r.max), mode="lines+markers",
+        line={"width": 1.5, "color": REPLACED_COLOR, "dash": "dot"},
+        marker={"size": 3, "color": REPLACED_COLOR}, name="replaced (run again)",
+        legendgroup="replaced", showlegend=metric == "loss" or "loss" not in data.replaced,
+        customdata=[[_num(v), n] for v, n in zip(r.mean, r.n, strict=False)],
+        hovertemplate=f"{label} before it was run again: max %{{y:.4g}}, mean "
+        "%{customdata[0]} (%{customdata[1]} executions)<extra></extra>",
+    ))  # fmt: skip
 
 
 def finite(values: Sequence[float | None]) -> list[float | None]:
@@ -407,11 +431,13 @@ def overview_figure(
                                  hovertemplate=f"rank {line.rank} ({line.why}) %{{y:.4g}}<extra></extra>"))  # fmt: skip
         _spikes(traces, data, s["loss"], 4, axis=axis, label="loss spike",
                 flags=("loss_spike", "nonfinite_loss"))  # fmt: skip
+        _replaced(traces, data, "loss", 4, axis=axis, label="loss")
     drawn["grad_norm"] = _has(s, "grad_norm", "median")
     if drawn["grad_norm"]:
         _band(traces, s["grad_norm"], 5, axis=axis, color=COLORS["grad_norm"], label="grad norm")
         _spikes(traces, data, s["grad_norm"], 5, axis=axis, label="grad-norm spike",
                 flags=("grad_norm_spike", "nonfinite_grad_norm"))  # fmt: skip
+        _replaced(traces, data, "grad_norm", 5, axis=axis, label="grad norm")
     drawn["breakdown"] = _breakdown(traces, s, 6, axis=axis)
     for row, name in enumerate(ROWS, start=1):
         if not drawn[name]:

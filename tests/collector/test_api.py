@@ -101,6 +101,17 @@ def test_steps_run_again_replace_and_restart_is_an_event(client: TestClient) -> 
     assert restarts[0]["rank"] == 0
     assert restarts[0]["data"]["previous_session"] == "first"
 
+    # The executions replaced (steps 3 and 4 the first time) are kept, once: the
+    # duplicate batch replaced nothing more.
+    replaced = client.get("/api/v1/runs/r1/replaced", params={"metric": "loss"}).json()
+    assert (replaced["step"], replaced["n"], replaced["max"]) == ([3, 4], [1, 1], [3.0, 3.0])
+    times = client.get(
+        "/api/v1/runs/r1/replaced", params={"metric": "step_time", "points": 2}
+    ).json()
+    assert (times["unit"], times["step"], times["bucket"]) == ("s", [3, 4], 1)
+    bad = client.get("/api/v1/runs/r1/replaced", params={"metric": "mfu"})
+    assert bad.status_code == 422 and "known metrics: loss, grad_norm, step_time" in bad.text
+
 
 def test_events_are_idempotent_by_id(client: TestClient) -> None:
     event = {"id": "e-1", "kind": "start", "ts": 1_700_000_000.0, "data": {"pid": 1}}

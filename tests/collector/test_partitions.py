@@ -13,7 +13,7 @@ from sqlalchemy.engine import make_url
 from trainwarden.collector import models as m
 from trainwarden.collector.db import make_engine, upgrade, write
 from trainwarden.collector.ingest import ingest
-from trainwarden.collector.partitions import DAY_S, list_partitions, parse_age, prune
+from trainwarden.collector.partitions import DAY_S, day_of, list_partitions, parse_age, prune
 from trainwarden.collector.queries import series
 from trainwarden.collector.rollup_worker import flush
 from trainwarden.collector.schemas import IngestBatch
@@ -106,6 +106,15 @@ def test_a_step_run_again_on_a_later_day_replaces_the_earlier_row(engine) -> Non
     assert [tuple(r) for r in rows] == [(0, NOW - DAY_S), (1, NOW + 5)]
     send(engine, 0, [(1, NOW - DAY_S + 1)])  # the old execution replayed late: ignored
     assert count(engine, m.rank_steps) == 2
+    # The replaced execution is kept (once), with its day, and goes with its day's raw data.
+    with engine.connect() as conn:
+        kept = conn.execute(
+            select(m.replaced_steps.c.step, m.replaced_steps.c.ts, m.replaced_steps.c.day)
+        ).all()
+    assert [tuple(r) for r in kept] == [(1, NOW - DAY_S + 1, day_of(NOW - DAY_S + 1))]
+    result = prune(engine, keep_raw_s=DAY_S, now=NOW + 2 * DAY_S)
+    assert result.replaced_rows == 1 and "1 replaced step executions" in result.summary()
+    assert count(engine, m.replaced_steps) == 0
 
 
 def test_keep_raw_parsing_and_limits() -> None:

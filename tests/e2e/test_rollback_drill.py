@@ -113,6 +113,12 @@ def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tm
         spike = max(loss[s] for s in range(36, barrier + 1) if s in loss) if barrier >= 36 else None
         after = statistics.median(loss[s] for s in range(STEPS - 10, STEPS))
         assert after < 1.1 * before, (before, after)
+        # The series keeps the steps run again; their first executions, the spike among
+        # them, are kept as replaced: 31 up to the barrier, on every rank.
+        replaced = server.get(f"/api/v1/runs/{run}/replaced", metric="loss").json()
+        assert replaced["step"] == list(range(31, barrier + 1)), replaced
+        assert set(replaced["n"]) == {world}, replaced
+        assert max(replaced["max"]) > 1.5 * before, (before, replaced["max"])  # the 50x update
         ranks = server.get(f"/api/v1/runs/{run}/ranks").json()
         assert {r["state"] for r in ranks} == {"finished"}
 

@@ -9,7 +9,7 @@ import math
 
 import plotly.graph_objects as go
 
-from trainwarden.collector.schemas import EventOut, Series
+from trainwarden.collector.schemas import EventOut, ReplacedSeries, Series
 from trainwarden.webui import overview, overview_figures
 from trainwarden.webui.overview_figures import ROW_EMPTY, Marker, Overview, RankLine, thin
 
@@ -148,6 +148,21 @@ def test_spikes_and_outlier_ranks_on_the_loss_row() -> None:
     assert list(loss["rank 2"].y) == [1.0, 1.1, 9.0]
     grad = {t.name: t for t in traces(fig, 5)}
     assert list(grad["grad-norm spike"].x) == [6]
+
+
+def test_steps_a_rollback_ran_again_keep_their_earlier_execution_in_sight() -> None:
+    # Steps 4-6 were run again after a rollback: their first execution spiked to 300.
+    loss = ReplacedSeries(run="r", metric="loss", unit="", step=[4, 5, 6], ts=[T0 + 4, T0 + 5, T0 + 6],
+                          n=[4, 4, 4], min=[250.0, 100.0, 20.0], mean=[280.0, 150.0, 30.0],
+                          max=[300.0, 200.0, 40.0])  # fmt: skip
+    fig = overview_figure(Overview(series=full(), replaced={"loss": loss}))
+    replaced = {t.name: t for t in traces(fig, 4)}["replaced (run again)"]
+    assert (list(replaced.x), list(replaced.y)) == ([4, 5, 6], [300.0, 200.0, 40.0])
+    assert replaced.line.dash == "dot" and replaced.showlegend
+    assert "loss before it was run again" in replaced.hovertemplate
+    assert "replaced (run again)" not in {t.name for t in traces(fig, 5)}  # no grad norm ones
+    on_time = overview_figure(Overview(series=full(), replaced={"loss": loss}), axis="time")
+    assert {t.name: t for t in traces(on_time, 4)}["replaced (run again)"].x[0] == dt.datetime.fromtimestamp(T0 + 4)  # fmt: skip
 
 
 def test_outlier_ranks_are_the_url_rank_then_spiky_ranks_then_a_usual_maximum() -> None:
