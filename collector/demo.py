@@ -25,8 +25,9 @@ from .settings import Settings
 # What the demo injects unless told otherwise: visible, and nothing that ends the run.
 # The loss spike is 1000x: the demo's steps take ~55 ms, so LossSpike's 20 steps are ~1 s
 # and the doubled loss must outlast a few of the engine's 2 s passes to go pending, then
-# firing (its rollback, dry-run by default, then names the checkpoint it would go back
-# to). At 30x the demo's model shrugged it off: its loss rose 15 % and nothing fired.
+# firing; then its rollback runs (demo_policy) and every rank goes back to the checkpoint
+# of step 1000. At 30x the demo's model shrugged it off: its loss rose 15 % and nothing
+# fired.
 DEFAULT_DRILL = (
     "thermal=90C@rank=0,step=300; slow=1.5x@rank=1,steps=600-900; "
     "loss_spike=1000x@step=1200; xid=63@rank=1,step=1500"
