@@ -38,7 +38,7 @@ class Alert:
     active_since: float | None = None  # when the condition last became true (time)
     active_since_step: int | None = None  # ... and at which step
     fired_at: float | None = None
-    fired_at_step: int | None = None  # the run's step at the pass that fired it
+    fired_at_step: int | None = None  # the step it fired at (the verdict's, else the run's)
     cleared_at: float | None = None  # when the condition last became false while firing
     cleared_at_step: int | None = None
     resolved_at: float | None = None
@@ -69,9 +69,12 @@ def advance(
     step: int | None = None,
     for_: Interval,
     keep_firing_for: Interval,
+    verdict_step: int | None = None,
 ) -> Alert:
     """The alert after one evaluation at ``now`` (and the run's ``step``) that found its
-    condition ``active`` or not. Returns the same object when nothing changed."""
+    condition ``active`` or not. Returns the same object when nothing changed.
+    ``verdict_step``: the step the condition was found at (an XID's own step, say),
+    kept as the step it fired at; else the run's step."""
     if active:
         if alert.state in ("inactive", "resolved"):  # a new episode
             alert = replace(alert, state="pending", active_since=now, active_since_step=step,
@@ -80,7 +83,8 @@ def advance(
         elif alert.state == "firing" and alert.cleared_at is not None:
             return replace(alert, cleared_at=None, cleared_at_step=None)  # back in time
         if alert.state == "pending" and _held(alert, for_, now, step):
-            return replace(alert, state="firing", fired_at=now, fired_at_step=step)
+            at = verdict_step if verdict_step is not None else step
+            return replace(alert, state="firing", fired_at=now, fired_at_step=at)
         return alert
     if alert.state == "pending":
         return replace(alert, state="inactive", active_since=None, active_since_step=None)

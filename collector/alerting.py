@@ -710,7 +710,7 @@ class AlertEngine:
                         labels: dict[str, str], run: Any, snap: Snapshot, now: float) -> int:  # fmt: skip
         alert = _alert_of(row) if row is not None else Alert(rule.name, labels)
         new = advance(alert, active=True, now=now, step=snap.last_step, for_=rule.for_,
-                      keep_firing_for=rule.keep_firing_for)  # fmt: skip
+                      keep_firing_for=rule.keep_firing_for, verdict_step=v.step)  # fmt: skip
         info = snap.ranks.get(v.rank) if v.rank is not None else None
         annotations = {
             "summary": rule.summary,

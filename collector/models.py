@@ -276,7 +276,7 @@ alerts = Table(
     Column("active_since", Float, nullable=False),
     Column("active_since_step", BigInteger),
     Column("fired_at", Float),
-    Column("fired_at_step", BigInteger),  # the run's step when it fired (0019)
+    Column("fired_at_step", BigInteger),  # the step it fired at (0019)
     Column("cleared_at", Float),
     Column("cleared_at_step", BigInteger),
     Column("resolved_at", Float),

@@ -2,8 +2,8 @@
 
 The timeline and the post-mortem showed a firing alert at its ``step``, which each pass
 moves on to the newest step the condition held at: an alert that fired at step 618 and
-held until step 888 read "firing, step 888". This keeps the step of the pass that fired
-it, as ``active_since_step`` keeps the one that made it pending.
+held until step 888 read "firing, step 888". This keeps the step it fired at: the
+condition's step in the pass that fired it (an XID's own step), else the run's.
 
 Revision ID: 0019
 Revises: 0018

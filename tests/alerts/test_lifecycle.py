@@ -47,11 +47,11 @@ def test_an_alert_keeps_the_steps_it_went_pending_and_fired_at() -> None:
     assert (a.state, a.active_since_step, a.fired_at_step) == ("firing", 100, 105)
     a = advance(a, active=False, now=10, step=110, for_=STEPS5, keep_firing_for=ZERO)
     a = advance(a, active=True, now=11, step=111, for_=STEPS5, keep_firing_for=ZERO)
-    assert (a.state, a.active_since_step, a.fired_at_step) == (
-        "pending",
-        111,
-        None,
-    )  # a new episode
+    assert (a.state, a.active_since_step, a.fired_at_step) == ("pending", 111, None)  # fmt: skip
+    # An event's own step (an XID at step 50, heard of at step 59) is the step it fired at.
+    xid = advance(Alert("FatalXid", {"rank": "1"}), active=True, now=0, step=59, for_=ZERO,
+                  keep_firing_for=ZERO, verdict_step=50)  # fmt: skip
+    assert (xid.state, xid.fired_at_step) == ("firing", 50)
 
 
 def test_without_for_an_alert_fires_at_once_and_resolves_when_clear() -> None:
