@@ -52,9 +52,8 @@ class AlertOut(BaseModel):
     action: str
     active_since: float
     fired_at: float | None
-    fired_at_step: int | None = (
-        None  # the run's step when it fired (``step``: the newest it held at)
-    )
+    # The step it fired at (``step``: the newest step its condition held at).
+    fired_at_step: int | None = None
     resolved_at: float | None
     updated_at: float
     acked_at: float | None
