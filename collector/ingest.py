@@ -657,7 +657,8 @@ def store_many(
         last_steps.update({(run_id, rank): last for rank, last in known.items()})
 
     # Steps, column-wise (no object a row): the same step twice in one flush (a replay
-    # inside it): the last one wins.
+    # inside it, or a rollback's second execution queued behind its first): the later
+    # execution wins, and an earlier one is kept as replaced.
     merged: dict[str, list[Any]] = {name: [] for name in _STEP_ROW}
     accepted_steps = []
     for req in requests:
@@ -669,7 +670,19 @@ def store_many(
             merged[name] += values
     keys = list(zip(merged["run_id"], merged["rank"], merged["step"], strict=True))
     if len(set(keys)) < len(keys):
-        merged = _take(merged, sorted({key: i for i, key in enumerate(keys)}.values()))
+        latest: dict[tuple[int, int, int], int] = {}
+        for i, key in enumerate(keys):
+            if key not in latest or merged["ts"][i] >= merged["ts"][latest[key]]:
+                latest[key] = i
+        keep = sorted(latest.values())
+        kept = set(keep)
+        earlier = [i for i in range(len(keys)) if i not in kept
+                   and merged["ts"][i] < merged["ts"][latest[keys[i]]]]  # fmt: skip
+        if earlier:
+            conn.execute(insert(m.replaced_steps), [
+                {**{name: merged[name][i] for name in _REPLACED_COLUMNS}, "replaced_at": now}
+                for i in earlier])  # fmt: skip
+        merged = _take(merged, keep)
     stored = _write_steps(conn, merged, last_steps)
     _queue_rollups(conn, Counter(zip(stored["run_id"], stored["step"], strict=True)), now)
 

@@ -253,3 +253,24 @@ def test_new_steps_are_copied_straight_in_and_a_key_stored_meanwhile_falls_back_
         assert [t for t in copied if "rank_steps" in t] == [
             "rank_steps", "rank_steps", "tw_stage_rank_steps"
         ]  # fmt: skip
+
+
+def test_a_step_run_twice_within_one_flush_keeps_the_later_and_the_earlier_as_replaced(engine) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    # Under load a rank's first execution of steps and, after a rollback, its second can
+    # wait in the same flush: the later one is stored, the earlier kept as replaced.
+    from trainwarden.collector import ingest
+    from trainwarden.collector.db import write
+
+    def request(*steps: dict[str, object]) -> IngestBatch:
+        return IngestBatch.model_validate(batch(run="w", rank=3, world_size=8, steps=list(steps)))
+
+    first = [{**step(s, loss=9.0), "ts": 1_700_000_000.0 + s} for s in (5, 6)]
+    again = [{**step(s, loss=1.0), "ts": 1_700_000_100.0 + s} for s in (5, 6)]
+    with write(engine) as conn:
+        ingest.store_many(conn, [request(*first), request(*again), request(*again)], now=100.0)
+    with engine.connect() as conn:
+        c, r = m.rank_steps.c, m.replaced_steps.c
+        stored = conn.execute(select(c.step, c.loss).order_by(c.step)).all()
+        replaced = conn.execute(select(r.step, r.loss, r.replaced_at).order_by(r.step)).all()
+    assert [tuple(x) for x in stored] == [(5, 1.0), (6, 1.0)]
+    assert [tuple(x) for x in replaced] == [(5, 9.0, 100.0), (6, 9.0, 100.0)]  # once each
