@@ -388,7 +388,8 @@ def rank_series(
     )
 
 
-REPLACED_METRICS = {"loss": "loss", "grad_norm": "grad_norm", "step_time": "duration_s"}
+# The metrics replaced_steps keeps, each one rank_steps column (the metric's ``source``).
+REPLACED_METRICS = ("loss", "grad_norm", "step_time")
 
 
 def replaced_series(
@@ -407,7 +408,7 @@ def replaced_series(
     if metric not in REPLACED_METRICS:
         raise UnknownMetric(metric, known=list(REPLACED_METRICS))
     r = m.replaced_steps.c
-    value = r[REPLACED_METRICS[metric]]
+    value = r[str(METRICS[metric].source)]
     where = [r.run_id == run_id]
     if from_step is not None:
         where.append(r.step >= from_step)
