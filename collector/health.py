@@ -230,10 +230,13 @@ def _idle_s(rank: Any, *, now: float, late: float, refused_at: float | None) -> 
 
 def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_step: float | None,
             slow: dict[int, float], steps: dict[int, StepView], lag_s: float = 0.0,
-            heard: Mapping[int, float] | None = None) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
+            heard: Mapping[int, float] | None = None,
+            still_dead: Callable[[], list[int]] | None = None) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
     """The state and detail of every live rank. ``lag_s``: how late the collector hears
     from ranks; silence that long is the collector's, not the rank's. ``heard``: when a
-    rank last sent a request the collector refused (as alive as one it took)."""
+    rank last sent a request the collector refused (as alive as one it took).
+    ``still_dead``: the dead ranks not in ``ranks`` (not heard from since), asked for
+    only when hung ranks may be waiting on them."""
     hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
     heard = heard or {}
     dead, stalled = [], []
@@ -251,14 +254,15 @@ def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_st
             {"role": "culprit", "reason": f"no heartbeat for {now - r['last_seen']:.1f}s"},
         )
     if stalled:
-        if dead:
+        blamed_dead = sorted({r["rank"] for r in dead} | set(still_dead() if still_dead else ()))
+        if blamed_dead:
             culprits: list[Any] = []
         else:
             key = min((r["last_step"] if r["last_step"] is not None else -1, PHASE_ORDER.get(r["phase"], 5))
                       for r in stalled)  # fmt: skip
             culprits = [r for r in stalled
                         if (r["last_step"] if r["last_step"] is not None else -1, PHASE_ORDER.get(r["phase"], 5)) == key]  # fmt: skip
-        blamed = sorted(r["rank"] for r in (dead or culprits))
+        blamed = blamed_dead or sorted(r["rank"] for r in culprits)
         for r in stalled:
             idle = _idle_s(r, now=now, late=lag_s, refused_at=heard.get(r["rank"]))
             detail: dict[str, Any]
@@ -324,15 +328,24 @@ def evaluate(
         median_step = _median_step_time(conn, run_id)
         late = max(lag_s, arrival_lateness(conn, run_id)) if pressed else lag_s
         k = m.ranks.c
-        query = select(*(k[c] for c in _RANK_FIELDS)).where(k.run_id == run_id, k.state.in_(LIVE))
+        heard_ranks = heard(name) if heard else None
+        silent = k.last_seen < now - late - settings.dead_after_beats * func.coalesce(k.heartbeat_s, 2.0)  # fmt: skip
+        # A dead rank not heard from since stays dead, its detail the same: it is not read
+        # (a crashed run of 16,384 ranks would otherwise be read and decided again on every
+        # evaluation, for as long as the run is watched). _states still blames it (still_dead).
+        still_dead = (k.state == "dead") & silent
+        if heard_ranks:
+            still_dead = still_dead & k.rank.not_in(list(heard_ranks))
+        query = select(*(k[c] for c in _RANK_FIELDS)).where(
+            k.run_id == run_id, k.state.in_(LIVE), ~still_dead
+        )
         if not slow:  # read only the ranks whose state can change (a large run: a handful)
             hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
             query = query.where(
                 or_(
                     k.state != "healthy",
                     k.state_detail.is_not(None),
-                    k.last_seen
-                    < now - late - settings.dead_after_beats * func.coalesce(k.heartbeat_s, 2.0),
+                    silent,
                     # _idle_s, at its most (late 0)
                     k.progress_at + func.coalesce(k.clock_skew_s, 0.0) < now - hung_after,
                 )
@@ -348,8 +361,14 @@ def evaluate(
         ])  # fmt: skip
         if not ranks:
             continue
+        unread = select(k.rank).where(k.run_id == run_id, still_dead)
+
+        def dead_unread(unread: Any = unread) -> list[int]:
+            return list(conn.execute(unread).scalars())
+
         states = _states(list(ranks), now=now, settings=settings, median_step=median_step,
-                         slow=slow, steps=steps, lag_s=late, heard=heard(name) if heard else None)  # fmt: skip
+                         slow=slow, steps=steps, lag_s=late, heard=heard_ranks,
+                         still_dead=dead_unread)  # fmt: skip
         # Decide everything first, then write in two statements in rank order: the rank
         # rows stay locked for as short a time as possible (ingest updates them too).
         details, changed, events = [], [], []

@@ -78,6 +78,52 @@ def test_dead_after_two_and_a_quarter_missed_beats(engine) -> None:
     assert states(engine, T0 + 1 + 4.6)[1][0] == "dead"  # 2.3 beats
 
 
+def test_a_rank_dead_since_an_earlier_evaluation_is_still_blamed_by_its_hung_peers(engine) -> None:
+    for rank in (0, 1, 2):
+        send(engine, rank=rank, world=3, steps=[step(i) for i in range(10)], at=T0 + 10)
+    send(engine, rank=0, world=3, steps=[step(10)], at=T0 + 13)
+    send(engine, rank=2, world=3, steps=[step(10)], at=T0 + 13)
+    first = states(engine, T0 + 15)  # rank 1: 5 s silent, dead; its peers still make progress
+    assert [first[r][0] for r in (0, 1, 2)] == ["healthy", "dead", "healthy"]
+    # Later its peers block in step 11's allreduce; rank 1, dead all along, is not read
+    # again, but it is what they wait on, not a hung culprit among them.
+    for at in (T0 + 16, T0 + 19.5):
+        for rank in (0, 2):
+            send(engine, rank=rank, world=3, at=at, in_step=True, phase="backward", last_step=10)
+    result = states(engine, T0 + 19.5)
+    assert result[1][0] == "dead"
+    for rank in (0, 2):
+        assert result[rank][0] == "hung" and result[rank][1]["role"] == "victim"
+        assert result[rank][1]["waiting_on"] == [1]
+
+
+def test_a_silent_dead_run_is_not_read_again_and_a_rank_heard_again_comes_back(
+    engine, monkeypatch
+) -> None:
+    """A crashed run's ranks stay dead without being decided again on every evaluation
+    (a crashed run of thousands of ranks took a fifth of the collector's CPU that way)."""
+    from trainwarden.collector import health
+
+    for rank in (0, 1):
+        send(engine, rank=rank, steps=[step(i) for i in range(10)], at=T0 + 10)
+    assert {s for s, _ in states(engine, T0 + 20).values()} == {"dead"}
+    decided: list[list[int]] = []
+    real = health._states
+
+    def spy(ranks, **kwargs):
+        decided.append([r["rank"] for r in ranks])
+        return real(ranks, **kwargs)
+
+    monkeypatch.setattr(health, "_states", spy)
+    assert {s for s, _ in states(engine, T0 + 60).values()} == {"dead"}
+    assert decided == []  # nothing could have changed: nothing was read
+    # A refused request of rank 1 (heard, not stored) is a sign of life; so is a request.
+    assert evaluated(engine, T0 + 61, heard=lambda run: {1: T0 + 60.5}) == {0: "dead", 1: "healthy"}
+    send(engine, rank=0, steps=[step(10)], at=T0 + 62)
+    assert states(engine, T0 + 62)[0][0] == "healthy"
+    assert decided == [[1], [0, 1]]
+
+
 def test_a_hung_rank_is_the_culprit_and_its_peer_the_victim(engine) -> None:
     for rank in (0, 1):
         send(engine, rank=rank, steps=[step(i) for i in range(10)], at=T0 + 10)
