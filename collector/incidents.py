@@ -100,24 +100,36 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
         .where(a.fired_at.is_not(None), ~_member("alert", a.id))
         .order_by(a.fired_at, a.id)
     ).all()
+    # A run's new alerts join its incident together: a job that dies whole fires a
+    # RankDead alert a rank, and widening the incident by each in turn rewrote its rank
+    # list once a rank (16,384 ranks: minutes of one pass, quadratic).
+    by_run: dict[int, list[Any]] = {}
     for alert in fired:
-        incident_id = _open_of(conn, alert.run_id)
-        where = f" on rank {alert.rank}" if alert.rank is not None else ""
-        where += f" ({alert.node})" if alert.node else ""
-        title = f"{alert.rule}{where}"
-        if incident_id is None:
-            incident_id = _create(
-                conn, run_id=alert.run_id, title=title, by=ENGINE, auto=True,
-                severity=alert.severity, opened_at=alert.fired_at, now=now,
-                detail=f"alert {alert.id} ({alert.rule}) fired",
-            )  # fmt: skip
-            result.opened.append(incident_id)
-        else:
-            _escalate(conn, incident_id, title=title, alert=alert, now=now)
-        _attach(conn, incident_id, "alert", [alert.id], now)
-        _widen(conn, incident_id, ranks=[alert.rank], nodes=[alert.node], severity=alert.severity,
-               now=now)  # fmt: skip
-        result.joined += 1
+        by_run.setdefault(alert.run_id, []).append(alert)
+    for run_id, alerts in by_run.items():
+        incident_id = _open_of(conn, run_id)
+        severity = None
+        if incident_id is not None:
+            severity = conn.execute(select(inc.severity).where(inc.id == incident_id)).scalar_one()
+        for alert in alerts:
+            where = f" on rank {alert.rank}" if alert.rank is not None else ""
+            where += f" ({alert.node})" if alert.node else ""
+            title = f"{alert.rule}{where}"
+            if incident_id is None:
+                incident_id = _create(
+                    conn, run_id=run_id, title=title, by=ENGINE, auto=True,
+                    severity=alert.severity, opened_at=alert.fired_at, now=now,
+                    detail=f"alert {alert.id} ({alert.rule}) fired",
+                )  # fmt: skip
+                result.opened.append(incident_id)
+            elif SEVERITY_ORDER.get(alert.severity, 0) > SEVERITY_ORDER.get(severity or "", 0):
+                _escalate(conn, incident_id, title=title, alert=alert, now=now)
+            severity = alert.severity if severity is None else _worse(severity, alert.severity)
+        assert incident_id is not None
+        _attach(conn, incident_id, "alert", [alert.id for alert in alerts], now)
+        _widen(conn, incident_id, ranks=[alert.rank for alert in alerts],
+               nodes=[alert.node for alert in alerts], severity=severity, now=now)  # fmt: skip
+        result.joined += len(alerts)
     loose = conn.execute(
         select(ac.id, ac.run_id, ac.alert_id, ac.rank, ac.node, ac.created_at).where(
             ~_member("action", ac.id)

@@ -129,6 +129,25 @@ def test_a_more_severe_alert_that_joins_takes_over_the_title_unless_an_operator_
     assert (body["title"], body["severity"]) == ("node3 is slow", "critical")
 
 
+def test_a_job_that_dies_whole_joins_one_incident_in_one_pass(engine: Engine, client: TestClient) -> None:  # fmt: skip
+    """A RankDead alert a rank, in one pass: every rank and node joins the incident, and
+    the first critical alert titles it (they join together, not one statement each)."""
+    run_id = sc.make_run(engine)
+    sc.alert(
+        engine, run_id, rule="Straggler", severity="warning", rank=5, active_since=T0, fired_at=T0
+    )
+    ids = [sc.alert(engine, run_id, rule="RankDead", rank=r, active_since=T0 + 20, fired_at=T0 + 20 + r / 100)
+           for r in range(40)]  # fmt: skip
+    (incident,) = run_pass(engine, T0 + 30).opened
+    body = client.get(f"/api/v1/incidents/{incident}").json()
+    assert (body["title"], body["severity"]) == ("RankDead on rank 0 (node0)", "critical")
+    assert sorted(body["ranks"]) == list(range(40))
+    assert sorted(body["nodes"]) == sorted({f"node{r}" for r in range(40)})
+    joined = set(body["alerts"])
+    assert set(ids) < joined and len(joined) == 41
+    assert run_pass(engine, T0 + 31).joined == 0
+
+
 # -- operators' changes ------------------------------------------------------------------------
 
 
