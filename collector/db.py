@@ -7,12 +7,14 @@ concurrent writers queue on the lock instead of failing on a stale snapshot.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import orjson
 from sqlalchemy import Connection, Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -47,6 +49,17 @@ def is_sqlite(engine: Engine | Connection) -> bool:
     return engine.dialect.name == "sqlite"
 
 
+def json_loads(data: str | bytes) -> Any:
+    """The JSON columns' parser: orjson (a quarter of the standard library's time: the
+    alert engine reads every open alert's labels and annotations on each pass, 16,384
+    of them when a large job has died), the standard library for what orjson refuses
+    (NaN written by SQLite's serializer, integers past 64 bits)."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
 def make_engine(url: str) -> Engine:
     """An engine for ``url``; for SQLite, creates the file's folder and sets WAL mode."""
     try:
@@ -61,12 +74,15 @@ def make_engine(url: str) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 30})
+        engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 30},
+                               json_deserializer=json_loads)  # fmt: skip
         _sqlite_setup(engine)
         return engine
     if parsed.get_backend_name() != "postgresql":
         raise DatabaseError(f"database {masked(url)} is not supported: use SQLite or PostgreSQL")
-    engine = create_engine(parsed, pool_pre_ping=True, pool_size=10, max_overflow=10)
+    engine = create_engine(
+        parsed, pool_pre_ping=True, pool_size=10, max_overflow=10, json_deserializer=json_loads
+    )
     _postgres_setup(engine)
     return engine
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import pytest
 from sqlalchemy import func, select, update
 
 from trainwarden.collector import models as m
@@ -47,3 +50,18 @@ def test_fetch_rows_reads_what_sqlalchemy_reads(engine) -> None:  # type: ignore
         assert len(steps) == 6 and {row[4] for row in steps} == {2**40 + 1, 2**40 + 2}
         assert [row[3] for row in steps if row[1] == 1] == [1 / 3 + 1e-12] * 3
         assert [row[2] for row in fetch_rows(conn, queries[1])] == [None, "GPU-1", None]
+
+
+def test_json_columns_parse_with_orjson_and_what_it_refuses_with_the_standard_library() -> None:
+    from trainwarden.collector.db import json_loads
+
+    assert json_loads(b'{"rank": 3, "labels": {"run": "r1"}}') == {
+        "rank": 3,
+        "labels": {"run": "r1"},
+    }
+    value = json_loads(
+        '{"loss": NaN, "big": 123456789012345678901234567890}'
+    )  # orjson refuses both
+    assert math.isnan(value["loss"]) and value["big"] == 123456789012345678901234567890
+    with pytest.raises(ValueError):
+        json_loads(b"{not json")
