@@ -497,6 +497,50 @@ def test_rank_dead_does_not_page_for_a_collector_too_busy_to_take_the_ranks_requ
     assert (row["rule"], row["rank"], row["state"]) == ("RankDead", 1, "firing")
 
 
+def test_a_firing_alert_whose_value_alone_moves_is_rewritten_every_refresh_s(engine) -> None:
+    """A dead rank's silence grows on every pass: its RankDead alert is written when it
+    fires, then every ``refresh_s``, not on every pass (a crashed run of 16,384 ranks)."""
+    alerts = Engine(engine, "RankDead", refresh_s=30.0)
+    world = 8
+    for rank in range(world):
+        send(engine, rank=rank, world=world, at=T0, steps=[step(0)])
+    fired = alerts.run(T0 + 10)
+    assert len(fired) == world and {r["state"] for r in fired} == {"firing"}
+    assert {r["updated_at"] for r in fired} == {T0 + 10} and {r["value"] for r in fired} == {10.0}
+
+    def fields(rows):
+        return [
+            (r["rank"], r["value"], r["annotations"]["description"], r["updated_at"]) for r in rows
+        ]
+
+    assert fields(alerts.run(T0 + 12)) == fields(alerts.run(T0 + 39)) == fields(fired)
+    later = alerts.run(T0 + 40)  # 30 s on: every alert's value and description, in one statement
+    assert {(r["value"], r["updated_at"]) for r in later} == {(40.0, T0 + 40)}
+    assert all("no heartbeat for 40.0s" in r["annotations"]["description"] for r in later)
+    # A change of state is written at once: ranks 0-3 are back, their alerts resolve.
+    for rank in range(4):
+        send(engine, rank=rank, world=world, at=T0 + 41, steps=[step(1)])
+    back = {r["rank"]: r for r in alerts.run(T0 + 41)}
+    assert [back[r]["state"] for r in range(world)] == ["resolved"] * 4 + ["firing"] * 4
+
+
+def test_a_run_silent_for_a_minute_is_evaluated_every_silent_every_s(engine) -> None:
+    alerts = Engine(engine, "RankDead", refresh_s=0.0, silent_run_s=60.0, silent_every_s=30.0)
+    for rank in (0, 1):
+        send(engine, rank=rank, at=T0, steps=[step(0)])
+
+    def values(now: float) -> list[tuple[str, float]]:
+        return [(r["state"], r["value"]) for r in alerts.run(now)]
+
+    assert values(T0 + 10) == [("firing", 10.0)] * 2
+    assert values(T0 + 59) == [("firing", 59.0)] * 2  # silent for less than a minute
+    assert values(T0 + 61) == [("firing", 61.0)] * 2  # silent: evaluated now, then every 30 s
+    assert values(T0 + 75) == [("firing", 61.0)] * 2  # sat out: its alerts left as they are
+    assert values(T0 + 91) == [("firing", 91.0)] * 2
+    send(engine, rank=0, at=T0 + 95, steps=[step(1)])  # heard again: evaluated on every pass
+    assert values(T0 + 96) == [("resolved", 91.0), ("firing", 96.0)]
+
+
 def test_a_job_that_dies_whole_is_one_page_not_one_a_rank(engine) -> None:
     alerts = Engine(engine, "RankDead")
     world = 24
