@@ -2,7 +2,7 @@
 
     python bench/ingest.py [--db postgresql+psycopg://postgres@127.0.0.1:5432/test]
                            [--ranks 1024] [--ranks-per-node 8] [--duration 30]
-                           [--user-metrics 6]
+                           [--user-metrics 6] [--after-crash]
 
 (a) raw binary COPY of the same wide rows into a table with rank_steps' key: the limit
     (the user metrics as one JSONB object a row, as rank_steps keeps them);
@@ -12,6 +12,11 @@
 (c) MLflow's tracking server taking the same points through log-batch, on a scratch database
     of the same PostgreSQL (bench/peer_mlflow.py; bench/install_mlflow.sh installs MLflow).
 Prints points/s for each and the ratios.
+
+``--after-crash``: (b) first sends a run of the same size for 15 s that then stops dead,
+with no goodbye (a job that crashed whole: a RankDead alert a rank, one incident), waits
+75 s, and measures a second run (its restart under a new name) beside it: what a crashed
+job costs the collector while the runs still sending are ingested.
 """
 
 from __future__ import annotations
@@ -29,7 +34,9 @@ import httpx
 import psycopg
 from common import DEFAULT_DB, cpu_seconds, postgres_cpu_seconds, scratch_database, serving_process
 from peer_mlflow import describe, find_mlflow, mlflow_points_per_s
+from sqlalchemy import text
 
+from trainwarden.collector.db import make_engine
 from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen, user_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,11 +76,29 @@ def raw_copy(dsn: str, rows: int, user: int) -> float:
     return rows / took
 
 
+CRASH_RUN_S = 15.0  # --after-crash: how long the crashed run sends, ...
+CRASH_WAIT_S = 75.0  # ... and how long it has been silent when the measured run starts
+
+
 def end_to_end(
-    db_url: str, *, ranks: int, ranks_per_node: int, duration: float, user: int
-) -> dict[str, float]:
+    db_url: str, *, ranks: int, ranks_per_node: int, duration: float, user: int,
+    after_crash: bool = False,
+) -> dict[str, float]:  # fmt: skip
     with serving_process(db_url, log_name="bench-ingest") as (url, serve):
         run = f"bench-{uuid.uuid4().hex[:6]}"
+        if after_crash:
+            crashed = run_loadgen(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
+                                  duration_s=CRASH_RUN_S, run=f"{run}-crashed", user_metrics=user)  # fmt: skip
+            time.sleep(CRASH_WAIT_S)
+            with make_engine(db_url).connect() as conn:
+                states = dict(conn.execute(text(
+                    "SELECT k.state, count(*) FROM ranks k JOIN runs r ON r.id = k.run_id "
+                    "WHERE r.name = :n GROUP BY 1"), {"n": f"{run}-crashed"}).all())  # fmt: skip
+                firing = conn.execute(text(
+                    "SELECT count(*) FROM alerts a JOIN runs r ON r.id = a.run_id "
+                    "WHERE r.name = :n AND a.state = 'firing'"), {"n": f"{run}-crashed"}).scalar()  # fmt: skip
+            print(f"    crashed run: {crashed.rows:,} rows in {CRASH_RUN_S:.0f} s, then silent for {CRASH_WAIT_S:.0f} s: "
+                  f"its ranks {states}, {firing:,} alerts firing")  # fmt: skip
         nodes = -(-ranks // ranks_per_node)
         sent: dict[int, list[float]] = {}
         seen: dict[int, float] = {}
@@ -136,6 +161,10 @@ def main() -> None:
         "--user-metrics", type=int, default=6,
         help="user metrics a row besides the 19 built-in ones (default 6: 25 a row)",
     )  # fmt: skip
+    p.add_argument(
+        "--after-crash", action="store_true",
+        help="measure (b) beside a run of the same size that crashed whole 75 s before",
+    )  # fmt: skip
     p.add_argument("--mlflow-duration", type=float, default=30)
     p.add_argument(
         "--mlflow-ranks",
@@ -159,7 +188,7 @@ def main() -> None:
         )
         e2e = end_to_end(
             sa_url, ranks=args.ranks, ranks_per_node=args.ranks_per_node, duration=args.duration,
-            user=args.user_metrics,
+            user=args.user_metrics, after_crash=args.after_crash,
         )  # fmt: skip
         print(
             f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = {e2e['points_per_s']:>13,.0f} points/s "
