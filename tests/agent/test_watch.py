@@ -104,7 +104,11 @@ def test_watch_counts_flops_once_then_reports_mfu_on_a_measured_cpu_peak() -> No
         # earlier in it), else the CPU's, measured.
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         assert s["peak_source"].startswith("table: " if cuda else "measured: cpu")
-        assert 0 < s["mfu"] < 1.5
+        # MFU is the step's FLOPs over its time at the peak. Not bounded by 1 here: the
+        # CPU peak is measured once, and a test run on two busy cores can measure it slow
+        # (a clean-clone CI run saw 2.57).
+        assert s["mfu"] > 0 and s["peak_flops"] > 0
+        assert s["mfu"] == pytest.approx(s["flops"] / (s["duration_s"] * s["peak_flops"]))
 
 
 def test_watch_times_forward_backward_and_optimizer() -> None:
