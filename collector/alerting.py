@@ -102,11 +102,12 @@ class EngineSettings:
     """A full pass may cost at most this share of one core (the engine thread's CPU):
     past that (16,384 ranks on a 2-core collector) passes are spaced out instead of
     taking time from ingest; ``trainwarden_alert_interval_seconds`` shows the interval."""
-    refresh_s: float = 30.0
+    refresh_s: float = 300.0
     """An open alert whose state is unchanged but whose value or description moved (a dead
     rank's silence grows on every pass) is written at most this often: a crashed run of
     16,384 ranks is 16,384 firing RankDead alerts, and rewriting them all on every pass
-    took a tenth of the collector's CPU. A change of state, step or GPU is written at once."""
+    took a tenth of the collector's CPU (every 30 s still left PostgreSQL 550 dead row
+    versions a second to vacuum). A change of state, step or GPU is written at once."""
     silent_run_s: float = 60.0
     """A running run none of whose ranks has been heard from for this long (a crashed job:
     its RankDead alerts fired a minute ago) is evaluated every ``silent_every_s`` instead
