@@ -90,13 +90,15 @@ def end_to_end(
             crashed = run_loadgen(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
                                   duration_s=CRASH_RUN_S, run=f"{run}-crashed", user_metrics=user)  # fmt: skip
             time.sleep(CRASH_WAIT_S)
-            with make_engine(db_url).connect() as conn:
+            engine = make_engine(db_url)
+            with engine.connect() as conn:
                 states = dict(conn.execute(text(
                     "SELECT k.state, count(*) FROM ranks k JOIN runs r ON r.id = k.run_id "
                     "WHERE r.name = :n GROUP BY 1"), {"n": f"{run}-crashed"}).all())  # fmt: skip
                 firing = conn.execute(text(
                     "SELECT count(*) FROM alerts a JOIN runs r ON r.id = a.run_id "
                     "WHERE r.name = :n AND a.state = 'firing'"), {"n": f"{run}-crashed"}).scalar()  # fmt: skip
+            engine.dispose()
             print(f"    crashed run: {crashed.rows:,} rows in {CRASH_RUN_S:.0f} s, then silent for {CRASH_WAIT_S:.0f} s: "
                   f"its ranks {states}, {firing:,} alerts firing")  # fmt: skip
         nodes = -(-ranks // ranks_per_node)
