@@ -206,3 +206,46 @@ def test_a_cuda_graph_captured_and_replayed_inside_steps() -> None:
     assert [s["step"] for s in steps] == [0, 1, 2, 3]
     assert all(s["duration_s"] > 0 and "step_time" not in s.get("issues", {}) for s in steps)
     assert all(s["loss"] is not None for s in steps[1:])
+
+
+def test_manual_phases_are_timed_on_the_gpus_clock() -> None:
+    """``s.phase()`` marks go on the GPU's clock (f9fca17): while the host only queues the
+    matmuls, each phase's time is the GPU's, as CUDA events beside the marks measure it."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()  # cuBLAS up
+    transport = RecordingTransport()
+    tw.init(run="gpu-phases", transport=transport, profile_every=0)
+    events: dict[int, list[torch.cuda.Event]] = {}
+    host: dict[int, float] = {}
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(8):
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            t0 = time.perf_counter()
+            with tw.step(i) as s:
+                ev[0].record()
+                s.phase("forward")
+                for _ in range(4):
+                    a @ a
+                ev[1].record()
+                s.phase("backward")
+                for _ in range(8):
+                    a @ a
+                ev[2].record()
+            host[i] = time.perf_counter() - t0
+            events[i] = ev
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    tw.shutdown()
+    steps = transport.steps()
+    assert [s["step"] for s in steps] == list(range(8))
+    for s in steps[1:]:
+        ev = events[s["step"]]
+        fwd, bwd = ev[0].elapsed_time(ev[1]) / 1000, ev[1].elapsed_time(ev[2]) / 1000
+        print(f"step {s['step']}: fwd agent {s['fwd_s'] * 1000:.2f} / GPU {fwd * 1000:.2f} ms, "
+              f"bwd {s['bwd_s'] * 1000:.2f} / {bwd * 1000:.2f} ms, host {host[s['step']] * 1000:.2f} ms")  # fmt: skip
+        assert s["fwd_s"] == pytest.approx(fwd, rel=0.05, abs=2e-4), s
+        assert s["bwd_s"] == pytest.approx(bwd, rel=0.05, abs=2e-4), s
+    # The host only queued the work: its own time for a step is far below the GPU's.
+    assert min(host.values()) < 0.5 * min(s["duration_s"] for s in steps[1:]), host
