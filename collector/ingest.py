@@ -471,12 +471,20 @@ def _write_steps(
         for i, (run_id, rank, step) in enumerate(zip(cols["run_id"], cols["rank"], cols["step"], strict=True))
         if (last := last_steps.get((run_id, rank))) is not None and step <= last
     ]  # fmt: skip
-    if not again and cols["step"]:
+    copied: dict[str, list[Any]] | None = None
+    if len(again) < len(cols["step"]):
         # A rank's last step goes back with a rollback, so steps past it may be stored
-        # already: on PostgreSQL the COPY of new steps finds out (and then every row is
-        # looked at); SQLite (small runs) looks every time.
-        if not is_sqlite(conn) and _insert_new(conn, table, cols):
-            return cols
+        # already (this rank's next steps run again, in a flush with another rank's
+        # first): on PostgreSQL the COPY of those rows finds out, and then every row is
+        # looked at; SQLite (small runs) looks every time.
+        fresh = cols
+        if again:
+            looked = set(again)
+            fresh = _take(cols, [i for i in range(len(cols["step"])) if i not in looked])
+        if not is_sqlite(conn) and _insert_new(conn, table, fresh):
+            if not again:
+                return cols
+            copied, cols = fresh, _take(cols, again)
         again = list(range(len(cols["step"])))
     if again:
         keys = {(cols["run_id"][i], cols["rank"][i], cols["step"][i]): i for i in again}
@@ -512,6 +520,8 @@ def _write_steps(
         if stale:
             cols = _take(cols, [i for i in range(len(cols["step"])) if i not in stale])
     upsert_columns(conn, table, cols, key=_STEP_KEY, set_=_overwrite_step, where=_later_execution)
+    if copied is not None:
+        return {name: copied[name] + values for name, values in cols.items()}
     return cols
 
 
