@@ -138,11 +138,13 @@ def _track_ranks(
     whatever their number; a rank back with a new process session gets a ``restart``
     event. ``heads``: the ranks' headers column-wise (AgentInfo's fields, one row a
     rank), with ``top`` (each rank's highest step in the flush) and ``arrived`` (when its
-    request came in). Returns each known rank's ``last_step`` before this flush."""
+    request came in). Returns each known rank's highest step stored before this flush
+    (its ``high_step``: ``last_step`` goes back with a rollback, the high step does not)."""
     rk = m.ranks.c
     ranks, sessions, arrived = heads["rank"], heads["session"], heads["arrived"]
     found = fetch_rows(conn,
-        select(rk.rank, rk.session, rk.last_step, rk.last_seen, rk.progress_at).where(
+        select(rk.rank, rk.session, rk.last_step, rk.last_seen, rk.progress_at,
+               func.coalesce(rk.high_step, rk.last_step)).where(
             rk.run_id == run_id, _one_of(conn, rk.rank, ranks)
         )
     )  # fmt: skip
@@ -154,8 +156,8 @@ def _track_ranks(
     # behind another). It adds its steps but changes nothing of the rank (the upsert's
     # WHERE), and an old process's late request is no restart.
     restarts: list[tuple[int, str]] = []  # (row in heads, the previous session)
-    for rank, session, last_step, seen, _ in found:
-        previous[rank] = last_step
+    for rank, session, _, seen, _, high in found:
+        previous[rank] = high
         i = at[rank]
         if session != sessions[i] and arrived[i] >= seen:
             restarts.append((i, session))
@@ -163,7 +165,7 @@ def _track_ranks(
         restarts.sort(key=lambda pair: ranks[pair[0]])  # rank order, as the evaluator locks
         back = {ranks[i] for i, _ in restarts}
         attempts.record_lost(
-            conn, [dict(zip(_FOUND, row, strict=True)) for row in found if row[0] in back]
+            conn, [dict(zip(_FOUND, row[:5], strict=True)) for row in found if row[0] in back]
         )
         conn.execute(
             _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
@@ -194,7 +196,8 @@ def _track_ranks(
         # Every request is a heartbeat, seen when it arrived (not when the writer got
         # to it: a busy collector must not make its ranks look dead).
         "first_seen": arrived, "last_seen": arrived,
-        "last_step": last_steps, "state": ["healthy"] * n, "state_since": [now] * n,
+        "last_step": last_steps, "high_step": last_steps,
+        "state": ["healthy"] * n, "state_since": [now] * n,
         "heartbeat_s": heads["heartbeat_s"],
         "progress_at": heads["last_step_end"],  # none before the first step: no hung verdict yet
         "in_step": in_step if in_step.count(None) == n else [None if v is None else int(v) for v in in_step],
@@ -226,6 +229,12 @@ def _newer_heartbeat(table: Any, new: Any) -> Any:
     return table.c.last_seen <= new.last_seen
 
 
+def _higher(a: Any, b: Any) -> Any:
+    """The higher of two values, either of which may be NULL (GREATEST on both databases:
+    SQLite's two-argument max() is NULL when either is)."""
+    return case((a.is_(None), b), (b.is_(None), a), (a >= b, a), else_=b)
+
+
 def _rank_update(table: Any, new: Any) -> dict[str, Any]:
     """How a heartbeat updates a known rank: ``new`` is the incoming row (EXCLUDED)."""
     old = table.c
@@ -236,6 +245,7 @@ def _rank_update(table: Any, new: Any) -> dict[str, Any]:
         **{c: new[c] for c in ("local_rank", "host", "node", "pid", "last_seen", "heartbeat_s",
                                "in_step", "phase", "clock_skew_s", "session")},
         "last_step": func.coalesce(new.last_step, old.last_step),
+        "high_step": _higher(func.coalesce(old.high_step, old.last_step), new.high_step),
         "progress_at": func.coalesce(new.progress_at, old.progress_at),
         "state": case((renewed, "healthy"), else_=old.state),
         "state_since": case((renewed, new.state_since), else_=old.state_since),
@@ -459,24 +469,24 @@ def _overwrite_step(table: Any, new: Any) -> dict[str, Any]:
 
 
 def _write_steps(
-    conn: Connection, cols: dict[str, list[Any]], last_steps: dict[tuple[int, int], int | None]
+    conn: Connection, cols: dict[str, list[Any]], high_steps: dict[tuple[int, int], int | None]
 ) -> dict[str, list[Any]]:
     """Store step rows, given column-wise; return those stored (a stale re-delivery is not)."""
     table, c = m.rank_steps, m.rank_steps.c
-    # A step at or before its rank's last known step may exist already under another
-    # day (run again after a rollback, or an old execution re-delivered late): of all
-    # executions of a (run, rank, step) only the latest is kept.
+    # A step at or before its rank's highest stored step may exist already, under another
+    # day too (run again after a rollback or a restart, or an old execution re-delivered
+    # late): of all executions of a (run, rank, step) only the latest is kept.
     again = [
         i
         for i, (run_id, rank, step) in enumerate(zip(cols["run_id"], cols["rank"], cols["step"], strict=True))
-        if (last := last_steps.get((run_id, rank))) is not None and step <= last
+        if (high := high_steps.get((run_id, rank))) is not None and step <= high
     ]  # fmt: skip
     copied: dict[str, list[Any]] | None = None
     if len(again) < len(cols["step"]):
-        # A rank's last step goes back with a rollback, so steps past it may be stored
-        # already (this rank's next steps run again, in a flush with another rank's
-        # first): on PostgreSQL the COPY of those rows finds out, and then every row is
-        # looked at; SQLite (small runs) looks every time.
+        # Steps past it are new, but for what the high step cannot know (a rank's row
+        # written by a request that committed late, with several collectors): on
+        # PostgreSQL the COPY of those rows finds out, and then every row is looked at;
+        # SQLite (small runs) looks every time.
         fresh = cols
         if again:
             looked = set(again)
@@ -661,10 +671,10 @@ def store_many(
             heads[name] += req.heads[name]
         heads["top"] += req.top
         heads["arrived"] += [at] * len(req.top)
-    last_steps: dict[tuple[int, int], int | None] = {}
+    high_steps: dict[tuple[int, int], int | None] = {}
     for run_id in sorted(by_run):
         known = _track_ranks(conn, run_id=run_id, heads=_newest(by_run[run_id]), now=now)
-        last_steps.update({(run_id, rank): last for rank, last in known.items()})
+        high_steps.update({(run_id, rank): high for rank, high in known.items()})
 
     # Steps, column-wise (no object a row): the same step twice in one flush (a replay
     # inside it, or a rollback's second execution queued behind its first): the later
@@ -693,7 +703,7 @@ def store_many(
                 {**{name: merged[name][i] for name in _REPLACED_COLUMNS}, "replaced_at": now}
                 for i in earlier])  # fmt: skip
         merged = _take(merged, keep)
-    stored = _write_steps(conn, merged, last_steps)
+    stored = _write_steps(conn, merged, high_steps)
     _queue_rollups(conn, Counter(zip(stored["run_id"], stored["step"], strict=True)), now)
 
     accepted_events = _store_events(conn, requests, run_ids, now)

@@ -60,6 +60,9 @@ ranks = Table(
     Column("first_seen", Float, nullable=False),
     Column("last_seen", Float, nullable=False),
     Column("last_step", BigInteger),
+    # The highest step ever stored for the rank (last_step goes back with a rollback or
+    # a restart): steps up to it may be stored already, under another day's partition too.
+    Column("high_step", BigInteger),
     Column("state", String(16), nullable=False, server_default="running"),
     # Health (migration 0003): heartbeats, progress and the state the evaluator derives.
     Column("heartbeat_s", Float),

@@ -309,3 +309,37 @@ def test_a_rollbacks_later_steps_in_a_flush_with_another_ranks_replay_are_kept_a
     assert [tuple(x) for x in replaced] == [
         (0, 1, 9.0), (0, 2, 9.0), (1, 1, 9.0), (1, 2, 9.0), (1, 3, 9.0), (1, 4, 9.0)
     ]  # fmt: skip
+
+
+def test_steps_run_again_after_midnight_replace_those_of_the_day_before(engine) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    # rank_steps is partitioned by day, so a step run again on the next day (a rollback
+    # across midnight UTC) has a key of its own: no unique violation tells the COPY of new
+    # steps that it was stored already. Every step up to the rank's highest ever stored
+    # is looked up, whatever its last step says now.
+    from trainwarden.collector import ingest
+    from trainwarden.collector.db import write
+
+    midnight = 1_700_006_400.0  # 2023-11-15 00:00 UTC: day_of changes here
+
+    def request(steps: range, *, t0: float, loss: float) -> IngestBatch:
+        return IngestBatch.model_validate(batch(run="w", rank=0, world_size=1, steps=[
+            {**step(s, loss=loss), "ts": t0 + s} for s in steps]))  # fmt: skip
+
+    with write(engine) as conn:  # steps 0-5 just before midnight
+        ingest.store_many(conn, [request(range(6), t0=midnight - 10, loss=9.0)], now=10.0)
+    for steps in (range(1, 3), range(3, 5)):  # rolled back to 0: run again after it
+        with write(engine) as conn:
+            ingest.store_many(conn, [request(steps, t0=midnight + 60, loss=1.0)], now=20.0)
+    with engine.connect() as conn:
+        c, r = m.rank_steps.c, m.replaced_steps.c
+        stored = conn.execute(select(c.step, c.loss).order_by(c.step, c.day)).all()
+        replaced = conn.execute(select(r.step, r.loss).order_by(r.step)).all()
+    assert [tuple(x) for x in stored] == [
+        (0, 9.0),
+        (1, 1.0),
+        (2, 1.0),
+        (3, 1.0),
+        (4, 1.0),
+        (5, 9.0),
+    ]
+    assert [tuple(x) for x in replaced] == [(s, 9.0) for s in range(1, 5)]
