@@ -23,6 +23,7 @@ posts each incident's report when it closes (``collector/postmortem.py``).
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -78,7 +79,16 @@ def _member(kind: str, column: Any) -> Any:
 
 
 def _scope(values: Iterable[Any], add: Iterable[Any]) -> list[Any]:
-    return sorted({*values, *(v for v in add if v is not None)}, key=str)
+    """Ranks and nodes joined, in number order: 2 before 10, node2 before node10."""
+    return sorted({*values, *(v for v in add if v is not None)}, key=_natural)
+
+
+def _natural(value: Any) -> tuple[Any, ...]:
+    if isinstance(value, int):
+        return (0, value)
+    # Split into text and numbers: even places are text, odd places numbers.
+    parts = re.split(r"(\d+)", str(value))
+    return (1, *(int(p) if i % 2 else p for i, p in enumerate(parts)))
 
 
 # -- the engine's pass --------------------------------------------------------------
