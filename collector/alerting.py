@@ -713,6 +713,7 @@ class AlertEngine:
                     labels = _labels(rule, run.name, v)
                     seen[fingerprint(rule.name, labels)] = (rule, v, labels, run, snap)
         run_steps = {run.id: run.last_step for run in runs}
+        writes = _Writes()
         # Alerts the pass speaks for: those found active, and the open ones whose rule
         # was evaluated (or no longer exists, or whose run is no longer watched).
         for fp, row in open_rows.items():
@@ -721,8 +722,9 @@ class AlertEngine:
             rule_ = self.rules.get(row.rule)
             if rule_ is not None and row.rule not in evaluated and row.run_id in run_steps:
                 continue  # a fast pass: this rule waits for the next full one
-            result.changed += self._advance_stored(conn, row, rule_, now, run_steps.get(row.run_id))
-        writes = _Writes()
+            result.changed += self._advance_stored(
+                writes, row, rule_, now, run_steps.get(row.run_id)
+            )
         for fp, (rule, v, labels, run, snap) in seen.items():
             result.changed += self._advance_active(writes, fp, open_rows.get(fp), rule, v, labels, run, snap, now)  # fmt: skip
         writes.flush(conn)
@@ -774,7 +776,7 @@ class AlertEngine:
         writes.updates.append({"b_id": row.id, "updated_at": now, **fields})
         return int(new is not alert)
 
-    def _advance_stored(self, conn: Connection, row: Any, rule: Rule | None, now: float, step: int | None) -> int:  # fmt: skip
+    def _advance_stored(self, writes: _Writes, row: Any, rule: Rule | None, now: float, step: int | None) -> int:  # fmt: skip
         alert = _alert_of(row)
         if rule is None:  # the rule was removed from the pack: nothing to wait for
             new = advance(alert, active=False, now=now, step=step, for_=ZERO, keep_firing_for=ZERO)
@@ -784,11 +786,11 @@ class AlertEngine:
         if new is alert:
             return 0
         if new.state == "inactive":  # pending that never fired: forgotten
-            conn.execute(delete(m.alerts).where(m.alerts.c.id == row.id))
+            writes.deletes.append(row.id)
             return 1
-        conn.execute(update(m.alerts).where(m.alerts.c.id == row.id).values(
-            state=new.state, cleared_at=new.cleared_at, cleared_at_step=new.cleared_at_step,
-            resolved_at=new.resolved_at, updated_at=now))  # fmt: skip
+        writes.updates.append(dict(
+            b_id=row.id, state=new.state, cleared_at=new.cleared_at,
+            cleared_at_step=new.cleared_at_step, resolved_at=new.resolved_at, updated_at=now))  # fmt: skip
         return 1
 
     # -- silences, inhibition, notifications ---------------------------------------------
@@ -847,10 +849,12 @@ class AlertEngine:
         for members in sets.values():
             notes += self._storm(members, now)
         sent = 0
+        writes = _Writes()
         for entry in entries:
             if entry.changes:
-                conn.execute(update(m.alerts).where(a.id == entry.row.id).values(**entry.changes))
+                writes.updates.append({"b_id": entry.row.id, **entry.changes})
                 sent += "notified" in entry.changes
+        writes.flush(conn)
         return sent
 
     def _storm(self, entries: list[_Entry], now: float) -> list[Any]:
@@ -960,26 +964,32 @@ class AlertEngine:
 
 
 class _Writes:
-    """A pass's new and changed alerts, written in one statement each (an executemany): a
-    job that dies whole brings thousands of RankDead alerts at once."""
+    """A pass's new, changed and forgotten alerts, written in one statement for each kind
+    of change (an executemany): a job that dies whole brings thousands of RankDead alerts
+    at once, and when it comes back they all resolve at once."""
 
     def __init__(self) -> None:
         self.inserts: list[dict[str, Any]] = []
-        self.updates: list[dict[str, Any]] = []
+        self.updates: list[dict[str, Any]] = []  # each: b_id (the alert's id) and its new values
+        self.deletes: list[int] = []
 
     def flush(self, conn: Connection) -> None:
         if self.inserts:
             conn.execute(insert(m.alerts), self.inserts)
-        if self.updates:
-            a = m.alerts.c
-            names = [k for k in self.updates[0] if k != "b_id"]
+        a = m.alerts.c
+        alike: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for u in self.updates:
+            alike.setdefault(tuple(sorted(k for k in u if k != "b_id")), []).append(u)
+        for names, rows in alike.items():
             conn.execute(
                 update(m.alerts)
                 .where(a.id == bindparam("b_id"))
                 .values({k: bindparam(f"b_{k}", type_=a[k].type) for k in names}),
-                [{"b_id": u["b_id"], **{f"b_{k}": u[k] for k in names}} for u in self.updates],
+                [{"b_id": u["b_id"], **{f"b_{k}": u[k] for k in names}} for u in rows],
             )
-        self.inserts, self.updates = [], []
+        for i in range(0, len(self.deletes), 1000):  # SQLite caps a statement's parameters
+            conn.execute(delete(m.alerts).where(a.id.in_(self.deletes[i : i + 1000])))
+        self.inserts, self.updates, self.deletes = [], [], []
 
 
 def _num(value: float | None) -> float | None:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import event as sa_event
 from sqlalchemy import insert, select, update
 
 from trainwarden.alerts import Attempt, load_rule_packs, parse_rule
@@ -522,6 +523,33 @@ def test_a_firing_alert_whose_value_alone_moves_is_rewritten_every_refresh_s(eng
         send(engine, rank=rank, world=world, at=T0 + 41, steps=[step(1)])
     back = {r["rank"]: r for r in alerts.run(T0 + 41)}
     assert [back[r]["state"] for r in range(world)] == ["resolved"] * 4 + ["firing"] * 4
+
+
+def test_a_whole_job_back_resolves_its_alerts_in_one_statement(engine) -> None:
+    """Every rank of a dead job back at once (the job restarted): its RankDead alerts all
+    resolve in one pass, written by one UPDATE for the resolve and one for the resolved
+    notification, not two a rank (16,384 ranks at a restart)."""
+    alerts = Engine(engine, "RankDead")
+    world = 40
+    for rank in range(world):
+        send(engine, rank=rank, world=world, at=T0, steps=[step(0)])
+    assert {r["state"] for r in alerts.run(T0 + 10)} == {"firing"}
+    for rank in range(world):
+        send(engine, rank=rank, world=world, at=T0 + 11, steps=[step(1)])
+    written: list[str] = []
+
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+        if statement.lstrip().upper().startswith(("UPDATE ALERTS", "DELETE FROM ALERTS")):
+            written.append(statement)
+
+    sa_event.listen(engine, "before_cursor_execute", count)
+    try:
+        rows = alerts.run(T0 + 11)
+    finally:
+        sa_event.remove(engine, "before_cursor_execute", count)
+    assert [r["state"] for r in rows] == ["resolved"] * world
+    assert len(written) == 2, written
+    assert "resolved_at" in written[0] and "notified" in written[1], written
 
 
 def test_a_run_silent_for_a_minute_is_evaluated_every_silent_every_s(engine) -> None:
