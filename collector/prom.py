@@ -6,6 +6,7 @@ two apps in one process never share counters.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,6 +16,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import Engine, func, select
 
 from . import models as m
+from .queries import LOST_AFTER_S
 
 
 class CollectorMetrics:
@@ -131,9 +133,20 @@ class _RunsCollector(Collector):
         s, q = m.step_stats.c, m.rollup_queue.c
         try:
             with self._engine.connect() as conn:
-                for status, count in conn.execute(
-                    select(m.runs.c.status, func.count()).group_by(m.runs.c.status)
-                ):
+                by_status: dict[str, int] = dict(
+                    conn.execute(
+                        select(m.runs.c.status, func.count()).group_by(m.runs.c.status)
+                    ).all()
+                )
+                if by_status.get("running"):  # running, but not heard from: lost (as shown)
+                    lost = conn.execute(select(func.count()).where(
+                        m.runs.c.status == "running",
+                        m.runs.c.updated_at < time.time() - LOST_AFTER_S,
+                    )).scalar_one()  # fmt: skip
+                    if lost:
+                        by_status["running"] -= lost
+                        by_status["lost"] = lost
+                for status, count in by_status.items():
                     f["runs"].add_metric([status], count)
                 running = conn.execute(
                     select(m.runs.c.id, m.runs.c.name).where(m.runs.c.status == "running")

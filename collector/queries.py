@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from functools import partial
 from typing import Any
 
@@ -62,12 +63,39 @@ def _run_columns() -> list:  # type: ignore[type-arg]
     ]  # fmt: skip
 
 
+# A run that is running by its ranks' word (none said goodbye) but from which no rank
+# has been heard for this long is shown as "lost": every process gone at once (a crash,
+# a node or the network down). It is running again as soon as any rank is heard from.
+LOST_AFTER_S = 300.0
+
+
+RUN_STATUS_HELP = {
+    "running": "ranks are reporting",
+    "finished": "every rank said goodbye",
+    "failed": "every rank said goodbye, and one or more failed",
+    "lost": "no rank heard from for 5 minutes and none said goodbye: the job died or its "
+            "network is down (running again when a rank reports)",
+}  # fmt: skip
+
+
+def run_status(status: str, updated_at: float | None, now: float) -> str:
+    """A run's status as shown: the stored one, or ``lost`` (see :data:`LOST_AFTER_S`)."""
+    if status == "running" and updated_at is not None and now - updated_at > LOST_AFTER_S:
+        return "lost"
+    return status
+
+
+def _shown(row: Any, now: float) -> dict[str, Any]:
+    return {**row, "status": run_status(row["status"], row["updated_at"], now)}
+
+
 def list_runs(conn: Connection, *, limit: int = 200) -> list[RunSummary]:
     """Runs, most recently updated first."""
     rows = conn.execute(
         select(*_run_columns()).order_by(m.runs.c.updated_at.desc()).limit(limit)
     ).mappings()
-    return [RunSummary.model_validate(dict(row)) for row in rows]
+    now = time.time()
+    return [RunSummary.model_validate(_shown(row, now)) for row in rows]
 
 
 def _run_row(conn: Connection, name: str) -> Any:
@@ -89,7 +117,7 @@ def run_id_of(conn: Connection, name: str) -> int:
 def get_run(conn: Connection, *, run: str) -> RunDetail:
     row = _run_row(conn, run)
     return RunDetail(
-        **dict(row),
+        **_shown(row, time.time()),
         ranks=list_ranks(conn, run_id=row["id"]),
         metrics=[*METRICS, *user_metrics.names(conn, run_id=row["id"])],
     )

@@ -17,6 +17,8 @@ from urllib.parse import quote, unquote
 import dash
 from dash import Input, Output, State, dcc, html
 
+from trainwarden.collector.queries import RUN_STATUS_HELP
+
 from . import alerts_page, hardware_page, overview, ranks_page, run_info_page, timeline_page
 from .client import Client
 from .components import ago, notice
@@ -68,7 +70,13 @@ def runs_table(client: Client) -> Any:
         html.Tr(
             [
                 html.Td(dcc.Link(r.name, href=f"/runs/{r.name}", className="run-link")),
-                html.Td(html.Span(r.status, className=f"status status-{r.status}")),
+                html.Td(
+                    html.Span(
+                        r.status,
+                        className=f"status status-{r.status}",
+                        title=RUN_STATUS_HELP.get(r.status, ""),
+                    )
+                ),  # fmt: skip
                 html.Td(
                     dcc.Link(
                         str(firing[r.name]),

@@ -24,7 +24,7 @@ from urllib.parse import parse_qs, quote, urlencode
 import dash
 from dash import Input, Output, State, dcc, html
 
-from trainwarden.collector.queries import NotFound
+from trainwarden.collector.queries import RUN_STATUS_HELP, NotFound
 
 from . import alerts, figures
 from .client import Client
@@ -343,7 +343,14 @@ def ranks_panel(run: Any, gpu: list[Any], events: list[Any]) -> html.Div:
 
 def run_header(run: Any) -> Any:
     facts = [
-        ("status", html.Span(run.status, className=f"status status-{run.status}")),
+        (
+            "status",
+            html.Span(
+                run.status,
+                className=f"status status-{run.status}",
+                title=RUN_STATUS_HELP.get(run.status, ""),
+            ),
+        ),  # fmt: skip
         ("ranks", f"{run.ranks_seen} / {run.world_size}"),
         ("step", "—" if run.last_step is None else str(run.last_step)),
         ("updated", ago(run.updated_at)),

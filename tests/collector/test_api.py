@@ -53,6 +53,37 @@ def test_both_ranks_steps_roll_up_per_step(client: TestClient) -> None:
     assert throughput["total"] == pytest.approx([200 / 0.30, 200 / 0.12])
 
 
+def test_a_run_not_heard_from_for_five_minutes_is_lost_until_a_rank_reports(client: TestClient) -> None:  # fmt: skip
+    from sqlalchemy import update
+
+    from trainwarden.collector import ingest as ingest_module
+    from trainwarden.collector import models as m
+    from trainwarden.collector.db import write
+    from trainwarden.collector.queries import LOST_AFTER_S
+
+    for rank in (0, 1):
+        ingest(client, batch(rank=rank, steps=[step(0)]))
+
+    def shown() -> tuple[str, str, str]:
+        (listed,) = client.get("/api/v1/runs").json()
+        metrics = client.get("/metrics").text
+        gauge = next(line for line in metrics.splitlines() if line.startswith("trainwarden_runs{"))
+        return listed["status"], client.get("/api/v1/runs/r1").json()["status"], gauge
+
+    assert shown() == ("running", "running", 'trainwarden_runs{status="running"} 1.0')
+    silent_since = time.time() - LOST_AFTER_S - 5  # every rank silent since: the job died
+    with write(client.app.state.engine) as conn:
+        conn.execute(update(m.ranks).values(last_seen=silent_since))
+        conn.execute(update(m.runs).values(updated_at=silent_since))
+    assert shown()[:2] == ("lost", "lost")
+    assert 'trainwarden_runs{status="lost"} 1.0' in client.get("/metrics").text
+    # One rank reports again. (The run row is written at most once a second by this
+    # process, which last wrote it a moment ago: the test moved its time back since.)
+    ingest_module._run_touched.clear()
+    ingest(client, batch(rank=1, steps=[step(1)]))
+    assert shown() == ("running", "running", 'trainwarden_runs{status="running"} 1.0')
+
+
 def test_run_detail_lists_ranks_and_status(client: TestClient) -> None:
     ingest(client, batch(rank=0, steps=[step(0)]))
     run = client.get("/api/v1/runs/r1").json()
