@@ -714,6 +714,8 @@ class AlertEngine:
                     seen[fingerprint(rule.name, labels)] = (rule, v, labels, run, snap)
         run_steps = {run.id: run.last_step for run in runs}
         writes = _Writes()
+        healed = _healed(conn, [row for fp, row in open_rows.items()
+                                if fp not in seen and row.state == "firing"])  # fmt: skip
         # Alerts the pass speaks for: those found active, and the open ones whose rule
         # was evaluated (or no longer exists, or whose run is no longer watched).
         for fp, row in open_rows.items():
@@ -723,7 +725,7 @@ class AlertEngine:
             if rule_ is not None and row.rule not in evaluated and row.run_id in run_steps:
                 continue  # a fast pass: this rule waits for the next full one
             result.changed += self._advance_stored(
-                writes, row, rule_, now, run_steps.get(row.run_id)
+                writes, row, rule_, now, run_steps.get(row.run_id), healed=row.id in healed
             )
         for fp, (rule, v, labels, run, snap) in seen.items():
             result.changed += self._advance_active(writes, fp, open_rows.get(fp), rule, v, labels, run, snap, now)  # fmt: skip
@@ -776,9 +778,15 @@ class AlertEngine:
         writes.updates.append({"b_id": row.id, "updated_at": now, **fields})
         return int(new is not alert)
 
-    def _advance_stored(self, writes: _Writes, row: Any, rule: Rule | None, now: float, step: int | None) -> int:  # fmt: skip
+    def _advance_stored(self, writes: _Writes, row: Any, rule: Rule | None, now: float,
+                        step: int | None, *, healed: bool = False) -> int:  # fmt: skip
+        """An open alert whose condition this pass did not find. ``healed``: its own
+        action (a rollback, an eviction) was carried out in this episode, so it resolves
+        once its condition has cleared, without waiting out ``keep_firing_for`` (a hold
+        against flapping, and for an instant event to stay in view: the action dealt with
+        it, and the resolve tells on-call so)."""
         alert = _alert_of(row)
-        if rule is None:  # the rule was removed from the pack: nothing to wait for
+        if rule is None or healed:  # a rule removed from the pack: nothing to wait for
             new = advance(alert, active=False, now=now, step=step, for_=ZERO, keep_firing_for=ZERO)
         else:
             new = advance(alert, active=False, now=now, step=step, for_=rule.for_,
@@ -990,6 +998,26 @@ class _Writes:
         for i in range(0, len(self.deletes), 1000):  # SQLite caps a statement's parameters
             conn.execute(delete(m.alerts).where(a.id.in_(self.deletes[i : i + 1000])))
         self.inserts, self.updates, self.deletes = [], [], []
+
+
+def _healed(conn: Connection, firing: list[Any]) -> set[int]:
+    """The ids of the ``firing`` alerts whose own action is done (not a dry run) in their
+    current episode (created since the alert fired)."""
+    if not firing:
+        return set()
+    fired = {row.id: row.fired_at for row in firing}
+    ac = m.actions.c
+    ids = list(fired)
+    done = [
+        found
+        for i in range(0, len(ids), 1000)  # SQLite caps a statement's parameters
+        for found in conn.execute(
+            select(ac.alert_id, ac.created_at).where(
+                ac.alert_id.in_(ids[i : i + 1000]), ac.state == "done", ac.mode != "dry-run"
+            )
+        )
+    ]
+    return {alert_id for alert_id, created in done if created >= (fired[alert_id] or 0.0)}
 
 
 def _num(value: float | None) -> float | None:

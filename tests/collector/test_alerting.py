@@ -103,6 +103,35 @@ def test_fatal_xid_fires_at_once_pages_once_and_resolves_after_keep_firing_for(e
     assert alerts.sent[1].ends_at == T0 + 3700
 
 
+def test_an_alert_whose_own_action_is_done_resolves_without_keep_firing_for(engine) -> None:
+    # FatalXid keeps firing for an hour after its instant (the test above). Once its own
+    # eviction is done (not a dry run) in this episode, it resolves when it clears: the
+    # action dealt with it, and on-call is told so.
+    alerts = Engine(engine, "FatalXid")
+    for rank in (0, 1):
+        send(engine, rank=rank, at=T0, steps=[step(1)])
+    send(engine, rank=1, at=T0 + 2, events=[xid(79, T0 + 2, "x1")])
+    (row,) = alerts.run(T0 + 2.5)
+    assert row["state"] == "firing"
+
+    def action(mode: str, state: str, at: float) -> None:
+        with write(engine) as conn:
+            conn.execute(insert(m.actions).values(
+                run_id=row["run_id"], kind="evict", state=state, mode=mode,
+                trigger="rule:FatalXid", alert_id=row["id"], node="node0", history=[],
+                created_at=at, updated_at=at, finished_at=at))  # fmt: skip
+
+    action("dry-run", "done", T0 + 3)  # a dry run did nothing: the hold stays
+    action("auto", "failed", T0 + 4)  # nor did a failed one
+    action("auto", "done", T0 - 100)  # an earlier episode's
+    (row,) = alerts.run(T0 + 20)
+    assert row["state"] == "firing" and row["cleared_at"] == T0 + 20
+    action("auto", "done", T0 + 21)
+    (row,) = alerts.run(T0 + 22)
+    assert (row["state"], row["resolved_at"]) == ("resolved", T0 + 22)
+    assert [n.status for n in alerts.sent] == ["firing", "resolved"]
+
+
 def test_an_alert_names_its_ranks_gpu_or_else_its_local_rank(engine) -> None:
     alerts = Engine(engine, "FatalXid")
     for rank in (0, 1):
