@@ -124,6 +124,34 @@ def _replaced(traces: list[dict[str, Any]], data: Overview, metric: str, row: in
     ))  # fmt: skip
 
 
+def _scale_to_live(layout: dict[str, Any], row: int, data: Overview, metric: str) -> None:
+    """Keep a row's y-axis on the run as it is when the replaced executions would squash
+    it: a rolled-back 1000x spike made a loss of 2 a flat line at the bottom of a 0-300
+    axis, and on-call could not see that the loss was back on its trend. The replaced
+    line then runs off the top, and a note gives its peak."""
+    r = data.replaced.get(metric)
+    s = data.series.get(metric)
+    if r is None or s is None:
+        return
+    peak = max((v for v in r.max if _ok(v)), default=None)
+    live = [v for v in (*s.min, *s.max) if _ok(v)]
+    if metric == "loss":
+        live += [v for line in data.ranks for v in line.value if _ok(v)]
+    if peak is None or not live:
+        return
+    lo, hi = min(live), max(live)
+    if peak - lo <= 2 * (hi - lo) + 1e-12 * abs(peak):  # the live data keeps half the row
+        return
+    pad = 0.1 * (hi - lo) or 0.1 * abs(hi) or 1.0
+    x, y = _axes(row)
+    layout[y.replace("y", "yaxis", 1)]["range"] = [lo - pad, hi + pad]
+    layout["annotations"].append({
+        "text": f"replaced (run again): peak {peak:.4g}, above this scale", "showarrow": False,
+        "xref": f"{x} domain", "yref": f"{y} domain", "x": 1, "y": 1, "xanchor": "right",
+        "yanchor": "top", "font": {"size": 11, "color": REPLACED_COLOR},
+    })  # fmt: skip
+
+
 def finite(values: Sequence[float | None]) -> list[float | None]:
     """``values`` with NaN and infinities as gaps (None): Plotly draws no point there."""
     return [v if v is not None and math.isfinite(v) else None for v in values]
@@ -432,12 +460,14 @@ def overview_figure(
         _spikes(traces, data, s["loss"], 4, axis=axis, label="loss spike",
                 flags=("loss_spike", "nonfinite_loss"))  # fmt: skip
         _replaced(traces, data, "loss", 4, axis=axis, label="loss")
+        _scale_to_live(layout, 4, data, "loss")
     drawn["grad_norm"] = _has(s, "grad_norm", "median")
     if drawn["grad_norm"]:
         _band(traces, s["grad_norm"], 5, axis=axis, color=COLORS["grad_norm"], label="grad norm")
         _spikes(traces, data, s["grad_norm"], 5, axis=axis, label="grad-norm spike",
                 flags=("grad_norm_spike", "nonfinite_grad_norm"))  # fmt: skip
         _replaced(traces, data, "grad_norm", 5, axis=axis, label="grad norm")
+        _scale_to_live(layout, 5, data, "grad_norm")
     drawn["breakdown"] = _breakdown(traces, s, 6, axis=axis)
     for row, name in enumerate(ROWS, start=1):
         if not drawn[name]:

@@ -8,6 +8,7 @@ import json
 import math
 
 import plotly.graph_objects as go
+import pytest
 
 from trainwarden.collector.schemas import EventOut, ReplacedSeries, Series
 from trainwarden.webui import overview, overview_figures
@@ -163,6 +164,18 @@ def test_steps_a_rollback_ran_again_keep_their_earlier_execution_in_sight() -> N
     assert "replaced (run again)" not in {t.name for t in traces(fig, 5)}  # no grad norm ones
     on_time = overview_figure(Overview(series=full(), replaced={"loss": loss}), axis="time")
     assert {t.name: t for t in traces(on_time, 4)}["replaced (run again)"].x[0] == dt.datetime.fromtimestamp(T0 + 4)  # fmt: skip
+    # The loss as it is now (0.5..2 across ranks) keeps the row: the 300 runs off its top,
+    # and a note gives the peak. The grad norm row, with nothing replaced, scales itself.
+    assert list(fig.layout.yaxis4.range) == pytest.approx([0.35, 2.15])
+    notes = [a.text for a in fig.layout.annotations if a.yref == "y4 domain"]
+    assert notes == ["replaced (run again): peak 300, above this scale"]
+    assert fig.layout.yaxis5.range is None
+    # A replaced execution within reach of the live values: one scale for all, no note.
+    near = ReplacedSeries(run="r", metric="loss", unit="", step=[4], ts=[T0 + 4], n=[4],
+                          min=[2.5], mean=[3.0], max=[3.5])  # fmt: skip
+    fig = overview_figure(Overview(series=full(), replaced={"loss": near}))
+    assert fig.layout.yaxis4.range is None
+    assert not [a for a in fig.layout.annotations if a.yref == "y4 domain"]
 
 
 def test_outlier_ranks_are_the_url_rank_then_spiky_ranks_then_a_usual_maximum() -> None:
