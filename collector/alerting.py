@@ -780,8 +780,8 @@ class AlertEngine:
 
     def _advance_stored(self, writes: _Writes, row: Any, rule: Rule | None, now: float,
                         step: int | None, *, healed: bool = False) -> int:  # fmt: skip
-        """An open alert whose condition this pass did not find. ``healed``: its own
-        action (a rollback, an eviction) was carried out in this episode, so it resolves
+        """An open alert whose condition this pass did not find. ``healed``: an action
+        carried out since it fired dealt with it (:func:`_healed`), so it resolves
         once its condition has cleared, without waiting out ``keep_firing_for`` (a hold
         against flapping, and for an instant event to stay in view: the action dealt with
         it, and the resolve tells on-call so)."""
@@ -1001,23 +1001,34 @@ class _Writes:
 
 
 def _healed(conn: Connection, firing: list[Any]) -> set[int]:
-    """The ids of the ``firing`` alerts whose own action is done (not a dry run) in their
-    current episode (created since the alert fired)."""
+    """The ids of the ``firing`` alerts that an action carried out since they fired (done,
+    not a dry run) dealt with: their own action, or, for a stability alert (the loss, the
+    grad norm), a rollback of their run, which threw away the steps they fired on."""
     if not firing:
         return set()
-    fired = {row.id: row.fired_at for row in firing}
+    fired = {row.id: row.fired_at or 0.0 for row in firing}
     ac = m.actions.c
+    carried_out = (ac.state == "done") & (ac.mode != "dry-run")
     ids = list(fired)
     done = [
         found
         for i in range(0, len(ids), 1000)  # SQLite caps a statement's parameters
         for found in conn.execute(
-            select(ac.alert_id, ac.created_at).where(
-                ac.alert_id.in_(ids[i : i + 1000]), ac.state == "done", ac.mode != "dry-run"
-            )
+            select(ac.alert_id, ac.created_at).where(ac.alert_id.in_(ids[i : i + 1000]), carried_out)
         )
-    ]
-    return {alert_id for alert_id, created in done if created >= (fired[alert_id] or 0.0)}
+    ]  # fmt: skip
+    healed = {alert_id for alert_id, created in done if created >= fired[alert_id]}
+    stability = [row for row in firing if (row.labels or {}).get("category") == "stability"]
+    if stability:
+        rolled_back = dict(conn.execute(
+            select(ac.run_id, func.max(ac.created_at))
+            .where(ac.run_id.in_(sorted({row.run_id for row in stability})), ac.kind == "rollback", carried_out)
+            .group_by(ac.run_id)
+        ).all())  # fmt: skip
+        healed |= {
+            row.id for row in stability if rolled_back.get(row.run_id, -1.0) >= fired[row.id]
+        }
+    return healed
 
 
 def _num(value: float | None) -> float | None:

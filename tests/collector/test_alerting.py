@@ -132,6 +132,32 @@ def test_an_alert_whose_own_action_is_done_resolves_without_keep_firing_for(engi
     assert [n.status for n in alerts.sent] == ["firing", "resolved"]
 
 
+def test_a_stability_alert_resolves_when_a_rollback_replaced_the_steps_it_fired_on(engine) -> None:
+    # GradNormSpikeBurst has no action of its own; a rollback (LossSpike's) that threw
+    # away its flagged steps deals with it too: it resolves as its condition clears.
+    alerts = Engine(engine, "GradNormSpikeBurst")
+
+    def steps(spiky: bool, t0: float) -> list[dict[str, Any]]:
+        return [{**step(n), "ts": t0 + n, **({"flags": ["grad_norm_spike"]} if spiky and n >= 3 else {})}
+                for n in range(10)]  # fmt: skip
+
+    for rank in (0, 1):
+        send(engine, rank=rank, at=T0 + 10, steps=steps(True, T0))
+    (row,) = alerts.run(T0 + 11)
+    assert row["state"] == "firing"
+    for rank in (0, 1):  # rolled back to step 2: 3-9 run again, without a spike
+        send(engine, rank=rank, at=T0 + 30, steps=steps(False, T0 + 20)[3:])
+    (row,) = alerts.run(T0 + 31)
+    assert (row["state"], row["cleared_at"]) == ("firing", T0 + 31)  # held: keep_firing_for 10m
+    with write(engine) as conn:
+        for mode, state in (("dry-run", "done"), ("auto", "done")):
+            conn.execute(insert(m.actions).values(
+                run_id=row["run_id"], kind="rollback", state=state, mode=mode,
+                trigger="rule:LossSpike", history=[], created_at=T0 + 25, updated_at=T0 + 30))  # fmt: skip
+    (row,) = alerts.run(T0 + 32)
+    assert (row["state"], row["resolved_at"]) == ("resolved", T0 + 32)
+
+
 def test_an_alert_names_its_ranks_gpu_or_else_its_local_rank(engine) -> None:
     alerts = Engine(engine, "FatalXid")
     for rank in (0, 1):
