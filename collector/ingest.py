@@ -31,7 +31,6 @@ from sqlalchemy import (
     case,
     delete,
     func,
-    insert,
     literal,
     null,
     or_,
@@ -549,8 +548,10 @@ def _keep_replaced(conn: Connection, keys: list[tuple[int, int, int, int]], *, n
         rows = select(*(c[name] for name in _REPLACED_COLUMNS), literal(now).label("replaced_at")).where(
             tuple_(c.run_id, c.rank, c.step, c.day).in_(chunk)
         )  # fmt: skip
-        conn.execute(
-            insert(m.replaced_steps).from_select([*_REPLACED_COLUMNS, "replaced_at"], rows)
+        conn.execute(  # another collector may have kept the same execution just now
+            _insert(conn, m.replaced_steps)
+            .from_select([*_REPLACED_COLUMNS, "replaced_at"], rows)
+            .on_conflict_do_nothing()
         )
 
 
@@ -696,10 +697,11 @@ def store_many(
                 latest[key] = i
         keep = sorted(latest.values())
         kept = set(keep)
-        earlier = [i for i in range(len(keys)) if i not in kept
-                   and merged["ts"][i] < merged["ts"][latest[keys[i]]]]  # fmt: skip
+        # Each earlier execution once, however often it was sent (a retried batch).
+        earlier = list({(keys[i], merged["ts"][i]): i for i in range(len(keys)) if i not in kept
+                        and merged["ts"][i] < merged["ts"][latest[keys[i]]]}.values())  # fmt: skip
         if earlier:
-            conn.execute(insert(m.replaced_steps), [
+            conn.execute(_insert(conn, m.replaced_steps).on_conflict_do_nothing(), [
                 {**{name: merged[name][i] for name in _REPLACED_COLUMNS}, "replaced_at": now}
                 for i in earlier])  # fmt: skip
         merged = _take(merged, keep)

@@ -155,6 +155,8 @@ replaced_steps = Table(
     Column("flags", JSON(none_as_null=True)),
     Column("issues", JSON(none_as_null=True)),
     Index("ix_replaced_steps_run_step", "run_id", "step"),
+    # An execution is kept once: two collectors may replace it at the same moment.
+    Index("ux_replaced_steps_execution", "run_id", "rank", "step", "ts", unique=True),
 )
 
 step_stats = Table(

@@ -13,3 +13,56 @@ def test_migrations_build_exactly_the_models_schema(engine) -> None:  # type: ig
             )
             == []
         )
+
+
+def _downgrade(engine, revision: str) -> None:  # type: ignore[no-untyped-def]
+    import os
+
+    from alembic import command
+    from alembic.config import Config
+
+    import trainwarden.migrations as migrations
+
+    config = Config()
+    config.set_main_option("script_location", os.path.dirname(migrations.__file__))
+    with engine.begin() as conn:
+        config.attributes["connection"] = conn
+        command.downgrade(config, revision)
+
+
+def test_0022_keeps_one_of_each_replaced_execution(db_url: str) -> None:
+    # Before 0022 a replaced execution could be kept twice; the migration leaves one.
+    # (PostgreSQL's test database is shared and at the latest schema: back to 0021 first,
+    # and at the latest again whatever happens.)
+    from sqlalchemy import func, insert, select
+
+    from trainwarden.collector import models as m
+    from trainwarden.collector.db import make_engine, upgrade
+
+    engine = make_engine(db_url)
+    try:
+        upgrade(engine, "0021")
+        _downgrade(engine, "0021")
+        row = {
+            "run_id": 1,
+            "rank": 0,
+            "step": 5,
+            "day": 1,
+            "ts": 10.0,
+            "replaced_at": 20.0,
+            "loss": 9.0,
+        }
+        with engine.begin() as conn:
+            conn.execute(
+                insert(m.replaced_steps), [row, row, {**row, "rank": 1}, {**row, "ts": 11.0}]
+            )
+        upgrade(engine)
+        with engine.connect() as conn:
+            r = m.replaced_steps.c
+            kept = conn.execute(
+                select(r.rank, r.ts, func.count()).group_by(r.rank, r.ts).order_by(r.rank, r.ts)
+            ).all()
+        assert [tuple(k) for k in kept] == [(0, 10.0, 1), (0, 11.0, 1), (1, 10.0, 1)]
+    finally:
+        upgrade(engine)
+        engine.dispose()

@@ -266,8 +266,9 @@ def test_a_step_run_twice_within_one_flush_keeps_the_later_and_the_earlier_as_re
 
     first = [{**step(s, loss=9.0), "ts": 1_700_000_000.0 + s} for s in (5, 6)]
     again = [{**step(s, loss=1.0), "ts": 1_700_000_100.0 + s} for s in (5, 6)]
-    with write(engine) as conn:
-        ingest.store_many(conn, [request(*first), request(*again), request(*again)], now=100.0)
+    with write(engine) as conn:  # the first execution replayed too (a retry after a timeout)
+        ingest.store_many(conn, [request(*first), request(*first), request(*again), request(*again)],
+                          now=100.0)  # fmt: skip
     with engine.connect() as conn:
         c, r = m.rank_steps.c, m.replaced_steps.c
         stored = conn.execute(select(c.step, c.loss).order_by(c.step)).all()
