@@ -140,7 +140,7 @@ def _scale_to_live(layout: dict[str, Any], row: int, data: Overview, metric: str
     if peak is None or not live:
         return
     lo, hi = min(live), max(live)
-    if peak - lo <= 2 * (hi - lo) + 1e-12 * abs(peak):  # the live data keeps half the row
+    if peak - lo <= 2 * (hi - lo):  # the live data keeps at least half the row
         return
     pad = 0.1 * (hi - lo) or 0.1 * abs(hi) or 1.0
     x, y = _axes(row)
