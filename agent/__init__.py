@@ -74,6 +74,7 @@ def init(
     heartbeat_s: float | None = None,
     gpu_interval_s: float | None = None,
     exporter: str | None = None,
+    relay: str | None = None,
     spool_dir: str | None = None,
     spool_max_mb: float | None = None,
     transport: Transport | None = None,
@@ -105,6 +106,9 @@ def init(
     ``exporter``: ``"http"`` (default) posts to the collector's JSON API; ``"otlp"``
     sends OTLP/HTTP metrics to ``<url>/v1/metrics`` (a trainwarden collector, or an
     OpenTelemetry Collector in between); it needs ``pip install 'trainwarden[otlp]'``.
+    ``relay`` (``TRAINWARDEN_RELAY``): the node relay's URL (``trainwarden relay`` on this
+    node, :mod:`trainwarden.agent.relay`), which sends the node's ranks' batches to the
+    collector in one request; while it is down the agent sends to ``url`` itself.
 
     Collector away: batches wait in a spool on disk (``spool_dir``, default
     ``$TMPDIR/trainwarden-spool-<uid>``, at most ``spool_max_mb``, 256 MB; ``"none"``:
@@ -148,6 +152,7 @@ def init(
         heartbeat_s=heartbeat_s,
         gpu_interval_s=gpu_interval_s,
         exporter=exporter,
+        relay=relay,
         spool_dir=spool_dir,
         spool_max_mb=spool_max_mb,
         config=config,

@@ -204,6 +204,9 @@ class AgentConfig:
     """How often the NVML sampler reads this rank's GPU."""
     exporter: str = "http"
     """How batches go out: ``http`` (the native JSON API) or ``otlp`` (OTLP/HTTP metrics)."""
+    relay: str | None = None
+    """The node relay's URL (``trainwarden relay``): batches go there, to be sent on with the
+    node's other ranks' in one request, and straight to ``url`` while the relay is down."""
     spool_dir: str | None = None
     """Batches the collector cannot take wait in ``<spool_dir>/<run>/rank-<rank>`` (default:
     ``$TMPDIR/trainwarden-spool-<uid>``; ``"none"``: in memory only, lost at exit)."""
@@ -243,6 +246,7 @@ class AgentConfig:
         drill: str | None = None,
         gpu_interval_s: float | None = None,
         exporter: str | None = None,
+        relay: str | None = None,
         spool_dir: str | None = None,
         spool_max_mb: float | None = None,
         config: Any = None,
@@ -268,6 +272,19 @@ class AgentConfig:
                     f"collector url {url!r} is not valid: use http://host:port or https://host"
                 )
             url = url.rstrip("/")
+        relay = _pick(relay, "TRAINWARDEN_RELAY")
+        if relay is not None:
+            if not isinstance(relay, str) or not re.match(r"^https?://[^/\s]+", relay):
+                raise ConfigError(
+                    f"relay url {relay!r} is not valid: use http://127.0.0.1:8470 "
+                    "(where this node's `trainwarden relay` listens)"
+                )
+            relay = relay.rstrip("/")
+            if url is None:
+                raise ConfigError(
+                    "a relay needs the collector's url too (TRAINWARDEN_URL): the agent "
+                    "sends there while the relay is down"
+                )
 
         rank_v = _as_int(_pick(rank, "RANK", 0), "rank (RANK)", minimum=0)
         world_v = _as_int(_pick(world_size, "WORLD_SIZE", 1), "world_size (WORLD_SIZE)", minimum=1)
@@ -331,6 +348,7 @@ class AgentConfig:
                 zero_is_off=True,
             ),
             exporter=exporter_v,
+            relay=relay,
             spool_dir=_pick(spool_dir, "TRAINWARDEN_SPOOL_DIR"),
             flush_on_sigterm=str(_pick(None, "TRAINWARDEN_FLUSH_ON_SIGTERM", "1")).strip().lower()
             not in ("0", "false", "no", "off"),

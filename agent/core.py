@@ -332,8 +332,9 @@ class Agent:
             )
         elif transport is None and config.url is not None:
             transport = HttpTransport(
-                config.url, token=config.token, timeout_s=config.request_timeout_s
-            )
+                config.url, token=config.token, timeout_s=config.request_timeout_s,
+                relay=config.relay,
+            )  # fmt: skip
         if transport is not None:
             self._exporter = Exporter(
                 queue=self._queue,

@@ -54,22 +54,53 @@ def sender(body: dict[str, Any]) -> str:
     return f"{body.get('run', '')}/{agent.get('rank', '')}"
 
 
-class HttpTransport:
-    """The real transport: one keep-alive httpx client."""
+RELAY_RETRY_S = 30.0  # a relay found down is tried again after this long
 
-    def __init__(self, url: str, *, token: str | None, timeout_s: float) -> None:
+
+class HttpTransport:
+    """The real transport: one keep-alive httpx client. With ``relay`` (the node relay's
+    URL) batches go there, and straight to ``url`` while the relay cannot be reached
+    (tried again every ``RELAY_RETRY_S``)."""
+
+    def __init__(
+        self, url: str, *, token: str | None, timeout_s: float, relay: str | None = None
+    ) -> None:
         import httpx  # imported here so that `import trainwarden.agent` stays light
 
+        self._httpx = httpx
         headers = {"User-Agent": "trainwarden-agent"}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._client = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
+        self._relay = (
+            None if relay is None
+            else httpx.Client(base_url=relay, headers=headers, timeout=timeout_s)
+        )  # fmt: skip
+        self._relay_down_until = 0.0
+        self.via_relay = 0  # requests the relay answered
+        self.around_relay = 0  # ... and sent straight to the collector, the relay down
+
+    def _post(self, path: str, content: bytes, headers: dict[str, str]) -> Any:
+        if self._relay is not None and time.monotonic() >= self._relay_down_until:
+            try:
+                response = self._relay.post(path, content=content, headers=headers)
+                self.via_relay += 1
+                return response
+            except (self._httpx.ConnectError, self._httpx.RemoteProtocolError) as exc:
+                # Not there (or gone mid-answer): the collector, directly, for a while.
+                # A replay of what the relay did send is deduplicated by the collector.
+                self._relay_down_until = time.monotonic() + RELAY_RETRY_S
+                log.warning("trainwarden: relay unreachable (%s); sending to the collector "
+                            "directly for %.0f s", exc, RELAY_RETRY_S)  # fmt: skip
+        if self._relay is not None:
+            self.around_relay += 1
+        return self._client.post(path, content=content, headers=headers)
 
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        response = self._client.post(
+        response = self._post(
             path,
-            content=_dumps(body),
-            headers={"Content-Type": "application/json", SENDER_HEADER: sender(body)},
+            _dumps(body),
+            {"Content-Type": "application/json", SENDER_HEADER: sender(body)},
         )
         if response.status_code >= 400:
             retry_after = response.headers.get("Retry-After", "")
@@ -79,6 +110,8 @@ class HttpTransport:
 
     def close(self) -> None:
         self._client.close()
+        if self._relay is not None:
+            self._relay.close()
 
 
 def _dumps(body: dict[str, Any]) -> bytes:

@@ -82,7 +82,7 @@ CRASH_WAIT_S = 75.0  # ... and how long it has been silent when the measured run
 
 def end_to_end(
     db_url: str, *, ranks: int, ranks_per_node: int, duration: float, user: int,
-    after_crash: bool = False,
+    after_crash: bool = False, per_rank: bool = False,
 ) -> dict[str, float]:  # fmt: skip
     with serving_process(db_url, log_name="bench-ingest") as (url, serve):
         run = f"bench-{uuid.uuid4().hex[:6]}"
@@ -131,12 +131,16 @@ def end_to_end(
         # CPU a stored row of each part, over the load: they share the machine's cores.
         cpu = (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds())
         result = run_loadgen(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
-                             duration_s=duration, run=run, on_sent=on_sent, user_metrics=user)  # fmt: skip
+                             duration_s=duration, run=run, on_sent=on_sent, user_metrics=user,
+                             per_rank=per_rank)  # fmt: skip
         used = [b - a for a, b in zip(cpu, (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds()), strict=True)]  # fmt: skip
         time.sleep(3)
         stop.set()
         poller.join()
-        delays = sorted(seen[s] - max(sent[s]) for s in seen if s in sent and len(sent[s]) == nodes)
+        senders = ranks if per_rank else nodes
+        delays = sorted(
+            seen[s] - max(sent[s]) for s in seen if s in sent and len(sent[s]) == senders
+        )
         p95 = delays[min(len(delays) - 1, int(0.95 * len(delays)))] if delays else float("nan")
         return {"points_per_s": result.points / result.seconds, "rows_per_s": result.rows / result.seconds,
                 "offered_rows_per_s": float(ranks), "failed": float(result.requests_failed),
@@ -167,6 +171,11 @@ def main() -> None:
         "--after-crash", action="store_true",
         help="measure (b) beside a run of the same size that crashed whole 75 s before",
     )  # fmt: skip
+    p.add_argument(
+        "--no-relay", action="store_true",
+        help="(b) with each rank sending its own request, as agents with no node relay do "
+        "(default: one request a node of --ranks-per-node ranks, as its relay sends)",
+    )  # fmt: skip
     p.add_argument("--mlflow-duration", type=float, default=30)
     p.add_argument(
         "--mlflow-ranks",
@@ -190,11 +199,13 @@ def main() -> None:
         )
         e2e = end_to_end(
             sa_url, ranks=args.ranks, ranks_per_node=args.ranks_per_node, duration=args.duration,
-            user=args.user_metrics, after_crash=args.after_crash,
+            user=args.user_metrics, after_crash=args.after_crash, per_rank=args.no_relay,
         )  # fmt: skip
+        shape = ("a request a rank: no relay" if args.no_relay
+                 else f"a request a node of {args.ranks_per_node} ranks, as its relay sends")  # fmt: skip
         print(
             f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = {e2e['points_per_s']:>13,.0f} points/s "
-            f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s; {e2e['failed']:.0f} failed requests)"
+            f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s, {shape}; {e2e['failed']:.0f} failed requests)"
         )
         if e2e["steps_measured"]:
             print(

@@ -119,8 +119,11 @@ async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> Ingest
         await future  # the commit
     result = _done(request, future, started)
     board = getattr(request.app.state, "commands", None)
-    if board is not None and isinstance(batch, IngestBatch) and batch.run in board.runs:
-        result.commands = await asyncio.to_thread(_commands_for, request, batch)
+    if board is not None and batch.run in board.runs:
+        if isinstance(batch, IngestBatch):
+            result.commands = await asyncio.to_thread(_commands_for, request, batch)
+        else:  # a relay's node: each rank's commands, for the relay to hand on
+            result.rank_commands = await asyncio.to_thread(_rank_commands_for, request, batch)
     if _notable(batch):
         alert_engine = request.app.state.alert_engine
         if alert_engine is not None:
@@ -134,10 +137,19 @@ def _commands_for(request: Request, batch: IngestBatch) -> list[dict[str, Any]]:
         return request.app.state.commands.take(conn, batch.run, batch.agent.rank, time.time())
 
 
+def _rank_commands_for(request: Request, batch: ColumnarBatch) -> dict[int, list[dict[str, Any]]]:
+    """The commands waiting for each rank of a columnar batch (its headers' and extras')."""
+    ranks = {*batch.header_columns()["rank"], *(extra.agent.rank for extra in batch.extras)}
+    board, now = request.app.state.commands, time.time()
+    with write(_engine(request)) as conn:
+        waiting = {rank: board.take(conn, batch.run, rank, now) for rank in sorted(ranks)}
+    return {rank: commands for rank, commands in waiting.items() if commands}
+
+
 def _notable(batch: IngestBatch | ColumnarBatch) -> bool:
     """Whether the batch holds what event rules watch: events, spike flags, non-finite values."""
     if isinstance(batch, ColumnarBatch):
-        return any(batch.steps.get("flags") or ())
+        return any(batch.steps.get("flags") or ()) or any(map(_notable, batch.extras))
     return bool(batch.events) or any(
         s.flags or (s.loss is not None and not math.isfinite(s.loss)) for s in batch.steps
     )
@@ -199,7 +211,7 @@ async def ingest(request: Request) -> IngestResult:
     openapi_extra=_body_schema(ColumnarBatch),
 )  # fmt: skip
 async def ingest_columns(request: Request) -> IngestResult:
-    """Store several ranks' steps in one request, column-wise (per-node forwarders, loadgen)."""
+    """Store several ranks' steps in one request, column-wise (node relays, loadgen)."""
     return await submit(request, _parse(ColumnarBatch, await _body(request)))
 
 
@@ -234,7 +246,9 @@ class DirectIngest:
             if isinstance(result, Response):
                 response = result
             else:  # the route's response model, as FastAPI would have written it
-                response = Response(result.model_dump_json(), media_type="application/json")
+                response = Response(
+                    result.model_dump_json(exclude_none=True), media_type="application/json"
+                )  # a columnar batch's rank_commands only where there are some
         except (HTTPException, RequestValidationError) as exc:
             response = await _handled(request, exc)
         await response(scope, receive, send)

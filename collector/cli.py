@@ -1,4 +1,4 @@
-"""The ``trainwarden`` command: ``serve``, ``demo``, ``loadgen``, ``note``, ``postmortem``,
+"""The ``trainwarden`` command: ``serve``, ``demo``, ``loadgen``, ``relay``, ``note``, ``postmortem``,
 ``token create|list|revoke``, ``db upgrade`` and ``db prune``."""
 
 from __future__ import annotations
@@ -215,6 +215,15 @@ def cmd_db_prune(args: argparse.Namespace) -> None:
     print(f"trainwarden: {result.summary()}; rollups, events, alerts and actions are kept")
 
 
+def _cmd_relay(args: argparse.Namespace) -> None:
+    from trainwarden.agent.relay import run
+
+    try:
+        run(args)
+    except (ValueError, OSError) as exc:
+        raise CliError(f"relay: {exc}") from None
+
+
 def _cmd_loadgen(args: argparse.Namespace) -> None:
     from .loadgen import cmd_loadgen
 
@@ -353,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--url", default="http://127.0.0.1:8000", help="collector URL")
     load.add_argument("--ranks", type=int, default=1024)
     load.add_argument(
-        "--ranks-per-node", type=int, default=8, help="ranks per request (one per node)"
+        "--ranks-per-node", type=int, default=8, help="ranks per request (one a node's relay)"
     )
     load.add_argument("--steps-per-s", type=float, default=1.0)
     load.add_argument("--duration", type=float, default=30.0, help="seconds")
@@ -364,7 +373,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="user metrics (s.metric) per row besides the 19 built-in ones, 0 to 32 (default 6: "
         "25 metrics a row)",
     )  # fmt: skip
+    load.add_argument(
+        "--no-relay", action="store_true",
+        help="each rank sends its own request (POST /api/v1/ingest), as agents with no node "
+        "relay do; default: one columnar request a node, as its relay sends",
+    )  # fmt: skip
     load.set_defaults(func=_cmd_loadgen)
+
+    from trainwarden.agent import relay as _relay  # standard library only
+
+    rel = sub.add_parser(
+        "relay", help="a node relay: this node's agents send to it (TRAINWARDEN_RELAY) and it "
+        "sends the collector one request for them all",
+    )  # fmt: skip
+    _relay.add_arguments(rel)
+    rel.set_defaults(func=_cmd_relay)
 
     db = sub.add_parser("db", help="database maintenance")
     db_sub = db.add_subparsers(dest="db_command", required=True)

@@ -633,11 +633,20 @@ def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
     return _Request(batch.run, batch.world_size, heads, top, low, cols)
 
 
+def _requests(batch: IngestBatch | ColumnarBatch) -> list[_Request]:
+    """A batch as the writer takes it: one request, and one more for each of a columnar
+    batch's ``extras`` (a relay's per-rank events and GPU samples)."""
+    if isinstance(batch, IngestBatch) or not batch.extras:
+        return [_normalize(batch)]
+    return [_normalize(batch), *map(_normalize, batch.extras)]
+
+
 def batch_rows(batch: IngestBatch | ColumnarBatch) -> int:
     """How many records a validated batch carries (what the writer's bound counts)."""
     if isinstance(batch, IngestBatch):
         return len(batch.steps) + len(batch.events) + len(batch.gpu) + 1
-    return len(batch.steps.get("rank", ())) + len(batch.header_columns()["rank"])
+    return (len(batch.steps.get("rank", ())) + len(batch.header_columns()["rank"])
+            + sum(map(batch_rows, batch.extras)))  # fmt: skip
 
 
 def store_many(
@@ -651,8 +660,13 @@ def store_many(
     of statements per table whatever their number (the collector's group commit).
     ``arrived``: when each request reached the collector (default: ``now``)."""
     now = time.time() if now is None else now
-    requests = [_normalize(b) for b in batches]
-    when = arrived or [now] * len(requests)
+    requests: list[_Request] = []
+    owner: list[int] = []  # each request's batch
+    for i, batch in enumerate(batches):
+        got = _requests(batch)
+        requests += got
+        owner += [i] * len(got)
+    when = [arrived[i] for i in owner] if arrived else [now] * len(requests)
     # First, before this transaction locks anything: a day partition a row needs.
     days = {day for req in requests if req.steps for day in _days(req.steps["ts"])}
     days |= {day_of(g.ts) for req in requests for g in req.gpu}
@@ -729,10 +743,16 @@ def store_many(
         world = max(req.world_size for req in requests if req.run == run)
         _update_run(conn, run_id=run_id, world_size=world, last=max(req_last, default=None),
                     shutdown=False, now=now)  # fmt: skip
-    return [
-        IngestResult(accepted_steps=n, accepted_events=e)
-        for n, e in zip(accepted_steps, accepted_events, strict=True)
-    ]
+    if len(requests) == len(batches):
+        return [
+            IngestResult(accepted_steps=n, accepted_events=e)
+            for n, e in zip(accepted_steps, accepted_events, strict=True)
+        ]
+    totals = [[0, 0] for _ in batches]
+    for i, n, e in zip(owner, accepted_steps, accepted_events, strict=True):
+        totals[i][0] += n
+        totals[i][1] += e
+    return [IngestResult(accepted_steps=n, accepted_events=e) for n, e in totals]
 
 
 def _started_at(req: _Request, rank: int, step: int) -> float:

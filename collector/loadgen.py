@@ -1,7 +1,9 @@
 """``trainwarden loadgen``: synthetic ranks for benchmarks and capacity tests.
 
 Each simulated node sends one request per training step with its ranks' rows
-(``POST /api/v1/ingest/columns``), as a per-node forwarder would. Values are
+(``POST /api/v1/ingest/columns``), as its node relay (``trainwarden relay``) does; with
+``--no-relay`` each rank sends its own (``POST /api/v1/ingest``), as agents do with no
+relay. Values are
 plausible: step times around the step period with jitter and a slow rank now and
 then, a falling loss, MFU, the communication split, memory; and ``user_metrics`` of
 the trainer's own (``s.metric``: a learning-rate schedule, MoE aux and z losses, ...).
@@ -153,7 +155,7 @@ def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float,
             user_metrics(user, step=step, rng=rng, z=z[at + i * u : at + (i + 1) * u])
             for i in range(n)
         ]
-    # The ranks' headers column-wise too (agent_columns): what a node's forwarder sends.
+    # The ranks' headers column-wise too (agent_columns): what a node's relay sends.
     heads = {"rank": list(ranks), "local_rank": [r % n for r in ranks], "host": [f"node{ranks.start // n}"] * n,
              "session": [sessions[r] for r in ranks], "heartbeat_s": [2.0] * n, "last_step": [step] * n,
              "last_step_end": [now] * n, "in_step": [False] * n, "sent_at": [now] * n}  # fmt: skip
@@ -237,9 +239,18 @@ class _Connection:
             self.conn = None
 
 
+def rank_body(node: dict[str, Any]) -> dict[str, Any]:
+    """A one-rank node body as that rank's agent sends it with no relay (``IngestBatch``)."""
+    heads = node["agent_columns"]
+    agent = {k: v[0] for k, v in heads.items()} | {"world_size": node["world_size"]}
+    steps = {k: v[0] for k, v in node["steps"].items() if k != "rank"}
+    return {"run": node["run"], "agent": agent, "steps": [steps], "events": [], "gpu": []}
+
+
 async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: int, ranks: range, steps: int,
                 period_s: float, start: float, slow_rank: int | None,
-                on_sent: Callable[[int, float], None] | None, user: int) -> None:  # fmt: skip
+                on_sent: Callable[[int, float], None] | None, user: int,
+                per_rank: bool = False) -> None:  # fmt: skip
     import orjson
 
     rng = random.Random(ranks.start)
@@ -247,6 +258,7 @@ async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: 
     # Who sends, readable without the body: a collector too busy to take the request
     # still counts it as these ranks' heartbeat.
     sender = f"X-Trainwarden-Sender: {run}/{ranks.start}-{ranks.stop - 1}\r\n"
+    path = "/api/v1/ingest" if per_rank else "/api/v1/ingest/columns"
     await asyncio.sleep(rng.random() * period_s)  # nodes are not in phase with each other
     for step in range(steps):
         due = start + step * period_s + rng.random() * period_s * 0.2
@@ -254,11 +266,11 @@ async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: 
             await asyncio.sleep(delay)
         body = node_body(run=run, world=world, ranks=ranks, step=step, period_s=period_s, sessions=sessions,
                          rng=rng, slow_rank=slow_rank, user=user)  # fmt: skip
+        if per_rank:
+            body = rank_body(body)
         sent = time.monotonic()
         try:
-            status, payload = await client.post(
-                "/api/v1/ingest/columns", orjson.dumps(body), sender
-            )
+            status, payload = await client.post(path, orjson.dumps(body), sender)
             ok = status == 200
             if not ok and len(result.errors) < 5:
                 result.errors.append(f"{status}: {payload[:200].decode(errors='replace')}")
@@ -280,12 +292,17 @@ async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_
                             run: str | None = None, slow_rank: int | None = None,
                             on_sent: Callable[[int, float], None] | None = None,
                             connections: int | None = None,
-                            user_metrics: int = USER_METRICS) -> LoadgenResult:  # fmt: skip
+                            user_metrics: int = USER_METRICS,
+                            per_rank: bool = False) -> LoadgenResult:  # fmt: skip
     """``connections``: keep-alive connections, shared in turn by the nodes; default one
-    per node, as each node's forwarder has its own. ``user_metrics``: per row, besides
-    the built-in ones (0 to 32)."""
+    per node, as each node's relay has its own. ``user_metrics``: per row, besides
+    the built-in ones (0 to 32). ``per_rank``: every rank sends its own request to
+    ``/api/v1/ingest``, on its own connection, as agents with no node relay do
+    (``ranks_per_node`` is then 1)."""
     if not 0 <= user_metrics <= MAX_USER_METRICS:
         raise ValueError(f"user_metrics={user_metrics}: from 0 to {MAX_USER_METRICS}")
+    if per_rank:
+        ranks_per_node = 1
     nodes = math.ceil(ranks / ranks_per_node)
     period = 1.0 / steps_per_s
     steps = max(1, int(duration_s * steps_per_s))
@@ -301,7 +318,7 @@ async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_
             _node(pool[n % len(pool)], result, run=run, world=ranks,
                   ranks=range(n * ranks_per_node, min(ranks, (n + 1) * ranks_per_node)),
                   steps=steps, period_s=period, start=start, slow_rank=slow_rank, on_sent=on_sent,
-                  user=user_metrics)
+                  user=user_metrics, per_rank=per_rank)
             for n in range(nodes)
         ])  # fmt: skip
         result.seconds = time.perf_counter() - began
@@ -333,7 +350,8 @@ def run_loadgen(**kwargs: Any) -> LoadgenResult:
 def cmd_loadgen(args: Any) -> None:
     result = run_loadgen(url=args.url.rstrip("/"), ranks=args.ranks, ranks_per_node=args.ranks_per_node,
                          steps_per_s=args.steps_per_s, duration_s=args.duration, run=args.run,
-                         slow_rank=args.slow_rank, user_metrics=args.user_metrics)  # fmt: skip
+                         slow_rank=args.slow_rank, user_metrics=args.user_metrics,
+                         per_rank=args.no_relay)  # fmt: skip
     print(f"trainwarden loadgen: {result.summary()}")
     for error in result.errors:
         print(f"trainwarden loadgen: error: {error}")

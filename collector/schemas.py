@@ -249,11 +249,13 @@ _AGENT_TIMES = ("started_at", "sent_at", "last_step_end")
 class ColumnarBatch(BaseModel):
     """``POST /api/v1/ingest/columns``: several ranks' steps in one request, column-wise.
 
-    For per-node forwarders and load generators: the ranks' headers come either as
+    For node relays and load generators: the ranks' headers come either as
     ``agents`` (one ``AgentInfo`` a rank in the request) or as ``agent_columns`` (the same
     fields column-wise: one list a field, a value a rank; cheaper to check and to store);
     ``steps`` maps a step field (as in ``StepIn``) plus ``rank`` to a list, all lists of
-    one length.
+    one length. ``extras``: whole per-rank batches of the same run, for what has no columns
+    (events, GPU samples): a node relay (``trainwarden relay``) sends its ranks' steps as
+    columns and their events and GPU samples this way, all in one request.
     """
 
     run: str = Field(pattern=RUN_NAME_PATTERN)
@@ -261,6 +263,7 @@ class ColumnarBatch(BaseModel):
     agents: list[AgentInfo] = Field(default_factory=list, max_length=65_536)
     agent_columns: AgentColumns | None = None  # type: ignore[valid-type]
     steps: dict[str, list[Any]] = Field(default_factory=dict)
+    extras: list[IngestBatch] = Field(default_factory=list, max_length=4096)
 
     @model_validator(mode="before")
     @classmethod
@@ -273,6 +276,11 @@ class ColumnarBatch(BaseModel):
     @model_validator(mode="after")
     def _columns(self) -> ColumnarBatch:
         self._heads = self._header_columns()
+        for i, extra in enumerate(self.extras):
+            if extra.run != self.run:
+                raise ValueError(
+                    f"extras row {i}: run {extra.run!r} is not this batch's {self.run!r}"
+                )
         if not self.steps:
             self._cols = {}
             return self
@@ -436,6 +444,11 @@ class IngestResult(BaseModel):
     accepted_events: int
     commands: list[dict[str, Any]] = Field(
         default_factory=list, description="Commands for this agent (rollback, stop, ...)"
+    )
+    rank_commands: dict[int, list[dict[str, Any]]] | None = Field(
+        default=None,
+        description="A columnar batch's answer: the commands waiting for each of its ranks "
+        "(only ranks that have some), which a relay hands to each rank's agent",
     )
 
 

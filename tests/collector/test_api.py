@@ -348,8 +348,14 @@ def test_columnar_ingest_stores_a_nodes_ranks_in_one_request(client: TestClient)
         (lambda b: b["steps"].pop("duration_s"), "missing step columns ['duration_s']"),
         (lambda b: b["agents"].pop(), "ranks [7] that have no entry in agents"),
         (lambda b: b["steps"]["duration_s"].__setitem__(5, -1), "steps row 5"),
+        (lambda b: b.update(extras=[{"run": "other", "agent": {"rank": 1, "world_size": 8,
+                                     "host": "n", "session": "s1"}}]),
+         "extras row 0: run 'other' is not this batch's 'node-batched'"),
+        (lambda b: b.update(extras=[{"run": "node-batched", "agent": {"rank": 9, "world_size": 8,
+                                     "host": "n", "session": "s1"}}]),
+         "rank 9 is outside world_size 8"),
     ],
-)
+)  # fmt: skip
 def test_bad_columnar_bodies_say_what_is_wrong(client: TestClient, change, message: str) -> None:
     body = columns_body(range(8), range(3))
     change(body)

@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -45,11 +46,13 @@ rollback:
 STEPS = 110
 
 
-def launch(server: Server, run: str, world: int, ckpt: Path, logs: Path) -> list[subprocess.Popen]:
+def launch(server: Server, run: str, world: int, ckpt: Path, logs: Path,
+           env: dict[str, str] | None = None) -> list[subprocess.Popen]:  # fmt: skip
     port = free_port()
     procs = []
+    extra = env or {}
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+        env = {**os.environ, **extra, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
                "TRAINWARDEN_DRILL": "loss_spike=50x@step=35", "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
                "TRAINWARDEN_PROFILE_EVERY": "0"}  # fmt: skip
@@ -61,37 +64,50 @@ def launch(server: Server, run: str, world: int, ckpt: Path, logs: Path) -> list
     return procs
 
 
-# Two ranks on SQLite, four on PostgreSQL: each database and each world size once.
-@pytest.mark.parametrize(("db_url", "world"), [("sqlite", 2), ("postgres", 4)], indirect=["db_url"])
-def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tmp_path: Path, world: int) -> None:  # fmt: skip
+def serve_with_rollback(db_url: str, tmp_path: Path) -> Server:
+    """``trainwarden serve`` with the drill's LossSpike rule and an auto rollback policy."""
     rules, actions = tmp_path / "rules.yaml", tmp_path / "actions.yaml"
     rules.write_text(RULES)
     actions.write_text(ACTIONS)
-    server = start_serve(db_url, tmp_path / "serve.log", env={
+    return start_serve(db_url, tmp_path / "serve.log", env={
         "TRAINWARDEN_RULES": str(rules), "TRAINWARDEN_DEFAULT_RULES": "0",
         "TRAINWARDEN_ACTIONS": str(actions)})  # fmt: skip
+
+
+def rolled_back(server: Server, run: str, world: int, procs: list[subprocess.Popen],
+                logs_dir: Path) -> tuple[dict[str, Any], int, dict[int, str]]:  # fmt: skip
+    """Once the ranks have exited 0: the done rollback, its barrier step and the ranks'
+    logs; every rank restored the same checkpoint after the same step, at most 2 steps
+    after the command reached it."""
+    codes = [p.wait(300) for p in procs]
+    logs = {r: (logs_dir / f"{run}-rank{r}.log").read_text() for r in range(world)}
+    assert codes == [0] * world, logs
+    (action,) = wait_for(lambda: [a for a in server.get("/api/v1/actions", run=run).json()
+                                  if a["state"] in ("done", "failed")], 30, "the rollback done")  # fmt: skip
+    assert action["state"] == "done", action
+    assert (action["kind"], action["trigger"], action["mode"]) == (
+        "rollback",
+        "rule:LossSpike",
+        "auto",
+    )
+    per_rank = action["result"]["ranks"]
+    assert sorted(per_rank) == [str(r) for r in range(world)]
+    barriers = {r["barrier_step"] for r in per_rank.values()}
+    restored = {r["checkpoint_step"] for r in per_rank.values()}
+    assert len(barriers) == 1 and restored == {30}, per_rank  # the same step and checkpoint
+    assert action["result"]["steps_after_command"] <= 2, action["result"]
+    return action, barriers.pop(), logs
+
+
+# Two ranks on SQLite, four on PostgreSQL: each database and each world size once.
+@pytest.mark.parametrize(("db_url", "world"), [("sqlite", 2), ("postgres", 4)], indirect=["db_url"])
+def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tmp_path: Path, world: int) -> None:  # fmt: skip
+    server = serve_with_rollback(db_url, tmp_path)
     run = f"rollback{world}"
     procs = launch(server, run, world, tmp_path / "ckpt", tmp_path)
     try:
-        codes = [p.wait(300) for p in procs]
-        logs = {r: (tmp_path / f"{run}-rank{r}.log").read_text() for r in range(world)}
-        assert codes == [0] * world, logs
-        (action,) = wait_for(lambda: [a for a in server.get("/api/v1/actions", run=run).json()
-                                      if a["state"] in ("done", "failed")], 30, "the rollback done")  # fmt: skip
-        assert action["state"] == "done", action
-        assert (action["kind"], action["trigger"], action["mode"]) == (
-            "rollback",
-            "rule:LossSpike",
-            "auto",
-        )
-        per_rank = action["result"]["ranks"]
-        assert sorted(per_rank) == [str(r) for r in range(world)]
-        barriers = {r["barrier_step"] for r in per_rank.values()}
-        restored = {r["checkpoint_step"] for r in per_rank.values()}
-        assert len(barriers) == 1 and restored == {30}, per_rank  # the same step and checkpoint
-        (barrier,) = barriers
+        action, barrier, logs = rolled_back(server, run, world, procs, tmp_path)
         result = action["result"]
-        assert result["steps_after_command"] <= 2, result
         plan = action["plan"]["rollback"]
         assert (plan["skip_from"], plan["checkpoint_path"].endswith("step-30.pt")) == (31, True)
         for r in range(world):

@@ -1,0 +1,184 @@
+"""The node relay (``trainwarden relay``) between real agents and a real collector: the
+ranks' batches reach the collector merged, each agent gets its own answer (a rollback's
+commands included), a bad batch is refused alone, and nothing is lost when the collector
+or the relay is away."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from trainwarden.agent import exporter as exporter_mod
+from trainwarden.agent.exporter import CollectorError, HttpTransport
+from trainwarden.agent.relay import Relay
+
+from ..conftest import Server, free_port, stop_serve
+from .test_drills import stop, wait_for
+from .test_rollback_drill import STEPS, launch, rolled_back, serve_with_rollback
+
+
+def _relay_process(upstream: str, port: int, expect: int, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "trainwarden.collector.cli", "relay", "--upstream", upstream,
+           "--port", str(port), "--expect", str(expect)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    wait_for(lambda: _stats(port), 30, "the relay to listen")
+    return proc
+
+
+def _stats(port: int) -> dict[str, Any] | None:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/relay/healthz", timeout=2).json()
+    except httpx.HTTPError:
+        return None
+
+
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
+def test_a_rollback_reaches_every_rank_through_the_node_relay(db_url: str, tmp_path: Path) -> None:
+    """The rollback drill of test_rollback_drill, its 4 ranks sending through one relay:
+    the relay merges their batches and hands each rank the commands the collector
+    returns for it (prepare, then commit), within the drill's 2-step bound."""
+    world = 4
+    server = serve_with_rollback(db_url, tmp_path)
+    port = free_port()
+    relay = _relay_process(server.url, port, world, tmp_path / "relay.log")
+    run = "relayed"
+    procs = launch(server, run, world, tmp_path / "ckpt", tmp_path,
+                   env={"TRAINWARDEN_RELAY": f"http://127.0.0.1:{port}"})  # fmt: skip
+    try:
+        rolled_back(server, run, world, procs, tmp_path)
+
+        # Every step of every rank arrived, and the ranks' events (sent as extras) did
+        # too: each rank's goodbye finished it, and its GPU probe's verdict is on its row.
+        series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
+        assert max(series["step"]) == STEPS - 1 and set(series["n"]) == {world}
+        ranks = server.get(f"/api/v1/runs/{run}/ranks").json()
+        assert [r["state"] for r in ranks] == ["finished"] * world
+        assert all(r["gpu"] and r["gpu"]["state"] for r in ranks), ranks
+
+        stats = _stats(port)
+        assert stats is not None
+        # Merged: far fewer requests to the collector than the agents sent the relay, and
+        # none passed through one by one.
+        assert stats["held"] >= world * 20 and stats["merged_requests"] < stats["held"] / 2, stats
+        assert (stats["passed_through"], stats["one_by_one"], stats["refused"]) == (0, 0, 0), stats
+    finally:
+        stop(procs)
+        relay.terminate()
+        relay.wait(10)
+        stop_serve(server)
+
+
+def _batch(run: str, rank: int, step: int, **step_fields: Any) -> dict[str, Any]:
+    now = time.time()
+    agent = {"rank": rank, "world_size": 4, "host": "n1", "session": f"s{rank}", "sent_at": now}
+    steps = [{"step": step, "ts": now - 0.5, "duration_s": 0.5, "loss": 2.0, **step_fields}]
+    return {"run": run, "agent": agent, "steps": steps}
+
+
+def _post_together(url: str, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
+    """Post the bodies at once, as a node's agents do, each on its own connection."""
+    answers: list[Any] = [None] * len(bodies)
+
+    def post(i: int) -> None:
+        answers[i] = httpx.post(url + "/api/v1/ingest", json=bodies[i], timeout=30)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return answers
+
+
+def test_a_bad_batch_is_refused_alone(live_server: Server) -> None:
+    """The merged request is refused (422) for one rank's bad row: the relay sends each
+    batch on its own, so the other ranks' steps are stored and only the bad one is
+    refused, with the collector's own error."""
+    run = f"bad-{uuid.uuid4().hex[:6]}"
+    bodies = [_batch(run, 0, 1), _batch(run, 1, 1, duration_s=-1.0), _batch(run, 2, 1)]
+    with Relay(live_server.url, port=0, window_s=2.0, expect=3) as relay:
+        answers = _post_together(relay.url, bodies)
+        stats = dict(relay.stats)
+    assert [a.status_code for a in answers] == [200, 422, 200], [a.text for a in answers]
+    assert "duration_s" in answers[1].text
+    assert answers[0].json()["accepted_steps"] == 1
+    assert (stats["merged_requests"], stats["one_by_one"]) == (1, 1), stats
+    ranks = live_server.get(f"/api/v1/runs/{run}/ranks").json()
+    assert [(r["rank"], r["last_step"]) for r in ranks] == [(0, 1), (2, 1)]
+    series = wait_for(lambda: (s := live_server.get(f"/api/v1/runs/{run}/series", metric="loss")
+                               .json())["step"] and s, 15, "the step rolled up")  # fmt: skip
+    assert series["n"] == [2]  # ranks 0 and 2
+
+
+def test_merged_batches_keep_their_events_and_gpu_samples(live_server: Server) -> None:
+    """Events and GPU samples ride as per-rank extras and land on their own rank."""
+    run = f"extras-{uuid.uuid4().hex[:6]}"
+    now = time.time()
+    a = _batch(run, 0, 5)
+    b = _batch(run, 3, 5)
+    b["events"] = [{"id": uuid.uuid4().hex, "kind": "note", "ts": now, "step": 5, "data": {"x": 1}}]
+    b["gpu"] = [{"ts": now, "gpu_uuid": "GPU-3", "gpu_name": "H100", "temp_c": 71.0}]
+    with Relay(live_server.url, port=0, window_s=2.0, expect=2) as relay:
+        answers = _post_together(relay.url, [a, b])
+    assert [x.status_code for x in answers] == [200, 200], [x.text for x in answers]
+    assert answers[1].json()["accepted_events"] == 1
+    events = live_server.get(f"/api/v1/runs/{run}/events").json()
+    assert [(e["kind"], e["rank"]) for e in events if e["kind"] == "note"] == [("note", 3)]
+    gpu = live_server.get(f"/api/v1/runs/{run}/gpu").json()
+    assert [(g["rank"], g["gpu_uuid"]) for g in gpu] == [(3, "GPU-3")]
+
+
+def test_the_collector_away_is_a_503_each_agent_retries(tmp_path: Path) -> None:
+    with Relay(f"http://127.0.0.1:{free_port()}", port=0, window_s=0.05) as relay:
+        (answer,) = _post_together(relay.url, [_batch("away", 0, 1)])
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "2"
+    assert "out of reach" in answer.json()["detail"]
+    assert answer.status_code in exporter_mod.RETRYABLE  # the agent keeps the batch
+
+
+def test_an_agent_goes_around_a_dead_relay(
+    live_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No relay where TRAINWARDEN_RELAY points: the agent sends to the collector itself,
+    and tries the relay again later."""
+    port = free_port()
+    transport = HttpTransport(live_server.url, token=None, timeout_s=10,
+                              relay=f"http://127.0.0.1:{port}")  # fmt: skip
+    run = f"around-{uuid.uuid4().hex[:6]}"
+    try:
+        answer = transport.send("/api/v1/ingest", _batch(run, 0, 1))
+        assert answer["accepted_steps"] == 1
+        assert (transport.via_relay, transport.around_relay) == (0, 1)
+        monkeypatch.setattr(exporter_mod, "RELAY_RETRY_S", 0.0)
+        transport._relay_down_until = 0.0  # as after RELAY_RETRY_S
+        with Relay(live_server.url, port=port, window_s=0.05):
+            transport.send("/api/v1/ingest", _batch(run, 0, 2))
+            assert (transport.via_relay, transport.around_relay) == (1, 1)
+            with pytest.raises(CollectorError) as refused:  # the collector's refusal, relayed
+                transport.send("/api/v1/ingest", {"run": run, "agent": {"rank": 9}})
+            assert refused.value.status == 422 and "world_size" in str(refused.value)
+            assert (transport.via_relay, transport.around_relay) == (2, 1)
+    finally:
+        transport.close()
+    ranks = live_server.get(f"/api/v1/runs/{run}/ranks").json()
+    assert [r["last_step"] for r in ranks] == [2]
+
+
+def test_relay_refuses_bad_settings_clearly() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "trainwarden.agent.relay", "--upstream", "ftp://x", "--port", "0"],
+        capture_output=True, text=True, timeout=60, env={**os.environ},
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "collector url 'ftp://x' is not valid" in result.stderr
+    with pytest.raises(ValueError, match="window"):
+        Relay("http://127.0.0.1:1", port=0, window_s=0)
