@@ -204,9 +204,12 @@ class AgentConfig:
     """How often the NVML sampler reads this rank's GPU."""
     exporter: str = "http"
     """How batches go out: ``http`` (the native JSON API) or ``otlp`` (OTLP/HTTP metrics)."""
+    relay_port: int = 8470
+    """``relay="auto"``: the port the node's relay listens on (``TRAINWARDEN_RELAY_PORT``)."""
     relay: str | None = None
-    """The node relay's URL (``trainwarden relay``): batches go there, to be sent on with the
-    node's other ranks' in one request, and straight to ``url`` while the relay is down."""
+    """The node relay's URL (``trainwarden relay``), or ``auto`` (local rank 0's agent runs
+    it, on ``TRAINWARDEN_RELAY_PORT``, 8470): batches go there, to be sent on with the node's
+    other ranks' in one request, and straight to ``url`` while the relay is down."""
     spool_dir: str | None = None
     """Batches the collector cannot take wait in ``<spool_dir>/<run>/rank-<rank>`` (default:
     ``$TMPDIR/trainwarden-spool-<uid>``; ``"none"``: in memory only, lost at exit)."""
@@ -274,10 +277,13 @@ class AgentConfig:
             url = url.rstrip("/")
         relay = _pick(relay, "TRAINWARDEN_RELAY")
         if relay is not None:
-            if not isinstance(relay, str) or not re.match(r"^https?://[^/\s]+", relay):
+            if relay != "auto" and (
+                not isinstance(relay, str) or not re.match(r"^https?://[^/\s]+", relay)
+            ):
                 raise ConfigError(
-                    f"relay url {relay!r} is not valid: use http://127.0.0.1:8470 "
-                    "(where this node's `trainwarden relay` listens)"
+                    f"relay {relay!r} is not valid: use 'auto' (local rank 0 runs the node's "
+                    "relay) or the URL where this node's `trainwarden relay` listens, e.g. "
+                    "http://127.0.0.1:8470"
                 )
             relay = relay.rstrip("/")
             if url is None:
@@ -349,6 +355,11 @@ class AgentConfig:
             ),
             exporter=exporter_v,
             relay=relay,
+            relay_port=_as_int(
+                _pick(None, "TRAINWARDEN_RELAY_PORT", cls.relay_port),
+                "relay port (TRAINWARDEN_RELAY_PORT)",
+                minimum=1,
+            ),
             spool_dir=_pick(spool_dir, "TRAINWARDEN_SPOOL_DIR"),
             flush_on_sigterm=str(_pick(None, "TRAINWARDEN_FLUSH_ON_SIGTERM", "1")).strip().lower()
             not in ("0", "false", "no", "off"),

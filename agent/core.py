@@ -323,6 +323,7 @@ class Agent:
             "dropped_spool_unreadable": 0,
         }
         self._exporter: Exporter | None = None
+        self._relay: Any = None  # the node's relay, when this agent runs it (relay="auto")
         self.commands = Commands(self)
         if transport is None and config.url is not None and config.exporter == "otlp":
             from .otlp import OtlpTransport  # OpenTelemetry only when asked for
@@ -331,10 +332,12 @@ class Agent:
                 config.url, token=config.token, timeout_s=config.request_timeout_s
             )
         elif transport is None and config.url is not None:
+            relay = config.relay
+            if relay == "auto":
+                relay, self._relay = _node_relay(config)
             transport = HttpTransport(
-                config.url, token=config.token, timeout_s=config.request_timeout_s,
-                relay=config.relay,
-            )  # fmt: skip
+                config.url, token=config.token, timeout_s=config.request_timeout_s, relay=relay
+            )
         if transport is not None:
             self._exporter = Exporter(
                 queue=self._queue,
@@ -744,6 +747,8 @@ class Agent:
             self.gpu_monitor.stop()
         if self._exporter is not None:
             self._exporter.shutdown(max(0.1, timeout_s - (time.monotonic() - started)))
+        if self._relay is not None:  # what it holds goes on; the node's others go direct
+            self._relay.stop()
 
     def _finish_checkpoints(self, timeout_s: float) -> None:
         """Checkpoints whose size is still being measured go out now, with it if it comes
@@ -751,6 +756,26 @@ class Agent:
         deadline = time.monotonic() + timeout_s
         for ck in list(self._checkpoints):
             ck.finish(wait_s=max(0.0, deadline - time.monotonic()))
+
+
+def _node_relay(config: AgentConfig) -> tuple[str, Any]:
+    """``relay="auto"``: the node relay's URL, on ``relay_port`` (8470), and
+    the relay itself where this agent runs it: local rank 0's does, waiting for
+    ``LOCAL_WORLD_SIZE`` ranks. A port already taken (another job's relay: the agents
+    check whom a relay sends to) leaves it to that one."""
+    from .relay import Relay
+
+    port = config.relay_port
+    url = f"http://127.0.0.1:{port}"
+    if config.local_rank != 0 or config.url is None:
+        return url, None
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    try:
+        relay = Relay(config.url, port=port, expect=int(local) if local.isdigit() else None)
+    except OSError as exc:
+        log.info("trainwarden: no node relay started on port %d (%s)", port, exc)
+        return url, None
+    return url, relay.start()
 
 
 _agent: Agent | None = None

@@ -54,7 +54,8 @@ def sender(body: dict[str, Any]) -> str:
     return f"{body.get('run', '')}/{agent.get('rank', '')}"
 
 
-RELAY_RETRY_S = 30.0  # a relay found down is tried again after this long
+RELAY_RETRY_S = 30.0  # a relay found down is tried again after this long, ...
+RELAY_FIRST_RETRY_S = 2.0  # ... or this, if never seen yet (local rank 0 may be starting it)
 
 
 class HttpTransport:
@@ -76,12 +77,41 @@ class HttpTransport:
             None if relay is None
             else httpx.Client(base_url=relay, headers=headers, timeout=timeout_s)
         )  # fmt: skip
+        self._url = url.rstrip("/")
         self._relay_down_until = 0.0
+        self._relay_checked = False
+        self._relay_seen = False
         self.via_relay = 0  # requests the relay answered
         self.around_relay = 0  # ... and sent straight to the collector, the relay down
 
+    def _relay_usable(self) -> bool:
+        """Whether the relay is up and is a trainwarden relay sending to this agent's
+        collector (a node may run jobs that send elsewhere); asked once, and again each
+        time it was found down."""
+        if self._relay is None or time.monotonic() < self._relay_down_until:
+            return False
+        if self._relay_checked:
+            return True
+        try:
+            about = self._relay.get("/relay/healthz").json()
+            upstream = about.get("upstream") if isinstance(about, dict) else None
+        except (self._httpx.HTTPError, ValueError) as exc:
+            upstream, why = None, f"no relay answers there ({exc})"
+        else:
+            why = f"it sends to {upstream!r}, not to {self._url!r}"
+        if upstream != self._url:
+            wait = RELAY_RETRY_S if self._relay_seen else RELAY_FIRST_RETRY_S
+            self._relay_down_until = time.monotonic() + wait
+            log.log(logging.WARNING if self._relay_seen or upstream else logging.INFO,
+                    "trainwarden: not sending through the relay at %s: %s; sending to the "
+                    "collector directly for %.0f s", self._relay.base_url, why, wait)  # fmt: skip
+            return False
+        self._relay_checked = self._relay_seen = True
+        return True
+
     def _post(self, path: str, content: bytes, headers: dict[str, str]) -> Any:
-        if self._relay is not None and time.monotonic() >= self._relay_down_until:
+        if self._relay_usable():
+            assert self._relay is not None
             try:
                 response = self._relay.post(path, content=content, headers=headers)
                 self.via_relay += 1
@@ -90,6 +120,7 @@ class HttpTransport:
                 # Not there (or gone mid-answer): the collector, directly, for a while.
                 # A replay of what the relay did send is deduplicated by the collector.
                 self._relay_down_until = time.monotonic() + RELAY_RETRY_S
+                self._relay_checked = False
                 log.warning("trainwarden: relay unreachable (%s); sending to the collector "
                             "directly for %.0f s", exc, RELAY_RETRY_S)  # fmt: skip
         if self._relay is not None:

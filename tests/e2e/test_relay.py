@@ -5,6 +5,7 @@ or the relay is away."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -158,8 +159,7 @@ def test_an_agent_goes_around_a_dead_relay(
         answer = transport.send("/api/v1/ingest", _batch(run, 0, 1))
         assert answer["accepted_steps"] == 1
         assert (transport.via_relay, transport.around_relay) == (0, 1)
-        monkeypatch.setattr(exporter_mod, "RELAY_RETRY_S", 0.0)
-        transport._relay_down_until = 0.0  # as after RELAY_RETRY_S
+        transport._relay_down_until = 0.0  # as after RELAY_FIRST_RETRY_S
         with Relay(live_server.url, port=port, window_s=0.05):
             transport.send("/api/v1/ingest", _batch(run, 0, 2))
             assert (transport.via_relay, transport.around_relay) == (1, 1)
@@ -182,3 +182,57 @@ def test_relay_refuses_bad_settings_clearly() -> None:
     assert "collector url 'ftp://x' is not valid" in result.stderr
     with pytest.raises(ValueError, match="window"):
         Relay("http://127.0.0.1:1", port=0, window_s=0)
+
+
+AUTO_TRAINER = """
+import json, os, sys, time
+import torch.distributed as dist
+import trainwarden.agent as tw
+from trainwarden.agent import core
+
+agent = tw.init(run=sys.argv[2], url=sys.argv[1], relay="auto", flush_interval_s=0.2)
+dist.init_process_group("gloo")
+dist.barrier()  # local rank 0's relay listens by now
+for step in range(40):
+    with tw.step(step, tokens=1024) as s:
+        time.sleep(0.05)
+        s.loss(2.0 + step / 100)
+agent.flush(timeout_s=10)
+dist.barrier()  # every rank has sent before rank 0's relay stops
+transport = agent._exporter._transport
+print(json.dumps({"rank": dist.get_rank(), "via_relay": transport.via_relay,
+                  "around_relay": transport.around_relay,
+                  "relay": None if agent._relay is None else dict(agent._relay.stats)}))
+dist.destroy_process_group()
+"""
+
+
+def test_relay_auto_runs_the_nodes_relay_in_local_rank_0(
+    live_server: Server, tmp_path: Path
+) -> None:
+    """``relay="auto"`` under torchrun: local rank 0's agent runs the node's relay and both
+    ranks send through it, with no process to start."""
+    script = tmp_path / "trainer.py"
+    script.write_text(AUTO_TRAINER)
+    run = f"auto-{uuid.uuid4().hex[:6]}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(script), live_server.url, run]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINWARDEN_RELAY_PORT": str(free_port()),
+           "TRAINWARDEN_PROFILE_EVERY": "0"}  # fmt: skip
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    seen = sorted((json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")),
+                  key=lambda r: r["rank"])  # fmt: skip
+    assert [r["rank"] for r in seen] == [0, 1], result.stdout
+    assert seen[1]["relay"] is None and seen[0]["relay"] is not None  # rank 0's runs it
+    for r in seen:  # every batch of both went through it (the relay was up before any)
+        assert r["via_relay"] >= 10 and r["around_relay"] == 0, seen
+    stats = seen[0]["relay"]
+    assert stats["merged_requests"] < stats["held"] and stats["one_by_one"] == 0, stats
+    steps = live_server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
+    ranks = live_server.get(f"/api/v1/runs/{run}/ranks").json()
+    assert [r["last_step"] for r in ranks] == [39, 39] and [r["state"] for r in ranks] == [
+        "finished"
+    ] * 2
+    assert steps["step"][:1] == [0]
