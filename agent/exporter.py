@@ -18,6 +18,7 @@ import logging
 import random
 import threading
 import time
+import zlib
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -171,8 +172,19 @@ AUTH_RETRY_S = 30.0
 MAX_BACKOFF_S = 30.0
 
 
+def flush_phase(node: str, interval_s: float) -> float:
+    """Where in each ``interval_s`` a node's agents send, on the wall clock: the same for
+    every rank of ``node`` (so its relay gets their batches together and sends them in
+    one request), spread over the interval from node to node (so that the collector is
+    not sent every node's request at the same instant)."""
+    return zlib.crc32(node.encode()) % 100_000 / 100_000 * interval_s
+
+
 class Exporter:
-    """Owns the background thread. All public methods are safe from any thread."""
+    """Owns the background thread. All public methods are safe from any thread.
+
+    ``phase_s``: send on the wall clock's ticks, ``phase_s`` past each multiple of the
+    interval (:func:`flush_phase`; with a node relay), not at a phase of the thread's own."""
 
     def __init__(
         self,
@@ -188,9 +200,12 @@ class Exporter:
         stats: dict[str, int],
         on_commands: Callable[[Any], None] | None = None,
         spool: Spool | None = None,
+        phase_s: float | None = None,
     ) -> None:
         self._on_commands = on_commands
+        self._phase_s = phase_s
         self._poll = False  # send a heartbeat now: the trainer waits for a command
+        self._draining = False  # flush(): send all that is queued, not one batch a tick
         self._queue = queue
         self._header = header
         self._encode = encode
@@ -226,10 +241,14 @@ class Exporter:
     def flush(self, timeout_s: float) -> None:
         """Wake the thread and wait (at most ``timeout_s``) until the queue is sent."""
         deadline = time.monotonic() + timeout_s
-        self._wake.set()
-        while (self._queue or self._held) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.05)  # the last request in flight
+        self._draining = True  # everything queued, not one batch a tick
+        try:
+            self._wake.set()
+            while (self._queue or self._held) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            time.sleep(0.05)  # the last request in flight
+        finally:
+            self._draining = False
 
     def shutdown(self, timeout_s: float) -> None:
         """Send what is queued, within ``timeout_s``, then stop the thread."""
@@ -249,7 +268,11 @@ class Exporter:
         while True:
             # Wake for the next batch, or exactly when a heartbeat is due, whichever is first.
             beat_due = self._heartbeat_s - (time.monotonic() - self._last_sent)
-            self._wake.wait(max(0.01, min(self._interval_s, beat_due)))
+            wait = self._interval_s
+            if self._phase_s is not None:  # to the next tick (one just missed: the one after)
+                wait -= (time.time() - self._phase_s) % self._interval_s
+                wait += self._interval_s if wait < 0.005 else 0.0
+            self._wake.wait(max(0.01, min(wait, beat_due)))
             self._wake.clear()
             stopping = self._stopping.is_set()
             cpu = time.thread_time_ns()
@@ -325,7 +348,12 @@ class Exporter:
             return False
         if not self._send(steps, events, gpu, final=final):
             return False  # wait for the next tick instead of spinning on a dead collector
-        return bool(self._queue) or (bool(self._held) and final)
+        if final or self._draining:
+            return bool(self._queue) or (bool(self._held) and final)
+        # Records queued while this batch was out wait for the next tick, unless a whole
+        # batch is ready: one request an interval (a relay holds each for its window, and
+        # a fast trainer's next steps would otherwise go out behind it, again and again).
+        return len(self._queue) >= self._batch_size
 
     def _put(self, batch: Batch) -> None:
         try:

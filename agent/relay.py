@@ -26,10 +26,12 @@ relay is down sends straight to the collector (``TRAINWARDEN_RELAY`` with
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -255,6 +257,7 @@ class Relay:
             "refused": 0,
         }
         self._pending: list[_Held] = []
+        self._conns: set[socket.socket] = set()  # the agents' open connections
         self._cond = threading.Condition()
         self._stopping = False
         relay = self
@@ -280,13 +283,19 @@ class Relay:
         return self
 
     def stop(self) -> None:
-        """Send what is held, then stop."""
+        """Send what is held, then stop: the agents' open connections are closed, so that
+        they go to the collector directly (a request arriving meanwhile is passed on)."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
         self._server.shutdown()
         for t in self._threads:
             t.join(self.timeout_s + 5)
+        with self._cond:
+            open_conns, self._conns = list(self._conns), set()
+        for conn in open_conns:  # keep-alive connections' handler threads outlive the server
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
         self._server.server_close()
         self._upstream.close()
 
@@ -299,8 +308,10 @@ class Relay:
     # -- held requests ---------------------------------------------------------------
 
     def hold(self, held: _Held) -> Answer:
+        if self._stopping:  # no merged request will go out: this one on its own
+            return self.pass_through("POST", INGEST_PATH, held.raw, held.headers)
         with self._cond:
-            if len(self._pending) >= MAX_HELD or self._stopping:
+            if len(self._pending) >= MAX_HELD:
                 self.stats["refused"] += 1
                 return Answer(503, _dumps({"detail": "trainwarden relay: busy; send again later"}),
                               {"Retry-After": "1", "Content-Type": "application/json"})  # fmt: skip
@@ -397,6 +408,16 @@ class _Handler(BaseHTTPRequestHandler):
     owner: Relay
     protocol_version = "HTTP/1.1"  # keep-alive: an agent's httpx client keeps its connection
     server_version = "trainwarden-relay"
+
+    def setup(self) -> None:
+        super().setup()
+        with self.owner._cond:
+            self.owner._conns.add(self.connection)
+
+    def finish(self) -> None:
+        with self.owner._cond:
+            self.owner._conns.discard(self.connection)
+        super().finish()
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002
         log.debug("relay: " + format, *args)

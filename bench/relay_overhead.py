@@ -35,6 +35,7 @@ import torch
 
 import trainwarden.agent as tw
 from trainwarden.agent import core
+from trainwarden.agent.exporter import flush_phase
 
 sys.path.insert(0, os.path.dirname(__file__))
 from agent_overhead import sized_mlp  # noqa: E402
@@ -47,8 +48,11 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def peers(relay: str, collector: str, run: str, ranks: list[int], world: int, stop: Any) -> None:
-    """Local ranks 1..N of the node: a batch a second each, to the relay, else direct."""
+def peers(
+    relay: str, collector: str, run: str, ranks: list[int], world: int, stop: Any, counts: Any
+) -> None:
+    """Local ranks 1..N of the node: a batch a second each, on the node's ticks (as agents
+    with a relay send), to the relay, else direct."""
     import httpx
 
     def rank_loop(rank: int) -> None:
@@ -60,19 +64,20 @@ def peers(relay: str, collector: str, run: str, ranks: list[int], world: int, st
             httpx.Client(base_url=collector, timeout=10),
         )
         step = 0
-        time.sleep(rng.random())
-        while not stop.is_set():
+        phase = flush_phase("node0", 1.0)  # as the node's agents send: together
+        while not stop.wait(1.0 - (time.time() - phase) % 1.0 + rng.random() * 0.005):
             now = time.time()
             body = {"run": run, "agent": {**header, "sent_at": now, "last_step": step},
                     "steps": [{"step": step, "ts": now - 0.9, "duration_s": 0.9, "loss": 2.0 + rng.random(),
                                "tokens": 4096, "compute_s": 0.7, "exposed_comm_s": 0.2}]}  # fmt: skip
             try:
                 via.post("/api/v1/ingest", json=body)
+                counts[0] += 1
             except httpx.TransportError:
                 with contextlib.suppress(httpx.TransportError):
                     direct.post("/api/v1/ingest", json=body)
+                    counts[1] += 1
             step += 1
-            stop.wait(max(0.0, 1.0 - (time.time() - now)))
 
     threads = [threading.Thread(target=rank_loop, args=(r,)) for r in ranks]
     for t in threads:
@@ -98,14 +103,16 @@ def main() -> None:
     port = free_port()
     os.environ["TRAINWARDEN_RELAY_PORT"] = str(port)
     os.environ["LOCAL_WORLD_SIZE"] = str(args.peers + 1)
+    os.environ["NODE_NAME"] = "node0"  # the peers' node: its agents send on the same ticks
     world = args.peers + 1
     run = f"bench-relay-{uuid.uuid4().hex[:6]}"
     db = os.path.join(tempfile.mkdtemp(), "relay.db")
     with serving(f"sqlite:///{db}", log_name="bench-relay") as url:
-        stop = mp.get_context("spawn").Event()
-        peer_proc = mp.get_context("spawn").Process(
+        ctx = mp.get_context("spawn")
+        stop, counts = ctx.Event(), ctx.Array("l", 2)
+        peer_proc = ctx.Process(
             target=peers,
-            args=(f"http://127.0.0.1:{port}", url, run, list(range(1, world)), world, stop),
+            args=(f"http://127.0.0.1:{port}", url, run, list(range(1, world)), world, stop, counts),
         )
         peer_proc.start()
         times: dict[bool, list[float]] = {False: [], True: []}
@@ -146,6 +153,9 @@ def main() -> None:
           f"ratio {on / off:.4f}")  # fmt: skip
     print(f"   this process's CPU: {cpu_off:.3f} cores relay off, {cpu_on:.3f} on: the relay "
           f"{(cpu_on - cpu_off) * 1000:+.1f} ms a second")  # fmt: skip
+    print(
+        f"   the peers sent {counts[0]} batches through the relay, {counts[1]} straight to the collector"
+    )
     print(f"   the relay held {held} batches of {world} ranks and sent the collector {merged} requests "
           f"({held / max(1, merged):.1f} batches a request)")  # fmt: skip
 

@@ -173,6 +173,25 @@ def test_an_agent_goes_around_a_dead_relay(
     assert [r["last_step"] for r in ranks] == [2]
 
 
+def test_agents_go_direct_once_their_relay_stops(live_server: Server) -> None:
+    """A relay that stops (local rank 0's process ending, under ``auto``) closes its agents'
+    keep-alive connections: their next batch goes to the collector, none is lost."""
+    run = f"stops-{uuid.uuid4().hex[:6]}"
+    relay = Relay(live_server.url, port=0, window_s=0.05).start()
+    transport = HttpTransport(live_server.url, token=None, timeout_s=10, relay=relay.url)
+    try:
+        transport.send("/api/v1/ingest", _batch(run, 0, 1))
+        assert relay.stats["held"] == 1
+        relay.stop()
+        transport.send("/api/v1/ingest", _batch(run, 0, 2))  # the same client, its relay gone
+        assert (transport.via_relay, transport.around_relay) == (1, 1)
+    finally:
+        transport.close()
+        relay.stop()
+    ranks = live_server.get(f"/api/v1/runs/{run}/ranks").json()
+    assert [r["last_step"] for r in ranks] == [2]
+
+
 def test_relay_refuses_bad_settings_clearly() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "trainwarden.agent.relay", "--upstream", "ftp://x", "--port", "0"],
