@@ -18,6 +18,7 @@ import time
 import uuid
 from collections import deque
 from typing import Any
+from urllib.parse import urlsplit
 
 from . import identity
 from .checkpoints import Checkpointing, checked_seconds, checked_step, checkpoint_data
@@ -353,7 +354,7 @@ class Agent:
                 spool=self._open_spool(),
                 # With a relay, the node's ranks send together: it merges them.
                 phase_s=None if config.relay is None
-                else flush_phase(config.node, min(config.flush_interval_s, config.heartbeat_s)),
+                else flush_phase(_relay_group(config), min(config.flush_interval_s, config.heartbeat_s)),
             )  # fmt: skip
         else:
             log.warning(
@@ -759,6 +760,15 @@ class Agent:
         deadline = time.monotonic() + timeout_s
         for ck in list(self._checkpoints):
             ck.finish(wait_s=max(0.0, deadline - time.monotonic()))
+
+
+def _relay_group(config: AgentConfig) -> str:
+    """Who sends through the same relay, whose agents share a flush phase: the node, for
+    a relay on it (``auto``, loopback); for one that serves several nodes, its URL."""
+    host = urlsplit(config.relay).hostname if config.relay not in (None, "auto") else None
+    if host is None or host == "localhost" or host.startswith("127.") or host == "::1":
+        return config.node
+    return str(config.relay)
 
 
 def _node_relay(config: AgentConfig) -> tuple[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
 from trainwarden.agent.relay import _Held, _mergeable, columnar, ranks_header
@@ -56,3 +57,22 @@ def test_what_is_not_a_batch_passes_through() -> None:
 def test_sender_header_names_ranks_in_ranges() -> None:
     assert ranks_header("r", [3, 0, 1, 2, 7, 9, 10]) == "r/0-3,7,9-10"
     assert ranks_header("r", [5]) == "r/5"
+
+
+def test_ranks_sharing_a_relay_share_a_flush_phase() -> None:
+    from trainwarden.agent.config import AgentConfig
+    from trainwarden.agent.core import _relay_group
+    from trainwarden.agent.exporter import flush_phase
+
+    def group(relay: str, node: str) -> str:
+        config = AgentConfig.resolve(run="r", url="http://collector:8000", relay=relay)
+        return _relay_group(replace(config, node=node))
+
+    # A relay on the node (auto, loopback): the node's ranks; one for a rack: its URL.
+    assert group("auto", "n1") == "n1" and group("http://127.0.0.1:8470", "n2") == "n2"
+    assert (
+        group("http://rack7:8470", "n1") == group("http://rack7:8470", "n2") == "http://rack7:8470"
+    )
+    phases = {flush_phase(f"node{i}", 1.0) for i in range(64)}
+    assert len(phases) > 50 and all(0 <= p < 1.0 for p in phases)  # nodes spread over the second
+    assert flush_phase("node3", 2.0) == 2 * flush_phase("node3", 1.0)
