@@ -2,12 +2,14 @@
 
     python bench/ingest.py [--db postgresql+psycopg://postgres@127.0.0.1:5432/test]
                            [--ranks 1024] [--ranks-per-node 8] [--duration 30]
-                           [--user-metrics 6] [--after-crash]
+                           [--user-metrics 6] [--after-crash] [--no-relay]
 
 (a) raw binary COPY of the same wide rows into a table with rank_steps' key: the limit
     (the user metrics as one JSONB object a row, as rank_steps keeps them);
 (b) trainwarden end to end: ``trainwarden serve`` on a scratch database, fed by the load
-    generator (one request per node per step); points/s sustained, and p95 from the
+    generator (a request a step for each ``--ranks-per-node`` ranks, as a relay sends: 8
+    for a relay per 8-GPU node, 64 for one serving 8 such nodes; ``--no-relay``: a request
+    a rank, as agents send with no relay); points/s sustained, and p95 from the
     request that completes a step to that step being queryable in the series API;
 (c) MLflow's tracking server taking the same points through log-batch, on a scratch database
     of the same PostgreSQL (bench/peer_mlflow.py; bench/install_mlflow.sh installs MLflow).
@@ -202,7 +204,7 @@ def main() -> None:
             user=args.user_metrics, after_crash=args.after_crash, per_rank=args.no_relay,
         )  # fmt: skip
         shape = ("a request a rank: no relay" if args.no_relay
-                 else f"a request a node of {args.ranks_per_node} ranks, as its relay sends")  # fmt: skip
+                 else f"a request of {args.ranks_per_node} ranks, as a relay sends")  # fmt: skip
         print(
             f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = {e2e['points_per_s']:>13,.0f} points/s "
             f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s, {shape}; {e2e['failed']:.0f} failed requests)"
