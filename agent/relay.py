@@ -397,7 +397,7 @@ class Relay:
         self.stats["passed_through"] += 1
         upstream = _Upstream(self.upstream_url, self.timeout_s)
         try:
-            return upstream.request(method, path, body, headers)
+            return upstream.request(method, path, body, {**headers, "Via": "1.1 trainwarden-relay"})
         except (http.client.HTTPException, OSError) as exc:
             return _unreachable(exc)
         finally:

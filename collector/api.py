@@ -107,9 +107,33 @@ def _sender(batch: IngestBatch | ColumnarBatch) -> str:
     return f"{batch.run}/{','.join(map(str, ranks))}"
 
 
+RELAY_HINT_WORLD = 256  # a run this large sending a request a rank is told of relays, once
+
+
+def _hint_relay(request: Request, batch: IngestBatch) -> None:
+    """Log once per run (and collector) that a large run's agents send with no relay."""
+    if batch.agent.world_size < RELAY_HINT_WORLD:
+        return
+    hinted = getattr(request.app.state, "relay_hinted", None)
+    if hinted is None or len(hinted) > 10_000:
+        hinted = request.app.state.relay_hinted = set()
+    if batch.run not in hinted:
+        hinted.add(batch.run)
+        log.warning(
+            "run %s: %d ranks, each sending its own requests; one collector takes about "
+            "3,500 of those a second on two cores. Run a relay on each node "
+            "(TRAINWARDEN_RELAY=auto on the agents, or `trainwarden relay`): one request a node",
+            batch.run, batch.agent.world_size,
+        )  # fmt: skip
+
+
 async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> IngestResult:
     """Hand a validated batch to the group-commit writer and wait for its commit."""
     auth.check_run(batch.run)  # an ingest token may be limited to some runs
+    if isinstance(batch, IngestBatch) and "trainwarden-relay" not in request.headers.get("via", ""):
+        _hint_relay(
+            request, batch
+        )  # (a relay sends a batch on its own when the merged one is refused)
     started = time.perf_counter()
     try:
         future = _writer(request).submit_async(batch)

@@ -524,3 +524,18 @@ def test_metrics_pass_promtool_and_carry_per_run_gauges(client: TestClient) -> N
         [promtool, "check", "metrics"], input=text, capture_output=True, text=True
     )
     assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_a_large_run_with_no_relay_is_told_of_relays_once(
+    client: TestClient, caplog: pytest.LogCaptureFixture
+) -> None:
+    for rank in (0, 1, 2):
+        body = batch("big", rank=rank, world_size=512, steps=[step(0)])
+        assert client.post("/api/v1/ingest", json=body).status_code == 200
+    hints = [r.getMessage() for r in caplog.records if "relay" in r.getMessage()]
+    assert len(hints) == 1 and "run big: 512 ranks" in hints[0], hints
+    # A small run, or a batch a relay sends on its own, says nothing.
+    client.post("/api/v1/ingest", json=batch("small", world_size=8, steps=[step(0)]))
+    client.post("/api/v1/ingest", json=batch("relayed", world_size=512, steps=[step(0)]),
+                headers={"Via": "1.1 trainwarden-relay"})  # fmt: skip
+    assert len([r for r in caplog.records if "relay" in r.getMessage()]) == 1
