@@ -212,7 +212,7 @@ from trainwarden.agent import core
 agent = tw.init(run=sys.argv[2], url=sys.argv[1], relay="auto", flush_interval_s=0.2)
 dist.init_process_group("gloo")
 dist.barrier()  # local rank 0's relay listens by now
-for step in range(40):
+for step in range(80):
     with tw.step(step, tokens=1024) as s:
         time.sleep(0.05)
         s.loss(2.0 + step / 100)
@@ -244,13 +244,16 @@ def test_relay_auto_runs_the_nodes_relay_in_local_rank_0(
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert seen[1]["relay"] is None and seen[0]["relay"] is not None  # rank 0's runs it
-    for r in seen:  # every batch of both went through it (the relay was up before any)
-        assert r["via_relay"] >= 10 and r["around_relay"] == 0, seen
+    # Both send through it: rank 1 perhaps not at first (its agent may send before rank 0's
+    # relay listens: it then sends direct for 2 s and tries again), then for good.
+    for r in seen:
+        assert r["via_relay"] >= 5, seen
+    assert seen[0]["around_relay"] == 0, seen
     stats = seen[0]["relay"]
     assert stats["merged_requests"] < stats["held"] and stats["one_by_one"] == 0, stats
     steps = live_server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
     ranks = live_server.get(f"/api/v1/runs/{run}/ranks").json()
-    assert [r["last_step"] for r in ranks] == [39, 39] and [r["state"] for r in ranks] == [
+    assert [r["last_step"] for r in ranks] == [79, 79] and [r["state"] for r in ranks] == [
         "finished"
     ] * 2
     assert steps["step"][:1] == [0]
