@@ -26,7 +26,7 @@ from .commands import Commands
 from .config import AgentConfig, ConfigError
 from .device_clock import DeviceClock, event_now
 from .drills import Drill, DrillError, parse
-from .exporter import Exporter, HttpTransport, Transport, flush_phase
+from .exporter import Exporter, HttpTransport, Transport
 from .gpu import XID_SEVERITY, GpuMonitor, describe_xid, open_device
 from .mfu import Peak, resolve_peak
 from .profiler import SampledProfiler
@@ -353,9 +353,8 @@ class Agent:
                 on_commands=self.commands.receive,
                 spool=self._open_spool(),
                 # With a relay, the node's ranks send together: it merges them.
-                phase_s=None if config.relay is None
-                else flush_phase(_relay_group(config), min(config.flush_interval_s, config.heartbeat_s)),
-            )  # fmt: skip
+                phase_of=None if config.relay is None else _relay_group(config),
+            )
         else:
             log.warning(
                 "trainwarden: no collector URL (tw.init(url=...) or TRAINWARDEN_URL); "

@@ -183,8 +183,9 @@ def flush_phase(node: str, interval_s: float) -> float:
 class Exporter:
     """Owns the background thread. All public methods are safe from any thread.
 
-    ``phase_s``: send on the wall clock's ticks, ``phase_s`` past each multiple of the
-    interval (:func:`flush_phase`; with a node relay), not at a phase of the thread's own."""
+    ``phase_of``: send on the wall clock's ticks, at the phase :func:`flush_phase` gives
+    this name (with a relay: its node, or the relay's URL), not at a phase of the thread's
+    own."""
 
     def __init__(
         self,
@@ -200,10 +201,9 @@ class Exporter:
         stats: dict[str, int],
         on_commands: Callable[[Any], None] | None = None,
         spool: Spool | None = None,
-        phase_s: float | None = None,
+        phase_of: str | None = None,
     ) -> None:
         self._on_commands = on_commands
-        self._phase_s = phase_s
         self._poll = False  # send a heartbeat now: the trainer waits for a command
         self._draining = False  # flush(): send all that is queued, not one batch a tick
         self._queue = queue
@@ -213,6 +213,7 @@ class Exporter:
         self._run = run
         self._batch_size = batch_size
         self._interval_s = min(interval_s, heartbeat_s)
+        self._phase_s = None if phase_of is None else flush_phase(phase_of, self._interval_s)
         self._heartbeat_s = heartbeat_s
         self._last_sent = 0.0
         self._stats = stats

@@ -41,11 +41,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
+from .exporter import INGEST_PATH, SENDER_HEADER, _dumps
+
 log = logging.getLogger(__name__)
 
-INGEST_PATH = "/api/v1/ingest"
 COLUMNS_PATH = "/api/v1/ingest/columns"
-SENDER_HEADER = "X-Trainwarden-Sender"
 DEFAULT_PORT = 8470
 DEFAULT_WINDOW_S = 0.2
 MAX_BODY_BYTES = 64 << 20  # what one agent may send the relay (the collector's own limit decides)
@@ -60,14 +60,6 @@ def _loads(body: bytes) -> Any:
     except ImportError:
         return json.loads(body)
     return orjson.loads(body)
-
-
-def _dumps(value: Any) -> bytes:
-    try:
-        import orjson
-    except ImportError:
-        return json.dumps(value, allow_nan=False, separators=(",", ":")).encode()
-    return orjson.dumps(value)
 
 
 def ranks_header(run: str, ranks: Sequence[int]) -> str:

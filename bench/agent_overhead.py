@@ -132,6 +132,15 @@ def sized_mlp(step_ms: float) -> tuple[nn.Module, torch.optim.Optimizer, torch.T
         width = int(width * min(2.0, (step_ms / took) ** 0.5 * 1.05))
 
 
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    """One step of the sized MLP: forward, backward, update; returns the loss."""
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def training_loop(step_ms: float, blocks: int, steps_per_block: int) -> dict[str, float]:
     """Median step time bare vs. with the agent and tw.watch, blocks interleaved A/B/A/B.
 
@@ -144,16 +153,9 @@ def training_loop(step_ms: float, blocks: int, steps_per_block: int) -> dict[str
         t0 = time.perf_counter()
         if with_agent:
             with tw.step(i, tokens=x.shape[0]) as s:
-                loss = model(x).square().mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                s.loss(loss)
+                s.loss(train_step(model, opt, x))
         else:
-            loss = model(x).square().mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
+            train_step(model, opt, x)
         return time.perf_counter() - t0
 
     def schedule(agent_arm: bool) -> tuple[float, float]:

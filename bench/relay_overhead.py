@@ -38,7 +38,7 @@ from trainwarden.agent import core
 from trainwarden.agent.exporter import flush_phase
 
 sys.path.insert(0, os.path.dirname(__file__))
-from agent_overhead import sized_mlp  # noqa: E402
+from agent_overhead import sized_mlp, train_step  # noqa: E402
 from common import serving  # noqa: E402
 
 
@@ -128,11 +128,7 @@ def main() -> None:
                 for i in range(args.steps_per_block):
                     t0 = time.perf_counter()
                     with tw.step(step, tokens=x.shape[0]) as s:
-                        loss = model(x).square().mean()
-                        loss.backward()
-                        opt.step()
-                        opt.zero_grad()
-                        s.loss(loss)
+                        s.loss(train_step(model, opt, x))
                     if i >= 3:  # past the agent's start
                         times[arm].append(time.perf_counter() - t0)
                     step += 1
