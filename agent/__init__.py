@@ -221,6 +221,11 @@ def checkpoint_saved(
     never writes checkpoints itself). The collector keeps them with the run (rollbacks
     restore them); the CheckpointStale alert fires when none has been reported for 2 hours.
 
+    ``step``: the checkpoint holds the weights after the optimizer update of this step.
+    A rollback for an anomaly that began at step k restores only a checkpoint with
+    ``step <= k - 2`` (the loss of k is computed after update k - 1); a trainer that
+    saves before its optimizer step must pass its step - 1.
+
     ``seconds``: how long the save blocked training; ``bytes``: its size;
     ``drain_seconds``: how long an async save took to finish writing after that. They
     feed the checkpoint cost and the cadence advice; a wrong type or a negative or

@@ -17,7 +17,7 @@ import math
 import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from trainwarden.collector.health import median_without
@@ -127,6 +127,10 @@ class Verdict:
     value: float | None
     detail: str
     step: int | None = None
+    onset_step: int | None = None
+    """The first step of the streak in which the condition holds, from the data (a
+    baseline or threshold rule), or the earliest matching record's own step (an event
+    rule): where the anomaly began, not when a pass noticed it. ``None``: not known."""
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -187,6 +191,26 @@ def _compare(value: float, above: float | None, below: float | None) -> bool:
     return (above is not None and value > above) or (below is not None and value < below)
 
 
+def _onset(
+    points: Sequence[tuple[int, float, float]], holds: Callable[[float], bool], window: int
+) -> int | None:
+    """The step at which the streak of ``points`` that holds now began, scanning back
+    from the newest. A point belongs to the streak if its own value holds, or if the
+    median of the ``window`` points ending at it does (a noisy point inside the streak
+    does not end it); the onset is the earliest point of the streak whose own value
+    holds. ``None`` when nothing holds."""
+    onset = None
+    for i in range(len(points) - 1, -1, -1):
+        own = holds(points[i][2])
+        if not own:
+            around = _median(p[2] for p in points[max(0, i - window + 1) : i + 1])
+            if around is None or not holds(around):
+                break
+        else:
+            onset = points[i][0]
+    return onset
+
+
 def _rank_detail(snap: Snapshot, rank: int) -> str:
     info = snap.ranks.get(rank)
     return f"rank {rank}" + (f" (node {info.node})" if info and info.node else "")
@@ -210,11 +234,15 @@ def _threshold(rule: ThresholdRule, snap: Snapshot) -> list[Verdict]:
     what = f"{p.metric}{' / step time' if p.fraction_of_step else ''}"
     out = []
     for rank, points in _series(snap, p.scope, p.metric, p.stat, p.fraction_of_step).items():
-        value = _median(_window(points, p.window, snap.now))
+        recent = _window(points, p.window, snap.now)
+        value = _median(recent)
         if value is not None and _compare(value, p.above, p.below):
             who = "run" if rank is None else _rank_detail(snap, rank)
             span = f" (median over {p.window})" if p.window else ""
-            out.append(Verdict(rank, value, f"{who}: {what} {_fmt(value)}{span}, threshold {bound}", points[-1][0] if p.scope != "gpu" else snap.last_step))  # fmt: skip
+            onset = None
+            if p.scope != "gpu":  # GPU samples are timed, not stepped
+                onset = _onset(points, lambda v: _compare(v, p.above, p.below), len(recent))
+            out.append(Verdict(rank, value, f"{who}: {what} {_fmt(value)}{span}, threshold {bound}", points[-1][0] if p.scope != "gpu" else snap.last_step, onset))  # fmt: skip
     return out
 
 
@@ -267,9 +295,35 @@ def _baseline(rule: BaselineRule, snap: Snapshot) -> list[Verdict]:
         ratio = now_value / base_value
         if _compare(ratio, p.ratio_above, p.ratio_below):
             who = "run" if rank is None else _rank_detail(snap, rank)
+            onset = _baseline_onset(rule, points, base_value, len(recent))
             out.append(Verdict(rank, ratio, f"{who}: {p.metric} {_fmt(now_value)} is {ratio:.2f}x its baseline "
-                                            f"{_fmt(base_value)} (median of the previous {p.baseline})", points[-1][0]))  # fmt: skip
+                                            f"{_fmt(base_value)} (median of the previous {p.baseline})", points[-1][0], onset))  # fmt: skip
     return out
+
+
+def _baseline_onset(
+    rule: BaselineRule, points: Sequence[tuple[int, float, float]], base: float, window: int
+) -> int | None:
+    """Where a baseline rule's streak began: each step's value against the baseline. A
+    pass that noticed late has part of the streak inside its baseline; the baseline is
+    taken again from the points before the onset found, and the scan repeated once."""
+    p = rule.params
+
+    def holds(reference: float) -> Callable[[float], bool]:
+        return lambda v: _compare(v / reference, p.ratio_above, p.ratio_below)
+
+    onset = _onset(points, holds(base), window)
+    if onset is None:
+        return None
+    before = [pt for pt in points if pt[0] < onset]
+    if p.baseline.unit == "steps":
+        before = before[-int(p.baseline.value) :]
+    elif before:
+        before = [pt for pt in before if pt[1] > before[-1][1] - p.baseline.value]
+    clean = _median(pt[2] for pt in before)
+    if clean and clean != base:
+        return _onset(points, holds(clean), window) or onset
+    return onset
 
 
 def _complete_step(snap: Snapshot, min_ranks: int) -> tuple[int, dict[int, Row]] | None:
@@ -389,12 +443,16 @@ def _event(rule: EventRule, snap: Snapshot) -> list[Verdict]:
                                                             f"({', '.join(hit)}) at {row.get('temp_c')} °C", snap.last_step))  # fmt: skip
         return out
     found: dict[int | None, Verdict] = {}
+    first: dict[int | None, int] = {}  # the earliest matching step: the onset
     for row, who_rank, what in _matches(match, snap):
         if _fresh(row, snap):
             key = who_rank if rule.per_rank else None
             who = "run" if key is None else _rank_detail(snap, key)
-            found[key] = Verdict(key, None, f"{who}: {what}", row.get("step"))  # the newest wins
-    return list(found.values())
+            step = row.get("step")
+            if step is not None:
+                first[key] = min(first.get(key, step), step)
+            found[key] = Verdict(key, None, f"{who}: {what}", step)  # the newest wins
+    return [replace(v, onset_step=first.get(key)) for key, v in found.items()]
 
 
 def _absence(rule: AbsenceRule, snap: Snapshot) -> list[Verdict]:

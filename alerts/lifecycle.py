@@ -37,6 +37,7 @@ class Alert:
     state: State = "inactive"
     active_since: float | None = None  # when the condition last became true (time)
     active_since_step: int | None = None  # ... and at which step
+    onset_step: int | None = None  # where the anomaly began in the data (Verdict.onset_step)
     fired_at: float | None = None
     fired_at_step: int | None = None  # the step it fired at (the verdict's, else the run's)
     cleared_at: float | None = None  # when the condition last became false while firing
@@ -70,24 +71,31 @@ def advance(
     for_: Interval,
     keep_firing_for: Interval,
     verdict_step: int | None = None,
+    onset_step: int | None = None,
 ) -> Alert:
     """The alert after one evaluation at ``now`` (and the run's ``step``) that found its
     condition ``active`` or not. Returns the same object when nothing changed.
     ``verdict_step``: the step the condition was found at (an XID's own step, say),
-    kept as the step it fired at; else the run's step."""
+    kept as the step it fired at; else the run's step. ``onset_step``: where the
+    verdict says the anomaly began; an episode keeps the earliest it was given (a later
+    pass may no longer hold the start of the streak in its window)."""
     if active:
         if alert.state in ("inactive", "resolved"):  # a new episode
             alert = replace(alert, state="pending", active_since=now, active_since_step=step,
-                            fired_at=None, fired_at_step=None, cleared_at=None,
-                            cleared_at_step=None, resolved_at=None)  # fmt: skip
-        elif alert.state == "firing" and alert.cleared_at is not None:
+                            onset_step=onset_step, fired_at=None, fired_at_step=None,
+                            cleared_at=None, cleared_at_step=None, resolved_at=None)  # fmt: skip
+        elif onset_step is not None and (alert.onset_step is None or onset_step < alert.onset_step):
+            alert = replace(alert, onset_step=onset_step)
+        if alert.state == "firing" and alert.cleared_at is not None:
             return replace(alert, cleared_at=None, cleared_at_step=None)  # back in time
         if alert.state == "pending" and _held(alert, for_, now, step):
             at = verdict_step if verdict_step is not None else step
             return replace(alert, state="firing", fired_at=now, fired_at_step=at)
         return alert
     if alert.state == "pending":
-        return replace(alert, state="inactive", active_since=None, active_since_step=None)
+        return replace(
+            alert, state="inactive", active_since=None, active_since_step=None, onset_step=None
+        )
     if alert.state == "firing":
         if alert.cleared_at is None:
             alert = replace(alert, cleared_at=now, cleared_at_step=step)

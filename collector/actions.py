@@ -15,12 +15,19 @@ Each action is a row of ``actions`` with a state machine and its history::
   nothing is done: the default). Rollbacks have a budget (at most N per period; past
   it the run is stopped and paged instead); evictions a blast-radius guard (at most a
   fraction of the run's nodes per hour) and a cool-down.
-- **Rollback** (see ``agent/commands.py`` for the rank's side): the newest checkpoint
-  reported before the anomaly's onset (with a margin) and the data window to skip.
+- **Rollback** (see ``agent/commands.py`` for the rank's side): the newest *clean*
+  checkpoint and the data window to skip. The onset is where the anomaly began in the
+  data (``alerts.onset_step``: the first step of the rule's streak, or the event's own
+  step), not when a pass noticed it. The loss of step k is computed with the weights
+  after update k - 1, so a checkpoint saved after step s is clean for an onset at k iff
+  s <= k - 2 (:func:`clean_limit`), less ``margin_steps``.
   Commands ride back on the agents' ingest answers: *prepare* (every live rank answers
   with its step and holds at its next step boundary), then *commit* naming the barrier
   step (one past the newest step answered) once every rank has answered, else *abort*
-  and another attempt.
+  and another attempt. Once every rank restored, the rollback checks its own result
+  (``collector/rollback_check.py``): the alert's rule over the first steps run again.
+  Still holding, the checkpoint was bad too: the rollback goes again to the next older
+  clean checkpoint (within the budget), or fails and pages. Only then is it ``done``.
 - **Evict**: the node goes through the scheduler backend (``collector/evict.py``:
   Slurm, Kubernetes, a command), then the node's ranks get a *stop* command and exit
   with ``STOPPED_EXIT_CODE`` so the launcher restarts the job without them.
@@ -48,9 +55,11 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from sqlalchemy import Connection, Engine, and_, insert, or_, select, update
 
 from trainwarden.alerts.intervals import Duration, Interval
+from trainwarden.alerts.rules import Rule
 
 from . import models as m
 from .db import leads, write
+from .rollback_check import MIN_STEPS, check_replay, checkable, steps_needed
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +87,10 @@ class Budget(_Strict):
 class RollbackPolicy(_Strict):
     mode: Mode = "dry-run"
     margin_steps: int = Field(
-        default=5, ge=0, description="the checkpoint precedes the onset by this much"
+        default=3,
+        ge=0,
+        description="steps before the newest clean checkpoint step (onset - 2) that the "
+        "checkpoint must also precede: with the default, at least 5 steps before the onset",
     )
     skip_margin_steps: int = Field(
         default=10, ge=0, description="skip this far past the newest step"
@@ -89,6 +101,14 @@ class RollbackPolicy(_Strict):
     """How long every rank has to answer the prepare (the others hold meanwhile)."""
     apply_timeout: Duration = Interval(120.0, "s")
     attempts: int = Field(default=3, ge=1, description="prepares tried before giving up")
+    verify_steps: int = Field(
+        default=MIN_STEPS,
+        ge=0,
+        description="steps run again after the restore on which the alert's rule must no "
+        "longer hold before the rollback is done (at least the rule's window; 0: no check)",
+    )
+    verify_timeout: Duration = Interval(300.0, "s")
+    """How long to wait for those steps; then the rollback is done, unchecked, and says so."""
 
 
 class EvictPolicy(_Strict):
@@ -198,9 +218,11 @@ class ActionEngine:
         interval_s: float = 0.5,
         clock: Callable[[], float] = time.time,
         backend: Any = None,
+        rules: Sequence[Rule] = (),
     ) -> None:
         self.engine = engine
         self.policy = policy
+        self.rules = {r.name: r for r in rules}  # to check a rollback's result
         self.board = board or CommandBoard()
         self.interval_s = interval_s
         self.clock = clock
@@ -368,14 +390,22 @@ class ActionEngine:
                 m.actions.c.created_at > ctx.now - pol.budget.per.value,
             )
         ).all() if a.state != "failed" or any(h.get("state") == "executing" for h in a.history or ())]  # fmt: skip
-        if len(spent) >= pol.budget.count:
-            self._finish(ctx, row, "failed", reason=f"retry budget spent: {len(spent)} rollbacks within {pol.budget.per}; stopping the run instead")  # fmt: skip
+        before = (row.plan or {}).get(
+            "restores"
+        ) or []  # this action's restores that did not fix it
+        if len(spent) + len(before) >= pol.budget.count:
+            why = f"retry budget spent: {len(spent) + len(before)} rollbacks within {pol.budget.per}; stopping the run instead"  # fmt: skip
+            if before:
+                why = f"{_not_fixed(before[-1])}; {why}"
+            self._finish(ctx, row, "failed", reason=why)  # fmt: skip
             create_action(ctx.conn, self.policy, run_id=row.run_id, kind="stop", now=ctx.now,
                           trigger="budget", detail="rollback budget spent", mode="auto",
                           fingerprint=f"budget:{row.id}", approver="policy")  # fmt: skip
             return
         plan, problem = rollback_plan(ctx.conn, row, pol)
         if plan is None:
+            if before:
+                problem = f"{_not_fixed(before[-1])}, and no older clean checkpoint: {problem}"
             self._finish(ctx, row, "failed", reason=problem)
             return
         a = m.actions.c
@@ -385,8 +415,9 @@ class ActionEngine:
             self._finish(ctx, row, "failed", reason=f"rollback {busy} of this run is executing; not starting a second one")  # fmt: skip
             return
         attempt = (row.plan or {}).get("attempt", 0) + 1
-        plan["attempt"] = attempt
-        plan["checkpoint_step"] = (row.plan or {}).get("checkpoint_step")  # an operator's choice
+        plan.update(
+            _carried(row.plan), attempt=attempt
+        )  # an operator's checkpoint, earlier restores
         ranks = _live_ranks(ctx.conn, row.run_id)
         if not ranks:
             self._finish(ctx, row, "failed", reason="no live rank to roll back")
@@ -400,6 +431,9 @@ class ActionEngine:
     def _executing_rollback(self, ctx: _Ctx, row: Any) -> None:
         pol = self.policy.rollback
         plan = dict(row.plan)
+        if "restored_at" in plan:
+            self._verify_rollback(ctx, row, plan)
+            return
         acks = _acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
         ranks = plan["ranks"]
         if "committed_at" not in plan:
@@ -413,7 +447,8 @@ class ActionEngine:
                 why = "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items())) or \
                     f"ranks {sorted(set(ranks) - set(prepared))} did not answer within {pol.prepare_timeout}"  # fmt: skip
                 fatal = any("on_rollback" in str(a.get("error")) for a in refused.values())
-                if plan["attempt"] >= pol.attempts or fatal:
+                tries = plan["attempt"] - plan.get("round_start", 1) + 1  # of this restore
+                if tries >= pol.attempts or fatal:
                     self._finish(ctx, row, "failed", reason=f"ranks not ready: {why}")
                     # After _finish closed the action's other commands: this one must go out,
                     # or an armed rank holds at the barrier until its decision timeout.
@@ -437,7 +472,7 @@ class ActionEngine:
                     }
                     _commands(ctx.conn, row, ranks, abort, ctx.now)
                     self._set(ctx, row, "approved", detail=f"aborted attempt {plan['attempt']}: {why}",
-                              plan={"attempt": plan["attempt"], "checkpoint_step": plan.get("checkpoint_step")})  # fmt: skip
+                              plan=_carried(plan))  # fmt: skip
                 return
             if len(prepared) == len(ranks):
                 # Each rank holds at most one step past the step it answered with: none can
@@ -473,9 +508,54 @@ class ActionEngine:
                       # steps run from the command reaching the ranks to the restore
                       "steps_after_command": plan["barrier_step"] - plan["answered_at_step"],
                       "steps_after_issue": plan["barrier_step"] - plan["issued_at_step"]}  # fmt: skip
-            self._finish(ctx, row, "done", result=result)
+            if plan.get("restores"):
+                result["restores"] = plan["restores"]
+            rule = self._rule_of(ctx, row)
+            if rule is None or pol.verify_steps == 0 or not checkable(rule):
+                self._finish(ctx, row, "done", result=result)
+                return
+            step = plan["rollback"]["checkpoint_step"]
+            plan.update(restored_at=ctx.now, result=result, rule=rule.name,
+                        restored_ts=min(float(a.get("ts") or ctx.now) for a in done.values()))  # fmt: skip
+            self._set(ctx, row, "executing", detail=f"every rank restored the checkpoint of step {step}; "
+                      f"checking {rule.name} on the steps run again", plan=plan)  # fmt: skip
         elif ctx.now - plan["committed_at"] > pol.apply_timeout.value:
             self._finish(ctx, row, "failed", reason=f"ranks {sorted(set(ranks) - set(done))} did not restore within {pol.apply_timeout}")  # fmt: skip
+
+    def _rule_of(self, ctx: _Ctx, row: Any) -> Rule | None:
+        if row.alert_id is None:
+            return None  # an operator's rollback: no rule to ask
+        name = ctx.conn.execute(select(m.alerts.c.rule).where(m.alerts.c.id == row.alert_id)).scalar()  # fmt: skip
+        return self.rules.get(name) if name is not None else None
+
+    def _verify_rollback(self, ctx: _Ctx, row: Any, plan: dict[str, Any]) -> None:
+        """Every rank restored: done once the alert's rule no longer holds on the steps
+        run again; if it still does, the checkpoint was bad too, and the rollback goes
+        again to an older clean one (:meth:`_start_rollback` keeps the budget)."""
+        pol = self.policy.rollback
+        rule = self.rules.get(plan["rule"])
+        result = dict(plan["result"])
+        step = plan["rollback"]["checkpoint_step"]
+        if rule is None:
+            self._finish(ctx, row, "done", result={**result, "check": f"not checked: rule {plan['rule']} is no longer loaded"})  # fmt: skip
+            return
+        check = check_replay(ctx.conn, rule=rule, run_id=row.run_id, ranks=plan["ranks"], checkpoint_step=step,
+                             since_ts=plan["restored_ts"], need=steps_needed(rule, pol.verify_steps), now=ctx.now)  # fmt: skip
+        if not check.ready:
+            gone = _gone(ctx.conn, row.run_id, plan["ranks"])
+            if gone or ctx.now - plan["restored_at"] > pol.verify_timeout.value:
+                why = f"ranks {sorted(gone)} ended" if gone else f"waited {pol.verify_timeout}"
+                self._finish(ctx, row, "done", result={**result, "check": f"not checked: {check.detail} ({why})"})  # fmt: skip
+            return
+        if not check.holds:
+            self._finish(ctx, row, "done", result={**result, "check": check.detail})
+            return
+        restores = [*(plan.get("restores") or []),
+                    {"checkpoint_step": step, "steps": list(check.steps or ()), "detail": check.detail}]  # fmt: skip
+        # Decisions are per attempt: the commands of this one are over.
+        ctx.conn.execute(update(m.agent_commands).where(m.agent_commands.c.action_id == row.id).values(done_at=ctx.now))  # fmt: skip
+        again = {**_carried(plan), "restores": restores, "below_step": step, "round_start": plan["attempt"] + 1}  # fmt: skip
+        self._set(ctx, row, "approved", detail=f"{_not_fixed(restores[-1])}; rolling back to an older checkpoint", plan=again)  # fmt: skip
 
     # -- stop --------------------------------------------------------------------------------------
 
@@ -610,9 +690,12 @@ def summary(kind: str, state: str, result: dict[str, Any] | None, reason: str | 
         )
         after = sorted({str(r["barrier_step"]) for r in ranks if r.get("barrier_step") is not None})
         took = result.get("restored_within_s")
+        earlier = [str(r.get("checkpoint_step")) for r in result.get("restores") or []]
         return (f"every rank ({len(ranks)}) restored the checkpoint of step {', '.join(at)} "
                 f"after step {', '.join(after)}"
-                + (f", {took} s after the commit" if took is not None else ""))  # fmt: skip
+                + (f", {took} s after the commit" if took is not None else "")
+                + (f" (the restore of step {', '.join(earlier)} had not fixed it)" if earlier else "")
+                + (f"; {result['check']}" if result.get("check") else ""))  # fmt: skip
     if kind == "evict" and result.get("node"):
         stopped = result.get("ranks_stopped") or []
         return (f"node {result['node']} evicted ({'; '.join(result.get('steps') or [])}); "
@@ -680,10 +763,10 @@ def rollback_plan(
     run = conn.execute(select(m.runs).where(m.runs.c.id == row.run_id)).one()
     onset_step, onset_ts = run.last_step or 0, math.inf
     given = (row.plan or {}).get("checkpoint_step")
+    below = (row.plan or {}).get("below_step")  # a restore of it did not fix the anomaly
     if row.alert_id is not None:
         alert = conn.execute(select(m.alerts).where(m.alerts.c.id == row.alert_id)).one()
-        steps = [s for s in (alert.step, alert.active_since_step) if s is not None]
-        onset_step = min(steps) if steps else onset_step
+        onset_step = onset_of(alert) or onset_step
         onset_ts = alert.active_since
     e = m.events.c
     ckpts = [(s, ts, (d or {}).get("path")) for s, ts, d in conn.execute(
@@ -697,16 +780,20 @@ def rollback_plan(
                 f"no checkpoint of step {given} was reported (known: {sorted({c[0] for c in ckpts})})",
             )
     else:
-        limit = onset_step - pol.margin_steps
+        limit = clean_limit(onset_step, pol.margin_steps)
+        if below is not None:
+            limit = min(limit, below - 1)
         good = [c for c in ckpts if c[0] <= limit and c[1] < onset_ts]
         if not good:
             known = sorted({c[0] for c in ckpts})[-5:]
-            return None, (f"no checkpoint at or before step {limit} (onset {onset_step} - margin {pol.margin_steps}); "
+            older = f", older than step {below}" if below is not None else ""
+            return None, (f"no checkpoint at or before step {limit} (onset {onset_step} - 2 - margin {pol.margin_steps}{older}); "
                           f"reported: {known or 'none (call tw.checkpoint_saved)'}")  # fmt: skip
     step, _, path = max(good, key=lambda c: (c[0], c[1]))
     newest = max((r for (r,) in conn.execute(select(m.ranks.c.last_step).where(m.ranks.c.run_id == row.run_id)) if r is not None), default=run.last_step or 0)  # fmt: skip
     plan = {
         "issued_at_step": newest,
+        "onset_step": onset_step,
         "rollback": {"checkpoint_step": step, "checkpoint_path": path or "", "skip_from": step + 1,
                      "skip_to": newest + pol.skip_margin_steps, "lr_scale": pol.lr_scale,
                      "reason": f"{row.trigger}: onset at step {onset_step}"},
@@ -714,13 +801,45 @@ def rollback_plan(
     return plan, None
 
 
+def onset_of(alert: Any) -> int | None:
+    """Where an alert's anomaly began: its onset in the data (``onset_step``); for an alert
+    stored before that was kept, the earliest step a pass saw it at."""
+    if alert.onset_step is not None:
+        return int(alert.onset_step)
+    steps = [s for s in (alert.step, alert.active_since_step) if s is not None]
+    return min(steps) if steps else None
+
+
+def clean_limit(onset_step: int, margin_steps: int) -> int:
+    """The newest checkpoint step that is clean for an anomaly whose onset is step
+    ``onset_step``. A checkpoint reported as ``tw.checkpoint_saved(s)`` holds the weights
+    after the update of step s; the loss of step k is computed with the weights after
+    update k - 1, so the update that caused an anomaly seen at k is k - 1 at the latest,
+    and a checkpoint is clean iff s <= k - 2. ``margin_steps`` more for safety."""
+    return onset_step - 2 - margin_steps
+
+
+def _carried(plan: dict[str, Any] | None) -> dict[str, Any]:
+    """What a rollback's next attempt keeps of the plan: the attempt count, an operator's
+    checkpoint, and the restores that did not fix the anomaly (with the bound they set)."""
+    keys = ("attempt", "checkpoint_step", "below_step", "restores", "round_start")
+    return {k: v for k, v in (plan or {}).items() if k in keys}
+
+
+def _not_fixed(restore: dict[str, Any]) -> str:
+    steps = restore.get("steps") or []
+    on = f" (steps {steps[0]}-{steps[-1]} run again)" if len(steps) == 2 else ""
+    return f"the restore of the checkpoint of step {restore['checkpoint_step']} did not fix it{on}: {restore['detail']}"  # fmt: skip
+
+
 def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dict[str, Any]]:
     """The checkpoints the trainer reported (``tw.checkpoint_saved``), oldest first, each
     good or suspect. Suspect: saved before an anomaly whose rule rolls back (LossSpike,
     NonFiniteLoss, ...) had cleared, and either while it was active or of a step past its
-    onset less ``margin_steps``. Once the anomaly cleared, new checkpoints are good again."""
+    clean limit (:func:`clean_limit`: onset - 2 - ``margin_steps``). Once the anomaly
+    cleared, new checkpoints are good again."""
     a = m.alerts.c
-    anomalies = conn.execute(select(a.id, a.rule, a.active_since, a.cleared_at, a.step, a.active_since_step)
+    anomalies = conn.execute(select(a.id, a.rule, a.active_since, a.cleared_at, a.step, a.active_since_step, a.onset_step)
                              .where(a.run_id == run_id, a.action == "rollback").order_by(a.active_since)).all()  # fmt: skip
     e = m.events.c
     out = []
@@ -731,11 +850,12 @@ def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dic
         data = dict(data or {})
         suspect = None
         for al in anomalies:
-            steps = [s for s in (al.step, al.active_since_step) if s is not None]
-            onset = min(steps) if steps else None
+            onset = onset_of(al)
             if al.cleared_at is not None and ts >= al.cleared_at:
                 continue
-            if ts >= al.active_since or (onset is not None and step > onset - margin_steps):
+            if ts >= al.active_since or (
+                onset is not None and step > clean_limit(onset, margin_steps)
+            ):
                 suspect = f"saved before {al.rule} (alert {al.id}, onset at step {onset}) cleared"
                 break
         out.append({"step": step, "path": data.pop("path", None), "ts": ts, "rank": rank, "meta": data,

@@ -750,7 +750,8 @@ class AlertEngine:
                         labels: dict[str, str], run: Any, snap: Snapshot, now: float) -> int:  # fmt: skip
         alert = _alert_of(row) if row is not None else Alert(rule.name, labels)
         new = advance(alert, active=True, now=now, step=snap.last_step, for_=rule.for_,
-                      keep_firing_for=rule.keep_firing_for, verdict_step=v.step)  # fmt: skip
+                      keep_firing_for=rule.keep_firing_for, verdict_step=v.step,
+                      onset_step=v.onset_step)  # fmt: skip
         info = snap.ranks.get(v.rank) if v.rank is not None else None
         annotations = {
             "summary": rule.summary,
@@ -759,7 +760,7 @@ class AlertEngine:
         }
         fields = dict(
             state=new.state, active_since=new.active_since, active_since_step=new.active_since_step,
-            fired_at=new.fired_at, fired_at_step=new.fired_at_step, cleared_at=new.cleared_at,
+            onset_step=new.onset_step, fired_at=new.fired_at, fired_at_step=new.fired_at_step, cleared_at=new.cleared_at,
             cleared_at_step=new.cleared_at_step, resolved_at=new.resolved_at, value=_num(v.value),
             step=v.step, annotations=annotations,
             node=info.node if info else None, gpu=info.gpu if info else None,
@@ -1038,7 +1039,7 @@ def _num(value: float | None) -> float | None:
 def _alert_of(row: Any) -> Alert:
     return Alert(
         rule=row.rule, labels=dict(row.labels), state=row.state, active_since=row.active_since,
-        active_since_step=row.active_since_step, fired_at=row.fired_at,
+        active_since_step=row.active_since_step, onset_step=row.onset_step, fired_at=row.fired_at,
         fired_at_step=row.fired_at_step, cleared_at=row.cleared_at,
         cleared_at_step=row.cleared_at_step, resolved_at=row.resolved_at,
     )  # fmt: skip

@@ -54,6 +54,9 @@ class AlertOut(BaseModel):
     fired_at: float | None
     # The step it fired at (``step``: the newest step its condition held at).
     fired_at_step: int | None = None
+    # Where the anomaly began in the data (the first step of the rule's streak, or the
+    # event's own step): what a rollback chooses its checkpoint by.
+    onset_step: int | None = None
     resolved_at: float | None
     updated_at: float
     acked_at: float | None
@@ -141,7 +144,7 @@ def _out(row: Any, deliveries: list[Delivery] | None = None) -> AlertOut:
         labels={**(row.labels or {}), "alertname": row.rule, "severity": row.severity},
         annotations=annotations, runbook_url=annotations.get("runbook_url"), value=row.value,
         step=row.step, action=row.action, active_since=row.active_since, fired_at=row.fired_at,
-        fired_at_step=row.fired_at_step,
+        fired_at_step=row.fired_at_step, onset_step=row.onset_step,
         resolved_at=row.resolved_at, updated_at=row.updated_at, acked_at=row.acked_at,
         acked_by=row.acked_by, ack_comment=row.ack_comment, silenced_by=row.silenced_by,
         inhibited_by=row.inhibited_by, notified=row.notified, last_sent_at=row.last_sent_at,

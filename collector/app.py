@@ -135,7 +135,9 @@ def create_app(
         app.state.notifier = notifier
         action_engine = None
         if act:
-            action_engine = ActionEngine(engine, app.state.action_policy, board=app.state.commands)
+            action_engine = ActionEngine(
+                engine, app.state.action_policy, board=app.state.commands, rules=app.state.rules
+            )
             action_engine.start()
         app.state.action_engine = action_engine
         incident_engine = None

@@ -280,6 +280,7 @@ alerts = Table(
     Column("action", String(16), nullable=False, server_default="none"),
     Column("active_since", Float, nullable=False),
     Column("active_since_step", BigInteger),
+    Column("onset_step", BigInteger),  # where the anomaly began in the data (0023)
     Column("fired_at", Float),
     Column("fired_at_step", BigInteger),  # the step it fired at (0019)
     Column("cleared_at", Float),

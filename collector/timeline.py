@@ -68,7 +68,7 @@ END_SEVERITY = {
 FAULT_KINDS = ("drill", "xid", "loss_divergence")
 BAD_STATES = ("slow", "hung", "dead", "failed")
 # Ties (same instant) read in causal order: the fault, then its alert, its page, the action.
-ORDER = {"derived:anomaly": 0, "event": 1, "attempt": 1, "alert:pending": 2, "alert:firing": 3, "incident": 4,
+ORDER = {"derived:anomaly": 0, "event": 1, "attempt": 1, "alert:onset": 2, "alert:pending": 2, "alert:firing": 3, "incident": 4,
          "page": 5, "action": 6, "alert:acked": 7, "derived:recovered": 8, "alert:cleared": 9,
          "alert:resolved": 10, "note": 11}  # fmt: skip
 DEFINITIONS = {
@@ -125,6 +125,11 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
             (a.annotations or {}).get("description") or (a.annotations or {}).get("summary") or ""
         )
         common = dict(rank=a.rank, node=a.node, runbook_url=rb, ui_url=ui, ref={"alert": a.id})
+        if a.onset_step is not None and a.onset_step != a.active_since_step:
+            began = _step_ts(conn, a.run_id, a.onset_step) or a.active_since
+            out.append(_entry(min(began, a.active_since), "alert", "onset",
+                              f"{a.rule}: its condition began at step {a.onset_step} (seen at step {a.active_since_step})",
+                              step=a.onset_step, severity=a.severity, **common))  # fmt: skip
         out.append(_entry(a.active_since, "alert", "pending", f"{a.rule} pending: {desc}".strip(),
                           step=a.active_since_step, severity=a.severity, **common))  # fmt: skip
         if a.fired_at is not None:
@@ -426,15 +431,21 @@ def _first_anomalous_step(conn: Connection, run_id: int, alert_rows: list[Any], 
         )
         return _entry(flagged.ts, "derived", "anomaly", f"first flagged step ({flags})",
                       step=flagged.step, rank=flagged.rank, severity="warning")  # fmt: skip
-    steps = [r.active_since_step for r in alert_rows if r.active_since_step is not None]
+    steps = [r.onset_step if r.onset_step is not None else r.active_since_step for r in alert_rows]
+    steps = [s for s in steps if s is not None]
     if not steps:
         return None
-    s = m.step_stats.c
-    ts = conn.execute(select(s.ts).where(s.run_id == run_id, s.metric == "step_time", s.step == min(steps))).scalar()  # fmt: skip
+    ts = _step_ts(conn, run_id, min(steps))
     if ts is None or ts < start or ts > until:
         return None
     return _entry(ts, "derived", "anomaly", f"first anomalous step {min(steps)}", step=min(steps),
                   severity="warning")  # fmt: skip
+
+
+def _step_ts(conn: Connection, run_id: int, step: int) -> float | None:
+    """When ``step`` of the run began (its rolled-up step time's timestamp)."""
+    s = m.step_stats.c
+    return conn.execute(select(s.ts).where(s.run_id == run_id, s.metric == "step_time", s.step == step)).scalar()  # fmt: skip
 
 
 def _recovery(conn: Connection, run_id: int, alert_rows: list[Any], real: list[Any]) -> dict[str, Any] | None:  # fmt: skip

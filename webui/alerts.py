@@ -67,7 +67,14 @@ def since(alert: AlertOut, now: float) -> str:
     if alert.state == "resolved" and alert.resolved_at is not None:
         return f"at {clock(alert.resolved_at, now)} ({ago(alert.resolved_at, now)})"
     ts = alert.fired_at if alert.state == "firing" and alert.fired_at else alert.active_since
-    return f"since {clock(ts, now)} ({ago(ts, now)})"
+    return f"since {clock(ts, now)} ({ago(ts, now)})" + onset(alert)
+
+
+def onset(alert: AlertOut) -> str:
+    """Where the anomaly began in the data, when a pass saw it later (fast steps)."""
+    if alert.onset_step is None or alert.onset_step == alert.fired_at_step:
+        return ""
+    return f"; began at step {alert.onset_step}"
 
 
 def marks(alert: AlertOut, now: float) -> list[html.Span]:

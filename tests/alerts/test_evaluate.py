@@ -319,6 +319,39 @@ def test_loss_spike_needs_the_loss_doubled_over_its_window() -> None:
     assert evaluate(PACK["LossSpike"], run(first=100, vary=bend(since=399, loss=5.0))) == []
 
 
+def test_loss_spike_onset_is_where_the_loss_left_its_trend_not_where_a_pass_saw_it() -> None:
+    # Fast steps: the loss doubled at step 381 (the update of step 380 was the bad one),
+    # and the pass that sees it runs 20 steps later. The onset comes from the data.
+    v = only(evaluate(PACK["LossSpike"], run(first=100, vary=bend(since=381, loss=5.0))))
+    assert (v.step, v.onset_step) == (400, 381)
+    # A step inside the streak that dipped back (noise) does not end it: the window's
+    # median over it still holds.
+    dip = bend(since=381, loss=5.0)
+    noisy = run(first=100, vary=lambda rank, step: {} if step == 390 else dip(rank, step))
+    assert only(evaluate(PACK["LossSpike"], noisy)).onset_step == 381
+    # Noticed late enough that a third of the baseline is the spike: still step 381.
+    late = run(first=100, last=460, vary=bend(since=381, loss=5.0))
+    assert only(evaluate(PACK["LossSpike"], late)).onset_step == 381
+    # The streak began before the snapshot's oldest step: its oldest spiked step.
+    assert only(evaluate(PACK["LossSpike"], run(first=100, vary=bend(since=396, loss=5.0)))).onset_step == 396  # fmt: skip
+
+
+def test_threshold_onset_is_the_first_step_of_the_streak() -> None:
+    rule = custom("threshold", {"scope": "run", "metric": "loss", "stat": "total", "above": 4.0})
+    v = only(evaluate(rule, run(first=350, vary=bend(since=371, loss=5.0))))
+    assert (v.step, v.onset_step) == (400, 371)
+
+
+def test_an_event_rule_s_onset_is_the_earliest_matching_step() -> None:
+    def vary(rank: int, step: int) -> dict[str, Any]:
+        if step in (397, 399) and rank == 2:  # two NaNs arrived in one pass
+            return {"loss": None, "issues": {"loss": "nan"}}
+        return {}
+
+    v = only(evaluate(PACK["NonFiniteLoss"], run(first=390, vary=vary)))
+    assert (v.rank, v.step, v.onset_step) == (2, 399, 397)
+
+
 def test_rank_loss_divergence_flags_the_rank_that_left_its_peers() -> None:
     snap = run(first=390, vary=bend(ranks={3}, loss=7.5))
     v = only(evaluate(PACK["RankLossDivergence"], snap))

@@ -54,6 +54,22 @@ def test_an_alert_keeps_the_steps_it_went_pending_and_fired_at() -> None:
     assert (xid.state, xid.fired_at_step) == ("firing", 50)
 
 
+def test_an_episode_keeps_the_earliest_onset_it_was_given() -> None:
+    a = Alert("LossSpike", {"run": "r"})
+    a = advance(a, active=True, now=0, step=140, for_=STEPS5, keep_firing_for=ZERO, onset_step=121)
+    assert (a.state, a.active_since_step, a.onset_step) == ("pending", 140, 121)
+    # A later pass whose window no longer holds the start of the streak says 130: kept 121.
+    a = advance(a, active=True, now=1, step=160, for_=STEPS5, keep_firing_for=ZERO, onset_step=130)
+    assert (a.state, a.onset_step) == ("firing", 121)
+    a = advance(a, active=True, now=2, step=170, for_=STEPS5, keep_firing_for=ZERO, onset_step=119)
+    assert a.onset_step == 119  # more of the data arrived: earlier
+    a = advance(a, active=False, now=3, step=180, for_=STEPS5, keep_firing_for=ZERO)
+    a = advance(a, active=True, now=4, step=300, for_=STEPS5, keep_firing_for=ZERO, onset_step=290)
+    assert (a.state, a.onset_step) == ("pending", 290)  # a new episode, a new onset
+    gone = advance(a, active=False, now=5, step=301, for_=STEPS5, keep_firing_for=ZERO)
+    assert (gone.state, gone.onset_step) == ("inactive", None)
+
+
 def test_without_for_an_alert_fires_at_once_and_resolves_when_clear() -> None:
     a = Alert("FatalXid", {"rank": "1", "code": "79"})
     states = run(a, [(True, 0, None), (False, 5, None), (False, 6, None)])

@@ -25,11 +25,12 @@ from trainwarden.agent.commands import STOPPED_EXIT_CODE, Commands, RollbackPlan
 from trainwarden.alerts import load_rule_packs
 from trainwarden.collector import actions_api
 from trainwarden.collector import models as m
-from trainwarden.collector.actions import ActionEngine, ActionPolicy, CommandBoard
+from trainwarden.collector.actions import ActionEngine, ActionPolicy, CommandBoard, summary
 from trainwarden.collector.alerting import AlertEngine
 from trainwarden.collector.app import create_app
 from trainwarden.collector.db import write
 from trainwarden.collector.ingest import ingest
+from trainwarden.collector.rollup_worker import flush
 from trainwarden.collector.schemas import IngestBatch
 
 from .helpers import batch
@@ -61,6 +62,8 @@ class Rank:
         self.acks: list[dict[str, Any]] = []  # every command_ack it sent, in order
         self.restored: list[RollbackPlan] = []
         self.exit_code: int | None = None
+        self.bad = False  # its weights hold the spiked update
+        self.spiked = False  # (a drill's spike comes once; the replay skips its data)
         self.silent = False  # sends nothing and hears nothing (a partitioned host)
         self._prepares: dict[int, int] = {}  # prepare command id -> attempt
         self._armed: tuple[int, int] | None = None  # (action, attempt), from its own ack
@@ -103,6 +106,7 @@ class Rank:
             raise RuntimeError(f"cannot read {plan.checkpoint_path}")
         self.restored.append(plan)
         self.next_step = plan.checkpoint_step + 1
+        self.bad = self.run.saved_bad.get(plan.checkpoint_step, False)  # the weights it holds
 
     def train(self, until: int, *, nan_at: int | None = None) -> None:
         """Steps up to ``until``. Returns early while it holds for a decision, after a
@@ -120,9 +124,14 @@ class Rank:
                 return
             n, self.next_step = self.next_step, self.next_step + 1
             loss = math.nan if n == nan_at else 2.0 - n / 100
+            if self.run.spike_update is not None:  # the loss of step n: weights after update n - 1
+                loss = (1.0 + 100 / (n + 100)) * (1000.0 if self.bad else 1.0)
+                if n == self.run.spike_update and not self.spiked:  # this step's update, once
+                    self.bad = self.spiked = True
             self.steps.append({"step": n, "ts": self.run.now, "duration_s": 0.1, "loss": loss})
             self._last_step = n
             if self.rank == 0 and n % 10 == 0:
+                self.run.saved_bad[n] = self.bad or n in self.run.corrupt
                 self.event("checkpoint", step=n, path=f"/ckpt/step-{n}.pt")
             if self._armed is not None and self._armed not in self._decided:
                 self._held = n
@@ -166,16 +175,27 @@ class Rank:
 
 class Cluster:
     """A run of ``world`` ranks (``per_node`` to a node), the alert engine with ``rules``
-    and the action engine with ``policy``, all on one controlled clock."""
+    and the action engine with ``policy``, all on one controlled clock.
+
+    ``verify``: the action engine knows the rules too, so a rollback checks its result
+    on the steps run again (else it is done once every rank restored: the protocol tests
+    below); steps are rolled up every second, as the rollup worker does.
+    ``spike_update``: the update of that step is spiked; every later step's loss is
+    1000x until a rank restores a checkpoint saved before it (or one in ``corrupt``)."""
 
     def __init__(self, engine: Any, policy: dict[str, Any] | None = None, *, world: int = 2,
                  per_node: int = 1, handlers: dict[int, str | None] | None = None,
-                 rules: tuple[str, ...] = ("NonFiniteLoss", "ActionFailed")) -> None:  # fmt: skip
+                 rules: tuple[str, ...] = ("NonFiniteLoss", "ActionFailed"), verify: bool = False,
+                 spike_update: int | None = None, corrupt: tuple[int, ...] = ()) -> None:  # fmt: skip
         self.engine = engine
         self.now = T0
         self.board = CommandBoard()
         self.policy = ActionPolicy.model_validate(policy or {})
-        self.actions = ActionEngine(engine, self.policy, board=self.board)
+        self.verify = verify
+        self.spike_update, self.corrupt = spike_update, set(corrupt)
+        self.saved_bad: dict[int, bool] = {}  # checkpoint step -> it holds bad weights
+        checked = [RULES[n] for n in rules] if verify else []
+        self.actions = ActionEngine(engine, self.policy, board=self.board, rules=checked)
         self.alerts = AlertEngine(engine, [RULES[n] for n in rules])
         handlers = handlers or {}
         self.ranks = [Rank(self, r, f"node{r // per_node}", handlers.get(r, "restore")) for r in range(world)]  # fmt: skip
@@ -208,6 +228,8 @@ class Cluster:
         for r in self.ranks:
             r.train(r.next_step - 1 + steps)
         self.exchange()
+        if self.verify:
+            flush(self.engine, now=self.now, grace_s=0.0)
         self.alert()
         return self.act()
 
@@ -493,7 +515,7 @@ def test_a_rollback_without_a_good_checkpoint_fails_and_pages(cluster: Any) -> N
     run.spike(at=11)  # the only checkpoint, step 10, is within the margin of the onset
     (failed,) = run.act()
     assert failed["state"] == "failed" and failed["finished_at"] == run.now
-    why = "no checkpoint at or before step 9 (onset 11 - margin 2); reported: [10]"
+    why = "no checkpoint at or before step 7 (onset 11 - 2 - margin 2); reported: [10]"
     assert failed["reason"] == why
     assert states(failed) == ["proposed", "approved", "failed"]
     assert commands(run, failed["id"]) == []
@@ -694,6 +716,90 @@ def test_rollbacks_that_fail_at_the_ranks_spend_the_budget_too(cluster: Any) -> 
     third, stop = run.act()[-2:]
     assert third["reason"] == "retry budget spent: 2 rollbacks within 1h; stopping the run instead"
     assert (stop["kind"], stop["trigger"]) == ("stop", "budget")
+
+
+# -- the onset from the data, and a rollback that checks its own result -----------------
+
+
+CHECKED = ("LossSpike", "ActionFailed")
+
+
+def spiked_run(cluster: Any, *, budget: int = 3, corrupt: tuple[int, ...] = ()) -> tuple[Cluster, dict[str, Any]]:  # fmt: skip
+    """A run of fast steps (20 a second, an engine pass a second) whose update of step 120
+    is spiked, under the default pack's LossSpike and an auto rollback: the seconds until
+    the rollback has an outcome, and that action."""
+    policy = {"rollback": {**AUTO_ROLLBACK["rollback"], "budget": {"count": budget}}}
+    run = cluster(policy, rules=CHECKED, verify=True, spike_update=120, corrupt=corrupt)
+    for _ in range(60):
+        found = [a for a in run.second(20) if a["kind"] == "rollback"]
+        if found and found[0]["state"] in ("done", "failed"):
+            return run, found[0]
+    raise AssertionError(f"no outcome: {found}")
+
+
+def test_fast_steps_roll_back_to_a_checkpoint_saved_before_the_spiked_update(cluster: Any) -> None:  # fmt: skip
+    run, done = spiked_run(cluster)
+    # The pass that saw the doubled loss ran 20 steps after it began: the onset is the
+    # data's (the loss of step 121, computed after the spiked update of step 120).
+    (alert,) = [a for a in rows(run.engine, m.alerts) if a["rule"] == "LossSpike"]
+    assert (alert["onset_step"], alert["active_since_step"]) == (121, 140)
+    assert done["state"] == "done", done["history"]
+    plan = done["plan"]["rollback"]
+    assert plan["reason"] == "rule:LossSpike: onset at step 121"
+    # Clean: saved at or before 121 - 2, less the margin of 2. The checkpoint of step 120
+    # holds the spiked update (the onset the engine saw, 140, would have restored 130).
+    assert (plan["checkpoint_step"], done["plan"]["onset_step"]) == (110, 121)
+    assert done["result"]["check"] == "LossSpike no longer holds on steps 111-115 run again"
+    assert [r.bad for r in run.ranks] == [False, False]
+    assert states(done)[-3:] == ["executing", "executing", "done"]
+    (checking,) = [h for h in done["history"] if "checking" in (h["detail"] or "")]
+    assert checking["detail"] == "every rank restored the checkpoint of step 110; checking LossSpike on the steps run again"  # fmt: skip
+    assert summary("rollback", "done", done["result"], None).endswith(
+        "; LossSpike no longer holds on steps 111-115 run again"
+    )
+    with run.api() as client:
+        found = client.get(f"/api/v1/runs/{RUN}/checkpoints").json()
+        entries = client.get(f"/api/v1/runs/{RUN}/timeline").json()["entries"]
+        (api_alert,) = [a for a in client.get("/api/v1/alerts").json() if a["rule"] == "LossSpike"]
+    listed = {c["step"]: c["good"] for c in found}
+    assert [s for s, good in listed.items() if not good and s <= 140] == [120, 130, 140]
+    assert api_alert["onset_step"] == 121
+    # The timeline places the anomaly where it began, before the pass that saw it.
+    (began,) = [e for e in entries if e["kind"] == "onset"]
+    text = "LossSpike: its condition began at step 121 (seen at step 140)"
+    assert (began["step"], began["text"]) == (121, text)
+    assert events(run.engine, "action_failed") == []
+
+
+def test_a_restore_that_does_not_bring_the_loss_back_rolls_back_again_to_an_older_checkpoint(cluster: Any) -> None:  # fmt: skip
+    run, done = spiked_run(cluster, corrupt=(110,))  # the checkpoint of step 110 is bad on disk
+    assert done["state"] == "done", done["history"]
+    (first,) = done["result"]["restores"]
+    assert (first["checkpoint_step"], first["steps"]) == (110, [111, 115])
+    assert first["detail"].startswith("run: loss ") and "x its baseline" in first["detail"]
+    assert done["plan"]["rollback"]["checkpoint_step"] == 100
+    assert done["result"]["check"] == "LossSpike no longer holds on steps 101-105 run again"
+    assert [[p.checkpoint_step for p in r.restored] for r in run.ranks] == [[110, 100]] * 2
+    assert [r.bad for r in run.ranks] == [False, False]
+    again = [h["detail"] for h in done["history"] if h["state"] == "approved"][-1]
+    assert again.startswith("the restore of the checkpoint of step 110 did not fix it (steps 111-115 run again): run: loss")  # fmt: skip
+    assert again.endswith("; rolling back to an older checkpoint")
+    text = summary("rollback", "done", done["result"], None)
+    assert "restored the checkpoint of step 100" in text and "(the restore of step 110 had not fixed it)" in text  # fmt: skip
+    assert events(run.engine, "action_failed") == []
+
+
+def test_a_rollback_whose_restores_never_bring_the_loss_back_fails_and_pages(cluster: Any) -> None:
+    run, failed = spiked_run(cluster, budget=2, corrupt=tuple(range(10, 130, 10)))
+    assert failed["state"] == "failed", failed["history"]
+    assert [[p.checkpoint_step for p in r.restored] for r in run.ranks] == [[110, 100]] * 2
+    assert failed["reason"].startswith("the restore of the checkpoint of step 100 did not fix it (steps 101-105 run again): run: loss")  # fmt: skip
+    assert failed["reason"].endswith("; retry budget spent: 2 rollbacks within 6h; stopping the run instead")  # fmt: skip
+    (ev,) = events(run.engine, "action_failed")
+    assert ev["data"]["detail"] == failed["reason"]
+    run.tick()
+    paged = [a for a in run.alert() if a["rule"] == "ActionFailed"]
+    assert [(a["state"], a["severity"]) for a in paged] == [("firing", "critical")]
 
 
 def test_stopping_a_run_whose_ranks_have_all_ended_is_done_at_once(cluster: Any) -> None:
