@@ -82,6 +82,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: none)"
     )
     p.add_argument(
+        "--corrupt-checkpoint",
+        type=int,
+        action="append",
+        default=[],
+        metavar="STEP",
+        help="write the checkpoint of STEP with damaged weights (a drill for a rollback whose "
+        "restore does not help; repeatable)",
+    )
+    p.add_argument(
         "--work-ms",
         type=float,
         default=0.0,
@@ -92,15 +101,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _save(
-    folder: Path, step: int, state: dict[str, int], model: nn.Module, opt: Any, rank: int
+    folder: Path,
+    step: int,
+    state: dict[str, int],
+    model: nn.Module,
+    opt: Any,
+    rank: int,
+    corrupt: bool = False,
 ) -> None:
-    """Rank 0 writes (the weights are the same on every rank); every rank waits for it."""
+    """Rank 0 writes (the weights are the same on every rank); every rank waits for it.
+    ``corrupt``: the file holds damaged weights (a drill), the run's own are untouched."""
     path = folder / f"step-{step}.pt"
     if rank == 0:
         folder.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
+        weights = getattr(model, "module", model).state_dict()
+        if corrupt:
+            weights = {k: v * 40 if v.is_floating_point() else v for k, v in weights.items()}
         with tw.checkpointing(step, path):  # its blocking time and size: the checkpoint's cost
-            torch.save({"step": step, "cursor": state["cursor"], "model": getattr(model, "module", model).state_dict(),
+            torch.save({"step": step, "cursor": state["cursor"], "model": weights,
                         "opt": opt.state_dict()}, tmp)  # fmt: skip
             tmp.rename(path)
     if dist.is_initialized():
@@ -181,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
             s.metrics(lr=opt.param_groups[0]["lr"],
                       accuracy=(logits.detach().argmax(-1) == y).float().mean())  # fmt: skip
             if ckpt_dir is not None and args.checkpoint_every and step % args.checkpoint_every == 0:
-                _save(ckpt_dir, step, state, model, opt, rank)
+                _save(ckpt_dir, step, state, model, opt, rank, step in args.corrupt_checkpoint)
     tw.shutdown()
     if world > 1:
         # Free DDP first: its reducer holds the process group, and a gloo group torn down

@@ -48,7 +48,8 @@ STEPS = 110
 
 def launch(server: Server, run: str, world: int, ckpt: Path, logs: Path,
            env: dict[str, str] | None = None, *, drill: str = "loss_spike=50x@step=35",
-           steps: int = STEPS, work_ms: int = 80, checkpoint_every: int = 10) -> list[subprocess.Popen]:  # fmt: skip
+           steps: int = STEPS, work_ms: int = 80, checkpoint_every: int = 10,
+           trainer_args: tuple[str, ...] = ()) -> list[subprocess.Popen]:  # fmt: skip
     port = free_port()
     procs = []
     extra = env or {}
@@ -59,7 +60,7 @@ def launch(server: Server, run: str, world: int, ckpt: Path, logs: Path,
                "TRAINWARDEN_PROFILE_EVERY": "0"}  # fmt: skip
         cmd = [sys.executable, "-m", "trainwarden.agent.demo_trainer", "--run-name", run, "--url", server.url,
                "--steps", str(steps), "--work-ms", str(work_ms), "--batch-size", "32", "--checkpoint-dir", str(ckpt),
-               "--checkpoint-every", str(checkpoint_every)]  # fmt: skip
+               "--checkpoint-every", str(checkpoint_every), *trainer_args]  # fmt: skip
         log = (logs / f"{run}-rank{rank}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
@@ -151,15 +152,13 @@ def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tm
           + (f", {spike:.3f} at its peak" if spike else "") + f", {after:.3f} at the end")  # fmt: skip
 
 
-def test_fast_steps_restore_a_checkpoint_saved_before_the_spiked_update(tmp_path: Path) -> None:
-    """Issue 38, as a user with a small fast model runs it: ~40 ms steps, a checkpoint
-    every 20, the default pack's LossSpike (a baseline rule, seen by a pass that runs
-    every ~2 s: dozens of steps after the loss left its trend) and an auto rollback. The
-    update of step 270 is spiked: the loss of step 271 is the first off its trend, and
-    the checkpoint of step 280 (before the fix: the newest before the step the engine
-    saw it at) already holds the spiked update.
+def fast_spike(tmp_path: Path, run: str, trainer_args: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[int, str], dict[int, float]]:  # fmt: skip
+    """Two ranks of ~40 ms steps, a checkpoint every 20, the default pack's LossSpike (a
+    baseline rule, seen by a pass that runs every ~2 s: dozens of steps after the loss
+    left its trend) and an auto rollback; the update of step 270 is spiked. Once the ranks
+    have exited: the rollback (done or failed), the ranks' logs and the loss series.
 
-    Step 270, not the issue's 120: LossSpike compares with the median of up to 200 steps
+    Step 270, not issue 38's 120: LossSpike compares with the median of up to 200 steps
     after a warm-up of 50; at step 120 it has 70, and a spike longer than half of them
     becomes its own baseline, so the rule holds for ~70 steps (2.5 s here), too short for
     two engine passes on a loaded machine. With a full baseline it holds for ~100."""
@@ -167,9 +166,8 @@ def test_fast_steps_restore_a_checkpoint_saved_before_the_spiked_update(tmp_path
     actions.write_text("rollback:\n  mode: auto\n")
     server = start_serve("sqlite:///" + str(tmp_path / "tw.db"), tmp_path / "serve.log",
                          env={"TRAINWARDEN_ACTIONS": str(actions)})  # fmt: skip
-    run, steps = "fast-spike", 440
     procs = launch(server, run, 2, tmp_path / "ckpt", tmp_path, drill="loss_spike=1000x@step=270",
-                   steps=steps, work_ms=30, checkpoint_every=20)  # fmt: skip
+                   steps=FAST_STEPS, work_ms=30, checkpoint_every=20, trainer_args=trainer_args)  # fmt: skip
     try:
         codes = [p.wait(300) for p in procs]
         logs = {r: (tmp_path / f"{run}-rank{r}.log").read_text() for r in range(2)}
@@ -177,26 +175,51 @@ def test_fast_steps_restore_a_checkpoint_saved_before_the_spiked_update(tmp_path
         (action,) = wait_for(lambda: [a for a in server.get("/api/v1/actions", run=run).json()
                                       if a["kind"] == "rollback" and a["state"] in ("done", "failed")],
                              30, "the rollback done")  # fmt: skip
-        assert action["state"] == "done", action
-        plan = action["plan"]["rollback"]
-        assert plan["reason"] == "rule:LossSpike: onset at step 271", action
-        assert plan["checkpoint_step"] == 260, action  # 271 - 2 - margin 3; 280 holds the spike
-        assert action["result"]["check"].startswith("LossSpike no longer holds on steps 261-"), (
-            action
-        )
-        assert "restores" not in action["result"], action
-        (alert,) = [a for a in server.get("/api/v1/alerts", run=run).json()
-                    if a["rule"] == "LossSpike"]  # fmt: skip
+        (alert,) = [a for a in server.get("/api/v1/alerts", run=run).json() if a["rule"] == "LossSpike"]  # fmt: skip
         assert alert["onset_step"] == 271, alert
-        for r in range(2):
-            assert "rolled back to step 260 after step" in logs[r]
-        # The run ends with its loss back on the trend it had before the spike.
         series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
         loss = dict(zip(series["step"], series["median"], strict=True))
-        assert max(loss) == steps - 1
-        before = statistics.median(loss[s] for s in range(250, 270))
-        after = statistics.median(loss[s] for s in range(steps - 10, steps))
-        assert after < 1.1 * before, (before, after)
     finally:
         stop(procs)
         stop_serve(server)
+    return action, logs, loss
+
+
+FAST_STEPS = 440
+
+
+def test_fast_steps_restore_a_checkpoint_saved_before_the_spiked_update(tmp_path: Path) -> None:
+    """Issue 38, as a user with a small fast model runs it. The loss of step 271 is the
+    first off its trend; the checkpoint of step 280 (before the fix: the newest before
+    the step the engine saw it at) already holds the spiked update of step 270."""
+    action, logs, loss = fast_spike(tmp_path, "fast-spike")
+    assert action["state"] == "done", action
+    plan = action["plan"]["rollback"]
+    assert plan["reason"] == "rule:LossSpike: onset at step 271", action
+    assert plan["checkpoint_step"] == 260, action  # 271 - 2 - margin 3; 280 holds the spike
+    assert action["result"]["check"].startswith("LossSpike no longer holds on steps 261-"), action
+    assert "restores" not in action["result"], action
+    for r in range(2):
+        assert "rolled back to step 260 after step" in logs[r]
+    # The run ends with its loss back on the trend it had before the spike.
+    assert max(loss) == FAST_STEPS - 1
+    before = statistics.median(loss[s] for s in range(250, 270))
+    after = statistics.median(loss[s] for s in range(FAST_STEPS - 10, FAST_STEPS))
+    assert after < 1.1 * before, (before, after)
+
+
+def test_a_restore_that_does_not_bring_the_loss_back_rolls_back_again(tmp_path: Path) -> None:
+    """The clean checkpoint of step 260 is damaged on disk: its restore replays a spiked
+    loss, so the rollback goes again, to the checkpoint of step 240, and only then is done."""
+    action, logs, loss = fast_spike(tmp_path, "bad-ckpt", ("--corrupt-checkpoint", "260"))
+    assert action["state"] == "done", action
+    (first,) = action["result"]["restores"]
+    assert first["checkpoint_step"] == 260 and first["detail"].startswith("run: loss "), action
+    assert action["plan"]["rollback"]["checkpoint_step"] == 240, action
+    assert action["result"]["check"].startswith("LossSpike no longer holds on steps 241-"), action
+    for r in range(2):
+        assert "rolled back to step 260 after step" in logs[r], logs[r]
+        assert "rolled back to step 240 after step" in logs[r], logs[r]
+    before = statistics.median(loss[s] for s in range(230, 240))
+    after = statistics.median(loss[s] for s in range(FAST_STEPS - 10, FAST_STEPS))
+    assert after < 1.1 * before, (before, after)
