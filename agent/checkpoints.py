@@ -45,7 +45,9 @@ def checked_bytes(value: Any) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"bytes must be an int (the checkpoint's size), got {type(value).__name__} {value!r}")  # fmt: skip
+        raise TypeError(
+            f"bytes must be an int (the checkpoint's size), got {type(value).__name__} {value!r}"
+        )
     if value < 0:
         raise ValueError(f"bytes must be >= 0, got {value}")
     return int(value)
@@ -137,8 +139,9 @@ class Checkpointing:
             self.finish()
             return
         self._agent._checkpoints.add(self)
-        self._sizer = threading.Thread(target=self._measure, name="trainwarden-checkpoint-size",
-                                       daemon=True)  # fmt: skip
+        self._sizer = threading.Thread(
+            target=self._measure, name="trainwarden-checkpoint-size", daemon=True
+        )
         self._sizer.start()
 
     def _measure(self) -> None:
@@ -159,8 +162,9 @@ class Checkpointing:
             self._recorded = True
         self._agent._checkpoints.discard(self)
         data = checkpoint_data(self.path, seconds=self.seconds, bytes=self.bytes)
-        self._agent.event_at(self._ended_wall, "checkpoint", step=self.step, severity="info",
-                             data=data)  # fmt: skip
+        self._agent.event_at(
+            self._ended_wall, "checkpoint", step=self.step, severity="info", data=data
+        )
 
     def drained(self) -> float:
         """Call when the async save has finished writing: records ``checkpoint_drained``
@@ -169,6 +173,10 @@ class Checkpointing:
             raise RuntimeError("ck.drained() is for after the `with tw.checkpointing(...)` block")
         if self.drain_seconds is None:
             self.drain_seconds = time.perf_counter() - self._ended
-            self._agent.event("checkpoint_drained", step=self.step, path=self.path,
-                              drain_seconds=self.drain_seconds)  # fmt: skip
+            self._agent.event(
+                "checkpoint_drained",
+                step=self.step,
+                path=self.path,
+                drain_seconds=self.drain_seconds,
+            )
         return self.drain_seconds

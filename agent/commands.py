@@ -67,10 +67,16 @@ class RollbackPlan:
         """The plan of a prepare command, with the barrier (and the data window's end,
         known only then) from its commit."""
         p = prepare["plan"]
-        return cls(action=int(prepare["action"]), checkpoint_step=int(p["checkpoint_step"]),
-                   checkpoint_path=str(p["checkpoint_path"]), skip_from=int(p["skip_from"]),
-                   skip_to=int(commit.get("skip_to", p["skip_to"])), lr_scale=p.get("lr_scale"),
-                   reason=str(p.get("reason", "")), barrier_step=int(commit["barrier_step"]))  # fmt: skip
+        return cls(
+            action=int(prepare["action"]),
+            checkpoint_step=int(p["checkpoint_step"]),
+            checkpoint_path=str(p["checkpoint_path"]),
+            skip_from=int(p["skip_from"]),
+            skip_to=int(commit.get("skip_to", p["skip_to"])),
+            lr_scale=p.get("lr_scale"),
+            reason=str(p.get("reason", "")),
+            barrier_step=int(commit["barrier_step"]),
+        )
 
 
 class Commands:
@@ -153,8 +159,14 @@ class Commands:
             self.pending = bool(self._inbox) or self._armed is not None
 
     def _ack(self, c: dict[str, Any], **data: Any) -> None:
-        self._agent.event("command_ack", step=self._agent._last_step, command=c["id"],
-                          action=c.get("action"), phase=c.get("phase") or c.get("type"), **data)  # fmt: skip
+        self._agent.event(
+            "command_ack",
+            step=self._agent._last_step,
+            command=c["id"],
+            action=c.get("action"),
+            phase=c.get("phase") or c.get("type"),
+            **data,
+        )
         self._agent.flush_soon()
 
     def _handle(self, c: dict[str, Any], finished: int) -> None:
@@ -164,8 +176,14 @@ class Commands:
         elif kind == "rollback" and c.get("phase") == "prepare":
             if self._handlers:  # a later attempt of the same rollback replaces an earlier one
                 self._armed = c
-        elif kind == "rollback" and c.get("phase") == "commit" and (self._armed is None or _key(self._armed) != _key(c)):  # fmt: skip
-            self._ack(c, applied=False, error="not holding for this rollback (its wait had timed out)")  # fmt: skip
+        elif (
+            kind == "rollback"
+            and c.get("phase") == "commit"
+            and (self._armed is None or _key(self._armed) != _key(c))
+        ):
+            self._ack(
+                c, applied=False, error="not holding for this rollback (its wait had timed out)"
+            )
 
     def _decide(self, armed: dict[str, Any], finished: int) -> bool:
         """Hold here until the decision on ``armed`` is known; apply it once at its
@@ -178,8 +196,11 @@ class Commands:
                 self._agent.poll_soon()  # ask the collector now: the answer carries the decision
                 time.sleep(0.02)
                 with self._lock:  # a later prepare of the same rollback supersedes this one
-                    later = [c for c in self._inbox
-                             if c.get("phase") == "prepare" and int(c.get("action", -1)) == action]  # fmt: skip
+                    later = [
+                        c
+                        for c in self._inbox
+                        if c.get("phase") == "prepare" and int(c.get("action", -1)) == action
+                    ]
                 if later:
                     self._armed = None
                     return True
@@ -192,8 +213,11 @@ class Commands:
         if decision is None or decision["phase"] != "commit":
             self._armed = None
             if decision is None:
-                log.error("trainwarden: no decision on rollback %s within %.0fs; training on",
-                          action, self.decision_timeout_s)  # fmt: skip
+                log.error(
+                    "trainwarden: no decision on rollback %s within %.0fs; training on",
+                    action,
+                    self.decision_timeout_s,
+                )
             self._ack(reply, applied=False, decision=reply["phase"], barrier_step=finished)
             return False
         barrier = int(decision["barrier_step"])
@@ -201,8 +225,12 @@ class Commands:
             return False  # held before the barrier: train on to it (still armed, still pending)
         self._armed = None
         if finished > barrier:  # it did not hold (it could not have, had it answered)
-            self._ack(reply, applied=False, error=f"already past the barrier step {barrier} (at {finished})",
-                      barrier_step=finished)  # fmt: skip
+            self._ack(
+                reply,
+                applied=False,
+                error=f"already past the barrier step {barrier} (at {finished})",
+                barrier_step=finished,
+            )
             return False
         plan = RollbackPlan.of(armed, decision)
         started = time.monotonic()
@@ -220,8 +248,13 @@ class Commands:
             return False
         self._skip.append((plan.skip_from, plan.skip_to))
         self.applied.append(plan)
-        self._ack(reply, applied=True, barrier_step=finished, checkpoint_step=plan.checkpoint_step,
-                  seconds=round(time.monotonic() - started, 3))  # fmt: skip
+        self._ack(
+            reply,
+            applied=True,
+            barrier_step=finished,
+            checkpoint_step=plan.checkpoint_step,
+            seconds=round(time.monotonic() - started, 3),
+        )
         return False
 
     def _stop(self, c: dict[str, Any]) -> None:

@@ -445,8 +445,12 @@ class Agent:
         try:
             return DiskSpool(directory, max_bytes=c.spool_max_bytes, stats=self.stats)
         except OSError as exc:
-            log.warning("trainwarden: cannot use the spool directory %s (%s); "
-                        "batches wait in memory while the collector is away", directory, exc)  # fmt: skip
+            log.warning(
+                "trainwarden: cannot use the spool directory %s (%s); "
+                "batches wait in memory while the collector is away",
+                directory,
+                exc,
+            )
             return MemorySpool(max_records=c.queue_size, stats=self.stats)
 
     # -- GPU health ---------------------------------------------------------------
@@ -702,8 +706,9 @@ class Agent:
         **meta: Any,
     ) -> None:
         step = checked_step(step)
-        data = checkpoint_data(path, seconds=seconds, bytes=bytes, drain_seconds=drain_seconds,
-                               meta=meta)  # fmt: skip
+        data = checkpoint_data(
+            path, seconds=seconds, bytes=bytes, drain_seconds=drain_seconds, meta=meta
+        )
         self.event_at(time.time(), "checkpoint", step=step, severity="info", data=data)
 
     def checkpointing(self, step: int, path: Any = None) -> Checkpointing:
@@ -714,8 +719,12 @@ class Agent:
         drain = checked_seconds(seconds, "seconds")
         if drain is None:
             raise TypeError("seconds must be a number of seconds, got None")
-        self.event("checkpoint_drained", step=step, path=None if path is None else os.fspath(path),
-                   drain_seconds=drain)  # fmt: skip
+        self.event(
+            "checkpoint_drained",
+            step=step,
+            path=None if path is None else os.fspath(path),
+            drain_seconds=drain,
+        )
 
     def recent(self, n: int = 100) -> list[Any]:
         """The last ``n`` records kept locally (only when there is no collector)."""
@@ -744,8 +753,14 @@ class Agent:
             reason, detail, exit_code = self._end
             if reason == "completed" and self._last_error is not None:
                 reason, detail = "exception", self._last_error  # it left a step, and ends us
-            self.event("attempt_end", step=None, reason=reason, detail=detail,
-                       exit_code=exit_code, last_step=self._last_step)  # fmt: skip
+            self.event(
+                "attempt_end",
+                step=None,
+                reason=reason,
+                detail=detail,
+                exit_code=exit_code,
+                last_step=self._last_step,
+            )
         if self.gpu_monitor is not None:
             self.gpu_monitor.stop()
         if self._exporter is not None:

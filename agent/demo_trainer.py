@@ -119,8 +119,15 @@ def _save(
         if corrupt:
             weights = {k: v * 40 if v.is_floating_point() else v for k, v in weights.items()}
         with tw.checkpointing(step, path):  # its blocking time and size: the checkpoint's cost
-            torch.save({"step": step, "cursor": state["cursor"], "model": weights,
-                        "opt": opt.state_dict()}, tmp)  # fmt: skip
+            torch.save(
+                {
+                    "step": step,
+                    "cursor": state["cursor"],
+                    "model": weights,
+                    "opt": opt.state_dict(),
+                },
+                tmp,
+            )
             tmp.rename(path)
     if dist.is_initialized():
         dist.barrier()
@@ -154,11 +161,24 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     data = MarkovData(vocab, context, chain_seed=args.seed, sample_seed=args.seed + 1 + rank)
 
-    config = {"lr": lr, "optimizer": "AdamW", "batch_size": args.batch_size, "vocab": vocab,
-              "context": context, "dim": dim, "seed": args.seed, "steps": args.steps,
-              "checkpoint_every": args.checkpoint_every}  # fmt: skip
-    tw.init(run=args.run, url=args.url, config=config, tags=["demo", "cpu"],
-            data_snapshot=f"markov:seed={args.seed}")  # fmt: skip
+    config = {
+        "lr": lr,
+        "optimizer": "AdamW",
+        "batch_size": args.batch_size,
+        "vocab": vocab,
+        "context": context,
+        "dim": dim,
+        "seed": args.seed,
+        "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every,
+    }
+    tw.init(
+        run=args.run,
+        url=args.url,
+        config=config,
+        tags=["demo", "cpu"],
+        data_snapshot=f"markov:seed={args.seed}",
+    )
     tw.watch(model, opt, grad_norm=True)  # phases, comm split (DDP), MFU, grad-norm spikes
     state = {"step": args.start_step, "cursor": args.start_step}  # next step, next data batch
     end = args.start_step + args.steps
@@ -173,8 +193,11 @@ def main(argv: list[str] | None = None) -> None:
         if plan.lr_scale:
             for group in opt.param_groups:
                 group["lr"] *= plan.lr_scale
-        print(f"rolled back to step {plan.checkpoint_step} after step {plan.barrier_step}; "
-              f"skipping batches {plan.skip_from}-{plan.skip_to}", flush=True)  # fmt: skip
+        print(
+            f"rolled back to step {plan.checkpoint_step} after step {plan.barrier_step}; "
+            f"skipping batches {plan.skip_from}-{plan.skip_to}",
+            flush=True,
+        )
 
     tw.on_rollback(rollback)
     while state["step"] < end:
@@ -197,8 +220,10 @@ def main(argv: list[str] | None = None) -> None:
             s.loss(loss)
             # The trainer's own metrics (s.metric): per rank, rolled up across ranks, and a
             # rank x step heatmap on the Ranks page. A tensor is read off this thread, later.
-            s.metrics(lr=opt.param_groups[0]["lr"],
-                      accuracy=(logits.detach().argmax(-1) == y).float().mean())  # fmt: skip
+            s.metrics(
+                lr=opt.param_groups[0]["lr"],
+                accuracy=(logits.detach().argmax(-1) == y).float().mean(),
+            )
             if ckpt_dir is not None and args.checkpoint_every and step % args.checkpoint_every == 0:
                 _save(ckpt_dir, step, state, model, opt, rank, step in args.corrupt_checkpoint)
     tw.shutdown()

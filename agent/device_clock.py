@@ -59,8 +59,9 @@ class Timing:
 
     __slots__ = ("duration_ns", "marks_ns", "comm", "gap_ns")
 
-    def __init__(self, duration_ns: int, marks_ns: list[int | None], comm: list[Interval],
-                 gap_ns: int | None) -> None:  # fmt: skip
+    def __init__(
+        self, duration_ns: int, marks_ns: list[int | None], comm: list[Interval], gap_ns: int | None
+    ) -> None:
         self.duration_ns = duration_ns
         self.marks_ns = marks_ns
         self.comm = comm

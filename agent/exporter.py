@@ -75,9 +75,10 @@ class HttpTransport:
             headers["Authorization"] = f"Bearer {token}"
         self._client = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
         self._relay = (
-            None if relay is None
+            None
+            if relay is None
             else httpx.Client(base_url=relay, headers=headers, timeout=timeout_s)
-        )  # fmt: skip
+        )
         self._url = url.rstrip("/")
         self._relay_down_until = 0.0
         self._relay_checked = False
@@ -103,9 +104,14 @@ class HttpTransport:
         if upstream != self._url:
             wait = RELAY_RETRY_S if self._relay_seen else RELAY_FIRST_RETRY_S
             self._relay_down_until = time.monotonic() + wait
-            log.log(logging.WARNING if self._relay_seen or upstream else logging.INFO,
-                    "trainwarden: not sending through the relay at %s: %s; sending to the "
-                    "collector directly for %.0f s", self._relay.base_url, why, wait)  # fmt: skip
+            log.log(
+                logging.WARNING if self._relay_seen or upstream else logging.INFO,
+                "trainwarden: not sending through the relay at %s: %s; sending to the "
+                "collector directly for %.0f s",
+                self._relay.base_url,
+                why,
+                wait,
+            )
             return False
         self._relay_checked = self._relay_seen = True
         return True
@@ -122,8 +128,12 @@ class HttpTransport:
                 # A replay of what the relay did send is deduplicated by the collector.
                 self._relay_down_until = time.monotonic() + RELAY_RETRY_S
                 self._relay_checked = False
-                log.warning("trainwarden: relay unreachable (%s); sending to the collector "
-                            "directly for %.0f s", exc, RELAY_RETRY_S)  # fmt: skip
+                log.warning(
+                    "trainwarden: relay unreachable (%s); sending to the collector "
+                    "directly for %.0f s",
+                    exc,
+                    RELAY_RETRY_S,
+                )
         if self._relay is not None:
             self.around_relay += 1
         return self._client.post(path, content=content, headers=headers)
@@ -428,8 +438,11 @@ class Exporter:
                     "trainwarden: the collector refused this agent's token (%s). Records are "
                     "kept in the spool (bounded) and resent every ~%.0f s; set TRAINWARDEN_TOKEN "
                     "(or tw.init(token=...)) to a token with the ingest scope for run %r and "
-                    "restart", exc, AUTH_RETRY_S, self._run,
-                )  # fmt: skip
+                    "restart",
+                    exc,
+                    AUTH_RETRY_S,
+                    self._run,
+                )
                 self._failing = True
             elif not self._failing:
                 what = "retrying with backoff" if retryable else "dropping what it refuses"

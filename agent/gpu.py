@@ -39,8 +39,13 @@ RECOVERY_ACTIONS = {
     3: "drain_p2p",
     4: "drain_and_reset",
 }
-XID_SEVERITY = {"ignore": "info", "restart_app": "warning", "reset_gpu": "critical",
-                "reboot_node": "critical", "drain": "critical"}  # fmt: skip
+XID_SEVERITY = {
+    "ignore": "info",
+    "restart_app": "warning",
+    "reset_gpu": "critical",
+    "reboot_node": "critical",
+    "drain": "critical",
+}
 
 
 @functools.cache
@@ -66,7 +71,7 @@ def describe_xid(code: int) -> dict[str, str]:
             "name": f"XID {code}",
             "meaning": "Not in trainwarden's catalog: see NVIDIA's XID catalog.",
             "action": "restart_app",
-        },  # fmt: skip
+        },
     )
 
 
@@ -151,8 +156,13 @@ class NvmlDevice:
         out["ecc_uncorrected"] = self._get(
             n.nvmlDeviceGetTotalEccErrors, n.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, n.NVML_VOLATILE_ECC
         )
-        retired = [self._get(n.nvmlDeviceGetRetiredPages, cause) for cause in
-                   (n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS, n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR)]  # fmt: skip
+        retired = [
+            self._get(n.nvmlDeviceGetRetiredPages, cause)
+            for cause in (
+                n.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+                n.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+            )
+        ]
         if any(r is not None for r in retired):
             out["retired_pages"] = sum(len(r) for r in retired if r is not None)
         remapped = self._get(n.nvmlDeviceGetRemappedRows)
@@ -214,10 +224,17 @@ class SimulatedDevice:
 
     def sample(self) -> dict[str, Any]:
         return {
-            "gpu_uuid": self.uuid, "gpu_name": self.name, "temp_c": self.temp_c, "power_w": 120.0,
-            "power_limit_w": 700.0, "sm_clock_mhz": self.sm_clock_mhz, "sm_clock_max_mhz": 1980.0,
-            "throttle": list(self.throttle), "ecc_corrected": 0, "ecc_uncorrected": 0,
-        }  # fmt: skip
+            "gpu_uuid": self.uuid,
+            "gpu_name": self.name,
+            "temp_c": self.temp_c,
+            "power_w": 120.0,
+            "power_limit_w": 700.0,
+            "sm_clock_mhz": self.sm_clock_mhz,
+            "sm_clock_max_mhz": 1980.0,
+            "throttle": list(self.throttle),
+            "ecc_corrected": 0,
+            "ecc_uncorrected": 0,
+        }
 
     def wait_xid(self, timeout_ms: int) -> int | None:
         try:
@@ -244,8 +261,14 @@ def open_device(local_rank: int, *, simulate: bool) -> tuple[Any, str | None]:
 class GpuMonitor:
     """Two daemon threads: the sampler (every ``interval_s``) and the XID watcher."""
 
-    def __init__(self, device: Any, *, interval_s: float, on_sample: Callable[[dict[str, Any]], None],
-                 on_xid: Callable[[int], None]) -> None:  # fmt: skip
+    def __init__(
+        self,
+        device: Any,
+        *,
+        interval_s: float,
+        on_sample: Callable[[dict[str, Any]], None],
+        on_xid: Callable[[int], None],
+    ) -> None:
         self.device = device
         self.interval_s = interval_s
         self._on_sample = on_sample

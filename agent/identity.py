@@ -35,7 +35,10 @@ def attempt_key(environ: Mapping[str, str] | None = None) -> tuple[str | None, i
     of the job: every rank of one launch shares it, and a restart gets a new one. None when
     no launcher says (the collector then groups by the agents' sessions)."""
     env = os.environ if environ is None else environ
-    elastic_run, elastic_restarts = env.get("TORCHELASTIC_RUN_ID"), env.get("TORCHELASTIC_RESTART_COUNT")  # fmt: skip
+    elastic_run, elastic_restarts = (
+        env.get("TORCHELASTIC_RUN_ID"),
+        env.get("TORCHELASTIC_RESTART_COUNT"),
+    )
     slurm_job = env.get("SLURM_JOB_ID")
     restarts = _int(elastic_restarts) if elastic_run and elastic_restarts else None
     if restarts is None and slurm_job:
@@ -201,10 +204,20 @@ def skeleton(config: AgentConfig) -> dict[str, Any]:
         "tags": list(config.tags),
         "data_snapshot": config.data_snapshot,
         "code": {"commit": None, "dirty": None, "branch": None, "root": None},
-        "env": {"python": platform.python_version(), "torch": None, "cuda": None, "nccl": None,
-                "gpu": None, "gpu_count": None, "driver": None, "host": config.host,
-                "platform": None, "world_size": config.world_size, "packages_hash": None},
-    }  # fmt: skip
+        "env": {
+            "python": platform.python_version(),
+            "torch": None,
+            "cuda": None,
+            "nccl": None,
+            "gpu": None,
+            "gpu_count": None,
+            "driver": None,
+            "host": config.host,
+            "platform": None,
+            "world_size": config.world_size,
+            "packages_hash": None,
+        },
+    }
     if config.rank == 0:
         data["packages"] = []
     return data

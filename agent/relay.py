@@ -132,8 +132,14 @@ def columnar(held: Sequence[_Held]) -> dict[str, Any]:
         heads[agent["rank"]] = agent
         rows += [(agent["rank"], step) for step in h.body.get("steps", ())]
         if h.body.get("events") or h.body.get("gpu"):
-            extras.append({"run": run, "agent": agent, "events": h.body.get("events", []),
-                           "gpu": h.body.get("gpu", [])})  # fmt: skip
+            extras.append(
+                {
+                    "run": run,
+                    "agent": agent,
+                    "events": h.body.get("events", []),
+                    "gpu": h.body.get("gpu", []),
+                }
+            )
     names: dict[str, None] = {}
     for _, step in rows:
         names.update(dict.fromkeys(step))
@@ -267,8 +273,10 @@ class Relay:
         return f"http://{host!s}:{port}"
 
     def start(self) -> Relay:
-        for target, name in ((self._server.serve_forever, "trainwarden-relay-http"),
-                             (self._forward_loop, "trainwarden-relay-forward")):  # fmt: skip
+        for target, name in (
+            (self._server.serve_forever, "trainwarden-relay-http"),
+            (self._forward_loop, "trainwarden-relay-forward"),
+        ):
             t = threading.Thread(target=target, name=name, daemon=True)
             t.start()
             self._threads.append(t)
@@ -305,8 +313,11 @@ class Relay:
         with self._cond:
             if len(self._pending) >= MAX_HELD:
                 self.stats["refused"] += 1
-                return Answer(503, _dumps({"detail": "trainwarden relay: busy; send again later"}),
-                              {"Retry-After": "1", "Content-Type": "application/json"})  # fmt: skip
+                return Answer(
+                    503,
+                    _dumps({"detail": "trainwarden relay: busy; send again later"}),
+                    {"Retry-After": "1", "Content-Type": "application/json"},
+                )
             self._pending.append(held)
             self.stats["held"] += 1
             self._cond.notify_all()
@@ -346,8 +357,10 @@ class Relay:
 
     def _forward(self, group: list[_Held]) -> None:
         body = columnar(group)
-        headers = {"Content-Type": "application/json",
-                   SENDER_HEADER: ranks_header(body["run"], [h.rank for h in group])}  # fmt: skip
+        headers = {
+            "Content-Type": "application/json",
+            SENDER_HEADER: ranks_header(body["run"], [h.rank for h in group]),
+        }
         if group[0].headers.get("Authorization"):
             headers["Authorization"] = group[0].headers["Authorization"]
         try:
@@ -461,10 +474,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"port (default {DEFAULT_PORT})")
-    p.add_argument("--window", type=float, default=DEFAULT_WINDOW_S,
-                   help=f"seconds a batch waits for the node's others (default {DEFAULT_WINDOW_S})")  # fmt: skip
-    p.add_argument("--expect", type=int, default=None,
-                   help="ranks that send here (the node's GPUs): once all have sent, send at once")  # fmt: skip
+    p.add_argument(
+        "--window",
+        type=float,
+        default=DEFAULT_WINDOW_S,
+        help=f"seconds a batch waits for the node's others (default {DEFAULT_WINDOW_S})",
+    )
+    p.add_argument(
+        "--expect",
+        type=int,
+        default=None,
+        help="ranks that send here (the node's GPUs): once all have sent, send at once",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

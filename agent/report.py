@@ -114,7 +114,11 @@ class StepEncoder:
             if device_clock.ready(record.gpu):
                 try:
                     timing = device_clock.read(record.gpu, self._previous_gpu_end)
-                    marks = [(n, start + at) for (n, _), at in zip(phases, timing.marks_ns, strict=True) if at is not None]  # fmt: skip
+                    marks = [
+                        (n, start + at)
+                        for (n, _), at in zip(phases, timing.marks_ns, strict=True)
+                        if at is not None
+                    ]
                 except (RuntimeError, ValueError) as exc:  # e.g. events on two GPUs: host times
                     issues["step_time"] = f"GPU events unreadable ({exc}): host times"[:200]
                 else:

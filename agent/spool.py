@@ -86,7 +86,9 @@ class DiskSpool:
     """One JSON file per batch, named by a sequence number; written to a temporary name
     and renamed, so a crash never leaves half a batch to replay."""
 
-    def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int, stats: dict[str, int]) -> None:  # fmt: skip
+    def __init__(
+        self, directory: str | os.PathLike[str], *, max_bytes: int, stats: dict[str, int]
+    ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._max = max_bytes
@@ -102,8 +104,12 @@ class DiskSpool:
         self._bytes = sum(size for _, size, _ in self._files)
         self._seq = self._files[-1][0] if self._files else 0
         if self._files:
-            log.warning("trainwarden: %d batches left in the spool %s by an earlier process; "
-                        "sending them first", len(self._files), self.directory)  # fmt: skip
+            log.warning(
+                "trainwarden: %d batches left in the spool %s by an earlier process; "
+                "sending them first",
+                len(self._files),
+                self.directory,
+            )
         self._stats["spooled_from_earlier"] += len(self._files)
 
     def _path(self, seq: int) -> Path:

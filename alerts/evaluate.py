@@ -46,7 +46,10 @@ LIVE_STATES = ("healthy", "slow", "hung", "dead", "running")
 Row = Mapping[str, Any]
 
 # The rank_steps columns each per-rank metric is computed from (rollups.METRICS).
-_DERIVED = {"tokens_per_s": ("tokens", "duration_s"), "exposed_comm_frac": ("exposed_comm_s", "duration_s")}  # fmt: skip
+_DERIVED = {
+    "tokens_per_s": ("tokens", "duration_s"),
+    "exposed_comm_frac": ("exposed_comm_s", "duration_s"),
+}
 
 
 def metric_columns(metric: str) -> tuple[str, ...]:
@@ -150,7 +153,9 @@ def _rank_value(metric: str, row: Row) -> float | None:
     return float(value) if _finite(value) else None
 
 
-def _window(points: Sequence[tuple[int, float, float]], window: Interval | None, now: float) -> list[float]:  # fmt: skip
+def _window(
+    points: Sequence[tuple[int, float, float]], window: Interval | None, now: float
+) -> list[float]:
     """The values of ``(step, ts, value)`` points within ``window`` of the newest (or
     of ``now`` for a duration); the newest value alone when no window is given."""
     if not points:
@@ -242,22 +247,40 @@ def _threshold(rule: ThresholdRule, snap: Snapshot) -> list[Verdict]:
             onset = None
             if p.scope != "gpu":  # GPU samples are timed, not stepped
                 onset = _onset(points, lambda v: _compare(v, p.above, p.below), len(recent))
-            out.append(Verdict(rank, value, f"{who}: {what} {_fmt(value)}{span}, threshold {bound}", points[-1][0] if p.scope != "gpu" else snap.last_step, onset))  # fmt: skip
+            out.append(
+                Verdict(
+                    rank,
+                    value,
+                    f"{who}: {what} {_fmt(value)}{span}, threshold {bound}",
+                    points[-1][0] if p.scope != "gpu" else snap.last_step,
+                    onset,
+                )
+            )
     return out
 
 
-def _series(snap: Snapshot, scope: str, metric: str, stat: str | None, fraction: bool = False) -> dict[int | None, list[tuple[int, float, float]]]:  # fmt: skip
+def _series(
+    snap: Snapshot, scope: str, metric: str, stat: str | None, fraction: bool = False
+) -> dict[int | None, list[tuple[int, float, float]]]:
     """``(step, ts, value)`` points per rank (None: the run), in order."""
     out: dict[int | None, list[tuple[int, float, float]]] = defaultdict(list)
     if scope == "run":
         assert stat is not None
         rows = snap.stats.get(metric, [])
-        divisor = {r.step: r.values.get(stat) for r in snap.stats.get("step_time", [])} if fraction else {}  # fmt: skip
+        divisor = (
+            {r.step: r.values.get(stat) for r in snap.stats.get("step_time", [])}
+            if fraction
+            else {}
+        )
         for r in rows:
             value = r.values.get(stat)
             if fraction:
                 step_time = divisor.get(r.step)
-                value = value / step_time if _finite(value) and _finite(step_time) and step_time else None  # type: ignore[operator]  # fmt: skip
+                value = (
+                    value / step_time  # type: ignore[operator]
+                    if _finite(value) and _finite(step_time) and step_time
+                    else None
+                )
             if _finite(value):
                 out[None].append((r.step, r.ts, float(value)))  # type: ignore[arg-type]
     elif scope == "rank":
@@ -296,8 +319,16 @@ def _baseline(rule: BaselineRule, snap: Snapshot) -> list[Verdict]:
         if _compare(ratio, p.ratio_above, p.ratio_below):
             who = "run" if rank is None else _rank_detail(snap, rank)
             onset = _baseline_onset(rule, points, base_value, len(recent))
-            out.append(Verdict(rank, ratio, f"{who}: {p.metric} {_fmt(now_value)} is {ratio:.2f}x its baseline "
-                                            f"{_fmt(base_value)} (median of the previous {p.baseline})", points[-1][0], onset))  # fmt: skip
+            out.append(
+                Verdict(
+                    rank,
+                    ratio,
+                    f"{who}: {p.metric} {_fmt(now_value)} is {ratio:.2f}x its baseline "
+                    f"{_fmt(base_value)} (median of the previous {p.baseline})",
+                    points[-1][0],
+                    onset,
+                )
+            )
     return out
 
 
@@ -360,8 +391,15 @@ def _peer(rule: PeerRule, snap: Snapshot) -> list[Verdict]:
         for value, rank in values:
             z = (value - center) / scale
             if abs(z) > p.z_above:
-                out.append(Verdict(rank, z, f"{_rank_detail(snap, rank)}: {p.metric} {_fmt(value)} is {z:+.1f} robust "
-                                            f"z from its peers' median {_fmt(center)} at step {step}", step))  # fmt: skip
+                out.append(
+                    Verdict(
+                        rank,
+                        z,
+                        f"{_rank_detail(snap, rank)}: {p.metric} {_fmt(value)} is {z:+.1f} robust "
+                        f"z from its peers' median {_fmt(center)} at step {step}",
+                        step,
+                    )
+                )
         return out
     ordered = [v for v, _ in values]
     for i, (value, rank) in enumerate(values):
@@ -370,8 +408,15 @@ def _peer(rule: PeerRule, snap: Snapshot) -> list[Verdict]:
             continue
         ratio = value / others
         if _compare(ratio, p.ratio_above, p.ratio_below):
-            out.append(Verdict(rank, ratio, f"{_rank_detail(snap, rank)}: {p.metric} {_fmt(value)} is {ratio:.2f}x "
-                                            f"its peers' median {_fmt(others)} at step {step}", step))  # fmt: skip
+            out.append(
+                Verdict(
+                    rank,
+                    ratio,
+                    f"{_rank_detail(snap, rank)}: {p.metric} {_fmt(value)} is {ratio:.2f}x "
+                    f"its peers' median {_fmt(others)} at step {step}",
+                    step,
+                )
+            )
     return out
 
 
@@ -408,11 +453,22 @@ def _matches(match: Match, snap: Snapshot) -> list[tuple[Row, int | None, str]]:
             if e["kind"] in match.events:
                 # The rank it came from: an event rule is per run anyway (EventRule.per_rank),
                 # but a rate rule counting per rank counts each rank's own.
-                out.append((e, e.get("rank"), f"event {e['kind']}" + (f" on rank {e['rank']}" if e.get("rank") is not None else "")))  # fmt: skip
+                out.append(
+                    (
+                        e,
+                        e.get("rank"),
+                        f"event {e['kind']}"
+                        + (f" on rank {e['rank']}" if e.get("rank") is not None else ""),
+                    )
+                )
     elif isinstance(match, RankStateMatch):  # in a rate rule: the state changes, as events
         for e in snap.events:
             data = e.get("data") or {}
-            if e["kind"] == "rank_state" and data.get("to") in match.to and (match.role is None or data.get("role") == match.role):  # fmt: skip
+            if (
+                e["kind"] == "rank_state"
+                and data.get("to") in match.to
+                and (match.role is None or data.get("role") == match.role)
+            ):
                 out.append((e, e.get("rank"), f"became {data.get('to')}"))
     else:  # ThrottleMatch
         for row in snap.gpu:
@@ -429,7 +485,14 @@ def _event(rule: EventRule, snap: Snapshot) -> list[Verdict]:
         for info in snap.ranks.values():
             if info.state in match.to and (match.role is None or info.role == match.role):
                 role = f" ({info.role})" if info.role else ""
-                out.append(Verdict(info.rank, None, f"{_rank_detail(snap, info.rank)} is {info.state}{role}", info.last_step))  # fmt: skip
+                out.append(
+                    Verdict(
+                        info.rank,
+                        None,
+                        f"{_rank_detail(snap, info.rank)} is {info.state}{role}",
+                        info.last_step,
+                    )
+                )
         return out
     if isinstance(match, ThrottleMatch):  # the newest sample of each rank
         latest: dict[int, Row] = {}
@@ -439,8 +502,15 @@ def _event(rule: EventRule, snap: Snapshot) -> list[Verdict]:
         for rank, row in latest.items():
             hit = sorted(set(row.get("throttle") or ()) & set(match.reasons))
             if hit:
-                out.append(Verdict(rank, row.get("temp_c"), f"{_rank_detail(snap, rank)}: GPU throttled "
-                                                            f"({', '.join(hit)}) at {row.get('temp_c')} °C", snap.last_step))  # fmt: skip
+                out.append(
+                    Verdict(
+                        rank,
+                        row.get("temp_c"),
+                        f"{_rank_detail(snap, rank)}: GPU throttled "
+                        f"({', '.join(hit)}) at {row.get('temp_c')} °C",
+                        snap.last_step,
+                    )
+                )
         return out
     found: dict[int | None, Verdict] = {}
     first: dict[int | None, int] = {}  # the earliest matching step: the onset
@@ -470,7 +540,14 @@ def _absence(rule: AbsenceRule, snap: Snapshot) -> list[Verdict]:
             if p.event not in snap.last_event
             else f"for {_ago(snap.now - last)}"
         )
-        return [Verdict(None, snap.now - last, f"run: no {p.event} event {since} (expected within {p.after})", snap.last_step)]  # fmt: skip
+        return [
+            Verdict(
+                None,
+                snap.now - last,
+                f"run: no {p.event} event {since} (expected within {p.after})",
+                snap.last_step,
+            )
+        ]
     out = []
     for info in live:
         if p.signal == "heartbeat":
@@ -489,8 +566,15 @@ def _absence(rule: AbsenceRule, snap: Snapshot) -> list[Verdict]:
         quiet = snap.now - seen
         if quiet > after + snap.lag_s:
             what = "heartbeat" if p.signal == "heartbeat" else "completed step"
-            out.append(Verdict(info.rank, quiet, f"{_rank_detail(snap, info.rank)}: no {what} for {_ago(quiet)} "
-                                                 f"(allowed {p.after}, {after:.1f}s)", info.last_step))  # fmt: skip
+            out.append(
+                Verdict(
+                    info.rank,
+                    quiet,
+                    f"{_rank_detail(snap, info.rank)}: no {what} for {_ago(quiet)} "
+                    f"(allowed {p.after}, {after:.1f}s)",
+                    info.last_step,
+                )
+            )
     return out
 
 
@@ -532,7 +616,7 @@ def _rate(rule: RateRule, snap: Snapshot) -> list[Verdict]:
             float(n),
             f"{'run' if key is None else _rank_detail(snap, key)}: {n} matches within {p.window} (at least {p.at_least})",
             snap.last_step,
-        )  # fmt: skip
+        )
         for key, n in counts.items()
         if n >= p.at_least
     ]
@@ -553,14 +637,19 @@ def _cadence(rule: CadenceRule, snap: Snapshot) -> list[Verdict]:
     if 1 / off <= ratio <= off:
         return []
     waste_now, waste_best = advice.get("waste_now"), advice.get("waste_optimal")
-    if (isinstance(waste_now, (int, float)) and isinstance(waste_best, (int, float))
-            and waste_now - waste_best < rule.params.min_saving):  # fmt: skip
+    if (
+        isinstance(waste_now, (int, float))
+        and isinstance(waste_best, (int, float))
+        and waste_now - waste_best < rule.params.min_saving
+    ):
         return []  # far off T*, but following it would gain next to nothing
     do = "save more often" if ratio > 1 else "save less often"
-    detail = (f"run: checkpoints every {_ago(now_s)}; the optimum T* = sqrt(2 C tau) is "
-              f"{_ago(best)} (C {advice.get('cost_s', 0):.1f} s, tau {_ago(advice.get('mtbf_s') or 0)}): "
-              f"{do}; expected waste {100 * (advice.get('waste_now') or 0):.1f}% vs "
-              f"{100 * (advice.get('waste_optimal') or 0):.1f}% at T*")  # fmt: skip
+    detail = (
+        f"run: checkpoints every {_ago(now_s)}; the optimum T* = sqrt(2 C tau) is "
+        f"{_ago(best)} (C {advice.get('cost_s', 0):.1f} s, tau {_ago(advice.get('mtbf_s') or 0)}): "
+        f"{do}; expected waste {100 * (advice.get('waste_now') or 0):.1f}% vs "
+        f"{100 * (advice.get('waste_optimal') or 0):.1f}% at T*"
+    )
     return [Verdict(None, float(ratio), detail, snap.last_step)]
 
 

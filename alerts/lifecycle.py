@@ -81,9 +81,18 @@ def advance(
     pass may no longer hold the start of the streak in its window)."""
     if active:
         if alert.state in ("inactive", "resolved"):  # a new episode
-            alert = replace(alert, state="pending", active_since=now, active_since_step=step,
-                            onset_step=onset_step, fired_at=None, fired_at_step=None,
-                            cleared_at=None, cleared_at_step=None, resolved_at=None)  # fmt: skip
+            alert = replace(
+                alert,
+                state="pending",
+                active_since=now,
+                active_since_step=step,
+                onset_step=onset_step,
+                fired_at=None,
+                fired_at_step=None,
+                cleared_at=None,
+                cleared_at_step=None,
+                resolved_at=None,
+            )
         elif onset_step is not None and (alert.onset_step is None or onset_step < alert.onset_step):
             alert = replace(alert, onset_step=onset_step)
         if alert.state == "firing" and alert.cleared_at is not None:

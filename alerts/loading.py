@@ -127,7 +127,11 @@ def load_rules(
     """The rules in one file. Each rule's runbook must be a file in ``runbooks_dir`` (or
     in one of several directories). Raises :class:`RuleError` listing every problem."""
     path = Path(path)
-    dirs = [Path(runbooks_dir)] if isinstance(runbooks_dir, (str, Path)) else [Path(d) for d in runbooks_dir]  # fmt: skip
+    dirs = (
+        [Path(runbooks_dir)]
+        if isinstance(runbooks_dir, (str, Path))
+        else [Path(d) for d in runbooks_dir]
+    )
     doc = _read(path)
     if not isinstance(doc, dict) or set(doc) != {"rules"} or not isinstance(doc["rules"], list):
         raise RuleError(f"{path}: expected one key, 'rules', holding a list of rules")
@@ -177,7 +181,9 @@ def load_rule_packs(
             continue
         for rule in loaded:
             if rule.name in origin:
-                problems.append(f"{path}: rule {rule.name!r}: name: already defined in {origin[rule.name]}")  # fmt: skip
+                problems.append(
+                    f"{path}: rule {rule.name!r}: name: already defined in {origin[rule.name]}"
+                )
             else:
                 origin[rule.name] = path
                 rules.append(rule)

@@ -406,7 +406,7 @@ class _RouteSpec(_Strict):
             try:
                 re.compile(pattern)
             except re.error as exc:
-                raise ValueError(f"{key}: {pattern!r} is not a regular expression: {exc}") from None  # fmt: skip
+                raise ValueError(f"{key}: {pattern!r} is not a regular expression: {exc}") from None
         return value
 
 
@@ -492,7 +492,9 @@ def _where(path: Path, doc: Any, loc: Loc) -> str:
         if loc[0] == "routes":
             return f"{at}: route #{loc[1] + 1}"
         name = raw.get("name") if isinstance(raw, dict) else None
-        return f"{at}: receiver {name!r}" if isinstance(name, str) else f"{at}: receiver #{loc[1] + 1}"  # fmt: skip
+        return (
+            f"{at}: receiver {name!r}" if isinstance(name, str) else f"{at}: receiver #{loc[1] + 1}"
+        )
     return str(path)
 
 
@@ -527,13 +529,17 @@ def _read(path: Path, text: str | None) -> Any:
         try:
             text = path.read_text(encoding="utf-8")
         except OSError as exc:
-            raise NotifyConfigError(f"{path}: cannot read the notifier config: {exc.strerror}") from None  # fmt: skip
+            raise NotifyConfigError(
+                f"{path}: cannot read the notifier config: {exc.strerror}"
+            ) from None
     try:
         return yaml.load(text, Loader=_Loader)  # a SafeLoader that refuses repeated keys
     except yaml.MarkedYAMLError as exc:
         mark = exc.problem_mark or exc.context_mark
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise NotifyConfigError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from None  # fmt: skip
+        raise NotifyConfigError(
+            f"{where}: YAML syntax error: {exc.problem or exc.context}"
+        ) from None
     except yaml.YAMLError as exc:
         raise NotifyConfigError(f"{path}: YAML syntax error: {exc}") from None
 
@@ -551,16 +557,32 @@ def load_notify_config(path: Path | str, *, text: str | None = None) -> NotifyCo
         spec = _File.model_validate(doc)
     except ValidationError as exc:
         found = [_pydantic_problem(err) for err in exc.errors()]
-        raise NotifyConfigError("\n".join(problems + [_problem(path, doc, *f) for f in found])) from None  # fmt: skip
+        raise NotifyConfigError(
+            "\n".join(problems + [_problem(path, doc, *f) for f in found])
+        ) from None
     first: dict[str, int] = {}
     for i, r in enumerate(spec.receivers):
         if r.name in first:
-            problems.append(_problem(path, doc, ("receivers", i, "name"), f"already used by receiver #{first[r.name] + 1}"))  # fmt: skip
+            problems.append(
+                _problem(
+                    path,
+                    doc,
+                    ("receivers", i, "name"),
+                    f"already used by receiver #{first[r.name] + 1}",
+                )
+            )
         first.setdefault(r.name, i)
     for i, route in enumerate(spec.routes):
         for j, name in enumerate(route.receivers):
             if name not in first:
-                problems.append(_problem(path, doc, ("routes", i, "receivers", j), f"{name!r} is not a receiver; known: {', '.join(first)}"))  # fmt: skip
+                problems.append(
+                    _problem(
+                        path,
+                        doc,
+                        ("routes", i, "receivers", j),
+                        f"{name!r} is not a receiver; known: {', '.join(first)}",
+                    )
+                )
     if problems:
         raise NotifyConfigError("\n".join(problems))
     routes = [
@@ -569,7 +591,7 @@ def load_notify_config(path: Path | str, *, text: str | None = None) -> NotifyCo
             dict(r.match),
             {k: re.compile(v) for k, v in r.match_re.items()},
             r.continue_,
-        )  # fmt: skip
+        )
         for r in spec.routes
     ]
     quiet = [r.name for r in spec.receivers if not _default(r.send_resolved, spec.send_resolved)]
@@ -633,7 +655,9 @@ class Dispatcher:
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1 (got {max_attempts})")
         if backoff_s < 0 or max_backoff_s < backoff_s:
-            raise ValueError(f"need 0 <= backoff_s <= max_backoff_s (got {backoff_s}, {max_backoff_s})")  # fmt: skip
+            raise ValueError(
+                f"need 0 <= backoff_s <= max_backoff_s (got {backoff_s}, {max_backoff_s})"
+            )
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be positive (got {timeout_s})")
         if queue_size < 1:
@@ -692,7 +716,7 @@ class Dispatcher:
                     lane.inbox.append(n)
                 dropped = self.dropped
             if not accepted and (dropped == 1 or dropped % 1000 == 0):
-                log.warning("notification queue full or stopped: %d notifications dropped", dropped)  # fmt: skip
+                log.warning("notification queue full or stopped: %d notifications dropped", dropped)
             self._kick(lanes)
             return accepted
         except Exception:  # the engine must go on whatever happens here
@@ -742,7 +766,7 @@ class Dispatcher:
             error: str | None = None
             retryable = False
             try:
-                http_status = await asyncio.wait_for(notifier.send(n, self._client), self.timeout_s)  # fmt: skip
+                http_status = await asyncio.wait_for(notifier.send(n, self._client), self.timeout_s)
             except asyncio.TimeoutError:
                 error, retryable = f"timed out after {self.timeout_s:g}s", True
             except DeliveryError as exc:
@@ -752,19 +776,42 @@ class Dispatcher:
                 error, retryable = f"{type(exc).__name__}: {exc}"[:200], True
             final = error is None or not retryable or attempt == self.max_attempts
             if not final and len(chain) > 1:
-                final, error = True, f"{error}; not retried: a newer notification of this alert follows"  # fmt: skip
+                final, error = (
+                    True,
+                    f"{error}; not retried: a newer notification of this alert follows",
+                )
             elif not final and self._closing.is_set():
                 final, error = True, f"{error}; not retried: shutting down"
-            self._report(Attempt(n.alert_id, n.fingerprint, n.status, notifier.name, notifier.kind,
-                                 attempt, error is None, http_status, error, at,
-                                 time.monotonic() - started, final))  # fmt: skip
+            self._report(
+                Attempt(
+                    n.alert_id,
+                    n.fingerprint,
+                    n.status,
+                    notifier.name,
+                    notifier.kind,
+                    attempt,
+                    error is None,
+                    http_status,
+                    error,
+                    at,
+                    time.monotonic() - started,
+                    final,
+                )
+            )
             if error is None:
                 self.sent += 1
                 return
             if final:
                 self.failed += 1
-                log.warning("gave up notifying %s of %s %s (alert %s) after %d attempts: %s",
-                            notifier.name, n.status, n.alertname, n.alert_id, attempt, error)  # fmt: skip
+                log.warning(
+                    "gave up notifying %s of %s %s (alert %s) after %d attempts: %s",
+                    notifier.name,
+                    n.status,
+                    n.alertname,
+                    n.alert_id,
+                    attempt,
+                    error,
+                )
                 return
             await self._pause(attempt)
 
@@ -781,7 +828,9 @@ class Dispatcher:
         try:
             self.on_attempt(attempt)
         except Exception:
-            log.exception("on_attempt failed for an attempt to %s; delivery goes on", attempt.receiver)  # fmt: skip
+            log.exception(
+                "on_attempt failed for an attempt to %s; delivery goes on", attempt.receiver
+            )
 
     def _pending(self) -> int:
         with self._lock:

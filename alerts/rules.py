@@ -289,8 +289,11 @@ class AbsenceParams(_Strict):
     def _check(self) -> AbsenceParams:
         if (self.signal == "event") != (self.event is not None):
             raise _FieldError("event", "give an event kind exactly when signal is 'event'")
-        allowed: dict[str, tuple[Unit, ...]] = {"heartbeat": ("s", "beats"),
-                                                "progress": ("s", "steps"), "event": ("s",)}  # fmt: skip
+        allowed: dict[str, tuple[Unit, ...]] = {
+            "heartbeat": ("s", "beats"),
+            "progress": ("s", "steps"),
+            "event": ("s",),
+        }
         if self.after.unit not in allowed[self.signal]:
             raise _FieldError("after", f"'{self.after}' does not measure a missing {self.signal}")
         if self.at_least is not None and self.after.unit == "s":
@@ -427,8 +430,11 @@ class EventRule(_Rule):
     @model_validator(mode="after")
     def _instant(self) -> EventRule:
         if not self.params.stateful and self.for_ != ZERO:
-            raise _FieldError("for", f"'{self.params.match}' matches are instants that fire at once: "
-                                     "hold one with keep_firing_for, or need several with a rate rule")  # fmt: skip
+            raise _FieldError(
+                "for",
+                f"'{self.params.match}' matches are instants that fire at once: "
+                "hold one with keep_firing_for, or need several with a rate rule",
+            )
         return self
 
 

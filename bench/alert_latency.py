@@ -66,7 +66,12 @@ class Webhook:
                     hook.posts += 1
                     for alert in body.get("alerts", []):
                         labels = alert["labels"]
-                        key = (labels["alertname"], labels["run"], labels.get("rank", ""), alert["status"])  # fmt: skip
+                        key = (
+                            labels["alertname"],
+                            labels["run"],
+                            labels.get("rank", ""),
+                            alert["status"],
+                        )
                         hook.arrivals.setdefault(key, at)
                 self.send_response(200)
                 self.send_header("Content-Length", "0")
@@ -145,14 +150,26 @@ def xid_body(run: str, rank: int, world: int) -> dict[str, Any]:
     return {
         "run": run,
         "agent": {
-            "rank": rank, "world_size": world, "local_rank": 0, "host": f"xid-node{rank}",
-            "node": f"xid-node{rank}", "session": uuid.uuid4().hex, "started_at": now,
+            "rank": rank,
+            "world_size": world,
+            "local_rank": 0,
+            "host": f"xid-node{rank}",
+            "node": f"xid-node{rank}",
+            "session": uuid.uuid4().hex,
+            "started_at": now,
             "heartbeat_s": 3600,  # posts once: not declared dead (RankDead) during the bench
         },
         "steps": [],
-        "events": [{"id": uuid.uuid4().hex, "kind": "xid", "ts": now, "severity": "critical",
-                    "data": {"code": 79, "name": "GPU has fallen off the bus"}}],
-    }  # fmt: skip
+        "events": [
+            {
+                "id": uuid.uuid4().hex,
+                "kind": "xid",
+                "ts": now,
+                "severity": "critical",
+                "data": {"code": 79, "name": "GPU has fallen off the bus"},
+            }
+        ],
+    }
 
 
 # -- one measurement --------------------------------------------------------------------
@@ -168,8 +185,9 @@ class Sample:
     sent_at: float | None = None  # the notifier's first attempt began
 
 
-def post_xids(client: httpx.Client, hook: Webhook, run: str, *, events: int, interval: float,
-              tail_s: float) -> list[Sample]:  # fmt: skip
+def post_xids(
+    client: httpx.Client, hook: Webhook, run: str, *, events: int, interval: float, tail_s: float
+) -> list[Sample]:
     """XID 79 on ranks 0..events-1, one POST at a time every ``interval`` s."""
     samples = []
     start = time.monotonic()
@@ -241,9 +259,24 @@ def measure(db_url: str, args: argparse.Namespace) -> None:
         load = None
         if args.load_ranks:
             duration = args.warmup + args.events * args.interval + 5
-            cmd = [sys.executable, "-m", "trainwarden.collector.cli", "loadgen", "--url", url,
-                   "--ranks", str(args.load_ranks), "--ranks-per-node", str(args.ranks_per_node),
-                   "--steps-per-s", "1", "--duration", str(duration), "--run", load_run]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "trainwarden.collector.cli",
+                "loadgen",
+                "--url",
+                url,
+                "--ranks",
+                str(args.load_ranks),
+                "--ranks-per-node",
+                str(args.ranks_per_node),
+                "--steps-per-s",
+                "1",
+                "--duration",
+                str(duration),
+                "--run",
+                load_run,
+            ]
             load = subprocess.Popen(
                 cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
             )
@@ -251,8 +284,9 @@ def measure(db_url: str, args: argparse.Namespace) -> None:
             time.sleep(args.warmup if load else 0)  # every node sends a few steps first
             sum0, count0 = pass_seconds(client)
             t_start = time.monotonic()
-            samples = post_xids(client, hook, run, events=args.events, interval=args.interval,
-                                tail_s=args.tail)  # fmt: skip
+            samples = post_xids(
+                client, hook, run, events=args.events, interval=args.interval, tail_s=args.tail
+            )
             window = time.monotonic() - t_start
             sum1, count1 = pass_seconds(client)
             load_out = load.communicate(timeout=120)[0] if load is not None else ""
@@ -284,10 +318,18 @@ def measure(db_url: str, args: argparse.Namespace) -> None:
     print(f"  POST sent -> webhook called (t_notify - t0):           {quantiles(total)}")
     print(f"  POST answered -> webhook called (t_notify - t_commit): {quantiles(after)}")
     print("  where the time goes (per alert; pass start and send start from the alerts API):")
-    print(f"    POST sent -> stored, answered (commit wait):        {quantiles([s.t_commit - s.t0 for s in got])}")  # type: ignore[operator]  # fmt: skip
-    print(f"    answered -> engine pass starts (wake; < 0: sooner): {quantiles([s.fired_at - s.t_commit for s in timed])}")  # type: ignore[operator]  # fmt: skip
-    print(f"    pass starts -> notifier sends (pass + hand-off):    {quantiles([s.sent_at - s.fired_at for s in timed])}")  # type: ignore[operator]  # fmt: skip
-    print(f"    notifier sends -> webhook called (delivery):        {quantiles([s.t_notify - s.sent_at for s in timed])}")  # type: ignore[operator]  # fmt: skip
+    print(
+        f"    POST sent -> stored, answered (commit wait):        {quantiles([s.t_commit - s.t0 for s in got])}"
+    )  # type: ignore[operator]
+    print(
+        f"    answered -> engine pass starts (wake; < 0: sooner): {quantiles([s.fired_at - s.t_commit for s in timed])}"
+    )  # type: ignore[operator]
+    print(
+        f"    pass starts -> notifier sends (pass + hand-off):    {quantiles([s.sent_at - s.fired_at for s in timed])}"
+    )  # type: ignore[operator]
+    print(
+        f"    notifier sends -> webhook called (delivery):        {quantiles([s.t_notify - s.sent_at for s in timed])}"
+    )  # type: ignore[operator]
     print(
         f"  engine: {passes} passes in {window:.0f} s, mean pass {pass_mean * 1000:.0f} ms "
         f"(trainwarden_alert_evaluation_seconds _sum/_count over the window)"

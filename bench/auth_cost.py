@@ -23,17 +23,33 @@ from trainwarden.collector.loadgen import run_loadgen
 def measure(db_url: str, *, auth: bool, args: argparse.Namespace) -> tuple[float, float]:
     if auth:
         made = subprocess.run(
-            [sys.executable, "-m", "trainwarden.collector.cli", "token", "create", "bench",
-             "--scope", "ingest", "--db", db_url], capture_output=True, text=True, check=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "trainwarden.collector.cli",
+                "token",
+                "create",
+                "bench",
+                "--scope",
+                "ingest",
+                "--db",
+                db_url,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         os.environ["TRAINWARDEN_TOKEN"] = made.stdout.strip().splitlines()[-1]
     else:
         os.environ.pop("TRAINWARDEN_TOKEN", None)
     with serving(db_url, log_name=f"auth-cost-{auth}", auth=auth) as url:
         result = run_loadgen(
-            url=url, ranks=args.ranks, ranks_per_node=args.ranks_per_node,
-            steps_per_s=args.steps_per_s, duration_s=args.duration,
-        )  # fmt: skip
+            url=url,
+            ranks=args.ranks,
+            ranks_per_node=args.ranks_per_node,
+            steps_per_s=args.steps_per_s,
+            duration_s=args.duration,
+        )
     if result.requests_failed:
         raise SystemExit(f"auth={auth}: {result.summary()}; {result.errors[:3]}")
     lat = sorted(result.latencies_s)
@@ -41,7 +57,9 @@ def measure(db_url: str, *, auth: bool, args: argparse.Namespace) -> tuple[float
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--db", default=DEFAULT_DB)
     p.add_argument("--ranks", type=int, default=1024)
     p.add_argument("--ranks-per-node", type=int, default=8)

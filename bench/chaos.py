@@ -39,8 +39,16 @@ from typing import Any
 import httpx
 import psycopg
 
-SERVE = [sys.executable, "-m", "trainwarden.collector.cli", "serve", "--log-level", "warning",
-         "--auth", "off"]  # fmt: skip
+SERVE = [
+    sys.executable,
+    "-m",
+    "trainwarden.collector.cli",
+    "serve",
+    "--log-level",
+    "warning",
+    "--auth",
+    "off",
+]
 
 
 def free_port() -> int:
@@ -74,8 +82,20 @@ class Postgres:
         self.cluster = f"twchaos{os.getpid()}"
         self.debian = os.geteuid() == 0 and shutil.which("pg_createcluster") is not None
         if self.debian:
-            _run(["pg_createcluster", self.version, self.cluster, "--port", str(self.port), "--datadir",
-                  f"{self.datadir}/pg", "--", "--auth-local=trust", "--auth-host=trust"])  # fmt: skip
+            _run(
+                [
+                    "pg_createcluster",
+                    self.version,
+                    self.cluster,
+                    "--port",
+                    str(self.port),
+                    "--datadir",
+                    f"{self.datadir}/pg",
+                    "--",
+                    "--auth-local=trust",
+                    "--auth-host=trust",
+                ]
+            )
         else:
             _run(
                 [
@@ -95,8 +115,21 @@ class Postgres:
             _run(["pg_ctlcluster", self.version, self.cluster, what])
         else:
             opts = f"-p {self.port} -k {self.datadir} -c listen_addresses=127.0.0.1"
-            _run([str(self.bindir / "pg_ctl"), "-D", f"{self.datadir}/pg", "-l", f"{self.datadir}/log", "-w",
-                  "-m", "fast", "-o", opts, what])  # fmt: skip
+            _run(
+                [
+                    str(self.bindir / "pg_ctl"),
+                    "-D",
+                    f"{self.datadir}/pg",
+                    "-l",
+                    f"{self.datadir}/log",
+                    "-w",
+                    "-m",
+                    "fast",
+                    "-o",
+                    opts,
+                    what,
+                ]
+            )
 
     def start(self) -> None:
         self._ctl("start")
@@ -133,8 +166,11 @@ class Collector:
         self.start()
 
     def start(self) -> None:
-        self.proc = subprocess.Popen([*SERVE, "--db", self.db_url, "--port", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT)  # fmt: skip
+        self.proc = subprocess.Popen(
+            [*SERVE, "--db", self.db_url, "--port", str(self.port)],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -265,17 +301,33 @@ def main() -> None:
         collector = Collector(pg.url, tmp / "serve.log")
         proxy = Proxy(collector.port)
         stop = tmp / "stop"
-        env = {**os.environ, "CHAOS_URL": proxy.url, "CHAOS_WORK": str(args.work),
-               "CHAOS_NAP_S": str(args.nap_s), "WORLD_SIZE": str(args.ranks), "OMP_NUM_THREADS": "1",
-               "TRAINWARDEN_SPOOL_DIR": str(tmp / "spool")}  # fmt: skip
+        env = {
+            **os.environ,
+            "CHAOS_URL": proxy.url,
+            "CHAOS_WORK": str(args.work),
+            "CHAOS_NAP_S": str(args.nap_s),
+            "WORLD_SIZE": str(args.ranks),
+            "OMP_NUM_THREADS": "1",
+            "TRAINWARDEN_SPOOL_DIR": str(tmp / "spool"),
+        }
         for r in range(args.ranks):
-            procs.append(subprocess.Popen([sys.executable, "-c", TRAINER, str(r), str(tmp / f"rank{r}.json"), str(stop)],
-                                          env={**env, "RANK": str(r)}))  # fmt: skip
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", TRAINER, str(r), str(tmp / f"rank{r}.json"), str(stop)],
+                    env={**env, "RANK": str(r)},
+                )
+            )
         t0 = time.time()
         d = args.seconds
         # The plan: (seconds after the previous fault was over, what). On a loaded machine a
         # restart takes longer, and the run with it: every fault happens, in full.
-        plan = [(0.10 * d, "kill"), (0.10 * d, "pg"), (0.08 * d, "cut"), (args.cut_s, "restore"), (0.08 * d, "kill")]  # fmt: skip
+        plan = [
+            (0.10 * d, "kill"),
+            (0.10 * d, "pg"),
+            (0.08 * d, "cut"),
+            (args.cut_s, "restore"),
+            (0.08 * d, "kill"),
+        ]
         windows: list[tuple[float, float, str]] = []  # (start, end, fault): "something is down"
         for delay, what in plan:
             time.sleep(delay)
@@ -336,17 +388,28 @@ def count(
         )
         # The agents' events; the collector adds its own about the ranks (state changes,
         # restarts, loss divergence, actions).
-        events = per_rank("SELECT rank, count(*) FROM events WHERE run_id = %s AND rank IS NOT NULL AND kind NOT IN "
-                          "('rank_state', 'restart', 'loss_divergence', 'action', 'action_failed') GROUP BY rank")  # fmt: skip
+        events = per_rank(
+            "SELECT rank, count(*) FROM events WHERE run_id = %s AND rank IS NOT NULL AND kind NOT IN "
+            "('rank_state', 'restart', 'loss_divergence', 'action', 'action_failed') GROUP BY rank"
+        )
         gpu = per_rank("SELECT rank, count(*) FROM gpu_samples WHERE run_id = %s GROUP BY rank")
     ranks = []
     for res in results:
         r, stats = res["rank"], res["stats"]
         stored = steps.get(r, 0) + events.get(r, 0) + gpu.get(r, 0)
-        ranks.append({"rank": r, "steps_run": len(res["steps"]), "recorded": stats["recorded"], "stored": stored,
-                      "steps_stored": steps.get(r, 0), "duplicated": steps.get(r, 0) - distinct.get(r, 0),
-                      "spooled": stats["spooled"], "replayed": stats["replayed"],
-                      "dropped": sum(v for k, v in stats.items() if k.startswith("dropped"))})  # fmt: skip
+        ranks.append(
+            {
+                "rank": r,
+                "steps_run": len(res["steps"]),
+                "recorded": stats["recorded"],
+                "stored": stored,
+                "steps_stored": steps.get(r, 0),
+                "duplicated": steps.get(r, 0) - distinct.get(r, 0),
+                "spooled": stats["spooled"],
+                "replayed": stats["replayed"],
+                "dropped": sum(v for k, v in stats.items() if k.startswith("dropped")),
+            }
+        )
     # Step times with everything up, and while the network was cut (the collector away as
     # the agents see it, the machine otherwise as busy as before). Restarts of the collector
     # and PostgreSQL load the machine itself (serve's start-up takes a core for seconds),
@@ -379,14 +442,18 @@ def report(f: dict[str, Any], args: argparse.Namespace) -> None:
     print(
         f"chaos: {args.ranks} ranks for {args.seconds:.0f} s ({os.cpu_count()} cpus); faults: {'; '.join(f['faults'])}"
     )
-    print(f"  records recorded by the agents {f['recorded']:,}, stored {f['stored']:,}: "
-          f"lost {f['lost']}, duplicated {f['duplicated']} "
-          f"({f['spooled']:,} went through the spool, {f['replayed']:,} replayed)")  # fmt: skip
+    print(
+        f"  records recorded by the agents {f['recorded']:,}, stored {f['stored']:,}: "
+        f"lost {f['lost']}, duplicated {f['duplicated']} "
+        f"({f['spooled']:,} went through the spool, {f['replayed']:,} replayed)"
+    )
     if f["step_s_up"] and f["step_s_down"]:
         ratio = f["step_s_down"] / f["step_s_up"]
-        print(f"  trainer step time, median: {f['step_s_up'] * 1000:.2f} ms with everything up "
-              f"({f['steps_up']:,} steps), {f['step_s_down'] * 1000:.2f} ms while the network was cut and "
-              f"the agents spooled ({f['steps_down']:,} steps): x{ratio:.3f} (target: within 2 %)")  # fmt: skip
+        print(
+            f"  trainer step time, median: {f['step_s_up'] * 1000:.2f} ms with everything up "
+            f"({f['steps_up']:,} steps), {f['step_s_down'] * 1000:.2f} ms while the network was cut and "
+            f"the agents spooled ({f['steps_down']:,} steps): x{ratio:.3f} (target: within 2 %)"
+        )
 
 
 if __name__ == "__main__":

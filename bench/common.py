@@ -86,8 +86,20 @@ def serving_process(
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(os.path.join(tempfile.gettempdir(), f"trainwarden-{log_name}.log"), "w")  # noqa: SIM115
-    cmd = [sys.executable, "-m", "trainwarden.collector.cli", "serve", "--db", db_url, "--port", str(port),
-           "--log-level", "warning", "--auth", "required" if auth else "off"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainwarden.collector.cli",
+        "serve",
+        "--db",
+        db_url,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        "--auth",
+        "required" if auth else "off",
+    ]
     serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -93,8 +93,9 @@ def mlp(layers: int, width: int) -> nn.Module:
     )
 
 
-def run_steps(model: nn.Module, opt: Any, x: torch.Tensor, first: int, n: int, *,
-              agent: bool, sync: bool) -> tuple[list[float], list[float]]:  # fmt: skip
+def run_steps(
+    model: nn.Module, opt: Any, x: torch.Tensor, first: int, n: int, *, agent: bool, sync: bool
+) -> tuple[list[float], list[float]]:
     """n steps; (GPU ms per step from our own events, host ms per step)."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -135,18 +136,28 @@ def mfu_check(layers: int, width: int, tokens: int) -> None:
 
     peak = resolve_peak("bf16")
     assert peak is not None, "no peak FLOP/s for this GPU in the agent's table"
-    print(f"model: {layers} x Linear({width}, {width}) bf16, {tokens} tokens/step, "
-          f"{flops / 1e12:.2f} TFLOP/step; peak {peak.flops / 1e12:.0f} TFLOP/s ({peak.source})")  # fmt: skip
+    print(
+        f"model: {layers} x Linear({width}, {width}) bf16, {tokens} tokens/step, "
+        f"{flops / 1e12:.2f} TFLOP/step; peak {peak.flops / 1e12:.0f} TFLOP/s ({peak.source})"
+    )
     run_steps(model, opt, x, 0, 5, agent=False, sync=True)  # warm-up
     gpu, host = run_steps(model, opt, x, 0, 20, agent=False, sync=False)
     bare = statistics.median(gpu)
-    print(f"bare loop: GPU {bare:.2f} ms/step (host {statistics.median(host):.2f} ms) -> "
-          f"MFU {flops / (bare / 1000) / peak.flops:.3f}")  # fmt: skip
+    print(
+        f"bare loop: GPU {bare:.2f} ms/step (host {statistics.median(host):.2f} ms) -> "
+        f"MFU {flops / (bare / 1000) / peak.flops:.3f}"
+    )
 
     for sync in (False, True):
         transport = Collect()
-        tw.init(run=f"gpu-mfu-{int(sync)}", transport=transport, flops_per_step=flops,
-                dtype="bf16", profile_every=0, gpu_interval_s=0.5)  # fmt: skip
+        tw.init(
+            run=f"gpu-mfu-{int(sync)}",
+            transport=transport,
+            flops_per_step=flops,
+            dtype="bf16",
+            profile_every=0,
+            gpu_interval_s=0.5,
+        )
         tw.watch(model, opt, count_flops=False)
         gpu, host = run_steps(model, opt, x, 0, 40, agent=True, sync=sync)
         tw.shutdown()
@@ -158,13 +169,17 @@ def mfu_check(layers: int, width: int, tokens: int) -> None:
             i = s["step"]
             if i < 3 or i % 6 == 0 or i == len(steps) - 1:
                 true_mfu = flops / (gpu[i] / 1000) / peak.flops
-                print(f"   {i:4d} {gpu[i]:7.2f} {host[i]:8.2f} {s['duration_s'] * 1000:18.2f}"
-                      f" {s.get('mfu', float('nan')):10.3f} {true_mfu:8.3f}"
-                      f" {(s.get('data_wait_s') or 0) * 1000:12.2f}")  # fmt: skip
+                print(
+                    f"   {i:4d} {gpu[i]:7.2f} {host[i]:8.2f} {s['duration_s'] * 1000:18.2f}"
+                    f" {s.get('mfu', float('nan')):10.3f} {true_mfu:8.3f}"
+                    f" {(s.get('data_wait_s') or 0) * 1000:12.2f}"
+                )
         reported = [s["mfu"] for s in steps[5:] if "mfu" in s]
         truth = [flops / (g / 1000) / peak.flops for g in gpu[5:]]
-        print(f"   median MFU: agent {statistics.median(reported):.3f}, GPU events "
-              f"{statistics.median(truth):.3f}; agent max {max(reported):.3f}")  # fmt: skip
+        print(
+            f"   median MFU: agent {statistics.median(reported):.3f}, GPU events "
+            f"{statistics.median(truth):.3f}; agent max {max(reported):.3f}"
+        )
         samples = transport.gpu()
         print(f"   GPU samples sent by the sampler thread: {len(samples)}")
         if samples:
@@ -191,8 +206,14 @@ def comm_check(width: int, tokens: int) -> None:
     x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
     transport = Collect()
     profile_dir = tempfile.mkdtemp(prefix="tw-gpu-prof-")
-    tw.init(run="gpu-comm", transport=transport, profile_every=10, profile_dir=profile_dir,
-            dtype="bf16", flops_per_step=3 * 2 * tokens * width * width * 8)  # fmt: skip
+    tw.init(
+        run="gpu-comm",
+        transport=transport,
+        profile_every=10,
+        profile_dir=profile_dir,
+        dtype="bf16",
+        flops_per_step=3 * 2 * tokens * width * width * 8,
+    )
     tw.watch(model, opt, count_flops=False)
     run_steps(model, opt, x, 0, 30, agent=True, sync=False)
     tw.shutdown()
@@ -204,9 +225,11 @@ def comm_check(width: int, tokens: int) -> None:
                 v = s.get(k)
                 return "     -" if v is None else f"{v * 1000:8.2f}"
 
-            print(f"   {s['step']:4d}  {s.get('comm_source', '-'):8s} {ms('duration_s')} "
-                  f"{ms('compute_s')} {ms('exposed_comm_s')} {ms('overlapped_comm_s')} "
-                  f"{ms('idle_s')}")  # fmt: skip
+            print(
+                f"   {s['step']:4d}  {s.get('comm_source', '-'):8s} {ms('duration_s')} "
+                f"{ms('compute_s')} {ms('exposed_comm_s')} {ms('overlapped_comm_s')} "
+                f"{ms('idle_s')}"
+            )
     import json
 
     names: dict[str, float] = {}
@@ -231,8 +254,9 @@ def cost_check(layers: int, width: int, tokens: int, blocks: int) -> None:
     x = torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16)
     transport = Collect()
     for grad_norm in (False, True):
-        tw.init(run="gpu-cost", transport=transport, flops_per_step=1e12, dtype="bf16",
-                profile_every=0)  # fmt: skip
+        tw.init(
+            run="gpu-cost", transport=transport, flops_per_step=1e12, dtype="bf16", profile_every=0
+        )
         tw.watch(model, opt, grad_norm=grad_norm, count_flops=False)
         bare: list[float] = []
         agent: list[float] = []
@@ -245,8 +269,10 @@ def cost_check(layers: int, width: int, tokens: int, blocks: int) -> None:
                 step += 10
         tw.shutdown()
         b, a = statistics.median(bare), statistics.median(agent)
-        print(f"   bare {b:.3f} ms/step; agent + tw.watch(grad_norm={grad_norm}) {a:.3f} ms/step;"
-              f" ratio {a / b:.4f}")  # fmt: skip
+        print(
+            f"   bare {b:.3f} ms/step; agent + tw.watch(grad_norm={grad_norm}) {a:.3f} ms/step;"
+            f" ratio {a / b:.4f}"
+        )
 
 
 def main() -> int:
@@ -259,9 +285,11 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a machine with a GPU", file=sys.stderr)
         return 2
-    print(f"trainwarden GPU check: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-          f"CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
-          f"python {sys.version.split()[0]}")  # fmt: skip
+    print(
+        f"trainwarden GPU check: {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
+        f"python {sys.version.split()[0]}"
+    )
     failed = 0
     for check in (
         nvml_check,

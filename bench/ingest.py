@@ -48,15 +48,29 @@ def raw_copy(dsn: str, rows: int, user: int) -> float:
     """Rows/s of binary COPY into a wide table keyed (run_id, step, rank), with ``user``
     user metrics a row in a JSONB column."""
     columns = ["run_id", "step", "rank", "ts", "recv_ts", *METRIC_COLUMNS, "metrics"]
-    types = ["integer", "bigint", "integer", "double precision", "double precision",
-             *(["double precision"] * len(METRIC_COLUMNS)), "jsonb"]  # fmt: skip
+    types = [
+        "integer",
+        "bigint",
+        "integer",
+        "double precision",
+        "double precision",
+        *(["double precision"] * len(METRIC_COLUMNS)),
+        "jsonb",
+    ]
     ranks = 4096
     rng = random.Random(0)
     data = [
-        (1, i // ranks, i % ranks, 1.7e9 + i, 1.7e9 + i, *([0.5] * len(METRIC_COLUMNS)),
-         user_metrics(user, step=i // ranks, rng=rng) if user else None)
+        (
+            1,
+            i // ranks,
+            i % ranks,
+            1.7e9 + i,
+            1.7e9 + i,
+            *([0.5] * len(METRIC_COLUMNS)),
+            user_metrics(user, step=i // ranks, rng=rng) if user else None,
+        )
         for i in range(rows)
-    ]  # fmt: skip
+    ]
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("DROP TABLE IF EXISTS tw_bench_copy")
         cols = ", ".join(f"{c} {t}" for c, t in zip(columns, types, strict=True))
@@ -83,26 +97,51 @@ CRASH_WAIT_S = 75.0  # ... and how long it has been silent when the measured run
 
 
 def end_to_end(
-    db_url: str, *, ranks: int, ranks_per_node: int, duration: float, user: int,
-    after_crash: bool = False, per_rank: bool = False,
-) -> dict[str, float]:  # fmt: skip
+    db_url: str,
+    *,
+    ranks: int,
+    ranks_per_node: int,
+    duration: float,
+    user: int,
+    after_crash: bool = False,
+    per_rank: bool = False,
+) -> dict[str, float]:
     with serving_process(db_url, log_name="bench-ingest") as (url, serve):
         run = f"bench-{uuid.uuid4().hex[:6]}"
         if after_crash:
-            crashed = run_loadgen(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
-                                  duration_s=CRASH_RUN_S, run=f"{run}-crashed", user_metrics=user)  # fmt: skip
+            crashed = run_loadgen(
+                url=url,
+                ranks=ranks,
+                ranks_per_node=ranks_per_node,
+                steps_per_s=1.0,
+                duration_s=CRASH_RUN_S,
+                run=f"{run}-crashed",
+                user_metrics=user,
+            )
             time.sleep(CRASH_WAIT_S)
             engine = make_engine(db_url)
             with engine.connect() as conn:
-                states = dict(conn.execute(text(
-                    "SELECT k.state, count(*) FROM ranks k JOIN runs r ON r.id = k.run_id "
-                    "WHERE r.name = :n GROUP BY 1"), {"n": f"{run}-crashed"}).all())  # fmt: skip
-                firing = conn.execute(text(
-                    "SELECT count(*) FROM alerts a JOIN runs r ON r.id = a.run_id "
-                    "WHERE r.name = :n AND a.state = 'firing'"), {"n": f"{run}-crashed"}).scalar()  # fmt: skip
+                states = dict(
+                    conn.execute(
+                        text(
+                            "SELECT k.state, count(*) FROM ranks k JOIN runs r ON r.id = k.run_id "
+                            "WHERE r.name = :n GROUP BY 1"
+                        ),
+                        {"n": f"{run}-crashed"},
+                    ).all()
+                )
+                firing = conn.execute(
+                    text(
+                        "SELECT count(*) FROM alerts a JOIN runs r ON r.id = a.run_id "
+                        "WHERE r.name = :n AND a.state = 'firing'"
+                    ),
+                    {"n": f"{run}-crashed"},
+                ).scalar()
             engine.dispose()
-            print(f"    crashed run: {crashed.rows:,} rows in {CRASH_RUN_S:.0f} s, then silent for {CRASH_WAIT_S:.0f} s: "
-                  f"its ranks {states}, {firing:,} alerts firing")  # fmt: skip
+            print(
+                f"    crashed run: {crashed.rows:,} rows in {CRASH_RUN_S:.0f} s, then silent for {CRASH_WAIT_S:.0f} s: "
+                f"its ranks {states}, {firing:,} alerts firing"
+            )
         nodes = -(-ranks // ranks_per_node)
         sent: dict[int, list[float]] = {}
         seen: dict[int, float] = {}
@@ -132,10 +171,25 @@ def end_to_end(
         poller.start()
         # CPU a stored row of each part, over the load: they share the machine's cores.
         cpu = (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds())
-        result = run_loadgen(url=url, ranks=ranks, ranks_per_node=ranks_per_node, steps_per_s=1.0,
-                             duration_s=duration, run=run, on_sent=on_sent, user_metrics=user,
-                             per_rank=per_rank)  # fmt: skip
-        used = [b - a for a, b in zip(cpu, (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds()), strict=True)]  # fmt: skip
+        result = run_loadgen(
+            url=url,
+            ranks=ranks,
+            ranks_per_node=ranks_per_node,
+            steps_per_s=1.0,
+            duration_s=duration,
+            run=run,
+            on_sent=on_sent,
+            user_metrics=user,
+            per_rank=per_rank,
+        )
+        used = [
+            b - a
+            for a, b in zip(
+                cpu,
+                (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds()),
+                strict=True,
+            )
+        ]
         time.sleep(3)
         stop.set()
         poller.join()
@@ -144,12 +198,17 @@ def end_to_end(
             seen[s] - max(sent[s]) for s in seen if s in sent and len(sent[s]) == senders
         )
         p95 = delays[min(len(delays) - 1, int(0.95 * len(delays)))] if delays else float("nan")
-        return {"points_per_s": result.points / result.seconds, "rows_per_s": result.rows / result.seconds,
-                "offered_rows_per_s": float(ranks), "failed": float(result.requests_failed),
-                "p95_queryable_s": p95, "steps_measured": float(len(delays)),
-                "request_p95_s": sorted(result.latencies_s)[int(0.95 * len(result.latencies_s))],
-                "cpu_us_per_row": [u / max(1, result.rows) * 1e6 for u in used],
-                "seconds": result.seconds}  # fmt: skip
+        return {
+            "points_per_s": result.points / result.seconds,
+            "rows_per_s": result.rows / result.seconds,
+            "offered_rows_per_s": float(ranks),
+            "failed": float(result.requests_failed),
+            "p95_queryable_s": p95,
+            "steps_measured": float(len(delays)),
+            "request_p95_s": sorted(result.latencies_s)[int(0.95 * len(result.latencies_s))],
+            "cpu_us_per_row": [u / max(1, result.rows) * 1e6 for u in used],
+            "seconds": result.seconds,
+        }
 
 
 def _own_cpu_seconds() -> float:
@@ -166,18 +225,22 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30)
     p.add_argument("--copy-rows", type=int, default=200_000)
     p.add_argument(
-        "--user-metrics", type=int, default=6,
+        "--user-metrics",
+        type=int,
+        default=6,
         help="user metrics a row besides the 19 built-in ones (default 6: 25 a row)",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--after-crash", action="store_true",
+        "--after-crash",
+        action="store_true",
         help="measure (b) beside a run of the same size that crashed whole 75 s before",
-    )  # fmt: skip
+    )
     p.add_argument(
-        "--no-relay", action="store_true",
+        "--no-relay",
+        action="store_true",
         help="(b) with each rank sending its own request, as agents with no node relay do "
         "(default: one request a node of --ranks-per-node ranks, as its relay sends)",
-    )  # fmt: skip
+    )
     p.add_argument("--mlflow-duration", type=float, default=30)
     p.add_argument(
         "--mlflow-ranks",
@@ -200,11 +263,19 @@ def main() -> None:
             f"(a) raw binary COPY:        {copy_rows:>12,.0f} rows/s = {copy_rows * metrics:>13,.0f} points/s"
         )
         e2e = end_to_end(
-            sa_url, ranks=args.ranks, ranks_per_node=args.ranks_per_node, duration=args.duration,
-            user=args.user_metrics, after_crash=args.after_crash, per_rank=args.no_relay,
-        )  # fmt: skip
-        shape = ("a request a rank: no relay" if args.no_relay
-                 else f"a request of {args.ranks_per_node} ranks, as a relay sends")  # fmt: skip
+            sa_url,
+            ranks=args.ranks,
+            ranks_per_node=args.ranks_per_node,
+            duration=args.duration,
+            user=args.user_metrics,
+            after_crash=args.after_crash,
+            per_rank=args.no_relay,
+        )
+        shape = (
+            "a request a rank: no relay"
+            if args.no_relay
+            else f"a request of {args.ranks_per_node} ranks, as a relay sends"
+        )
         print(
             f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = {e2e['points_per_s']:>13,.0f} points/s "
             f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s, {shape}; {e2e['failed']:.0f} failed requests)"

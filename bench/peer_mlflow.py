@@ -78,8 +78,21 @@ def mlflow_server(executable: str, dsn: str, *, workers: int) -> Iterator[str]:
         port = s.getsockname()[1]
     artifacts = tempfile.mkdtemp(prefix="tw-bench-mlflow-")
     log = open(os.path.join(tempfile.gettempdir(), "trainwarden-bench-mlflow.log"), "w")  # noqa: SIM115
-    cmd = [executable, "server", "--backend-store-uri", dsn, "--host", "127.0.0.1", "--port", str(port),
-           "--workers", str(workers), "--default-artifact-root", artifacts, "--no-serve-artifacts"]  # fmt: skip
+    cmd = [
+        executable,
+        "server",
+        "--backend-store-uri",
+        dsn,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--workers",
+        str(workers),
+        "--default-artifact-root",
+        artifacts,
+        "--no-serve-artifacts",
+    ]
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
     # Its own process group: uvicorn's workers go down with it.
     server = subprocess.Popen(
@@ -112,13 +125,22 @@ def mlflow_server(executable: str, dsn: str, *, workers: int) -> Iterator[str]:
         shutil.rmtree(artifacts, ignore_errors=True)
 
 
-def rank_points(*, rank: int, world: int, steps: range, metrics: tuple[str, ...],
-                rng: random.Random) -> list[dict[str, Any]]:  # fmt: skip
+def rank_points(
+    *, rank: int, world: int, steps: range, metrics: tuple[str, ...], rng: random.Random
+) -> list[dict[str, Any]]:
     """The load generator's values for one rank over ``steps``, as MLflow metrics."""
     points: list[dict[str, Any]] = []
     for step in steps:
-        cols = node_body(run="", world=world, ranks=range(rank, rank + 1), step=step, period_s=1.0,
-                         sessions={rank: ""}, rng=rng, slow_rank=None)["steps"]  # fmt: skip
+        cols = node_body(
+            run="",
+            world=world,
+            ranks=range(rank, rank + 1),
+            step=step,
+            period_s=1.0,
+            sessions={rank: ""},
+            rng=rng,
+            slow_rank=None,
+        )["steps"]
         ts_ms = int(cols["ts"][0] * 1000)
         points += [
             {"key": m, "value": float(cols[m][0]), "timestamp": ts_ms, "step": step}
@@ -127,8 +149,15 @@ def rank_points(*, rank: int, world: int, steps: range, metrics: tuple[str, ...]
     return points
 
 
-async def _drive(url: str, *, ranks: int, metrics: tuple[str, ...], duration_s: float, concurrency: int,
-                 steps_per_request: int) -> dict[str, Any]:  # fmt: skip
+async def _drive(
+    url: str,
+    *,
+    ranks: int,
+    metrics: tuple[str, ...],
+    duration_s: float,
+    concurrency: int,
+    steps_per_request: int,
+) -> dict[str, Any]:
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     json = {"Content-Type": "application/json"}
     async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
@@ -146,8 +175,14 @@ async def _drive(url: str, *, ranks: int, metrics: tuple[str, ...], duration_s: 
 
         async def create(rank: int) -> str:
             async with gate:
-                run = await call("/runs/create", {"experiment_id": experiment_id, "run_name": f"rank-{rank}",
-                                                  "start_time": int(time.time() * 1000)})  # fmt: skip
+                run = await call(
+                    "/runs/create",
+                    {
+                        "experiment_id": experiment_id,
+                        "run_name": f"rank-{rank}",
+                        "start_time": int(time.time() * 1000),
+                    },
+                )
                 return run["run"]["info"]["run_id"]
 
         run_ids = await asyncio.gather(*[create(r) for r in range(ranks)])
@@ -162,8 +197,13 @@ async def _drive(url: str, *, ranks: int, metrics: tuple[str, ...], duration_s: 
                 async with gate:
                     if time.monotonic() >= stop_at:
                         return
-                    points = rank_points(rank=rank, world=ranks, steps=range(step, step + steps_per_request),
-                                         metrics=metrics, rng=rng)  # fmt: skip
+                    points = rank_points(
+                        rank=rank,
+                        world=ranks,
+                        steps=range(step, step + steps_per_request),
+                        metrics=metrics,
+                        rng=rng,
+                    )
                     body = orjson.dumps({"run_id": run_id, "metrics": points})
                     sent = time.perf_counter()
                     try:
@@ -188,14 +228,28 @@ async def _drive(url: str, *, ranks: int, metrics: tuple[str, ...], duration_s: 
         await asyncio.gather(*[rank_loop(r, run_id) for r, run_id in enumerate(run_ids)])
         seconds = time.perf_counter() - began
     lat = sorted(latencies) or [float("nan")]
-    return {"points": counts["points"], "seconds": seconds, "points_per_s": counts["points"] / seconds,
-            "requests_ok": counts["ok"], "requests_failed": counts["failed"], "errors": errors,
-            "request_p50_s": lat[len(lat) // 2], "request_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))]}  # fmt: skip
+    return {
+        "points": counts["points"],
+        "seconds": seconds,
+        "points_per_s": counts["points"] / seconds,
+        "requests_ok": counts["ok"],
+        "requests_failed": counts["failed"],
+        "errors": errors,
+        "request_p50_s": lat[len(lat) // 2],
+        "request_p95_s": lat[min(len(lat) - 1, int(0.95 * len(lat)))],
+    }
 
 
-def mlflow_points_per_s(db_url: str, *, ranks: int, metrics: tuple[str, ...] = METRIC_COLUMNS,
-                        duration_s: float = 20.0, workers: int = 8, concurrency: int = 8,
-                        steps_per_request: int | None = None) -> dict[str, Any] | None:  # fmt: skip
+def mlflow_points_per_s(
+    db_url: str,
+    *,
+    ranks: int,
+    metrics: tuple[str, ...] = METRIC_COLUMNS,
+    duration_s: float = 20.0,
+    workers: int = 8,
+    concurrency: int = 8,
+    steps_per_request: int | None = None,
+) -> dict[str, Any] | None:
     """Points/s MLflow's tracking server sustains through log-batch; None without MLflow.
 
     ``db_url`` names the PostgreSQL server (any database on it): the peer works in a scratch
@@ -219,12 +273,26 @@ def mlflow_points_per_s(db_url: str, *, ranks: int, metrics: tuple[str, ...] = M
             .render_as_string(hide_password=False)
         )
         with mlflow_server(executable, store, workers=workers) as url:
-            result = asyncio.run(_drive(url, ranks=ranks, metrics=metrics, duration_s=duration_s,
-                                        concurrency=concurrency, steps_per_request=per_request))  # fmt: skip
+            result = asyncio.run(
+                _drive(
+                    url,
+                    ranks=ranks,
+                    metrics=metrics,
+                    duration_s=duration_s,
+                    concurrency=concurrency,
+                    steps_per_request=per_request,
+                )
+            )
         with psycopg.connect(dsn) as conn:
             result["points_stored"] = conn.execute("SELECT count(*) FROM metrics").fetchone()[0]
-    result.update(version=mlflow_version(executable), ranks=ranks, metrics=len(metrics), workers=workers,
-                  concurrency=concurrency, points_per_request=per_request * len(metrics))  # fmt: skip
+    result.update(
+        version=mlflow_version(executable),
+        ranks=ranks,
+        metrics=len(metrics),
+        workers=workers,
+        concurrency=concurrency,
+        points_per_request=per_request * len(metrics),
+    )
     return result
 
 
@@ -245,16 +313,28 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=20)
     p.add_argument("--workers", type=int, default=8, help="mlflow server --workers")
     p.add_argument("--concurrency", type=int, default=8, help="log-batch requests in flight")
-    p.add_argument("--steps-per-request", type=int, default=None,
-                   help="whole steps of one rank per request (default: as many as 1000 metrics allow)")  # fmt: skip
+    p.add_argument(
+        "--steps-per-request",
+        type=int,
+        default=None,
+        help="whole steps of one rank per request (default: as many as 1000 metrics allow)",
+    )
     args = p.parse_args()
-    result = mlflow_points_per_s(args.db, ranks=args.ranks, duration_s=args.duration, workers=args.workers,
-                                 concurrency=args.concurrency, steps_per_request=args.steps_per_request)  # fmt: skip
+    result = mlflow_points_per_s(
+        args.db,
+        ranks=args.ranks,
+        duration_s=args.duration,
+        workers=args.workers,
+        concurrency=args.concurrency,
+        steps_per_request=args.steps_per_request,
+    )
     if result is None:
         print(f"MLflow peer skipped: {find_mlflow()[1]}")
         return
-    print(f"MLflow log-batch: {result['points_per_s']:,.0f} points/s "
-          f"({result['points']:,} points in {result['seconds']:.1f} s)")  # fmt: skip
+    print(
+        f"MLflow log-batch: {result['points_per_s']:,.0f} points/s "
+        f"({result['points']:,} points in {result['seconds']:.1f} s)"
+    )
     print(f"    {describe(result)}")
     for error in result["errors"]:
         print(f"    error: {error}")

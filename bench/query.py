@@ -26,8 +26,24 @@ from trainwarden.collector.db import make_engine, upgrade
 from trainwarden.collector.partitions import day_of, ensure_partitions
 from trainwarden.collector.rollup_worker import LEVELS
 
-COLUMNS = ["run_id", "step", "rank", "day", "ts", "recv_ts", "duration_s", "data_wait_s", "tokens", "loss",
-           "grad_norm", "compute_s", "exposed_comm_s", "mfu", "flops", "peak_flops"]  # fmt: skip
+COLUMNS = [
+    "run_id",
+    "step",
+    "rank",
+    "day",
+    "ts",
+    "recv_ts",
+    "duration_s",
+    "data_wait_s",
+    "tokens",
+    "loss",
+    "grad_norm",
+    "compute_s",
+    "exposed_comm_s",
+    "mfu",
+    "flops",
+    "peak_flops",
+]
 TYPES = [
     "integer",
     "bigint",
@@ -47,8 +63,11 @@ def seed(sa_url: str, pg_dsn: str, *, ranks: int, steps: int) -> None:
     ensure_partitions(engine, range(day_of(now), day_of(now + steps) + 1))
     t0 = time.perf_counter()
     with psycopg.connect(pg_dsn, autocommit=True) as conn:
-        conn.execute("INSERT INTO runs (id, name, created_at, updated_at, world_size, status) "
-                     "VALUES (1, 'big', %s, %s, %s, 'finished')", (now, now, ranks))  # fmt: skip
+        conn.execute(
+            "INSERT INTO runs (id, name, created_at, updated_at, world_size, status) "
+            "VALUES (1, 'big', %s, %s, %s, 'finished')",
+            (now, now, ranks),
+        )
         with (
             conn.cursor() as cur,
             cur.copy(f"COPY rank_steps ({', '.join(COLUMNS)}) FROM STDIN (FORMAT BINARY)") as copy,
@@ -57,8 +76,26 @@ def seed(sa_url: str, pg_dsn: str, *, ranks: int, steps: int) -> None:
             for step in range(steps):
                 for rank in range(ranks):
                     d = 1.0 + rng.random() * 0.05 + (0.3 if rank == 17 else 0.0)
-                    copy.write_row((1, step, rank, day_of(now + step), now + step, now + step, d, 0.01, 16384, 3.0 - step / steps,
-                                    1.0, d * 0.8, d * 0.2, 0.4, 4e14, 9.894e14))  # fmt: skip
+                    copy.write_row(
+                        (
+                            1,
+                            step,
+                            rank,
+                            day_of(now + step),
+                            now + step,
+                            now + step,
+                            d,
+                            0.01,
+                            16384,
+                            3.0 - step / steps,
+                            1.0,
+                            d * 0.8,
+                            d * 0.2,
+                            0.4,
+                            4e14,
+                            9.894e14,
+                        )
+                    )
         print(
             f"seeded {ranks * steps:,} per-rank rows in {time.perf_counter() - t0:.0f}s", flush=True
         )
@@ -111,14 +148,32 @@ def main() -> None:
             serving(sa_url, log_name="bench-query") as url,
             httpx.Client(base_url=url, timeout=30) as client,
         ):
-            print(f"run-overview queries on {args.ranks:,} ranks x {args.steps:,} steps ({os.cpu_count()} cpus), "
-                  f"{args.repeat} each; target p95 <= 200 ms")  # fmt: skip
+            print(
+                f"run-overview queries on {args.ranks:,} ranks x {args.steps:,} steps ({os.cpu_count()} cpus), "
+                f"{args.repeat} each; target p95 <= 200 ms"
+            )
             queries = [
-                ("series loss, full history, points=1000", "/api/v1/runs/big/series", {"metric": "loss", "points": 1000}),
-                ("series step_time, newest 5000 steps", "/api/v1/runs/big/series", {"metric": "step_time", "last": 5000}),
-                ("series mfu, steps 2000-3000", "/api/v1/runs/big/series", {"metric": "mfu", "from": 2000, "to": 3000}),
-                ("heatmap step_time, 200 buckets", "/api/v1/runs/big/heatmap", {"metric": "step_time", "buckets": 200}),
-            ]  # fmt: skip
+                (
+                    "series loss, full history, points=1000",
+                    "/api/v1/runs/big/series",
+                    {"metric": "loss", "points": 1000},
+                ),
+                (
+                    "series step_time, newest 5000 steps",
+                    "/api/v1/runs/big/series",
+                    {"metric": "step_time", "last": 5000},
+                ),
+                (
+                    "series mfu, steps 2000-3000",
+                    "/api/v1/runs/big/series",
+                    {"metric": "mfu", "from": 2000, "to": 3000},
+                ),
+                (
+                    "heatmap step_time, 200 buckets",
+                    "/api/v1/runs/big/heatmap",
+                    {"metric": "step_time", "buckets": 200},
+                ),
+            ]
             heat = client.get(
                 "/api/v1/runs/big/heatmap", params={"metric": "step_time", "buckets": 200}
             ).json()

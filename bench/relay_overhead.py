@@ -57,8 +57,14 @@ def peers(
 
     def rank_loop(rank: int) -> None:
         rng = random.Random(rank)
-        header = {"rank": rank, "world_size": world, "local_rank": rank, "host": "node0",
-                  "session": uuid.uuid4().hex, "heartbeat_s": 2.0}  # fmt: skip
+        header = {
+            "rank": rank,
+            "world_size": world,
+            "local_rank": rank,
+            "host": "node0",
+            "session": uuid.uuid4().hex,
+            "heartbeat_s": 2.0,
+        }
         via, direct = (
             httpx.Client(base_url=relay, timeout=10),
             httpx.Client(base_url=collector, timeout=10),
@@ -67,9 +73,21 @@ def peers(
         phase = flush_phase("node0", 1.0)  # as the node's agents send: together
         while not stop.wait(1.0 - (time.time() - phase) % 1.0 + rng.random() * 0.005):
             now = time.time()
-            body = {"run": run, "agent": {**header, "sent_at": now, "last_step": step},
-                    "steps": [{"step": step, "ts": now - 0.9, "duration_s": 0.9, "loss": 2.0 + rng.random(),
-                               "tokens": 4096, "compute_s": 0.7, "exposed_comm_s": 0.2}]}  # fmt: skip
+            body = {
+                "run": run,
+                "agent": {**header, "sent_at": now, "last_step": step},
+                "steps": [
+                    {
+                        "step": step,
+                        "ts": now - 0.9,
+                        "duration_s": 0.9,
+                        "loss": 2.0 + rng.random(),
+                        "tokens": 4096,
+                        "compute_s": 0.7,
+                        "exposed_comm_s": 0.2,
+                    }
+                ],
+            }
             try:
                 via.post("/api/v1/ingest", json=body)
                 counts[0] += 1
@@ -122,8 +140,16 @@ def main() -> None:
         try:
             for block in range(args.blocks * 2):
                 arm = block % 2 == 1
-                agent = tw.init(run=run, url=url, relay="auto" if arm else None, rank=0, world_size=world,
-                                local_rank=0, profile_every=0, gpu_interval_s=0)  # fmt: skip
+                agent = tw.init(
+                    run=run,
+                    url=url,
+                    relay="auto" if arm else None,
+                    rank=0,
+                    world_size=world,
+                    local_rank=0,
+                    profile_every=0,
+                    gpu_interval_s=0,
+                )
                 wall0, cpu0 = time.perf_counter(), cpu_s()
                 for i in range(args.steps_per_block):
                     t0 = time.perf_counter()
@@ -143,17 +169,25 @@ def main() -> None:
             peer_proc.join(30)
     off, on = (statistics.median(times[a]) * 1000 for a in (False, True))
     cpu_off, cpu_on = (statistics.median(cpu[a]) for a in (False, True))
-    print(f"trainwarden relay overhead ({os.cpu_count()} cpus, torch {torch.__version__}): local rank 0 of "
-          f"{world}, {args.blocks} blocks of {args.steps_per_block} steps each arm, alternating")  # fmt: skip
-    print(f"   step time: relay off {off:.2f} ms ; relay on (this process runs it) {on:.2f} ms ; "
-          f"ratio {on / off:.4f}")  # fmt: skip
-    print(f"   this process's CPU: {cpu_off:.3f} cores relay off, {cpu_on:.3f} on: the relay "
-          f"{(cpu_on - cpu_off) * 1000:+.1f} ms a second")  # fmt: skip
+    print(
+        f"trainwarden relay overhead ({os.cpu_count()} cpus, torch {torch.__version__}): local rank 0 of "
+        f"{world}, {args.blocks} blocks of {args.steps_per_block} steps each arm, alternating"
+    )
+    print(
+        f"   step time: relay off {off:.2f} ms ; relay on (this process runs it) {on:.2f} ms ; "
+        f"ratio {on / off:.4f}"
+    )
+    print(
+        f"   this process's CPU: {cpu_off:.3f} cores relay off, {cpu_on:.3f} on: the relay "
+        f"{(cpu_on - cpu_off) * 1000:+.1f} ms a second"
+    )
     print(
         f"   the peers sent {counts[0]} batches through the relay, {counts[1]} straight to the collector"
     )
-    print(f"   the relay held {held} batches of {world} ranks and sent the collector {merged} requests "
-          f"({held / max(1, merged):.1f} batches a request)")  # fmt: skip
+    print(
+        f"   the relay held {held} batches of {world} ranks and sent the collector {merged} requests "
+        f"({held / max(1, merged):.1f} batches a request)"
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,12 @@ EXTRA = [
     ("data_wait", "data_wait_s", "max(data_wait_s)"),
     ("tokens", "tokens", "sum(tokens)"),
 ]
-BUCKETED = [("exposed_comm", "exposed_comm_s"), ("loss", "loss"), ("compute", "compute_s"),
-            ("data_wait", "data_wait_s")]  # fmt: skip
+BUCKETED = [
+    ("exposed_comm", "exposed_comm_s"),
+    ("loss", "loss"),
+    ("compute", "compute_s"),
+    ("data_wait", "data_wait_s"),
+]
 
 
 def seed_more(dsn: str) -> None:
@@ -83,7 +87,10 @@ def seed_more(dsn: str) -> None:
                     (metric,),
                 )
         conn.execute("ANALYZE")
-    print(f"rolled up {len(EXTRA)} more metrics and {len(BUCKETED)} heatmap metrics in {time.perf_counter() - t0:.0f}s", flush=True)  # fmt: skip
+    print(
+        f"rolled up {len(EXTRA)} more metrics and {len(BUCKETED)} heatmap metrics in {time.perf_counter() - t0:.0f}s",
+        flush=True,
+    )
 
 
 @contextmanager
@@ -94,14 +101,21 @@ def kept_database(db_url: str, name: str) -> Iterator[tuple[str, str]]:
     with psycopg.connect(admin, autocommit=True) as conn:
         if conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone() is None:
             conn.execute(f'CREATE DATABASE "{name}"')
-    yield (base.set(database=name).render_as_string(hide_password=False),
-           base.set(drivername="postgresql", database=name).render_as_string(hide_password=False))  # fmt: skip
+    yield (
+        base.set(database=name).render_as_string(hide_password=False),
+        base.set(drivername="postgresql", database=name).render_as_string(hide_password=False),
+    )
 
 
 def seeded(dsn: str) -> bool:
     with psycopg.connect(dsn) as conn:
         try:
-            return conn.execute("SELECT count(*) FROM step_stats WHERE run_id = 1 AND metric = 'grad_norm'").fetchone()[0] > 0  # type: ignore[index]  # fmt: skip
+            return (
+                conn.execute(
+                    "SELECT count(*) FROM step_stats WHERE run_id = 1 AND metric = 'grad_norm'"
+                ).fetchone()[0]
+                > 0
+            )  # type: ignore[index]
         except psycopg.errors.UndefinedTable:
             return False
 
@@ -152,15 +166,19 @@ def main() -> None:
             browser = pw.chromium.launch(
                 executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"]
             )
-            print(f"navigation -> first drawn graph, {args.ranks:,} ranks x {args.steps:,} steps "
-                  f"({os.cpu_count()} cpus), headless Chromium; target <= {TARGET_S} s")  # fmt: skip
+            print(
+                f"navigation -> first drawn graph, {args.ranks:,} ranks x {args.steps:,} steps "
+                f"({os.cpu_count()} cpus), headless Chromium; target <= {TARGET_S} s"
+            )
             worst = 0.0
             for name, path in PAGES:
                 cold = first_graph(browser, url + path)
                 warm = [first_graph(browser, url + path) for _ in range(args.repeat)]
                 worst = max(worst, cold, *warm)
-                print(f"  {name:<14} first visit {cold:5.2f} s   then median {statistics.median(warm):5.2f} s, "
-                      f"max {max(warm):5.2f} s ({args.repeat} visits)")  # fmt: skip
+                print(
+                    f"  {name:<14} first visit {cold:5.2f} s   then median {statistics.median(warm):5.2f} s, "
+                    f"max {max(warm):5.2f} s ({args.repeat} visits)"
+                )
             browser.close()
             verdict = "meets" if worst <= TARGET_S else "MISSES"
             print(f"  worst {worst:.2f} s: {verdict} the {TARGET_S} s target")

@@ -173,10 +173,14 @@ class CommandBoard:
 
     def refresh(self, conn: Connection) -> None:
         c = m.agent_commands.c
-        self.runs = set(conn.execute(
-            select(m.runs.c.name).distinct().join(m.agent_commands, c.run_id == m.runs.c.id)
-            .where(c.done_at.is_(None))
-        ).scalars())  # fmt: skip
+        self.runs = set(
+            conn.execute(
+                select(m.runs.c.name)
+                .distinct()
+                .join(m.agent_commands, c.run_id == m.runs.c.id)
+                .where(c.done_at.is_(None))
+            ).scalars()
+        )
 
     def take(self, conn: Connection, run: str, rank: int, now: float) -> list[dict[str, Any]]:
         """The commands for ``rank`` of ``run`` not yet acknowledged (sent again until they are)."""
@@ -184,9 +188,11 @@ class CommandBoard:
             return []
         c = m.agent_commands.c
         rows = conn.execute(
-            select(c.id, c.body, c.delivered_at).join(m.runs, m.runs.c.id == c.run_id)
-            .where(m.runs.c.name == run, c.rank == rank, c.done_at.is_(None)).order_by(c.id)
-        ).all()  # fmt: skip
+            select(c.id, c.body, c.delivered_at)
+            .join(m.runs, m.runs.c.id == c.run_id)
+            .where(m.runs.c.name == run, c.rank == rank, c.done_at.is_(None))
+            .order_by(c.id)
+        ).all()
         fresh = [r.id for r in rows if r.delivered_at is None]
         if fresh:
             conn.execute(update(m.agent_commands).where(c.id.in_(fresh)).values(delivered_at=now))
@@ -204,7 +210,9 @@ class _Ctx:
     evictions: list[tuple[int, Any]] = field(default_factory=list)  # started after the commit
 
 
-def _history(row: Any, state: str, by: str | None, detail: str | None, now: float) -> list[dict[str, Any]]:  # fmt: skip
+def _history(
+    row: Any, state: str, by: str | None, detail: str | None, now: float
+) -> list[dict[str, Any]]:
     return [*(row.history or []), {"at": now, "state": state, "by": by, "detail": detail}]
 
 
@@ -265,7 +273,9 @@ class ActionEngine:
                 return
             ctx = _Ctx(conn, now)
             self._triggers(ctx)
-            for row in conn.execute(select(m.actions).where(m.actions.c.state.in_(ACTIVE)).order_by(m.actions.c.id)).all():  # fmt: skip
+            for row in conn.execute(
+                select(m.actions).where(m.actions.c.state.in_(ACTIVE)).order_by(m.actions.c.id)
+            ).all():
                 try:
                     self._advance(ctx, row)
                 except Exception as exc:
@@ -289,9 +299,15 @@ class ActionEngine:
         take them (the abort of a failed rollback goes out after the action ended)."""
         c = m.agent_commands.c
         finished = select(m.actions.c.id).where(m.actions.c.state.not_in(ACTIVE))
-        ctx.conn.execute(update(m.agent_commands).where(
-            c.done_at.is_(None), c.created_at < ctx.now - self.policy.rollback.prepare_timeout.value,
-            c.action_id.in_(finished)).values(done_at=ctx.now))  # fmt: skip
+        ctx.conn.execute(
+            update(m.agent_commands)
+            .where(
+                c.done_at.is_(None),
+                c.created_at < ctx.now - self.policy.rollback.prepare_timeout.value,
+                c.action_id.in_(finished),
+            )
+            .values(done_at=ctx.now)
+        )
 
     # -- creating actions -------------------------------------------------------------------
 
@@ -302,13 +318,26 @@ class ActionEngine:
         ).all()
         for alert in firing:
             key = f"{alert.fingerprint}:{alert.id}"  # one action per episode of the alert
-            seen = ctx.conn.execute(select(m.actions.c.id).where(m.actions.c.fingerprint == key, m.actions.c.kind == alert.action)).first()  # fmt: skip
+            seen = ctx.conn.execute(
+                select(m.actions.c.id).where(
+                    m.actions.c.fingerprint == key, m.actions.c.kind == alert.action
+                )
+            ).first()
             if seen is not None or self._covered(ctx, alert):
                 continue
-            create_action(ctx.conn, self.policy, run_id=alert.run_id, kind=alert.action, now=ctx.now,
-                          trigger=f"rule:{alert.rule}", alert_id=alert.id, fingerprint=key,
-                          rank=alert.rank, node=alert.node,
-                          detail=(alert.annotations or {}).get("description"))  # fmt: skip
+            create_action(
+                ctx.conn,
+                self.policy,
+                run_id=alert.run_id,
+                kind=alert.action,
+                now=ctx.now,
+                trigger=f"rule:{alert.rule}",
+                alert_id=alert.id,
+                fingerprint=key,
+                rank=alert.rank,
+                node=alert.node,
+                detail=(alert.annotations or {}).get("description"),
+            )
 
     def _covered(self, ctx: _Ctx, alert: Any) -> bool:
         """Whether an action of the run (for an eviction: of the node) already answers this
@@ -316,9 +345,17 @@ class ActionEngine:
         run stands only for dry runs: it never holds back a real action, and it records
         one plan where the real thing would act once, not one per rank."""
         a = m.actions.c
-        dry = a.mode == "dry-run" if self.policy.of(alert.action).mode == "dry-run" else a.mode != "dry-run"  # fmt: skip
-        query = select(a.id).where(a.run_id == alert.run_id, a.kind == alert.action, dry,
-                                   or_(a.state.in_(ACTIVE), a.created_at >= alert.active_since - 60))  # fmt: skip
+        dry = (
+            a.mode == "dry-run"
+            if self.policy.of(alert.action).mode == "dry-run"
+            else a.mode != "dry-run"
+        )
+        query = select(a.id).where(
+            a.run_id == alert.run_id,
+            a.kind == alert.action,
+            dry,
+            or_(a.state.in_(ACTIVE), a.created_at >= alert.active_since - 60),
+        )
         if alert.action == "evict":
             query = query.where(a.node == alert.node)
         return ctx.conn.execute(query.limit(1)).first() is not None
@@ -328,7 +365,11 @@ class ActionEngine:
     def _advance(self, ctx: _Ctx, row: Any) -> None:
         if row.state == "proposed":
             if row.mode == "require-ack" and row.alert_id is not None:
-                acked = ctx.conn.execute(select(m.alerts.c.acked_by).where(m.alerts.c.id == row.alert_id, m.alerts.c.acked_at.is_not(None))).scalar()  # fmt: skip
+                acked = ctx.conn.execute(
+                    select(m.alerts.c.acked_by).where(
+                        m.alerts.c.id == row.alert_id, m.alerts.c.acked_at.is_not(None)
+                    )
+                ).scalar()
                 if acked is not None:
                     self._set(
                         ctx,
@@ -352,20 +393,42 @@ class ActionEngine:
             "stop": self._executing_stop,
         }[row.kind](ctx, row)
 
-    def _set(self, ctx: _Ctx, row: Any, state: str, *, by: str | None = None, detail: str | None = None, **values: Any) -> None:  # fmt: skip
-        ctx.conn.execute(update(m.actions).where(m.actions.c.id == row.id).values(
-            state=state, updated_at=ctx.now, history=_history(row, state, by, detail, ctx.now), **values))  # fmt: skip
+    def _set(
+        self,
+        ctx: _Ctx,
+        row: Any,
+        state: str,
+        *,
+        by: str | None = None,
+        detail: str | None = None,
+        **values: Any,
+    ) -> None:
+        ctx.conn.execute(
+            update(m.actions)
+            .where(m.actions.c.id == row.id)
+            .values(
+                state=state,
+                updated_at=ctx.now,
+                history=_history(row, state, by, detail, ctx.now),
+                **values,
+            )
+        )
         ctx.events.append(_event(row, state, detail, ctx.now))
 
-    def _finish(self, ctx: _Ctx, row: Any, state: str, *, reason: str | None = None, result: Any = None) -> None:  # fmt: skip
+    def _finish(
+        self, ctx: _Ctx, row: Any, state: str, *, reason: str | None = None, result: Any = None
+    ) -> None:
         values: dict[str, Any] = {"finished_at": ctx.now}
         if reason is not None:
             values["reason"] = reason[:2000]
         if result is not None:
             values["result"] = result
         self._set(ctx, row, state, detail=reason, **values)
-        ctx.conn.execute(update(m.agent_commands).where(m.agent_commands.c.action_id == row.id,
-                                                        m.agent_commands.c.done_at.is_(None)).values(done_at=ctx.now))  # fmt: skip
+        ctx.conn.execute(
+            update(m.agent_commands)
+            .where(m.agent_commands.c.action_id == row.id, m.agent_commands.c.done_at.is_(None))
+            .values(done_at=ctx.now)
+        )
         if state == "failed":
             ctx.events.append(
                 {
@@ -383,24 +446,40 @@ class ActionEngine:
         # done, or failed once it had started (a rollback that fails at the ranks again and
         # again must stop the run, not retry forever); one that failed before it started
         # (no good checkpoint, a dry run) touched nothing.
-        spent = [a for a in ctx.conn.execute(
-            select(m.actions.c.id, m.actions.c.state, m.actions.c.history).where(
-                m.actions.c.run_id == row.run_id, m.actions.c.kind == "rollback", m.actions.c.id != row.id,
-                m.actions.c.state.in_(("executing", "done", "failed")), m.actions.c.mode != "dry-run",
-                m.actions.c.created_at > ctx.now - pol.budget.per.value,
-            )
-        ).all() if a.state != "failed" or any(h.get("state") == "executing" for h in a.history or ())]  # fmt: skip
+        spent = [
+            a
+            for a in ctx.conn.execute(
+                select(m.actions.c.id, m.actions.c.state, m.actions.c.history).where(
+                    m.actions.c.run_id == row.run_id,
+                    m.actions.c.kind == "rollback",
+                    m.actions.c.id != row.id,
+                    m.actions.c.state.in_(("executing", "done", "failed")),
+                    m.actions.c.mode != "dry-run",
+                    m.actions.c.created_at > ctx.now - pol.budget.per.value,
+                )
+            ).all()
+            if a.state != "failed" or any(h.get("state") == "executing" for h in a.history or ())
+        ]
         before = (row.plan or {}).get(
             "restores"
         ) or []  # this action's restores that did not fix it
         if len(spent) + len(before) >= pol.budget.count:
-            why = f"retry budget spent: {len(spent) + len(before)} rollbacks within {pol.budget.per}; stopping the run instead"  # fmt: skip
+            why = f"retry budget spent: {len(spent) + len(before)} rollbacks within {pol.budget.per}; stopping the run instead"
             if before:
                 why = f"{_not_fixed(before[-1])}; {why}"
-            self._finish(ctx, row, "failed", reason=why)  # fmt: skip
-            create_action(ctx.conn, self.policy, run_id=row.run_id, kind="stop", now=ctx.now,
-                          trigger="budget", detail="rollback budget spent", mode="auto",
-                          fingerprint=f"budget:{row.id}", approver="policy")  # fmt: skip
+            self._finish(ctx, row, "failed", reason=why)
+            create_action(
+                ctx.conn,
+                self.policy,
+                run_id=row.run_id,
+                kind="stop",
+                now=ctx.now,
+                trigger="budget",
+                detail="rollback budget spent",
+                mode="auto",
+                fingerprint=f"budget:{row.id}",
+                approver="policy",
+            )
             return
         plan, problem = rollback_plan(ctx.conn, row, pol)
         if plan is None:
@@ -409,10 +488,18 @@ class ActionEngine:
             self._finish(ctx, row, "failed", reason=problem)
             return
         a = m.actions.c
-        busy = ctx.conn.execute(select(a.id).where(a.run_id == row.run_id, a.kind == "rollback", a.id != row.id,
-                                                   a.state == "executing")).scalar()  # fmt: skip
+        busy = ctx.conn.execute(
+            select(a.id).where(
+                a.run_id == row.run_id, a.kind == "rollback", a.id != row.id, a.state == "executing"
+            )
+        ).scalar()
         if busy is not None:  # two rollbacks at once would race for the ranks' hold
-            self._finish(ctx, row, "failed", reason=f"rollback {busy} of this run is executing; not starting a second one")  # fmt: skip
+            self._finish(
+                ctx,
+                row,
+                "failed",
+                reason=f"rollback {busy} of this run is executing; not starting a second one",
+            )
             return
         attempt = (row.plan or {}).get("attempt", 0) + 1
         plan.update(
@@ -424,9 +511,26 @@ class ActionEngine:
             return
         plan["ranks"] = ranks
         plan["prepared_at"] = ctx.now
-        _commands(ctx.conn, row, ranks, {"type": "rollback", "phase": "prepare", "action": row.id, "attempt": attempt,
-                                         "plan": plan["rollback"]}, ctx.now)  # fmt: skip
-        self._set(ctx, row, "executing", detail=f"prepare: every rank holds at its next step (attempt {attempt})", plan=plan)  # fmt: skip
+        _commands(
+            ctx.conn,
+            row,
+            ranks,
+            {
+                "type": "rollback",
+                "phase": "prepare",
+                "action": row.id,
+                "attempt": attempt,
+                "plan": plan["rollback"],
+            },
+            ctx.now,
+        )
+        self._set(
+            ctx,
+            row,
+            "executing",
+            detail=f"prepare: every rank holds at its next step (attempt {attempt})",
+            plan=plan,
+        )
 
     def _executing_rollback(self, ctx: _Ctx, row: Any) -> None:
         pol = self.policy.rollback
@@ -441,11 +545,16 @@ class ActionEngine:
                 r: acks[r] for r in ranks if r in acks and acks[r].get("phase") == "prepare"
             }
             refused = {r: a for r, a in prepared.items() if not a.get("armed")}
-            refused |= {r: {**a, "error": "stopped holding: no decision within its wait"}
-                        for r, a in acks.items() if r in ranks and a.get("phase") == "timeout"}  # fmt: skip
+            refused |= {
+                r: {**a, "error": "stopped holding: no decision within its wait"}
+                for r, a in acks.items()
+                if r in ranks and a.get("phase") == "timeout"
+            }
             if refused or ctx.now - plan["prepared_at"] > pol.prepare_timeout.value:
-                why = "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items())) or \
-                    f"ranks {sorted(set(ranks) - set(prepared))} did not answer within {pol.prepare_timeout}"  # fmt: skip
+                why = (
+                    "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items()))
+                    or f"ranks {sorted(set(ranks) - set(prepared))} did not answer within {pol.prepare_timeout}"
+                )
                 fatal = any("on_rollback" in str(a.get("error")) for a in refused.values())
                 tries = plan["attempt"] - plan.get("round_start", 1) + 1  # of this restore
                 if tries >= pol.attempts or fatal:
@@ -463,7 +572,11 @@ class ActionEngine:
                 else:  # try again
                     # Decisions are per attempt: this abort frees the ranks holding now,
                     # and cannot decide the next attempt.
-                    ctx.conn.execute(update(m.agent_commands).where(m.agent_commands.c.action_id == row.id).values(done_at=ctx.now))  # fmt: skip
+                    ctx.conn.execute(
+                        update(m.agent_commands)
+                        .where(m.agent_commands.c.action_id == row.id)
+                        .values(done_at=ctx.now)
+                    )
                     abort = {
                         "type": "rollback",
                         "phase": "abort",
@@ -471,8 +584,13 @@ class ActionEngine:
                         "attempt": plan["attempt"],
                     }
                     _commands(ctx.conn, row, ranks, abort, ctx.now)
-                    self._set(ctx, row, "approved", detail=f"aborted attempt {plan['attempt']}: {why}",
-                              plan=_carried(plan))  # fmt: skip
+                    self._set(
+                        ctx,
+                        row,
+                        "approved",
+                        detail=f"aborted attempt {plan['attempt']}: {why}",
+                        plan=_carried(plan),
+                    )
                 return
             if len(prepared) == len(ranks):
                 # Each rank holds at most one step past the step it answered with: none can
@@ -480,13 +598,28 @@ class ActionEngine:
                 answered = {r: int(a.get("step") or 0) for r, a in prepared.items()}
                 barrier = max(answered.values()) + 1
                 skip_to = barrier + pol.skip_margin_steps
-                commit = {"type": "rollback", "phase": "commit", "action": row.id,
-                          "attempt": plan["attempt"], "barrier_step": barrier, "skip_to": skip_to}  # fmt: skip
+                commit = {
+                    "type": "rollback",
+                    "phase": "commit",
+                    "action": row.id,
+                    "attempt": plan["attempt"],
+                    "barrier_step": barrier,
+                    "skip_to": skip_to,
+                }
                 _commands(ctx.conn, row, ranks, commit, ctx.now)
-                plan.update(committed_at=ctx.now, barrier_step=barrier,
-                            answered_at_step=min(answered.values()))  # fmt: skip
+                plan.update(
+                    committed_at=ctx.now,
+                    barrier_step=barrier,
+                    answered_at_step=min(answered.values()),
+                )
                 plan["rollback"] = {**plan["rollback"], "skip_to": skip_to}
-                self._set(ctx, row, "executing", detail=f"commit: every rank holds; restore after step {barrier}", plan=plan)  # fmt: skip
+                self._set(
+                    ctx,
+                    row,
+                    "executing",
+                    detail=f"commit: every rank holds; restore after step {barrier}",
+                    plan=plan,
+                )
             return
         done = {
             r: acks[r]
@@ -501,13 +634,24 @@ class ActionEngine:
             )
             self._finish(ctx, row, "failed", reason=f"rollback not applied: {why}")
         elif len(done) == len(ranks):
-            result = {"ranks": {str(r): {k: done[r].get(k) for k in ("barrier_step", "checkpoint_step", "seconds", "at")}
-                                for r in ranks},
-                      "restored_within_s": round(max(a["at"] for a in done.values()) - plan["committed_at"], 3),
-                      "since_prepare_s": round(max(a["at"] for a in done.values()) - plan["prepared_at"], 3),
-                      # steps run from the command reaching the ranks to the restore
-                      "steps_after_command": plan["barrier_step"] - plan["answered_at_step"],
-                      "steps_after_issue": plan["barrier_step"] - plan["issued_at_step"]}  # fmt: skip
+            result = {
+                "ranks": {
+                    str(r): {
+                        k: done[r].get(k)
+                        for k in ("barrier_step", "checkpoint_step", "seconds", "at")
+                    }
+                    for r in ranks
+                },
+                "restored_within_s": round(
+                    max(a["at"] for a in done.values()) - plan["committed_at"], 3
+                ),
+                "since_prepare_s": round(
+                    max(a["at"] for a in done.values()) - plan["prepared_at"], 3
+                ),
+                # steps run from the command reaching the ranks to the restore
+                "steps_after_command": plan["barrier_step"] - plan["answered_at_step"],
+                "steps_after_issue": plan["barrier_step"] - plan["issued_at_step"],
+            }
             if plan.get("restores"):
                 result["restores"] = plan["restores"]
             rule = self._rule_of(ctx, row)
@@ -515,17 +659,34 @@ class ActionEngine:
                 self._finish(ctx, row, "done", result=result)
                 return
             step = plan["rollback"]["checkpoint_step"]
-            plan.update(restored_at=ctx.now, result=result, rule=rule.name,
-                        restored_ts=min(float(a.get("ts") or ctx.now) for a in done.values()))  # fmt: skip
-            self._set(ctx, row, "executing", detail=f"every rank restored the checkpoint of step {step}; "
-                      f"checking {rule.name} on the steps run again", plan=plan)  # fmt: skip
+            plan.update(
+                restored_at=ctx.now,
+                result=result,
+                rule=rule.name,
+                restored_ts=min(float(a.get("ts") or ctx.now) for a in done.values()),
+            )
+            self._set(
+                ctx,
+                row,
+                "executing",
+                detail=f"every rank restored the checkpoint of step {step}; "
+                f"checking {rule.name} on the steps run again",
+                plan=plan,
+            )
         elif ctx.now - plan["committed_at"] > pol.apply_timeout.value:
-            self._finish(ctx, row, "failed", reason=f"ranks {sorted(set(ranks) - set(done))} did not restore within {pol.apply_timeout}")  # fmt: skip
+            self._finish(
+                ctx,
+                row,
+                "failed",
+                reason=f"ranks {sorted(set(ranks) - set(done))} did not restore within {pol.apply_timeout}",
+            )
 
     def _rule_of(self, ctx: _Ctx, row: Any) -> Rule | None:
         if row.alert_id is None:
             return None  # an operator's rollback: no rule to ask
-        name = ctx.conn.execute(select(m.alerts.c.rule).where(m.alerts.c.id == row.alert_id)).scalar()  # fmt: skip
+        name = ctx.conn.execute(
+            select(m.alerts.c.rule).where(m.alerts.c.id == row.alert_id)
+        ).scalar()
         return self.rules.get(name) if name is not None else None
 
     def _verify_rollback(self, ctx: _Ctx, row: Any, plan: dict[str, Any]) -> None:
@@ -537,25 +698,60 @@ class ActionEngine:
         result = dict(plan["result"])
         step = plan["rollback"]["checkpoint_step"]
         if rule is None:
-            self._finish(ctx, row, "done", result={**result, "check": f"not checked: rule {plan['rule']} is no longer loaded"})  # fmt: skip
+            self._finish(
+                ctx,
+                row,
+                "done",
+                result={**result, "check": f"not checked: rule {plan['rule']} is no longer loaded"},
+            )
             return
-        check = check_replay(ctx.conn, rule=rule, run_id=row.run_id, ranks=plan["ranks"], checkpoint_step=step,
-                             since_ts=plan["restored_ts"], need=steps_needed(rule, pol.verify_steps), now=ctx.now)  # fmt: skip
+        check = check_replay(
+            ctx.conn,
+            rule=rule,
+            run_id=row.run_id,
+            ranks=plan["ranks"],
+            checkpoint_step=step,
+            since_ts=plan["restored_ts"],
+            need=steps_needed(rule, pol.verify_steps),
+            now=ctx.now,
+        )
         if not check.ready:
             gone = _gone(ctx.conn, row.run_id, plan["ranks"])
             if gone or ctx.now - plan["restored_at"] > pol.verify_timeout.value:
                 why = f"ranks {sorted(gone)} ended" if gone else f"waited {pol.verify_timeout}"
-                self._finish(ctx, row, "done", result={**result, "check": f"not checked: {check.detail} ({why})"})  # fmt: skip
+                self._finish(
+                    ctx,
+                    row,
+                    "done",
+                    result={**result, "check": f"not checked: {check.detail} ({why})"},
+                )
             return
         if not check.holds:
             self._finish(ctx, row, "done", result={**result, "check": check.detail})
             return
-        restores = [*(plan.get("restores") or []),
-                    {"checkpoint_step": step, "steps": list(check.steps or ()), "detail": check.detail}]  # fmt: skip
+        restores = [
+            *(plan.get("restores") or []),
+            {"checkpoint_step": step, "steps": list(check.steps or ()), "detail": check.detail},
+        ]
         # Decisions are per attempt: the commands of this one are over.
-        ctx.conn.execute(update(m.agent_commands).where(m.agent_commands.c.action_id == row.id).values(done_at=ctx.now))  # fmt: skip
-        again = {**_carried(plan), "restores": restores, "below_step": step, "round_start": plan["attempt"] + 1}  # fmt: skip
-        self._set(ctx, row, "approved", detail=f"{_not_fixed(restores[-1])}; rolling back to an older checkpoint", plan=again)  # fmt: skip
+        ctx.conn.execute(
+            update(m.agent_commands)
+            .where(m.agent_commands.c.action_id == row.id)
+            .values(done_at=ctx.now)
+        )
+        again = {
+            **_carried(plan),
+            "restores": restores,
+            "below_step": step,
+            "round_start": plan["attempt"] + 1,
+        }
+        self._set(
+            ctx,
+            row,
+            "approved",
+            detail=f"{_not_fixed(restores[-1])}; rolling back to an older checkpoint",
+            plan=again,
+        )
 
     # -- stop --------------------------------------------------------------------------------------
 
@@ -579,8 +775,11 @@ class ActionEngine:
         gone = _gone(ctx.conn, row.run_id, ranks)
         late = ctx.now - row.plan["sent_at"] > STOP_TIMEOUT_S  # a hung rank never hears it
         if late or all(r in acks or r in gone for r in ranks):
-            result = {"stopped": sorted(acks), "already_gone": sorted(set(gone) - set(acks)),
-                      "no_answer": sorted(set(ranks) - set(acks) - set(gone))}  # fmt: skip
+            result = {
+                "stopped": sorted(acks),
+                "already_gone": sorted(set(gone) - set(acks)),
+                "no_answer": sorted(set(ranks) - set(acks) - set(gone)),
+            }
             self._finish(ctx, row, "done", result=result)
 
     # -- evict -----------------------------------------------------------------------------------------
@@ -599,39 +798,83 @@ class ActionEngine:
             )
             return
         a = m.actions.c
-        recent = ctx.conn.execute(select(a.node, a.finished_at).where(
-            a.run_id == row.run_id, a.kind == "evict", a.id != row.id,
-            or_(a.state == "executing", and_(a.state == "done", a.finished_at > ctx.now - 3600)))).all()  # fmt: skip
-        nodes = {n for (n,) in ctx.conn.execute(select(m.ranks.c.node).distinct().where(m.ranks.c.run_id == row.run_id)) if n}  # fmt: skip
+        recent = ctx.conn.execute(
+            select(a.node, a.finished_at).where(
+                a.run_id == row.run_id,
+                a.kind == "evict",
+                a.id != row.id,
+                or_(
+                    a.state == "executing", and_(a.state == "done", a.finished_at > ctx.now - 3600)
+                ),
+            )
+        ).all()
+        nodes = {
+            n
+            for (n,) in ctx.conn.execute(
+                select(m.ranks.c.node).distinct().where(m.ranks.c.run_id == row.run_id)
+            )
+            if n
+        }
         evicted = {r.node for r in recent}
         if row.node not in evicted and len(evicted | {row.node}) > max(
             1, math.floor(pol.max_nodes_fraction_per_hour * len(nodes))
         ):  # one node is always allowed
-            self._finish(ctx, row, "failed", reason=f"blast-radius guard: evicting {row.node} would make {len(evicted) + 1} of the run's {len(nodes)} nodes within an hour (limit {pol.max_nodes_fraction_per_hour:.0%})")  # fmt: skip
+            self._finish(
+                ctx,
+                row,
+                "failed",
+                reason=f"blast-radius guard: evicting {row.node} would make {len(evicted) + 1} of the run's {len(nodes)} nodes within an hour (limit {pol.max_nodes_fraction_per_hour:.0%})",
+            )
             return
         last = max((r.finished_at or ctx.now for r in recent), default=None)
         if last is not None and ctx.now - last < pol.cooldown.value:
             return  # waits (approved) until the cool-down after the last eviction has passed
         from .evict import Eviction
 
-        ranks = tuple(r for (r,) in ctx.conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == row.run_id, m.ranks.c.node == row.node)))  # fmt: skip
+        ranks = tuple(
+            r
+            for (r,) in ctx.conn.execute(
+                select(m.ranks.c.rank).where(
+                    m.ranks.c.run_id == row.run_id, m.ranks.c.node == row.node
+                )
+            )
+        )
         run = ctx.conn.execute(select(m.runs.c.name).where(m.runs.c.id == row.run_id)).scalar_one()
         try:
-            eviction = Eviction(node=row.node, run=run, ranks=ranks,
-                                reason=f"trainwarden: {row.trigger.removeprefix('rule:')} {row.reason or ''}".strip())  # fmt: skip
+            eviction = Eviction(
+                node=row.node,
+                run=run,
+                ranks=ranks,
+                reason=f"trainwarden: {row.trigger.removeprefix('rule:')} {row.reason or ''}".strip(),
+            )
         except ValueError as exc:
             self._finish(ctx, row, "failed", reason=f"cannot evict {row.node!r}: {exc}")
             return
         ctx.evictions.append((row.id, eviction))
-        self._set(ctx, row, "executing", detail=f"evicting {row.node} through {self.backend.name}",
-                  plan={"node": row.node, "ranks": list(ranks), "backend": self.backend.name, "started_at": ctx.now})  # fmt: skip
+        self._set(
+            ctx,
+            row,
+            "executing",
+            detail=f"evicting {row.node} through {self.backend.name}",
+            plan={
+                "node": row.node,
+                "ranks": list(ranks),
+                "backend": self.backend.name,
+                "started_at": ctx.now,
+            },
+        )
 
     def _executing_evict(self, ctx: _Ctx, row: Any) -> None:
         plan = dict(row.plan)
         if "evicted_at" not in plan:
             future = self._evictions.get(row.id)
             if future is None:  # the collector restarted while the backend ran: do not run it twice
-                self._finish(ctx, row, "failed", reason="interrupted: the collector restarted during the eviction; check the node by hand")  # fmt: skip
+                self._finish(
+                    ctx,
+                    row,
+                    "failed",
+                    reason="interrupted: the collector restarted during the eviction; check the node by hand",
+                )
                 return
             if not future.done():
                 return
@@ -640,7 +883,13 @@ class ActionEngine:
                 result = future.result()
             except Exception as exc:
                 done = "; ".join(getattr(exc, "steps", ()) or ())
-                self._finish(ctx, row, "failed", reason=f"{type(exc).__name__}: {exc}" + (f" (done before: {done})" if done else ""))  # fmt: skip
+                self._finish(
+                    ctx,
+                    row,
+                    "failed",
+                    reason=f"{type(exc).__name__}: {exc}"
+                    + (f" (done before: {done})" if done else ""),
+                )
                 return
             plan.update(
                 evicted_at=ctx.now, steps=list(result.steps), output=str(result.output)[:2000]
@@ -653,13 +902,24 @@ class ActionEngine:
                 {"type": "stop", "action": row.id, "reason": reason},
                 ctx.now,
             )
-            self._set(ctx, row, "executing", detail=f"{row.node} evicted ({'; '.join(result.steps)}); stopping its ranks {plan['ranks']}", plan=plan)  # fmt: skip
+            self._set(
+                ctx,
+                row,
+                "executing",
+                detail=f"{row.node} evicted ({'; '.join(result.steps)}); stopping its ranks {plan['ranks']}",
+                plan=plan,
+            )
             return
         acks = _acks(ctx.conn, row, since=plan["evicted_at"], phase="stop")
         gone = _gone(ctx.conn, row.run_id, plan["ranks"])
         if all(r in acks or r in gone for r in plan["ranks"]) or ctx.now - plan["evicted_at"] > 60:
-            result = {"node": row.node, "steps": plan["steps"], "drained_within_s": round(plan["evicted_at"] - row.created_at, 3),
-                      "ranks_stopped": sorted(acks), "ranks_gone": sorted(set(gone) - set(acks))}  # fmt: skip
+            result = {
+                "node": row.node,
+                "steps": plan["steps"],
+                "drained_within_s": round(plan["evicted_at"] - row.created_at, 3),
+                "ranks_stopped": sorted(acks),
+                "ranks_gone": sorted(set(gone) - set(acks)),
+            }
             self._finish(ctx, row, "done", result=result)
 
 
@@ -691,27 +951,46 @@ def summary(kind: str, state: str, result: dict[str, Any] | None, reason: str | 
         after = sorted({str(r["barrier_step"]) for r in ranks if r.get("barrier_step") is not None})
         took = result.get("restored_within_s")
         earlier = [str(r.get("checkpoint_step")) for r in result.get("restores") or []]
-        return (f"every rank ({len(ranks)}) restored the checkpoint of step {', '.join(at)} "
-                f"after step {', '.join(after)}"
-                + (f", {took} s after the commit" if took is not None else "")
-                + (f" (the restore of step {', '.join(earlier)} had not fixed it)" if earlier else "")
-                + (f"; {result['check']}" if result.get("check") else ""))  # fmt: skip
+        return (
+            f"every rank ({len(ranks)}) restored the checkpoint of step {', '.join(at)} "
+            f"after step {', '.join(after)}"
+            + (f", {took} s after the commit" if took is not None else "")
+            + (f" (the restore of step {', '.join(earlier)} had not fixed it)" if earlier else "")
+            + (f"; {result['check']}" if result.get("check") else "")
+        )
     if kind == "evict" and result.get("node"):
         stopped = result.get("ranks_stopped") or []
-        return (f"node {result['node']} evicted ({'; '.join(result.get('steps') or [])}); "
-                f"ranks stopped: {stopped or 'none'}")  # fmt: skip
+        return (
+            f"node {result['node']} evicted ({'; '.join(result.get('steps') or [])}); "
+            f"ranks stopped: {stopped or 'none'}"
+        )
     if kind == "stop" and "stopped" in result:
         gone, silent = result.get("already_gone") or [], result.get("no_answer") or []
-        return (f"ranks stopped: {result['stopped'] or 'none'}"
-                + (f"; already gone: {gone}" if gone else "")
-                + (f"; no answer: {silent}" if silent else ""))  # fmt: skip
+        return (
+            f"ranks stopped: {result['stopped'] or 'none'}"
+            + (f"; already gone: {gone}" if gone else "")
+            + (f"; no answer: {silent}" if silent else "")
+        )
     return ", ".join(f"{k} {v}" for k, v in result.items())
 
 
-def create_action(conn: Connection, policy: ActionPolicy, *, run_id: int, kind: str, now: float, trigger: str,
-                  alert_id: int | None = None, fingerprint: str | None = None, rank: int | None = None,
-                  node: str | None = None, detail: str | None = None, mode: str | None = None,
-                  approver: str | None = None, plan: dict[str, Any] | None = None) -> int:  # fmt: skip
+def create_action(
+    conn: Connection,
+    policy: ActionPolicy,
+    *,
+    run_id: int,
+    kind: str,
+    now: float,
+    trigger: str,
+    alert_id: int | None = None,
+    fingerprint: str | None = None,
+    rank: int | None = None,
+    node: str | None = None,
+    detail: str | None = None,
+    mode: str | None = None,
+    approver: str | None = None,
+    plan: dict[str, Any] | None = None,
+) -> int:
     """A new action: approved at once under ``auto`` (or when an operator asks), left
     proposed under ``require-ack``, planned and closed under ``dry-run``."""
     mode = mode or policy.of(kind).mode
@@ -720,17 +999,57 @@ def create_action(conn: Connection, policy: ActionPolicy, *, run_id: int, kind: 
         state = "approved"
     history = [{"at": now, "state": "proposed", "by": trigger, "detail": detail}]
     if state == "approved":
-        history.append({"at": now, "state": "approved", "by": approver or ("policy" if mode == "auto" else "dry-run"), "detail": None})  # fmt: skip
-    action_id = conn.execute(insert(m.actions).values(
-        run_id=run_id, kind=kind, state=state, mode=mode, trigger=trigger, alert_id=alert_id,
-        fingerprint=fingerprint, rank=rank, node=node, approver=approver or ("policy" if state == "approved" and mode == "auto" else None),
-        plan=plan, reason=detail[:2000] if detail else None, history=history, created_at=now, updated_at=now,
-    ).returning(m.actions.c.id)).scalar_one()  # fmt: skip
+        history.append(
+            {
+                "at": now,
+                "state": "approved",
+                "by": approver or ("policy" if mode == "auto" else "dry-run"),
+                "detail": None,
+            }
+        )
+    action_id = conn.execute(
+        insert(m.actions)
+        .values(
+            run_id=run_id,
+            kind=kind,
+            state=state,
+            mode=mode,
+            trigger=trigger,
+            alert_id=alert_id,
+            fingerprint=fingerprint,
+            rank=rank,
+            node=node,
+            approver=approver or ("policy" if state == "approved" and mode == "auto" else None),
+            plan=plan,
+            reason=detail[:2000] if detail else None,
+            history=history,
+            created_at=now,
+            updated_at=now,
+        )
+        .returning(m.actions.c.id)
+    ).scalar_one()
     if mode == "dry-run":
         _dry_run(conn, policy, action_id, now)
         state = "done"
-    _store_events(conn, [{"run_id": run_id, "kind": "action", "severity": "warning", "rank": rank,
-                          "data": {"action": action_id, "type": kind, "state": state, "trigger": trigger, "mode": mode}}], now)  # fmt: skip
+    _store_events(
+        conn,
+        [
+            {
+                "run_id": run_id,
+                "kind": "action",
+                "severity": "warning",
+                "rank": rank,
+                "data": {
+                    "action": action_id,
+                    "type": kind,
+                    "state": state,
+                    "trigger": trigger,
+                    "mode": mode,
+                },
+            }
+        ],
+        now,
+    )
     return action_id
 
 
@@ -750,9 +1069,23 @@ def _dry_run(conn: Connection, policy: ActionPolicy, action_id: int, now: float)
             None,
         )
     result = {"dry_run": True, "would": would, "problem": problem}
-    conn.execute(update(m.actions).where(m.actions.c.id == action_id).values(
-        state="done", result=result, finished_at=now, updated_at=now,
-        history=_history(row, "done", "dry-run", "dry run: nothing was done" + (f" ({problem})" if problem else ""), now)))  # fmt: skip
+    conn.execute(
+        update(m.actions)
+        .where(m.actions.c.id == action_id)
+        .values(
+            state="done",
+            result=result,
+            finished_at=now,
+            updated_at=now,
+            history=_history(
+                row,
+                "done",
+                "dry-run",
+                "dry run: nothing was done" + (f" ({problem})" if problem else ""),
+                now,
+            ),
+        )
+    )
 
 
 def rollback_plan(
@@ -769,9 +1102,14 @@ def rollback_plan(
         onset_step = onset_of(alert) or onset_step
         onset_ts = alert.active_since
     e = m.events.c
-    ckpts = [(s, ts, (d or {}).get("path")) for s, ts, d in conn.execute(
-        select(e.step, e.ts, e.data).where(e.run_id == row.run_id, e.kind == "checkpoint", e.step.is_not(None))
-    )]  # fmt: skip
+    ckpts = [
+        (s, ts, (d or {}).get("path"))
+        for s, ts, d in conn.execute(
+            select(e.step, e.ts, e.data).where(
+                e.run_id == row.run_id, e.kind == "checkpoint", e.step.is_not(None)
+            )
+        )
+    ]
     if given is not None:
         good = [c for c in ckpts if c[0] == given]
         if not good:
@@ -787,17 +1125,33 @@ def rollback_plan(
         if not good:
             known = sorted({c[0] for c in ckpts})[-5:]
             older = f", older than step {below}" if below is not None else ""
-            return None, (f"no checkpoint at or before step {limit} (onset {onset_step} - 2 - margin {pol.margin_steps}{older}); "
-                          f"reported: {known or 'none (call tw.checkpoint_saved)'}")  # fmt: skip
+            return None, (
+                f"no checkpoint at or before step {limit} (onset {onset_step} - 2 - margin {pol.margin_steps}{older}); "
+                f"reported: {known or 'none (call tw.checkpoint_saved)'}"
+            )
     step, _, path = max(good, key=lambda c: (c[0], c[1]))
-    newest = max((r for (r,) in conn.execute(select(m.ranks.c.last_step).where(m.ranks.c.run_id == row.run_id)) if r is not None), default=run.last_step or 0)  # fmt: skip
+    newest = max(
+        (
+            r
+            for (r,) in conn.execute(
+                select(m.ranks.c.last_step).where(m.ranks.c.run_id == row.run_id)
+            )
+            if r is not None
+        ),
+        default=run.last_step or 0,
+    )
     plan = {
         "issued_at_step": newest,
         "onset_step": onset_step,
-        "rollback": {"checkpoint_step": step, "checkpoint_path": path or "", "skip_from": step + 1,
-                     "skip_to": newest + pol.skip_margin_steps, "lr_scale": pol.lr_scale,
-                     "reason": f"{row.trigger}: onset at step {onset_step}"},
-    }  # fmt: skip
+        "rollback": {
+            "checkpoint_step": step,
+            "checkpoint_path": path or "",
+            "skip_from": step + 1,
+            "skip_to": newest + pol.skip_margin_steps,
+            "lr_scale": pol.lr_scale,
+            "reason": f"{row.trigger}: onset at step {onset_step}",
+        },
+    }
     return plan, None
 
 
@@ -829,7 +1183,7 @@ def _carried(plan: dict[str, Any] | None) -> dict[str, Any]:
 def _not_fixed(restore: dict[str, Any]) -> str:
     steps = restore.get("steps") or []
     on = f" (steps {steps[0]}-{steps[-1]} run again)" if len(steps) == 2 else ""
-    return f"the restore of the checkpoint of step {restore['checkpoint_step']} did not fix it{on}: {restore['detail']}"  # fmt: skip
+    return f"the restore of the checkpoint of step {restore['checkpoint_step']} did not fix it{on}: {restore['detail']}"
 
 
 def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dict[str, Any]]:
@@ -839,14 +1193,20 @@ def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dic
     clean limit (:func:`clean_limit`: onset - 2 - ``margin_steps``). Once the anomaly
     cleared, new checkpoints are good again."""
     a = m.alerts.c
-    anomalies = conn.execute(select(a.id, a.rule, a.active_since, a.cleared_at, a.step, a.active_since_step, a.onset_step)
-                             .where(a.run_id == run_id, a.action == "rollback").order_by(a.active_since)).all()  # fmt: skip
+    anomalies = conn.execute(
+        select(
+            a.id, a.rule, a.active_since, a.cleared_at, a.step, a.active_since_step, a.onset_step
+        )
+        .where(a.run_id == run_id, a.action == "rollback")
+        .order_by(a.active_since)
+    ).all()
     e = m.events.c
     out = []
     for step, ts, rank, data in conn.execute(
-        select(e.step, e.ts, e.rank, e.data).where(e.run_id == run_id, e.kind == "checkpoint", e.step.is_not(None))
+        select(e.step, e.ts, e.rank, e.data)
+        .where(e.run_id == run_id, e.kind == "checkpoint", e.step.is_not(None))
         .order_by(e.ts, e.id)
-    ):  # fmt: skip
+    ):
         data = dict(data or {})
         suspect = None
         for al in anomalies:
@@ -858,8 +1218,17 @@ def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dic
             ):
                 suspect = f"saved before {al.rule} (alert {al.id}, onset at step {onset}) cleared"
                 break
-        out.append({"step": step, "path": data.pop("path", None), "ts": ts, "rank": rank, "meta": data,
-                    "good": suspect is None, "suspect": suspect})  # fmt: skip
+        out.append(
+            {
+                "step": step,
+                "path": data.pop("path", None),
+                "ts": ts,
+                "rank": rank,
+                "meta": data,
+                "good": suspect is None,
+                "suspect": suspect,
+            }
+        )
     return out
 
 
@@ -872,8 +1241,15 @@ def _live_ranks(conn: Connection, run_id: int) -> list[int]:
 
 def _gone(conn: Connection, run_id: int, ranks: Sequence[int]) -> set[int]:
     k = m.ranks.c
-    return set(conn.execute(select(k.rank).where(k.run_id == run_id, k.rank.in_(list(ranks)),
-                                                  k.state.in_(("dead", "finished", "failed")))).scalars())  # fmt: skip
+    return set(
+        conn.execute(
+            select(k.rank).where(
+                k.run_id == run_id,
+                k.rank.in_(list(ranks)),
+                k.state.in_(("dead", "finished", "failed")),
+            )
+        ).scalars()
+    )
 
 
 def _commands(
@@ -881,9 +1257,13 @@ def _commands(
 ) -> None:
     if not ranks:  # an empty executemany would insert one row of defaults (and fail)
         return
-    conn.execute(insert(m.agent_commands), [
-        {"action_id": row.id, "run_id": row.run_id, "rank": r, "body": body, "created_at": now} for r in ranks
-    ])  # fmt: skip
+    conn.execute(
+        insert(m.agent_commands),
+        [
+            {"action_id": row.id, "run_id": row.run_id, "rank": r, "body": body, "created_at": now}
+            for r in ranks
+        ],
+    )
 
 
 def _acks(conn: Connection, row: Any, *, since: float, phase: str) -> dict[int, dict[str, Any]]:
@@ -891,27 +1271,47 @@ def _acks(conn: Connection, row: Any, *, since: float, phase: str) -> dict[int, 
     commands of ``phase`` (prepare, stop) sent since ``since``: a rollback's commit or
     abort is acknowledged under the id of the prepare it decides."""
     c = m.agent_commands.c
-    ids = {i for i, body, at in conn.execute(select(c.id, c.body, c.created_at).where(c.action_id == row.id))
-           if at >= since and (body.get("phase") or body.get("type")) == phase}  # fmt: skip
+    ids = {
+        i
+        for i, body, at in conn.execute(
+            select(c.id, c.body, c.created_at).where(c.action_id == row.id)
+        )
+        if at >= since and (body.get("phase") or body.get("type")) == phase
+    }
     e = m.events.c
     out: dict[int, dict[str, Any]] = {}
     for rank, step, ts, recv_ts, data in conn.execute(
-        select(e.rank, e.step, e.ts, e.recv_ts, e.data).where(e.run_id == row.run_id, e.kind == "command_ack",
-                                                              e.recv_ts >= since).order_by(e.id)
-    ):  # fmt: skip
+        select(e.rank, e.step, e.ts, e.recv_ts, e.data)
+        .where(e.run_id == row.run_id, e.kind == "command_ack", e.recv_ts >= since)
+        .order_by(e.id)
+    ):
         if (data or {}).get("command") in ids and rank is not None:
             out[rank] = {**data, "step": step, "at": recv_ts, "ts": ts}
     return out
 
 
 def _event(row: Any, state: str, detail: str | None, now: float) -> dict[str, Any]:
-    return {"run_id": row.run_id, "kind": "action", "severity": "critical" if state == "failed" else "warning",
-            "rank": row.rank, "data": {"action": row.id, "type": row.kind, "state": state, "trigger": row.trigger,
-                                       "detail": detail}}  # fmt: skip
+    return {
+        "run_id": row.run_id,
+        "kind": "action",
+        "severity": "critical" if state == "failed" else "warning",
+        "rank": row.rank,
+        "data": {
+            "action": row.id,
+            "type": row.kind,
+            "state": state,
+            "trigger": row.trigger,
+            "detail": detail,
+        },
+    }
 
 
 def _store_events(conn: Connection, events: list[dict[str, Any]], now: float) -> None:
     if events:
-        conn.execute(insert(m.events), [
-            {"uid": f"action:{uuid.uuid4().hex}", "ts": now, "recv_ts": now, "step": None, **ev} for ev in events
-        ])  # fmt: skip
+        conn.execute(
+            insert(m.events),
+            [
+                {"uid": f"action:{uuid.uuid4().hex}", "ts": now, "recv_ts": now, "step": None, **ev}
+                for ev in events
+            ],
+        )

@@ -85,11 +85,25 @@ def _select() -> Any:
 
 def _out(row: Any, commands: list[dict[str, Any]] | None = None) -> ActionOut:
     return ActionOut(
-        id=row.id, run=row.run_name, kind=row.kind, state=row.state, mode=row.mode, trigger=row.trigger,
-        alert_id=row.alert_id, rank=row.rank, node=row.node, approver=row.approver, plan=row.plan,
-        result=row.result, reason=row.reason, history=row.history or [], created_at=row.created_at,
-        updated_at=row.updated_at, finished_at=row.finished_at, commands=commands,
-    )  # fmt: skip
+        id=row.id,
+        run=row.run_name,
+        kind=row.kind,
+        state=row.state,
+        mode=row.mode,
+        trigger=row.trigger,
+        alert_id=row.alert_id,
+        rank=row.rank,
+        node=row.node,
+        approver=row.approver,
+        plan=row.plan,
+        result=row.result,
+        reason=row.reason,
+        history=row.history or [],
+        created_at=row.created_at,
+        updated_at=row.updated_at,
+        finished_at=row.finished_at,
+        commands=commands,
+    )
 
 
 def _get(conn: Connection, action_id: int) -> Any:
@@ -134,7 +148,7 @@ def get_action(action_id: RowId, request: Request) -> ActionOut:
                 "created_at": r.created_at,
                 "delivered_at": r.delivered_at,
                 "done_at": r.done_at,
-            }  # fmt: skip
+            }
             for r in conn.execute(
                 select(m.agent_commands).where(c.action_id == action_id).order_by(c.id)
             )
@@ -172,20 +186,39 @@ def request_action(run: str, body: ActionIn, request: Request) -> ActionOut:
     with write(_engine(request)) as conn:
         run_id = run_id_of(conn, run)
         if body.kind == "evict":
-            known = conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_id, m.ranks.c.node == body.node)).first()  # fmt: skip
+            known = conn.execute(
+                select(m.ranks.c.rank).where(
+                    m.ranks.c.run_id == run_id, m.ranks.c.node == body.node
+                )
+            ).first()
             if known is None:
                 raise HTTPException(422, f"node: no rank of run {run!r} runs on node {body.node!r}")
         if body.rank is not None:  # a stop sent to no rank would wait for its answer forever
-            known = conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_id, m.ranks.c.rank == body.rank)).first()  # fmt: skip
+            known = conn.execute(
+                select(m.ranks.c.rank).where(
+                    m.ranks.c.run_id == run_id, m.ranks.c.rank == body.rank
+                )
+            ).first()
             if known is None:
                 raise HTTPException(422, f"rank: run {run!r} has no rank {body.rank}")
         mode = "dry-run" if body.dry_run or policy.of(body.kind).mode == "dry-run" else "auto"
         by = auth.acting(body.by, limit=128 - len("operator:"))
         action_id = create_action(
-            conn, policy, run_id=run_id, kind=body.kind, now=now, trigger=f"operator:{by}",
-            node=body.node, rank=body.rank, detail=body.reason, mode=mode, approver=by,
-            plan={"checkpoint_step": body.checkpoint_step} if body.checkpoint_step is not None else None,
-        )  # fmt: skip
+            conn,
+            policy,
+            run_id=run_id,
+            kind=body.kind,
+            now=now,
+            trigger=f"operator:{by}",
+            node=body.node,
+            rank=body.rank,
+            detail=body.reason,
+            mode=mode,
+            approver=by,
+            plan={"checkpoint_step": body.checkpoint_step}
+            if body.checkpoint_step is not None
+            else None,
+        )
         return _out(_get(conn, action_id))
 
 
@@ -210,9 +243,15 @@ def _decide(request: Request, action_id: int, body: ByIn, state: str) -> ActionO
         row = _get(conn, action_id)
         allowed = ("proposed",) if state == "approved" else ("proposed", "approved")
         if row.state not in allowed:
-            raise HTTPException(409, f"action {action_id} is {row.state}; only a {' or '.join(allowed)} one can be {state}")  # fmt: skip
-        values: dict[str, Any] = {"state": state, "updated_at": now,
-                                  "history": _history(row, state, by, body.reason or None, now)}  # fmt: skip
+            raise HTTPException(
+                409,
+                f"action {action_id} is {row.state}; only a {' or '.join(allowed)} one can be {state}",
+            )
+        values: dict[str, Any] = {
+            "state": state,
+            "updated_at": now,
+            "history": _history(row, state, by, body.reason or None, now),
+        }
         if state == "approved":
             values["approver"] = by
         else:

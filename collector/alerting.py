@@ -178,7 +178,11 @@ def needs_of(rules: Iterable[Rule], hold_s: float) -> Needs:
                 n.first_step |= p.warmup.unit == "steps" and p.warmup.value > 0
                 rows = max(rows, 1) + 1
             if p.scope == "run":
-                for metric in (p.metric, "step_time") if getattr(p, "fraction_of_step", False) else (p.metric,):  # fmt: skip
+                for metric in (
+                    (p.metric, "step_time")
+                    if getattr(p, "fraction_of_step", False)
+                    else (p.metric,)
+                ):
                     n.add_stats(metric, rows=rows, seconds=secs)
             elif p.scope == "rank":
                 n.steps_back, n.steps_s = max(n.steps_back, rows), max(n.steps_s, secs)
@@ -195,8 +199,12 @@ def needs_of(rules: Iterable[Rule], hold_s: float) -> Needs:
             _match_needs(n, rule.params, steps=0, seconds=hold_s)
         elif isinstance(rule, RateRule):
             w = rule.params.window
-            _match_needs(n, rule.params.count, steps=int(w.value) if w.unit == "steps" else 0,
-                         seconds=w.value if w.unit == "s" else 0.0)  # fmt: skip
+            _match_needs(
+                n,
+                rule.params.count,
+                steps=int(w.value) if w.unit == "steps" else 0,
+                seconds=w.value if w.unit == "s" else 0.0,
+            )
         elif isinstance(rule, AbsenceRule) and rule.params.event is not None:
             n.last_event.add(rule.params.event)
         elif isinstance(rule, CadenceRule):
@@ -228,10 +236,16 @@ def _steps_for(seconds: float, median_step_s: float | None, cap: int = 100_000) 
 
 def median_step_time(conn: Connection, run_id: int) -> float | None:
     s = m.step_stats.c
-    values = conn.execute(
-        select(s.median).where(s.run_id == run_id, s.metric == "step_time")
-        .order_by(s.step.desc()).limit(20)
-    ).scalars().all()  # fmt: skip
+    values = (
+        conn.execute(
+            select(s.median)
+            .where(s.run_id == run_id, s.metric == "step_time")
+            .order_by(s.step.desc())
+            .limit(20)
+        )
+        .scalars()
+        .all()
+    )
     finite = sorted(v for v in values if v is not None and math.isfinite(v))
     return finite[len(finite) // 2] if finite else None
 
@@ -240,8 +254,14 @@ CADENCE_EVERY_S = 60.0
 """How often the cadence advisor is asked again about a run (it reads every checkpoint)."""
 
 
-def cadence_of(conn: Connection, run: Any, *, now: float, settings: EconomicsSettings,
-               cache: dict[int, tuple[float, dict[str, Any]]]) -> dict[str, Any]:  # fmt: skip
+def cadence_of(
+    conn: Connection,
+    run: Any,
+    *,
+    now: float,
+    settings: EconomicsSettings,
+    cache: dict[int, tuple[float, dict[str, Any]]],
+) -> dict[str, Any]:
     """The advisor's answer for ``run``, at most once a minute per run."""
     cached = cache.get(run.id)
     if cached is not None and now - cached[0] < CADENCE_EVERY_S:
@@ -263,8 +283,15 @@ class SettledSteps:
     steps: dict[int, tuple[tuple[int, float], list[Row]]] = field(default_factory=dict)
 
 
-def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, ...],
-                 cache: dict[int, SettledSteps] | None = None, arriving: bool = True) -> list[Row]:  # fmt: skip
+def recent_steps(
+    conn: Connection,
+    run_id: int,
+    *,
+    since: int,
+    cols: tuple[str, ...],
+    cache: dict[int, SettledSteps] | None = None,
+    arriving: bool = True,
+) -> list[Row]:
     """The rank rows of steps after ``since``, in (step, rank) order; with ``arriving``
     false, only of the steps rolled up.
 
@@ -283,9 +310,11 @@ def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, 
     settled = {
         row.step: (row.n, row.ts)
         for row in conn.execute(
-            select(s.step, s.n, s.ts).where(s.run_id == run_id, s.metric == "step_time", s.step > since)
+            select(s.step, s.n, s.ts).where(
+                s.run_id == run_id, s.metric == "step_time", s.step > since
+            )
         )
-    }  # fmt: skip
+    }
     mine = None if cache is None else cache.get(run_id)
     if mine is None or mine.cols != cols:
         mine = SettledSteps(cols)
@@ -310,10 +339,20 @@ def recent_steps(conn: Connection, run_id: int, *, since: int, cols: tuple[str, 
     return out
 
 
-def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: float, hold_s: float,
-             first_steps: dict[int, int], cadence: Callable[[], dict[str, Any]] | None = None,
-             step_cache: dict[int, SettledSteps] | None = None, pressed: bool = False,
-             heard: Mapping[int, float] | None = None) -> Snapshot:  # fmt: skip
+def snapshot(
+    conn: Connection,
+    run: Any,
+    needs: Needs,
+    *,
+    now: float,
+    lag_s: float,
+    hold_s: float,
+    first_steps: dict[int, int],
+    cadence: Callable[[], dict[str, Any]] | None = None,
+    step_cache: dict[int, SettledSteps] | None = None,
+    pressed: bool = False,
+    heard: Mapping[int, float] | None = None,
+) -> Snapshot:
     """One run's recent records, as much as ``needs`` says; ``step_cache`` keeps the
     rank rows of rolled-up steps between passes (:func:`recent_steps`).
 
@@ -325,22 +364,39 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
     if pressed:
         lag_s = max(lag_s, arrival_lateness(conn, run_id))
     heard = heard or {}
-    snap = Snapshot(run=run.name, now=now, last_step=last, started_at=run.created_at,
-                    lag_s=lag_s, hold_s=hold_s)  # fmt: skip
+    snap = Snapshot(
+        run=run.name, now=now, last_step=last, started_at=run.created_at, lag_s=lag_s, hold_s=hold_s
+    )
     k = m.ranks.c
     # Every rank, every pass: the two JSON fields are read in SQL (not parsed a row here),
     # and rows are unpacked as tuples (at 16,384 ranks: 230 -> 150 ms a pass).
-    rows = fetch_rows(conn,
-        select(k.rank, k.node, k.gpu["uuid"].as_string(), k.local_rank, k.state,
-               k.state_detail["role"].as_string(), k.last_seen, k.heartbeat_s, k.progress_at,
-               k.last_step).where(k.run_id == run_id)
-    )  # fmt: skip
+    rows = fetch_rows(
+        conn,
+        select(
+            k.rank,
+            k.node,
+            k.gpu["uuid"].as_string(),
+            k.local_rank,
+            k.state,
+            k.state_detail["role"].as_string(),
+            k.last_seen,
+            k.heartbeat_s,
+            k.progress_at,
+            k.last_step,
+        ).where(k.run_id == run_id),
+    )
     for rank, node, gpu, local_rank, state, role, seen, beat, progress, step in rows:
         snap.ranks[rank] = RankInfo(
-            rank=rank, node=node, gpu=gpu or (str(local_rank) if local_rank is not None else None),
-            state=state, role=role, last_seen=max(seen, heard.get(rank, seen)), heartbeat_s=beat, progress_at=progress,
+            rank=rank,
+            node=node,
+            gpu=gpu or (str(local_rank) if local_rank is not None else None),
+            state=state,
+            role=role,
+            last_seen=max(seen, heard.get(rank, seen)),
+            heartbeat_s=beat,
+            progress_at=progress,
             last_step=step,
-        )  # fmt: skip
+        )
     # The run row's last step is refreshed every few seconds; the ranks' are current.
     newest = max(
         (r.last_step for r in snap.ranks.values() if r.last_step is not None), default=None
@@ -376,29 +432,52 @@ def snapshot(conn: Connection, run: Any, needs: Needs, *, now: float, lag_s: flo
         back = max(needs.steps_back, _steps_for(needs.steps_s, snap.median_step_s))
         if back:
             cols = tuple(sorted(needs.step_cols | {"duration_s"}))
-            snap.steps = recent_steps(conn, run_id, since=last - back, cols=cols,
-                                      cache=step_cache, arriving=needs.steps_arriving)  # fmt: skip
+            snap.steps = recent_steps(
+                conn,
+                run_id,
+                since=last - back,
+                cols=cols,
+                cache=step_cache,
+                arriving=needs.steps_arriving,
+            )
         back = max(needs.marked_back, _steps_for(needs.marked_s, snap.median_step_s))
         if back:
-            snap.marked = [dict(row) for row in conn.execute(
-                select(r_.rank, r_.step, r_.ts, r_.recv_ts, r_.flags, r_.issues)
-                .where(r_.run_id == run_id, r_.step > last - max(back, 50),
-                       or_(r_.flags.is_not(None), r_.issues.is_not(None)))
-                .order_by(r_.step, r_.rank)
-            ).mappings()]  # fmt: skip
+            snap.marked = [
+                dict(row)
+                for row in conn.execute(
+                    select(r_.rank, r_.step, r_.ts, r_.recv_ts, r_.flags, r_.issues)
+                    .where(
+                        r_.run_id == run_id,
+                        r_.step > last - max(back, 50),
+                        or_(r_.flags.is_not(None), r_.issues.is_not(None)),
+                    )
+                    .order_by(r_.step, r_.rank)
+                ).mappings()
+            ]
     if needs.gpu_s and snap.ranks:
         g = m.gpu_samples.c
-        snap.gpu = [dict(row) for row in conn.execute(
-            select(m.gpu_samples).where(g.run_id == run_id, g.ts > now - needs.gpu_s)
-            .order_by(g.ts)
-        ).mappings()]  # fmt: skip
-    events_s = max(needs.events_s, (needs.events_back * (snap.median_step_s or 1.0) * 2) if needs.events_back else 0.0)  # fmt: skip
+        snap.gpu = [
+            dict(row)
+            for row in conn.execute(
+                select(m.gpu_samples)
+                .where(g.run_id == run_id, g.ts > now - needs.gpu_s)
+                .order_by(g.ts)
+            ).mappings()
+        ]
+    events_s = max(
+        needs.events_s,
+        (needs.events_back * (snap.median_step_s or 1.0) * 2) if needs.events_back else 0.0,
+    )
     if events_s:
         e = m.events.c
-        snap.events = [dict(row) for row in conn.execute(
-            select(e.id, e.rank, e.step, e.ts, e.recv_ts, e.kind, e.data)
-            .where(e.run_id == run_id, e.ts > now - events_s).order_by(e.ts)
-        ).mappings()]  # fmt: skip
+        snap.events = [
+            dict(row)
+            for row in conn.execute(
+                select(e.id, e.rank, e.step, e.ts, e.recv_ts, e.kind, e.data)
+                .where(e.run_id == run_id, e.ts > now - events_s)
+                .order_by(e.ts)
+            ).mappings()
+        ]
     for kind in needs.last_event:
         e = m.events.c
         ts = conn.execute(select(func.max(e.ts)).where(e.run_id == run_id, e.kind == kind)).scalar()
@@ -439,15 +518,20 @@ def group_note(members: list[Any]) -> Any:
         "alerts": str(len(members)),
         "summary": f"{rule} on {who} of run {run}",
         "description": f"{len(members):,} {rule} alerts {'firing' if status == 'firing' else 'resolved'} "
-                       f"together; the first: {first.annotations.get('description', '')}",
-    }  # fmt: skip
+        f"together; the first: {first.annotations.get('description', '')}",
+    }
     return Notification(
-        alert_id=first.alert_id, fingerprint=fingerprint(rule, labels),
-        status=status, labels=labels, annotations=annotations,
+        alert_id=first.alert_id,
+        fingerprint=fingerprint(rule, labels),
+        status=status,
+        labels=labels,
+        annotations=annotations,
         starts_at=min(n.starts_at for n in members),
-        ends_at=max(n.ends_at for n in members) if status == "resolved" and all(n.ends_at for n in members) else None,
+        ends_at=max(n.ends_at for n in members)
+        if status == "resolved" and all(n.ends_at for n in members)
+        else None,
         generator_url=first.generator_url,
-    )  # fmt: skip
+    )
 
 
 def grouped(notes: list[Any], *, over: int) -> list[Any]:
@@ -698,9 +782,23 @@ class AlertEngine:
                 cadence_of, conn, run, now=now, settings=self.economics, cache=self._cadence
             )
             heard = self.pressure.heard(run.name) if self.pressure is not None else None
-            snap = snapshot(conn, run, needs, now=now, lag_s=lag, hold_s=self.settings.hold_s,
-                            first_steps=self._first_steps, cadence=advice, step_cache=self._settled,
-                            pressed=pressed, heard=heard) if live else Snapshot(run=run.name, now=now)  # fmt: skip
+            snap = (
+                snapshot(
+                    conn,
+                    run,
+                    needs,
+                    now=now,
+                    lag_s=lag,
+                    hold_s=self.settings.hold_s,
+                    first_steps=self._first_steps,
+                    cadence=advice,
+                    step_cache=self._settled,
+                    pressed=pressed,
+                    heard=heard,
+                )
+                if live
+                else Snapshot(run=run.name, now=now)
+            )
             for rule in rules:
                 if not live:
                     break
@@ -714,8 +812,9 @@ class AlertEngine:
                     seen[fingerprint(rule.name, labels)] = (rule, v, labels, run, snap)
         run_steps = {run.id: run.last_step for run in runs}
         writes = _Writes()
-        healed = _healed(conn, [row for fp, row in open_rows.items()
-                                if fp not in seen and row.state == "firing"])  # fmt: skip
+        healed = _healed(
+            conn, [row for fp, row in open_rows.items() if fp not in seen and row.state == "firing"]
+        )
         # Alerts the pass speaks for: those found active, and the open ones whose rule
         # was evaluated (or no longer exists, or whose run is no longer watched).
         for fp, row in open_rows.items():
@@ -728,7 +827,9 @@ class AlertEngine:
                 writes, row, rule_, now, run_steps.get(row.run_id), healed=row.id in healed
             )
         for fp, (rule, v, labels, run, snap) in seen.items():
-            result.changed += self._advance_active(writes, fp, open_rows.get(fp), rule, v, labels, run, snap, now)  # fmt: skip
+            result.changed += self._advance_active(
+                writes, fp, open_rows.get(fp), rule, v, labels, run, snap, now
+            )
         writes.flush(conn)
         result.notified = self._route(conn, now, notes, resting)
         return result
@@ -746,12 +847,29 @@ class AlertEngine:
         self._silent_at[run.id] = now
         return False
 
-    def _advance_active(self, writes: _Writes, fp: str, row: Any, rule: Rule, v: Verdict,
-                        labels: dict[str, str], run: Any, snap: Snapshot, now: float) -> int:  # fmt: skip
+    def _advance_active(
+        self,
+        writes: _Writes,
+        fp: str,
+        row: Any,
+        rule: Rule,
+        v: Verdict,
+        labels: dict[str, str],
+        run: Any,
+        snap: Snapshot,
+        now: float,
+    ) -> int:
         alert = _alert_of(row) if row is not None else Alert(rule.name, labels)
-        new = advance(alert, active=True, now=now, step=snap.last_step, for_=rule.for_,
-                      keep_firing_for=rule.keep_firing_for, verdict_step=v.step,
-                      onset_step=v.onset_step)  # fmt: skip
+        new = advance(
+            alert,
+            active=True,
+            now=now,
+            step=snap.last_step,
+            for_=rule.for_,
+            keep_firing_for=rule.keep_firing_for,
+            verdict_step=v.step,
+            onset_step=v.onset_step,
+        )
         info = snap.ranks.get(v.rank) if v.rank is not None else None
         annotations = {
             "summary": rule.summary,
@@ -759,16 +877,35 @@ class AlertEngine:
             "runbook_url": runbook_url(self.external_url, rule.runbook),
         }
         fields = dict(
-            state=new.state, active_since=new.active_since, active_since_step=new.active_since_step,
-            onset_step=new.onset_step, fired_at=new.fired_at, fired_at_step=new.fired_at_step, cleared_at=new.cleared_at,
-            cleared_at_step=new.cleared_at_step, resolved_at=new.resolved_at, value=_num(v.value),
-            step=v.step, annotations=annotations,
-            node=info.node if info else None, gpu=info.gpu if info else None,
-        )  # fmt: skip
+            state=new.state,
+            active_since=new.active_since,
+            active_since_step=new.active_since_step,
+            onset_step=new.onset_step,
+            fired_at=new.fired_at,
+            fired_at_step=new.fired_at_step,
+            cleared_at=new.cleared_at,
+            cleared_at_step=new.cleared_at_step,
+            resolved_at=new.resolved_at,
+            value=_num(v.value),
+            step=v.step,
+            annotations=annotations,
+            node=info.node if info else None,
+            gpu=info.gpu if info else None,
+        )
         if row is None:
-            writes.inserts.append(dict(
-                fingerprint=fp, rule=rule.name, run_id=run.id, rank=v.rank, severity=rule.severity,
-                labels=labels, action=rule.action, updated_at=now, **fields))  # fmt: skip
+            writes.inserts.append(
+                dict(
+                    fingerprint=fp,
+                    rule=rule.name,
+                    run_id=run.id,
+                    rank=v.rank,
+                    severity=rule.severity,
+                    labels=labels,
+                    action=rule.action,
+                    updated_at=now,
+                    **fields,
+                )
+            )
             return 1
         same = (row.step, row.node, row.gpu) == (fields["step"], fields["node"], fields["gpu"])
         if new is alert and same:
@@ -779,8 +916,16 @@ class AlertEngine:
         writes.updates.append({"b_id": row.id, "updated_at": now, **fields})
         return int(new is not alert)
 
-    def _advance_stored(self, writes: _Writes, row: Any, rule: Rule | None, now: float,
-                        step: int | None, *, healed: bool = False) -> int:  # fmt: skip
+    def _advance_stored(
+        self,
+        writes: _Writes,
+        row: Any,
+        rule: Rule | None,
+        now: float,
+        step: int | None,
+        *,
+        healed: bool = False,
+    ) -> int:
         """An open alert whose condition this pass did not find. ``healed``: an action
         carried out since it fired dealt with it (:func:`_healed`), so it resolves
         once its condition has cleared, without waiting out ``keep_firing_for`` (a hold
@@ -790,16 +935,29 @@ class AlertEngine:
         if rule is None or healed:  # a rule removed from the pack: nothing to wait for
             new = advance(alert, active=False, now=now, step=step, for_=ZERO, keep_firing_for=ZERO)
         else:
-            new = advance(alert, active=False, now=now, step=step, for_=rule.for_,
-                          keep_firing_for=rule.keep_firing_for)  # fmt: skip
+            new = advance(
+                alert,
+                active=False,
+                now=now,
+                step=step,
+                for_=rule.for_,
+                keep_firing_for=rule.keep_firing_for,
+            )
         if new is alert:
             return 0
         if new.state == "inactive":  # pending that never fired: forgotten
             writes.deletes.append(row.id)
             return 1
-        writes.updates.append(dict(
-            b_id=row.id, state=new.state, cleared_at=new.cleared_at,
-            cleared_at_step=new.cleared_at_step, resolved_at=new.resolved_at, updated_at=now))  # fmt: skip
+        writes.updates.append(
+            dict(
+                b_id=row.id,
+                state=new.state,
+                cleared_at=new.cleared_at,
+                cleared_at_step=new.cleared_at_step,
+                resolved_at=new.resolved_at,
+                updated_at=now,
+            )
+        )
         return 1
 
     # -- silences, inhibition, notifications ---------------------------------------------
@@ -846,7 +1004,9 @@ class AlertEngine:
                 entry.changes.update(silenced_by=silenced, inhibited_by=inhibited)
             entry.quiet = quiet = silenced is not None or inhibited is not None
             if r.state == "firing" and not quiet:
-                due = r.last_sent_at is None or (r.acked_at is None and now - r.last_sent_at >= self.settings.resend_s)  # fmt: skip
+                due = r.last_sent_at is None or (
+                    r.acked_at is None and now - r.last_sent_at >= self.settings.resend_s
+                )
                 if r.notified != "firing" or due:
                     entry.status = "firing"
             elif r.state == "resolved" and r.notified == "firing":
@@ -929,12 +1089,15 @@ class AlertEngine:
 
         base = (self.external_url or "").rstrip("/")
         return Notification(
-            alert_id=r.id, fingerprint=r.fingerprint, status=status,  # type: ignore[arg-type]
-            labels=labels, annotations=dict(r.annotations or {}),
+            alert_id=r.id,
+            fingerprint=r.fingerprint,
+            status=status,  # type: ignore[arg-type]
+            labels=labels,
+            annotations=dict(r.annotations or {}),
             starts_at=r.fired_at or r.active_since,
             ends_at=r.resolved_at if status == "resolved" else None,
             generator_url=f"{base}/runs/{r.run_name}" if base else None,
-        )  # fmt: skip
+        )
 
     def _send(self, note: Any) -> None:
         if self.submit is None:
@@ -950,7 +1113,11 @@ class AlertEngine:
             batch.append(self.deliveries.popleft())
         if not batch:
             return
-        known = set(conn.execute(select(m.alerts.c.id).where(m.alerts.c.id.in_({d.alert_id for d in batch}))).scalars())  # fmt: skip
+        known = set(
+            conn.execute(
+                select(m.alerts.c.id).where(m.alerts.c.id.in_({d.alert_id for d in batch}))
+            ).scalars()
+        )
         rows = [
             dict(
                 alert_id=d.alert_id,
@@ -964,7 +1131,7 @@ class AlertEngine:
                 at=d.at,
                 duration_s=d.duration_s,
                 final=int(d.final),
-            )  # fmt: skip
+            )
             for d in batch
             if d.alert_id in known
         ]
@@ -1015,17 +1182,25 @@ def _healed(conn: Connection, firing: list[Any]) -> set[int]:
         found
         for i in range(0, len(ids), 1000)  # SQLite caps a statement's parameters
         for found in conn.execute(
-            select(ac.alert_id, ac.created_at).where(ac.alert_id.in_(ids[i : i + 1000]), carried_out)
+            select(ac.alert_id, ac.created_at).where(
+                ac.alert_id.in_(ids[i : i + 1000]), carried_out
+            )
         )
-    ]  # fmt: skip
+    ]
     healed = {alert_id for alert_id, created in done if created >= fired[alert_id]}
     stability = [row for row in firing if (row.labels or {}).get("category") == "stability"]
     if stability:
-        rolled_back = dict(conn.execute(
-            select(ac.run_id, func.max(ac.created_at))
-            .where(ac.run_id.in_(sorted({row.run_id for row in stability})), ac.kind == "rollback", carried_out)
-            .group_by(ac.run_id)
-        ).all())  # fmt: skip
+        rolled_back = dict(
+            conn.execute(
+                select(ac.run_id, func.max(ac.created_at))
+                .where(
+                    ac.run_id.in_(sorted({row.run_id for row in stability})),
+                    ac.kind == "rollback",
+                    carried_out,
+                )
+                .group_by(ac.run_id)
+            ).all()
+        )
         healed |= {
             row.id for row in stability if rolled_back.get(row.run_id, -1.0) >= fired[row.id]
         }
@@ -1038,11 +1213,18 @@ def _num(value: float | None) -> float | None:
 
 def _alert_of(row: Any) -> Alert:
     return Alert(
-        rule=row.rule, labels=dict(row.labels), state=row.state, active_since=row.active_since,
-        active_since_step=row.active_since_step, onset_step=row.onset_step, fired_at=row.fired_at,
-        fired_at_step=row.fired_at_step, cleared_at=row.cleared_at,
-        cleared_at_step=row.cleared_at_step, resolved_at=row.resolved_at,
-    )  # fmt: skip
+        rule=row.rule,
+        labels=dict(row.labels),
+        state=row.state,
+        active_since=row.active_since,
+        active_since_step=row.active_since_step,
+        onset_step=row.onset_step,
+        fired_at=row.fired_at,
+        fired_at_step=row.fired_at_step,
+        cleared_at=row.cleared_at,
+        cleared_at_step=row.cleared_at_step,
+        resolved_at=row.resolved_at,
+    )
 
 
 # -- running the notifiers in their own thread --------------------------------------
@@ -1078,14 +1260,18 @@ class NotifierThread:
 
     def drain(self, timeout_s: float) -> None:
         if self._loop is not None:
-            asyncio.run_coroutine_threadsafe(self.dispatcher.drain(timeout_s), self._loop).result(timeout_s + 5)  # fmt: skip
+            asyncio.run_coroutine_threadsafe(self.dispatcher.drain(timeout_s), self._loop).result(
+                timeout_s + 5
+            )
 
     def stop(self, deadline_s: float = 5.0) -> None:
         loop = self._loop
         if loop is None:
             return
         try:
-            asyncio.run_coroutine_threadsafe(self.dispatcher.stop(deadline_s), loop).result(deadline_s + 5)  # fmt: skip
+            asyncio.run_coroutine_threadsafe(self.dispatcher.stop(deadline_s), loop).result(
+                deadline_s + 5
+            )
         except Exception:
             log.exception("notifiers did not stop cleanly")
         loop.call_soon_threadsafe(loop.stop)

@@ -139,17 +139,36 @@ def _engine(request: Request) -> Engine:
 def _out(row: Any, deliveries: list[Delivery] | None = None) -> AlertOut:
     annotations = dict(row.annotations or {})
     return AlertOut(
-        id=row.id, fingerprint=row.fingerprint, rule=row.rule, run=row.run_name, rank=row.rank,
-        node=row.node, gpu=row.gpu, severity=row.severity, state=row.state,
+        id=row.id,
+        fingerprint=row.fingerprint,
+        rule=row.rule,
+        run=row.run_name,
+        rank=row.rank,
+        node=row.node,
+        gpu=row.gpu,
+        severity=row.severity,
+        state=row.state,
         labels={**(row.labels or {}), "alertname": row.rule, "severity": row.severity},
-        annotations=annotations, runbook_url=annotations.get("runbook_url"), value=row.value,
-        step=row.step, action=row.action, active_since=row.active_since, fired_at=row.fired_at,
-        fired_at_step=row.fired_at_step, onset_step=row.onset_step,
-        resolved_at=row.resolved_at, updated_at=row.updated_at, acked_at=row.acked_at,
-        acked_by=row.acked_by, ack_comment=row.ack_comment, silenced_by=row.silenced_by,
-        inhibited_by=row.inhibited_by, notified=row.notified, last_sent_at=row.last_sent_at,
+        annotations=annotations,
+        runbook_url=annotations.get("runbook_url"),
+        value=row.value,
+        step=row.step,
+        action=row.action,
+        active_since=row.active_since,
+        fired_at=row.fired_at,
+        fired_at_step=row.fired_at_step,
+        onset_step=row.onset_step,
+        resolved_at=row.resolved_at,
+        updated_at=row.updated_at,
+        acked_at=row.acked_at,
+        acked_by=row.acked_by,
+        ack_comment=row.ack_comment,
+        silenced_by=row.silenced_by,
+        inhibited_by=row.inhibited_by,
+        notified=row.notified,
+        last_sent_at=row.last_sent_at,
         deliveries=deliveries,
-    )  # fmt: skip
+    )
 
 
 def _select() -> Any:
@@ -175,7 +194,7 @@ def deliveries_of(conn: Connection, alert_id: int) -> list[Delivery]:
             at=r.at,
             duration_s=r.duration_s,
             final=bool(r.final),
-        )  # fmt: skip
+        )
         for r in rows
     ]
 
@@ -229,17 +248,29 @@ def ack_alert(alert_id: RowId, body: AckIn, request: Request) -> AlertOut:
         if row.state == "resolved":
             raise HTTPException(409, f"alert {alert_id} is already resolved")
         if row.acked_at is None:
-            conn.execute(update(m.alerts).where(m.alerts.c.id == alert_id).values(
-                acked_at=time.time(), acked_by=auth.acting(body.by), ack_comment=body.comment or None))  # fmt: skip
+            conn.execute(
+                update(m.alerts)
+                .where(m.alerts.c.id == alert_id)
+                .values(
+                    acked_at=time.time(),
+                    acked_by=auth.acting(body.by),
+                    ack_comment=body.comment or None,
+                )
+            )
         return _out(_get(conn, alert_id))
 
 
 def _silence_out(row: Any, now: float) -> SilenceOut:
     return SilenceOut(
-        id=row.id, matchers=[Matcher(**mt) for mt in row.matchers], starts_at=row.starts_at,
-        ends_at=row.ends_at, created_by=row.created_by, comment=row.comment,
-        created_at=row.created_at, active=row.starts_at <= now < row.ends_at,
-    )  # fmt: skip
+        id=row.id,
+        matchers=[Matcher(**mt) for mt in row.matchers],
+        starts_at=row.starts_at,
+        ends_at=row.ends_at,
+        created_by=row.created_by,
+        comment=row.comment,
+        created_at=row.created_at,
+        active=row.starts_at <= now < row.ends_at,
+    )
 
 
 @router.post("/api/v1/silences", response_model=SilenceOut, status_code=201)
@@ -255,10 +286,18 @@ def create_silence(body: SilenceIn, request: Request) -> SilenceOut:
     if ends <= now:
         raise HTTPException(422, "ends_at: the silence would already be over")
     with write(_engine(request)) as conn:
-        new_id = conn.execute(insert(m.silences).values(
-            matchers=[mt.model_dump() for mt in body.matchers], starts_at=starts, ends_at=ends,
-            created_by=auth.acting(body.created_by), comment=body.comment, created_at=now,
-        ).returning(m.silences.c.id)).scalar_one()  # fmt: skip
+        new_id = conn.execute(
+            insert(m.silences)
+            .values(
+                matchers=[mt.model_dump() for mt in body.matchers],
+                starts_at=starts,
+                ends_at=ends,
+                created_by=auth.acting(body.created_by),
+                comment=body.comment,
+                created_at=now,
+            )
+            .returning(m.silences.c.id)
+        ).scalar_one()
         row = conn.execute(select(m.silences).where(m.silences.c.id == new_id)).one()
     return _silence_out(row, now)
 

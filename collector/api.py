@@ -123,8 +123,9 @@ def _hint_relay(request: Request, batch: IngestBatch) -> None:
             "run %s: %d ranks, each sending its own requests; one collector takes about "
             "3,500 of those a second on two cores. Run a relay on each node "
             "(TRAINWARDEN_RELAY=auto on the agents, or `trainwarden relay`): one request a node",
-            batch.run, batch.agent.world_size,
-        )  # fmt: skip
+            batch.run,
+            batch.agent.world_size,
+        )
 
 
 async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> IngestResult:
@@ -231,9 +232,11 @@ async def ingest(request: Request) -> IngestResult:
 
 
 @router.post(
-    "/api/v1/ingest/columns", response_model=IngestResult, tags=["ingest"],
+    "/api/v1/ingest/columns",
+    response_model=IngestResult,
+    tags=["ingest"],
     openapi_extra=_body_schema(ColumnarBatch),
-)  # fmt: skip
+)
 async def ingest_columns(request: Request) -> IngestResult:
     """Store several ranks' steps in one request, column-wise (node relays, loadgen)."""
     return await submit(request, _parse(ColumnarBatch, await _body(request)))
@@ -410,8 +413,9 @@ def get_replaced(
     keeps the steps run again): the loss spike a rollback went back from, per step across
     ranks; ``points`` downsamples, keeping each bucket's min and max."""
     with _engine(request).connect() as conn:
-        return queries.replaced_series(conn, run=run, metric=metric, points=points,
-                                       from_step=from_step, to_step=to_step)  # fmt: skip
+        return queries.replaced_series(
+            conn, run=run, metric=metric, points=points, from_step=from_step, to_step=to_step
+        )
 
 
 @router.get("/api/v1/runs/{run}/gpu", response_model=list[GpuSample], tags=["runs"])

@@ -125,10 +125,15 @@ def create_app(
             notifier.start()
         if alerting is not None:
             alert_engine = AlertEngine(
-                engine, app.state.rules, settings=alerting, external_url=settings.external_url,
+                engine,
+                app.state.rules,
+                settings=alerting,
+                external_url=settings.external_url,
                 submit=notifier.submit if notifier else None,
-                lag=lambda: writer.lag_s() + loop_lag(), metrics=metrics, pressure=pressure,
-            )  # fmt: skip
+                lag=lambda: writer.lag_s() + loop_lag(),
+                metrics=metrics,
+                pressure=pressure,
+            )
             alert_engine.economics = economics_api.settings_of_app(settings)
             alert_engine.start()
         app.state.alert_engine = alert_engine
@@ -142,9 +147,14 @@ def create_app(
         app.state.action_engine = action_engine
         incident_engine = None
         if incidents:
-            incident_engine = IncidentEngine(engine, IncidentSettings(
-                cooldown_s=settings.incident_cooldown_s, post_url=settings.postmortem_post,
-                price_per_gpu_hour=settings.price_per_gpu_hour))  # fmt: skip
+            incident_engine = IncidentEngine(
+                engine,
+                IncidentSettings(
+                    cooldown_s=settings.incident_cooldown_s,
+                    post_url=settings.postmortem_post,
+                    price_per_gpu_hour=settings.price_per_gpu_hour,
+                ),
+            )
             incident_engine.start()
         app.state.incident_engine = incident_engine
         probe = asyncio.create_task(_probe_loop_lag(lags))
@@ -181,8 +191,9 @@ def create_app(
 
     def openapi() -> dict[str, Any]:  # the self-parsed ingest bodies have schemas too
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version,
-                                 description=app.description, routes=app.routes)  # fmt: skip
+            schema = get_openapi(
+                title=app.title, version=app.version, description=app.description, routes=app.routes
+            )
             schema.setdefault("components", {}).setdefault("schemas", {}).update(EXTRA_SCHEMAS)
             app.openapi_schema = schema
         return app.openapi_schema
@@ -199,8 +210,11 @@ def create_app(
     app.state.alert_engine = None
     # The ingest routes, answered past FastAPI's layers; the innermost of our middleware
     # (added first), so under the body limit, the backpressure gate and auth.
-    direct = {"/api/v1/ingest": api.ingest, "/api/v1/ingest/columns": api.ingest_columns,
-              "/v1/metrics": otlp.otlp_metrics}  # fmt: skip
+    direct = {
+        "/api/v1/ingest": api.ingest,
+        "/api/v1/ingest/columns": api.ingest_columns,
+        "/v1/metrics": otlp.otlp_metrics,
+    }
     app.add_middleware(DirectIngest, routes=direct)
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_middleware(

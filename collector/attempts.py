@@ -93,9 +93,15 @@ def record_start(
     number = _attempt_for(conn, run_id, agent.rank, key, ts)
     conn.execute(
         _insert(conn, m.attempt_sessions).on_conflict_do_nothing(index_elements=["session"]),
-        {"session": agent.session, "run_id": run_id, "attempt": number, "rank": agent.rank,
-         "host": where, "started_at": ts},
-    )  # fmt: skip
+        {
+            "session": agent.session,
+            "run_id": run_id,
+            "attempt": number,
+            "rank": agent.rank,
+            "host": where,
+            "started_at": ts,
+        },
+    )
     a = m.attempts.c
     row = conn.execute(
         select(a.id, a.started_at, a.nodes, a.env, a.config).where(

@@ -127,9 +127,10 @@ class Authenticator:
     def _write_last_used(self) -> None:
         now = time.time()
         due = {
-            tid: at for tid, at in list(self._used.items())
+            tid: at
+            for tid, at in list(self._used.items())
             if now - self._written.get(tid, 0.0) >= self.settings.last_used_every_s
-        }  # fmt: skip
+        }
         if not due:
             return
         try:
@@ -242,10 +243,11 @@ def check_admin() -> None:
     principal = current.get()
     if principal is not None and not principal.allows("admin"):
         raise HTTPException(
-            403, f"{principal.describe()} may view, not change: acknowledging, silencing, "
+            403,
+            f"{principal.describe()} may view, not change: acknowledging, silencing, "
             "actions, incidents and notes need a token with the admin scope (log in with one "
             "at /login)",
-        )  # fmt: skip
+        )
 
 
 def acting(typed: str, *, limit: int = 128) -> str:
@@ -266,9 +268,10 @@ def check_run(run: str) -> None:
     principal = current.get()
     if principal is not None and not principal.may_ingest(run):
         raise HTTPException(
-            403, f"token {principal.name!r} may send runs matching {principal.runs!r}, "
+            403,
+            f"token {principal.name!r} may send runs matching {principal.runs!r}, "
             f"not run {run!r}; create a token for it (trainwarden token create --runs)",
-        )  # fmt: skip
+        )
 
 
 def vouched(sender: str | None) -> str | None:
@@ -316,8 +319,12 @@ class AuthMiddleware:
         except _Unavailable as exc:  # tokens cannot be read: like any database outage
             why = (str(exc.__cause__).splitlines() or ["?"])[0]
             log.warning("trainwarden: cannot check a token: %s", why)
-            await _refuse(send, 503, "cannot check the token now (database unavailable); "
-                          "retry later", retry_after=5)  # fmt: skip
+            await _refuse(
+                send,
+                503,
+                "cannot check the token now (database unavailable); retry later",
+                retry_after=5,
+            )
 
     async def _check(self, scope: Any, receive: Any, send: Any, need: str) -> None:
         method, path = scope["method"], scope["path"]
@@ -327,15 +334,23 @@ class AuthMiddleware:
         if raw is not None:
             principal = await self.auth.verify(raw)
             if principal is None:
-                await _refuse(send, 401, "the token is not valid (unknown, revoked or "
-                              "mistyped); create one with: trainwarden token create",
-                              error="invalid_token")  # fmt: skip
+                await _refuse(
+                    send,
+                    401,
+                    "the token is not valid (unknown, revoked or "
+                    "mistyped); create one with: trainwarden token create",
+                    error="invalid_token",
+                )
                 return
             wait = self.auth.take(principal.token_id or principal.name)
             if wait > 0:
-                await _refuse(send, 429, f"token {principal.name!r} is over its rate limit "
-                              f"({self.settings.rate_per_s:g} requests/s); retry later",
-                              retry_after=max(1, math.ceil(wait)))  # fmt: skip
+                await _refuse(
+                    send,
+                    429,
+                    f"token {principal.name!r} is over its rate limit "
+                    f"({self.settings.rate_per_s:g} requests/s); retry later",
+                    retry_after=max(1, math.ceil(wait)),
+                )
                 return
         elif need in ("ui", "read"):
             principal = await self._browser(headers, ui=need == "ui")
@@ -346,13 +361,22 @@ class AuthMiddleware:
                 )
                 await _redirect(send, f"/login?next={quote(target, safe='')}")
                 return
-            await _refuse(send, 401, f"this needs a token with the {_scope_of(need)} scope: "
-                          "send Authorization: Bearer <token>")  # fmt: skip
+            await _refuse(
+                send,
+                401,
+                f"this needs a token with the {_scope_of(need)} scope: "
+                "send Authorization: Bearer <token>",
+            )
             return
         wanted = _scope_of(need)
         if not principal.allows(wanted):
-            await _refuse(send, 403, f"{principal.describe()} lacks the {wanted} scope this needs",
-                          error="insufficient_scope", scope=wanted)  # fmt: skip
+            await _refuse(
+                send,
+                403,
+                f"{principal.describe()} lacks the {wanted} scope this needs",
+                error="insufficient_scope",
+                scope=wanted,
+            )
             return
         reset = current.set(principal)
         try:
@@ -371,8 +395,9 @@ class AuthMiddleware:
         if ui and header:
             user = headers.get(header.lower().encode(), b"").decode("utf-8", "replace").strip()
             if user:
-                return Principal(user[:128], frozenset({self.settings.trusted_user_scope}),
-                                 via="proxy")  # fmt: skip
+                return Principal(
+                    user[:128], frozenset({self.settings.trusted_user_scope}), via="proxy"
+                )
         return None
 
 
@@ -380,8 +405,15 @@ def _scope_of(need: str) -> str:
     return "read" if need == "ui" else need
 
 
-async def _refuse(send: Any, status: int, detail: str, *, error: str | None = None,
-                  scope: str | None = None, retry_after: int | None = None) -> None:  # fmt: skip
+async def _refuse(
+    send: Any,
+    status: int,
+    detail: str,
+    *,
+    error: str | None = None,
+    scope: str | None = None,
+    retry_after: int | None = None,
+) -> None:
     headers = []
     if status in (401, 403):
         challenge = 'Bearer realm="trainwarden"'
@@ -396,8 +428,13 @@ async def _refuse(send: Any, status: int, detail: str, *, error: str | None = No
 
 
 async def _redirect(send: Any, location: str) -> None:
-    await send({"type": "http.response.start", "status": 303,
-                "headers": [(b"location", location.encode()), (b"content-length", b"0")]})  # fmt: skip
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 303,
+            "headers": [(b"location", location.encode()), (b"content-length", b"0")],
+        }
+    )
     await send({"type": "http.response.body", "body": b""})
 
 
@@ -435,19 +472,30 @@ async def _log_in(request: Request, raw: str, target: str) -> Response:
     try:
         principal = await authenticator.verify(raw)
     except _Unavailable:
-        return _form("The collector cannot check tokens now (database unavailable); "
-                     "try again in a moment.", target, 503)  # fmt: skip
+        return _form(
+            "The collector cannot check tokens now (database unavailable); try again in a moment.",
+            target,
+            503,
+        )
     if principal is None:
         return _form("That token is not valid (unknown, revoked or mistyped).", target, 401)
     if not principal.allows("read"):
-        return _form(f"Token {principal.name!r} may only send records ({', '.join(sorted(principal.scopes))}); "
-                     "the UI needs one with read or admin.", target, 403)  # fmt: skip
+        return _form(
+            f"Token {principal.name!r} may only send records ({', '.join(sorted(principal.scopes))}); "
+            "the UI needs one with read or admin.",
+            target,
+            403,
+        )
     response = RedirectResponse(target, status_code=303)
     response.set_cookie(
-        SESSION_COOKIE, authenticator.session_cookie(principal),
-        max_age=int(authenticator.settings.session_max_age_s), httponly=True, samesite="lax",
-        secure=request.url.scheme == "https", path="/",
-    )  # fmt: skip
+        SESSION_COOKIE,
+        authenticator.session_cookie(principal),
+        max_age=int(authenticator.settings.session_max_age_s),
+        httponly=True,
+        samesite="lax",
+        secure=request.url.scheme == "https",
+        path="/",
+    )
     return response
 
 

@@ -120,24 +120,38 @@ def cmd_serve(args: argparse.Namespace) -> None:
     actions = _actions(args)
     engine = _open_database(settings.db)
     auth_settings = settings.auth_settings()
-    app = create_app(engine, settings, rules=rules, runbook_dirs=runbook_dirs, notify=notify,
-                     actions=actions, auth_settings=auth_settings)  # type: ignore[arg-type]  # fmt: skip
+    app = create_app(
+        engine,
+        settings,
+        rules=rules,
+        runbook_dirs=runbook_dirs,
+        notify=notify,
+        actions=actions,  # type: ignore[arg-type]
+        auth_settings=auth_settings,
+    )
     base = f"{'https' if settings.ssl_certfile else 'http'}://{settings.host}:{settings.port}"
     if auth_settings is None:
         logging.getLogger("trainwarden").warning(
             "AUTH IS OFF (--auth off): anyone who reaches %s can send records, read every run, "
             "acknowledge, silence and trigger rollbacks and evictions. Use it only on a "
-            "trusted network; see docs/security.md", base,
-        )  # fmt: skip
+            "trusted network; see docs/security.md",
+            base,
+        )
     else:
         _say_if_no_tokens(engine)
     print(
         f"trainwarden collector: dashboard {base}/  API {base}/api/v1  docs {base}/docs", flush=True
     )
     print(f"trainwarden collector: database {masked(settings.db)}", flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                ssl_certfile=settings.ssl_certfile, ssl_keyfile=settings.ssl_keyfile,
-                access_log=access_log(args.log_level))  # fmt: skip
+    uvicorn.run(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=args.log_level,
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
+        access_log=access_log(args.log_level),
+    )
 
 
 def access_log(log_level: str) -> bool:
@@ -154,10 +168,12 @@ def _say_if_no_tokens(engine: Any) -> None:
     with engine.connect() as conn:
         if list_tokens(conn, revoked=False):
             return
-    print("trainwarden collector: auth is on and there are no tokens yet; create them with\n"
-          "  trainwarden token create ops --scope admin          # the UI and the API\n"
-          "  trainwarden token create agents --scope ingest      # TRAINWARDEN_TOKEN for trainers",
-          flush=True)  # fmt: skip
+    print(
+        "trainwarden collector: auth is on and there are no tokens yet; create them with\n"
+        "  trainwarden token create ops --scope admin          # the UI and the API\n"
+        "  trainwarden token create agents --scope ingest      # TRAINWARDEN_TOKEN for trainers",
+        flush=True,
+    )
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
@@ -249,65 +265,83 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="port (default 8000)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
-        "--rules", action="append", metavar="FILE",
+        "--rules",
+        action="append",
+        metavar="FILE",
         help="your alert rules (YAML), added to the default pack; repeatable",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--runbooks", action="append", metavar="DIR",
+        "--runbooks",
+        action="append",
+        metavar="DIR",
         help="a folder of your runbooks (NAME.md), looked in before the shipped ones; repeatable "
         "(a 'runbooks' folder next to a rules file is used too)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--no-default-rules", action="store_true",
+        "--no-default-rules",
+        action="store_true",
         help="load only your --rules files, not the shipped pack (TRAINWARDEN_DEFAULT_RULES=0); "
         "copy alerts/rules/default.yaml to start from it",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--notify", metavar="FILE",
+        "--notify",
+        metavar="FILE",
         help="where alerts are sent (YAML: Alertmanager, PagerDuty, Slack, webhooks; see "
         "docs/notifiers.md); default TRAINWARDEN_NOTIFY; without one alerts are only stored",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--actions", metavar="FILE",
+        "--actions",
+        metavar="FILE",
         help="what trainwarden may do about alerts (YAML: rollback / evict / stop, each auto, "
         "require-ack or dry-run; see docs/actions.md); default TRAINWARDEN_ACTIONS; "
         "without one every action is a dry run",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--price-per-gpu-hour", type=float, metavar="PRICE",
+        "--price-per-gpu-hour",
+        type=float,
+        metavar="PRICE",
         help="what a GPU-hour costs, for the cost lost in post-mortems "
         "(TRAINWARDEN_PRICE_PER_GPU_HOUR)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--mtbf-hours", type=float, metavar="HOURS",
+        "--mtbf-hours",
+        type=float,
+        metavar="HOURS",
         help="mean time between interruptions of a job, for the checkpoint cadence advisor "
         "until a run has had two of its own (TRAINWARDEN_MTBF_HOURS)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--gpu-mtbf-hours", type=float, metavar="HOURS",
+        "--gpu-mtbf-hours",
+        type=float,
+        metavar="HOURS",
         help="without --mtbf-hours: one GPU's MTBF; a job of N GPUs is interrupted every "
         "HOURS / N (default 50000; TRAINWARDEN_GPU_MTBF_HOURS)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--incident-cooldown", type=float, metavar="SECONDS",
+        "--incident-cooldown",
+        type=float,
+        metavar="SECONDS",
         help="close an incident this long after everything in it resolved (default 300; "
         "TRAINWARDEN_INCIDENT_COOLDOWN_S)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--postmortem-post", metavar="URL",
+        "--postmortem-post",
+        metavar="URL",
         help="post each incident's report to this Slack-compatible or generic webhook when it "
         "closes (TRAINWARDEN_POSTMORTEM_POST)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--auth", choices=["required", "off"],
+        "--auth",
+        choices=["required", "off"],
         help="required (default): the API needs tokens, the UI a login; off: anyone who "
         "reaches the port may do anything (TRAINWARDEN_AUTH); see docs/security.md",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--trusted-user-header", metavar="HEADER",
+        "--trusted-user-header",
+        metavar="HEADER",
         help="trust this header, set by an authenticating reverse proxy, as the UI user's name "
         "(e.g. X-Forwarded-User; TRAINWARDEN_TRUSTED_USER_HEADER)",
-    )  # fmt: skip
+    )
     serve.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate")
     serve.add_argument("--ssl-keyfile", metavar="PEM", help="... and this private key")
     serve.set_defaults(func=cmd_serve)
@@ -341,10 +375,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="stop serving when training ends (default: keep the dashboard up)",
     )
     demo.add_argument(
-        "--actions", metavar="FILE",
+        "--actions",
+        metavar="FILE",
         help="the action policy, as for serve (default TRAINWARDEN_ACTIONS, else the demo's: "
         "rollback auto, so that the loss-spike drill is rolled back; evict and stop dry-run)",
-    )  # fmt: skip
+    )
     demo.set_defaults(func=cmd_demo)
 
     from .reports_cli import add_parsers, cmd_note, cmd_postmortem
@@ -356,9 +391,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_token_parsers(sub, db_help=db_help)
 
     load = sub.add_parser(
-        "loadgen", help="simulate many ranks sending to a collector (benchmarks; an ingest "
+        "loadgen",
+        help="simulate many ranks sending to a collector (benchmarks; an ingest "
         "token from TRAINWARDEN_TOKEN when the collector requires one)",
-    )  # fmt: skip
+    )
     load.add_argument("--url", default="http://127.0.0.1:8000", help="collector URL")
     load.add_argument("--ranks", type=int, default=1024)
     load.add_argument(
@@ -369,23 +405,29 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--run", help="run name (default loadgen-<time>)")
     load.add_argument("--slow-rank", type=int, help="make this rank a 1.3x straggler")
     load.add_argument(
-        "--user-metrics", type=int, default=6, choices=range(33), metavar="N",
+        "--user-metrics",
+        type=int,
+        default=6,
+        choices=range(33),
+        metavar="N",
         help="user metrics (s.metric) per row besides the 19 built-in ones, 0 to 32 (default 6: "
         "25 metrics a row)",
-    )  # fmt: skip
+    )
     load.add_argument(
-        "--no-relay", action="store_true",
+        "--no-relay",
+        action="store_true",
         help="each rank sends its own request (POST /api/v1/ingest), as agents with no node "
         "relay do; default: one columnar request a node, as its relay sends",
-    )  # fmt: skip
+    )
     load.set_defaults(func=_cmd_loadgen)
 
     from trainwarden.agent import relay as _relay  # standard library only
 
     rel = sub.add_parser(
-        "relay", help="a node relay: this node's agents send to it (TRAINWARDEN_RELAY) and it "
+        "relay",
+        help="a node relay: this node's agents send to it (TRAINWARDEN_RELAY) and it "
         "sends the collector one request for them all",
-    )  # fmt: skip
+    )
     _relay.add_arguments(rel)
     rel.set_defaults(func=_cmd_relay)
 

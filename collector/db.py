@@ -74,8 +74,11 @@ def make_engine(url: str) -> Engine:
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
             Path(parsed.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(parsed, connect_args={"check_same_thread": False, "timeout": 30},
-                               json_deserializer=json_loads)  # fmt: skip
+        engine = create_engine(
+            parsed,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            json_deserializer=json_loads,
+        )
         _sqlite_setup(engine)
         return engine
     if parsed.get_backend_name() != "postgresql":

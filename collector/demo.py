@@ -63,7 +63,7 @@ def _port_free(host: str, port: int) -> bool:
         return True
 
 
-def start_server(engine: Engine, settings: Settings, actions: ActionPolicy | None = None):  # type: ignore[no-untyped-def]  # fmt: skip
+def start_server(engine: Engine, settings: Settings, actions: ActionPolicy | None = None):  # type: ignore[no-untyped-def]
     """Start uvicorn on a thread; returns the server once it accepts connections."""
     import uvicorn
 
@@ -146,8 +146,9 @@ def demo_tokens(engine: Engine) -> tuple[str, str]:
 
     with write(engine) as conn:
         admin = replace_token(conn, name="demo-admin", scopes=["admin"], by="trainwarden demo")
-        ingest = replace_token(conn, name="demo-ingest", scopes=["ingest"], runs="demo-*",
-                               by="trainwarden demo")  # fmt: skip
+        ingest = replace_token(
+            conn, name="demo-ingest", scopes=["ingest"], runs="demo-*", by="trainwarden demo"
+        )
     return admin, ingest
 
 
@@ -171,8 +172,11 @@ def print_alerts(base: str, run: str, token: str | None = None) -> None:
         return
     for a in reversed(alerts):  # oldest first
         where = f" rank {a['rank']}" if a["rank"] is not None else ""
-        print(f"  {a['state']:8} {a['severity']:8} {a['rule']}{where}: "
-              f"{a['annotations'].get('description', '')}  runbook: {a['runbook_url']}", flush=True)  # fmt: skip
+        print(
+            f"  {a['state']:8} {a['severity']:8} {a['rule']}{where}: "
+            f"{a['annotations'].get('description', '')}  runbook: {a['runbook_url']}",
+            flush=True,
+        )
 
 
 def print_actions(base: str, run: str, token: str | None = None) -> None:
@@ -212,10 +216,13 @@ def run_demo(
     run = time.strftime("demo-%Y%m%d-%H%M%S")
     print(f"trainwarden demo: dashboard {base}/runs/{run}", flush=True)
     if admin:
-        print(f"trainwarden demo: log in with one click: {base}/login?token={admin}&next=/runs/{run}",
-              flush=True)  # fmt: skip
-        print(f"trainwarden demo: admin token (API: Authorization: Bearer ...): {admin}",
-              flush=True)  # fmt: skip
+        print(
+            f"trainwarden demo: log in with one click: {base}/login?token={admin}&next=/runs/{run}",
+            flush=True,
+        )
+        print(
+            f"trainwarden demo: admin token (API: Authorization: Bearer ...): {admin}", flush=True
+        )
     print(
         f"trainwarden demo: {ranks} ranks training for {steps} steps (Ctrl-C to stop)", flush=True
     )
@@ -226,8 +233,10 @@ def run_demo(
     log_path = os.path.join(tempfile.gettempdir(), f"trainwarden-{run}.log")
     print(f"trainwarden demo: training output in {log_path}", flush=True)
     checkpoints = os.path.join(tempfile.gettempdir(), f"trainwarden-{run}-checkpoints")
-    print(f"trainwarden demo: a checkpoint every {CHECKPOINT_EVERY} steps in {checkpoints}",
-          flush=True)  # fmt: skip
+    print(
+        f"trainwarden demo: a checkpoint every {CHECKPOINT_EVERY} steps in {checkpoints}",
+        flush=True,
+    )
     procs = launch_ranks(
         run=run,
         url=base,

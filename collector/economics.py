@@ -128,13 +128,23 @@ def attempts(conn: Connection, run_id: int, *, now: float | None = None) -> list
                     if isinstance(live.state_detail, dict)
                     else None
                 )
-            procs.append({
-                "rank": x.rank, "host": x.host, "session": x.session, "started_at": x.started_at,
-                "first_step": x.first_step, "first_step_at": x.first_step_at,
-                "last_step": last_step, "last_step_end": last_end, "last_seen": last_seen,
-                "ended_at": x.ended_at, "end_reason": reason, "end_detail": detail,
-                "exit_code": x.exit_code,
-            })  # fmt: skip
+            procs.append(
+                {
+                    "rank": x.rank,
+                    "host": x.host,
+                    "session": x.session,
+                    "started_at": x.started_at,
+                    "first_step": x.first_step,
+                    "first_step_at": x.first_step_at,
+                    "last_step": last_step,
+                    "last_step_end": last_end,
+                    "last_seen": last_seen,
+                    "ended_at": x.ended_at,
+                    "end_reason": reason,
+                    "end_detail": detail,
+                    "exit_code": x.exit_code,
+                }
+            )
         later = i + 1 < len(rows)
         ended = [p for p in procs if p["end_reason"] is not None]
         done = bool(procs) and (later or len(ended) == len(procs))
@@ -153,15 +163,23 @@ def attempts(conn: Connection, run_id: int, *, now: float | None = None) -> list
                 )
         firsts = [p["first_step"] for p in procs if p["first_step"] is not None]
         lasts = [p["last_step"] for p in procs if p["last_step"] is not None]
-        out.append({
-            "number": row.number, "key": row.key, "started_at": row.started_at,
-            "ended_at": max(ends) if done and ends else None,
-            "state": "ended" if done else "running",
-            "exit_reason": reason, "exit_detail": detail,
-            "world_size": row.world_size, "nodes": list(row.nodes or []),
-            "first_step": min(firsts) if firsts else None, "last_step": max(lasts) if lasts else None,
-            "packages_hash": row.packages_hash, "processes": procs,
-        })  # fmt: skip
+        out.append(
+            {
+                "number": row.number,
+                "key": row.key,
+                "started_at": row.started_at,
+                "ended_at": max(ends) if done and ends else None,
+                "state": "ended" if done else "running",
+                "exit_reason": reason,
+                "exit_detail": detail,
+                "world_size": row.world_size,
+                "nodes": list(row.nodes or []),
+                "first_step": min(firsts) if firsts else None,
+                "last_step": max(lasts) if lasts else None,
+                "packages_hash": row.packages_hash,
+                "processes": procs,
+            }
+        )
     return out
 
 
@@ -198,8 +216,16 @@ def identity(conn: Connection, run_id: int, attempt: int | None = None) -> dict[
     """Config, tags, data snapshot, code and environment of an attempt (default: newest)."""
     a = m.attempts.c
     query = select(
-        a.number, a.config, a.tags, a.data_snapshot, a.code, a.env, a.packages_hash, a.world_size, a.nodes
-    ).where(a.run_id == run_id)  # fmt: skip
+        a.number,
+        a.config,
+        a.tags,
+        a.data_snapshot,
+        a.code,
+        a.env,
+        a.packages_hash,
+        a.world_size,
+        a.nodes,
+    ).where(a.run_id == run_id)
     query = (
         query.where(a.number == attempt) if attempt is not None else query.order_by(a.number.desc())
     )
@@ -207,10 +233,16 @@ def identity(conn: Connection, run_id: int, attempt: int | None = None) -> dict[
     if row is None:
         return None
     return {
-        "attempt": row.number, "config": row.config, "tags": row.tags or [],
-        "data_snapshot": row.data_snapshot, "code": row.code, "env": row.env,
-        "packages_hash": row.packages_hash, "world_size": row.world_size, "nodes": list(row.nodes or []),
-    }  # fmt: skip
+        "attempt": row.number,
+        "config": row.config,
+        "tags": row.tags or [],
+        "data_snapshot": row.data_snapshot,
+        "code": row.code,
+        "env": row.env,
+        "packages_hash": row.packages_hash,
+        "world_size": row.world_size,
+        "nodes": list(row.nodes or []),
+    }
 
 
 def packages(conn: Connection, run_id: int, attempt: int | None = None) -> list[str] | None:
@@ -278,8 +310,12 @@ def diff(conn: Connection, run_a: int, run_b: int) -> dict[str, Any]:
         out["packages"] = {
             "added": sorted(f"{n}=={vb[n]}" for n in set(vb) - set(va)),
             "removed": sorted(f"{n}=={va[n]}" for n in set(va) - set(vb)),
-            "changed": [{"name": n, "a": va[n], "b": vb[n]} for n in sorted(set(va) & set(vb)) if va[n] != vb[n]],
-        }  # fmt: skip
+            "changed": [
+                {"name": n, "a": va[n], "b": vb[n]}
+                for n in sorted(set(va) & set(vb))
+                if va[n] != vb[n]
+            ],
+        }
     elif ia.get("packages_hash") != ib.get("packages_hash"):
         out["packages"] = {"hash_a": ia.get("packages_hash"), "hash_b": ib.get("packages_hash")}
     else:
@@ -307,11 +343,25 @@ def checkpoint_stats(conn: Connection, run_id: int) -> dict[str, Any]:
     by_step: dict[int, dict[str, Any]] = {}
     for step, ts, kind, data in conn.execute(
         select(e.step, e.ts, e.kind, e.data)
-        .where(e.run_id == run_id, e.kind.in_(("checkpoint", "checkpoint_drained")), e.step.is_not(None))
+        .where(
+            e.run_id == run_id,
+            e.kind.in_(("checkpoint", "checkpoint_drained")),
+            e.step.is_not(None),
+        )
         .order_by(e.ts)
-    ):  # fmt: skip
+    ):
         data = data if isinstance(data, dict) else {}
-        c = by_step.setdefault(step, {"step": step, "ts": ts, "seconds": None, "bytes": None, "drain_seconds": None, "path": None})  # fmt: skip
+        c = by_step.setdefault(
+            step,
+            {
+                "step": step,
+                "ts": ts,
+                "seconds": None,
+                "bytes": None,
+                "drain_seconds": None,
+                "path": None,
+            },
+        )
         if kind == "checkpoint":
             c["ts"] = min(c["ts"], ts)
             c["path"] = c["path"] or data.get("path")
@@ -336,7 +386,9 @@ def checkpoint_stats(conn: Connection, run_id: int) -> dict[str, Any]:
     last = saved[-1] if saved else None
     return {
         "count": len(saved),
-        "last": None if last is None else {k: last[k] for k in ("step", "ts", "path", "seconds", "bytes")},
+        "last": None
+        if last is None
+        else {k: last[k] for k in ("step", "ts", "path", "seconds", "bytes")},
         "interval_steps": statistics.median(steps) if steps else None,
         "interval_s": statistics.median(seconds) if seconds else None,
         "blocking_s": statistics.median(blocking) if blocking else None,
@@ -344,7 +396,7 @@ def checkpoint_stats(conn: Connection, run_id: int) -> dict[str, Any]:
         "bytes": statistics.median(sizes) if sizes else None,
         "drain_s": statistics.median(drains) if drains else None,
         "_by_step": saved,
-    }  # fmt: skip
+    }
 
 
 # -- goodput -----------------------------------------------------------------------------------
@@ -459,15 +511,24 @@ def goodput(
         replayed += lost
         recovery += down
         replayed_steps += lost_steps
-        per_attempt.append({"number": t["number"], "world_size": world, "replayed_gpu_s": lost,
-                            "replayed_steps": lost_steps, "recovery_gpu_s": down})  # fmt: skip
+        per_attempt.append(
+            {
+                "number": t["number"],
+                "world_size": world,
+                "replayed_gpu_s": lost,
+                "replayed_steps": lost_steps,
+                "recovery_gpu_s": down,
+            }
+        )
     # In-process rollbacks: the steps since the checkpoint are run again.
     mean_step = (kept + waited) / max(1, kept_steps * (run.world_size or 1))
     rollbacks = 0
     ac = m.actions.c
     for plan, result in conn.execute(
-        select(ac.plan, ac.result).where(ac.run_id == run_id, ac.kind == "rollback", ac.state == "done")
-    ):  # fmt: skip
+        select(ac.plan, ac.result).where(
+            ac.run_id == run_id, ac.kind == "rollback", ac.state == "done"
+        )
+    ):
         plan = plan or {}
         barrier, ckpt = plan.get("barrier_step"), _restored_step(plan, result)
         if isinstance(barrier, int) and isinstance(ckpt, int) and barrier > ckpt:
@@ -491,18 +552,30 @@ def goodput(
     if tries and tries[-1]["state"] == "ended" and tries[-1]["exit_reason"] in FAILED_ENDS:
         failures += 1
     return {
-        "since": start, "until": end, "wall_s": end - start, "running": not finished,
+        "since": start,
+        "until": end,
+        "wall_s": end - start,
+        "running": not finished,
         "allocation_gpu_s": allocation,
         "ettr": kept / allocation if allocation > 0 else None,
-        "breakdown_gpu_s": {"kept": kept, "replayed": replayed, "recovery": recovery,
-                            "checkpoint": ckpt_s, "data_wait": data_wait, "other": other},
-        "kept_steps": kept_steps, "replayed_steps": replayed_steps,
-        "attempts": len(tries), "interruptions": failures, "rollbacks": rollbacks,
+        "breakdown_gpu_s": {
+            "kept": kept,
+            "replayed": replayed,
+            "recovery": recovery,
+            "checkpoint": ckpt_s,
+            "data_wait": data_wait,
+            "other": other,
+        },
+        "kept_steps": kept_steps,
+        "replayed_steps": replayed_steps,
+        "attempts": len(tries),
+        "interruptions": failures,
+        "rollbacks": rollbacks,
         "per_attempt": per_attempt,
         "gpu_hours": {"used": used_h, "kept": kept / 3600, "lost": lost_h},
         "price_per_gpu_hour": price,
         "cost": None if price is None else {"used": used_h * price, "lost": lost_h * price},
-    }  # fmt: skip
+    }
 
 
 # -- the cadence advisor -------------------------------------------------------------------------
@@ -542,11 +615,21 @@ def advise(
         source = f"configured: MTBF {settings.mtbf_hours:g} h (--mtbf-hours)"
     else:
         tau = settings.gpu_mtbf_hours * 3600 / max(1, world_size)
-        source = (f"default: {settings.gpu_mtbf_hours:,.0f} h per GPU / {world_size} GPUs "
-                  f"(set --mtbf-hours; the run has {interruptions} interruptions, needs {MIN_FAILURES})")  # fmt: skip
-    out: dict[str, Any] = {"cost_s": cost_s, "interval_s": interval_s, "mtbf_s": tau, "mtbf_source": source,
-                           "optimal_interval_s": None, "waste_now": None, "waste_optimal": None,
-                           "ratio": None, "verdict": "unknown"}  # fmt: skip
+        source = (
+            f"default: {settings.gpu_mtbf_hours:,.0f} h per GPU / {world_size} GPUs "
+            f"(set --mtbf-hours; the run has {interruptions} interruptions, needs {MIN_FAILURES})"
+        )
+    out: dict[str, Any] = {
+        "cost_s": cost_s,
+        "interval_s": interval_s,
+        "mtbf_s": tau,
+        "mtbf_source": source,
+        "optimal_interval_s": None,
+        "waste_now": None,
+        "waste_optimal": None,
+        "ratio": None,
+        "verdict": "unknown",
+    }
     if cost_s is None:
         out["why"] = "no checkpoint reported its blocking save time (tw.checkpointing or seconds=)"
         return out
@@ -585,7 +668,13 @@ def economics(
     ckpt = checkpoint_stats(conn, row.id)
     good = goodput(conn, row.id, settings=settings, now=now, tries=tries, checkpoints=ckpt)
     world = (tries[-1]["world_size"] if tries else None) or row.world_size
-    advice = advise(cost_s=ckpt["blocking_s"], interval_s=ckpt["interval_s"], wall_s=good["wall_s"],
-                    interruptions=good["interruptions"], world_size=world, settings=settings)  # fmt: skip
+    advice = advise(
+        cost_s=ckpt["blocking_s"],
+        interval_s=ckpt["interval_s"],
+        wall_s=good["wall_s"],
+        interruptions=good["interruptions"],
+        world_size=world,
+        settings=settings,
+    )
     ckpt = {k: v for k, v in ckpt.items() if not k.startswith("_")}
     return {"run": run, "checkpoints": ckpt, "goodput": good, "advisor": advice}

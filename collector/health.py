@@ -134,10 +134,12 @@ def _recent_views(conn: Connection, run_id: int, world: int, count: int) -> dict
     ).all()
     complete = [step for step, n in counts if n >= world]
     if complete:
-        rows = fetch_rows(conn,
-            select(r.step, r.rank, func.coalesce(r.compute_s, r.duration_s), r.exposed_comm_s,
-                   r.loss).where(r.run_id == run_id, r.step.in_(complete))
-        )  # fmt: skip
+        rows = fetch_rows(
+            conn,
+            select(
+                r.step, r.rank, func.coalesce(r.compute_s, r.duration_s), r.exposed_comm_s, r.loss
+            ).where(r.run_id == run_id, r.step.in_(complete)),
+        )
         by_step: dict[int, list[StepRow]] = defaultdict(list)
         for row in rows:  # plain tuples: 4,096 and more a step, read once each
             by_step[row[0]].append(row[1:])
@@ -196,9 +198,17 @@ def _events(conn: Connection, *, run_id: int, now: float, events: list[dict[str,
     if events:
         conn.execute(
             _insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
-            [{**e, "uid": uuid.uuid5(uuid.NAMESPACE_OID, e["uid"]).hex, "run_id": run_id,
-              "ts": now, "recv_ts": now} for e in events],
-        )  # fmt: skip
+            [
+                {
+                    **e,
+                    "uid": uuid.uuid5(uuid.NAMESPACE_OID, e["uid"]).hex,
+                    "run_id": run_id,
+                    "ts": now,
+                    "recv_ts": now,
+                }
+                for e in events
+            ],
+        )
 
 
 def arrival_lateness(conn: Connection, run_id: int) -> float:
@@ -228,10 +238,18 @@ def _idle_s(rank: Any, *, now: float, late: float, refused_at: float | None) -> 
     return said + max(0.0, now - rank["last_seen"] - late)
 
 
-def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_step: float | None,
-            slow: dict[int, float], steps: dict[int, StepView], lag_s: float = 0.0,
-            heard: Mapping[int, float] | None = None,
-            still_dead: Callable[[], list[int]] | None = None) -> dict[int, tuple[str, dict[str, Any]]]:  # fmt: skip
+def _states(
+    ranks: list[Any],
+    *,
+    now: float,
+    settings: HealthSettings,
+    median_step: float | None,
+    slow: dict[int, float],
+    steps: dict[int, StepView],
+    lag_s: float = 0.0,
+    heard: Mapping[int, float] | None = None,
+    still_dead: Callable[[], list[int]] | None = None,
+) -> dict[int, tuple[str, dict[str, Any]]]:
     """The state and detail of every live rank. ``lag_s``: how late the collector hears
     from ranks; silence that long is the collector's, not the rank's. ``heard``: when a
     rank last sent a request the collector refused (as alive as one it took).
@@ -245,7 +263,10 @@ def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_st
         seen = max(r["last_seen"], heard.get(r["rank"], r["last_seen"]))
         if now - seen > settings.dead_after_beats * beat + lag_s:
             dead.append(r)
-        elif r["progress_at"] is not None and _idle_s(r, now=now, late=lag_s, refused_at=heard.get(r["rank"])) > hung_after:  # fmt: skip
+        elif (
+            r["progress_at"] is not None
+            and _idle_s(r, now=now, late=lag_s, refused_at=heard.get(r["rank"])) > hung_after
+        ):
             stalled.append(r)
     out: dict[int, tuple[str, dict[str, Any]]] = {}
     for r in dead:
@@ -258,39 +279,75 @@ def _states(ranks: list[Any], *, now: float, settings: HealthSettings, median_st
         if blamed_dead:
             culprits: list[Any] = []
         else:
-            key = min((r["last_step"] if r["last_step"] is not None else -1, PHASE_ORDER.get(r["phase"], 5))
-                      for r in stalled)  # fmt: skip
-            culprits = [r for r in stalled
-                        if (r["last_step"] if r["last_step"] is not None else -1, PHASE_ORDER.get(r["phase"], 5)) == key]  # fmt: skip
+            key = min(
+                (
+                    r["last_step"] if r["last_step"] is not None else -1,
+                    PHASE_ORDER.get(r["phase"], 5),
+                )
+                for r in stalled
+            )
+            culprits = [
+                r
+                for r in stalled
+                if (
+                    r["last_step"] if r["last_step"] is not None else -1,
+                    PHASE_ORDER.get(r["phase"], 5),
+                )
+                == key
+            ]
         blamed = blamed_dead or sorted(r["rank"] for r in culprits)
         for r in stalled:
             idle = _idle_s(r, now=now, late=lag_s, refused_at=heard.get(r["rank"]))
             detail: dict[str, Any]
             if r in culprits:
-                detail = {"role": "culprit", "reason": f"no step completed for {idle:.1f}s (in {r['phase'] or 'between steps'})"}  # fmt: skip
+                detail = {
+                    "role": "culprit",
+                    "reason": f"no step completed for {idle:.1f}s (in {r['phase'] or 'between steps'})",
+                }
             else:
-                detail = {"role": "victim", "waiting_on": blamed,
-                          "reason": f"blocked for {idle:.1f}s in {r['phase'] or 'a step'}, waiting on rank(s) {blamed}"}  # fmt: skip
+                detail = {
+                    "role": "victim",
+                    "waiting_on": blamed,
+                    "reason": f"blocked for {idle:.1f}s in {r['phase'] or 'a step'}, waiting on rank(s) {blamed}",
+                }
             out[r["rank"]] = ("hung", detail)
     exposed = steps[max(steps)].exposed if steps else {}
     for r in ranks:
         if r["rank"] in out:
             continue
         if r["rank"] in slow:
-            out[r["rank"]] = ("slow", {"role": "culprit", "compute_ratio": round(slow[r["rank"]], 3),
-                                       "reason": f"compute {slow[r['rank']]:.2f}x the peer median"})  # fmt: skip
+            out[r["rank"]] = (
+                "slow",
+                {
+                    "role": "culprit",
+                    "compute_ratio": round(slow[r["rank"]], 3),
+                    "reason": f"compute {slow[r['rank']]:.2f}x the peer median",
+                },
+            )
             continue
         detail = {}
         waited = exposed.get(r["rank"])
         if slow and waited:
-            detail = {"role": "victim", "waiting_on": sorted(slow),
-                      "reason": f"exposed comm {waited * 1000:.0f} ms waiting on straggler(s) {sorted(slow)}"}  # fmt: skip
+            detail = {
+                "role": "victim",
+                "waiting_on": sorted(slow),
+                "reason": f"exposed comm {waited * 1000:.0f} ms waiting on straggler(s) {sorted(slow)}",
+            }
         out[r["rank"]] = ("healthy", detail)
     return out
 
 
-_RANK_FIELDS = ("rank", "state", "state_detail", "last_seen", "heartbeat_s", "progress_at",
-                "clock_skew_s", "last_step", "phase")  # fmt: skip
+_RANK_FIELDS = (
+    "rank",
+    "state",
+    "state_detail",
+    "last_seen",
+    "heartbeat_s",
+    "progress_at",
+    "clock_skew_s",
+    "last_step",
+    "phase",
+)
 
 
 def evaluate(
@@ -329,7 +386,9 @@ def evaluate(
         late = max(lag_s, arrival_lateness(conn, run_id)) if pressed else lag_s
         k = m.ranks.c
         heard_ranks = heard(name) if heard else None
-        silent = k.last_seen < now - late - settings.dead_after_beats * func.coalesce(k.heartbeat_s, 2.0)  # fmt: skip
+        silent = k.last_seen < now - late - settings.dead_after_beats * func.coalesce(
+            k.heartbeat_s, 2.0
+        )
         # A dead rank not heard from since stays dead, its detail the same: it is not read
         # (a crashed run of 16,384 ranks would otherwise be read and decided again on every
         # evaluation, for as long as the run is watched). _states still blames it (still_dead).
@@ -352,13 +411,28 @@ def evaluate(
             )
         # In rank order, the order ingest locks rank rows in: no deadlocks.
         ranks = conn.execute(query.order_by(k.rank)).mappings().all()
-        _events(conn, run_id=run_id, now=now, events=[
-            dict(rank=rank, kind="loss_divergence", severity="warning", step=first,
-                 uid=f"divergence:{run_id}:{rank}:{first}",
-                 data={"robust_z": round(z, 2), "steps": settings.divergence_window,
-                       "reason": "loss outside its peers' band: silent data corruption suspect"})
-            for rank, (z, first) in diverging(steps, z=settings.divergence_z, window=settings.divergence_window).items()
-        ])  # fmt: skip
+        _events(
+            conn,
+            run_id=run_id,
+            now=now,
+            events=[
+                dict(
+                    rank=rank,
+                    kind="loss_divergence",
+                    severity="warning",
+                    step=first,
+                    uid=f"divergence:{run_id}:{rank}:{first}",
+                    data={
+                        "robust_z": round(z, 2),
+                        "steps": settings.divergence_window,
+                        "reason": "loss outside its peers' band: silent data corruption suspect",
+                    },
+                )
+                for rank, (z, first) in diverging(
+                    steps, z=settings.divergence_z, window=settings.divergence_window
+                ).items()
+            ],
+        )
         if not ranks:
             continue
         unread = select(k.rank).where(k.run_id == run_id, still_dead)
@@ -366,9 +440,17 @@ def evaluate(
         def dead_unread(unread: Any = unread) -> list[int]:
             return list(conn.execute(unread).scalars())
 
-        states = _states(list(ranks), now=now, settings=settings, median_step=median_step,
-                         slow=slow, steps=steps, lag_s=late, heard=heard_ranks,
-                         still_dead=dead_unread)  # fmt: skip
+        states = _states(
+            list(ranks),
+            now=now,
+            settings=settings,
+            median_step=median_step,
+            slow=slow,
+            steps=steps,
+            lag_s=late,
+            heard=heard_ranks,
+            still_dead=dead_unread,
+        )
         # Decide everything first, then write in two statements in rank order: the rank
         # rows stay locked for as short a time as possible (ingest updates them too).
         details, changed, events = [], [], []
@@ -384,9 +466,16 @@ def evaluate(
                 continue
             changed.append({"b_rank": r["rank"], "state": state, "detail": detail or None})
             severity = {"healthy": "info", "slow": "warning"}.get(state, "critical")
-            events.append(dict(rank=r["rank"], kind="rank_state", severity=severity,
-                               uid=f"state:{run_id}:{r['rank']}:{state}:{now}", step=r["last_step"],
-                               data={"from": r["state"], "to": state, **detail}))  # fmt: skip
+            events.append(
+                dict(
+                    rank=r["rank"],
+                    kind="rank_state",
+                    severity=severity,
+                    uid=f"state:{run_id}:{r['rank']}:{state}:{now}",
+                    step=r["last_step"],
+                    data={"from": r["state"], "to": state, **detail},
+                )
+            )
         where = (m.ranks.c.run_id == run_id) & (m.ranks.c.rank == bindparam("b_rank"))
         if details:
             conn.execute(
@@ -419,8 +508,13 @@ def evaluate_once(
                 return 0
         if pressure is None:
             return evaluate(conn, settings=settings)
-        return evaluate(conn, settings=settings, lag_s=pressure.lag_s(), pressed=pressure.pressed(),
-                        heard=pressure.heard)  # fmt: skip
+        return evaluate(
+            conn,
+            settings=settings,
+            lag_s=pressure.lag_s(),
+            pressed=pressure.pressed(),
+            heard=pressure.heard,
+        )
 
 
 def health_loop(
@@ -430,6 +524,8 @@ def health_loop(
     whether it fell behind lately."""
     settings = settings or HealthSettings()
     return Loop(
-        "trainwarden-health", settings.interval_s, lambda: evaluate_once(engine, settings, pressure),
+        "trainwarden-health",
+        settings.interval_s,
+        lambda: evaluate_once(engine, settings, pressure),
         max_cpu_share=settings.max_cpu_share,
-    )  # fmt: skip
+    )

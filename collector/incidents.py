@@ -127,18 +127,30 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
             title = f"{alert.rule}{where}"
             if incident_id is None:
                 incident_id = _create(
-                    conn, run_id=run_id, title=title, by=ENGINE, auto=True,
-                    severity=alert.severity, opened_at=alert.fired_at, now=now,
+                    conn,
+                    run_id=run_id,
+                    title=title,
+                    by=ENGINE,
+                    auto=True,
+                    severity=alert.severity,
+                    opened_at=alert.fired_at,
+                    now=now,
                     detail=f"alert {alert.id} ({alert.rule}) fired",
-                )  # fmt: skip
+                )
                 result.opened.append(incident_id)
             elif SEVERITY_ORDER.get(alert.severity, 0) > SEVERITY_ORDER.get(severity or "", 0):
                 _escalate(conn, incident_id, title=title, alert=alert, now=now)
             severity = alert.severity if severity is None else _worse(severity, alert.severity)
         assert incident_id is not None
         _attach(conn, incident_id, "alert", [alert.id for alert in alerts], now)
-        _widen(conn, incident_id, ranks=[alert.rank for alert in alerts],
-               nodes=[alert.node for alert in alerts], severity=severity, now=now)  # fmt: skip
+        _widen(
+            conn,
+            incident_id,
+            ranks=[alert.rank for alert in alerts],
+            nodes=[alert.node for alert in alerts],
+            severity=severity,
+            now=now,
+        )
         result.joined += len(alerts)
     loose = conn.execute(
         select(ac.id, ac.run_id, ac.alert_id, ac.rank, ac.node, ac.created_at).where(
@@ -154,10 +166,15 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
             ).scalar()
         if target is None:
             open_ = conn.execute(
-                select(inc.id).where(inc.run_id == action.run_id, inc.state == "open",
-                                     inc.opened_at <= action.created_at)
-                .order_by(inc.opened_at.desc()).limit(1)
-            ).scalar()  # fmt: skip
+                select(inc.id)
+                .where(
+                    inc.run_id == action.run_id,
+                    inc.state == "open",
+                    inc.opened_at <= action.created_at,
+                )
+                .order_by(inc.opened_at.desc())
+                .limit(1)
+            ).scalar()
             target = open_
         if target is None:
             continue
@@ -169,8 +186,13 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
     ).all():
         quiet_since = _quiet_since(conn, row.id, row.opened_at)
         if quiet_since is not None and now - quiet_since >= cooldown_s:
-            _set_closed(conn, row.id, by=ENGINE, now=now,
-                        detail=f"every alert resolved and every action ended; quiet for {now - quiet_since:.0f} s")  # fmt: skip
+            _set_closed(
+                conn,
+                row.id,
+                by=ENGINE,
+                now=now,
+                detail=f"every alert resolved and every action ended; quiet for {now - quiet_since:.0f} s",
+            )
             result.closed.append(row.id)
     return result
 
@@ -184,9 +206,17 @@ def _escalate(conn: Connection, incident_id: int, *, title: str, alert: Any, now
         return
     if any(e.get("what") == "retitled" and e.get("by") != ENGINE for e in row.history or []):
         return
-    _log(conn, row, _entry("retitled", ENGINE, now,
-                           f"{row.title!r} -> {title!r}: alert {alert.id} ({alert.rule}, "
-                           f"{alert.severity}) joined"), title=title[:200])  # fmt: skip
+    _log(
+        conn,
+        row,
+        _entry(
+            "retitled",
+            ENGINE,
+            now,
+            f"{row.title!r} -> {title!r}: alert {alert.id} ({alert.rule}, {alert.severity}) joined",
+        ),
+        title=title[:200],
+    )
 
 
 def _quiet_since(conn: Connection, incident_id: int, opened_at: float) -> float | None:
@@ -195,9 +225,10 @@ def _quiet_since(conn: Connection, incident_id: int, opened_at: float) -> float 
     i, a, ac = m.incident_items.c, m.alerts.c, m.actions.c
     latest = opened_at
     alerts = conn.execute(
-        select(a.state, a.resolved_at).join(m.incident_items, and_(i.kind == "alert", i.item_id == a.id))
+        select(a.state, a.resolved_at)
+        .join(m.incident_items, and_(i.kind == "alert", i.item_id == a.id))
         .where(i.incident_id == incident_id)
-    ).all()  # fmt: skip
+    ).all()
     for state, resolved_at in alerts:
         if state != "resolved":
             return None
@@ -217,29 +248,66 @@ def _quiet_since(conn: Connection, incident_id: int, opened_at: float) -> float 
 def _open_of(conn: Connection, run_id: int) -> int | None:
     inc = m.incidents.c
     return conn.execute(
-        select(inc.id).where(inc.run_id == run_id, inc.state == "open")
-        .order_by(inc.opened_at.desc(), inc.id.desc()).limit(1)
-    ).scalar()  # fmt: skip
+        select(inc.id)
+        .where(inc.run_id == run_id, inc.state == "open")
+        .order_by(inc.opened_at.desc(), inc.id.desc())
+        .limit(1)
+    ).scalar()
 
 
-def _create(conn: Connection, *, run_id: int, title: str, by: str, auto: bool, severity: str,
-            opened_at: float, now: float, detail: str | None = None) -> int:  # fmt: skip
-    return int(conn.execute(insert(m.incidents).values(
-        run_id=run_id, title=title[:200], state="open", severity=severity, auto=int(auto),
-        opened_at=opened_at, opened_by=by, ranks=[], nodes=[], updated_at=now,
-        history=[_entry("opened", by, now, detail)],
-    ).returning(m.incidents.c.id)).scalar_one())  # fmt: skip
+def _create(
+    conn: Connection,
+    *,
+    run_id: int,
+    title: str,
+    by: str,
+    auto: bool,
+    severity: str,
+    opened_at: float,
+    now: float,
+    detail: str | None = None,
+) -> int:
+    return int(
+        conn.execute(
+            insert(m.incidents)
+            .values(
+                run_id=run_id,
+                title=title[:200],
+                state="open",
+                severity=severity,
+                auto=int(auto),
+                opened_at=opened_at,
+                opened_by=by,
+                ranks=[],
+                nodes=[],
+                updated_at=now,
+                history=[_entry("opened", by, now, detail)],
+            )
+            .returning(m.incidents.c.id)
+        ).scalar_one()
+    )
 
 
 def _attach(conn: Connection, incident_id: int, kind: str, ids: Sequence[int], now: float) -> None:
     if ids:
-        conn.execute(insert(m.incident_items), [
-            {"kind": kind, "item_id": i, "incident_id": incident_id, "added_at": now} for i in ids
-        ])  # fmt: skip
+        conn.execute(
+            insert(m.incident_items),
+            [
+                {"kind": kind, "item_id": i, "incident_id": incident_id, "added_at": now}
+                for i in ids
+            ],
+        )
 
 
-def _widen(conn: Connection, incident_id: int, *, ranks: Iterable[int | None] = (),
-           nodes: Iterable[str | None] = (), severity: str | None = None, now: float) -> None:  # fmt: skip
+def _widen(
+    conn: Connection,
+    incident_id: int,
+    *,
+    ranks: Iterable[int | None] = (),
+    nodes: Iterable[str | None] = (),
+    severity: str | None = None,
+    now: float,
+) -> None:
     inc = m.incidents.c
     row = conn.execute(
         select(inc.ranks, inc.nodes, inc.severity).where(inc.id == incident_id)
@@ -267,12 +335,22 @@ def _get(conn: Connection, incident_id: int) -> Any:
 
 
 def _log(conn: Connection, row: Any, entry: dict[str, Any], **values: Any) -> None:
-    conn.execute(update(m.incidents).where(m.incidents.c.id == row.id).values(
-        history=[*(row.history or []), entry], updated_at=entry["at"], **values))  # fmt: skip
+    conn.execute(
+        update(m.incidents)
+        .where(m.incidents.c.id == row.id)
+        .values(history=[*(row.history or []), entry], updated_at=entry["at"], **values)
+    )
 
 
-def _set_closed(conn: Connection, incident_id: int, *, by: str, now: float, detail: str | None = None,
-                summary: str | None = None) -> None:  # fmt: skip
+def _set_closed(
+    conn: Connection,
+    incident_id: int,
+    *,
+    by: str,
+    now: float,
+    detail: str | None = None,
+    summary: str | None = None,
+) -> None:
     row = _get(conn, incident_id)
     values: dict[str, Any] = {"state": "closed", "closed_at": now, "closed_by": by}
     if summary:
@@ -297,14 +375,27 @@ def describe(conn: Connection, row: Any) -> dict[str, Any]:
     """An incident as plain data, with the ids of its alerts and actions."""
     items = members(conn, row.id)
     return {
-        "id": row.id, "run": row.run_name, "title": row.title, "state": row.state,
-        "severity": row.severity, "auto": bool(row.auto), "opened_at": row.opened_at,
-        "opened_by": row.opened_by, "closed_at": row.closed_at, "closed_by": row.closed_by,
-        "summary": row.summary, "merged_into": row.merged_into, "ranks": list(row.ranks or []),
-        "nodes": list(row.nodes or []), "history": list(row.history or []),
-        "alerts": items["alert"], "actions": items["action"], "posted_at": row.posted_at,
-        "post_status": row.post_status, "updated_at": row.updated_at,
-    }  # fmt: skip
+        "id": row.id,
+        "run": row.run_name,
+        "title": row.title,
+        "state": row.state,
+        "severity": row.severity,
+        "auto": bool(row.auto),
+        "opened_at": row.opened_at,
+        "opened_by": row.opened_by,
+        "closed_at": row.closed_at,
+        "closed_by": row.closed_by,
+        "summary": row.summary,
+        "merged_into": row.merged_into,
+        "ranks": list(row.ranks or []),
+        "nodes": list(row.nodes or []),
+        "history": list(row.history or []),
+        "alerts": items["alert"],
+        "actions": items["action"],
+        "posted_at": row.posted_at,
+        "post_status": row.post_status,
+        "updated_at": row.updated_at,
+    }
 
 
 def get_incident(conn: Connection, *, incident_id: int) -> dict[str, Any]:
@@ -327,17 +418,34 @@ def list_incidents(conn: Connection, *, run: str, merged: bool = False) -> list[
 # -- operators' changes -------------------------------------------------------------------
 
 
-def open_incident(conn: Connection, *, run: str, title: str, by: str, alert_ids: Sequence[int] = (),
-                  at: float | None = None, now: float) -> int:  # fmt: skip
+def open_incident(
+    conn: Connection,
+    *,
+    run: str,
+    title: str,
+    by: str,
+    alert_ids: Sequence[int] = (),
+    at: float | None = None,
+    now: float,
+) -> int:
     """An operator opens an incident (something is wrong that no alert caught, or these
     alerts belong together). Listed alerts must be of the run and in no incident yet."""
     run_id = _run_id(conn, run)
     a, i = m.alerts.c, m.incident_items.c
-    found = {r.id: r for r in conn.execute(select(a.id, a.run_id, a.rank, a.node, a.severity, a.active_since).where(a.id.in_(list(alert_ids))))}  # fmt: skip
+    found = {
+        r.id: r
+        for r in conn.execute(
+            select(a.id, a.run_id, a.rank, a.node, a.severity, a.active_since).where(
+                a.id.in_(list(alert_ids))
+            )
+        )
+    }
     for alert_id in alert_ids:
         if alert_id not in found or found[alert_id].run_id != run_id:
             raise Invalid(f"alerts: run {run!r} has no alert {alert_id}")
-        other = conn.execute(select(i.incident_id).where(i.kind == "alert", i.item_id == alert_id)).scalar()  # fmt: skip
+        other = conn.execute(
+            select(i.incident_id).where(i.kind == "alert", i.item_id == alert_id)
+        ).scalar()
         if other is not None:
             raise Conflict(f"alert {alert_id} is in incident {other}; merge that incident instead")
     rows = list(found.values())
@@ -345,15 +453,24 @@ def open_incident(conn: Connection, *, run: str, title: str, by: str, alert_ids:
     severity = "warning"
     for r in rows:
         severity = _worse(severity, r.severity)
-    incident_id = _create(conn, run_id=run_id, title=title, by=by, auto=False, severity=severity,
-                          opened_at=opened_at, now=now)  # fmt: skip
+    incident_id = _create(
+        conn,
+        run_id=run_id,
+        title=title,
+        by=by,
+        auto=False,
+        severity=severity,
+        opened_at=opened_at,
+        now=now,
+    )
     _attach(conn, incident_id, "alert", sorted(found), now)
     _widen(conn, incident_id, ranks=[r.rank for r in rows], nodes=[r.node for r in rows], now=now)
     return incident_id
 
 
-def close_incident(conn: Connection, *, incident_id: int, by: str, summary: str | None = None,
-                   now: float) -> None:  # fmt: skip
+def close_incident(
+    conn: Connection, *, incident_id: int, by: str, summary: str | None = None, now: float
+) -> None:
     row = _get(conn, incident_id)
     if row.state != "open":
         raise Conflict(f"incident {incident_id} is {row.state}; only an open one can be closed")
@@ -372,7 +489,9 @@ def retitle_incident(
         _log(conn, row, _entry("retitled", by, now, f"{row.title!r} -> {title!r}"), title=title)
 
 
-def merge_incidents(conn: Connection, *, into: int, sources: Sequence[int], by: str, now: float) -> None:  # fmt: skip
+def merge_incidents(
+    conn: Connection, *, into: int, sources: Sequence[int], by: str, now: float
+) -> None:
     """Move the alerts, actions and notes of ``sources`` into ``into`` (same run); the
     sources stay on record as ``merged`` and point at it."""
     target = _get(conn, into)
@@ -393,21 +512,47 @@ def merge_incidents(conn: Connection, *, into: int, sources: Sequence[int], by: 
     severity = target.severity
     for row in rows:
         severity = _worse(severity, row.severity)
-        _log(conn, row, _entry("merged", by, now, f"into incident {into}"), state="merged",
-             merged_into=into, closed_at=row.closed_at or now, closed_by=row.closed_by or by)  # fmt: skip
+        _log(
+            conn,
+            row,
+            _entry("merged", by, now, f"into incident {into}"),
+            state="merged",
+            merged_into=into,
+            closed_at=row.closed_at or now,
+            closed_by=row.closed_by or by,
+        )
     target = _get(conn, into)
-    _log(conn, target, _entry("merged", by, now, "merged in incident " + ", ".join(map(str, ids))),
-         opened_at=min([target.opened_at, *(r.opened_at for r in rows)]), severity=severity)  # fmt: skip
-    _widen(conn, into, ranks=[x for r in rows for x in r.ranks or []],
-           nodes=[x for r in rows for x in r.nodes or []], now=now)  # fmt: skip
+    _log(
+        conn,
+        target,
+        _entry("merged", by, now, "merged in incident " + ", ".join(map(str, ids))),
+        opened_at=min([target.opened_at, *(r.opened_at for r in rows)]),
+        severity=severity,
+    )
+    _widen(
+        conn,
+        into,
+        ranks=[x for r in rows for x in r.ranks or []],
+        nodes=[x for r in rows for x in r.nodes or []],
+        now=now,
+    )
     conn.execute(update(m.incidents).where(inc.id == into).values(updated_at=now))
 
 
 # -- the logbook ----------------------------------------------------------------------------
 
 
-def add_note(conn: Connection, *, run: str, author: str, text: str, at: float | None = None,
-             step: int | None = None, incident_id: int | None = None, now: float) -> dict[str, Any]:  # fmt: skip
+def add_note(
+    conn: Connection,
+    *,
+    run: str,
+    author: str,
+    text: str,
+    at: float | None = None,
+    step: int | None = None,
+    incident_id: int | None = None,
+    now: float,
+) -> dict[str, Any]:
     """An operator's note on a run, kept with it and shown in its timelines. Without an
     incident it joins the run's open incident, if there is one."""
     run_id = _run_id(conn, run)
@@ -419,16 +564,33 @@ def add_note(conn: Connection, *, run: str, author: str, text: str, at: float | 
             incident_id = row.merged_into
     else:
         incident_id = _open_of(conn, run_id)
-    note_id = conn.execute(insert(m.notes).values(
-        run_id=run_id, incident_id=incident_id, author=author, text=text,
-        at=at if at is not None else now, step=step, created_at=now,
-    ).returning(m.notes.c.id)).scalar_one()  # fmt: skip
+    note_id = conn.execute(
+        insert(m.notes)
+        .values(
+            run_id=run_id,
+            incident_id=incident_id,
+            author=author,
+            text=text,
+            at=at if at is not None else now,
+            step=step,
+            created_at=now,
+        )
+        .returning(m.notes.c.id)
+    ).scalar_one()
     return _note(conn.execute(select(m.notes).where(m.notes.c.id == note_id)).one(), run)
 
 
 def _note(row: Any, run: str) -> dict[str, Any]:
-    return {"id": row.id, "run": run, "incident": row.incident_id, "author": row.author,
-            "text": row.text, "at": row.at, "step": row.step, "created_at": row.created_at}  # fmt: skip
+    return {
+        "id": row.id,
+        "run": run,
+        "incident": row.incident_id,
+        "author": row.author,
+        "text": row.text,
+        "at": row.at,
+        "step": row.step,
+        "created_at": row.created_at,
+    }
 
 
 def list_notes(conn: Connection, *, run: str) -> list[dict[str, Any]]:
@@ -444,8 +606,9 @@ class IncidentEngine:
     """Groups alerts and actions into incidents every ``settings.interval_s``, and posts
     the report of each incident it sees closed (when ``settings.post_url`` is set)."""
 
-    def __init__(self, engine: Engine, settings: IncidentSettings, *,
-                 clock: Callable[[], float] = time.time) -> None:  # fmt: skip
+    def __init__(
+        self, engine: Engine, settings: IncidentSettings, *, clock: Callable[[], float] = time.time
+    ) -> None:
         self.engine = engine
         self.settings = settings
         self.clock = clock
@@ -476,18 +639,30 @@ class IncidentEngine:
         inc = m.incidents.c
         with self.engine.connect() as conn:
             due = conn.execute(
-                select(inc.id, m.runs.c.name).join(m.runs, m.runs.c.id == inc.run_id)
-                .where(inc.state == "closed", inc.posted_at.is_(None), inc.closed_at >= self.started_at)
-            ).all()  # fmt: skip
+                select(inc.id, m.runs.c.name)
+                .join(m.runs, m.runs.c.id == inc.run_id)
+                .where(
+                    inc.state == "closed", inc.posted_at.is_(None), inc.closed_at >= self.started_at
+                )
+            ).all()
         for incident_id, run in due:
             with self.engine.connect() as conn:
-                report = report_of(conn, run=run, incident_id=incident_id,
-                                   price_per_gpu_hour=self.settings.price_per_gpu_hour)  # fmt: skip
+                report = report_of(
+                    conn,
+                    run=run,
+                    incident_id=incident_id,
+                    price_per_gpu_hour=self.settings.price_per_gpu_hour,
+                )
             outcome = post_report(
                 report, self.settings.post_url or "", kind=self.settings.post_kind
             )
             if not outcome.ok:
-                log.warning("posting the report of incident %s failed: %s", incident_id, outcome.describe())  # fmt: skip
+                log.warning(
+                    "posting the report of incident %s failed: %s", incident_id, outcome.describe()
+                )
             with write(self.engine) as conn:
-                conn.execute(update(m.incidents).where(inc.id == incident_id).values(
-                    posted_at=self.clock(), post_status=outcome.describe()[:300]))  # fmt: skip
+                conn.execute(
+                    update(m.incidents)
+                    .where(inc.id == incident_id)
+                    .values(posted_at=self.clock(), post_status=outcome.describe()[:300])
+                )

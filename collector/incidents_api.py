@@ -49,10 +49,15 @@ class OpenIn(BaseModel):
     run: str = Field(min_length=1, max_length=128)
     title: str = Field(min_length=1, max_length=200)
     by: str = Field(min_length=1, max_length=128)
-    alerts: list[int] = Field(default_factory=list, max_length=1000,
-                              description="alerts of the run that belong to it (in no incident yet)")  # fmt: skip
-    at: float | None = Field(default=None, description="when it began (epoch s); default: its "
-                             "first alert went pending, else now")  # fmt: skip
+    alerts: list[int] = Field(
+        default_factory=list,
+        max_length=1000,
+        description="alerts of the run that belong to it (in no incident yet)",
+    )
+    at: float | None = Field(
+        default=None,
+        description="when it began (epoch s); default: its first alert went pending, else now",
+    )
 
 
 class CloseIn(BaseModel):
@@ -140,8 +145,15 @@ def open_incident(body: OpenIn, request: Request) -> IncidentOut:
     auth.check_admin()  # the UI calls this function in-process
     with write(_engine(request)) as conn:
         try:
-            new_id = svc.open_incident(conn, run=body.run, title=body.title, by=auth.acting(body.by),
-                                       alert_ids=body.alerts, at=body.at, now=time.time())  # fmt: skip
+            new_id = svc.open_incident(
+                conn,
+                run=body.run,
+                title=body.title,
+                by=auth.acting(body.by),
+                alert_ids=body.alerts,
+                at=body.at,
+                now=time.time(),
+            )
         except svc.Conflict as exc:
             raise HTTPException(409, str(exc)) from None
         except svc.Invalid as exc:
@@ -153,24 +165,42 @@ def open_incident(body: OpenIn, request: Request) -> IncidentOut:
 def close_incident(incident_id: RowId, body: CloseIn, request: Request) -> IncidentOut:
     """Close an open incident now (with a one-line summary for the report)."""
     auth.check_admin()  # the UI calls this function in-process
-    return _change(request, svc.close_incident, incident_id, incident_id=incident_id,
-                   by=auth.acting(body.by), summary=body.summary)  # fmt: skip
+    return _change(
+        request,
+        svc.close_incident,
+        incident_id,
+        incident_id=incident_id,
+        by=auth.acting(body.by),
+        summary=body.summary,
+    )
 
 
 @router.post("/api/v1/incidents/{incident_id}/merge", response_model=IncidentOut)
 def merge_incidents(incident_id: RowId, body: MergeIn, request: Request) -> IncidentOut:
     """Merge other incidents of the same run into this one."""
     auth.check_admin()  # the UI calls this function in-process
-    return _change(request, svc.merge_incidents, incident_id, into=incident_id,
-                   sources=body.incidents, by=auth.acting(body.by))  # fmt: skip
+    return _change(
+        request,
+        svc.merge_incidents,
+        incident_id,
+        into=incident_id,
+        sources=body.incidents,
+        by=auth.acting(body.by),
+    )
 
 
 @router.patch("/api/v1/incidents/{incident_id}", response_model=IncidentOut)
 def retitle_incident(incident_id: RowId, body: RetitleIn, request: Request) -> IncidentOut:
     """Give an incident a better title."""
     auth.check_admin()  # the UI calls this function in-process
-    return _change(request, svc.retitle_incident, incident_id, incident_id=incident_id,
-                   title=body.title, by=auth.acting(body.by))  # fmt: skip
+    return _change(
+        request,
+        svc.retitle_incident,
+        incident_id,
+        incident_id=incident_id,
+        title=body.title,
+        by=auth.acting(body.by),
+    )
 
 
 @router.post("/api/v1/runs/{run}/notes", response_model=NoteOut, status_code=201)
@@ -179,8 +209,16 @@ def add_note(run: str, body: NoteIn, request: Request) -> NoteOut:
     auth.check_admin()  # the UI calls this function in-process
     with write(_engine(request)) as conn:
         try:
-            note = svc.add_note(conn, run=run, author=auth.acting(body.author), text=body.text, at=body.at,
-                                step=body.step, incident_id=body.incident, now=time.time())  # fmt: skip
+            note = svc.add_note(
+                conn,
+                run=run,
+                author=auth.acting(body.author),
+                text=body.text,
+                at=body.at,
+                step=body.step,
+                incident_id=body.incident,
+                now=time.time(),
+            )
         except svc.Invalid as exc:
             raise HTTPException(422, str(exc)) from None
     return NoteOut(**note)
@@ -198,30 +236,52 @@ def _price(request: Request, price: float | None) -> float | None:
 
 
 @router.get("/api/v1/runs/{run}/timeline")
-def get_timeline(run: str, request: Request, incident: Annotated[int | None, Query(ge=1, le=INT64_MAX)] = None,
-                 price: float | None = None) -> dict[str, Any]:  # fmt: skip
+def get_timeline(
+    run: str,
+    request: Request,
+    incident: Annotated[int | None, Query(ge=1, le=INT64_MAX)] = None,
+    price: float | None = None,
+) -> dict[str, Any]:
     """Ordered entries of one incident (with its derived figures: time to detect, page,
     act and recover; steps, GPU-hours and cost lost) or of the whole run."""
     with _engine(request).connect() as conn:
-        return timeline(conn, run=run, incident_id=incident, now=time.time(),
-                        price_per_gpu_hour=_price(request, price),
-                        base_url=request.app.state.settings.external_url or "")  # fmt: skip
+        return timeline(
+            conn,
+            run=run,
+            incident_id=incident,
+            now=time.time(),
+            price_per_gpu_hour=_price(request, price),
+            base_url=request.app.state.settings.external_url or "",
+        )
 
 
-MEDIA = {"md": "text/markdown; charset=utf-8", "html": "text/html; charset=utf-8",
-         "json": "application/json"}  # fmt: skip
+MEDIA = {
+    "md": "text/markdown; charset=utf-8",
+    "html": "text/html; charset=utf-8",
+    "json": "application/json",
+}
 
 
 @router.get("/api/v1/runs/{run}/postmortem", response_class=Response)
-def get_postmortem(run: str, request: Request, format: Literal["md", "html", "json"] = "md",
-                   incident: Annotated[int | None, Query(ge=1, le=INT64_MAX)] = None, price: float | None = None,
-                   download: bool = False) -> Response:  # fmt: skip
+def get_postmortem(
+    run: str,
+    request: Request,
+    format: Literal["md", "html", "json"] = "md",
+    incident: Annotated[int | None, Query(ge=1, le=INT64_MAX)] = None,
+    price: float | None = None,
+    download: bool = False,
+) -> Response:
     """The post-mortem report of a run (every incident, or ``incident``) as Markdown,
     a self-contained HTML page with charts, or JSON."""
     with _engine(request).connect() as conn:
-        report = report_of(conn, run=run, incident_id=incident, price_per_gpu_hour=_price(request, price),
-                           base_url=request.app.state.settings.external_url or "",
-                           charts=format != "md")  # fmt: skip
+        report = report_of(
+            conn,
+            run=run,
+            incident_id=incident,
+            price_per_gpu_hour=_price(request, price),
+            base_url=request.app.state.settings.external_url or "",
+            charts=format != "md",
+        )
     headers = {}
     if download:
         name = f"postmortem-{run}" + (f"-incident-{incident}" if incident is not None else "")

@@ -141,12 +141,17 @@ def _track_ranks(
     (its ``high_step``: ``last_step`` goes back with a rollback, the high step does not)."""
     rk = m.ranks.c
     ranks, sessions, arrived = heads["rank"], heads["session"], heads["arrived"]
-    found = fetch_rows(conn,
-        select(rk.rank, rk.session, rk.last_step, rk.last_seen, rk.progress_at,
-               func.coalesce(rk.high_step, rk.last_step)).where(
-            rk.run_id == run_id, _one_of(conn, rk.rank, ranks)
-        )
-    )  # fmt: skip
+    found = fetch_rows(
+        conn,
+        select(
+            rk.rank,
+            rk.session,
+            rk.last_step,
+            rk.last_seen,
+            rk.progress_at,
+            func.coalesce(rk.high_step, rk.last_step),
+        ).where(rk.run_id == run_id, _one_of(conn, rk.rank, ranks)),
+    )
     # Rows unpacked as tuples: a Row's attribute access costs, and this runs every flush.
     at = dict(zip(ranks, range(len(ranks)), strict=True))
     previous: dict[int, int | None] = {}
@@ -172,37 +177,57 @@ def _track_ranks(
                 {
                     # Derived from both sessions so that a replayed batch cannot add it twice.
                     "uid": uuid.uuid5(uuid.NAMESPACE_OID, f"restart:{before}:{sessions[i]}").hex,
-                    "run_id": run_id, "rank": ranks[i], "step": None,
-                    "ts": heads["started_at"][i] or now, "recv_ts": now,
-                    "kind": "restart", "severity": "warning",
-                    "data": {"previous_session": before, "session": sessions[i], "pid": heads["pid"][i]},
+                    "run_id": run_id,
+                    "rank": ranks[i],
+                    "step": None,
+                    "ts": heads["started_at"][i] or now,
+                    "recv_ts": now,
+                    "kind": "restart",
+                    "severity": "warning",
+                    "data": {
+                        "previous_session": before,
+                        "session": sessions[i],
+                        "pid": heads["pid"][i],
+                    },
                 }
                 for i, before in restarts
             ],
-        )  # fmt: skip
+        )
     n = len(ranks)
     said = heads["last_step"]  # the header's own last step, or its steps here: the higher
-    last_steps = [t if s is None else (s if t is None else max(s, t))
-                  for s, t in zip(said, heads["top"], strict=True)]  # fmt: skip
+    last_steps = [
+        t if s is None else (s if t is None else max(s, t))
+        for s, t in zip(said, heads["top"], strict=True)
+    ]
     node = heads["node"]
     in_step = heads["in_step"]
     sent = heads["sent_at"]
     cols: dict[str, list[Any]] = {
-        "run_id": [run_id] * n, "rank": ranks, "local_rank": heads["local_rank"],
+        "run_id": [run_id] * n,
+        "rank": ranks,
+        "local_rank": heads["local_rank"],
         "host": heads["host"],
-        "node": heads["host"] if node.count(None) == n else [v or h for v, h in zip(node, heads["host"], strict=True)],
-        "pid": heads["pid"], "session": sessions,
+        "node": heads["host"]
+        if node.count(None) == n
+        else [v or h for v, h in zip(node, heads["host"], strict=True)],
+        "pid": heads["pid"],
+        "session": sessions,
         # Every request is a heartbeat, seen when it arrived (not when the writer got
         # to it: a busy collector must not make its ranks look dead).
-        "first_seen": arrived, "last_seen": arrived,
-        "last_step": last_steps, "high_step": last_steps,
-        "state": ["healthy"] * n, "state_since": [now] * n,
+        "first_seen": arrived,
+        "last_seen": arrived,
+        "last_step": last_steps,
+        "high_step": last_steps,
+        "state": ["healthy"] * n,
+        "state_since": [now] * n,
         "heartbeat_s": heads["heartbeat_s"],
         "progress_at": heads["last_step_end"],  # none before the first step: no hung verdict yet
-        "in_step": in_step if in_step.count(None) == n else [None if v is None else int(v) for v in in_step],
+        "in_step": in_step
+        if in_step.count(None) == n
+        else [None if v is None else int(v) for v in in_step],
         "phase": heads["phase"],
         "clock_skew_s": [None if s is None else t - s for s, t in zip(sent, arrived, strict=True)],
-    }  # fmt: skip
+    }
     upsert_columns(
         conn, m.ranks, cols, key=("run_id", "rank"), set_=_rank_update, where=_newer_heartbeat
     )
@@ -241,15 +266,28 @@ def _rank_update(table: Any, new: Any) -> dict[str, Any]:
     return {
         # The gap since its last request; none for a new process (its gap is the restart).
         "arrival_gap_s": case((renewed, null()), else_=new.last_seen - old.last_seen),
-        **{c: new[c] for c in ("local_rank", "host", "node", "pid", "last_seen", "heartbeat_s",
-                               "in_step", "phase", "clock_skew_s", "session")},
+        **{
+            c: new[c]
+            for c in (
+                "local_rank",
+                "host",
+                "node",
+                "pid",
+                "last_seen",
+                "heartbeat_s",
+                "in_step",
+                "phase",
+                "clock_skew_s",
+                "session",
+            )
+        },
         "last_step": func.coalesce(new.last_step, old.last_step),
         "high_step": _higher(func.coalesce(old.high_step, old.last_step), new.high_step),
         "progress_at": func.coalesce(new.progress_at, old.progress_at),
         "state": case((renewed, "healthy"), else_=old.state),
         "state_since": case((renewed, new.state_since), else_=old.state_since),
         "state_detail": case((renewed, null()), else_=old.state_detail),
-    }  # fmt: skip
+    }
 
 
 # ---- bulk upserts: binary COPY into a staging table on PostgreSQL, executemany on SQLite
@@ -291,8 +329,9 @@ def _stage(
     return name
 
 
-def _copy(conn: Connection, table: Any, into: str, columns: tuple[str, ...],
-          rows: Iterable[Sequence[Any]]) -> None:  # fmt: skip
+def _copy(
+    conn: Connection, table: Any, into: str, columns: tuple[str, ...], rows: Iterable[Sequence[Any]]
+) -> None:
     """Binary-COPY ``rows`` (values in ``columns`` order, of ``table``'s types) into ``into``."""
     from psycopg.types.json import set_json_dumps  # PostgreSQL only
 
@@ -313,8 +352,15 @@ def _pg_types(table: Any, columns: tuple[str, ...], dialect: Any) -> list[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _upsert_sql(table: Any, columns: tuple[str, ...], key: tuple[str, ...], set_: Any, where: Any,
-                stage: str | None, dialect: Any) -> Any:  # fmt: skip
+def _upsert_sql(
+    table: Any,
+    columns: tuple[str, ...],
+    key: tuple[str, ...],
+    set_: Any,
+    where: Any,
+    stage: str | None,
+    dialect: Any,
+) -> Any:
     """The upsert statement, built once: from the staging table (as SQL text: nothing
     left for SQLAlchemy to do a flush) on PostgreSQL, of parameters on SQLite."""
     if stage is None:
@@ -396,10 +442,19 @@ def _days(ts: list[float]) -> list[int]:
 # A stored step row: every wire field of a step that is a rank_steps column of the same
 # name, and those the collector adds.
 _STEP_COLUMNS = tuple(
-    c.name for c in m.rank_steps.columns if c.name not in ("run_id", "rank", "day", "recv_ts", "issues")
-)  # fmt: skip
-_STEP_ROW = ("run_id", "rank", "step", "day", "recv_ts", "issues",
-             *(c for c in _STEP_COLUMNS if c != "step"))  # fmt: skip
+    c.name
+    for c in m.rank_steps.columns
+    if c.name not in ("run_id", "rank", "day", "recv_ts", "issues")
+)
+_STEP_ROW = (
+    "run_id",
+    "rank",
+    "step",
+    "day",
+    "recv_ts",
+    "issues",
+    *(c for c in _STEP_COLUMNS if c != "step"),
+)
 _STEP_KEY = ("run_id", "step", "rank", "day")
 _NONFINITE_OK = ("loss", "grad_norm")  # stored as NULL, the fact kept in ``issues``
 
@@ -448,8 +503,13 @@ def _step_columns(run_id: int, steps: dict[str, list[Any]], now: float) -> dict[
         cols["metrics"] = user
     if dirty or any(issues):
         issues = [d or None for d in issues]
-    cols.update(run_id=[run_id] * n, rank=steps["rank"], day=_days(steps["ts"]),
-                recv_ts=[now] * n, issues=issues)  # fmt: skip
+    cols.update(
+        run_id=[run_id] * n,
+        rank=steps["rank"],
+        day=_days(steps["ts"]),
+        recv_ts=[now] * n,
+        issues=issues,
+    )
     return {name: cols[name] for name in _STEP_ROW}
 
 
@@ -477,9 +537,11 @@ def _write_steps(
     # late): of all executions of a (run, rank, step) only the latest is kept.
     again = [
         i
-        for i, (run_id, rank, step) in enumerate(zip(cols["run_id"], cols["rank"], cols["step"], strict=True))
+        for i, (run_id, rank, step) in enumerate(
+            zip(cols["run_id"], cols["rank"], cols["step"], strict=True)
+        )
         if (high := high_steps.get((run_id, rank))) is not None and step <= high
-    ]  # fmt: skip
+    ]
     copied: dict[str, list[Any]] | None = None
     if len(again) < len(cols["step"]):
         # Steps past it are new, but for what the high step cannot know (a rank's row
@@ -522,10 +584,14 @@ def _write_steps(
             _keep_replaced(conn, replaced, now=cols["recv_ts"][0])
         if older:
             conn.execute(
-                delete(table).where(c.run_id == bindparam("r"), c.rank == bindparam("k"),
-                                    c.step == bindparam("s"), c.day == bindparam("d")),
+                delete(table).where(
+                    c.run_id == bindparam("r"),
+                    c.rank == bindparam("k"),
+                    c.step == bindparam("s"),
+                    c.day == bindparam("d"),
+                ),
                 older,
-            )  # fmt: skip
+            )
         if stale:
             cols = _take(cols, [i for i in range(len(cols["step"])) if i not in stale])
     upsert_columns(conn, table, cols, key=_STEP_KEY, set_=_overwrite_step, where=_later_execution)
@@ -534,8 +600,18 @@ def _write_steps(
     return cols
 
 
-_REPLACED_COLUMNS = ("run_id", "rank", "step", "day", "ts", "duration_s", "loss", "grad_norm",
-                     "flags", "issues")  # fmt: skip
+_REPLACED_COLUMNS = (
+    "run_id",
+    "rank",
+    "step",
+    "day",
+    "ts",
+    "duration_s",
+    "loss",
+    "grad_norm",
+    "flags",
+    "issues",
+)
 
 
 def _keep_replaced(conn: Connection, keys: list[tuple[int, int, int, int]], *, now: float) -> None:
@@ -545,9 +621,9 @@ def _keep_replaced(conn: Connection, keys: list[tuple[int, int, int, int]], *, n
     c = m.rank_steps.c
     for i in range(0, len(keys), 1000):
         chunk = keys[i : i + 1000]
-        rows = select(*(c[name] for name in _REPLACED_COLUMNS), literal(now).label("replaced_at")).where(
-            tuple_(c.run_id, c.rank, c.step, c.day).in_(chunk)
-        )  # fmt: skip
+        rows = select(
+            *(c[name] for name in _REPLACED_COLUMNS), literal(now).label("replaced_at")
+        ).where(tuple_(c.run_id, c.rank, c.step, c.day).in_(chunk))
         conn.execute(  # another collector may have kept the same execution just now
             _insert(conn, m.replaced_steps)
             .from_select([*_REPLACED_COLUMNS, "replaced_at"], rows)
@@ -576,8 +652,10 @@ def _queue_rollups(conn: Connection, counts: Counter[tuple[int, int]], now: floa
     """Tell the rollup worker about these (run, step)s and how many rows of each this
     flush wrote. A queued step's row is updated in key order (two collectors lock the
     same steps in the same order); one flush at a time per collector."""
-    rows = [{"run_id": r, "step": s, "first_seen": now, "seen_n": n, "newest": now}
-            for (r, s), n in sorted(counts.items())]  # fmt: skip
+    rows = [
+        {"run_id": r, "step": s, "first_seen": now, "seen_n": n, "newest": now}
+        for (r, s), n in sorted(counts.items())
+    ]
     upsert_rows(conn, m.rollup_queue, rows, key=("run_id", "step"), set_=_count_rows)
 
 
@@ -618,9 +696,17 @@ def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
             **{name: [d[name] for d in dumped] for name in _STEP_FIELDS},
         }
         numbers = steps["step"]
-        return _Request(batch.run, a.world_size, {name: [getattr(a, name)] for name in AGENT_FIELDS},
-                        [max(numbers, default=None)], [min(numbers, default=None)],
-                        steps if dumped else {}, a, batch.events, batch.gpu)  # fmt: skip
+        return _Request(
+            batch.run,
+            a.world_size,
+            {name: [getattr(a, name)] for name in AGENT_FIELDS},
+            [max(numbers, default=None)],
+            [min(numbers, default=None)],
+            steps if dumped else {},
+            a,
+            batch.events,
+            batch.gpu,
+        )
     cols, heads = batch.columns(), batch.header_columns()
     if cols.get("rank") == heads["rank"]:  # a row a rank, in the headers' order: the usual
         top = low = cols["step"]
@@ -645,8 +731,11 @@ def batch_rows(batch: IngestBatch | ColumnarBatch) -> int:
     """How many records a validated batch carries (what the writer's bound counts)."""
     if isinstance(batch, IngestBatch):
         return len(batch.steps) + len(batch.events) + len(batch.gpu) + 1
-    return (len(batch.steps.get("rank", ())) + len(batch.header_columns()["rank"])
-            + sum(map(batch_rows, batch.extras)))  # fmt: skip
+    return (
+        len(batch.steps.get("rank", ()))
+        + len(batch.header_columns()["rank"])
+        + sum(map(batch_rows, batch.extras))
+    )
 
 
 def store_many(
@@ -712,12 +801,21 @@ def store_many(
         keep = sorted(latest.values())
         kept = set(keep)
         # Each earlier execution once, however often it was sent (a retried batch).
-        earlier = list({(keys[i], merged["ts"][i]): i for i in range(len(keys)) if i not in kept
-                        and merged["ts"][i] < merged["ts"][latest[keys[i]]]}.values())  # fmt: skip
+        earlier = list(
+            {
+                (keys[i], merged["ts"][i]): i
+                for i in range(len(keys))
+                if i not in kept and merged["ts"][i] < merged["ts"][latest[keys[i]]]
+            }.values()
+        )
         if earlier:
-            conn.execute(_insert(conn, m.replaced_steps).on_conflict_do_nothing(), [
-                {**{name: merged[name][i] for name in _REPLACED_COLUMNS}, "replaced_at": now}
-                for i in earlier])  # fmt: skip
+            conn.execute(
+                _insert(conn, m.replaced_steps).on_conflict_do_nothing(),
+                [
+                    {**{name: merged[name][i] for name in _REPLACED_COLUMNS}, "replaced_at": now}
+                    for i in earlier
+                ],
+            )
         merged = _take(merged, keep)
     stored = _write_steps(conn, merged, high_steps)
     _queue_rollups(conn, Counter(zip(stored["run_id"], stored["step"], strict=True)), now)
@@ -736,13 +834,25 @@ def store_many(
     _store_gpu(conn, requests, run_ids, now)
     for req in requests:  # a rank saying goodbye ends the run when it is the last
         if any(e.kind == "shutdown" for e in req.events):
-            _update_run(conn, run_id=run_ids[req.run], world_size=req.world_size, last=None,
-                        shutdown=True, now=now)  # fmt: skip
+            _update_run(
+                conn,
+                run_id=run_ids[req.run],
+                world_size=req.world_size,
+                last=None,
+                shutdown=True,
+                now=now,
+            )
     for run, run_id in sorted(run_ids.items()):
         req_last = [max(req.steps["step"]) for req in requests if req.run == run and req.steps]
         world = max(req.world_size for req in requests if req.run == run)
-        _update_run(conn, run_id=run_id, world_size=world, last=max(req_last, default=None),
-                    shutdown=False, now=now)  # fmt: skip
+        _update_run(
+            conn,
+            run_id=run_id,
+            world_size=world,
+            last=max(req_last, default=None),
+            shutdown=False,
+            now=now,
+        )
     if len(requests) == len(batches):
         return [
             IngestResult(accepted_steps=n, accepted_events=e)
@@ -758,8 +868,11 @@ def store_many(
 def _started_at(req: _Request, rank: int, step: int) -> float:
     """When ``rank`` started ``step`` in this request (its first step: a rare lookup)."""
     cols = req.steps
-    return next(ts for r, s, ts in zip(cols["rank"], cols["step"], cols["ts"], strict=True)
-                if r == rank and s == step)  # fmt: skip
+    return next(
+        ts
+        for r, s, ts in zip(cols["rank"], cols["step"], cols["ts"], strict=True)
+        if r == rank and s == step
+    )
 
 
 def _store_events(
@@ -770,10 +883,19 @@ def _store_events(
     for req in requests:
         rank = req.agent.rank if req.agent is not None else None
         rows += [
-            {"uid": e.id, "run_id": run_ids[req.run], "rank": rank, "step": e.step, "ts": e.ts,
-             "recv_ts": now, "kind": e.kind, "severity": e.severity, "data": e.data}
+            {
+                "uid": e.id,
+                "run_id": run_ids[req.run],
+                "rank": rank,
+                "step": e.step,
+                "ts": e.ts,
+                "recv_ts": now,
+                "kind": e.kind,
+                "severity": e.severity,
+                "data": e.data,
+            }
             for e in req.events
-        ]  # fmt: skip
+        ]
     if not rows:
         return [0] * len(requests)
     fresh = set(
@@ -803,11 +925,14 @@ def _store_events(
             elif e.kind == "shutdown":  # failed: the process ended on an exception in a step
                 failed = bool(e.data.get("error"))
                 conn.execute(
-                    update(m.ranks).where(where).values(
-                        state="failed" if failed else "finished", state_since=now,
+                    update(m.ranks)
+                    .where(where)
+                    .values(
+                        state="failed" if failed else "finished",
+                        state_since=now,
                         state_detail={"reason": e.data["error"]} if failed else None,
                     )
-                )  # fmt: skip
+                )
     return counts
 
 
@@ -820,17 +945,29 @@ def _store_gpu(
             continue
         run_id, rank = run_ids[req.run], req.agent.rank
         rows += [
-            {**g.model_dump(), "run_id": run_id, "rank": rank, "day": day_of(g.ts), "recv_ts": now,
-             "remap_pending": None if g.remap_pending is None else int(g.remap_pending),
-             "simulated": int(g.simulated)}
+            {
+                **g.model_dump(),
+                "run_id": run_id,
+                "rank": rank,
+                "day": day_of(g.ts),
+                "recv_ts": now,
+                "remap_pending": None if g.remap_pending is None else int(g.remap_pending),
+                "simulated": int(g.simulated),
+            }
             for g in req.gpu
-        ]  # fmt: skip
+        ]
         latest = max(req.gpu, key=lambda g: g.ts)
         conn.execute(
             update(m.ranks)
             .where(m.ranks.c.run_id == run_id, m.ranks.c.rank == rank)
-            .values(gpu={"uuid": latest.gpu_uuid, "name": latest.gpu_name, "simulated": latest.simulated})
-        )  # fmt: skip
+            .values(
+                gpu={
+                    "uuid": latest.gpu_uuid,
+                    "name": latest.gpu_name,
+                    "simulated": latest.simulated,
+                }
+            )
+        )
     if rows:
         rows = list({(r["run_id"], r["rank"], r["ts"]): r for r in rows}.values())
         upsert_rows(conn, m.gpu_samples, rows, key=("run_id", "rank", "ts", "day"))

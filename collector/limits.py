@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 SENDER_HEADER = b"x-trainwarden-sender"  # RUN/RANKS, sent by the agent and loadgen
@@ -42,7 +42,9 @@ class Pressure:
     a rank blames the rank. A refused request that names its sender (``SENDER_HEADER``)
     is a heartbeat: its ranks are alive, whatever the collector could take."""
 
-    def __init__(self, lag: Callable[[], float], *, behind_s: float = 1.0, memory_s: float = 30.0) -> None:  # fmt: skip
+    def __init__(
+        self, lag: Callable[[], float], *, behind_s: float = 1.0, memory_s: float = 30.0
+    ) -> None:
         self._lag = lag
         self.behind_s = behind_s
         self.memory_s = memory_s
@@ -97,11 +99,13 @@ class Pressure:
         return time.monotonic() - self._at < self.memory_s
 
 
-async def json_response(send: Any, status: int, body: bytes, headers: list[tuple[bytes, bytes]] = []) -> None:  # noqa: B006  # fmt: skip
+async def json_response(
+    send: Any, status: int, body: bytes, headers: Sequence[tuple[bytes, bytes]] = ()
+) -> None:
     """A whole JSON answer from an ASGI middleware, with its length: without one the
     server sends it chunked, which a minimal HTTP client (the load generator) misreads."""
     head = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": head + headers})
+    await send({"type": "http.response.start", "status": status, "headers": head + list(headers)})
     await send({"type": "http.response.body", "body": body})
 
 

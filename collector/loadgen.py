@@ -25,10 +25,26 @@ from urllib.parse import urlsplit
 
 # The numeric per-rank metrics each row carries (what "points" counts).
 METRIC_COLUMNS = (
-    "duration_s", "data_wait_s", "tokens", "loss", "grad_norm", "fwd_s", "bwd_s", "opt_s", "other_s",
-    "compute_s", "exposed_comm_s", "overlapped_comm_s", "idle_s", "flops", "mfu", "peak_flops",
-    "mem_allocated_bytes", "mem_reserved_bytes", "rss_bytes",
-)  # fmt: skip
+    "duration_s",
+    "data_wait_s",
+    "tokens",
+    "loss",
+    "grad_norm",
+    "fwd_s",
+    "bwd_s",
+    "opt_s",
+    "other_s",
+    "compute_s",
+    "exposed_comm_s",
+    "overlapped_comm_s",
+    "idle_s",
+    "flops",
+    "mfu",
+    "peak_flops",
+    "mem_allocated_bytes",
+    "mem_reserved_bytes",
+    "rss_bytes",
+)
 USER_METRICS = 6  # default: 19 built-in + 6 = the 25 metrics a row of issue 5's benchmark
 MAX_USER_METRICS = 32
 
@@ -64,8 +80,9 @@ def _user_noise(count: int) -> int:
     return 3 + max(0, count - 6) if count else 0
 
 
-def user_metrics(count: int, *, step: int, rng: random.Random,
-                 z: list[float] | None = None) -> dict[str, float]:  # fmt: skip
+def user_metrics(
+    count: int, *, step: int, rng: random.Random, z: list[float] | None = None
+) -> dict[str, float]:
     """``count`` user metrics of one rank at ``step``, as a trainer logs them; ``z``:
     the normal values to use (``_user_noise(count)`` of them; default drawn here)."""
     z = _normals(rng, _user_noise(count)) if z is None else z
@@ -119,8 +136,18 @@ class LoadgenResult:
         )
 
 
-def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float, sessions: dict[int, str],
-              rng: random.Random, slow_rank: int | None, user: int = 0) -> dict[str, Any]:  # fmt: skip
+def node_body(
+    *,
+    run: str,
+    world: int,
+    ranks: range,
+    step: int,
+    period_s: float,
+    sessions: dict[int, str],
+    rng: random.Random,
+    slow_rank: int | None,
+    user: int = 0,
+) -> dict[str, Any]:
     """One node's columnar body; ``user``: user metrics per row (the ``metrics`` column).
 
     Built column by column, with no dict a row: the load generator shares the machine
@@ -138,17 +165,29 @@ def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float,
     exposed = [period_s * 0.2 * (1 + 0.1 * x) for x in z[n : 2 * n]]
     duration = [c + e for c, e in zip(compute, exposed, strict=True)]
     cols: dict[str, list[Any]] = {
-        "rank": list(ranks), "step": [step] * n, "ts": [now - d for d in duration],
-        "duration_s": duration, "data_wait_s": [abs(0.01 + 0.003 * x) * period_s for x in z[2 * n : 3 * n]],
-        "tokens": [16384] * n, "loss": [loss_base + 0.02 * x for x in z[3 * n : 4 * n]],
+        "rank": list(ranks),
+        "step": [step] * n,
+        "ts": [now - d for d in duration],
+        "duration_s": duration,
+        "data_wait_s": [abs(0.01 + 0.003 * x) * period_s for x in z[2 * n : 3 * n]],
+        "tokens": [16384] * n,
+        "loss": [loss_base + 0.02 * x for x in z[3 * n : 4 * n]],
         "grad_norm": [abs(1.0 + 0.05 * x) for x in z[4 * n : 5 * n]],
-        "fwd_s": [d * 0.3 for d in duration], "bwd_s": [d * 0.6 for d in duration],
-        "opt_s": [d * 0.08 for d in duration], "other_s": [d * 0.02 for d in duration],
-        "compute_s": compute, "exposed_comm_s": exposed, "overlapped_comm_s": [period_s * 0.15] * n,
-        "idle_s": [0.0] * n, "flops": [flops] * n, "mfu": [flops / (d * 989.4e12) for d in duration],
-        "peak_flops": [989.4e12] * n, "mem_allocated_bytes": [60 << 30] * n,
-        "mem_reserved_bytes": [70 << 30] * n, "rss_bytes": [24 << 30] * n,
-    }  # fmt: skip
+        "fwd_s": [d * 0.3 for d in duration],
+        "bwd_s": [d * 0.6 for d in duration],
+        "opt_s": [d * 0.08 for d in duration],
+        "other_s": [d * 0.02 for d in duration],
+        "compute_s": compute,
+        "exposed_comm_s": exposed,
+        "overlapped_comm_s": [period_s * 0.15] * n,
+        "idle_s": [0.0] * n,
+        "flops": [flops] * n,
+        "mfu": [flops / (d * 989.4e12) for d in duration],
+        "peak_flops": [989.4e12] * n,
+        "mem_allocated_bytes": [60 << 30] * n,
+        "mem_reserved_bytes": [70 << 30] * n,
+        "rss_bytes": [24 << 30] * n,
+    }
     if user:
         at = 5 * n
         cols["metrics"] = [
@@ -156,9 +195,17 @@ def node_body(*, run: str, world: int, ranks: range, step: int, period_s: float,
             for i in range(n)
         ]
     # The ranks' headers column-wise too (agent_columns): what a node's relay sends.
-    heads = {"rank": list(ranks), "local_rank": [r % n for r in ranks], "host": [f"node{ranks.start // n}"] * n,
-             "session": [sessions[r] for r in ranks], "heartbeat_s": [2.0] * n, "last_step": [step] * n,
-             "last_step_end": [now] * n, "in_step": [False] * n, "sent_at": [now] * n}  # fmt: skip
+    heads = {
+        "rank": list(ranks),
+        "local_rank": [r % n for r in ranks],
+        "host": [f"node{ranks.start // n}"] * n,
+        "session": [sessions[r] for r in ranks],
+        "heartbeat_s": [2.0] * n,
+        "last_step": [step] * n,
+        "last_step_end": [now] * n,
+        "in_step": [False] * n,
+        "sent_at": [now] * n,
+    }
     return {"run": run, "world_size": world, "agent_columns": heads, "steps": cols}
 
 
@@ -247,10 +294,21 @@ def rank_body(node: dict[str, Any]) -> dict[str, Any]:
     return {"run": node["run"], "agent": agent, "steps": [steps], "events": [], "gpu": []}
 
 
-async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: int, ranks: range, steps: int,
-                period_s: float, start: float, slow_rank: int | None,
-                on_sent: Callable[[int, float], None] | None, user: int,
-                per_rank: bool = False) -> None:  # fmt: skip
+async def _node(
+    client: _Connection,
+    result: LoadgenResult,
+    *,
+    run: str,
+    world: int,
+    ranks: range,
+    steps: int,
+    period_s: float,
+    start: float,
+    slow_rank: int | None,
+    on_sent: Callable[[int, float], None] | None,
+    user: int,
+    per_rank: bool = False,
+) -> None:
     import orjson
 
     rng = random.Random(ranks.start)
@@ -264,8 +322,17 @@ async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: 
         due = start + step * period_s + rng.random() * period_s * 0.2
         if (delay := due - time.monotonic()) > 0:
             await asyncio.sleep(delay)
-        body = node_body(run=run, world=world, ranks=ranks, step=step, period_s=period_s, sessions=sessions,
-                         rng=rng, slow_rank=slow_rank, user=user)  # fmt: skip
+        body = node_body(
+            run=run,
+            world=world,
+            ranks=ranks,
+            step=step,
+            period_s=period_s,
+            sessions=sessions,
+            rng=rng,
+            slow_rank=slow_rank,
+            user=user,
+        )
         if per_rank:
             body = rank_body(body)
         sent = time.monotonic()
@@ -288,12 +355,20 @@ async def _node(client: _Connection, result: LoadgenResult, *, run: str, world: 
             result.requests_failed += 1
 
 
-async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_per_s: float, duration_s: float,
-                            run: str | None = None, slow_rank: int | None = None,
-                            on_sent: Callable[[int, float], None] | None = None,
-                            connections: int | None = None,
-                            user_metrics: int = USER_METRICS,
-                            per_rank: bool = False) -> LoadgenResult:  # fmt: skip
+async def run_loadgen_async(
+    *,
+    url: str,
+    ranks: int,
+    ranks_per_node: int,
+    steps_per_s: float,
+    duration_s: float,
+    run: str | None = None,
+    slow_rank: int | None = None,
+    on_sent: Callable[[int, float], None] | None = None,
+    connections: int | None = None,
+    user_metrics: int = USER_METRICS,
+    per_rank: bool = False,
+) -> LoadgenResult:
     """``connections``: keep-alive connections, shared in turn by the nodes; default one
     per node, as each node's relay has its own. ``user_metrics``: per row, besides
     the built-in ones (0 to 32). ``per_rank``: every rank sends its own request to
@@ -309,18 +384,32 @@ async def run_loadgen_async(*, url: str, ranks: int, ranks_per_node: int, steps_
     run = run or time.strftime("loadgen-%Y%m%d-%H%M%S")
     result = LoadgenResult(ranks=ranks, nodes=nodes, steps=steps, user_metrics=user_metrics)
     parts = urlsplit(url)
-    pool = [_Connection(parts.hostname or "127.0.0.1", parts.port or 80)
-            for _ in range(min(connections or nodes, nodes))]  # fmt: skip
+    pool = [
+        _Connection(parts.hostname or "127.0.0.1", parts.port or 80)
+        for _ in range(min(connections or nodes, nodes))
+    ]
     try:
         start = time.monotonic() + 0.5
         began = time.perf_counter()
-        await asyncio.gather(*[
-            _node(pool[n % len(pool)], result, run=run, world=ranks,
-                  ranks=range(n * ranks_per_node, min(ranks, (n + 1) * ranks_per_node)),
-                  steps=steps, period_s=period, start=start, slow_rank=slow_rank, on_sent=on_sent,
-                  user=user_metrics, per_rank=per_rank)
-            for n in range(nodes)
-        ])  # fmt: skip
+        await asyncio.gather(
+            *[
+                _node(
+                    pool[n % len(pool)],
+                    result,
+                    run=run,
+                    world=ranks,
+                    ranks=range(n * ranks_per_node, min(ranks, (n + 1) * ranks_per_node)),
+                    steps=steps,
+                    period_s=period,
+                    start=start,
+                    slow_rank=slow_rank,
+                    on_sent=on_sent,
+                    user=user_metrics,
+                    per_rank=per_rank,
+                )
+                for n in range(nodes)
+            ]
+        )
         result.seconds = time.perf_counter() - began
     finally:
         for conn in pool:
@@ -348,10 +437,17 @@ def run_loadgen(**kwargs: Any) -> LoadgenResult:
 
 
 def cmd_loadgen(args: Any) -> None:
-    result = run_loadgen(url=args.url.rstrip("/"), ranks=args.ranks, ranks_per_node=args.ranks_per_node,
-                         steps_per_s=args.steps_per_s, duration_s=args.duration, run=args.run,
-                         slow_rank=args.slow_rank, user_metrics=args.user_metrics,
-                         per_rank=args.no_relay)  # fmt: skip
+    result = run_loadgen(
+        url=args.url.rstrip("/"),
+        ranks=args.ranks,
+        ranks_per_node=args.ranks_per_node,
+        steps_per_s=args.steps_per_s,
+        duration_s=args.duration,
+        run=args.run,
+        slow_rank=args.slow_rank,
+        user_metrics=args.user_metrics,
+        per_rank=args.no_relay,
+    )
     print(f"trainwarden loadgen: {result.summary()}")
     for error in result.errors:
         print(f"trainwarden loadgen: error: {error}")

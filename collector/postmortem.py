@@ -34,16 +34,31 @@ FIGURES = (
     ("recover_s", "Time to recover"),
 )
 
-GOODPUT_KEYS = ("ettr", "wall_s", "attempts", "interruptions", "replayed_steps", "gpu_hours",
-                "price_per_gpu_hour", "cost")  # fmt: skip
+GOODPUT_KEYS = (
+    "ettr",
+    "wall_s",
+    "attempts",
+    "interruptions",
+    "replayed_steps",
+    "gpu_hours",
+    "price_per_gpu_hour",
+    "cost",
+)
 """What the report keeps of the run's goodput (``collector/economics.py``)."""
 
 # -- gathering -------------------------------------------------------------------------------
 
 
-def report_of(conn: Connection, *, run: str, incident_id: int | None = None,
-              price_per_gpu_hour: float | None = None, base_url: str = "",
-              now: float | None = None, charts: bool = True) -> dict[str, Any]:  # fmt: skip
+def report_of(
+    conn: Connection,
+    *,
+    run: str,
+    incident_id: int | None = None,
+    price_per_gpu_hour: float | None = None,
+    base_url: str = "",
+    now: float | None = None,
+    charts: bool = True,
+) -> dict[str, Any]:
     """The post-mortem of ``run``: every incident (or only ``incident_id``), each with its
     timeline, derived figures and the chart data of its window; plus the run's notes."""
     from sqlalchemy import select
@@ -65,24 +80,50 @@ def report_of(conn: Connection, *, run: str, incident_id: int | None = None,
     )
     incidents = []
     for i in ids:
-        t = timeline(conn, run=run, incident_id=i, now=now, price_per_gpu_hour=price_per_gpu_hour,
-                     base_url=base_url)  # fmt: skip
+        t = timeline(
+            conn,
+            run=run,
+            incident_id=i,
+            now=now,
+            price_per_gpu_hour=price_per_gpu_hour,
+            base_url=base_url,
+        )
         if charts:
-            t["charts"] = chart_data(conn, run_id=ru.id, start=t["window"]["start"],
-                                     end=t["window"]["end"], ranks=t["incident"]["ranks"])  # fmt: skip
+            t["charts"] = chart_data(
+                conn,
+                run_id=ru.id,
+                start=t["window"]["start"],
+                end=t["window"]["end"],
+                ranks=t["incident"]["ranks"],
+            )
         incidents.append(t)
     n = m.notes.c
-    notes = [{"at": r.at, "author": r.author, "text": r.text, "step": r.step, "incident": r.incident_id}
-             for r in conn.execute(select(m.notes).where(n.run_id == ru.id).order_by(n.at, n.id))]  # fmt: skip
-    good = goodput(conn, ru.id, settings=EconomicsSettings(price_per_gpu_hour=price_per_gpu_hour), now=now)  # fmt: skip
+    notes = [
+        {"at": r.at, "author": r.author, "text": r.text, "step": r.step, "incident": r.incident_id}
+        for r in conn.execute(select(m.notes).where(n.run_id == ru.id).order_by(n.at, n.id))
+    ]
+    good = goodput(
+        conn, ru.id, settings=EconomicsSettings(price_per_gpu_hour=price_per_gpu_hour), now=now
+    )
     return {
-        "kind": "trainwarden.postmortem", "version": 1, "generated_at": now,
-        "run": {"name": ru.name, "world_size": ru.world_size, "status": ru.status,
-                "created_at": ru.created_at, "updated_at": ru.updated_at, "last_step": ru.last_step},
+        "kind": "trainwarden.postmortem",
+        "version": 1,
+        "generated_at": now,
+        "run": {
+            "name": ru.name,
+            "world_size": ru.world_size,
+            "status": ru.status,
+            "created_at": ru.created_at,
+            "updated_at": ru.updated_at,
+            "last_step": ru.last_step,
+        },
         "goodput": {k: good[k] for k in GOODPUT_KEYS},
-        "incident_filter": incident_id, "price_per_gpu_hour": price_per_gpu_hour,
-        "incidents": incidents, "notes": notes, "definitions": DEFINITIONS,
-    }  # fmt: skip
+        "incident_filter": incident_id,
+        "price_per_gpu_hour": price_per_gpu_hour,
+        "incidents": incidents,
+        "notes": notes,
+        "definitions": DEFINITIONS,
+    }
 
 
 def _thin(rows: Sequence[Any], points: int) -> list[Any]:
@@ -90,8 +131,15 @@ def _thin(rows: Sequence[Any], points: int) -> list[Any]:
     return list(rows[::stride])
 
 
-def chart_data(conn: Connection, *, run_id: int, start: float, end: float, ranks: list[int],
-               points: int = CHART_POINTS) -> dict[str, Any]:  # fmt: skip
+def chart_data(
+    conn: Connection,
+    *,
+    run_id: int,
+    start: float,
+    end: float,
+    ranks: list[int],
+    points: int = CHART_POINTS,
+) -> dict[str, Any]:
     """Loss, step time and MFU across ranks (median, min, max per step) and the GPU
     temperature of the involved ranks (all ranks, up to 8, when none is named) over
     ``start``..``end``."""
@@ -106,19 +154,25 @@ def chart_data(conn: Connection, *, run_id: int, start: float, end: float, ranks
             select(s.step, s.ts, s.median, s.min, s.max)
             .where(s.run_id == run_id, s.metric == metric, s.ts >= start, s.ts <= end)
             .order_by(s.ts, s.step)
-        ).all()  # fmt: skip
+        ).all()
         kept = _thin(rows, points)
         out[metric] = {
             k: [getattr(r, k) for r in kept] for k in ("step", "ts", "median", "min", "max")
         }
     g = m.gpu_samples.c
-    chosen = list(ranks) or sorted(conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_id)).scalars())[:8]  # fmt: skip
+    chosen = (
+        list(ranks)
+        or sorted(conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_id)).scalars())[
+            :8
+        ]
+    )
     temp: dict[str, Any] = {}
     for rank in chosen:
         samples = conn.execute(
-            select(g.ts, g.temp_c).where(g.run_id == run_id, g.rank == rank, g.ts >= start, g.ts <= end)
+            select(g.ts, g.temp_c)
+            .where(g.run_id == run_id, g.rank == rank, g.ts >= start, g.ts <= end)
             .order_by(g.ts)
-        ).all()  # fmt: skip
+        ).all()
         kept = _thin(samples, points)
         temp[str(rank)] = {"ts": [r.ts for r in kept], "temp_c": [r.temp_c for r in kept]}
     out["temp_c"] = temp
@@ -170,13 +224,17 @@ def goodput_line(g: dict[str, Any] | None) -> str | None:
         return None
     ettr = "n/a" if g.get("ettr") is None else f"{g['ettr']:.1%}"
     hours = g.get("gpu_hours") or {}
-    line = (f"ETTR {ettr} over {duration(g.get('wall_s'))} and {g.get('attempts', 0)} attempt(s) "
-            f"({g.get('interruptions', 0)} interruption(s), {g.get('replayed_steps', 0)} steps replayed); "
-            f"GPU-hours used {hours.get('used', 0.0):.3f}, lost {hours.get('lost', 0.0):.3f}")  # fmt: skip
+    line = (
+        f"ETTR {ettr} over {duration(g.get('wall_s'))} and {g.get('attempts', 0)} attempt(s) "
+        f"({g.get('interruptions', 0)} interruption(s), {g.get('replayed_steps', 0)} steps replayed); "
+        f"GPU-hours used {hours.get('used', 0.0):.3f}, lost {hours.get('lost', 0.0):.3f}"
+    )
     cost = g.get("cost")
     if cost is not None:
-        line += (f"; cost {cost['used']:.2f} used, {cost['lost']:.2f} lost at "
-                 f"{g['price_per_gpu_hour']:g} per GPU-hour")  # fmt: skip
+        line += (
+            f"; cost {cost['used']:.2f} used, {cost['lost']:.2f} lost at "
+            f"{g['price_per_gpu_hour']:g} per GPU-hour"
+        )
     return line
 
 
@@ -213,8 +271,10 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
 
     run = report["run"]
     lines = [heading(f"Post-mortem: run `{run['name']}`", 1), ""]
-    lines.append(f"_{len(report['incidents'])} incident(s); world size {run['world_size']}; "
-                 f"run {run['status']}, last step {run['last_step']}; generated {clock(report['generated_at'], ms=False)}_")  # fmt: skip
+    lines.append(
+        f"_{len(report['incidents'])} incident(s); world size {run['world_size']}; "
+        f"run {run['status']}, last step {run['last_step']}; generated {clock(report['generated_at'], ms=False)}_"
+    )
     lines.append("")
     if good := goodput_line(report.get("goodput")):
         lines += [f"{bold('Goodput')}: {good}", ""]
@@ -234,8 +294,10 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
             lines += [f"> {i['summary']}", ""]
         if f.get("fault"):
             lines += [f"{bold('Fault')}: {f['fault']} at {clock(f['fault_at'])}", ""]
-        lines += [f"• {bold(label)}: {value}" if slack else f"- {bold(label)}: {value}"
-                  for label, value in figure_lines(f)]  # fmt: skip
+        lines += [
+            f"• {bold(label)}: {value}" if slack else f"- {bold(label)}: {value}"
+            for label, value in figure_lines(f)
+        ]
         lines += ["", heading("Timeline", 3), ""]
         for e in t["entries"]:
             where = _where(e)
@@ -307,30 +369,80 @@ def _chart(t: dict[str, Any], div_id: str) -> str:
         if metric == "mfu":  # "0.45%", never "0.0045"
             fig.update_yaxes(tickformat=MFU_FORMAT, row=row, col=1)
             value = f"%{{y:{MFU_FORMAT}}}"
-        fig.add_trace(go.Scatter(x=x(d["ts"]), y=d["max"], name=f"{label} max", line={"width": 0},
-                                 showlegend=False, hoverinfo="skip"), row=row, col=1)  # fmt: skip
-        fig.add_trace(go.Scatter(x=x(d["ts"]), y=d["min"], name=f"{label} min", fill="tonexty",
-                                 line={"width": 0}, showlegend=False, hoverinfo="skip"), row=row, col=1)  # fmt: skip
-        fig.add_trace(go.Scatter(x=x(d["ts"]), y=d["median"], name=label, mode="lines",
-                                 customdata=d["step"], hovertemplate=f"step %{{customdata}}: {value}<extra></extra>"),
-                      row=row, col=1)  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=x(d["ts"]),
+                y=d["max"],
+                name=f"{label} max",
+                line={"width": 0},
+                showlegend=False,
+                hoverinfo="skip",
+            ),
+            row=row,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x(d["ts"]),
+                y=d["min"],
+                name=f"{label} min",
+                fill="tonexty",
+                line={"width": 0},
+                showlegend=False,
+                hoverinfo="skip",
+            ),
+            row=row,
+            col=1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=x(d["ts"]),
+                y=d["median"],
+                name=label,
+                mode="lines",
+                customdata=d["step"],
+                hovertemplate=f"step %{{customdata}}: {value}<extra></extra>",
+            ),
+            row=row,
+            col=1,
+        )
     for rank, d in c["temp_c"].items():
-        fig.add_trace(go.Scatter(x=x(d["ts"]), y=d["temp_c"], name=f"rank {rank} °C", mode="lines"), row=4, col=1)  # fmt: skip
-    marks = (("fault_at", "fault", "#b00020"), ("pending_at", "pending", "#a15c00"),
-             ("firing_at", "firing", "#d32f2f"), ("paged_at", "paged", "#6a1b9a"),
-             ("acted_at", "action", "#1565c0"), ("recovered_at", "recovered", "#2e7d32"))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(x=x(d["ts"]), y=d["temp_c"], name=f"rank {rank} °C", mode="lines"),
+            row=4,
+            col=1,
+        )
+    marks = (
+        ("fault_at", "fault", "#b00020"),
+        ("pending_at", "pending", "#a15c00"),
+        ("firing_at", "firing", "#d32f2f"),
+        ("paged_at", "paged", "#6a1b9a"),
+        ("acted_at", "action", "#1565c0"),
+        ("recovered_at", "recovered", "#2e7d32"),
+    )
     for key, label, color in marks:
         if f.get(key) is not None:
             at = _plot_time(f[key])
             fig.add_vline(x=at, line={"color": color, "dash": "dot", "width": 1})
-            fig.add_annotation(x=at, y=1.02, yref="paper", text=label, showarrow=False,
-                               font={"color": color, "size": 10}, textangle=-30)  # fmt: skip
+            fig.add_annotation(
+                x=at,
+                y=1.02,
+                yref="paper",
+                text=label,
+                showarrow=False,
+                font={"color": color, "size": 10},
+                textangle=-30,
+            )
     # A panel with no data (MFU of a run without FLOPs) would guess a linear axis and
     # draw the time marks at NaN: every panel is a time axis.
     fig.update_xaxes(type="date")
     fig.update_xaxes(title_text="UTC", row=4, col=1)
-    fig.update_layout(height=900, margin={"l": 60, "r": 20, "t": 60, "b": 40}, template="plotly_white",
-                      legend={"orientation": "h"})  # fmt: skip
+    fig.update_layout(
+        height=900,
+        margin={"l": 60, "r": 20, "t": 60, "b": 40},
+        template="plotly_white",
+        legend={"orientation": "h"},
+    )
     return str(fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id))
 
 
@@ -340,26 +452,38 @@ def render_html(report: dict[str, Any]) -> str:
 
     esc = html.escape
     run = report["run"]
-    body = [f"<h1>Post-mortem: run <code>{esc(run['name'])}</code></h1>",
-            f"<p class='muted'>{len(report['incidents'])} incident(s) · world size {run['world_size']} · "
-            f"run {esc(str(run['status']))}, last step {run['last_step']} · generated {clock(report['generated_at'], ms=False)}</p>"]  # fmt: skip
+    body = [
+        f"<h1>Post-mortem: run <code>{esc(run['name'])}</code></h1>",
+        f"<p class='muted'>{len(report['incidents'])} incident(s) · world size {run['world_size']} · "
+        f"run {esc(str(run['status']))}, last step {run['last_step']} · generated {clock(report['generated_at'], ms=False)}</p>",
+    ]
     if good := goodput_line(report.get("goodput")):
         body.append(f"<p id='goodput'><b>Goodput</b>: {esc(good)}</p>")
     if not report["incidents"]:
-        body.append("<p class='none' id='no-incidents'>No incidents: no alert of this run fired and nobody opened one.</p>")  # fmt: skip
+        body.append(
+            "<p class='none' id='no-incidents'>No incidents: no alert of this run fired and nobody opened one.</p>"
+        )
     for n, t in enumerate(report["incidents"]):
         i, f = t["incident"], t["figures"]
         body.append(f"<h2 id='incident-{i['id']}'>{esc(_title(t))}</h2>")
         meta = f"severity {esc(i['severity'])} · opened {clock(i['opened_at'])} by {esc(i['opened_by'])}"
         if i["closed_at"]:
             meta += f" · closed {clock(i['closed_at'])} by {esc(str(i['closed_by']))}"
-        body.append(f"<p class='muted'>{meta} · ranks {esc(', '.join(map(str, i['ranks'])) or '-')} · nodes {esc(', '.join(i['nodes']) or '-')}</p>")  # fmt: skip
+        body.append(
+            f"<p class='muted'>{meta} · ranks {esc(', '.join(map(str, i['ranks'])) or '-')} · nodes {esc(', '.join(i['nodes']) or '-')}</p>"
+        )
         if i.get("summary"):
             body.append(f"<blockquote>{esc(i['summary'])}</blockquote>")
         if f.get("fault"):
             body.append(f"<p><b>Fault</b>: {esc(f['fault'])} at {clock(f['fault_at'])}</p>")
-        body.append("<div class='figs'>" + "".join(
-            f"<div class='fig'>{esc(label)}<b>{esc(value)}</b></div>" for label, value in figure_lines(f)) + "</div>")  # fmt: skip
+        body.append(
+            "<div class='figs'>"
+            + "".join(
+                f"<div class='fig'>{esc(label)}<b>{esc(value)}</b></div>"
+                for label, value in figure_lines(f)
+            )
+            + "</div>"
+        )
         if "charts" in t:
             body.append(_chart(t, f"chart-{n}"))
         rows = []
@@ -374,19 +498,35 @@ def render_html(report: dict[str, Any]) -> str:
                 f"<td>{clock(e['at'])[11:23]}</td><td>{'' if e['step'] is None else e['step']}</td>"
                 f"<td>{esc(e['source'])}/{esc(e['kind'])}</td><td>{esc(_where(e))}</td><td>{esc(e['severity'])}</td>"
                 f"<td>{esc(e['text'])}</td><td>{' '.join(links)}</td></tr>"
-            )  # fmt: skip
-        body.append("<h3>Timeline</h3><table class='timeline'><thead><tr><th>Time (UTC)</th><th>Step</th>"
-                    "<th>Source</th><th>Rank / node</th><th>Severity</th><th>What</th><th>Links</th></tr></thead>"
-                    f"<tbody>{''.join(rows)}</tbody></table>")  # fmt: skip
+            )
+        body.append(
+            "<h3>Timeline</h3><table class='timeline'><thead><tr><th>Time (UTC)</th><th>Step</th>"
+            "<th>Source</th><th>Rank / node</th><th>Severity</th><th>What</th><th>Links</th></tr></thead>"
+            f"<tbody>{''.join(rows)}</tbody></table>"
+        )
     if report["notes"]:
-        body.append("<h2>Logbook</h2><ul>" + "".join(
-            f"<li><code>{clock(n['at'])}</code> <b>{esc(n['author'])}</b>: {esc(n['text'])}</li>" for n in report["notes"]) + "</ul>")  # fmt: skip
+        body.append(
+            "<h2>Logbook</h2><ul>"
+            + "".join(
+                f"<li><code>{clock(n['at'])}</code> <b>{esc(n['author'])}</b>: {esc(n['text'])}</li>"
+                for n in report["notes"]
+            )
+            + "</ul>"
+        )
     if report["incidents"]:
-        body.append("<h3>How the figures are computed</h3><ul>" + "".join(
-            f"<li><code>{esc(k)}</code>: {esc(v)}</li>" for k, v in report["definitions"].items()) + "</ul>")  # fmt: skip
+        body.append(
+            "<h3>How the figures are computed</h3><ul>"
+            + "".join(
+                f"<li><code>{esc(k)}</code>: {esc(v)}</li>"
+                for k, v in report["definitions"].items()
+            )
+            + "</ul>"
+        )
     script = f"<script>{get_plotlyjs()}</script>" if report["incidents"] else ""
-    return (f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Post-mortem: {esc(run['name'])}</title>"
-            f"<style>{CSS}</style>{script}</head><body>{''.join(body)}</body></html>\n")  # fmt: skip
+    return (
+        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Post-mortem: {esc(run['name'])}</title>"
+        f"<style>{CSS}</style>{script}</head><body>{''.join(body)}</body></html>\n"
+    )
 
 
 def render(report: dict[str, Any], fmt: str) -> str:
@@ -427,18 +567,24 @@ def payload(report: dict[str, Any], kind: str) -> dict[str, Any]:
     and the report (without chart data) as ``report``."""
     if kind == "slack":
         return {"text": render_markdown(report, flavor="slack")}
-    slim = {**report, "incidents": [{k: v for k, v in t.items() if k != "charts"} for t in report["incidents"]]}  # fmt: skip
+    slim = {
+        **report,
+        "incidents": [{k: v for k, v in t.items() if k != "charts"} for t in report["incidents"]],
+    }
     return {"text": render_markdown(report), "report": slim}
 
 
-def post_report(report: dict[str, Any], url: str, *, kind: str = "auto", timeout_s: float = 10.0) -> PostOutcome:  # fmt: skip
+def post_report(
+    report: dict[str, Any], url: str, *, kind: str = "auto", timeout_s: float = 10.0
+) -> PostOutcome:
     """POST the report to ``url``; never raises: the outcome says what happened."""
     import httpx
 
     try:
         body = json.dumps(payload(report, post_kind(url, kind)), default=str)
-        response = httpx.post(url, content=body, headers={"Content-Type": "application/json"},
-                              timeout=timeout_s)  # fmt: skip
+        response = httpx.post(
+            url, content=body, headers={"Content-Type": "application/json"}, timeout=timeout_s
+        )
     except httpx.HTTPError as exc:
         return PostOutcome(False, None, f"{type(exc).__name__}: {exc}")
     if response.is_success:

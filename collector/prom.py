@@ -112,18 +112,35 @@ class _RunsCollector(Collector):
         g = GaugeMetricFamily
         return {
             "runs": g("trainwarden_runs", "Runs by status.", labels=["status"]),
-            "last_step": g("trainwarden_run_last_step", "Last step reported, per running run.", labels=["run"]),
-            "mfu": g("trainwarden_run_mfu", "Run MFU at the latest rolled-up step.", labels=["run"]),
-            "step_time": g("trainwarden_run_step_time_seconds", "Step time across ranks at the latest step.",
-                           labels=["run", "stat"]),
-            "tokens": g("trainwarden_run_tokens_per_second", "Run throughput at the latest step.", labels=["run"]),
-            "exposed": g("trainwarden_run_exposed_comm_ratio",
-                         "Exposed communication / step time, mean over ranks, at the latest step.", labels=["run"]),
+            "last_step": g(
+                "trainwarden_run_last_step", "Last step reported, per running run.", labels=["run"]
+            ),
+            "mfu": g(
+                "trainwarden_run_mfu", "Run MFU at the latest rolled-up step.", labels=["run"]
+            ),
+            "step_time": g(
+                "trainwarden_run_step_time_seconds",
+                "Step time across ranks at the latest step.",
+                labels=["run", "stat"],
+            ),
+            "tokens": g(
+                "trainwarden_run_tokens_per_second",
+                "Run throughput at the latest step.",
+                labels=["run"],
+            ),
+            "exposed": g(
+                "trainwarden_run_exposed_comm_ratio",
+                "Exposed communication / step time, mean over ranks, at the latest step.",
+                labels=["run"],
+            ),
             "ranks": g("trainwarden_run_ranks", "Ranks by state.", labels=["run", "state"]),
             "queue": g("trainwarden_rollup_queue_depth", "Steps waiting for their first rollup."),
-            "alerts": g("trainwarden_alerts", "Open alerts by run, state (pending, firing) and severity.",
-                        labels=["run", "state", "severity"]),
-        }  # fmt: skip
+            "alerts": g(
+                "trainwarden_alerts",
+                "Open alerts by run, state (pending, firing) and severity.",
+                labels=["run", "state", "severity"],
+            ),
+        }
 
     def describe(self) -> list[GaugeMetricFamily]:
         return list(self._families().values())
@@ -139,10 +156,12 @@ class _RunsCollector(Collector):
                     ).all()
                 )
                 if by_status.get("running"):  # running, but not heard from: lost (as shown)
-                    lost = conn.execute(select(func.count()).where(
-                        m.runs.c.status == "running",
-                        m.runs.c.updated_at < time.time() - LOST_AFTER_S,
-                    )).scalar_one()  # fmt: skip
+                    lost = conn.execute(
+                        select(func.count()).where(
+                            m.runs.c.status == "running",
+                            m.runs.c.updated_at < time.time() - LOST_AFTER_S,
+                        )
+                    ).scalar_one()
                     if lost:
                         by_status["running"] -= lost
                         by_status["lost"] = lost

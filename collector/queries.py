@@ -56,11 +56,19 @@ def _run_columns() -> list:  # type: ignore[type-arg]
     itself is written at most once a second)."""
     r = m.runs.c
     return [
-        r.id, r.name, r.status, r.world_size, r.created_at,
+        r.id,
+        r.name,
+        r.status,
+        r.world_size,
+        r.created_at,
         _from_ranks(func.count(), "ranks_seen"),
-        func.coalesce(_from_ranks(func.max(m.ranks.c.last_step), "x"), r.last_step).label("last_step"),
-        func.coalesce(_from_ranks(func.max(m.ranks.c.last_seen), "y"), r.updated_at).label("updated_at"),
-    ]  # fmt: skip
+        func.coalesce(_from_ranks(func.max(m.ranks.c.last_step), "x"), r.last_step).label(
+            "last_step"
+        ),
+        func.coalesce(_from_ranks(func.max(m.ranks.c.last_seen), "y"), r.updated_at).label(
+            "updated_at"
+        ),
+    ]
 
 
 # A run that is running by its ranks' word (none said goodbye) but from which no rank
@@ -74,8 +82,8 @@ RUN_STATUS_HELP = {
     "finished": "every rank said goodbye",
     "failed": "every rank said goodbye, and one or more failed",
     "lost": "no rank heard from for 5 minutes and none said goodbye: the job died or its "
-            "network is down (running again when a rank reports)",
-}  # fmt: skip
+    "network is down (running again when a rank reports)",
+}
 
 
 def run_status(status: str, updated_at: float | None, now: float) -> str:
@@ -175,8 +183,11 @@ def series(
         query = query.where(s.step <= to_step)
     bucket = 1
     if points is not None and not is_sqlite(conn):
-        rows, bucket = _squeezed(conn, query if last is None else
-                                 query.order_by(s.step.desc()).limit(last), points=points)  # fmt: skip
+        rows, bucket = _squeezed(
+            conn,
+            query if last is None else query.order_by(s.step.desc()).limit(last),
+            points=points,
+        )
     elif last is not None:
         query = query.order_by(s.step.desc()).limit(last)
         rows = list(reversed(conn.execute(query).all()))
@@ -216,8 +227,12 @@ def _squeezed(conn: Connection, query: Any, *, points: int) -> tuple[list[Any], 
     ).subquery()
     size = func.greatest(1, func.ceil(numbered.c.rows / float(points))).cast(Integer)
     b = (numbered.c.i - 1) // size
-    scored = select(numbered, b.label("b"), size.label("size"),
-                    func.avg(numbered.c.total).over(partition_by=b).label("mean")).subquery()  # fmt: skip
+    scored = select(
+        numbered,
+        b.label("b"),
+        size.label("size"),
+        func.avg(numbered.c.total).over(partition_by=b).label("mean"),
+    ).subquery()
     c = scored.c
     first = func.array_agg(aggregate_order_by(c.ts, c.step))[1]
     extreme = func.array_agg(
@@ -225,10 +240,21 @@ def _squeezed(conn: Connection, query: Any, *, points: int) -> tuple[list[Any], 
     )[1]
     top = func.array_agg(aggregate_order_by(c.argmax_rank, c.max.desc().nulls_last(), c.step))[1]
     found = conn.execute(
-        select(func.min(c.step), first, func.max(c.n), func.min(c.min), func.avg(c.median),
-               func.max(c.max), extreme, top, func.max(c.p99), func.max(c.size))
-        .group_by(c.b).order_by(c.b)
-    ).all()  # fmt: skip
+        select(
+            func.min(c.step),
+            first,
+            func.max(c.n),
+            func.min(c.min),
+            func.avg(c.median),
+            func.max(c.max),
+            extreme,
+            top,
+            func.max(c.p99),
+            func.max(c.size),
+        )
+        .group_by(c.b)
+        .order_by(c.b)
+    ).all()
     return [row[:9] for row in found], (found[0][9] if found else 1)
 
 
@@ -243,16 +269,28 @@ def _squeeze(rows: list[Any]) -> tuple[Any, ...]:
         extreme = max(totals, key=lambda v: abs(v - mean))
     top = max((r for r in rows if r[5] is not None), key=lambda r: r[5], default=rows[0])
     return (
-        rows[0][0], rows[0][1], max(r[2] for r in rows),
-        min(mins) if mins else None, sum(meds) / len(meds) if meds else None, max(maxs) if maxs else None,
-        extreme, top[7], max(p99s) if p99s else None,
-    )  # fmt: skip
+        rows[0][0],
+        rows[0][1],
+        max(r[2] for r in rows),
+        min(mins) if mins else None,
+        sum(meds) / len(meds) if meds else None,
+        max(maxs) if maxs else None,
+        extreme,
+        top[7],
+        max(p99s) if p99s else None,
+    )
 
 
 def heatmap(
-    conn: Connection, *, run: str, metric: str, buckets: int = 200, from_step: int | None = None,
-    to_step: int | None = None, use_rollups: bool = True,
-) -> Heatmap:  # fmt: skip
+    conn: Connection,
+    *,
+    run: str,
+    metric: str,
+    buckets: int = 200,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    use_rollups: bool = True,
+) -> Heatmap:
     """``metric`` per rank and step bucket (the max in the bucket), for rank x step heatmaps.
 
     Cells of 16 steps or more come from the per-rank bucket maxima the rollup worker
@@ -312,9 +350,12 @@ def heatmap(
                 continue
             cell = (k.bucket * lv - lo) // width
             query = select(k.rank, cell.label("cell"), k.max.label("value")).where(
-                k.run_id == run_id, k.metric == metric, k.level == lv,
-                k.bucket >= edge // lv, k.bucket <= min(hi // lv, closed),
-            )  # fmt: skip
+                k.run_id == run_id,
+                k.metric == metric,
+                k.level == lv,
+                k.bucket >= edge // lv,
+                k.bucket <= min(hi // lv, closed),
+            )
             # A stored bucket per cell (the usual case): no maxima to take in SQL first.
             _cells(conn, query if lv == width else _max_per_cell(query), rows, count)
             edge = (closed + 1) * lv
@@ -327,9 +368,15 @@ def heatmap(
         )
         _cells(conn, _max_per_cell(query), rows, count)
     ranks = sorted(rows)
-    return Heatmap(run=run, metric=metric, unit=unit, ranks=ranks,
-                   step_start=[lo + i * width for i in range(count)], bucket=width,
-                   values=[rows[rank] for rank in ranks])  # fmt: skip
+    return Heatmap(
+        run=run,
+        metric=metric,
+        unit=unit,
+        ranks=ranks,
+        step_start=[lo + i * width for i in range(count)],
+        bucket=width,
+        values=[rows[rank] for rank in ranks],
+    )
 
 
 def _per_rank(conn: Connection, run_id: int, metric: str) -> tuple[Any, str]:
@@ -448,18 +495,30 @@ def replaced_series(
         bucket = max(1, -(-(last - first + 1) // points))
     key = r.step - r.step % bucket if bucket > 1 else r.step
     rows = conn.execute(
-        select(key.label("s"), func.count(value), func.min(value), func.avg(value), func.max(value),
-               func.min(r.ts))
+        select(
+            key.label("s"),
+            func.count(value),
+            func.min(value),
+            func.avg(value),
+            func.max(value),
+            func.min(r.ts),
+        )
         .where(*where)
         .group_by(key)
         .order_by(key)
-    ).all()  # fmt: skip
+    ).all()
     return ReplacedSeries(
-        run=run, metric=metric, unit=METRICS[metric].unit, bucket=bucket,
-        step=[int(row[0]) for row in rows], ts=[float(row[5]) for row in rows],
+        run=run,
+        metric=metric,
+        unit=METRICS[metric].unit,
+        bucket=bucket,
+        step=[int(row[0]) for row in rows],
+        ts=[float(row[5]) for row in rows],
         n=[int(row[1]) for row in rows],
-        min=[row[2] for row in rows], mean=[row[3] for row in rows], max=[row[4] for row in rows],
-    )  # fmt: skip
+        min=[row[2] for row in rows],
+        mean=[row[3] for row in rows],
+        max=[row[4] for row in rows],
+    )
 
 
 def flagged_steps(conn: Connection, *, run: str, limit: int = 10_000) -> list[FlaggedStep]:

@@ -84,8 +84,13 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         engine = _open_database(args.db)
         try:
             with engine.connect() as conn:
-                return report_of(conn, run=args.run, incident_id=args.incident, price_per_gpu_hour=price,
-                                 charts=args.format != "md")  # fmt: skip
+                return report_of(
+                    conn,
+                    run=args.run,
+                    incident_id=args.incident,
+                    price_per_gpu_hour=price,
+                    charts=args.format != "md",
+                )
         except NotFound as exc:
             raise CliError(str(exc)) from None
         finally:
@@ -116,19 +121,29 @@ def cmd_postmortem(args: argparse.Namespace) -> None:
     if args.post:
         outcome = post_report(report, args.post, kind=args.post_kind)
         if not outcome.ok:
-            print(f"trainwarden: error: posting the report to {_shown(args.post)} failed: "
-                  f"{outcome.describe()}", file=sys.stderr)  # fmt: skip
+            print(
+                f"trainwarden: error: posting the report to {_shown(args.post)} failed: "
+                f"{outcome.describe()}",
+                file=sys.stderr,
+            )
             sys.exit(1)
-        print(f"trainwarden: report posted to {_shown(args.post)} ({outcome.describe()})", file=sys.stderr)  # fmt: skip
+        print(
+            f"trainwarden: report posted to {_shown(args.post)} ({outcome.describe()})",
+            file=sys.stderr,
+        )
 
 
-def add_parsers(sub: Any, *, note: Callable[..., None], postmortem: Callable[..., None], db_help: str) -> None:  # fmt: skip
+def add_parsers(
+    sub: Any, *, note: Callable[..., None], postmortem: Callable[..., None], db_help: str
+) -> None:
     url_help = f"the collector (default TRAINWARDEN_URL, else {DEFAULT_URL})"
     n = sub.add_parser("note", help="add a note to a run's logbook (shown in its timelines)")
     n.add_argument("run", help="run name")
     n.add_argument("text", help="the note")
     n.add_argument("--author", help="who writes it (default: your user name)")
-    n.add_argument("--incident", type=int, help="the incident it is about (default: the run's open one)")  # fmt: skip
+    n.add_argument(
+        "--incident", type=int, help="the incident it is about (default: the run's open one)"
+    )
     n.add_argument("--step", type=int, help="the training step it is about")
     n.add_argument("--url", help=url_help)
     n.set_defaults(func=note)
@@ -139,17 +154,27 @@ def add_parsers(sub: Any, *, note: Callable[..., None], postmortem: Callable[...
         "GPU-hours lost; as Markdown, HTML (charts, opens offline) or JSON",
     )
     p.add_argument("run", help="run name")
-    p.add_argument("--incident", type=int, help="only this incident (default: every incident of the run)")  # fmt: skip
+    p.add_argument(
+        "--incident", type=int, help="only this incident (default: every incident of the run)"
+    )
     p.add_argument("--format", choices=["md", "html", "json"], default="md", help="default md")
     p.add_argument("--out", metavar="FILE", help="write here (default: stdout)")
-    p.add_argument("--post", metavar="URL", help="also POST it to a Slack-compatible or generic webhook")  # fmt: skip
     p.add_argument(
-        "--post-kind", choices=["auto", "slack", "webhook"], default="auto",
-        help="slack: {\"text\": mrkdwn}; webhook: {\"text\": markdown, \"report\": {...}}; "
+        "--post", metavar="URL", help="also POST it to a Slack-compatible or generic webhook"
+    )
+    p.add_argument(
+        "--post-kind",
+        choices=["auto", "slack", "webhook"],
+        default="auto",
+        help='slack: {"text": mrkdwn}; webhook: {"text": markdown, "report": {...}}; '
         "auto: slack when the URL says slack (default)",
-    )  # fmt: skip
-    p.add_argument("--price-per-gpu-hour", type=float, metavar="PRICE",
-                   help="for the cost lost (default TRAINWARDEN_PRICE_PER_GPU_HOUR, else the collector's)")  # fmt: skip
+    )
+    p.add_argument(
+        "--price-per-gpu-hour",
+        type=float,
+        metavar="PRICE",
+        help="for the cost lost (default TRAINWARDEN_PRICE_PER_GPU_HOUR, else the collector's)",
+    )
     p.add_argument("--url", help=url_help)
     p.add_argument("--db", help="read this database directly instead of a collector; " + db_help)
     p.set_defaults(func=postmortem)

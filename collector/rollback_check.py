@@ -82,11 +82,15 @@ def check_replay(
     k = m.rank_steps.c
     by_step: dict[int, dict[int, dict[str, Any]]] = defaultdict(dict)
     for row in conn.execute(
-        select(m.rank_steps).where(
-            k.run_id == run_id, k.step > checkpoint_step, k.ts >= since_ts,
+        select(m.rank_steps)
+        .where(
+            k.run_id == run_id,
+            k.step > checkpoint_step,
+            k.ts >= since_ts,
             k.rank.in_(list(ranks)),
-        ).order_by(k.step)
-    ).mappings():  # fmt: skip
+        )
+        .order_by(k.step)
+    ).mappings():
         by_step[row["step"]][row["rank"]] = dict(row)
     complete: list[int] = []  # consecutive steps from the first run again, on every rank
     for s in sorted(by_step):
@@ -113,8 +117,12 @@ def check_replay(
         snap.marked = [{**row, "recv_ts": now} for row in replay if row["flags"] or row["issues"]]
     steps = (complete[0], complete[-1])
     if isinstance(rule, BaselineRule) and not _enough_baseline(rule, snap, checkpoint_step):
-        return ReplayCheck(ready=True, detail=f"not checked: too little history up to step "
-                           f"{checkpoint_step} for {rule.name}'s baseline", steps=steps)  # fmt: skip
+        return ReplayCheck(
+            ready=True,
+            detail=f"not checked: too little history up to step "
+            f"{checkpoint_step} for {rule.name}'s baseline",
+            steps=steps,
+        )
     found = evaluate(rule, snap)
     if found:
         return ReplayCheck(ready=True, holds=True, detail=found[0].detail, steps=steps)
@@ -159,8 +167,9 @@ def _history(conn: Connection, rule: Rule, run_id: int, upto: int) -> list[StatR
     rows = conn.execute(
         select(s.step, s.ts, s.min, s.median, s.max, s.p99, s.mean, s.total)
         .where(s.run_id == run_id, s.metric == p.metric, s.step <= upto)
-        .order_by(s.step.desc()).limit(back)
-    ).all()  # fmt: skip
+        .order_by(s.step.desc())
+        .limit(back)
+    ).all()
     return [
         StatRow(
             r.step,
@@ -173,7 +182,7 @@ def _history(conn: Connection, rule: Rule, run_id: int, upto: int) -> list[StatR
                 "mean": r.mean,
                 "total": r.total,
             },
-        )  # fmt: skip
+        )
         for r in reversed(rows)
     ]
 
@@ -182,17 +191,23 @@ def _rank_history(
     conn: Connection, rule: Rule, run_id: int, upto: int, ranks: Sequence[int]
 ) -> list[dict[str, Any]]:
     p = rule.params
-    back = int(p.baseline.value) + 1 if isinstance(rule, BaselineRule) and p.baseline.unit == "steps" else 1  # fmt: skip
+    back = (
+        int(p.baseline.value) + 1
+        if isinstance(rule, BaselineRule) and p.baseline.unit == "steps"
+        else 1
+    )
     k = m.rank_steps.c
     rows = conn.execute(
-        select(m.rank_steps).where(
-            k.run_id == run_id, k.step <= upto, k.step > upto - back, k.rank.in_(list(ranks))
-        ).order_by(k.step)
-    ).mappings()  # fmt: skip
+        select(m.rank_steps)
+        .where(k.run_id == run_id, k.step <= upto, k.step > upto - back, k.rank.in_(list(ranks)))
+        .order_by(k.step)
+    ).mappings()
     return [dict(r) for r in rows]
 
 
 def _first_step(conn: Connection, run_id: int, metric: str) -> int | None:
     s = m.step_stats.c
-    first = conn.execute(select(s.step).where(s.run_id == run_id, s.metric == metric).order_by(s.step).limit(1)).scalar()  # fmt: skip
+    first = conn.execute(
+        select(s.step).where(s.run_id == run_id, s.metric == metric).order_by(s.step).limit(1)
+    ).scalar()
     return int(first) if first is not None else None

@@ -63,12 +63,21 @@ def due_query(recheck: bool) -> Any:
     q, s, r = m.rollup_queue.c, m.rank_steps.c, m.runs.c
     if not recheck:  # the cheap pass: steps never rolled up, by what ingest counted as it wrote
         return (
-            select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
-                   q.seen_n.label("n"), func.coalesce(q.newest, q.first_seen).label("newest"))
+            select(
+                q.run_id,
+                q.step,
+                q.first_seen,
+                q.rolled_n,
+                q.rolled_at,
+                r.world_size,
+                q.seen_n.label("n"),
+                func.coalesce(q.newest, q.first_seen).label("newest"),
+            )
             .join(m.runs, r.id == q.run_id)
             .where(q.rolled_n.is_(None))
-            .order_by(q.first_seen).limit(MAX_STEPS_PER_PASS)
-        )  # fmt: skip
+            .order_by(q.first_seen)
+            .limit(MAX_STEPS_PER_PASS)
+        )
     # Count the rows themselves (late rows, replays, another collector's) of the steps
     # some ingest wrote to since their rollup: every write adds to seen_n, in the
     # database (so another collector's too), and the rollup records the rows it saw; a
@@ -80,19 +89,31 @@ def due_query(recheck: bool) -> Any:
     # day; the soak's steady decline in rows/s).
     mine = and_(s.run_id == q.run_id, s.step == q.step)
     return (
-        select(q.run_id, q.step, q.first_seen, q.rolled_n, q.rolled_at, r.world_size,
-               select(func.count()).where(mine).scalar_subquery().label("n"),
-               select(func.max(s.recv_ts)).where(mine).scalar_subquery().label("newest"))
+        select(
+            q.run_id,
+            q.step,
+            q.first_seen,
+            q.rolled_n,
+            q.rolled_at,
+            r.world_size,
+            select(func.count()).where(mine).scalar_subquery().label("n"),
+            select(func.max(s.recv_ts)).where(mine).scalar_subquery().label("newest"),
+        )
         .join(m.runs, r.id == q.run_id)
         .where(or_(q.rolled_n.is_(None), q.seen_n != q.rolled_n))
-        .order_by(q.first_seen).limit(MAX_STEPS_PER_PASS)
-    )  # fmt: skip
+        .order_by(q.first_seen)
+        .limit(MAX_STEPS_PER_PASS)
+    )
 
 
 def roll_up_ready(
-    conn: Connection, *, now: float, grace_s: float = GRACE_S, recheck: bool = True,
+    conn: Connection,
+    *,
+    now: float,
+    grace_s: float = GRACE_S,
+    recheck: bool = True,
     buckets: list[tuple[int, int]] | None = None,
-) -> int:  # fmt: skip
+) -> int:
     """Roll up every queued step that is due: complete (or past its grace) and not yet
     rolled, or (``recheck``) rolled before a late or replayed row arrived. Returns how many.
     ``buckets``: the rolled-up (run, step)s are added to it, for the caller to write their
@@ -105,11 +126,14 @@ def roll_up_ready(
     # step rolled up early is rolled up again for each late batch (with its heatmap
     # bucket): work that grows as the collector falls behind.
     due = [
-        row for row in conn.execute(counts)
+        row
+        for row in conn.execute(counts)
         if row.n  # none: queued, but its rows are gone (a pruned day)
-        and ((row.rolled_n is None and (row.n >= row.world_size or now - row.newest >= grace_s))
-             or (row.rolled_n is not None and (row.n != row.rolled_n or row.newest > row.rolled_at)))
-    ]  # fmt: skip
+        and (
+            (row.rolled_n is None and (row.n >= row.world_size or now - row.newest >= grace_s))
+            or (row.rolled_n is not None and (row.n != row.rolled_n or row.newest > row.rolled_at))
+        )
+    ]
     if not recheck:
         due = _really_complete(conn, due, now=now, grace_s=grace_s)
     if due:
@@ -141,9 +165,10 @@ def _really_complete(conn: Connection, due: list[Any], *, now: float, grace_s: f
         return due
     s = m.rank_steps.c
     found = conn.execute(
-        select(s.run_id, s.step, func.count()).where(tuple_(s.run_id, s.step).in_(list(claimed)))
+        select(s.run_id, s.step, func.count())
+        .where(tuple_(s.run_id, s.step).in_(list(claimed)))
         .group_by(s.run_id, s.step)
-    ).all()  # fmt: skip
+    ).all()
     short = {(run_id, step) for run_id, step, n in found if n < claimed[(run_id, step)]}
     return [row for row in due if (row.run_id, row.step) not in short]
 
@@ -245,7 +270,9 @@ def _bucket_maxima(conn: Connection, groups: list[tuple[int, int]]) -> None:
             if not todo:
                 break  # nothing changed at this level: nothing above it either
             for lo, hi in _spans(sorted(todo)):
-                conn.execute(_FROM_CHILD[child], {"run": run_id, "lo": lo * per, "hi": hi * per + per - 1})  # fmt: skip
+                conn.execute(
+                    _FROM_CHILD[child], {"run": run_id, "lo": lo * per, "hi": hi * per + per - 1}
+                )
             closed = max(todo | {up if up is not None else -1})
 
 

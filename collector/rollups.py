@@ -200,8 +200,13 @@ def aggregate_sql() -> str:
     next to the data, not in the collector's one Python core). The slowest rank is
     ``max(ARRAY[value, rank])``: the highest value, the highest rank among equals, in
     one pass (``array_agg(rank ORDER BY value DESC)`` sorted every metric's values again)."""
-    parts = ["step", "min(ts) AS ts", "count(*) AS rows_n", "max(recv_ts) AS newest",
-             "count(metrics) AS user_n"]  # fmt: skip
+    parts = [
+        "step",
+        "min(ts) AS ts",
+        "count(*) AS rows_n",
+        "max(recv_ts) AS newest",
+        "count(metrics) AS user_n",
+    ]
     for i, metric in enumerate(METRICS.values()):
         value, total = sql_of(metric)
         v = f"({value})::float8"
@@ -211,11 +216,15 @@ def aggregate_sql() -> str:
             else "0"
         )
         parts += [
-            f"count({v}) AS n{i}", f"{bad} AS bad{i}", f"min({v}) AS min{i}",
+            f"count({v}) AS n{i}",
+            f"{bad} AS bad{i}",
+            f"min({v}) AS min{i}",
             f"percentile_cont(ARRAY[0.5, 0.99]) WITHIN GROUP (ORDER BY {v}) AS pct{i}",
-            f"max({v}) AS max{i}", f"avg({v}) AS mean{i}", f"({total})::float8 AS total{i}",
+            f"max({v}) AS max{i}",
+            f"avg({v}) AS mean{i}",
+            f"({total})::float8 AS total{i}",
             f"((max(ARRAY[{v}, rank::float8]) FILTER (WHERE {v} IS NOT NULL))[2])::int AS top{i}",
-        ]  # fmt: skip
+        ]
     return (
         f"SELECT {', '.join(parts)} FROM rank_steps "
         "WHERE run_id = :run AND step = ANY(:steps) GROUP BY step"
@@ -229,11 +238,19 @@ def stats_from_sql(run_id: int, row: Any) -> Iterable[dict[str, Any]]:
         if not n and not bad:
             continue
         yield {
-            "run_id": run_id, "metric": metric.name, "step": row["step"], "ts": row["ts"],
-            "n": n, "nonfinite": bad, "min": row[f"min{i}"], **_percentiles(row[f"pct{i}"]),
-            "max": row[f"max{i}"], "mean": row[f"mean{i}"], "total": row[f"total{i}"],
+            "run_id": run_id,
+            "metric": metric.name,
+            "step": row["step"],
+            "ts": row["ts"],
+            "n": n,
+            "nonfinite": bad,
+            "min": row[f"min{i}"],
+            **_percentiles(row[f"pct{i}"]),
+            "max": row[f"max{i}"],
+            "mean": row[f"mean{i}"],
+            "total": row[f"total{i}"],
             "argmax_rank": row[f"top{i}"],
-        }  # fmt: skip
+        }
 
 
 USER_PREFIX = "user."  # a user metric's step_stats name: user.<name> (see user_metrics)
@@ -262,10 +279,19 @@ def user_stats_from_sql(run_id: int, row: Any, ts: float) -> dict[str, Any] | No
     if not row["n"] and not row["bad"]:
         return None
     return {
-        "run_id": run_id, "metric": USER_PREFIX + row["name"], "step": row["step"], "ts": ts,
-        "n": row["n"], "nonfinite": row["bad"], "min": row["min"], **_percentiles(row["pct"]),
-        "max": row["max"], "mean": row["mean"], "total": row["mean"], "argmax_rank": row["top"],
-    }  # fmt: skip
+        "run_id": run_id,
+        "metric": USER_PREFIX + row["name"],
+        "step": row["step"],
+        "ts": ts,
+        "n": row["n"],
+        "nonfinite": row["bad"],
+        "min": row["min"],
+        **_percentiles(row["pct"]),
+        "max": row["max"],
+        "mean": row["mean"],
+        "total": row["mean"],
+        "argmax_rank": row["top"],
+    }
 
 
 def _percentiles(found: list[float | None] | None) -> dict[str, float | None]:

@@ -241,8 +241,9 @@ def _agent_column_model() -> type[BaseModel]:
 
 AgentColumns = _agent_column_model()
 AGENT_FIELDS = tuple(AgentInfo.model_fields)
-_AGENT_DEFAULTS = {name: info.default for name, info in AgentInfo.model_fields.items()
-                   if not info.is_required()}  # fmt: skip
+_AGENT_DEFAULTS = {
+    name: info.default for name, info in AgentInfo.model_fields.items() if not info.is_required()
+}
 _AGENT_TIMES = ("started_at", "sent_at", "last_step_end")
 
 
@@ -269,8 +270,13 @@ class ColumnarBatch(BaseModel):
     @classmethod
     def _agents_share_the_world(cls, data: Any) -> Any:
         if isinstance(data, dict) and isinstance(data.get("agents"), list):
-            data = {**data, "agents": [{"world_size": data.get("world_size"), **a} if isinstance(a, dict) else a
-                                       for a in data["agents"]]}  # fmt: skip
+            data = {
+                **data,
+                "agents": [
+                    {"world_size": data.get("world_size"), **a} if isinstance(a, dict) else a
+                    for a in data["agents"]
+                ],
+            }
         return data
 
     @model_validator(mode="after")
@@ -322,8 +328,12 @@ class ColumnarBatch(BaseModel):
             raise ValueError(f"agent_columns differ in length: {lengths}")
         if not 1 <= n <= 65_536:
             raise ValueError(f"agent_columns: {n} ranks; from 1 to 65,536 a request")
-        heads = {name: given.get(name) or [_AGENT_DEFAULTS[name]] * n
-                 if name != "world_size" else [self.world_size] * n for name in AGENT_FIELDS}  # fmt: skip
+        heads = {
+            name: given.get(name) or [_AGENT_DEFAULTS[name]] * n
+            if name != "world_size"
+            else [self.world_size] * n
+            for name in AGENT_FIELDS
+        }
         ranks = heads["rank"]
         if max(ranks) >= self.world_size:
             i = next(i for i, rank in enumerate(ranks) if rank >= self.world_size)
@@ -367,8 +377,10 @@ class ColumnarBatch(BaseModel):
         cols = dict(self._cols)
         ranks = cols.pop("rank", [])
         names = list(cols)
-        return [(rank, dict(zip(names, values, strict=True)))
-                for rank, values in zip(ranks, zip(*cols.values(), strict=True), strict=True)]  # fmt: skip
+        return [
+            (rank, dict(zip(names, values, strict=True)))
+            for rank, values in zip(ranks, zip(*cols.values(), strict=True), strict=True)
+        ]
 
 
 def _column_model() -> type[BaseModel]:
@@ -384,9 +396,11 @@ def _column_model() -> type[BaseModel]:
 
 _STEP_COLUMNS_MODEL = _column_model()
 _FINITE_COLUMNS = tuple(
-    name for name in StepIn.model_fields
-    if name not in ("loss", "grad_norm") and StepIn.model_fields[name].annotation in (float, float | None)
-)  # fmt: skip
+    name
+    for name in StepIn.model_fields
+    if name not in ("loss", "grad_norm")
+    and StepIn.model_fields[name].annotation in (float, float | None)
+)
 _NONFINITE_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 

@@ -68,9 +68,22 @@ END_SEVERITY = {
 FAULT_KINDS = ("drill", "xid", "loss_divergence")
 BAD_STATES = ("slow", "hung", "dead", "failed")
 # Ties (same instant) read in causal order: the fault, then its alert, its page, the action.
-ORDER = {"derived:anomaly": 0, "event": 1, "attempt": 1, "alert:onset": 2, "alert:pending": 2, "alert:firing": 3, "incident": 4,
-         "page": 5, "action": 6, "alert:acked": 7, "derived:recovered": 8, "alert:cleared": 9,
-         "alert:resolved": 10, "note": 11}  # fmt: skip
+ORDER = {
+    "derived:anomaly": 0,
+    "event": 1,
+    "attempt": 1,
+    "alert:onset": 2,
+    "alert:pending": 2,
+    "alert:firing": 3,
+    "incident": 4,
+    "page": 5,
+    "action": 6,
+    "alert:acked": 7,
+    "derived:recovered": 8,
+    "alert:cleared": 9,
+    "alert:resolved": 10,
+    "note": 11,
+}
 DEFINITIONS = {
     "fault": "the earliest injected fault, XID, loss divergence or bad rank state before the "
     "first alert went pending, on the alerts' ranks or nodes; else the first flagged step",
@@ -86,13 +99,33 @@ DEFINITIONS = {
 }
 
 
-def _entry(at: float, source: str, kind: str, text: str, *, step: int | None = None,
-           rank: int | None = None, node: str | None = None, severity: str = "info",
-           runbook_url: str | None = None, ui_url: str | None = None,
-           ref: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
-    return {"at": at, "step": step, "source": source, "kind": kind, "rank": rank, "node": node,
-            "severity": severity, "text": text, "runbook_url": runbook_url, "ui_url": ui_url,
-            "ref": ref or {}}  # fmt: skip
+def _entry(
+    at: float,
+    source: str,
+    kind: str,
+    text: str,
+    *,
+    step: int | None = None,
+    rank: int | None = None,
+    node: str | None = None,
+    severity: str = "info",
+    runbook_url: str | None = None,
+    ui_url: str | None = None,
+    ref: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    return {
+        "at": at,
+        "step": step,
+        "source": source,
+        "kind": kind,
+        "rank": rank,
+        "node": node,
+        "severity": severity,
+        "text": text,
+        "runbook_url": runbook_url,
+        "ui_url": ui_url,
+        "ref": ref or {},
+    }
 
 
 def _order(e: dict[str, Any]) -> tuple[float, int]:
@@ -127,32 +160,77 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
         common = dict(rank=a.rank, node=a.node, runbook_url=rb, ui_url=ui, ref={"alert": a.id})
         if a.onset_step is not None and a.onset_step != a.active_since_step:
             began = _step_ts(conn, a.run_id, a.onset_step) or a.active_since
-            out.append(_entry(min(began, a.active_since), "alert", "onset",
-                              f"{a.rule}: its condition began at step {a.onset_step} (seen at step {a.active_since_step})",
-                              step=a.onset_step, severity=a.severity, **common))  # fmt: skip
-        out.append(_entry(a.active_since, "alert", "pending", f"{a.rule} pending: {desc}".strip(),
-                          step=a.active_since_step, severity=a.severity, **common))  # fmt: skip
+            out.append(
+                _entry(
+                    min(began, a.active_since),
+                    "alert",
+                    "onset",
+                    f"{a.rule}: its condition began at step {a.onset_step} (seen at step {a.active_since_step})",
+                    step=a.onset_step,
+                    severity=a.severity,
+                    **common,
+                )
+            )
+        out.append(
+            _entry(
+                a.active_since,
+                "alert",
+                "pending",
+                f"{a.rule} pending: {desc}".strip(),
+                step=a.active_since_step,
+                severity=a.severity,
+                **common,
+            )
+        )
         if a.fired_at is not None:
-            out.append(_entry(a.fired_at, "alert", "firing", f"{a.rule} firing", step=a.fired_at_step,
-                              severity=a.severity, **common))  # fmt: skip
+            out.append(
+                _entry(
+                    a.fired_at,
+                    "alert",
+                    "firing",
+                    f"{a.rule} firing",
+                    step=a.fired_at_step,
+                    severity=a.severity,
+                    **common,
+                )
+            )
         if a.acked_at is not None:
             by = f" by {a.acked_by}" + (f": {a.ack_comment}" if a.ack_comment else "")
             out.append(_entry(a.acked_at, "alert", "acked", f"{a.rule} acknowledged{by}", **common))
         if a.state == "resolved" and a.cleared_at is not None and a.cleared_at != a.resolved_at:
-            out.append(_entry(a.cleared_at, "alert", "cleared", f"{a.rule}: condition cleared",
-                              step=a.cleared_at_step, **common))  # fmt: skip
+            out.append(
+                _entry(
+                    a.cleared_at,
+                    "alert",
+                    "cleared",
+                    f"{a.rule}: condition cleared",
+                    step=a.cleared_at_step,
+                    **common,
+                )
+            )
         if a.resolved_at is not None:
             out.append(_entry(a.resolved_at, "alert", "resolved", f"{a.rule} resolved", **common))
     d = m.alert_deliveries.c
     by_id = {a.id: a for a in alert_rows}
-    for r in conn.execute(select(m.alert_deliveries).where(d.alert_id.in_(list(by_id))).order_by(d.at, d.id)):  # fmt: skip
+    for r in conn.execute(
+        select(m.alert_deliveries).where(d.alert_id.in_(list(by_id))).order_by(d.at, d.id)
+    ):
         a = by_id[r.alert_id]
         outcome = f"HTTP {r.http_status}" if r.http_status else (r.error or "no answer")
         verb = "delivered to" if r.ok else "failed at"
         text = f"{a.rule} {r.status} {verb} {r.receiver} ({r.kind}, attempt {r.attempt}): {outcome}"
-        out.append(_entry(r.at + r.duration_s, "page", "delivered" if r.ok else "failed", text,
-                          rank=a.rank, node=a.node, severity="info" if r.ok else "warning",
-                          ref={"alert": a.id, "status": r.status}))  # fmt: skip
+        out.append(
+            _entry(
+                r.at + r.duration_s,
+                "page",
+                "delivered" if r.ok else "failed",
+                text,
+                rank=a.rank,
+                node=a.node,
+                severity="info" if r.ok else "warning",
+                ref={"alert": a.id, "status": r.status},
+            )
+        )
     return out
 
 
@@ -176,11 +254,24 @@ def _action_entries(action_rows: list[Any], link: _Links) -> list[dict[str, Any]
                 ranks = ac.result["ranks"].values()
                 ckpt = {r.get("checkpoint_step") for r in ranks}
                 barrier = {r.get("barrier_step") for r in ranks}
-                text += (f": every rank ({len(ac.result['ranks'])}) restored checkpoint "
-                         f"step {_one(ckpt)} after step {_one(barrier)}")  # fmt: skip
+                text += (
+                    f": every rank ({len(ac.result['ranks'])}) restored checkpoint "
+                    f"step {_one(ckpt)} after step {_one(barrier)}"
+                )
             severity = {"failed": "critical", "done": "info"}.get(h["state"], "warning")
-            out.append(_entry(h["at"], "action", h["state"], text, rank=ac.rank, node=ac.node,
-                              severity=severity, ui_url=ui, ref={"action": ac.id}))  # fmt: skip
+            out.append(
+                _entry(
+                    h["at"],
+                    "action",
+                    h["state"],
+                    text,
+                    rank=ac.rank,
+                    node=ac.node,
+                    severity=severity,
+                    ui_url=ui,
+                    ref={"action": ac.id},
+                )
+            )
     return out
 
 
@@ -214,7 +305,9 @@ def _is_fault(kind: str, data: dict[str, Any]) -> bool:
     return kind in FAULT_KINDS or (kind == "rank_state" and data.get("to") in BAD_STATES)
 
 
-def _event_entries(rows: list[Any], nodes: dict[int, str | None], link: _Links) -> list[dict[str, Any]]:  # fmt: skip
+def _event_entries(
+    rows: list[Any], nodes: dict[int, str | None], link: _Links
+) -> list[dict[str, Any]]:
     ui = link(f"/runs/{link.run}")
     return [
         _entry(
@@ -228,12 +321,14 @@ def _event_entries(rows: list[Any], nodes: dict[int, str | None], link: _Links) 
             severity=e.severity,
             ui_url=ui,
             ref={"event": e.id, "fault": _is_fault(e.kind, dict(e.data or {}))},
-        )  # fmt: skip
+        )
         for e in rows
     ]
 
 
-def _attempt_entries(tries: list[dict[str, Any]], start: float, end: float, link: _Links) -> list[dict[str, Any]]:  # fmt: skip
+def _attempt_entries(
+    tries: list[dict[str, Any]], start: float, end: float, link: _Links
+) -> list[dict[str, Any]]:
     """An attempt's start and, once it ended, its end and why, inside ``start``..``end``."""
     ui = link(f"/runs/{link.run}/info")
     out = []
@@ -243,20 +338,50 @@ def _attempt_entries(tries: list[dict[str, Any]], start: float, end: float, link
             text = f"attempt {n} started: world size {t['world_size'] or '?'} on {nodes}"
             if n > 1 and t["first_step"] is not None:
                 text += f"; resumed at step {t['first_step']}"
-            out.append(_entry(t["started_at"], "attempt", "started", text, step=t["first_step"],
-                              ui_url=ui, ref={"attempt": n}))  # fmt: skip
+            out.append(
+                _entry(
+                    t["started_at"],
+                    "attempt",
+                    "started",
+                    text,
+                    step=t["first_step"],
+                    ui_url=ui,
+                    ref={"attempt": n},
+                )
+            )
         reason, at = t["exit_reason"], t["ended_at"]
         if reason is not None and at is not None and start <= at <= end:
             severity = END_SEVERITY.get(reason, "info")
-            text = f"attempt {n} ended ({reason})" + (f": {t['exit_detail']}" if t["exit_detail"] else "")  # fmt: skip
-            out.append(_entry(at, "attempt", "ended", text, step=t["last_step"], severity=severity,
-                              ui_url=ui, ref={"attempt": n, "reason": reason}))  # fmt: skip
+            text = f"attempt {n} ended ({reason})" + (
+                f": {t['exit_detail']}" if t["exit_detail"] else ""
+            )
+            out.append(
+                _entry(
+                    at,
+                    "attempt",
+                    "ended",
+                    text,
+                    step=t["last_step"],
+                    severity=severity,
+                    ui_url=ui,
+                    ref={"attempt": n, "reason": reason},
+                )
+            )
     return out
 
 
 def _note_entries(rows: list[Any]) -> list[dict[str, Any]]:
-    return [_entry(n.at, "note", "note", f"{n.author}: {n.text}", step=n.step,
-                   ref={"note": n.id, "author": n.author}) for n in rows]  # fmt: skip
+    return [
+        _entry(
+            n.at,
+            "note",
+            "note",
+            f"{n.author}: {n.text}",
+            step=n.step,
+            ref={"note": n.id, "author": n.author},
+        )
+        for n in rows
+    ]
 
 
 def _incident_entries(incident: dict[str, Any], link: _Links) -> list[dict[str, Any]]:
@@ -270,7 +395,7 @@ def _incident_entries(incident: dict[str, Any], link: _Links) -> list[dict[str, 
             + (f": {h['detail']}" if h.get("detail") else ""),
             ui_url=ui,
             ref={"incident": incident["id"]},
-        )  # fmt: skip
+        )
         for h in incident["history"]
     ]
 
@@ -278,9 +403,17 @@ def _incident_entries(incident: dict[str, Any], link: _Links) -> list[dict[str, 
 # -- the timeline ---------------------------------------------------------------------------
 
 
-def timeline(conn: Connection, *, run: str, incident_id: int | None = None, now: float,
-             lead_s: float = LEAD_S, price_per_gpu_hour: float | None = None,
-             base_url: str = "", event_limit: int = 5000) -> dict[str, Any]:  # fmt: skip
+def timeline(
+    conn: Connection,
+    *,
+    run: str,
+    incident_id: int | None = None,
+    now: float,
+    lead_s: float = LEAD_S,
+    price_per_gpu_hour: float | None = None,
+    base_url: str = "",
+    event_limit: int = 5000,
+) -> dict[str, Any]:
     """The timeline of one incident of ``run`` (with its derived figures), or of the whole
     run (``incident_id=None``: every alert, action, event and note; no figures)."""
     ru = conn.execute(select(m.runs).where(m.runs.c.name == run)).first()
@@ -288,28 +421,52 @@ def timeline(conn: Connection, *, run: str, incident_id: int | None = None, now:
         raise NotFound(f"run {run!r} not found")
     link = _Links(base_url, run)
     a, ac, e, n = m.alerts.c, m.actions.c, m.events.c, m.notes.c
-    nodes = {r.rank: r.node for r in conn.execute(select(m.ranks.c.rank, m.ranks.c.node).where(m.ranks.c.run_id == ru.id))}  # fmt: skip
+    nodes = {
+        r.rank: r.node
+        for r in conn.execute(
+            select(m.ranks.c.rank, m.ranks.c.node).where(m.ranks.c.run_id == ru.id)
+        )
+    }
     incident = None
     if incident_id is not None:
         row = conn.execute(
             select(m.incidents, m.runs.c.name.label("run_name"))
             .join(m.runs, m.runs.c.id == m.incidents.c.run_id)
             .where(m.incidents.c.id == incident_id, m.incidents.c.run_id == ru.id)
-        ).first()  # fmt: skip
+        ).first()
         if row is None:
             raise NotFound(f"run {run!r} has no incident {incident_id}")
         incident = describe(conn, row)
         items = members(conn, incident_id)
-        alert_rows = conn.execute(select(m.alerts).where(a.id.in_(items["alert"])).order_by(a.active_since)).all()  # fmt: skip
-        action_rows = conn.execute(select(m.actions).where(ac.id.in_(items["action"])).order_by(ac.id)).all()  # fmt: skip
+        alert_rows = conn.execute(
+            select(m.alerts).where(a.id.in_(items["alert"])).order_by(a.active_since)
+        ).all()
+        action_rows = conn.execute(
+            select(m.actions).where(ac.id.in_(items["action"])).order_by(ac.id)
+        ).all()
         first = min([incident["opened_at"], *(r.active_since for r in alert_rows)])
         start = first - lead_s
         end = incident["closed_at"] or now
-        end = max([end, *(r.resolved_at or 0 for r in alert_rows), *(r.finished_at or 0 for r in action_rows)])  # fmt: skip
-        note_rows = conn.execute(select(m.notes).where(n.run_id == ru.id, or_(
-            n.incident_id == incident_id, and_(n.incident_id.is_(None), n.at >= start, n.at <= end)))).all()  # fmt: skip
+        end = max(
+            [
+                end,
+                *(r.resolved_at or 0 for r in alert_rows),
+                *(r.finished_at or 0 for r in action_rows),
+            ]
+        )
+        note_rows = conn.execute(
+            select(m.notes).where(
+                n.run_id == ru.id,
+                or_(
+                    n.incident_id == incident_id,
+                    and_(n.incident_id.is_(None), n.at >= start, n.at <= end),
+                ),
+            )
+        ).all()
     else:
-        alert_rows = conn.execute(select(m.alerts).where(a.run_id == ru.id).order_by(a.active_since)).all()  # fmt: skip
+        alert_rows = conn.execute(
+            select(m.alerts).where(a.run_id == ru.id).order_by(a.active_since)
+        ).all()
         action_rows = conn.execute(
             select(m.actions).where(ac.run_id == ru.id).order_by(ac.id)
         ).all()
@@ -317,9 +474,11 @@ def timeline(conn: Connection, *, run: str, incident_id: int | None = None, now:
         start, end = -math.inf, now
         note_rows = conn.execute(select(m.notes).where(n.run_id == ru.id)).all()
     event_rows = conn.execute(
-        select(m.events).where(e.run_id == ru.id, e.ts >= max(start, 0.0), e.ts <= end, e.kind.not_in(NOISE))
-        .order_by(e.ts, e.id).limit(event_limit)
-    ).all()  # fmt: skip
+        select(m.events)
+        .where(e.run_id == ru.id, e.ts >= max(start, 0.0), e.ts <= end, e.kind.not_in(NOISE))
+        .order_by(e.ts, e.id)
+        .limit(event_limit)
+    ).all()
     entries = [
         *_alert_entries(conn, list(alert_rows), link),
         *_action_entries(list(action_rows), link),
@@ -330,30 +489,53 @@ def timeline(conn: Connection, *, run: str, incident_id: int | None = None, now:
     figures = None
     if incident is not None:
         entries += _incident_entries(incident, link)
-        figures = _figures(conn, ru, list(alert_rows), list(action_rows), entries, start,
-                           price_per_gpu_hour)  # fmt: skip
+        figures = _figures(
+            conn, ru, list(alert_rows), list(action_rows), entries, start, price_per_gpu_hour
+        )
     entries.sort(key=_order)
     if incident is None:
         start = min([ru.created_at, *(x["at"] for x in entries[:1])])
     return {
-        "run": run, "world_size": ru.world_size, "incident": incident,
-        "window": {"start": start, "end": end}, "entries": entries, "figures": figures,
+        "run": run,
+        "world_size": ru.world_size,
+        "incident": incident,
+        "window": {"start": start, "end": end},
+        "entries": entries,
+        "figures": figures,
         "definitions": DEFINITIONS,
-    }  # fmt: skip
+    }
 
 
 # -- derived figures ---------------------------------------------------------------------------
 
 
-def _figures(conn: Connection, ru: Any, alert_rows: list[Any], action_rows: list[Any],
-             entries: list[dict[str, Any]], start: float, price: float | None) -> dict[str, Any]:  # fmt: skip
+def _figures(
+    conn: Connection,
+    ru: Any,
+    alert_rows: list[Any],
+    action_rows: list[Any],
+    entries: list[dict[str, Any]],
+    start: float,
+    price: float | None,
+) -> dict[str, Any]:
     """The incident's durations and losses; appends the derived entries it finds."""
     pending_at = min((r.active_since for r in alert_rows), default=None)
     firing_at = min((r.fired_at for r in alert_rows if r.fired_at is not None), default=None)
-    paged_at = min((x["at"] for x in entries if x["source"] == "page" and x["kind"] == "delivered"
-                    and x["ref"].get("status") == "firing"), default=None)  # fmt: skip
+    paged_at = min(
+        (
+            x["at"]
+            for x in entries
+            if x["source"] == "page"
+            and x["kind"] == "delivered"
+            and x["ref"].get("status") == "firing"
+        ),
+        default=None,
+    )
     real = [r for r in action_rows if r.mode != "dry-run"]
-    acted_at = min((h["at"] for r in real for h in r.history or [] if h["state"] in ("executing", "done")), default=None)  # fmt: skip
+    acted_at = min(
+        (h["at"] for r in real for h in r.history or [] if h["state"] in ("executing", "done")),
+        default=None,
+    )
 
     # The fault: the earliest fault event before the first alert went pending, else the
     # first flagged (or the alert's own anomalous) step.
@@ -366,8 +548,15 @@ def _figures(conn: Connection, ru: Any, alert_rows: list[Any], action_rows: list
     def near(x: dict[str, Any]) -> bool:
         return None in ranks or x["rank"] is None or x["rank"] in ranks or x["node"] in nodes
 
-    fault = min((x for x in entries if x["source"] == "event" and x["ref"].get("fault") and x["at"] <= until and near(x)),
-                key=lambda x: x["at"], default=None)  # fmt: skip
+    fault = min(
+        (
+            x
+            for x in entries
+            if x["source"] == "event" and x["ref"].get("fault") and x["at"] <= until and near(x)
+        ),
+        key=lambda x: x["at"],
+        default=None,
+    )
     if fault is None and pending_at is not None:
         fault = _first_anomalous_step(conn, ru.id, alert_rows, start, pending_at)
         if fault is not None:
@@ -386,8 +575,11 @@ def _figures(conn: Connection, ru: Any, alert_rows: list[Any], action_rows: list
         if r.kind != "rollback" or r.state != "done":
             continue
         restored = list(((r.result or {}).get("ranks") or {}).values())
-        spans = [(x["barrier_step"], x["checkpoint_step"]) for x in restored
-                 if x.get("barrier_step") is not None and x.get("checkpoint_step") is not None]  # fmt: skip
+        spans = [
+            (x["barrier_step"], x["checkpoint_step"])
+            for x in restored
+            if x.get("barrier_step") is not None and x.get("checkpoint_step") is not None
+        ]
         if spans:
             barrier, ckpt = max(spans)
             steps_lost += barrier - ckpt
@@ -399,38 +591,57 @@ def _figures(conn: Connection, ru: Any, alert_rows: list[Any], action_rows: list
         time_lost = max(0.0, recovered_at - origin) + replayed_before * (median_step_s or 0.0)
     gpu_hours = time_lost * ru.world_size / 3600 if time_lost is not None else None
     return {
-        "fault_at": fault_at, "fault_step": fault_step, "fault": fault["text"] if fault else None,
-        "pending_at": pending_at, "firing_at": firing_at, "paged_at": paged_at,
-        "acted_at": acted_at, "recovered_at": recovered_at,
-        "detect_s": _between(fault_at, pending_at), "page_s": _between(firing_at, paged_at),
-        "act_s": _between(firing_at, acted_at), "recover_s": _between(origin, recovered_at),
-        "steps_lost": steps_lost, "median_step_s": median_step_s, "time_lost_s": time_lost,
-        "world_size": ru.world_size, "gpu_hours_lost": gpu_hours,
+        "fault_at": fault_at,
+        "fault_step": fault_step,
+        "fault": fault["text"] if fault else None,
+        "pending_at": pending_at,
+        "firing_at": firing_at,
+        "paged_at": paged_at,
+        "acted_at": acted_at,
+        "recovered_at": recovered_at,
+        "detect_s": _between(fault_at, pending_at),
+        "page_s": _between(firing_at, paged_at),
+        "act_s": _between(firing_at, acted_at),
+        "recover_s": _between(origin, recovered_at),
+        "steps_lost": steps_lost,
+        "median_step_s": median_step_s,
+        "time_lost_s": time_lost,
+        "world_size": ru.world_size,
+        "gpu_hours_lost": gpu_hours,
         "price_per_gpu_hour": price,
         "cost": gpu_hours * price if gpu_hours is not None and price is not None else None,
-    }  # fmt: skip
+    }
 
 
 def _between(a: float | None, b: float | None) -> float | None:
     return b - a if a is not None and b is not None else None
 
 
-def _first_anomalous_step(conn: Connection, run_id: int, alert_rows: list[Any], start: float,
-                          until: float) -> dict[str, Any] | None:  # fmt: skip
+def _first_anomalous_step(
+    conn: Connection, run_id: int, alert_rows: list[Any], start: float, until: float
+) -> dict[str, Any] | None:
     r_ = m.rank_steps.c
     flagged = conn.execute(
-        select(r_.step, r_.rank, r_.ts, r_.flags).where(r_.run_id == run_id, r_.flags.is_not(None),
-                                                        r_.ts >= start, r_.ts <= until)
-        .order_by(r_.ts).limit(1)
-    ).first()  # fmt: skip
+        select(r_.step, r_.rank, r_.ts, r_.flags)
+        .where(r_.run_id == run_id, r_.flags.is_not(None), r_.ts >= start, r_.ts <= until)
+        .order_by(r_.ts)
+        .limit(1)
+    ).first()
     if flagged is not None:
         flags = (
             ", ".join(sorted(flagged.flags))
             if isinstance(flagged.flags, (list, dict))
             else str(flagged.flags)
         )
-        return _entry(flagged.ts, "derived", "anomaly", f"first flagged step ({flags})",
-                      step=flagged.step, rank=flagged.rank, severity="warning")  # fmt: skip
+        return _entry(
+            flagged.ts,
+            "derived",
+            "anomaly",
+            f"first flagged step ({flags})",
+            step=flagged.step,
+            rank=flagged.rank,
+            severity="warning",
+        )
     steps = [r.onset_step if r.onset_step is not None else r.active_since_step for r in alert_rows]
     steps = [s for s in steps if s is not None]
     if not steps:
@@ -438,33 +649,52 @@ def _first_anomalous_step(conn: Connection, run_id: int, alert_rows: list[Any], 
     ts = _step_ts(conn, run_id, min(steps))
     if ts is None or ts < start or ts > until:
         return None
-    return _entry(ts, "derived", "anomaly", f"first anomalous step {min(steps)}", step=min(steps),
-                  severity="warning")  # fmt: skip
+    return _entry(
+        ts,
+        "derived",
+        "anomaly",
+        f"first anomalous step {min(steps)}",
+        step=min(steps),
+        severity="warning",
+    )
 
 
 def _step_ts(conn: Connection, run_id: int, step: int) -> float | None:
     """When ``step`` of the run began (its rolled-up step time's timestamp)."""
     s = m.step_stats.c
-    return conn.execute(select(s.ts).where(s.run_id == run_id, s.metric == "step_time", s.step == step)).scalar()  # fmt: skip
+    return conn.execute(
+        select(s.ts).where(s.run_id == run_id, s.metric == "step_time", s.step == step)
+    ).scalar()
 
 
-def _recovery(conn: Connection, run_id: int, alert_rows: list[Any], real: list[Any]) -> dict[str, Any] | None:  # fmt: skip
+def _recovery(
+    conn: Connection, run_id: int, alert_rows: list[Any], real: list[Any]
+) -> dict[str, Any] | None:
     done = [r for r in real if r.state == "done" and r.finished_at is not None]
     if done:
         after = max(r.finished_at for r in done)
         s = m.step_stats.c
         first = conn.execute(
-            select(s.step, s.ts).where(s.run_id == run_id, s.metric == "step_time", s.ts > after)
-            .order_by(s.ts, s.step).limit(1)
-        ).first()  # fmt: skip
+            select(s.step, s.ts)
+            .where(s.run_id == run_id, s.metric == "step_time", s.ts > after)
+            .order_by(s.ts, s.step)
+            .limit(1)
+        ).first()
         if first is not None:
             kinds = " and ".join(sorted({r.kind for r in done}))
-            return _entry(first.ts, "derived", "recovered",
-                          f"recovered: step {first.step} completed after the {kinds}",
-                          step=first.step)  # fmt: skip
+            return _entry(
+                first.ts,
+                "derived",
+                "recovered",
+                f"recovered: step {first.step} completed after the {kinds}",
+                step=first.step,
+            )
     if alert_rows and all(r.state == "resolved" for r in alert_rows):
         at = max((r.cleared_at or r.resolved_at) for r in alert_rows)
-        step = max((r.cleared_at_step for r in alert_rows if r.cleared_at_step is not None), default=None)  # fmt: skip
-        return _entry(at, "derived", "recovered", "recovered: every alert's condition cleared",
-                      step=step)  # fmt: skip
+        step = max(
+            (r.cleared_at_step for r in alert_rows if r.cleared_at_step is not None), default=None
+        )
+        return _entry(
+            at, "derived", "recovered", "recovered: every alert's condition cleared", step=step
+        )
     return None

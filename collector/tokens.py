@@ -102,20 +102,30 @@ def create_token(
     secret = secrets.token_urlsafe(32)
     conn.execute(
         insert(tokens).values(
-            token_id=token_id, name=name, secret_hash=hash_secret(secret),
-            scopes=sorted(set(scopes), key=SCOPES.index), runs=runs,
-            created_at=time.time(), created_by=by[:128],
+            token_id=token_id,
+            name=name,
+            secret_hash=hash_secret(secret),
+            scopes=sorted(set(scopes), key=SCOPES.index),
+            runs=runs,
+            created_at=time.time(),
+            created_by=by[:128],
         )
-    )  # fmt: skip
+    )
     return f"tw_{token_id}_{secret}"
 
 
 def list_tokens(conn: Connection, *, revoked: bool = True) -> list[dict[str, Any]]:
     """Every token without its secret (there is none to show), oldest first."""
     query = select(
-        tokens.c.name, tokens.c.token_id, tokens.c.scopes, tokens.c.runs, tokens.c.created_at,
-        tokens.c.created_by, tokens.c.revoked_at, tokens.c.last_used_at,
-    ).order_by(tokens.c.id)  # fmt: skip
+        tokens.c.name,
+        tokens.c.token_id,
+        tokens.c.scopes,
+        tokens.c.runs,
+        tokens.c.created_at,
+        tokens.c.created_by,
+        tokens.c.revoked_at,
+        tokens.c.last_used_at,
+    ).order_by(tokens.c.id)
     if not revoked:
         query = query.where(tokens.c.revoked_at.is_(None))
     return [dict(row._mapping) for row in conn.execute(query)]

@@ -28,8 +28,11 @@ def cmd_create(args: argparse.Namespace) -> None:
     except TokenError as exc:
         raise CliError(str(exc)) from None
     runs = f" for runs {args.runs!r}" if "ingest" in scopes else ""
-    print(f"trainwarden: token {args.name!r} ({', '.join(scopes)}){runs} created. It is shown "
-          "once, keep it now (only its hash is stored):", flush=True)  # fmt: skip
+    print(
+        f"trainwarden: token {args.name!r} ({', '.join(scopes)}){runs} created. It is shown "
+        "once, keep it now (only its hash is stored):",
+        flush=True,
+    )
     print(token, flush=True)
 
 
@@ -53,9 +56,18 @@ def cmd_list(args: argparse.Namespace) -> None:
     header = ("NAME", "ID", "SCOPES", "RUNS", "CREATED", "BY", "LAST USED", "REVOKED")
     table: list[tuple[Any, ...]] = [header]
     for r in rows:
-        table.append((r["name"], r["token_id"], ",".join(r["scopes"]), r["runs"],
-                      _when(r["created_at"]), r["created_by"], _when(r["last_used_at"]),
-                      _when(r["revoked_at"])))  # fmt: skip
+        table.append(
+            (
+                r["name"],
+                r["token_id"],
+                ",".join(r["scopes"]),
+                r["runs"],
+                _when(r["created_at"]),
+                r["created_by"],
+                _when(r["last_used_at"]),
+                _when(r["revoked_at"]),
+            )
+        )
     widths = [max(len(str(row[i])) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(str(v).ljust(w) for v, w in zip(row, widths, strict=True)).rstrip())
@@ -69,8 +81,10 @@ def cmd_revoke(args: argparse.Namespace) -> None:
     with write(engine) as conn:
         if not revoke_token(conn, name=args.name):
             raise CliError(f"no live token named {args.name!r} (see: trainwarden token list --all)")
-    print(f"trainwarden: token {args.name!r} revoked; collectors refuse it within their "
-          "token cache time (5 s by default)")  # fmt: skip
+    print(
+        f"trainwarden: token {args.name!r} revoked; collectors refuse it within their "
+        "token cache time (5 s by default)"
+    )
 
 
 def _user() -> str:
@@ -88,14 +102,19 @@ def add_parsers(sub: Any, *, db_help: str) -> None:
     )
     create.add_argument("name", help="what it is for, unique (e.g. llama-ingest, alice, grafana)")
     create.add_argument(
-        "--scope", action="append", required=True, metavar="SCOPE",
+        "--scope",
+        action="append",
+        required=True,
+        metavar="SCOPE",
         help="ingest (agents send records), read (API reads, the web UI) or admin (read, and "
         "acknowledge, silence, act, notes); repeatable or comma-separated",
-    )  # fmt: skip
+    )
     create.add_argument(
-        "--runs", default="*", metavar="GLOB",
+        "--runs",
+        default="*",
+        metavar="GLOB",
         help="the runs an ingest token may send, e.g. 'llama-*' (default: every run)",
-    )  # fmt: skip
+    )
     create.add_argument("--db", help=db_help)
     create.set_defaults(func=cmd_create)
     listing = token_sub.add_parser("list", help="list tokens (never their secrets)")

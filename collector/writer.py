@@ -131,8 +131,11 @@ class IngestWriter:
     def lag_s(self, now: float | None = None) -> float:
         """How long the oldest request not yet committed has waited (0 when none)."""
         with self._cond:
-            oldest = [t for t in (self._writing_since, self._queue[0].arrived if self._queue else None)
-                      if t is not None]  # fmt: skip
+            oldest = [
+                t
+                for t in (self._writing_since, self._queue[0].arrived if self._queue else None)
+                if t is not None
+            ]
         return max(0.0, (time.time() if now is None else now) - min(oldest)) if oldest else 0.0
 
     def submit(self, batch: IngestBatch | ColumnarBatch) -> Future[IngestResult]:

@@ -224,8 +224,19 @@ class Server:
 
 def create_token(db_url: str, name: str, *scopes: str, runs: str = "*") -> str:
     """``trainwarden token create`` as an operator runs it; returns the printed token."""
-    cmd = [sys.executable, "-m", "trainwarden.collector.cli", "token", "create", name,
-           "--db", db_url, "--runs", runs, *(f"--scope={s}" for s in scopes)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainwarden.collector.cli",
+        "token",
+        "create",
+        name,
+        "--db",
+        db_url,
+        "--runs",
+        runs,
+        *(f"--scope={s}" for s in scopes),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout.strip().splitlines()[-1]

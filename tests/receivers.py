@@ -113,7 +113,8 @@ def running_alertmanager(tmp_path: Path, webhook_url: str) -> Iterator[str]:
             "prometheus-alertmanager package (scripts/test.sh does)",
             pytrace=False,
         )
-    (tmp_path / "alertmanager.yml").write_text(textwrap.dedent(f"""\
+    (tmp_path / "alertmanager.yml").write_text(
+        textwrap.dedent(f"""\
         route:
           receiver: hook
           group_by: ['...']
@@ -125,16 +126,23 @@ def running_alertmanager(tmp_path: Path, webhook_url: str) -> Iterator[str]:
             webhook_configs:
               - url: {webhook_url}
                 send_resolved: true
-        """))  # fmt: skip
+        """)
+    )
     port = free_port()
     log = tmp_path / "alertmanager.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [str(ALERTMANAGER), f"--config.file={tmp_path / 'alertmanager.yml'}",
-             f"--storage.path={tmp_path / 'am-data'}", f"--web.listen-address=127.0.0.1:{port}",
-             "--cluster.listen-address=", "--log.level=warn"],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+            [
+                str(ALERTMANAGER),
+                f"--config.file={tmp_path / 'alertmanager.yml'}",
+                f"--storage.path={tmp_path / 'am-data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--cluster.listen-address=",
+                "--log.level=warn",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30

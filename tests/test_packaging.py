@@ -38,8 +38,11 @@ def test_every_data_file_the_packages_read_is_in_the_wheel() -> None:
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     data = pyproject["tool"]["setuptools"]["package-data"]
     dirs = pyproject["tool"]["setuptools"]["package-dir"]
-    for folder, package in (("webui/assets", "trainwarden.webui"), ("agent/data", "trainwarden.agent"),
-                            ("alerts/rules", "trainwarden.alerts")):  # fmt: skip
+    for folder, package in (
+        ("webui/assets", "trainwarden.webui"),
+        ("agent/data", "trainwarden.agent"),
+        ("alerts/rules", "trainwarden.alerts"),
+    ):
         base = ROOT / dirs[package]
         for path in (ROOT / folder).rglob("*"):
             if path.is_file():

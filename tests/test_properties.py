@@ -18,8 +18,9 @@ from trainwarden.agent.drills import KINDS, DrillError, parse
 from trainwarden.alerts import RuleError, parse_rule
 from trainwarden.collector.schemas import AgentInfo, ColumnarBatch, IngestBatch
 
-SETTINGS = settings(max_examples=300, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+SETTINGS = settings(
+    max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
 
 # -- the drill spec ------------------------------------------------------------------------
 
@@ -33,8 +34,12 @@ numbers = st.one_of(
 def drill_parts(draw: Any) -> str:
     """Specs that look right, with numbers anywhere in their range (and past it)."""
     kind = draw(st.sampled_from(KINDS))
-    value = {"xid": draw(numbers), "thermal": draw(numbers) + "C", "slow": draw(numbers) + "x",
-             "loss_spike": draw(numbers) + "x"}.get(kind)  # fmt: skip
+    value = {
+        "xid": draw(numbers),
+        "thermal": draw(numbers) + "C",
+        "slow": draw(numbers) + "x",
+        "loss_spike": draw(numbers) + "x",
+    }.get(kind)
     params = [f"rank={draw(numbers)}"] if draw(st.booleans()) else []
     if draw(st.booleans()):
         params.append(f"step={draw(numbers)}")
@@ -81,20 +86,46 @@ def test_any_text_as_a_drill_spec_is_parsed_or_refused(spec: str) -> None:
 # -- rules ---------------------------------------------------------------------------------
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=True) | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=12),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3)
+    ),
     max_leaves=8,
-)  # fmt: skip
-RULE_KEYS = ["name", "kind", "summary", "params", "for", "keep_firing_for", "severity", "runbook", "action",
-             "labels", "scope", "metric", "above", "below", "window"]  # fmt: skip
+)
+RULE_KEYS = [
+    "name",
+    "kind",
+    "summary",
+    "params",
+    "for",
+    "keep_firing_for",
+    "severity",
+    "runbook",
+    "action",
+    "labels",
+    "scope",
+    "metric",
+    "above",
+    "below",
+    "window",
+]
 
 
 @st.composite
 def rule_like(draw: Any) -> dict[str, Any]:
-    rule = {"name": draw(st.sampled_from(["X", "LossSpike", "", "a b"])),
-            "kind": draw(st.sampled_from(["threshold", "baseline", "peer", "event", "absence", "rate", "nope"])),
-            "summary": "s", "severity": draw(st.sampled_from(["critical", "warning", "info", "loud"])),
-            "runbook": draw(st.sampled_from(["LossSpike.md", "missing.md", ""]))}  # fmt: skip
+    rule = {
+        "name": draw(st.sampled_from(["X", "LossSpike", "", "a b"])),
+        "kind": draw(
+            st.sampled_from(["threshold", "baseline", "peer", "event", "absence", "rate", "nope"])
+        ),
+        "summary": "s",
+        "severity": draw(st.sampled_from(["critical", "warning", "info", "loud"])),
+        "runbook": draw(st.sampled_from(["LossSpike.md", "missing.md", ""])),
+    }
     for key in draw(st.lists(st.sampled_from(RULE_KEYS), max_size=4)):
         rule[key] = draw(json_values)
     return rule
@@ -116,10 +147,16 @@ def test_a_rule_parses_or_is_refused_with_its_problems(raw: Any) -> None:
 finite = st.floats(0, 1e6, allow_nan=False)
 step_rows = st.fixed_dictionaries(
     {"step": st.integers(0, 2**40), "ts": st.floats(1.6e9, 1.7e9), "duration_s": finite},
-    optional={"loss": st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(["nan", "inf", "-inf"]),
-              "tokens": st.integers(0, 2**40), "data_wait_s": finite, "mfu": st.floats(0, 1),
-              "compute_s": finite, "exposed_comm_s": finite},
-)  # fmt: skip
+    optional={
+        "loss": st.floats(allow_nan=True, allow_infinity=True)
+        | st.sampled_from(["nan", "inf", "-inf"]),
+        "tokens": st.integers(0, 2**40),
+        "data_wait_s": finite,
+        "mfu": st.floats(0, 1),
+        "compute_s": finite,
+        "exposed_comm_s": finite,
+    },
+)
 
 
 def _agent(rank: int, world: int) -> dict[str, Any]:
@@ -134,8 +171,12 @@ def test_row_wise_and_columnar_bodies_agree(rows: list[dict[str, Any]], rank: in
     columns = (
         {"rank": [rank] * len(rows), **{n: [r.get(n) for r in rows] for n in names}} if rows else {}
     )
-    columnar = {"run": "r", "world_size": 4, "steps": columns,
-                "agents": [{k: v for k, v in _agent(rank, 4).items() if k != "world_size"}]}  # fmt: skip
+    columnar = {
+        "run": "r",
+        "world_size": 4,
+        "steps": columns,
+        "agents": [{k: v for k, v in _agent(rank, 4).items() if k != "world_size"}],
+    }
     a = IngestBatch.model_validate(row_wise)
     b = ColumnarBatch.model_validate(columnar)
     if not rows:
@@ -154,13 +195,24 @@ def test_row_wise_and_columnar_bodies_agree(rows: list[dict[str, Any]], rank: in
 
 opt_ts = st.none() | st.floats(allow_nan=True, allow_infinity=True) | st.floats(1.6e9, 1.7e9)
 headers = st.fixed_dictionaries(
-    {"rank": st.integers(0, 9), "host": st.sampled_from(["h", "node-7", ""]), "session": st.text(min_size=1, max_size=3)},
-    optional={"local_rank": st.integers(-1, 8), "node": st.none() | st.sampled_from(["n1", "x" * 300]),
-              "pid": st.none() | st.integers(-1, 2**31), "sent_at": opt_ts, "last_step_end": opt_ts,
-              "started_at": opt_ts, "heartbeat_s": st.none() | st.floats(-1, 5000),
-              "last_step": st.none() | st.integers(0, 2**40), "in_step": st.none() | st.booleans(),
-              "phase": st.none() | st.sampled_from(["fwd", "p" * 40])},
-)  # fmt: skip
+    {
+        "rank": st.integers(0, 9),
+        "host": st.sampled_from(["h", "node-7", ""]),
+        "session": st.text(min_size=1, max_size=3),
+    },
+    optional={
+        "local_rank": st.integers(-1, 8),
+        "node": st.none() | st.sampled_from(["n1", "x" * 300]),
+        "pid": st.none() | st.integers(-1, 2**31),
+        "sent_at": opt_ts,
+        "last_step_end": opt_ts,
+        "started_at": opt_ts,
+        "heartbeat_s": st.none() | st.floats(-1, 5000),
+        "last_step": st.none() | st.integers(0, 2**40),
+        "in_step": st.none() | st.booleans(),
+        "phase": st.none() | st.sampled_from(["fwd", "p" * 40]),
+    },
+)
 
 
 @SETTINGS
@@ -208,8 +260,17 @@ def test_any_json_body_is_accepted_or_refused_with_a_validation_error(
         assert exc.errors()  # names the field(s)
 
 
-@pytest.mark.parametrize("bad", [{"ts": -1.0}, {"ts": float("nan")}, {"step": -1}, {"step": 2**63},
-                                 {"duration_s": float("inf")}, {"duration_s": -0.5}])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"ts": -1.0},
+        {"ts": float("nan")},
+        {"step": -1},
+        {"step": 2**63},
+        {"duration_s": float("inf")},
+        {"duration_s": -0.5},
+    ],
+)
 def test_a_bad_step_field_is_refused_naming_it(bad: dict[str, Any]) -> None:
     row = {"step": 1, "ts": 1.7e9, "duration_s": 0.1, **bad}
     with pytest.raises(ValidationError) as refused:

@@ -57,8 +57,11 @@ def runbook_href(alert: AlertOut) -> str:
 
 
 def where(alert: AlertOut) -> str:
-    parts = [f"rank {alert.rank}" if alert.rank is not None else "", alert.node or "",
-             f"GPU {alert.gpu}" if alert.gpu else ""]  # fmt: skip
+    parts = [
+        f"rank {alert.rank}" if alert.rank is not None else "",
+        alert.node or "",
+        f"GPU {alert.gpu}" if alert.gpu else "",
+    ]
     return " · ".join(p for p in parts if p) or "whole run"
 
 
@@ -86,7 +89,9 @@ def marks(alert: AlertOut, now: float) -> list[html.Span]:
         text = f"inhibited by alert #{alert.inhibited_by}"
         out.append(html.Span(text, className="mark mark-inhibited"))
     if alert.acked_by:
-        text = f"acked by {alert.acked_by}" + (f" {ago(alert.acked_at, now)}" if alert.acked_at else "")  # fmt: skip
+        text = f"acked by {alert.acked_by}" + (
+            f" {ago(alert.acked_at, now)}" if alert.acked_at else ""
+        )
         out.append(html.Span(text, className="mark mark-acked", title=alert.ack_comment or ""))
     return out
 
@@ -105,8 +110,13 @@ def _status(state: str) -> html.Span:
 
 def _runbook(alert: AlertOut) -> html.A:
     # A new tab: the on-call engineer keeps the alert list while reading what to do.
-    return html.A("Runbook", href=runbook_href(alert), className="runbook-link",
-                  target="_blank", rel="noopener")  # fmt: skip
+    return html.A(
+        "Runbook",
+        href=runbook_href(alert),
+        className="runbook-link",
+        target="_blank",
+        rel="noopener",
+    )
 
 
 def _run_link(run: str) -> dcc.Link:
@@ -124,8 +134,10 @@ def _button(label: str, kind: str, index: int, primary: bool = False) -> html.Bu
 
 
 def _table(head: Sequence[str], rows: list[html.Tr], name: str) -> html.Table:
-    return html.Table([html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(rows)],
-                      className=f"runs-table {name}")  # fmt: skip
+    return html.Table(
+        [html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(rows)],
+        className=f"runs-table {name}",
+    )
 
 
 # -- alerts ----------------------------------------------------------------------
@@ -189,15 +201,24 @@ def run_alerts_panel(alerts: Sequence[AlertOut], *, run: str, now: float) -> htm
     """The run page's short list of its open alerts, with their runbooks."""
     history = dcc.Link("all alerts of this run", href=f"/alerts{query_string(run, STATES)}")
     if not alerts:
-        return html.Div([html.Span("No open alerts · ", className="detail"), history],
-                        className="run-alerts run-alerts-none")  # fmt: skip
+        return html.Div(
+            [html.Span("No open alerts · ", className="detail"), history],
+            className="run-alerts run-alerts-none",
+        )
     items = [
-        html.Li([_severity(a.severity), html.Span(a.rule, className="alert-rule"),
-                 html.Span(where(a), className="detail"), _status(a.state),
-                 html.Span(since(a, now), className="detail"), _runbook(a)],
-                className=f"alert-item alert-{a.state}")
+        html.Li(
+            [
+                _severity(a.severity),
+                html.Span(a.rule, className="alert-rule"),
+                html.Span(where(a), className="detail"),
+                _status(a.state),
+                html.Span(since(a, now), className="detail"),
+                _runbook(a),
+            ],
+            className=f"alert-item alert-{a.state}",
+        )
         for a in alerts
-    ]  # fmt: skip
+    ]
     title = html.Div([html.Strong(f"Open alerts ({len(alerts)})"), " · ", history])
     return html.Div([title, html.Ul(items, className="alert-list")], className="run-alerts")
 
@@ -209,22 +230,30 @@ def silences_table(silences: Sequence[SilenceOut], *, now: float) -> Any:
     if not silences:
         return notice("No active silences.")
     rows = [
-        html.Tr([
-            html.Td(matchers_text(s.matchers), className="matchers"),
-            html.Td(("until " if s.active else f"from {clock(s.starts_at, now)} until ")
-                    + f"{clock(s.ends_at, now)} ({until(s.ends_at, now)})"),
-            html.Td(s.created_by),
-            html.Td(s.comment, className="detail"),
-            html.Td(_button("End", "alerts-unsilence", s.id), className="buttons"),
-        ], id=f"silence-{s.id}", className="silence-row")
+        html.Tr(
+            [
+                html.Td(matchers_text(s.matchers), className="matchers"),
+                html.Td(
+                    ("until " if s.active else f"from {clock(s.starts_at, now)} until ")
+                    + f"{clock(s.ends_at, now)} ({until(s.ends_at, now)})"
+                ),
+                html.Td(s.created_by),
+                html.Td(s.comment, className="detail"),
+                html.Td(_button("End", "alerts-unsilence", s.id), className="buttons"),
+            ],
+            id=f"silence-{s.id}",
+            className="silence-row",
+        )
         for s in silences
-    ]  # fmt: skip
+    ]
     return _table(("Matches", "Active", "By", "Why", ""), rows, "silences-table")
 
 
 def _compact(value: Any, limit: int = 160) -> str:
     if isinstance(value, dict):
-        text = ", ".join(f"{k} {_compact(v)}" for k, v in value.items() if v not in (None, [], {}, ""))  # fmt: skip
+        text = ", ".join(
+            f"{k} {_compact(v)}" for k, v in value.items() if v not in (None, [], {}, "")
+        )
     elif isinstance(value, list):
         text = ", ".join(_compact(v) for v in value)
     else:

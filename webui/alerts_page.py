@@ -24,8 +24,15 @@ from .client import Client, Refused
 from .components import clock, notice
 
 log = logging.getLogger(__name__)
-DURATIONS = [("30 min", 1800), ("1 hour", 3600), ("4 hours", 14_400), ("12 hours", 43_200),
-             ("1 day", 86_400), ("3 days", 259_200), ("7 days", 604_800)]  # fmt: skip
+DURATIONS = [
+    ("30 min", 1800),
+    ("1 hour", 3600),
+    ("4 hours", 14_400),
+    ("12 hours", 43_200),
+    ("1 day", 86_400),
+    ("3 days", 259_200),
+    ("7 days", 604_800),
+]
 ACTIONS_SHOWN = 50
 NEEDS_NAME = {"alerts-ack", "alerts-approve", "alerts-cancel", "alerts-silence-submit"}
 
@@ -42,9 +49,15 @@ class SilenceForm:
 
     def matchers(self) -> list[dict[str, Any]]:
         given = (("run", self.run), ("rank", self.rank), ("alertname", self.alertname))
-        out = [{"name": name, "value": value.strip()} for name, value in given if value and value.strip()]  # fmt: skip
+        out = [
+            {"name": name, "value": value.strip()}
+            for name, value in given
+            if value and value.strip()
+        ]
         if not out:
-            raise Refused("fill in at least one of run, rank and alert name: a silence names what it silences")  # fmt: skip
+            raise Refused(
+                "fill in at least one of run, rank and alert name: a silence names what it silences"
+            )
         if self.rank and self.rank.strip() and not self.rank.strip().isdigit():
             raise Refused(f"rank {self.rank.strip()!r} is not a rank number; give one like 3")
         if not (self.comment or "").strip():
@@ -58,78 +71,140 @@ def perform(client: Client, trigger: Any, *, by: str | None, form: SilenceForm) 
     index = 0 if isinstance(trigger, str) else int(trigger["index"])
     who = (by or "").strip()
     if kind in NEEDS_NAME and not who:
-        return ("Type your name in “Your name” at the top first (this browser remembers it), "
-                "then press the button again.", "error")  # fmt: skip
+        return (
+            "Type your name in “Your name” at the top first (this browser remembers it), "
+            "then press the button again.",
+            "error",
+        )
     try:
         if kind == "alerts-ack":
             alert = client.ack(index, by=who)
             if alert.acked_by != who:
-                return f"{alert.rule} (#{alert.id}) was already acknowledged by {alert.acked_by}.", "info"  # fmt: skip
-            return f"Acknowledged {alert.rule} (#{alert.id}) as {who}: it is no longer re-sent.", "info"  # fmt: skip
+                return (
+                    f"{alert.rule} (#{alert.id}) was already acknowledged by {alert.acked_by}.",
+                    "info",
+                )
+            return (
+                f"Acknowledged {alert.rule} (#{alert.id}) as {who}: it is no longer re-sent.",
+                "info",
+            )
         if kind in ("alerts-approve", "alerts-cancel"):
             action = client.decide(index, approve=kind == "alerts-approve", by=who)
-            return f"The {action.kind} #{action.id} of run {action.run} is now {action.state}.", "info"  # fmt: skip
+            return (
+                f"The {action.kind} #{action.id} of run {action.run} is now {action.state}.",
+                "info",
+            )
         if kind == "alerts-unsilence":
             ended = client.end_silence(index)
             return f"Silence #{ended.id} ({view.matchers_text(ended.matchers)}) ended.", "info"
         if kind == "alerts-silence-submit":
-            made = client.silence(matchers=form.matchers(), duration_s=form.duration_s or 3600,
-                                  by=who, comment=(form.comment or "").strip())  # fmt: skip
-            return (f"Silenced {view.matchers_text(made.matchers)} until {clock(made.ends_at)} "
-                    f"(#{made.id}): matching alerts are listed, nobody is paged.", "info")  # fmt: skip
+            made = client.silence(
+                matchers=form.matchers(),
+                duration_s=form.duration_s or 3600,
+                by=who,
+                comment=(form.comment or "").strip(),
+            )
+            return (
+                f"Silenced {view.matchers_text(made.matchers)} until {clock(made.ends_at)} "
+                f"(#{made.id}): matching alerts are listed, nobody is paged.",
+                "info",
+            )
     except Refused as exc:
         return f"Not done: {exc}.", "error"
     return f"Nothing to do for {kind}.", "error"
 
 
 def _field(label: str, control: Any, *, wide: bool = False) -> html.Label:
-    return html.Label([html.Span(label, className="field-label"), control],
-                      className="field field-wide" if wide else "field")  # fmt: skip
+    return html.Label(
+        [html.Span(label, className="field-label"), control],
+        className="field field-wide" if wide else "field",
+    )
 
 
 def layout(search: str | None, *, runs: Sequence[str], refresh_s: float) -> html.Div:
     run, states = view.parse_query(search)
     options = sorted({*runs, *([run] if run else [])})
     filters = [
-        _field("Run", dcc.Dropdown(id="alerts-run", options=options, value=run,
-                                   placeholder="All runs", clearable=True), wide=True),
-        _field("State", dcc.Checklist(id="alerts-states", options=list(view.STATES),
-                                      value=states, inline=True, className="checks")),
-        _field("Your name", dcc.Input(id="alerts-by", placeholder="e.g. ana",
-                                      maxLength=128, persistence=True, persistence_type="local")),
-    ]  # fmt: skip
+        _field(
+            "Run",
+            dcc.Dropdown(
+                id="alerts-run", options=options, value=run, placeholder="All runs", clearable=True
+            ),
+            wide=True,
+        ),
+        _field(
+            "State",
+            dcc.Checklist(
+                id="alerts-states",
+                options=list(view.STATES),
+                value=states,
+                inline=True,
+                className="checks",
+            ),
+        ),
+        _field(
+            "Your name",
+            dcc.Input(
+                id="alerts-by",
+                placeholder="e.g. ana",
+                maxLength=128,
+                persistence=True,
+                persistence_type="local",
+            ),
+        ),
+    ]
     silence_form = [
         _field("Run", dcc.Input(id="alerts-silence-run", placeholder="run name", value=run or "")),
         _field("Rank", dcc.Input(id="alerts-silence-rank", placeholder="any", inputMode="numeric")),
         _field("Alert name", dcc.Input(id="alerts-silence-alertname", placeholder="e.g. FatalXid")),
-        _field("For", dcc.Dropdown(id="alerts-silence-duration", value=3600, clearable=False,
-                                   searchable=False, options=[{"label": k, "value": v} for k, v in DURATIONS])),
-        _field("Why", dcc.Input(id="alerts-silence-comment", placeholder="e.g. node7 in maintenance",
-                                maxLength=1000), wide=True),
+        _field(
+            "For",
+            dcc.Dropdown(
+                id="alerts-silence-duration",
+                value=3600,
+                clearable=False,
+                searchable=False,
+                options=[{"label": k, "value": v} for k, v in DURATIONS],
+            ),
+        ),
+        _field(
+            "Why",
+            dcc.Input(
+                id="alerts-silence-comment", placeholder="e.g. node7 in maintenance", maxLength=1000
+            ),
+            wide=True,
+        ),
         html.Button("Silence", id="alerts-silence-submit", className="btn btn-primary", n_clicks=0),
-    ]  # fmt: skip
-    return html.Div([
-        # The page's own view of the URL: no reload when the filters write it.
-        dcc.Location(id="alerts-url", refresh=False),
-        html.H2("Alerts"),
-        html.Div(filters, className="toolbar"),
-        html.Div(id="alerts-feedback", role="status"),
-        html.Div(id="alerts-table", children=notice("Loading alerts…")),
-        html.H3("Silence alerts"),
-        html.P("Silenced alerts are still evaluated and listed; nobody is paged for them. "
-               "“Silence…” on an alert fills this in.", className="hint"),
-        html.Div(silence_form, className="toolbar silence-form"),
-        html.H3("Silences"),
-        html.Div(id="alerts-silences"),
-        html.H3("Actions"),
-        html.Div(id="alerts-actions"),
-        dcc.Store(id="alerts-changed", data=0),
-        dcc.Store(id="alerts-digest"),
-        dcc.Interval(id="alerts-interval", interval=int(refresh_s * 1000)),
-    ])  # fmt: skip
+    ]
+    return html.Div(
+        [
+            # The page's own view of the URL: no reload when the filters write it.
+            dcc.Location(id="alerts-url", refresh=False),
+            html.H2("Alerts"),
+            html.Div(filters, className="toolbar"),
+            html.Div(id="alerts-feedback", role="status"),
+            html.Div(id="alerts-table", children=notice("Loading alerts…")),
+            html.H3("Silence alerts"),
+            html.P(
+                "Silenced alerts are still evaluated and listed; nobody is paged for them. "
+                "“Silence…” on an alert fills this in.",
+                className="hint",
+            ),
+            html.Div(silence_form, className="toolbar silence-form"),
+            html.H3("Silences"),
+            html.Div(id="alerts-silences"),
+            html.H3("Actions"),
+            html.Div(id="alerts-actions"),
+            dcc.Store(id="alerts-changed", data=0),
+            dcc.Store(id="alerts-digest"),
+            dcc.Interval(id="alerts-interval", interval=int(refresh_s * 1000)),
+        ]
+    )
 
 
-def page_parts(client: Client, *, run: str | None, states: list[str], now: float) -> tuple[Any, ...]:  # fmt: skip
+def page_parts(
+    client: Client, *, run: str | None, states: list[str], now: float
+) -> tuple[Any, ...]:
     found = client.alerts(run=run, states=states, limit=view.ALERTS_SHOWN) if states else []
     return (
         view.alerts_table(found, now=now, run=run, states=states),
@@ -180,14 +255,23 @@ def register(app: dash.Dash, client: Client) -> None:
         Input("alerts-changed", "data"),
         State("alerts-digest", "data"),
     )
-    def refresh(_n: int | None, run: str | None, states: list[str] | None, _changed: int, seen: str | None) -> Any:  # fmt: skip
+    def refresh(
+        _n: int | None, run: str | None, states: list[str] | None, _changed: int, seen: str | None
+    ) -> Any:
         try:
             parts = page_parts(client, run=run, states=list(states or []), now=time.time())
         except Exception as exc:
             log.exception("alerts page")
-            parts = (notice(f"Cannot read alerts from the collector's database: {exc.__class__.__name__}. "
-                            "The page retries by itself; if this stays, check the collector's log "
-                            "and its database.", "error"), None, None)  # fmt: skip
+            parts = (
+                notice(
+                    f"Cannot read alerts from the collector's database: {exc.__class__.__name__}. "
+                    "The page retries by itself; if this stays, check the collector's log "
+                    "and its database.",
+                    "error",
+                ),
+                None,
+                None,
+            )
         digest = hashlib.sha1(to_json_plotly(parts).encode()).hexdigest()
         if digest == seen:
             return (dash.no_update,) * 4
@@ -219,8 +303,13 @@ def register(app: dash.Dash, client: Client) -> None:
             message, kind = perform(client, dash.ctx.triggered_id, by=by, form=form)
         except Exception as exc:
             log.exception("alerts page: %s", dash.ctx.triggered_id)
-            message, kind = (f"Not done: the collector's database failed ({exc.__class__.__name__}). "
-                             "Try again; if it stays, check the collector's log."), "error"  # fmt: skip
+            message, kind = (
+                (
+                    f"Not done: the collector's database failed ({exc.__class__.__name__}). "
+                    "Try again; if it stays, check the collector's log."
+                ),
+                "error",
+            )
         return notice(message, kind), (changed or 0) + 1
 
     @app.callback(

@@ -64,7 +64,7 @@ def runs_table(client: Client) -> Any:
                 "Last step",
                 "Updated",
             )
-        ]  # fmt: skip
+        ]
     )
     rows = [
         html.Tr(
@@ -76,7 +76,7 @@ def runs_table(client: Client) -> Any:
                         className=f"status status-{r.status}",
                         title=RUN_STATUS_HELP.get(r.status, ""),
                     )
-                ),  # fmt: skip
+                ),
                 html.Td(
                     dcc.Link(
                         str(firing[r.name]),
@@ -85,7 +85,7 @@ def runs_table(client: Client) -> Any:
                     )
                     if r.name in firing
                     else "—"
-                ),  # fmt: skip
+                ),
                 html.Td(r.world_size),
                 html.Td(r.ranks_seen),
                 html.Td("—" if r.last_step is None else r.last_step),
@@ -161,8 +161,12 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
             return alerts_page.layout(search, runs=_run_names(client), refresh_s=refresh_s)
         if path.startswith("/runs/"):
             rest = path[len("/runs/") :]
-            for suffix, module in (("/ranks", ranks_page), ("/hardware", hardware_page),
-                                   ("/timeline", timeline_page), ("/info", run_info_page)):  # fmt: skip
+            for suffix, module in (
+                ("/ranks", ranks_page),
+                ("/hardware", hardware_page),
+                ("/timeline", timeline_page),
+                ("/info", run_info_page),
+            ):
                 if rest.endswith(suffix) and len(rest) > len(suffix):
                     return module.layout(unquote(rest[: -len(suffix)]), search, refresh_s=refresh_s)
             return overview.layout(unquote(rest), search, refresh_s=refresh_s)

@@ -52,26 +52,57 @@ class Client(Protocol):
 
     def get_run(self, run: str) -> RunDetail: ...
 
-    def series(self, run: str, metric: str, *, last: int | None = None, points: int | None = None,
-               from_step: int | None = None, to_step: int | None = None) -> Series: ...  # fmt: skip
+    def series(
+        self,
+        run: str,
+        metric: str,
+        *,
+        last: int | None = None,
+        points: int | None = None,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> Series: ...
 
-    def heatmap(self, run: str, metric: str, *, buckets: int = 200, from_step: int | None = None,
-                to_step: int | None = None) -> Heatmap: ...  # fmt: skip
+    def heatmap(
+        self,
+        run: str,
+        metric: str,
+        *,
+        buckets: int = 200,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> Heatmap: ...
 
     def user_metrics(self, run: str) -> list[str]: ...
 
-    def rank_series(self, run: str, rank: int, metric: str, *, from_step: int | None = None,
-                    to_step: int | None = None, last: int | None = None) -> RankSeries: ...  # fmt: skip
+    def rank_series(
+        self,
+        run: str,
+        rank: int,
+        metric: str,
+        *,
+        from_step: int | None = None,
+        to_step: int | None = None,
+        last: int | None = None,
+    ) -> RankSeries: ...
 
     def flags(self, run: str) -> list[FlaggedStep]: ...
 
-    def replaced(self, run: str, metric: str, *, points: int | None = None,
-                 from_step: int | None = None, to_step: int | None = None) -> ReplacedSeries: ...  # fmt: skip
+    def replaced(
+        self,
+        run: str,
+        metric: str,
+        *,
+        points: int | None = None,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> ReplacedSeries: ...
 
     def events(self, run: str, *, kind: str | None = None) -> list[EventOut]: ...
 
-    def gpu(self, run: str, *, since: float | None = None, rank: int | None = None,
-            limit: int = 10_000) -> list[GpuSample]: ...  # fmt: skip
+    def gpu(
+        self, run: str, *, since: float | None = None, rank: int | None = None, limit: int = 10_000
+    ) -> list[GpuSample]: ...
 
     def checkpoints(self, run: str) -> list[CheckpointOut]: ...
 
@@ -141,13 +172,19 @@ def _refusals() -> Iterator[None]:
 class LocalClient:
     """Reads in-process from the collector's database (the UI runs inside ``serve``)."""
 
-    def __init__(self, engine: Engine, *, policy: ActionPolicy | None = None,
-                 settings: Settings | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        policy: ActionPolicy | None = None,
+        settings: Settings | None = None,
+    ) -> None:
         self._engine = engine
         # All that the API's routes read from their request: the app's engine, action
         # policy and settings (the timeline's external URL and price per GPU-hour).
-        state = SimpleNamespace(engine=engine, action_policy=policy or ActionPolicy(),
-                                settings=settings or Settings())  # fmt: skip
+        state = SimpleNamespace(
+            engine=engine, action_policy=policy or ActionPolicy(), settings=settings or Settings()
+        )
         self._request: Any = SimpleNamespace(app=SimpleNamespace(state=state))
 
     def list_runs(self) -> list[RunSummary]:
@@ -158,47 +195,94 @@ class LocalClient:
         with self._engine.connect() as conn:
             return queries.get_run(conn, run=run)
 
-    def series(self, run: str, metric: str, *, last: int | None = None, points: int | None = None,
-               from_step: int | None = None, to_step: int | None = None) -> Series:  # fmt: skip
+    def series(
+        self,
+        run: str,
+        metric: str,
+        *,
+        last: int | None = None,
+        points: int | None = None,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> Series:
         """Per step across ranks; ``points`` downsamples on the server, keeping spikes."""
         with self._engine.connect() as conn:
-            return queries.series(conn, run=run, metric=metric, last=last, points=points,
-                                  from_step=from_step, to_step=to_step)  # fmt: skip
+            return queries.series(
+                conn,
+                run=run,
+                metric=metric,
+                last=last,
+                points=points,
+                from_step=from_step,
+                to_step=to_step,
+            )
 
-    def heatmap(self, run: str, metric: str, *, buckets: int = 200, from_step: int | None = None,
-                to_step: int | None = None) -> Heatmap:  # fmt: skip
+    def heatmap(
+        self,
+        run: str,
+        metric: str,
+        *,
+        buckets: int = 200,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> Heatmap:
         with self._engine.connect() as conn:
-            return queries.heatmap(conn, run=run, metric=metric, buckets=buckets,
-                                   from_step=from_step, to_step=to_step)  # fmt: skip
+            return queries.heatmap(
+                conn, run=run, metric=metric, buckets=buckets, from_step=from_step, to_step=to_step
+            )
 
     def user_metrics(self, run: str) -> list[str]:
         """The run's user metrics (``user.<name>``), once rolled up."""
         with self._engine.connect() as conn:
             return list(user_metrics.run_metrics(conn, run=run, builtin=[])["user"])
 
-    def rank_series(self, run: str, rank: int, metric: str, *, from_step: int | None = None,
-                    to_step: int | None = None, last: int | None = None) -> RankSeries:  # fmt: skip
+    def rank_series(
+        self,
+        run: str,
+        rank: int,
+        metric: str,
+        *,
+        from_step: int | None = None,
+        to_step: int | None = None,
+        last: int | None = None,
+    ) -> RankSeries:
         with self._engine.connect() as conn:
-            return queries.rank_series(conn, run=run, metric=metric, rank=rank,
-                                       from_step=from_step, to_step=to_step, last=last)  # fmt: skip
+            return queries.rank_series(
+                conn,
+                run=run,
+                metric=metric,
+                rank=rank,
+                from_step=from_step,
+                to_step=to_step,
+                last=last,
+            )
 
     def flags(self, run: str) -> list[FlaggedStep]:
         with self._engine.connect() as conn:
             return queries.flagged_steps(conn, run=run)
 
-    def replaced(self, run: str, metric: str, *, points: int | None = None,
-                 from_step: int | None = None, to_step: int | None = None) -> ReplacedSeries:  # fmt: skip
+    def replaced(
+        self,
+        run: str,
+        metric: str,
+        *,
+        points: int | None = None,
+        from_step: int | None = None,
+        to_step: int | None = None,
+    ) -> ReplacedSeries:
         """Executions of steps that a rollback or restart ran again (the spike it left)."""
         with self._engine.connect() as conn:
-            return queries.replaced_series(conn, run=run, metric=metric, points=points,
-                                           from_step=from_step, to_step=to_step)  # fmt: skip
+            return queries.replaced_series(
+                conn, run=run, metric=metric, points=points, from_step=from_step, to_step=to_step
+            )
 
     def events(self, run: str, *, kind: str | None = None) -> list[EventOut]:
         with self._engine.connect() as conn:
             return queries.events(conn, run=run, kind=kind, limit=100_000)
 
-    def gpu(self, run: str, *, since: float | None = None, rank: int | None = None,
-            limit: int = 10_000) -> list[GpuSample]:  # fmt: skip
+    def gpu(
+        self, run: str, *, since: float | None = None, rank: int | None = None, limit: int = 10_000
+    ) -> list[GpuSample]:
         with self._engine.connect() as conn:
             return queries.gpu_samples(conn, run=run, since=since, rank=rank, limit=limit)
 

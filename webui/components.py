@@ -70,7 +70,9 @@ def run_tabs(name: str, active: str) -> html.Nav:
     return html.Nav(links, className="run-tabs")
 
 
-def is_default_pick(value: str | None, options: list[dict[str, str]] | None, picked: str | None) -> bool:  # fmt: skip
+def is_default_pick(
+    value: str | None, options: list[dict[str, str]] | None, picked: str | None
+) -> bool:
     """Whether the picker shows the default (the first metric, no pick in the URL): a
     refresh setting it must not write ``user=`` into the address."""
     return picked is None and bool(options) and value == options[0]["value"]  # type: ignore[index]
@@ -82,7 +84,9 @@ def parse_user(search: str | None) -> str | None:
     return "user." + found.removeprefix("user.") if found else None
 
 
-def user_choices(client: Client, name: str, picked: str | None) -> tuple[list[dict[str, str]], str | None]:  # fmt: skip
+def user_choices(
+    client: Client, name: str, picked: str | None
+) -> tuple[list[dict[str, str]], str | None]:
     """(a user-metric picker's options, its value): ``picked`` (the URL's) when the run has
     it, else the run's first metric, a default the URL does not get (:func:`is_default_pick`)."""
     found = client.user_metrics(name)

@@ -42,8 +42,11 @@ def template(theme: str | None) -> str:
 
 def themed(fig: go.Figure, theme: str | None) -> go.Figure:
     """``fig`` in the theme's template, on a transparent background (the card shows)."""
-    fig.update_layout(template=template(theme), paper_bgcolor="rgba(0,0,0,0)",
-                      plot_bgcolor="rgba(0,0,0,0)" if theme == "dark" else None)  # fmt: skip
+    fig.update_layout(
+        template=template(theme),
+        paper_bgcolor="rgba(0,0,0,0)",
+        plot_bgcolor="rgba(0,0,0,0)" if theme == "dark" else None,
+    )
     return fig
 
 

@@ -89,8 +89,14 @@ def xid_problems(xids: Iterable[XidRow]) -> dict[int, list[str]]:
     return found
 
 
-def gpu_table(run: str, samples: Sequence[GpuSample], ranks: Sequence[RankInfo], *,
-              selected: int | None = None, xids: Sequence[XidRow] = ()) -> html.Div:  # fmt: skip
+def gpu_table(
+    run: str,
+    samples: Sequence[GpuSample],
+    ranks: Sequence[RankInfo],
+    *,
+    selected: int | None = None,
+    xids: Sequence[XidRow] = (),
+) -> html.Div:
     """The newest reading of every GPU, grouped by node; the hot, throttled and failing
     ones marked, and those whose GPU reported an XID that calls for action (a GPU off the
     bus may send no reading again). Past GPU_ROWS GPUs, only those with a problem are
@@ -101,9 +107,11 @@ def gpu_table(run: str, samples: Sequence[GpuSample], ranks: Sequence[RankInfo],
     every = sorted(set(now) | set(info) | set(failed))
     if selected is not None:
         every = [r for r in every if r == selected]
-    shown = every if len(every) <= GPU_ROWS else [
-        r for r in every if r in failed or (r in now and problems(now[r]))
-    ]  # fmt: skip
+    shown = (
+        every
+        if len(every) <= GPU_ROWS
+        else [r for r in every if r in failed or (r in now and problems(now[r]))]
+    )
     by_node: dict[str, list[int]] = {}
     for rank in shown:
         by_node.setdefault(_node(info.get(rank)), []).append(rank)
@@ -113,28 +121,56 @@ def gpu_table(run: str, samples: Sequence[GpuSample], ranks: Sequence[RankInfo],
         members = by_node[node]
         temps = [t for r in members if r in now and (t := _finite(now[r].temp_c)) is not None]
         hottest = f" · hottest {max(temps):.0f} °C" if temps else ""
-        rows.append(html.Tr(html.Td(f"{node} · {len(members)} GPU{'s' if len(members) != 1 else ''}{hottest}",
-                                    colSpan=9), className="node-row"))  # fmt: skip
+        rows.append(
+            html.Tr(
+                html.Td(
+                    f"{node} · {len(members)} GPU{'s' if len(members) != 1 else ''}{hottest}",
+                    colSpan=9,
+                ),
+                className="node-row",
+            )
+        )
         for rank in members:
             rows.append(_gpu_row(base, rank, now.get(rank), info.get(rank), failed.get(rank, [])))
     hidden = len(every) - len(shown)
-    note = html.P(f"{hidden} GPUs with nothing wrong are not listed; add ?rank=N to see one.",
-                  className="hint") if hidden else None  # fmt: skip
-    head = ("Rank", "GPU", "Temperature", "Power / limit", "SM clock / max", "Throttle",
-            "Util", "ECC corr. / uncorr.", "Problems")  # fmt: skip
-    table = html.Table([html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(rows)],
-                       className="runs-table gpu-table")  # fmt: skip
+    note = (
+        html.P(
+            f"{hidden} GPUs with nothing wrong are not listed; add ?rank=N to see one.",
+            className="hint",
+        )
+        if hidden
+        else None
+    )
+    head = (
+        "Rank",
+        "GPU",
+        "Temperature",
+        "Power / limit",
+        "SM clock / max",
+        "Throttle",
+        "Util",
+        "ECC corr. / uncorr.",
+        "Problems",
+    )
+    table = html.Table(
+        [html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(rows)],
+        className="runs-table gpu-table",
+    )
     return html.Div([table, note])
 
 
-def _gpu_row(base: str, rank: int, s: GpuSample | None, info: RankInfo | None,
-             xids: list[str]) -> html.Tr:  # fmt: skip
+def _gpu_row(
+    base: str, rank: int, s: GpuSample | None, info: RankInfo | None, xids: list[str]
+) -> html.Tr:
     link = dcc.Link(str(rank), href=f"{base}/ranks?rank={rank}", className="rank-link")
     if s is None:
         reason = (info.gpu or {}).get("reason") if info and info.gpu else None
         text = "; ".join([f"no GPU telemetry{': ' + str(reason) if reason else ''}", *xids])
-        return html.Tr([html.Td(link), html.Td(text, colSpan=8, className="detail")],
-                       id=f"hw-gpu-{rank}", className="gpu-bad" if xids else None)  # fmt: skip
+        return html.Tr(
+            [html.Td(link), html.Td(text, colSpan=8, className="detail")],
+            id=f"hw-gpu-{rank}",
+            className="gpu-bad" if xids else None,
+        )
     temp = _finite(s.temp_c)
     wrong = [*xids, *problems(s)]
     name = s.gpu_name or "GPU"
@@ -143,21 +179,32 @@ def _gpu_row(base: str, rank: int, s: GpuSample | None, info: RankInfo | None,
     memory = (
         f" (memory {_num(s.mem_temp_c, '.0f', ' °C')})" if _finite(s.mem_temp_c) is not None else ""
     )
-    throttle = [html.Span(t, className="mark mark-warn", title=THROTTLE_HELP.get(t, t)) for t in s.throttle or []]  # fmt: skip
-    return html.Tr([
-        html.Td(link),
-        html.Td([name, html.Div(s.gpu_uuid or "", className="detail")]),
-        html.Td(_num(s.temp_c, '.0f', ' °C') + memory,
-                className="hot" if temp is not None and temp >= HOT_C else None),
-        html.Td(f"{_num(s.power_w, '.0f')} / {_num(s.power_limit_w, '.0f', ' W')}"),
-        html.Td(f"{_num(s.sm_clock_mhz, '.0f')} / {_num(s.sm_clock_max_mhz, '.0f', ' MHz')}"),
-        html.Td(throttle or "—"),
-        html.Td(_num(s.util_gpu, '.0f', " %")),
-        html.Td(f"{s.ecc_corrected if s.ecc_corrected is not None else '—'} / "
+    throttle = [
+        html.Span(t, className="mark mark-warn", title=THROTTLE_HELP.get(t, t))
+        for t in s.throttle or []
+    ]
+    return html.Tr(
+        [
+            html.Td(link),
+            html.Td([name, html.Div(s.gpu_uuid or "", className="detail")]),
+            html.Td(
+                _num(s.temp_c, ".0f", " °C") + memory,
+                className="hot" if temp is not None and temp >= HOT_C else None,
+            ),
+            html.Td(f"{_num(s.power_w, '.0f')} / {_num(s.power_limit_w, '.0f', ' W')}"),
+            html.Td(f"{_num(s.sm_clock_mhz, '.0f')} / {_num(s.sm_clock_max_mhz, '.0f', ' MHz')}"),
+            html.Td(throttle or "—"),
+            html.Td(_num(s.util_gpu, ".0f", " %")),
+            html.Td(
+                f"{s.ecc_corrected if s.ecc_corrected is not None else '—'} / "
                 f"{s.ecc_uncorrected if s.ecc_uncorrected is not None else '—'}",
-                className="hot" if s.ecc_uncorrected else None),
-        html.Td("; ".join(wrong) or "ok", className="detail"),
-    ], id=f"hw-gpu-{rank}", className="gpu-bad" if wrong else None)  # fmt: skip
+                className="hot" if s.ecc_uncorrected else None,
+            ),
+            html.Td("; ".join(wrong) or "ok", className="detail"),
+        ],
+        id=f"hw-gpu-{rank}",
+        className="gpu-bad" if wrong else None,
+    )
 
 
 @dataclass(frozen=True)
@@ -184,20 +231,33 @@ def xid_rows(events: Iterable[EventOut], ranks: Sequence[RankInfo]) -> list[XidR
         d = e.data or {}
         code = d.get("code")
         known = describe_xid(int(code)) if isinstance(code, int) else {}
-        out.append(XidRow(
-            ts=e.ts, rank=e.rank, step=e.step, code=code if isinstance(code, int) else None,
-            node=str(d.get("node") or d.get("host") or _node(info.get(e.rank if e.rank is not None else -1))),
-            name=str(d.get("name") or known.get("name", "unknown XID")),
-            meaning=str(d.get("meaning") or known.get("meaning", "")),
-            action=str(d.get("action") or known.get("action", "")),
-            simulated=bool(d.get("simulated")),
-        ))  # fmt: skip
+        out.append(
+            XidRow(
+                ts=e.ts,
+                rank=e.rank,
+                step=e.step,
+                code=code if isinstance(code, int) else None,
+                node=str(
+                    d.get("node")
+                    or d.get("host")
+                    or _node(info.get(e.rank if e.rank is not None else -1))
+                ),
+                name=str(d.get("name") or known.get("name", "unknown XID")),
+                meaning=str(d.get("meaning") or known.get("meaning", "")),
+                action=str(d.get("action") or known.get("action", "")),
+                simulated=bool(d.get("simulated")),
+            )
+        )
     return sorted(out, key=lambda r: -r.ts)
 
 
-ACTION_TEXT = {"ignore": "nothing to do", "restart_app": "restart the application",
-               "reset_gpu": "reset the GPU", "reboot_node": "reboot the node",
-               "drain": "drain the node"}  # fmt: skip
+ACTION_TEXT = {
+    "ignore": "nothing to do",
+    "restart_app": "restart the application",
+    "reset_gpu": "reset the GPU",
+    "reboot_node": "reboot the node",
+    "drain": "drain the node",
+}
 
 
 def xid_table(rows: Sequence[XidRow]) -> Any:
@@ -205,22 +265,34 @@ def xid_table(rows: Sequence[XidRow]) -> Any:
         return html.P("No XID errors reported for this run.", className="hint")
     head = ("When", "Rank", "Node", "Step", "XID", "Meaning", "What to do")
     body = [
-        html.Tr([
-            html.Td(dt.datetime.fromtimestamp(r.ts).strftime("%Y-%m-%d %H:%M:%S")),
-            html.Td("—" if r.rank is None else r.rank), html.Td(r.node),
-            html.Td("—" if r.step is None else r.step),
-            html.Td([html.Strong(f"XID {r.code}"), html.Div(r.name, className="detail")]),
-            html.Td([r.meaning, html.Span(" (simulated)", className="detail") if r.simulated else None]),
-            html.Td(ACTION_TEXT.get(r.action, r.action)),
-        ], className="xid-row")
+        html.Tr(
+            [
+                html.Td(dt.datetime.fromtimestamp(r.ts).strftime("%Y-%m-%d %H:%M:%S")),
+                html.Td("—" if r.rank is None else r.rank),
+                html.Td(r.node),
+                html.Td("—" if r.step is None else r.step),
+                html.Td([html.Strong(f"XID {r.code}"), html.Div(r.name, className="detail")]),
+                html.Td(
+                    [
+                        r.meaning,
+                        html.Span(" (simulated)", className="detail") if r.simulated else None,
+                    ]
+                ),
+                html.Td(ACTION_TEXT.get(r.action, r.action)),
+            ],
+            className="xid-row",
+        )
         for r in rows
-    ]  # fmt: skip
-    return html.Table([html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(body)],
-                      className="runs-table xid-table")  # fmt: skip
+    ]
+    return html.Table(
+        [html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(body)],
+        className="runs-table xid-table",
+    )
 
 
-def gpu_figure(samples: Sequence[GpuSample], key: str, *, theme: str | None, revision: str,
-               lines: int = LINES) -> go.Figure:  # fmt: skip
+def gpu_figure(
+    samples: Sequence[GpuSample], key: str, *, theme: str | None, revision: str, lines: int = LINES
+) -> go.Figure:
     """One reading over time: a line per GPU; past ``lines`` GPUs, the min..max band and
     median across GPUs plus the GPUs that peaked highest (lowest, for clocks)."""
     field, title, unit = FIELDS[key]
@@ -241,15 +313,30 @@ def gpu_figure(samples: Sequence[GpuSample], key: str, *, theme: str | None, rev
         shown = sorted(by_rank)
     for rank in shown:
         pts = by_rank[rank]
-        fig.add_trace(go.Scatter(x=[_when(t) for t, _ in pts], y=[v for _, v in pts], mode="lines",
-                                 name=f"rank {rank}", hovertemplate=f"rank {rank} %{{y:.0f}} {unit}<extra></extra>"))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=[_when(t) for t, _ in pts],
+                y=[v for _, v in pts],
+                mode="lines",
+                name=f"rank {rank}",
+                hovertemplate=f"rank {rank} %{{y:.0f}} {unit}<extra></extra>",
+            )
+        )
     if key == "temp":
-        fig.add_hline(y=HOT_C, line={"color": "#dc2626", "width": 1, "dash": "dot"},
-                      annotation_text="thermal slowdown", annotation_position="top left")  # fmt: skip
-    fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 15}}, height=260,
-                      margin={"l": 60, "r": 20, "t": 40, "b": 40}, hovermode="x unified",
-                      uirevision=revision,
-                      legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"})  # fmt: skip
+        fig.add_hline(
+            y=HOT_C,
+            line={"color": "#dc2626", "width": 1, "dash": "dot"},
+            annotation_text="thermal slowdown",
+            annotation_position="top left",
+        )
+    fig.update_layout(
+        title={"text": title, "x": 0.01, "font": {"size": 15}},
+        height=260,
+        margin={"l": 60, "r": 20, "t": 40, "b": 40},
+        hovermode="x unified",
+        uirevision=revision,
+        legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"},
+    )
     fig.update_yaxes(title_text=unit)
     return themed(fig, theme)
 
@@ -262,14 +349,38 @@ def _band(fig: go.Figure, by_rank: dict[int, list[tuple[float, float]]], unit: s
             slots.setdefault(int(t // 5), []).append(v)
     keys = sorted(slots)
     x = [_when(k * 5.0) for k in keys]
-    fig.add_trace(go.Scatter(x=x, y=[max(slots[k]) for k in keys], mode="lines", line={"width": 0},
-                             showlegend=False, hoverinfo="skip"))  # fmt: skip
-    fig.add_trace(go.Scatter(x=x, y=[min(slots[k]) for k in keys], mode="lines", line={"width": 0},
-                             fill="tonexty", fillcolor="rgba(156,163,175,0.3)",
-                             name="min..max across GPUs", hoverinfo="skip"))  # fmt: skip
-    fig.add_trace(go.Scatter(x=x, y=[statistics.median(slots[k]) for k in keys], mode="lines",
-                             line={"color": "#6b7280", "width": 1.5}, name="median",
-                             hovertemplate=f"median %{{y:.0f}} {unit}<extra></extra>"))  # fmt: skip
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=[max(slots[k]) for k in keys],
+            mode="lines",
+            line={"width": 0},
+            showlegend=False,
+            hoverinfo="skip",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=[min(slots[k]) for k in keys],
+            mode="lines",
+            line={"width": 0},
+            fill="tonexty",
+            fillcolor="rgba(156,163,175,0.3)",
+            name="min..max across GPUs",
+            hoverinfo="skip",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=x,
+            y=[statistics.median(slots[k]) for k in keys],
+            mode="lines",
+            line={"color": "#6b7280", "width": 1.5},
+            name="median",
+            hovertemplate=f"median %{{y:.0f}} {unit}<extra></extra>",
+        )
+    )
 
 
 def _when(ts: float) -> str:

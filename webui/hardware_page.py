@@ -44,7 +44,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
     )
 
 
-def page_parts(client: Client, name: str, search: str | None, theme: str | None) -> tuple[Any, ...]:  # fmt: skip
+def page_parts(client: Client, name: str, search: str | None, theme: str | None) -> tuple[Any, ...]:
     """(notice, GPU table, XID table, *graphs in GRAPHS order)."""
     rank, _, _ = parse_query(search)
     run = client.get_run(name)
@@ -55,8 +55,10 @@ def page_parts(client: Client, name: str, search: str | None, theme: str | None)
     note = None
     if rank is not None:
         everyone = f"/runs/{quote(name, safe='')}/hardware"
-        note = html.Div([f"Showing rank {rank}'s GPU only. ", dcc.Link("Show every GPU", href=everyone)],
-                        className="notice")  # fmt: skip
+        note = html.Div(
+            [f"Showing rank {rank}'s GPU only. ", dcc.Link("Show every GPU", href=everyone)],
+            className="notice",
+        )
     elif not samples:
         note = notice(
             "No GPU readings for this run yet. Each agent samples its GPU through NVML every "
@@ -87,8 +89,10 @@ def register(app: dash.Dash, client: Client) -> None:
         try:
             return page_parts(client, name, search, theme)
         except NotFound:
-            message = (f"Run {name!r} not found. A run appears once its first agent reports; "
-                       "check the name, or pick one from the runs list.")  # fmt: skip
+            message = (
+                f"Run {name!r} not found. A run appears once its first agent reports; "
+                "check the name, or pick one from the runs list."
+            )
         except Exception as exc:  # the page says so and retries; never a traceback
             log.exception("hardware page %s", name)
             message = f"Cannot read GPU data: {exc.__class__.__name__}. Retrying."

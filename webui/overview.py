@@ -43,8 +43,17 @@ from .overview_figures import (
 
 log = logging.getLogger(__name__)
 POINTS = 1_000  # per series: about one per pixel of a wide screen
-METRICS = ["tokens_per_s", "mfu", "loss", "grad_norm", "step_time", "compute",
-           "exposed_comm", "overlapped_comm", "data_wait"]  # fmt: skip
+METRICS = [
+    "tokens_per_s",
+    "mfu",
+    "loss",
+    "grad_norm",
+    "step_time",
+    "compute",
+    "exposed_comm",
+    "overlapped_comm",
+    "data_wait",
+]
 LOSS_FLAGS = ("loss_spike", "nonfinite_loss")
 SPIKE_FLAGS = (*LOSS_FLAGS, "grad_norm_spike", "nonfinite_grad_norm")
 MAX_RANK_LINES = 3
@@ -69,8 +78,13 @@ def parse_query(search: str | None) -> dict[str, Any]:
     if lo is not None and hi is not None and hi < lo:
         lo, hi = hi, lo
     axis = q.get("axis", ["step"])[0]
-    return {"from": lo, "to": hi, "axis": axis if axis in AXES else "step", "rank": number("rank"),
-            "user": parse_user(search)}  # fmt: skip
+    return {
+        "from": lo,
+        "to": hi,
+        "axis": axis if axis in AXES else "step",
+        "rank": number("rank"),
+        "user": parse_user(search),
+    }
 
 
 def to_query(view: dict[str, Any]) -> str:
@@ -146,8 +160,9 @@ def _step_at(ts: float, steps: list[int], times: list[float]) -> int:
     return steps[max(0, min(i, len(steps) - 1))]
 
 
-def markers(client: Client, name: str, *, steps: list[int], times: list[float],
-            zoomed: bool) -> list[Marker]:  # fmt: skip
+def markers(
+    client: Client, name: str, *, steps: list[int], times: list[float], zoomed: bool
+) -> list[Marker]:
     """Fired alerts, finished actions, checkpoints and restarts. A marker with no step of
     its own is placed at the step running at its time (or at the run's last step)."""
     found: list[Marker] = []
@@ -169,12 +184,25 @@ def markers(client: Client, name: str, *, steps: list[int], times: list[float],
         if ac.state not in ("done", "failed"):
             continue
         why = f": {ac.reason}" if ac.reason else ""
-        found.append(Marker("action", ac.finished_at or ac.updated_at, None,
-                            f"action {ac.kind} {ac.state}{why}", "good" if ac.state == "done" else "bad"))  # fmt: skip
+        found.append(
+            Marker(
+                "action",
+                ac.finished_at or ac.updated_at,
+                None,
+                f"action {ac.kind} {ac.state}{why}",
+                "good" if ac.state == "done" else "bad",
+            )
+        )
     for c in client.checkpoints(name):
-        found.append(Marker("checkpoint", c.ts, c.step,
-                            f"checkpoint at step {c.step}: " + ("good" if c.good else f"suspect, {c.suspect}"),
-                            "good" if c.good else "warn"))  # fmt: skip
+        found.append(
+            Marker(
+                "checkpoint",
+                c.ts,
+                c.step,
+                f"checkpoint at step {c.step}: " + ("good" if c.good else f"suspect, {c.suspect}"),
+                "good" if c.good else "warn",
+            )
+        )
     for e in client.events(name, kind="restart"):
         where = f"rank {e.rank} " if e.rank is not None else ""
         found.append(Marker("restart", e.ts, e.step, f"{where}restarted", "info"))
@@ -190,8 +218,9 @@ def markers(client: Client, name: str, *, steps: list[int], times: list[float],
     return placed
 
 
-def outlier_ranks(loss: Any, spikes: list[tuple[int, int, str, float | None]], *,
-                  wanted: int | None) -> list[tuple[int, str]]:  # fmt: skip
+def outlier_ranks(
+    loss: Any, spikes: list[tuple[int, int, str, float | None]], *, wanted: int | None
+) -> list[tuple[int, str]]:
     """Ranks worth a line of their own on the loss row, at most :data:`MAX_RANK_LINES`:
     the rank in the URL, ranks with loss spikes (most first), and a rank that holds the
     highest loss on most steps (with 3 ranks or more: with 2, one is always highest)."""
@@ -237,10 +266,16 @@ def load(client: Client, name: str, view: dict[str, Any]) -> Overview:
             lines.append(RankLine(rank, why, *thin(rs.step, rs.ts, rs.value, POINTS)))
     zoomed = lo is not None or hi is not None
     found = markers(client, name, steps=list(base.step), times=list(base.ts), zoomed=zoomed)
-    replaced = {m: client.replaced(name, m, points=POINTS, from_step=lo, to_step=hi)
-                for m in REPLACED}  # fmt: skip
-    return Overview(series=series, spikes=spikes, ranks=lines, markers=found,
-                    replaced={m: r for m, r in replaced.items() if r.step})  # fmt: skip
+    replaced = {
+        m: client.replaced(name, m, points=POINTS, from_step=lo, to_step=hi) for m in REPLACED
+    }
+    return Overview(
+        series=series,
+        spikes=spikes,
+        ranks=lines,
+        markers=found,
+        replaced={m: r for m, r in replaced.items() if r.step},
+    )
 
 
 def range_label(data: Overview, view: dict[str, Any]) -> str:
@@ -303,24 +338,40 @@ def ranks_panel(run: Any, gpu: list[Any], events: list[Any]) -> html.Div:
             gpu_text = "no GPU telemetry"
         else:
             gpu_text = "—"
-        rows.append(html.Tr([
-            html.Td(r.rank), html.Td(r.node or r.host),
-            html.Td(html.Span(r.state, className=f"status status-{r.state}")),
-            html.Td(role + detail.get("reason", ""), className="detail"),
-            html.Td("—" if r.last_step is None else r.last_step), html.Td(gpu_text),
-        ]))  # fmt: skip
+        rows.append(
+            html.Tr(
+                [
+                    html.Td(r.rank),
+                    html.Td(r.node or r.host),
+                    html.Td(html.Span(r.state, className=f"status status-{r.state}")),
+                    html.Td(role + detail.get("reason", ""), className="detail"),
+                    html.Td("—" if r.last_step is None else r.last_step),
+                    html.Td(gpu_text),
+                ]
+            )
+        )
     table = html.Table(
-        [html.Thead(html.Tr([html.Th(h) for h in ("Rank", "Node", "State", "Why", "Step", "GPU")])),
-         html.Tbody(rows)],
+        [
+            html.Thead(
+                html.Tr([html.Th(h) for h in ("Rank", "Node", "State", "Why", "Step", "GPU")])
+            ),
+            html.Tbody(rows),
+        ],
         className="runs-table ranks-table",
-    )  # fmt: skip
+    )
     recent = [e for e in events if e.kind in HEALTH_EVENTS][-8:]
     items = [
-        html.Li([html.Span(dt.datetime.fromtimestamp(e.ts).strftime("%H:%M:%S"), className="fact-key"),
-                 html.Span(f"rank {e.rank} " if e.rank is not None else ""),
-                 html.Span(_event_text(e), className=f"sev-{e.severity}")])
+        html.Li(
+            [
+                html.Span(
+                    dt.datetime.fromtimestamp(e.ts).strftime("%H:%M:%S"), className="fact-key"
+                ),
+                html.Span(f"rank {e.rank} " if e.rank is not None else ""),
+                html.Span(_event_text(e), className=f"sev-{e.severity}"),
+            ]
+        )
         for e in reversed(recent)
-    ]  # fmt: skip
+    ]
     counts: dict[str, int] = {}
     for r in run.ranks:
         counts[r.state] = counts.get(r.state, 0) + 1
@@ -333,8 +384,14 @@ def ranks_panel(run: Any, gpu: list[Any], events: list[Any]) -> html.Div:
         link = dcc.Link(
             "every rank: the Ranks page", href=f"/runs/{quote(run.name, safe='')}/ranks"
         )
-        summary = html.P([*chips, f" — {len(listed)} of {len(run.ranks)} ranks listed (those in trouble); ", link],
-                         className="hint state-chips")  # fmt: skip
+        summary = html.P(
+            [
+                *chips,
+                f" — {len(listed)} of {len(run.ranks)} ranks listed (those in trouble); ",
+                link,
+            ],
+            className="hint state-chips",
+        )
     return html.Div(
         [summary, table if rows else None, html.Ul(items, className="events") if items else None],
         className="ranks-panel",
@@ -350,7 +407,7 @@ def run_header(run: Any) -> Any:
                 className=f"status status-{run.status}",
                 title=RUN_STATUS_HELP.get(run.status, ""),
             ),
-        ),  # fmt: skip
+        ),
         ("ranks", f"{run.ranks_seen} / {run.world_size}"),
         ("step", "—" if run.last_step is None else str(run.last_step)),
         ("updated", ago(run.updated_at)),
@@ -390,8 +447,9 @@ USER_HINT = (
 )
 
 
-def user_part(client: Client, name: str, view: dict[str, Any], metric: str | None,
-              theme: str | None) -> Any:  # fmt: skip
+def user_part(
+    client: Client, name: str, view: dict[str, Any], metric: str | None, theme: str | None
+) -> Any:
     """The picked user metric (else the run's first) across ranks, over the view's range."""
     if not metric:
         found = client.user_metrics(name)
@@ -399,8 +457,9 @@ def user_part(client: Client, name: str, view: dict[str, Any], metric: str | Non
             return figures.themed(figures.empty_figure(USER_HINT), theme)
         metric = found[0]
     axis = view.get("axis", "step")
-    series = client.series(name, metric, points=POINTS, from_step=view.get("from"),
-                           to_step=view.get("to"))  # fmt: skip
+    series = client.series(
+        name, metric, points=POINTS, from_step=view.get("from"), to_step=view.get("to")
+    )
     return user_figure(series, axis=axis, theme=theme, revision=f"{name}|{axis}|{metric}")
 
 
@@ -470,12 +529,12 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
                 ],
                 className="run-user-pick",
                 style={"margin": "0.5rem 0"},
-            ),  # fmt: skip
+            ),
             dcc.Graph(
                 id="run-user",
                 figure=figures.empty_figure("Loading…"),
                 config={"displaylogo": False},
-            ),  # fmt: skip
+            ),
             html.Div(id="run-ranks"),
             dcc.Interval(id="run-interval", interval=int(refresh_s * 1000)),
         ]
@@ -500,8 +559,10 @@ def register(app: dash.Dash, client: Client) -> None:
             panel = ranks_panel(run, client.gpu(name, since=time.time() - 120), client.events(name))
             return run_header(run), None, run_alerts(client, name), panel
         except NotFound:
-            message = (f"Run {name!r} not found. It appears once its first agent reports; "
-                       "check the run name, or pick a run from the runs list.")  # fmt: skip
+            message = (
+                f"Run {name!r} not found. It appears once its first agent reports; "
+                "check the run name, or pick a run from the runs list."
+            )
             return html.H2(name), notice(message, "error"), None, None
         except Exception as exc:
             log.exception("run page %s", name)
@@ -550,8 +611,13 @@ def register(app: dash.Dash, client: Client) -> None:
         State("run-user-metric", "options"),
         State("run-user-metric", "value"),
     )
-    def pick_user(_drawn: Any, view: dict[str, Any], name: str,
-                  shown: list[dict[str, str]] | None, value: str | None) -> Any:  # fmt: skip
+    def pick_user(
+        _drawn: Any,
+        view: dict[str, Any],
+        name: str,
+        shown: list[dict[str, str]] | None,
+        value: str | None,
+    ) -> Any:
         """The run's own metrics, refreshed after each drawing of the overview (so that
         they do not compete with it while the page loads); the pick is the URL's.
 
@@ -562,8 +628,10 @@ def register(app: dash.Dash, client: Client) -> None:
             options, pick = user_choices(client, name, view.get("user"))
         except Exception:  # the page's notice says what is wrong
             return dash.no_update, dash.no_update
-        return (options if options != shown else dash.no_update,
-                pick if pick != value else dash.no_update)  # fmt: skip
+        return (
+            options if options != shown else dash.no_update,
+            pick if pick != value else dash.no_update,
+        )
 
     @app.callback(
         Output("run-user", "figure"),
@@ -573,8 +641,9 @@ def register(app: dash.Dash, client: Client) -> None:
         State("theme", "data"),
         State("run-name", "data"),
     )
-    def draw_user(_drawn: Any, metric: str | None, view: dict[str, Any], theme: str | None,
-                  name: str) -> Any:  # fmt: skip
+    def draw_user(
+        _drawn: Any, metric: str | None, view: dict[str, Any], theme: str | None, name: str
+    ) -> Any:
         try:
             return user_part(client, name, view, metric or view.get("user"), theme)
         except NotFound:
@@ -599,18 +668,29 @@ def register(app: dash.Dash, client: Client) -> None:
         State("run-xmap", "data"),
         prevent_initial_call=True,
     )
-    def sync(search: str | None, relayout: dict[str, Any] | None, axis: str | None,
-             rank: Any, _reset: int | None, user: str | None, options: list[dict[str, str]] | None,
-             view: dict[str, Any], xmap: dict[str, list[Any]] | None) -> Any:  # fmt: skip
+    def sync(
+        search: str | None,
+        relayout: dict[str, Any] | None,
+        axis: str | None,
+        rank: Any,
+        _reset: int | None,
+        user: str | None,
+        options: list[dict[str, str]] | None,
+        view: dict[str, Any],
+        xmap: dict[str, list[Any]] | None,
+    ) -> Any:
         keep = dash.no_update
         # Every input that fired: Dash sends those that changed together in one call, in
         # no set order (a pick and a refresh's relayout of the chart can come together).
         fired = [t["prop_id"].rpartition(".")[0] for t in dash.ctx.triggered]
         if "run-url" in fired:  # opened, or back / forward in the browser
             want = parse_query(search)
-            return (keep, want if want != view else keep,
-                    want["axis"] if want["axis"] != axis else keep,
-                    want["rank"] if want["rank"] != rank else keep)  # fmt: skip
+            return (
+                keep,
+                want if want != view else keep,
+                want["axis"] if want["axis"] != axis else keep,
+                want["rank"] if want["rank"] != rank else keep,
+            )
         want = dict(view)
         for trigger in fired:
             if trigger == "run-overview":

@@ -106,22 +106,30 @@ REPLACED = ("loss", "grad_norm")  # rows that draw the replaced executions (thei
 REPLACED_COLOR = "#9ca3af"
 
 
-def _replaced(traces: list[dict[str, Any]], data: Overview, metric: str, row: int, *,
-              axis: str, label: str) -> None:  # fmt: skip
+def _replaced(
+    traces: list[dict[str, Any]], data: Overview, metric: str, row: int, *, axis: str, label: str
+) -> None:
     """The steps' earlier executions that a rollback or restart replaced, as a dashed
     line of their max across ranks: the spike a rollback went back from stays in sight."""
     r = data.replaced.get(metric)
     if r is None or not r.step:
         return
-    traces.append(_trace(
-        row, x=_xs(r.step, r.ts, axis), y=finite(r.max), mode="lines+markers",
-        line={"width": 1.5, "color": REPLACED_COLOR, "dash": "dot"},
-        marker={"size": 3, "color": REPLACED_COLOR}, name="replaced (run again)",
-        legendgroup="replaced", showlegend=metric == "loss" or "loss" not in data.replaced,
-        customdata=[[_num(v), n] for v, n in zip(r.mean, r.n, strict=False)],
-        hovertemplate=f"{label} before it was run again: max %{{y:.4g}}, mean "
-        "%{customdata[0]} (%{customdata[1]} executions)<extra></extra>",
-    ))  # fmt: skip
+    traces.append(
+        _trace(
+            row,
+            x=_xs(r.step, r.ts, axis),
+            y=finite(r.max),
+            mode="lines+markers",
+            line={"width": 1.5, "color": REPLACED_COLOR, "dash": "dot"},
+            marker={"size": 3, "color": REPLACED_COLOR},
+            name="replaced (run again)",
+            legendgroup="replaced",
+            showlegend=metric == "loss" or "loss" not in data.replaced,
+            customdata=[[_num(v), n] for v, n in zip(r.mean, r.n, strict=False)],
+            hovertemplate=f"{label} before it was run again: max %{{y:.4g}}, mean "
+            "%{customdata[0]} (%{customdata[1]} executions)<extra></extra>",
+        )
+    )
 
 
 def _scale_to_live(layout: dict[str, Any], row: int, data: Overview, metric: str) -> None:
@@ -145,11 +153,19 @@ def _scale_to_live(layout: dict[str, Any], row: int, data: Overview, metric: str
     pad = 0.1 * (hi - lo) or 0.1 * abs(hi) or 1.0
     x, y = _axes(row)
     layout[y.replace("y", "yaxis", 1)]["range"] = [lo - pad, hi + pad]
-    layout["annotations"].append({
-        "text": f"replaced (run again): peak {peak:.4g}, above this scale", "showarrow": False,
-        "xref": f"{x} domain", "yref": f"{y} domain", "x": 1, "y": 1, "xanchor": "right",
-        "yanchor": "top", "font": {"size": 11, "color": REPLACED_COLOR},
-    })  # fmt: skip
+    layout["annotations"].append(
+        {
+            "text": f"replaced (run again): peak {peak:.4g}, above this scale",
+            "showarrow": False,
+            "xref": f"{x} domain",
+            "yref": f"{y} domain",
+            "x": 1,
+            "y": 1,
+            "xanchor": "right",
+            "yanchor": "top",
+            "font": {"size": 11, "color": REPLACED_COLOR},
+        }
+    )
 
 
 def finite(values: Sequence[float | None]) -> list[float | None]:
@@ -211,8 +227,14 @@ def _trace(row: int, **props: Any) -> dict[str, Any]:
 @functools.cache
 def _skeleton() -> dict[str, Any]:
     """The stacked rows' layout (axis domains, shared x, row titles), made once."""
-    fig = make_subplots(rows=len(ROWS), cols=1, shared_xaxes=True, vertical_spacing=0.035,
-                        row_heights=ROW_HEIGHTS, subplot_titles=ROW_TITLES)  # fmt: skip
+    fig = make_subplots(
+        rows=len(ROWS),
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.035,
+        row_heights=ROW_HEIGHTS,
+        subplot_titles=ROW_TITLES,
+    )
     layout: dict[str, Any] = fig.to_plotly_json()["layout"]
     layout.pop("template", None)
     for annotation in layout["annotations"]:  # the row titles: small, on the left
@@ -249,43 +271,109 @@ def _row_note(layout: dict[str, Any], row: int, text: str) -> None:
     would number a made-up range: 0-400 % on a run without MFU)."""
     x, y = _axes(row)
     layout[y.replace("y", "yaxis", 1)]["showticklabels"] = False
-    layout["annotations"].append({"text": text, "showarrow": False, "xref": f"{x} domain",
-                                  "yref": f"{y} domain", "x": 0.5, "y": 0.5,
-                                  "font": {"size": 12, "color": "#6b7280"}})  # fmt: skip
+    layout["annotations"].append(
+        {
+            "text": text,
+            "showarrow": False,
+            "xref": f"{x} domain",
+            "yref": f"{y} domain",
+            "x": 0.5,
+            "y": 0.5,
+            "font": {"size": 12, "color": "#6b7280"},
+        }
+    )
 
 
-def _band(traces: list[dict[str, Any]], s: Series, row: int, *, axis: str, color: str,
-          label: str) -> None:  # fmt: skip
+def _band(
+    traces: list[dict[str, Any]], s: Series, row: int, *, axis: str, color: str, label: str
+) -> None:
     x = _xs(s.step, s.ts, axis)
     group = f"band-{s.metric}"
-    traces.append(_trace(row, x=x, y=finite(s.max), mode="lines", line={"width": 0, "color": color},
-                         name=f"{label} max", legendgroup=group, showlegend=False,
-                         hoverinfo="skip"))  # fmt: skip
-    traces.append(_trace(row, x=x, y=finite(s.min), mode="lines", line={"width": 0, "color": color},
-                         fill="tonexty", fillcolor=_translucent(color), legendgroup=group,
-                         name=f"{label} min..max", showlegend=False, hoverinfo="skip"))  # fmt: skip
-    traces.append(_trace(
-        row, x=x, y=finite(s.median), mode="lines", line={"width": 2, "color": color},
-        name=f"{label} median", legendgroup=group, showlegend=False,
-        customdata=[[_num(lo), _num(hi), n] for lo, hi, n in zip(s.min, s.max, s.n, strict=False)],
-        hovertemplate=f"{label} median %{{y:.4g}}<br>min %{{customdata[0]}} · "
-        "max %{customdata[1]}<br>%{customdata[2]} ranks<extra></extra>",
-    ))  # fmt: skip
+    traces.append(
+        _trace(
+            row,
+            x=x,
+            y=finite(s.max),
+            mode="lines",
+            line={"width": 0, "color": color},
+            name=f"{label} max",
+            legendgroup=group,
+            showlegend=False,
+            hoverinfo="skip",
+        )
+    )
+    traces.append(
+        _trace(
+            row,
+            x=x,
+            y=finite(s.min),
+            mode="lines",
+            line={"width": 0, "color": color},
+            fill="tonexty",
+            fillcolor=_translucent(color),
+            legendgroup=group,
+            name=f"{label} min..max",
+            showlegend=False,
+            hoverinfo="skip",
+        )
+    )
+    traces.append(
+        _trace(
+            row,
+            x=x,
+            y=finite(s.median),
+            mode="lines",
+            line={"width": 2, "color": color},
+            name=f"{label} median",
+            legendgroup=group,
+            showlegend=False,
+            customdata=[
+                [_num(lo), _num(hi), n] for lo, hi, n in zip(s.min, s.max, s.n, strict=False)
+            ],
+            hovertemplate=f"{label} median %{{y:.4g}}<br>min %{{customdata[0]}} · "
+            "max %{customdata[1]}<br>%{customdata[2]} ranks<extra></extra>",
+        )
+    )
 
 
 def _num(v: float | None) -> str:
     return f"{v:.4g}" if v is not None and math.isfinite(v) else "—"
 
 
-def _line(traces: list[dict[str, Any]], s: Series, row: int, *, axis: str, color: str,
-          label: str, fmt: str = ".4s") -> None:  # fmt: skip
-    traces.append(_trace(row, x=_xs(s.step, s.ts, axis), y=finite(s.total), mode="lines",
-                         line={"width": 2, "color": color}, name=label, showlegend=False,
-                         hovertemplate=f"{label} %{{y:{fmt}}}<extra></extra>"))  # fmt: skip
+def _line(
+    traces: list[dict[str, Any]],
+    s: Series,
+    row: int,
+    *,
+    axis: str,
+    color: str,
+    label: str,
+    fmt: str = ".4s",
+) -> None:
+    traces.append(
+        _trace(
+            row,
+            x=_xs(s.step, s.ts, axis),
+            y=finite(s.total),
+            mode="lines",
+            line={"width": 2, "color": color},
+            name=label,
+            showlegend=False,
+            hovertemplate=f"{label} %{{y:{fmt}}}<extra></extra>",
+        )
+    )
 
 
-def _spikes(traces: list[dict[str, Any]], data: Overview, s: Series, row: int, *, axis: str,
-            flags: tuple[str, ...], label: str) -> None:  # fmt: skip
+def _spikes(
+    traces: list[dict[str, Any]],
+    data: Overview,
+    s: Series,
+    row: int,
+    *,
+    axis: str,
+    flags: tuple[str, ...],
+    label: str,
+) -> None:
     found = [sp for sp in data.spikes if sp[2] in flags]
     if not found or not s.step:
         return
@@ -302,10 +390,23 @@ def _spikes(traces: list[dict[str, Any]], data: Overview, s: Series, row: int, *
             xs.append(step)
         ys.append(value if _ok(value) else top)
         text.append(f"rank {rank}: {flag.replace('_', ' ')} at step {step}")
-    traces.append(_trace(row, x=xs, y=ys, mode="markers", name=label, text=text,
-                         marker={"symbol": "x", "size": 10, "color": "#dc2626",
-                                 "line": {"width": 1, "color": "#dc2626"}},
-                         hovertemplate="%{text}<extra></extra>"))  # fmt: skip
+    traces.append(
+        _trace(
+            row,
+            x=xs,
+            y=ys,
+            mode="markers",
+            name=label,
+            text=text,
+            marker={
+                "symbol": "x",
+                "size": 10,
+                "color": "#dc2626",
+                "line": {"width": 1, "color": "#dc2626"},
+            },
+            hovertemplate="%{text}<extra></extra>",
+        )
+    )
 
 
 def _ts_at(step: int, steps: Sequence[int], ts: Sequence[float]) -> float:
@@ -339,8 +440,10 @@ def breakdown_layers(
         ]
         layers["overlapped_comm"] = [overlapped.get(s, 0.0) for s in base.step]
         layers["exposed_comm"] = [exposed.get(s, 0.0) for s in base.step]
-        layers["other"] = [max(0.0, step_time.get(s, 0.0) - compute.get(s, 0.0) - exposed.get(s, 0.0))
-                           for s in base.step]  # fmt: skip
+        layers["other"] = [
+            max(0.0, step_time.get(s, 0.0) - compute.get(s, 0.0) - exposed.get(s, 0.0))
+            for s in base.step
+        ]
     else:  # no comm split reported: the step as one layer
         layers["step_time"] = [step_time.get(s, 0.0) for s in base.step]
     if wait:
@@ -348,8 +451,9 @@ def breakdown_layers(
     return list(base.step), list(base.ts), layers
 
 
-def _breakdown(traces: list[dict[str, Any]], series: dict[str, Series], row: int, *,
-               axis: str) -> bool:  # fmt: skip
+def _breakdown(
+    traces: list[dict[str, Any]], series: dict[str, Series], row: int, *, axis: str
+) -> bool:
     steps, ts, layers = breakdown_layers(series)
     if not steps:
         return False
@@ -367,9 +471,18 @@ def _breakdown(traces: list[dict[str, Any]], series: dict[str, Series], row: int
         if key not in layers or not any(layers[key]):
             continue
         label, color = styles[key]
-        traces.append(_trace(row, x=x, y=layers[key], name=label, mode="lines", stackgroup="time",
-                             line={"width": 0.5, "color": color},
-                             hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>"))  # fmt: skip
+        traces.append(
+            _trace(
+                row,
+                x=x,
+                y=layers[key],
+                name=label,
+                mode="lines",
+                stackgroup="time",
+                line={"width": 0.5, "color": color},
+                hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>",
+            )
+        )
     _spread(traces, series["step_time"], row, axis=axis)
     return True
 
@@ -389,30 +502,58 @@ def _spread(traces: list[dict[str, Any]], s: Series, row: int, *, axis: str) -> 
         values = getattr(s, column)
         if len(values) != len(s.step) or not any(_ok(v) for v in values):
             continue  # a collector from before p99 sends none
-        traces.append(_trace(row, x=x, y=finite(values), name=label, mode="lines",
-                             line={"width": 1.5, "color": "#b45309", "dash": dash},
-                             hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>"))  # fmt: skip
+        traces.append(
+            _trace(
+                row,
+                x=x,
+                y=finite(values),
+                name=label,
+                mode="lines",
+                line={"width": 1.5, "color": "#b45309", "dash": dash},
+                hovertemplate=f"{label} %{{y:.3s}}s<extra></extra>",
+            )
+        )
 
 
-def _markers(traces: list[dict[str, Any]], layout: dict[str, Any], markers: list[Marker], *,
-             axis: str) -> None:  # fmt: skip
+def _markers(
+    traces: list[dict[str, Any]], layout: dict[str, Any], markers: list[Marker], *, axis: str
+) -> None:
     placed = [mk for mk in markers if axis == "time" or mk.step is not None]
     for (kind, tone), (symbol, color) in MARKER_STYLE.items():
         group = [mk for mk in placed if mk.kind == kind and mk.tone == tone]
         if not group:
             continue
         x = [when(mk.ts) if axis == "time" else mk.step for mk in group]
-        traces.append(_trace(1, x=x, y=[kind] * len(group), mode="markers", name=f"{kind}",
-                             marker={"symbol": symbol, "size": 12, "color": color},
-                             text=[mk.text for mk in group],
-                             hovertemplate="%{text}<extra></extra>"))  # fmt: skip
+        traces.append(
+            _trace(
+                1,
+                x=x,
+                y=[kind] * len(group),
+                mode="markers",
+                name=f"{kind}",
+                marker={"symbol": symbol, "size": 12, "color": color},
+                text=[mk.text for mk in group],
+                hovertemplate="%{text}<extra></extra>",
+            )
+        )
     lines = [mk for mk in placed if mk.kind in ("alert", "restart")][-MAX_LINES:]
     for mk in lines:
         color = MARKER_STYLE.get((mk.kind, mk.tone), ("", "#6b7280"))[1]
         at: Any = when(mk.ts) if axis == "time" else mk.step
-        layout["shapes"].append({"type": "line", "xref": "x", "yref": "paper", "x0": at, "x1": at,
-                                 "y0": 0, "y1": 1, "line": {"width": 1, "dash": "dot", "color": color},
-                                 "opacity": 0.6, "layer": "below"})  # fmt: skip
+        layout["shapes"].append(
+            {
+                "type": "line",
+                "xref": "x",
+                "yref": "paper",
+                "x0": at,
+                "x1": at,
+                "y0": 0,
+                "y1": 1,
+                "line": {"width": 1, "dash": "dot", "color": color},
+                "opacity": 0.6,
+                "layer": "below",
+            }
+        )
 
 
 def overview_figure(
@@ -453,19 +594,40 @@ def overview_figure(
     if drawn["loss"]:
         _band(traces, s["loss"], 4, axis=axis, color=COLORS["loss"], label="loss")
         for i, line in enumerate(data.ranks):
-            traces.append(_trace(4, x=_xs(line.step, line.ts, axis), y=finite(line.value),
-                                 mode="lines", name=f"rank {line.rank}",
-                                 line={"width": 1.3, "color": RANK_COLORS[i % len(RANK_COLORS)]},
-                                 hovertemplate=f"rank {line.rank} ({line.why}) %{{y:.4g}}<extra></extra>"))  # fmt: skip
-        _spikes(traces, data, s["loss"], 4, axis=axis, label="loss spike",
-                flags=("loss_spike", "nonfinite_loss"))  # fmt: skip
+            traces.append(
+                _trace(
+                    4,
+                    x=_xs(line.step, line.ts, axis),
+                    y=finite(line.value),
+                    mode="lines",
+                    name=f"rank {line.rank}",
+                    line={"width": 1.3, "color": RANK_COLORS[i % len(RANK_COLORS)]},
+                    hovertemplate=f"rank {line.rank} ({line.why}) %{{y:.4g}}<extra></extra>",
+                )
+            )
+        _spikes(
+            traces,
+            data,
+            s["loss"],
+            4,
+            axis=axis,
+            label="loss spike",
+            flags=("loss_spike", "nonfinite_loss"),
+        )
         _replaced(traces, data, "loss", 4, axis=axis, label="loss")
         _scale_to_live(layout, 4, data, "loss")
     drawn["grad_norm"] = _has(s, "grad_norm", "median")
     if drawn["grad_norm"]:
         _band(traces, s["grad_norm"], 5, axis=axis, color=COLORS["grad_norm"], label="grad norm")
-        _spikes(traces, data, s["grad_norm"], 5, axis=axis, label="grad-norm spike",
-                flags=("grad_norm_spike", "nonfinite_grad_norm"))  # fmt: skip
+        _spikes(
+            traces,
+            data,
+            s["grad_norm"],
+            5,
+            axis=axis,
+            label="grad-norm spike",
+            flags=("grad_norm_spike", "nonfinite_grad_norm"),
+        )
         _replaced(traces, data, "grad_norm", 5, axis=axis, label="grad norm")
         _scale_to_live(layout, 5, data, "grad_norm")
     drawn["breakdown"] = _breakdown(traces, s, 6, axis=axis)
@@ -478,11 +640,18 @@ def overview_figure(
         height=940,
         margin={"l": 64, "r": 24, "t": 36, "b": 40},
         hovermode="x unified",
-        legend={"orientation": "h", "y": 1.035, "x": 1, "xanchor": "right", "yanchor": "bottom",
-                "font": {"size": 11}, "traceorder": "normal"},
+        legend={
+            "orientation": "h",
+            "y": 1.035,
+            "x": 1,
+            "xanchor": "right",
+            "yanchor": "bottom",
+            "font": {"size": 11},
+            "traceorder": "normal",
+        },
         uirevision=revision,
         dragmode="zoom",
-    )  # fmt: skip
+    )
     # Drag selects a range of steps (or time); the y-axes follow the data in it.
     xrev = f"{revision}|{x_range}"
     for row in range(1, len(ROWS) + 1):
@@ -490,15 +659,27 @@ def overview_figure(
         yaxis, xaxis = layout[y.replace("y", "yaxis", 1)], layout[x.replace("x", "xaxis", 1)]
         yaxis.update(fixedrange=True, automargin=True)
         # One type for all: an axis with no data would guess "linear" and stop matching a date axis.
-        xaxis.update(type="date" if axis == "time" else "linear", uirevision=xrev, showspikes=True,
-                     spikemode="across", spikethickness=1, spikedash="dot", spikecolor="#9ca3af")  # fmt: skip
+        xaxis.update(
+            type="date" if axis == "time" else "linear",
+            uirevision=xrev,
+            showspikes=True,
+            spikemode="across",
+            spikethickness=1,
+            spikedash="dot",
+            spikecolor="#9ca3af",
+        )
         if x_range is not None:
             if axis == "time":
                 xaxis["range"] = [when(base.ts[0]), when(base.ts[-1])] if base.ts else None
             else:
                 xaxis["range"] = list(x_range)
-    layout["yaxis"].update(type="category", categoryorder="array", categoryarray=EVENT_ROWS,
-                           showticklabels=False, showgrid=False)  # fmt: skip
+    layout["yaxis"].update(
+        type="category",
+        categoryorder="array",
+        categoryarray=EVENT_ROWS,
+        showticklabels=False,
+        showgrid=False,
+    )
     layout["yaxis3"]["tickformat"] = MFU_FORMAT
     for row in (2, 3, 6):  # throughput, MFU and time from zero: a drop reads as a drop
         layout[f"yaxis{row}"]["rangemode"] = "tozero"
@@ -509,8 +690,9 @@ def overview_figure(
 USER_COLOR = "#0d9488"
 
 
-def user_figure(s: Series, *, axis: str = "step", theme: str | None = "light",
-                revision: str = "") -> dict[str, Any]:  # fmt: skip
+def user_figure(
+    s: Series, *, axis: str = "step", theme: str | None = "light", revision: str = ""
+) -> dict[str, Any]:
     """One user metric (``s.metric``) across ranks: the min..max band, the median, and the
     p99 dashed (a few ranks apart from the rest show between p99 and max)."""
     label = s.metric.removeprefix("user.")
@@ -526,17 +708,31 @@ def user_figure(s: Series, *, axis: str = "step", theme: str | None = "light",
     traces: list[dict[str, Any]] = []
     _band(traces, s, 1, axis=axis, color=USER_COLOR, label=label)
     if len(s.p99) == len(s.step) and any(_ok(v) for v in s.p99):
-        traces.append(_trace(1, x=_xs(s.step, s.ts, axis), y=finite(s.p99), mode="lines",
-                             line={"width": 1.2, "color": USER_COLOR, "dash": "dash"},
-                             name=f"{label} p99", showlegend=False,
-                             hovertemplate=f"{label} p99 %{{y:.4g}}<extra></extra>"))  # fmt: skip
+        traces.append(
+            _trace(
+                1,
+                x=_xs(s.step, s.ts, axis),
+                y=finite(s.p99),
+                mode="lines",
+                line={"width": 1.2, "color": USER_COLOR, "dash": "dash"},
+                name=f"{label} p99",
+                showlegend=False,
+                hovertemplate=f"{label} p99 %{{y:.4g}}<extra></extra>",
+            )
+        )
     layout = {
-        "title": title, "height": 280, "margin": {"l": 64, "r": 24, "t": 40, "b": 40},
-        "hovermode": "x unified", "uirevision": revision, "showlegend": False,
-        "xaxis": {"title": {"text": "time" if axis == "time" else "step"},
-                  "type": "date" if axis == "time" else "linear"},
+        "title": title,
+        "height": 280,
+        "margin": {"l": 64, "r": 24, "t": 40, "b": 40},
+        "hovermode": "x unified",
+        "uirevision": revision,
+        "showlegend": False,
+        "xaxis": {
+            "title": {"text": "time" if axis == "time" else "step"},
+            "type": "date" if axis == "time" else "linear",
+        },
         "yaxis": {"automargin": True},
-    }  # fmt: skip
+    }
     return {"data": traces, "layout": themed_layout(layout, theme)}
 
 

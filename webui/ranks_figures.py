@@ -87,8 +87,9 @@ def cells(z: Any) -> list[list[float | None]]:
     if sys.byteorder == "big":
         flat.byteswap()
     rows, cols = (int(n) for n in str(z["shape"]).split(","))
-    return [[None if math.isnan(v) else v for v in flat[i * cols : (i + 1) * cols]]
-            for i in range(rows)]  # fmt: skip
+    return [
+        [None if math.isnan(v) else v for v in flat[i * cols : (i + 1) * cols]] for i in range(rows)
+    ]
 
 
 def grid_of(heatmap: Heatmap) -> Grid:
@@ -96,8 +97,13 @@ def grid_of(heatmap: Heatmap) -> Grid:
     values = [
         [v if v is not None and math.isfinite(v) else None for v in row] for row in heatmap.values
     ]
-    return Grid(list(heatmap.ranks), [float(s) for s in heatmap.step_start],
-                float(heatmap.bucket), values, heatmap.unit)  # fmt: skip
+    return Grid(
+        list(heatmap.ranks),
+        [float(s) for s in heatmap.step_start],
+        float(heatmap.bucket),
+        values,
+        heatmap.unit,
+    )
 
 
 def column_medians(grid: Grid) -> list[float | None]:
@@ -147,7 +153,9 @@ def _sampling_interval(points: list[tuple[int, float, float | None]]) -> float:
     by_rank: dict[int, list[float]] = {}
     for rank, ts, _ in points:
         by_rank.setdefault(rank, []).append(ts)
-    gaps = [b - a for times in by_rank.values() for a, b in itertools.pairwise(sorted(times)) if b > a]  # fmt: skip
+    gaps = [
+        b - a for times in by_rank.values() for a, b in itertools.pairwise(sorted(times)) if b > a
+    ]
     return statistics.median(gaps) if gaps else 0.0
 
 
@@ -186,7 +194,9 @@ def heatmap_figure(
     colours on 0 (deviations). ``uirevision`` keeps the user's zoom across refreshes."""
     if not any(v is not None for row in grid.values for v in row):
         fig = themed(empty_figure(empty), theme)
-        fig.update_layout(title={"text": title, "x": 0.01, "font": {"size": 15}}, uirevision=revision)  # fmt: skip
+        fig.update_layout(
+            title={"text": title, "x": 0.01, "font": {"size": 15}}, uirevision=revision
+        )
         return fig.to_plotly_json()  # type: ignore[no-any-return]
     unit = f" {grid.unit}" if grid.unit else ""
     time_axis = x_title == "time"
@@ -224,9 +234,18 @@ def heatmap_figure(
     if len(grid.ranks) <= 16:
         layout["yaxis"]["dtick"] = 1
     if selected is not None and selected in grid.ranks:
-        layout["shapes"] = [{"type": "rect", "xref": "x domain", "yref": "y", "x0": 0, "x1": 1,
-                             "y0": selected - 0.5, "y1": selected + 0.5,
-                             "line": {"color": "#2563eb", "width": 2}}]  # fmt: skip
+        layout["shapes"] = [
+            {
+                "type": "rect",
+                "xref": "x domain",
+                "yref": "y",
+                "x0": 0,
+                "x1": 1,
+                "y0": selected - 0.5,
+                "y1": selected + 0.5,
+                "line": {"color": "#2563eb", "width": 2},
+            }
+        ]
     return {"data": [trace], "layout": themed_layout(layout, theme)}
 
 
@@ -249,15 +268,19 @@ def rank_href(run: str, rank: int, search: str = "") -> str:
     return f"/runs/{quote(run, safe='')}/ranks?{search + '&' if search else ''}rank={rank}"
 
 
-def states_table(run: str, ranks: Sequence[RankInfo], *, selected: int | None, keep: str = "") -> html.Div:  # fmt: skip
+def states_table(
+    run: str, ranks: Sequence[RankInfo], *, selected: int | None, keep: str = ""
+) -> html.Div:
     """State counts, then a row per rank (past RANK_ROWS ranks, only the unhealthy ones)
     linking to its detail; ``keep`` is the query string the links carry (the range)."""
     if not ranks:
         return html.Div(html.P("No rank has reported yet.", className="hint"))
     chips = [
-        html.Span(f"{n} {state}", className=f"status status-{state}", title=STATE_HELP.get(state, ""))
+        html.Span(
+            f"{n} {state}", className=f"status status-{state}", title=STATE_HELP.get(state, "")
+        )
         for state, n in state_counts(ranks).items()
-    ]  # fmt: skip
+    ]
     # Past RANK_ROWS ranks, only those in trouble, and at most RANK_ROWS of them: a table
     # of thousands of rows takes the browser minutes to draw (Dash renders each cell).
     shown = list(ranks) if len(ranks) <= RANK_ROWS else [r for r in ranks if r.state not in QUIET]
@@ -268,22 +291,43 @@ def states_table(run: str, ranks: Sequence[RankInfo], *, selected: int | None, k
     for r in shown:
         detail = r.state_detail or {}
         role = f"{detail['role']}: " if detail.get("role") else ""
-        rows.append(html.Tr([
-            html.Td(dcc.Link(str(r.rank), href=rank_href(run, r.rank, keep), className="rank-link")),
-            html.Td(r.node or r.host or "—"),
-            html.Td(html.Span(r.state, className=f"status status-{r.state}")),
-            html.Td(role + str(detail.get("reason", "")), className="detail"),
-            html.Td("—" if r.last_step is None else r.last_step),
-        ], className="rank-row rank-selected" if r.rank == selected else "rank-row",
-           id=f"ranks-row-{r.rank}"))  # fmt: skip
+        rows.append(
+            html.Tr(
+                [
+                    html.Td(
+                        dcc.Link(
+                            str(r.rank), href=rank_href(run, r.rank, keep), className="rank-link"
+                        )
+                    ),
+                    html.Td(r.node or r.host or "—"),
+                    html.Td(html.Span(r.state, className=f"status status-{r.state}")),
+                    html.Td(role + str(detail.get("reason", "")), className="detail"),
+                    html.Td("—" if r.last_step is None else r.last_step),
+                ],
+                className="rank-row rank-selected" if r.rank == selected else "rank-row",
+                id=f"ranks-row-{r.rank}",
+            )
+        )
     hidden = len(ranks) - len(shown)
-    note = html.P(f"{hidden} ranks not listed (the healthy first); click a heatmap row for any rank.",
-                  className="hint") if hidden else None  # fmt: skip
-    table = html.Table(
-        [html.Thead(html.Tr([html.Th(h) for h in ("Rank", "Node", "State", "Why", "Step")])),
-         html.Tbody(rows)],
-        className="runs-table ranks-table",
-    ) if rows else None  # fmt: skip
+    note = (
+        html.P(
+            f"{hidden} ranks not listed (the healthy first); click a heatmap row for any rank.",
+            className="hint",
+        )
+        if hidden
+        else None
+    )
+    table = (
+        html.Table(
+            [
+                html.Thead(html.Tr([html.Th(h) for h in ("Rank", "Node", "State", "Why", "Step")])),
+                html.Tbody(rows),
+            ],
+            className="runs-table ranks-table",
+        )
+        if rows
+        else None
+    )
     return html.Div([html.Div(chips, className="state-chips"), table, note])
 
 
@@ -293,17 +337,41 @@ def rank_figure(mine: RankSeries, run: Series, *, theme: str | None, revision: s
         return themed(empty_figure(f"Rank {mine.rank} has no steps in this range"), theme)
     fig = go.Figure()
     if run.step:
-        fig.add_trace(go.Scatter(x=run.step, y=run.median, name="run median", mode="lines",
-                                 line={"color": "#9ca3af", "width": 1.5}))  # fmt: skip
-        fig.add_trace(go.Scatter(x=run.step, y=run.max, name="slowest rank", mode="lines",
-                                 line={"color": "#9ca3af", "width": 1, "dash": "dot"}))  # fmt: skip
-    fig.add_trace(go.Scatter(x=mine.step, y=[_finite(v) for v in mine.value],
-                             name=f"rank {mine.rank}", mode="lines",
-                             line={"color": "#d97706", "width": 2}))  # fmt: skip
-    fig.update_layout(title={"text": f"Rank {mine.rank}: step time", "x": 0.01, "font": {"size": 15}},
-                      height=260, margin={"l": 60, "r": 20, "t": 40, "b": 40},
-                      hovermode="x unified", uirevision=revision,
-                      legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"})  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=run.step,
+                y=run.median,
+                name="run median",
+                mode="lines",
+                line={"color": "#9ca3af", "width": 1.5},
+            )
+        )
+        fig.add_trace(
+            go.Scatter(
+                x=run.step,
+                y=run.max,
+                name="slowest rank",
+                mode="lines",
+                line={"color": "#9ca3af", "width": 1, "dash": "dot"},
+            )
+        )
+    fig.add_trace(
+        go.Scatter(
+            x=mine.step,
+            y=[_finite(v) for v in mine.value],
+            name=f"rank {mine.rank}",
+            mode="lines",
+            line={"color": "#d97706", "width": 2},
+        )
+    )
+    fig.update_layout(
+        title={"text": f"Rank {mine.rank}: step time", "x": 0.01, "font": {"size": 15}},
+        height=260,
+        margin={"l": 60, "r": 20, "t": 40, "b": 40},
+        hovermode="x unified",
+        uirevision=revision,
+        legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"},
+    )
     fig.update_xaxes(title_text="step")
     fig.update_yaxes(title_text=mine.unit or None)
     return themed(fig, theme)
@@ -330,14 +398,27 @@ def rank_facts(info: RankInfo, gpu: GpuSample | None, events: Sequence[EventOut]
         if gpu.simulated:
             parts.append("(simulated)")
         facts.append(("GPU", " · ".join(parts)))
-    items = [html.Li([html.Span(e.kind, className="fact-key"),
-                      html.Span(_event_line(e), className=f"sev-{e.severity}")])
-             for e in list(events)[-6:][::-1]]  # fmt: skip
-    return html.Div([
-        html.Div([html.Span([html.Span(k, className="fact-key"), v], className="fact")
-                  for k, v in facts], className="facts"),
-        html.Ul(items, className="events") if items else None,
-    ])  # fmt: skip
+    items = [
+        html.Li(
+            [
+                html.Span(e.kind, className="fact-key"),
+                html.Span(_event_line(e), className=f"sev-{e.severity}"),
+            ]
+        )
+        for e in list(events)[-6:][::-1]
+    ]
+    return html.Div(
+        [
+            html.Div(
+                [
+                    html.Span([html.Span(k, className="fact-key"), v], className="fact")
+                    for k, v in facts
+                ],
+                className="facts",
+            ),
+            html.Ul(items, className="events") if items else None,
+        ]
+    )
 
 
 def _event_line(e: EventOut) -> str:
@@ -346,7 +427,9 @@ def _event_line(e: EventOut) -> str:
     if e.kind == "xid":
         return f"{step}XID {d.get('code')} {d.get('name', '')}: {d.get('meaning', '')}"
     if e.kind == "rank_state":
-        return f"{step}{d.get('from')} → {d.get('to')}" + (f": {d['reason']}" if d.get("reason") else "")  # fmt: skip
+        return f"{step}{d.get('from')} → {d.get('to')}" + (
+            f": {d['reason']}" if d.get("reason") else ""
+        )
     if e.kind == "drill":
         return f"{step}drill injected: {d.get('spec') or d.get('fault')}"
     return step + ", ".join(f"{k}={v}" for k, v in list(d.items())[:4])

@@ -68,8 +68,11 @@ def query_string(
     rank: int | None, lo: int | None, hi: int | None, *, user: str | None = None
 ) -> str:
     shown = None if user is None else user.removeprefix("user.")
-    pairs = [(k, v) for k, v in (("rank", rank), ("from", lo), ("to", hi), ("user", shown))
-             if v is not None]  # fmt: skip
+    pairs = [
+        (k, v)
+        for k, v in (("rank", rank), ("from", lo), ("to", hi), ("user", shown))
+        if v is not None
+    ]
     return "?" + urlencode(pairs) if pairs else ""
 
 
@@ -104,9 +107,16 @@ def heatmap_part(client: Client, name: str, key: str, search: str | None, theme:
     revision = f"{name}:{key}"
     if key == "gpu_temp":
         grid = rf.gpu_grid(client.gpu(name, limit=GPU_SAMPLES))
-        return rf.heatmap_figure(grid, title=title, theme=theme, revision=revision, x_title="time",
-                                 selected=rank, empty="No GPU temperatures: the agents report none "
-                                 "(no NVML on their hosts). Other heatmaps are unaffected.")  # fmt: skip
+        return rf.heatmap_figure(
+            grid,
+            title=title,
+            theme=theme,
+            revision=revision,
+            x_title="time",
+            selected=rank,
+            empty="No GPU temperatures: the agents report none "
+            "(no NVML on their hosts). Other heatmaps are unaffected.",
+        )
     metric = "loss" if key == "loss_dev" else key
     grid = rf.grid_of(client.heatmap(name, metric, buckets=BUCKETS, from_step=lo, to_step=hi))
     if key == "loss_dev":
@@ -114,8 +124,15 @@ def heatmap_part(client: Client, name: str, key: str, search: str | None, theme:
             return themed(empty_figure("One rank: no peers to compare its loss with."), theme)
         grid = rf.deviation(grid)
         empty = "No loss yet: the trainer reports it with s.loss(value)."
-        return rf.heatmap_figure(grid, title=title, theme=theme, revision=revision,
-                                 selected=rank, diverging=True, empty=empty)  # fmt: skip
+        return rf.heatmap_figure(
+            grid,
+            title=title,
+            theme=theme,
+            revision=revision,
+            selected=rank,
+            diverging=True,
+            empty=empty,
+        )
     title = _stands_out(title, rf.stripes(grid))
     empty = (
         "No exposed-communication times: the agent splits communication when "
@@ -123,8 +140,9 @@ def heatmap_part(client: Client, name: str, key: str, search: str | None, theme:
         if key == "exposed_comm"
         else "No steps yet: the heatmap fills as the ranks report."
     )
-    return rf.heatmap_figure(grid, title=title, theme=theme, revision=revision, selected=rank,
-                             empty=empty)  # fmt: skip
+    return rf.heatmap_figure(
+        grid, title=title, theme=theme, revision=revision, selected=rank, empty=empty
+    )
 
 
 def _stands_out(title: str, found: list[tuple[int, float]]) -> str:
@@ -140,13 +158,16 @@ USER_EMPTY = (
 )
 
 
-def user_choices(client: Client, name: str, search: str | None) -> tuple[list[dict[str, str]], str | None]:  # fmt: skip
+def user_choices(
+    client: Client, name: str, search: str | None
+) -> tuple[list[dict[str, str]], str | None]:
     """:func:`.components.user_choices` with the pick of the page's URL."""
     return components.user_choices(client, name, parse_user(search))
 
 
-def user_heatmap_part(client: Client, name: str, metric: str | None, search: str | None,
-                      theme: str | None) -> Any:  # fmt: skip
+def user_heatmap_part(
+    client: Client, name: str, metric: str | None, search: str | None, theme: str | None
+) -> Any:
     """The chosen user metric (else the run's first) per rank and step bucket (the max
     per cell)."""
     rank, lo, hi = parse_query(search)
@@ -160,11 +181,19 @@ def user_heatmap_part(client: Client, name: str, metric: str | None, search: str
     # "x times its peers" means something for a metric that cannot go below zero only.
     positive = all(v is None or v >= 0 for row in grid.values for v in row)
     title = _stands_out(title, rf.stripes(grid) if positive else [])
-    return rf.heatmap_figure(grid, title=title, theme=theme, revision=f"{name}:user:{metric}",
-                             selected=rank, empty=f"No values of {metric} in these steps.")  # fmt: skip
+    return rf.heatmap_figure(
+        grid,
+        title=title,
+        theme=theme,
+        revision=f"{name}:user:{metric}",
+        selected=rank,
+        empty=f"No values of {metric} in these steps.",
+    )
 
 
-def panels(client: Client, name: str, search: str | None, theme: str | None) -> tuple[Any, Any, Any]:  # fmt: skip
+def panels(
+    client: Client, name: str, search: str | None, theme: str | None
+) -> tuple[Any, Any, Any]:
     """(notice, rank states, the selected rank's detail)."""
     rank, lo, hi = parse_query(search)
     run = client.get_run(name)
@@ -180,7 +209,11 @@ def panels(client: Client, name: str, search: str | None, theme: str | None) -> 
     info = next((r for r in run.ranks if r.rank == rank), None)
     if info is None:
         known = f"ranks {run.ranks[0].rank}–{run.ranks[-1].rank}" if run.ranks else "no ranks yet"
-        return note, states, notice(f"Rank {rank} has not reported in run {name!r} ({known}).", "error")  # fmt: skip
+        return (
+            note,
+            states,
+            notice(f"Rank {rank} has not reported in run {name!r} ({known}).", "error"),
+        )
     last = None if lo is not None or hi is not None else DETAIL_STEPS
     mine = client.rank_series(name, rank, "step_time", from_step=lo, to_step=hi, last=last)
     everyone = client.series(name, "step_time", points=1_000, from_step=lo, to_step=hi, last=last)
@@ -190,12 +223,26 @@ def panels(client: Client, name: str, search: str | None, theme: str | None) -> 
     base = f"/runs/{quote(name, safe='')}"
     clear = dcc.Link("close", href=f"{base}/ranks{'?' + keep if keep else ''}")
     hardware = dcc.Link("its GPU", href=f"{base}/hardware?rank={rank}")
-    return note, states, html.Div([
-        html.H3([f"Rank {rank}", html.Span(" · ", className="fact-key"), hardware,
-                 html.Span(" · ", className="fact-key"), clear]),
-        rf.rank_facts(info, gpu[-1] if gpu else None, events),
-        dcc.Graph(id="ranks-rank-graph", figure=figure, config={"displaylogo": False}),
-    ], className="rank-detail")  # fmt: skip
+    return (
+        note,
+        states,
+        html.Div(
+            [
+                html.H3(
+                    [
+                        f"Rank {rank}",
+                        html.Span(" · ", className="fact-key"),
+                        hardware,
+                        html.Span(" · ", className="fact-key"),
+                        clear,
+                    ]
+                ),
+                rf.rank_facts(info, gpu[-1] if gpu else None, events),
+                dcc.Graph(id="ranks-rank-graph", figure=figure, config={"displaylogo": False}),
+            ],
+            className="rank-detail",
+        ),
+    )
 
 
 # -- the page --------------------------------------------------------------------
@@ -243,8 +290,12 @@ def register(app: dash.Dash, client: Client) -> None:
         def failed(message: str) -> Any:
             return themed(empty_figure(f"{TITLES[key]}: {message}"), theme)
 
-        return _guarded(TITLES[key].lower(), name,
-                        lambda: heatmap_part(client, name, key, search, theme), failed)  # fmt: skip
+        return _guarded(
+            TITLES[key].lower(),
+            name,
+            lambda: heatmap_part(client, name, key, search, theme),
+            failed,
+        )
 
     first, *others = HEATMAPS
 
@@ -309,18 +360,30 @@ def register(app: dash.Dash, client: Client) -> None:
             return dash.no_update
         if not options:
             return html.P(USER_EMPTY, className="hint")
-        figure = _guarded("the user metric", name,
-                          lambda: user_heatmap_part(client, name, value, search, theme),
-                          lambda message: themed(empty_figure(f"User metric: {message}"), theme))  # fmt: skip
+        figure = _guarded(
+            "the user metric",
+            name,
+            lambda: user_heatmap_part(client, name, value, search, theme),
+            lambda message: themed(empty_figure(f"User metric: {message}"), theme),
+        )
         return [
-            html.Div([
-                html.Span("User metric ", className="fact-key"),
-                # RadioItems, not a Dropdown: dcc's Dropdown is a chunk loaded on demand.
-                dcc.RadioItems(id="ranks-user-metric", options=options, value=value, inline=True,
-                               className="user-pick"),
-            ], className="ranks-user-pick", style={"margin": "0.5rem 0"}),
+            html.Div(
+                [
+                    html.Span("User metric ", className="fact-key"),
+                    # RadioItems, not a Dropdown: dcc's Dropdown is a chunk loaded on demand.
+                    dcc.RadioItems(
+                        id="ranks-user-metric",
+                        options=options,
+                        value=value,
+                        inline=True,
+                        className="user-pick",
+                    ),
+                ],
+                className="ranks-user-pick",
+                style={"margin": "0.5rem 0"},
+            ),
             dcc.Graph(id="ranks-user", figure=figure, config={"displaylogo": False}),
-        ]  # fmt: skip
+        ]
 
     @app.callback(
         Output("ranks-user-metric", "options"),
@@ -332,8 +395,9 @@ def register(app: dash.Dash, client: Client) -> None:
         State("ranks-run", "data"),
         prevent_initial_call=True,
     )
-    def draw_user(metric: str | None, _done: Any, search: str | None, theme: str | None,
-                  name: str) -> Any:  # fmt: skip
+    def draw_user(
+        metric: str | None, _done: Any, search: str | None, theme: str | None, name: str
+    ) -> Any:
         """A pick, or a refresh with the heatmaps: the run's metrics and the heatmap."""
 
         def failed(message: str) -> Any:
@@ -344,8 +408,12 @@ def register(app: dash.Dash, client: Client) -> None:
             options = user_choices(client, name, search)[0]
         except Exception:  # the figure below says what is wrong
             options = dash.no_update
-        figure = _guarded("the user metric", name,
-                          lambda: user_heatmap_part(client, name, metric, search, theme), failed)  # fmt: skip
+        figure = _guarded(
+            "the user metric",
+            name,
+            lambda: user_heatmap_part(client, name, metric, search, theme),
+            failed,
+        )
         return options, figure
 
     @app.callback(
@@ -360,8 +428,10 @@ def register(app: dash.Dash, client: Client) -> None:
     def refresh(_n: int | None, search: str | None, theme: str | None, name: str) -> Any:
         def failed(message: str) -> Any:
             if message.endswith("not found."):
-                message = (f"{message} A run appears once its first agent reports; "
-                           "check the name, or pick one from the runs list.")  # fmt: skip
+                message = (
+                    f"{message} A run appears once its first agent reports; "
+                    "check the name, or pick one from the runs list."
+                )
             return notice(message, "error"), None, None
 
         return _guarded("rank states", name, lambda: panels(client, name, search, theme), failed)

@@ -29,11 +29,22 @@ BREAKDOWN = (
 # Plotly templates live in plotly.py, not plotly.js: a dict figure carries its colours.
 INK = {"light": ("#111827", "#e5e7eb"), "dark": ("#e5e7eb", "#374151")}  # text, grid
 ENV = (
-    ("python", "Python"), ("torch", "torch"), ("cuda", "CUDA"), ("nccl", "NCCL"), ("gpu", "GPU"),
-    ("driver", "Driver"), ("platform", "Platform"),
-)  # fmt: skip
-END_CLASS = {"exception": "status-failed", "lost": "status-dead", "evicted": "status-evicted", "sigterm": "status-slow",
-             "stopped": "status-finished", "completed": "status-finished"}  # fmt: skip
+    ("python", "Python"),
+    ("torch", "torch"),
+    ("cuda", "CUDA"),
+    ("nccl", "NCCL"),
+    ("gpu", "GPU"),
+    ("driver", "Driver"),
+    ("platform", "Platform"),
+)
+END_CLASS = {
+    "exception": "status-failed",
+    "lost": "status-dead",
+    "evicted": "status-evicted",
+    "sigterm": "status-slow",
+    "stopped": "status-finished",
+    "completed": "status-finished",
+}
 NO_IDENTITY = (
     "This run has no identity yet: its agents sent no attempt_start (trainwarden older "
     "than 0.11). Upgrade the agent and pass tw.init(config=..., tags=[...], "
@@ -132,16 +143,22 @@ def identity_section(ident: dict[str, Any] | None) -> Any:
         else html.P(
             "No config given: pass tw.init(config=...) (a dict; nested keys show dotted).",
             className="hint",
-        )  # fmt: skip
+        )
     )
     tags = ident.get("tags") or []
     code = ident.get("code") or {}
-    what = _kv([
-        ("Tags", html.Span([html.Span(t, className="mark") for t in tags]) if tags else MISSING),
-        ("Data snapshot", ident.get("data_snapshot") or MISSING),
-        ("Code", html.Span(code_text(code), title=str(code.get("commit") or ""), id="ri-code")),
-        ("Repository", code.get("root") or MISSING),
-    ], id_="ri-what")  # fmt: skip
+    what = _kv(
+        [
+            (
+                "Tags",
+                html.Span([html.Span(t, className="mark") for t in tags]) if tags else MISSING,
+            ),
+            ("Data snapshot", ident.get("data_snapshot") or MISSING),
+            ("Code", html.Span(code_text(code), title=str(code.get("commit") or ""), id="ri-code")),
+            ("Repository", code.get("root") or MISSING),
+        ],
+        id_="ri-what",
+    )
     env = ident.get("env") or {}
     gpu = env.get("gpu")
     if gpu and env.get("gpu_count"):
@@ -154,13 +171,21 @@ def identity_section(ident: dict[str, Any] | None) -> Any:
     envrows += [
         ("World size", value_text(ident.get("world_size") or env.get("world_size"))),
         ("Nodes", f"{len(nodes)}: {', '.join(nodes)}" if nodes else MISSING),
-        ("Packages hash", html.Span(str(packages)[:12], title=str(packages)) if packages else MISSING),
-    ]  # fmt: skip
-    return html.Div([
-        _card(f"Config ({len(rows)} keys)", config, cls="ri-card-wide"),
-        html.Div([_card("Run", what), _card("Environment", _kv(envrows, id_="ri-env"))],
-                 className="ri-stack"),
-    ], className="ri-grid")  # fmt: skip
+        (
+            "Packages hash",
+            html.Span(str(packages)[:12], title=str(packages)) if packages else MISSING,
+        ),
+    ]
+    return html.Div(
+        [
+            _card(f"Config ({len(rows)} keys)", config, cls="ri-card-wide"),
+            html.Div(
+                [_card("Run", what), _card("Environment", _kv(envrows, id_="ri-env"))],
+                className="ri-stack",
+            ),
+        ],
+        className="ri-grid",
+    )
 
 
 # -- attempts ------------------------------------------------------------------------------
@@ -168,8 +193,10 @@ def identity_section(ident: dict[str, Any] | None) -> Any:
 
 def attempts_table(tries: Sequence[dict[str, Any]], *, now: float) -> Any:
     if not tries:
-        return notice("No attempts recorded: attempts come from the agents' attempt_start "
-                      "events (trainwarden 0.11 or later).")  # fmt: skip
+        return notice(
+            "No attempts recorded: attempts come from the agents' attempt_start "
+            "events (trainwarden 0.11 or later)."
+        )
     header = ("#", "Started", "Ended", "Duration", "World size", "Nodes", "Steps", "Exit")
     rows = []
     for t in tries:
@@ -181,55 +208,94 @@ def attempts_table(tries: Sequence[dict[str, Any]], *, now: float) -> Any:
         exit_ = (
             html.Span("running", className="status status-running")
             if running
-            else [html.Span(reason or "?", className=f"status {END_CLASS.get(reason or '', 'status-dead')}"),
-                  html.Div(t.get("exit_detail") or "", className="detail")]
-        )  # fmt: skip
+            else [
+                html.Span(
+                    reason or "?", className=f"status {END_CLASS.get(reason or '', 'status-dead')}"
+                ),
+                html.Div(t.get("exit_detail") or "", className="detail"),
+            ]
+        )
         nodes = t.get("nodes") or []
-        rows.append(html.Tr([
-            html.Td(t["number"]), html.Td(when(t["started_at"])),
-            html.Td("running" if running else when(end)),
-            html.Td(span((now if running else (end or t["started_at"])) - t["started_at"])),
-            html.Td(value_text(t.get("world_size"))),
-            html.Td(", ".join(nodes) or MISSING, className="detail"),
-            html.Td(steps), html.Td(exit_, className="ri-exit"),
-        ], id=f"ri-attempt-{t['number']}", className="ri-attempt"))  # fmt: skip
-    return html.Table([html.Thead(html.Tr([html.Th(h) for h in header])), html.Tbody(rows)],
-                      className="runs-table ri-attempts")  # fmt: skip
+        rows.append(
+            html.Tr(
+                [
+                    html.Td(t["number"]),
+                    html.Td(when(t["started_at"])),
+                    html.Td("running" if running else when(end)),
+                    html.Td(span((now if running else (end or t["started_at"])) - t["started_at"])),
+                    html.Td(value_text(t.get("world_size"))),
+                    html.Td(", ".join(nodes) or MISSING, className="detail"),
+                    html.Td(steps),
+                    html.Td(exit_, className="ri-exit"),
+                ],
+                id=f"ri-attempt-{t['number']}",
+                className="ri-attempt",
+            )
+        )
+    return html.Table(
+        [html.Thead(html.Tr([html.Th(h) for h in header])), html.Tbody(rows)],
+        className="runs-table ri-attempts",
+    )
 
 
 # -- goodput --------------------------------------------------------------------------------
 
 
-def breakdown_figure(good: dict[str, Any] | None, *, theme: str | None, revision: str) -> dict[str, Any]:  # fmt: skip
+def breakdown_figure(
+    good: dict[str, Any] | None, *, theme: str | None, revision: str
+) -> dict[str, Any]:
     """The allocation as one horizontal stacked bar, in percent, GPU-hours on hover."""
     ink, grid = INK.get(theme or "light", INK["light"])
     layout: dict[str, Any] = {
-        "barmode": "stack", "height": 150, "margin": {"l": 10, "r": 10, "t": 10, "b": 30},
-        "paper_bgcolor": "rgba(0,0,0,0)", "plot_bgcolor": "rgba(0,0,0,0)",
-        "font": {"color": ink, "size": 12}, "uirevision": revision,
+        "barmode": "stack",
+        "height": 150,
+        "margin": {"l": 10, "r": 10, "t": 10, "b": 30},
+        "paper_bgcolor": "rgba(0,0,0,0)",
+        "plot_bgcolor": "rgba(0,0,0,0)",
+        "font": {"color": ink, "size": 12},
+        "uirevision": revision,
         "legend": {"orientation": "h", "y": -0.45, "x": 0, "traceorder": "normal"},
-        "xaxis": {"range": [0, 100], "ticksuffix": "%", "gridcolor": grid, "zeroline": False,
-                  "fixedrange": True},
+        "xaxis": {
+            "range": [0, 100],
+            "ticksuffix": "%",
+            "gridcolor": grid,
+            "zeroline": False,
+            "fixedrange": True,
+        },
         "yaxis": {"visible": False, "fixedrange": True},
-    }  # fmt: skip
+    }
     total = (good or {}).get("allocation_gpu_s") or 0.0
     if total <= 0:
         layout["xaxis"]["visible"] = False
-        layout["annotations"] = [{"text": "No allocation yet: waiting for the run's first steps",
-                                  "showarrow": False, "font": {"color": "#6b7280"}}]  # fmt: skip
+        layout["annotations"] = [
+            {
+                "text": "No allocation yet: waiting for the run's first steps",
+                "showarrow": False,
+                "font": {"color": "#6b7280"},
+            }
+        ]
         return {"data": [], "layout": layout}
     parts = (good or {}).get("breakdown_gpu_s") or {}
     data = []
     for key, label, color in BREAKDOWN:
         gpu_s = float(parts.get(key) or 0.0)
         pct = 100 * gpu_s / total
-        data.append({
-            "type": "bar", "orientation": "h", "name": label, "y": ["allocation"], "x": [pct],
-            "marker": {"color": color}, "text": [f"{label} {pct:.0f}%" if pct >= 8 else ""],
-            "textposition": "inside", "insidetextanchor": "middle", "textfont": {"color": "#fff"},
-            "customdata": [[gpu_s / 3600]],
-            "hovertemplate": f"{label}: %{{x:.1f}}% · %{{customdata[0]:.3f}} GPU-h<extra></extra>",
-        })  # fmt: skip
+        data.append(
+            {
+                "type": "bar",
+                "orientation": "h",
+                "name": label,
+                "y": ["allocation"],
+                "x": [pct],
+                "marker": {"color": color},
+                "text": [f"{label} {pct:.0f}%" if pct >= 8 else ""],
+                "textposition": "inside",
+                "insidetextanchor": "middle",
+                "textfont": {"color": "#fff"},
+                "customdata": [[gpu_s / 3600]],
+                "hovertemplate": f"{label}: %{{x:.1f}}% · %{{customdata[0]:.3f}} GPU-h<extra></extra>",
+            }
+        )
     return {"data": data, "layout": layout}
 
 
@@ -244,20 +310,35 @@ def goodput_section(good: dict[str, Any]) -> Any:
     """ETTR as a big number, and the figures around it."""
     ettr = good.get("ettr")
     hours = good.get("gpu_hours") or {}
-    big = html.Div([
-        html.Div(MISSING if ettr is None else f"{ettr:.1%}", id="ri-ettr", className="ri-big"),
-        html.Div("ETTR: step time kept ÷ allocation", className="hint"),
-    ], className="ri-big-box")  # fmt: skip
+    big = html.Div(
+        [
+            html.Div(MISSING if ettr is None else f"{ettr:.1%}", id="ri-ettr", className="ri-big"),
+            html.Div("ETTR: step time kept ÷ allocation", className="hint"),
+        ],
+        className="ri-big-box",
+    )
     state = "so far (running)" if good.get("running") else "in all"
-    facts = _kv([
-        ("Wall clock", f"{span(good.get('wall_s'))} {state}"),
-        ("GPU-hours", f"{hours.get('used', 0.0):.3f} used · {hours.get('kept', 0.0):.3f} kept · "
-                      f"{hours.get('lost', 0.0):.3f} lost"),
-        ("Cost", _money(good)),
-        ("Attempts", f"{good.get('attempts', 0)} ({good.get('interruptions', 0)} interruptions, "
-                     f"{good.get('rollbacks', 0)} rollbacks)"),
-        ("Steps", f"{good.get('kept_steps', 0)} kept · {good.get('replayed_steps', 0)} replayed"),
-    ], id_="ri-goodput-facts")  # fmt: skip
+    facts = _kv(
+        [
+            ("Wall clock", f"{span(good.get('wall_s'))} {state}"),
+            (
+                "GPU-hours",
+                f"{hours.get('used', 0.0):.3f} used · {hours.get('kept', 0.0):.3f} kept · "
+                f"{hours.get('lost', 0.0):.3f} lost",
+            ),
+            ("Cost", _money(good)),
+            (
+                "Attempts",
+                f"{good.get('attempts', 0)} ({good.get('interruptions', 0)} interruptions, "
+                f"{good.get('rollbacks', 0)} rollbacks)",
+            ),
+            (
+                "Steps",
+                f"{good.get('kept_steps', 0)} kept · {good.get('replayed_steps', 0)} replayed",
+            ),
+        ],
+        id_="ri-goodput-facts",
+    )
     return html.Div([big, facts], className="ri-goodput")
 
 
@@ -281,39 +362,80 @@ def checkpoints_section(ckpt: dict[str, Any], adv: dict[str, Any]) -> Any:
     """Count, last, interval, blocking cost C, bytes; T* = sqrt(2 C tau), the expected
     waste now and at T*, and the verdict with the runbook."""
     if not ckpt.get("count"):
-        return notice("No checkpoints reported yet. Call tw.checkpoint_saved(step, path, "
-                      "seconds=..., bytes=...) after a save, or wrap it in "
-                      "`with tw.checkpointing(step):` to time it.")  # fmt: skip
+        return notice(
+            "No checkpoints reported yet. Call tw.checkpoint_saved(step, path, "
+            "seconds=..., bytes=...) after a save, or wrap it in "
+            "`with tw.checkpointing(step):` to time it."
+        )
     last = ckpt.get("last") or {}
     steps = ckpt.get("interval_steps")
     drain = ckpt.get("drain_s")
-    stats = _kv([
-        ("Saved", f"{ckpt['count']} checkpoints"),
-        ("Last", f"step {last.get('step', MISSING)} at {when(last.get('ts'))}"
-                 + (f" · {last['path']}" if last.get("path") else "")),
-        ("Interval", MISSING if steps is None else f"{steps:g} steps · {span(ckpt.get('interval_s'))}"),
-        ("Blocking cost C", f"{span(ckpt.get('blocking_s'))} (median) · {span(ckpt.get('blocking_total_s'))} in all"
-                            + (f" · async drain {span(drain)}" if drain is not None else "")),
-        ("Size", size(ckpt.get("bytes"))),
-    ], id_="ri-ckpt")  # fmt: skip
+    stats = _kv(
+        [
+            ("Saved", f"{ckpt['count']} checkpoints"),
+            (
+                "Last",
+                f"step {last.get('step', MISSING)} at {when(last.get('ts'))}"
+                + (f" · {last['path']}" if last.get("path") else ""),
+            ),
+            (
+                "Interval",
+                MISSING if steps is None else f"{steps:g} steps · {span(ckpt.get('interval_s'))}",
+            ),
+            (
+                "Blocking cost C",
+                f"{span(ckpt.get('blocking_s'))} (median) · {span(ckpt.get('blocking_total_s'))} in all"
+                + (f" · async drain {span(drain)}" if drain is not None else ""),
+            ),
+            ("Size", size(ckpt.get("bytes"))),
+        ],
+        id_="ri-ckpt",
+    )
     best, tau, cost = adv.get("optimal_interval_s"), adv.get("mtbf_s"), adv.get("cost_s")
     waste_now, waste_best = adv.get("waste_now"), adv.get("waste_optimal")
-    advice = _kv([
-        ("T* = √(2·C·τ)", html.Span(
-            MISSING if best is None else f"{span(best)} (√(2 × {span(cost)} × {span(tau)}))",
-            id="ri-tstar")),
-        ("τ (time between interruptions)", f"{span(tau)} — {adv.get('mtbf_source', '')}"),
-        ("Expected waste", f"{_pct(waste_now)} now · {_pct(waste_best)} at T*"),
-    ], id_="ri-advisor")  # fmt: skip
+    advice = _kv(
+        [
+            (
+                "T* = √(2·C·τ)",
+                html.Span(
+                    MISSING
+                    if best is None
+                    else f"{span(best)} (√(2 × {span(cost)} × {span(tau)}))",
+                    id="ri-tstar",
+                ),
+            ),
+            ("τ (time between interruptions)", f"{span(tau)} — {adv.get('mtbf_source', '')}"),
+            ("Expected waste", f"{_pct(waste_now)} now · {_pct(waste_best)} at T*"),
+        ],
+        id_="ri-advisor",
+    )
     verdict = adv.get("verdict") or "unknown"
-    return html.Div([
-        _card("Checkpoints", stats),
-        _card("Cadence advisor", advice, html.P([
-            html.Span(verdict_text(adv), id="ri-verdict", className=f"ri-verdict ri-verdict-{verdict}"),
-            " ", html.A("Runbook: checkpoint cadence", href=RUNBOOK, className="runbook-link",
-                        target="_blank"),
-        ])),
-    ], className="ri-grid")  # fmt: skip
+    return html.Div(
+        [
+            _card("Checkpoints", stats),
+            _card(
+                "Cadence advisor",
+                advice,
+                html.P(
+                    [
+                        html.Span(
+                            verdict_text(adv),
+                            id="ri-verdict",
+                            className=f"ri-verdict ri-verdict-{verdict}",
+                        ),
+                        " ",
+                        html.A(
+                            "Runbook: checkpoint cadence",
+                            href=RUNBOOK,
+                            className="runbook-link",
+                            target="_blank",
+                        ),
+                    ]
+                ),
+            ),
+        ],
+        className="ri-grid",
+    )
 
 
 def _pct(x: float | None) -> str:
@@ -326,11 +448,17 @@ def _pct(x: float | None) -> str:
 def _changes(title: str, rows: Sequence[dict[str, Any]], a: str, b: str) -> Any:
     if not rows:
         return None
-    body = [html.Tr([html.Td(r["key"]), html.Td(value_text(r["a"])), html.Td(value_text(r["b"]))])
-            for r in rows]  # fmt: skip
-    return _card(title, html.Table([
-        html.Thead(html.Tr([html.Th("Key"), html.Th(a), html.Th(b)])), html.Tbody(body)
-    ], className="ri-kv ri-diff-table"))  # fmt: skip
+    body = [
+        html.Tr([html.Td(r["key"]), html.Td(value_text(r["a"])), html.Td(value_text(r["b"]))])
+        for r in rows
+    ]
+    return _card(
+        title,
+        html.Table(
+            [html.Thead(html.Tr([html.Th("Key"), html.Th(a), html.Th(b)])), html.Tbody(body)],
+            className="ri-kv ri-diff-table",
+        ),
+    )
 
 
 def diff_view(d: dict[str, Any]) -> Any:
@@ -338,8 +466,11 @@ def diff_view(d: dict[str, Any]) -> Any:
     a, b = d["a"], d["b"]
     if d.get("identical"):
         return notice(f"{a} and {b} have the same config, code, environment and packages.")
-    parts = [_changes("Config", d.get("config") or [], a, b), _changes("Code", d.get("code") or [], a, b),
-             _changes("Environment", d.get("env") or [], a, b)]  # fmt: skip
+    parts = [
+        _changes("Config", d.get("config") or [], a, b),
+        _changes("Code", d.get("code") or [], a, b),
+        _changes("Environment", d.get("env") or [], a, b),
+    ]
     other = []
     tags = d.get("tags") or {}
     if tags.get("only_a") or tags.get("only_b"):
@@ -350,7 +481,9 @@ def diff_view(d: dict[str, Any]) -> Any:
     parts.append(_changes("Run", other, a, b))
     pkg = d.get("packages")
     if pkg and "hash_a" in pkg:
-        parts.append(_changes("Packages", [{"key": "hash", "a": pkg["hash_a"], "b": pkg["hash_b"]}], a, b))  # fmt: skip
+        parts.append(
+            _changes("Packages", [{"key": "hash", "a": pkg["hash_a"], "b": pkg["hash_b"]}], a, b)
+        )
     elif pkg and any(pkg.values()):
         rows = [{"key": n, "a": None, "b": n} for n in pkg.get("added") or []]
         rows += [{"key": n, "a": n, "b": None} for n in pkg.get("removed") or []]

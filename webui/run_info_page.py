@@ -31,29 +31,39 @@ REFRESH_S = 5.0  # economics change slowly; each refresh reads the run's step ro
 
 
 def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
-    return html.Div([
-        dcc.Store(id="ri-run", data=name),
-        html.H2(name),
-        run_tabs(name, "Run"),
-        html.Div(id="ri-notice", role="status"),
-        html.H3("Goodput"),
-        html.Div(id="ri-goodput", children=notice("Loading goodput…")),
-        dcc.Graph(id="ri-breakdown", config={"displaylogo": False, "displayModeBar": False},
-                  figure=view.breakdown_figure(None, theme=None, revision=name)),
-        html.H3("Checkpoints and cadence"),
-        html.Div(id="ri-checkpoints"),
-        html.H3("Attempts"),
-        html.Div(id="ri-attempts"),
-        html.H3("Identity"),
-        html.Div(id="ri-identity"),
-        html.H3("Compare with another run"),
-        html.Div(dcc.Dropdown(id="ri-compare", placeholder="Pick a run to compare its config, "
-                              "code, environment and packages", clearable=True),
-                 className="ri-compare"),
-        html.Div(id="ri-diff"),
-        dcc.Store(id="ri-digests", data={}),
-        dcc.Interval(id="ri-interval", interval=int(max(refresh_s, REFRESH_S) * 1000)),
-    ])  # fmt: skip
+    return html.Div(
+        [
+            dcc.Store(id="ri-run", data=name),
+            html.H2(name),
+            run_tabs(name, "Run"),
+            html.Div(id="ri-notice", role="status"),
+            html.H3("Goodput"),
+            html.Div(id="ri-goodput", children=notice("Loading goodput…")),
+            dcc.Graph(
+                id="ri-breakdown",
+                config={"displaylogo": False, "displayModeBar": False},
+                figure=view.breakdown_figure(None, theme=None, revision=name),
+            ),
+            html.H3("Checkpoints and cadence"),
+            html.Div(id="ri-checkpoints"),
+            html.H3("Attempts"),
+            html.Div(id="ri-attempts"),
+            html.H3("Identity"),
+            html.Div(id="ri-identity"),
+            html.H3("Compare with another run"),
+            html.Div(
+                dcc.Dropdown(
+                    id="ri-compare",
+                    placeholder="Pick a run to compare its config, code, environment and packages",
+                    clearable=True,
+                ),
+                className="ri-compare",
+            ),
+            html.Div(id="ri-diff"),
+            dcc.Store(id="ri-digests", data={}),
+            dcc.Interval(id="ri-interval", interval=int(max(refresh_s, REFRESH_S) * 1000)),
+        ]
+    )
 
 
 def page_parts(client: Client, name: str, theme: str | None, *, now: float) -> dict[str, Any]:
@@ -85,7 +95,7 @@ def failed(message: str, theme: str | None, name: str) -> dict[str, Any]:
 KEYS = (*PARTS, "ri-breakdown.figure", "ri-compare.options")
 
 
-def changed(parts: dict[str, Any], seen: dict[str, str] | None) -> tuple[list[Any], dict[str, str]]:  # fmt: skip
+def changed(parts: dict[str, Any], seen: dict[str, str] | None) -> tuple[list[Any], dict[str, str]]:
     """The outputs in ``KEYS`` order, ``no_update`` for those drawn as they are already."""
     digests = {k: hashlib.sha1(to_json_plotly(parts[k]).encode()).hexdigest() for k in KEYS}
     seen = seen or {}
@@ -97,8 +107,10 @@ def diff_part(client: Client, name: str, other: str | None) -> Any:
         return None
     try:
         if not client.attempts(other):
-            return notice(f"Run {other!r} has no identity (its agents are older than 0.11): "
-                          "nothing to compare.")  # fmt: skip
+            return notice(
+                f"Run {other!r} has no identity (its agents are older than 0.11): "
+                "nothing to compare."
+            )
         return view.diff_view(client.diff(name, other))
     except NotFound:
         return notice(f"Run {other!r} not found any more; pick another.", "error")
@@ -117,16 +129,24 @@ def register(app: dash.Dash, client: Client) -> None:
         State("ri-run", "data"),
         State("ri-digests", "data"),
     )
-    def refresh(_n: int | None, theme: str | None, name: str, seen: dict[str, str] | None) -> Any:  # fmt: skip
+    def refresh(_n: int | None, theme: str | None, name: str, seen: dict[str, str] | None) -> Any:
         try:
             parts = page_parts(client, name, theme, now=time.time())
         except NotFound:
-            parts = failed(f"Run {name!r} not found. A run appears once its first agent "
-                           "reports; check the name, or pick one from the runs list.", theme, name)  # fmt: skip
+            parts = failed(
+                f"Run {name!r} not found. A run appears once its first agent "
+                "reports; check the name, or pick one from the runs list.",
+                theme,
+                name,
+            )
         except Exception as exc:  # the page says so and retries; never a traceback
             log.exception("run page %s", name)
-            parts = failed(f"Cannot read the run from the collector's database: "
-                           f"{exc.__class__.__name__}. The page retries by itself.", theme, name)  # fmt: skip
+            parts = failed(
+                f"Cannot read the run from the collector's database: "
+                f"{exc.__class__.__name__}. The page retries by itself.",
+                theme,
+                name,
+            )
         outputs, digests = changed(parts, seen)
         return (*outputs, digests)
 

@@ -89,7 +89,10 @@ def offset(ts: float, origin: float | None) -> str:
 
 
 def where(entry: dict[str, Any]) -> str:
-    parts = [f"rank {entry['rank']}" if entry.get("rank") is not None else "", entry.get("node") or ""]  # fmt: skip
+    parts = [
+        f"rank {entry['rank']}" if entry.get("rank") is not None else "",
+        entry.get("node") or "",
+    ]
     return " · ".join(p for p in parts if p) or MISSING
 
 
@@ -103,21 +106,36 @@ def severity_badge(severity: str | None) -> html.Span:
 def links(entry: dict[str, Any]) -> list[Any]:
     out: list[Any] = []
     if entry.get("runbook_url"):
-        out.append(html.A("runbook", href=entry["runbook_url"], className="runbook-link", target="_blank"))  # fmt: skip
+        out.append(
+            html.A("runbook", href=entry["runbook_url"], className="runbook-link", target="_blank")
+        )
     if entry.get("ui_url"):
         out.append(html.A("view", href=entry["ui_url"], className="tl-ui-link"))
     return out
 
 
-def entries_table(entries: Sequence[dict[str, Any]], *, now: float, origin: float | None = None,
-                  limit: int = ENTRIES_SHOWN) -> Any:  # fmt: skip
+def entries_table(
+    entries: Sequence[dict[str, Any]],
+    *,
+    now: float,
+    origin: float | None = None,
+    limit: int = ENTRIES_SHOWN,
+) -> Any:
     """The entries in the order given (the collector orders them: time, then cause before
     effect); ``origin``: a T+ column from that moment. Past ``limit``, the newest."""
     if not entries:
         return notice("Nothing happened here yet: no alerts, actions, events or notes.")
     shown = list(entries)[-limit:]
-    header = ["Time", *(["T+"] if origin is not None else []), "Step", "Source", "Rank / node",
-              "Severity", "What", "Links"]  # fmt: skip
+    header = [
+        "Time",
+        *(["T+"] if origin is not None else []),
+        "Step",
+        "Source",
+        "Rank / node",
+        "Severity",
+        "What",
+        "Links",
+    ]
     rows = []
     for e in shown:
         sev = e.get("severity") or "info"
@@ -134,12 +152,21 @@ def entries_table(entries: Sequence[dict[str, Any]], *, now: float, origin: floa
         ]
         known = sev if sev in SEVERITIES else "info"
         rows.append(html.Tr(cells, className=f"tl-entry tl-{e['source']} tl-sev-{known}"))
-    table = html.Table([html.Thead(html.Tr([html.Th(h) for h in header])), html.Tbody(rows)],
-                       className="runs-table tl-table")  # fmt: skip
+    table = html.Table(
+        [html.Thead(html.Tr([html.Th(h) for h in header])), html.Tbody(rows)],
+        className="runs-table tl-table",
+    )
     if len(shown) < len(entries):
         left = len(entries) - len(shown)
-        return html.Div([notice(f"Showing the newest {len(shown)} of {len(entries)} entries "
-                                f"({left} older ones left out)."), table])  # fmt: skip
+        return html.Div(
+            [
+                notice(
+                    f"Showing the newest {len(shown)} of {len(entries)} entries "
+                    f"({left} older ones left out)."
+                ),
+                table,
+            ]
+        )
     return table
 
 
@@ -163,19 +190,33 @@ def figure_value(key: str, figures: dict[str, Any]) -> str:
 def figures_card(figures: dict[str, Any] | None, definitions: dict[str, str]) -> Any:
     """The incident's time to detect, page, act and recover, and what it cost."""
     if figures is None:
-        return notice("Pick an incident for its figures: time to detect, page, act and "
-                      "recover; steps, GPU-hours and cost lost.")  # fmt: skip
+        return notice(
+            "Pick an incident for its figures: time to detect, page, act and "
+            "recover; steps, GPU-hours and cost lost."
+        )
     items = []
     for key, label in FIGURES:
         hint = definitions.get(key, "")
         if key == "cost" and figures.get("price_per_gpu_hour") is None:
-            hint = "no price per GPU-hour: start serve with --price-per-gpu-hour (TRAINWARDEN_PRICE_PER_GPU_HOUR)"  # fmt: skip
-        items.append(html.Div([html.Span(label, className="fact-key"),
-                               html.Span(figure_value(key, figures), className="tl-fig-value")],
-                              id=f"tl-fig-{key}", className="tl-fig", title=hint))  # fmt: skip
+            hint = "no price per GPU-hour: start serve with --price-per-gpu-hour (TRAINWARDEN_PRICE_PER_GPU_HOUR)"
+        items.append(
+            html.Div(
+                [
+                    html.Span(label, className="fact-key"),
+                    html.Span(figure_value(key, figures), className="tl-fig-value"),
+                ],
+                id=f"tl-fig-{key}",
+                className="tl-fig",
+                title=hint,
+            )
+        )
     fault = figures.get("fault")
-    cause = html.P(f"Fault: {fault}" if fault else "Fault: not found (no fault event or "
-                   "flagged step before the first alert).", className="hint")  # fmt: skip
+    cause = html.P(
+        f"Fault: {fault}"
+        if fault
+        else "Fault: not found (no fault event or flagged step before the first alert).",
+        className="hint",
+    )
     return html.Div([html.Div(items, className="tl-figures"), cause], className="tl-card")
 
 
@@ -183,24 +224,43 @@ def incident_label(i: IncidentOut) -> str:
     return f"#{i.id} {i.title}"
 
 
-def incidents_list(incidents: Sequence[IncidentOut], *, run: str, selected: int | None,
-                   now: float) -> Any:  # fmt: skip
+def incidents_list(
+    incidents: Sequence[IncidentOut], *, run: str, selected: int | None, now: float
+) -> Any:
     """The run's incidents as links (newest first), and the whole run's timeline."""
-    whole = dcc.Link("Whole run", href=page_href(run), id="tl-inc-all",
-                     className="tl-inc tl-inc-selected" if selected is None else "tl-inc")  # fmt: skip
+    whole = dcc.Link(
+        "Whole run",
+        href=page_href(run),
+        id="tl-inc-all",
+        className="tl-inc tl-inc-selected" if selected is None else "tl-inc",
+    )
     if not incidents:
-        return html.Div([notice("No incidents: nothing has gone wrong that an alert grouped, "
-                                "and nobody opened one. The whole run's timeline is below."),
-                         whole], className="tl-incidents")  # fmt: skip
+        return html.Div(
+            [
+                notice(
+                    "No incidents: nothing has gone wrong that an alert grouped, "
+                    "and nobody opened one. The whole run's timeline is below."
+                ),
+                whole,
+            ],
+            className="tl-incidents",
+        )
     items = [whole]
     for i in sorted(incidents, key=lambda x: x.opened_at, reverse=True):
         cls = "tl-inc tl-inc-selected" if i.id == selected else "tl-inc"
-        items.append(dcc.Link([
-            html.Span(incident_label(i), className="tl-inc-title"),
-            html.Span(i.state, className=f"status status-{i.state}"),
-            severity_badge(i.severity),
-            html.Span(f"opened {ago(i.opened_at, now)}", className="hint"),
-        ], href=page_href(run, i.id), id=f"tl-inc-{i.id}", className=cls))  # fmt: skip
+        items.append(
+            dcc.Link(
+                [
+                    html.Span(incident_label(i), className="tl-inc-title"),
+                    html.Span(i.state, className=f"status status-{i.state}"),
+                    severity_badge(i.severity),
+                    html.Span(f"opened {ago(i.opened_at, now)}", className="hint"),
+                ],
+                href=page_href(run, i.id),
+                id=f"tl-inc-{i.id}",
+                className=cls,
+            )
+        )
     return html.Div(items, className="tl-incidents")
 
 
@@ -214,24 +274,44 @@ def incident_header(i: IncidentOut | None, *, now: float) -> Any:
         bits.append("ranks " + ", ".join(map(str, i.ranks)))
     if i.nodes:
         bits.append(", ".join(i.nodes))
-    return html.Div([html.H3(f"Incident {incident_label(i)}"), html.P(" · ".join(bits), className="hint"),
-                     html.P(i.summary, className="tl-summary") if i.summary else None])  # fmt: skip
+    return html.Div(
+        [
+            html.H3(f"Incident {incident_label(i)}"),
+            html.P(" · ".join(bits), className="hint"),
+            html.P(i.summary, className="tl-summary") if i.summary else None,
+        ]
+    )
 
 
 def downloads(run: str, incident: int | None) -> html.Div:
     what = f"incident {incident}" if incident is not None else "every incident of the run"
-    return html.Div([
-        html.Span(f"Post-mortem of {what}:", className="fact-key"),
-        *[html.A(label, href=downloads_href(run, fmt, incident), className="btn btn-small tl-download",
-                 id=f"tl-download-{fmt}") for fmt, label in (("md", "Markdown"), ("html", "HTML"), ("json", "JSON"))],
-    ], className="tl-downloads")  # fmt: skip
+    return html.Div(
+        [
+            html.Span(f"Post-mortem of {what}:", className="fact-key"),
+            *[
+                html.A(
+                    label,
+                    href=downloads_href(run, fmt, incident),
+                    className="btn btn-small tl-download",
+                    id=f"tl-download-{fmt}",
+                )
+                for fmt, label in (("md", "Markdown"), ("html", "HTML"), ("json", "JSON"))
+            ],
+        ],
+        className="tl-downloads",
+    )
 
 
 # -- the chart ---------------------------------------------------------------------
 
 
-def timeline_figure(entries: Sequence[dict[str, Any]], figures: dict[str, Any] | None, *,
-                    theme: str | None, revision: str) -> go.Figure:  # fmt: skip
+def timeline_figure(
+    entries: Sequence[dict[str, Any]],
+    figures: dict[str, Any] | None,
+    *,
+    theme: str | None,
+    revision: str,
+) -> go.Figure:
     """Entries as markers on lanes by source (coloured by severity); an incident's key
     moments (fault, first alert, recovery) as vertical lines."""
     if not entries:
@@ -240,26 +320,57 @@ def timeline_figure(entries: Sequence[dict[str, Any]], figures: dict[str, Any] |
     lanes = [lane for lane in LANES if any(e["source"] == lane for e in entries)]
     lanes += sorted({e["source"] for e in entries} - set(lanes))
     for sev in SEVERITIES:
-        mine = [e for e in entries if (e.get("severity") if e.get("severity") in SEVERITIES else "info") == sev]  # fmt: skip
+        mine = [
+            e
+            for e in entries
+            if (e.get("severity") if e.get("severity") in SEVERITIES else "info") == sev
+        ]
         if not mine:
             continue
-        fig.add_trace(go.Scatter(
-            x=[dt.datetime.fromtimestamp(e["at"]) for e in mine], y=[e["source"] for e in mine],
-            mode="markers", name=sev, text=[e["text"] for e in mine],
-            marker={"color": COLORS[sev], "size": 10, "symbol": "diamond" if sev == "critical" else "circle"},
-            hovertemplate="%{x|%H:%M:%S.%L}<br>%{text}<extra>%{y}</extra>",
-        ))  # fmt: skip
+        fig.add_trace(
+            go.Scatter(
+                x=[dt.datetime.fromtimestamp(e["at"]) for e in mine],
+                y=[e["source"] for e in mine],
+                mode="markers",
+                name=sev,
+                text=[e["text"] for e in mine],
+                marker={
+                    "color": COLORS[sev],
+                    "size": 10,
+                    "symbol": "diamond" if sev == "critical" else "circle",
+                },
+                hovertemplate="%{x|%H:%M:%S.%L}<br>%{text}<extra>%{y}</extra>",
+            )
+        )
     for key, label in MOMENTS:
         at = (figures or {}).get(key)
         if at is not None:  # local time, as the markers (add_vline mishandles dates)
             x = dt.datetime.fromtimestamp(at)
-            fig.add_shape(type="line", x0=x, x1=x, y0=0, y1=1, yref="paper",
-                          line={"dash": "dot", "color": "#6b7280", "width": 1})  # fmt: skip
-            fig.add_annotation(x=x, y=1, yref="paper", yanchor="bottom", text=label,
-                               showarrow=False, font={"size": 11, "color": "#6b7280"})  # fmt: skip
-    fig.update_layout(height=120 + 28 * len(lanes), margin={"l": 80, "r": 20, "t": 30, "b": 30},
-                      uirevision=revision, hovermode="closest",
-                      legend={"orientation": "h", "y": 1.15, "x": 1, "xanchor": "right"})  # fmt: skip
+            fig.add_shape(
+                type="line",
+                x0=x,
+                x1=x,
+                y0=0,
+                y1=1,
+                yref="paper",
+                line={"dash": "dot", "color": "#6b7280", "width": 1},
+            )
+            fig.add_annotation(
+                x=x,
+                y=1,
+                yref="paper",
+                yanchor="bottom",
+                text=label,
+                showarrow=False,
+                font={"size": 11, "color": "#6b7280"},
+            )
+    fig.update_layout(
+        height=120 + 28 * len(lanes),
+        margin={"l": 80, "r": 20, "t": 30, "b": 30},
+        uirevision=revision,
+        hovermode="closest",
+        legend={"orientation": "h", "y": 1.15, "x": 1, "xanchor": "right"},
+    )
     fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title_text=None)
     fig.update_xaxes(type="date")
     return themed(fig, theme)

@@ -16,10 +16,19 @@ branch_labels = None
 depends_on = None
 
 FLOATS = [
-    "fwd_s", "bwd_s", "opt_s", "other_s",
-    "compute_s", "exposed_comm_s", "overlapped_comm_s", "idle_s",
-    "grad_norm", "flops", "mfu", "peak_flops",
-]  # fmt: skip
+    "fwd_s",
+    "bwd_s",
+    "opt_s",
+    "other_s",
+    "compute_s",
+    "exposed_comm_s",
+    "overlapped_comm_s",
+    "idle_s",
+    "grad_norm",
+    "flops",
+    "mfu",
+    "peak_flops",
+]
 INTS = ["mem_allocated_bytes", "mem_reserved_bytes", "rss_bytes"]
 
 

@@ -31,10 +31,26 @@ def upgrade() -> None:
     with op.batch_alter_table("ranks") as batch:
         for column in RANK_COLUMNS:
             batch.add_column(column)
-    floats = ["temp_c", "mem_temp_c", "power_w", "power_limit_w", "sm_clock_mhz", "sm_clock_max_mhz",
-              "util_gpu", "util_mem"]  # fmt: skip
-    ints = ["mem_used_bytes", "mem_total_bytes", "ecc_corrected", "ecc_uncorrected", "retired_pages",
-            "remapped_rows_correctable", "remapped_rows_uncorrectable", "pcie_replay"]  # fmt: skip
+    floats = [
+        "temp_c",
+        "mem_temp_c",
+        "power_w",
+        "power_limit_w",
+        "sm_clock_mhz",
+        "sm_clock_max_mhz",
+        "util_gpu",
+        "util_mem",
+    ]
+    ints = [
+        "mem_used_bytes",
+        "mem_total_bytes",
+        "ecc_corrected",
+        "ecc_uncorrected",
+        "retired_pages",
+        "remapped_rows_correctable",
+        "remapped_rows_uncorrectable",
+        "pcie_replay",
+    ]
     op.create_table(
         "gpu_samples",
         sa.Column("run_id", sa.Integer(), nullable=False),

@@ -31,17 +31,21 @@ def upgrade() -> None:
         batch.add_column(sa.Column("metrics", _METRICS, nullable=True))
     with op.batch_alter_table("step_stats") as batch:
         batch.alter_column(
-            "metric", existing_type=sa.String(length=32), type_=sa.String(length=48),
+            "metric",
+            existing_type=sa.String(length=32),
+            type_=sa.String(length=48),
             existing_nullable=False,
-        )  # fmt: skip
+        )
 
 
 def downgrade() -> None:
     op.execute("DELETE FROM step_stats WHERE metric LIKE 'user.%'")
     with op.batch_alter_table("step_stats") as batch:
         batch.alter_column(
-            "metric", existing_type=sa.String(length=48), type_=sa.String(length=32),
+            "metric",
+            existing_type=sa.String(length=48),
+            type_=sa.String(length=32),
             existing_nullable=False,
-        )  # fmt: skip
+        )
     with op.batch_alter_table("rank_steps") as batch:
         batch.drop_column("metrics")

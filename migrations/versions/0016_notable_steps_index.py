@@ -27,11 +27,21 @@ FLAGGED = "flags IS NOT NULL"
 def upgrade() -> None:
     # On PostgreSQL, on the partitioned parent: its partitions follow.
     op.drop_index("ix_rank_steps_flagged", table_name="rank_steps")
-    op.create_index("ix_rank_steps_notable", "rank_steps", ["run_id", "step"],
-                    postgresql_where=sa.text(NOTABLE), sqlite_where=sa.text(NOTABLE))  # fmt: skip
+    op.create_index(
+        "ix_rank_steps_notable",
+        "rank_steps",
+        ["run_id", "step"],
+        postgresql_where=sa.text(NOTABLE),
+        sqlite_where=sa.text(NOTABLE),
+    )
 
 
 def downgrade() -> None:
     op.drop_index("ix_rank_steps_notable", table_name="rank_steps")
-    op.create_index("ix_rank_steps_flagged", "rank_steps", ["run_id", "step"],
-                    postgresql_where=sa.text(FLAGGED), sqlite_where=sa.text(FLAGGED))  # fmt: skip
+    op.create_index(
+        "ix_rank_steps_flagged",
+        "rank_steps",
+        ["run_id", "step"],
+        postgresql_where=sa.text(FLAGGED),
+        sqlite_where=sa.text(FLAGGED),
+    )

@@ -222,8 +222,14 @@ def test_the_spool_replays_in_order_when_the_collector_returns_and_keeps_its_bou
     tmp_path: Path,
 ) -> None:
     transport = RecordingTransport(fail=True)
-    tw.init(run="unit", transport=transport, flush_interval_s=0.01, batch_size=10,
-            spool_dir=str(tmp_path), spool_max_mb=0.004)  # fmt: skip  # ~4 KB: a few batches
+    tw.init(
+        run="unit",
+        transport=transport,
+        flush_interval_s=0.01,
+        batch_size=10,
+        spool_dir=str(tmp_path),
+        spool_max_mb=0.004,
+    )  # ~4 KB: a few batches
     for i in range(300):
         with tw.step(i):
             pass

@@ -34,8 +34,12 @@ def _sharded_checkpoint(folder: Path) -> int:
     """A directory tree as torch.distributed.checkpoint writes one; returns its bytes."""
     (folder / "model").mkdir(parents=True)
     (folder / "optim" / "shards").mkdir(parents=True)
-    sizes = {"model/__0_0.distcp": 4096, "model/__1_0.distcp": 1000,
-             "optim/shards/__0_0.distcp": 12_345, ".metadata": 77}  # fmt: skip
+    sizes = {
+        "model/__0_0.distcp": 4096,
+        "model/__1_0.distcp": 1000,
+        "optim/shards/__0_0.distcp": 12_345,
+        ".metadata": 77,
+    }
     for name, size in sizes.items():
         (folder / name).write_bytes(b"\0" * size)
     (folder / "latest").symlink_to(folder / "model")  # not counted twice
@@ -102,8 +106,11 @@ def test_a_failed_save_is_a_warning_and_the_exception_goes_on(
     assert _events(transport, "checkpoint") == []
     (failed,) = [e for e in transport.events() if e["kind"] == "checkpoint_failed"]
     assert failed["step"] == 9 and failed["severity"] == "warning"
-    assert failed["data"] == {"path": str(tmp_path / "x"), "seconds": ck.seconds,
-                              "error": "OSError: [Errno 28] No space left on device"}  # fmt: skip
+    assert failed["data"] == {
+        "path": str(tmp_path / "x"),
+        "seconds": ck.seconds,
+        "error": "OSError: [Errno 28] No space left on device",
+    }
 
 
 def test_an_async_save_reports_its_drain(tmp_path: Path, transport: RecordingTransport) -> None:
@@ -127,12 +134,18 @@ def test_an_async_save_reports_its_drain(tmp_path: Path, transport: RecordingTra
 def test_checkpoint_saved_carries_the_typed_fields_and_the_trainers_own(
     transport: RecordingTransport,
 ) -> None:
-    tw.checkpoint_saved(10, "/ckpt/10", seconds=12.5, bytes=np.int64(2**40), drain_seconds=30,
-                        kind="full")  # fmt: skip
+    tw.checkpoint_saved(
+        10, "/ckpt/10", seconds=12.5, bytes=np.int64(2**40), drain_seconds=30, kind="full"
+    )
     tw.checkpoint_saved(20, Path("/ckpt/20"))
     saved = _events(transport, "checkpoint")
-    assert saved[0]["data"] == {"path": "/ckpt/10", "seconds": 12.5, "bytes": 2**40,
-                                "drain_seconds": 30.0, "kind": "full"}  # fmt: skip
+    assert saved[0]["data"] == {
+        "path": "/ckpt/10",
+        "seconds": 12.5,
+        "bytes": 2**40,
+        "drain_seconds": 30.0,
+        "kind": "full",
+    }
     assert saved[1]["data"] == {"path": "/ckpt/20"}  # what rollbacks and CheckpointStale read
 
 

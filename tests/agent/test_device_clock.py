@@ -75,8 +75,12 @@ def test_steps_phases_and_data_wait_come_from_the_gpus_clock(gpu_agent: Any) -> 
             s.phase("backward")
             time.sleep(0.02)
         t2 = time.perf_counter()
-        host[i] = {"duration_s": t2 - t0, "fwd_s": t1 - t0, "bwd_s": t2 - t1,
-                   "data_wait_s": t0 - ended if ended is not None else 0.0}  # fmt: skip
+        host[i] = {
+            "duration_s": t2 - t0,
+            "fwd_s": t1 - t0,
+            "bwd_s": t2 - t1,
+            "data_wait_s": t0 - ended if ended is not None else 0.0,
+        }
         ended = t2
     tw.shutdown()
     steps = gpu_agent.steps()

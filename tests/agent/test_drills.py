@@ -18,8 +18,10 @@ from trainwarden.agent.gpu import describe_xid, xid_catalog
 
 from .test_agent import RecordingTransport
 
-SPEC = "xid=79@rank=1,step=40; thermal=92C@rank=0,step=20; slow=1.5x@rank=1,steps=10-60; " \
-       "hang@rank=1,step=50,for=30s; die@rank=1,step=70; loss_spike=50x@step=35"  # fmt: skip
+SPEC = (
+    "xid=79@rank=1,step=40; thermal=92C@rank=0,step=20; slow=1.5x@rank=1,steps=10-60; "
+    "hang@rank=1,step=50,for=30s; die@rank=1,step=70; loss_spike=50x@step=35"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -156,8 +158,13 @@ def test_xid_travels_the_nvml_event_path_with_its_catalog_meaning() -> None:
 
 def test_thermal_drill_shows_in_the_gpu_samples_with_throttle_reasons() -> None:
     transport = RecordingTransport()
-    tw.init(run="d", drill="thermal=92C@rank=0,step=2", transport=transport, flush_interval_s=0.05,
-            gpu_interval_s=0.05)  # fmt: skip
+    tw.init(
+        run="d",
+        drill="thermal=92C@rank=0,step=2",
+        transport=transport,
+        flush_interval_s=0.05,
+        gpu_interval_s=0.05,
+    )
     run_steps(5)
     time.sleep(0.2)
     tw.shutdown()
@@ -185,8 +192,13 @@ def test_slow_drill_really_slows_the_steps() -> None:
 
 def test_hang_drill_stops_the_training_thread_while_heartbeats_go_on() -> None:
     transport = RecordingTransport()
-    tw.init(run="d", drill="hang@rank=0,step=2,for=2.5s", transport=transport, heartbeat_s=0.3,
-            flush_interval_s=0.1)  # fmt: skip
+    tw.init(
+        run="d",
+        drill="hang@rank=0,step=2,for=2.5s",
+        transport=transport,
+        heartbeat_s=0.3,
+        flush_interval_s=0.1,
+    )
     run_steps(4)
     tw.shutdown()
     during = [
@@ -217,7 +229,12 @@ def test_die_drill_exits_the_process_with_its_code(tmp_path) -> None:
         "    with tw.step(i):\n"
         "        print(i, flush=True)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                            env={**os.environ, "TRAINWARDEN_URL": ""})  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TRAINWARDEN_URL": ""},
+    )
     assert result.returncode == DIE_EXIT_CODE
     assert result.stdout.split() == ["0", "1", "2"]

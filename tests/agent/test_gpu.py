@@ -75,8 +75,10 @@ def test_instrumented_steps_never_sync_the_device_and_report_mfu() -> None:
         assert s["mem_allocated_bytes"] > 0
         gpu_s = starts[i].elapsed_time(ends[i]) / 1000
         ahead += host[i] < gpu_s / 2
-        print(f"step {i}: agent {s['duration_s'] * 1000:.2f} ms, GPU {gpu_s * 1000:.2f} ms, "
-              f"host {host[i] * 1000:.2f} ms, MFU {s.get('mfu', 0):.3f}")  # fmt: skip
+        print(
+            f"step {i}: agent {s['duration_s'] * 1000:.2f} ms, GPU {gpu_s * 1000:.2f} ms, "
+            f"host {host[i] * 1000:.2f} ms, MFU {s.get('mfu', 0):.3f}"
+        )
         # The agent's events lie inside ours: never longer. (Ours can be longer: a host
         # stall between them lets the GPU idle outside the agent's step; seen once.)
         assert s["duration_s"] <= gpu_s * 1.01 + 1e-4
@@ -243,8 +245,10 @@ def test_manual_phases_are_timed_on_the_gpus_clock() -> None:
     for s in steps[1:]:
         ev = events[s["step"]]
         fwd, bwd = ev[0].elapsed_time(ev[1]) / 1000, ev[1].elapsed_time(ev[2]) / 1000
-        print(f"step {s['step']}: fwd agent {s['fwd_s'] * 1000:.2f} / GPU {fwd * 1000:.2f} ms, "
-              f"bwd {s['bwd_s'] * 1000:.2f} / {bwd * 1000:.2f} ms, host {host[s['step']] * 1000:.2f} ms")  # fmt: skip
+        print(
+            f"step {s['step']}: fwd agent {s['fwd_s'] * 1000:.2f} / GPU {fwd * 1000:.2f} ms, "
+            f"bwd {s['bwd_s'] * 1000:.2f} / {bwd * 1000:.2f} ms, host {host[s['step']] * 1000:.2f} ms"
+        )
         assert s["fwd_s"] == pytest.approx(fwd, rel=0.05, abs=2e-4), s
         assert s["bwd_s"] == pytest.approx(bwd, rel=0.05, abs=2e-4), s
     # The host only queued the work: its own time for a step is far below the GPU's.

@@ -28,16 +28,27 @@ from .test_agent import RecordingTransport
 from .test_lifecycle import _closed_port
 
 LAUNCHER_ENV = (
-    "TRAINWARDEN_ATTEMPT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_JOB_ID",
-    "SLURM_RESTART_COUNT", "TRAINWARDEN_TAGS", "TRAINWARDEN_DATA_SNAPSHOT",
+    "TRAINWARDEN_ATTEMPT",
+    "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT",
+    "SLURM_JOB_ID",
+    "SLURM_RESTART_COUNT",
+    "TRAINWARDEN_TAGS",
+    "TRAINWARDEN_DATA_SNAPSHOT",
     "TRAINWARDEN_CODE_VERSION",
-)  # fmt: skip
+)
 
 
 @pytest.fixture(autouse=True)
 def _clean_agent(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRAINWARDEN_URL", "TRAINWARDEN_RUN",
-                 *LAUNCHER_ENV):  # fmt: skip
+    for name in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "TRAINWARDEN_URL",
+        "TRAINWARDEN_RUN",
+        *LAUNCHER_ENV,
+    ):
         monkeypatch.delenv(name, raising=False)
     yield
     tw.shutdown(timeout_s=1)
@@ -49,8 +60,9 @@ def _events(transport: RecordingTransport, kind: str) -> list[dict[str, Any]]:
 
 def _run(**kwargs: Any) -> RecordingTransport:
     transport = RecordingTransport()
-    agent = tw.init(run="ident", transport=transport, flush_interval_s=0.05, profile_every=0,
-                    **kwargs)  # fmt: skip
+    agent = tw.init(
+        run="ident", transport=transport, flush_interval_s=0.05, profile_every=0, **kwargs
+    )
     for i in range(3):
         with tw.step(i):
             pass
@@ -60,8 +72,11 @@ def _run(**kwargs: Any) -> RecordingTransport:
 
 
 def test_attempt_start_is_the_first_event_with_the_whole_identity() -> None:
-    transport = _run(config={"lr": 3e-4, "batch_size": 64}, tags=["baseline", "sweep"],
-                     data_snapshot="s3://data/v7")  # fmt: skip
+    transport = _run(
+        config={"lr": 3e-4, "batch_size": 64},
+        tags=["baseline", "sweep"],
+        data_snapshot="s3://data/v7",
+    )
     events = transport.events()
     assert events[0]["kind"] == "attempt_start"
     first = next(b for b in transport.bodies if b["events"] or b["steps"])  # not a heartbeat
@@ -70,16 +85,35 @@ def test_attempt_start_is_the_first_event_with_the_whole_identity() -> None:
     assert start["step"] is None and start["severity"] == "info"
     assert start["ts"] == transport.bodies[0]["agent"]["started_at"]  # the process's start
     data = start["data"]
-    assert set(data) == {"attempt", "restart_count", "config", "tags", "data_snapshot", "code",
-                         "env", "packages"}  # fmt: skip
+    assert set(data) == {
+        "attempt",
+        "restart_count",
+        "config",
+        "tags",
+        "data_snapshot",
+        "code",
+        "env",
+        "packages",
+    }
     assert (data["attempt"], data["restart_count"]) == (None, None)  # no launcher here
     assert data["config"] == {"lr": 3e-4, "batch_size": 64}
     assert data["tags"] == ["baseline", "sweep"]
     assert data["data_snapshot"] == "s3://data/v7"
     assert set(data["code"]) == {"commit", "dirty", "branch", "root"}
     env = data["env"]
-    assert set(env) == {"python", "torch", "cuda", "nccl", "gpu", "gpu_count", "driver", "host",
-                        "platform", "world_size", "packages_hash"}  # fmt: skip
+    assert set(env) == {
+        "python",
+        "torch",
+        "cuda",
+        "nccl",
+        "gpu",
+        "gpu_count",
+        "driver",
+        "host",
+        "platform",
+        "world_size",
+        "packages_hash",
+    }
     assert env["python"] == ".".join(map(str, sys.version_info[:3]))
     assert env["torch"] == torch.__version__ and env["cuda"] == torch.version.cuda
     assert env["world_size"] == 1 and env["host"] == transport.bodies[0]["agent"]["host"]
@@ -104,13 +138,17 @@ def test_only_rank_0_sends_the_package_list_every_rank_sends_its_hash() -> None:
 @pytest.mark.parametrize(
     ("env", "key", "restarts"),
     [
-        ({"TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "1"}, "torchelastic:job7:1", 1),
+        (
+            {"TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_RESTART_COUNT": "1"},
+            "torchelastic:job7:1",
+            1,
+        ),
         ({"SLURM_JOB_ID": "4242"}, "slurm:4242:0", 0),
         ({"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "3"}, "slurm:4242:3", 3),
         ({"TRAINWARDEN_ATTEMPT": "mine-2", "SLURM_JOB_ID": "4242"}, "mine-2", 0),
         ({"TORCHELASTIC_RUN_ID": "job7"}, None, None),  # no restart count: not torchelastic's
     ],
-)  # fmt: skip
+)
 def test_the_launchers_attempt_key(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], key: str | None, restarts: int | None
 ) -> None:
@@ -123,9 +161,23 @@ def test_the_launchers_attempt_key(
 def _git(repo: Path, *args: str) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
     return subprocess.run(
-        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", "-c", "commit.gpgsign=false",
-         "-C", str(repo), *args], check=True, capture_output=True, text=True, env=env,
-    ).stdout.strip()  # fmt: skip
+        [
+            "git",
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@example.com",
+            "-c",
+            "commit.gpgsign=false",
+            "-C",
+            str(repo),
+            *args,
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        env=env,
+    ).stdout.strip()
 
 
 def test_the_code_version_of_a_git_repository(
@@ -141,8 +193,12 @@ def test_the_code_version_of_a_git_repository(
     monkeypatch.setattr(sys, "argv", [str(repo / "train.py")])  # run as `python train.py`
     monkeypatch.chdir(tmp_path)  # from elsewhere: the script's repository counts
     (clean,) = _events(_run(), "attempt_start")
-    assert clean["data"]["code"] == {"commit": sha, "dirty": False, "branch": "exp",
-                                     "root": str(repo.resolve())}  # fmt: skip
+    assert clean["data"]["code"] == {
+        "commit": sha,
+        "dirty": False,
+        "branch": "exp",
+        "root": str(repo.resolve()),
+    }
 
     (repo / "train.py").write_text("print('changed')\n")
     (repo / "notes.txt").write_text("untracked files do not count\n")
@@ -152,8 +208,12 @@ def test_the_code_version_of_a_git_repository(
     assert identity.code_version()["commit"] == "v1.2.3"
     monkeypatch.setattr(sys, "argv", ["-c"])
     monkeypatch.chdir(tmp_path)  # no repository anywhere: only the override
-    assert identity.code_version() == {"commit": "v1.2.3", "dirty": None, "branch": None,
-                                       "root": None}  # fmt: skip
+    assert identity.code_version() == {
+        "commit": "v1.2.3",
+        "dirty": None,
+        "branch": None,
+        "root": None,
+    }
 
 
 class Precision:
@@ -186,11 +246,21 @@ def test_a_config_becomes_plain_json_whatever_it_holds() -> None:
     }
     (start,) = _events(_run(config=config), "attempt_start")
     assert start["data"]["config"] == {
-        "dtype": "torch.bfloat16", "out": "/ckpt/run", "lr": 0.5, "steps": 1000, "amp": True,
-        "nan": "nan", "inf": "-inf", "layers": [1, 2], "drop": [1, 3], "precision": "bf16-mixed",
-        "optim": {"lr": 1e-3, "betas": [0.9, 0.95]}, "7": "int key", "huge": str(2**70),
+        "dtype": "torch.bfloat16",
+        "out": "/ckpt/run",
+        "lr": 0.5,
+        "steps": 1000,
+        "amp": True,
+        "nan": "nan",
+        "inf": "-inf",
+        "layers": [1, 2],
+        "drop": [1, 3],
+        "precision": "bf16-mixed",
+        "optim": {"lr": 1e-3, "betas": [0.9, 0.95]},
+        "7": "int key",
+        "huge": str(2**70),
         "nested": {"a": ["torch.float32", None]},
-    }  # fmt: skip
+    }
     json.dumps(start["data"], allow_nan=False)  # the strict encoder takes it
 
 
@@ -244,8 +314,12 @@ def test_attempt_end_completed_and_stopped() -> None:
         pass
     assert stopped.value.code == tw.STOPPED_EXIT_CODE
     (end,) = _events(transport, "attempt_end")
-    assert end["data"] == {"reason": "stopped", "detail": "node evicted",
-                           "exit_code": tw.STOPPED_EXIT_CODE, "last_step": 1}  # fmt: skip
+    assert end["data"] == {
+        "reason": "stopped",
+        "detail": "node evicted",
+        "exit_code": tw.STOPPED_EXIT_CODE,
+        "last_step": 1,
+    }
 
 
 def test_shutdown_in_a_finally_while_an_exception_propagates_is_an_exception_end() -> None:
@@ -259,8 +333,12 @@ def test_shutdown_in_a_finally_while_an_exception_propagates_is_an_exception_end
         finally:
             tw.shutdown()
     (end,) = _events(transport, "attempt_end")
-    assert end["data"] == {"reason": "exception", "detail": "KeyError: 'shard-17'",
-                           "exit_code": 1, "last_step": 0}  # fmt: skip
+    assert end["data"] == {
+        "reason": "exception",
+        "detail": "KeyError: 'shard-17'",
+        "exit_code": 1,
+        "last_step": 0,
+    }
 
 
 # -- how a real process ends: subprocesses whose records land in the spool ----------------
@@ -282,8 +360,9 @@ def _spooled_events(spool: Path) -> list[dict[str, Any]]:
 
 
 def _run_trainer(script: str, *, sigterm: bool = False) -> int:
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, stderr=subprocess.PIPE
+    )
     try:
         if sigterm:
             assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
@@ -306,12 +385,19 @@ STEPS = textwrap.dedent("""
     ("ending", "exit_status", "end"),
     [
         ("", 0, {"reason": "completed", "detail": "", "exit_code": None, "last_step": 4}),
-        ("raise ValueError('bad batch ' + 'x' * 500)", 1,
-         {"reason": "exception", "detail": "ValueError: bad batch " + "x" * 278, "exit_code": 1,
-          "last_step": 4}),
+        (
+            "raise ValueError('bad batch ' + 'x' * 500)",
+            1,
+            {
+                "reason": "exception",
+                "detail": "ValueError: bad batch " + "x" * 278,
+                "exit_code": 1,
+                "last_step": 4,
+            },
+        ),
     ],
     ids=["completed", "exception"],
-)  # fmt: skip
+)
 def test_a_process_that_ends_says_why(
     tmp_path: Path, ending: str, exit_status: int, end: dict[str, Any]
 ) -> None:
@@ -325,7 +411,9 @@ def test_a_process_that_ends_says_why(
 
 
 def test_sigterm_is_the_attempts_end(tmp_path: Path) -> None:
-    script = _trainer(tmp_path, """
+    script = _trainer(
+        tmp_path,
+        """
         step = 0
         while True:
             with tw.step(step):
@@ -333,7 +421,8 @@ def test_sigterm_is_the_attempts_end(tmp_path: Path) -> None:
             if step == 20:
                 print("ready", flush=True)
             step += 1
-    """)  # fmt: skip
+    """,
+    )
     assert _run_trainer(script, sigterm=True) == -signal.SIGTERM
     events = _spooled_events(tmp_path)
     assert events[0]["kind"] == "attempt_start"

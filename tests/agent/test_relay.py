@@ -17,9 +17,15 @@ def held(rank: int, steps: list[int], **extra: Any) -> _Held:
         "session": f"s{rank}",
         **extra.pop("agent", {}),
     }
-    body = {"run": "r", "agent": agent,
-            "steps": [{"step": s, "ts": 1.7e9 + s, "duration_s": 0.5, **extra.pop("fields", {})} for s in steps],
-            **extra}  # fmt: skip
+    body = {
+        "run": "r",
+        "agent": agent,
+        "steps": [
+            {"step": s, "ts": 1.7e9 + s, "duration_s": 0.5, **extra.pop("fields", {})}
+            for s in steps
+        ],
+        **extra,
+    }
     return _Held(b"", body, {}, time.monotonic())
 
 
@@ -41,7 +47,9 @@ def test_uniform_headers_go_as_columns_and_events_as_extras() -> None:
     body = columnar([held(0, [1]), held(1, [], events=ev), held(2, [1], gpu=[{"ts": 1.7e9}])])
     assert body["agent_columns"]["rank"] == [0, 1, 2] and "world_size" not in body["agent_columns"]
     assert [(x["agent"]["rank"], x["events"], x["gpu"]) for x in body["extras"]] == [
-        (1, ev, []), (2, [], [{"ts": 1.7e9}])]  # fmt: skip
+        (1, ev, []),
+        (2, [], [{"ts": 1.7e9}]),
+    ]
     assert body["steps"]["rank"] == [0, 2]
 
 

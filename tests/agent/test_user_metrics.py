@@ -91,10 +91,19 @@ def test_otlp_carries_user_metrics() -> None:
     from trainwarden.agent.otlp import OtlpTransport
 
     transport = OtlpTransport("http://127.0.0.1:9", token=None, timeout_s=1.0)
-    step = {"step": 3, "ts": 1_700_000_000.0, "duration_s": 0.5,
-            "metrics": {"lr": 1e-4, "eval.loss": "nan", "lost": None}}  # fmt: skip
-    body = {"run": "r", "agent": {"rank": 0, "world_size": 1, "host": "h", "session": "s"},
-            "steps": [step], "events": [], "gpu": []}  # fmt: skip
+    step = {
+        "step": 3,
+        "ts": 1_700_000_000.0,
+        "duration_s": 0.5,
+        "metrics": {"lr": 1e-4, "eval.loss": "nan", "lost": None},
+    }
+    body = {
+        "run": "r",
+        "agent": {"rank": 0, "world_size": 1, "host": "h", "session": "s"},
+        "steps": [step],
+        "events": [],
+        "gpu": [],
+    }
     data = transport.metrics_data(body)
     transport.close()
     metrics = {m.name: m for m in data.resource_metrics[0].scope_metrics[0].metrics}

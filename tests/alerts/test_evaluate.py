@@ -43,10 +43,27 @@ def ts_of(step: int) -> float:
 def step_row(rank: int, step: int, **cols: Any) -> dict[str, Any]:
     """A ``rank_steps`` row of a healthy rank; each data shard gives a slightly different loss."""
     row: dict[str, Any] = dict.fromkeys(STEP_COLUMNS)
-    row.update(run_id=1, rank=rank, step=step, ts=ts_of(step), recv_ts=ts_of(step) + 1.5,
-               duration_s=STEP_S, data_wait_s=0.01, tokens=4096, loss=2.0 + 0.004 * rank,
-               fwd_s=0.25, bwd_s=0.5, opt_s=0.05, compute_s=0.8, exposed_comm_s=0.1,
-               overlapped_comm_s=0.3, idle_s=0.0, grad_norm=1.0, flops=FLOPS, peak_flops=PEAK)  # fmt: skip
+    row.update(
+        run_id=1,
+        rank=rank,
+        step=step,
+        ts=ts_of(step),
+        recv_ts=ts_of(step) + 1.5,
+        duration_s=STEP_S,
+        data_wait_s=0.01,
+        tokens=4096,
+        loss=2.0 + 0.004 * rank,
+        fwd_s=0.25,
+        bwd_s=0.5,
+        opt_s=0.05,
+        compute_s=0.8,
+        exposed_comm_s=0.1,
+        overlapped_comm_s=0.3,
+        idle_s=0.0,
+        grad_norm=1.0,
+        flops=FLOPS,
+        peak_flops=PEAK,
+    )
     row.update(cols)
     if "mfu" not in cols:
         row["mfu"] = row["flops"] / (row["duration_s"] * row["peak_flops"])
@@ -56,9 +73,22 @@ def step_row(rank: int, step: int, **cols: Any) -> dict[str, Any]:
 def gpu_row(rank: int, ts: float, **readings: Any) -> dict[str, Any]:
     """A ``gpu_samples`` row of a busy, cool, healthy GPU."""
     row: dict[str, Any] = dict.fromkeys(GPU_COLUMNS)
-    row.update(run_id=1, rank=rank, ts=ts, recv_ts=ts + 0.5, gpu_name="NVIDIA H100 80GB HBM3",
-               temp_c=68.0, power_w=640.0, power_limit_w=700.0, util_gpu=97.0, util_mem=60.0,
-               ecc_corrected=0, ecc_uncorrected=0, throttle=[], simulated=0)  # fmt: skip
+    row.update(
+        run_id=1,
+        rank=rank,
+        ts=ts,
+        recv_ts=ts + 0.5,
+        gpu_name="NVIDIA H100 80GB HBM3",
+        temp_c=68.0,
+        power_w=640.0,
+        power_limit_w=700.0,
+        util_gpu=97.0,
+        util_mem=60.0,
+        ecc_corrected=0,
+        ecc_uncorrected=0,
+        throttle=[],
+        simulated=0,
+    )
     row.update(readings)
     return row
 
@@ -74,9 +104,19 @@ def rollup(rows: Sequence[dict[str, Any]]) -> dict[str, list[StatRow]]:
         for name, metric in METRICS.items():
             values = [v for v in map(metric.value, group) if v is not None]
             if values:
-                stats[name].append(StatRow(step, min(r["ts"] for r in group), {
-                    "min": min(values), "median": statistics.median(values), "max": max(values),
-                    "mean": statistics.fmean(values), "total": metric.total(group)}))  # fmt: skip
+                stats[name].append(
+                    StatRow(
+                        step,
+                        min(r["ts"] for r in group),
+                        {
+                            "min": min(values),
+                            "median": statistics.median(values),
+                            "max": max(values),
+                            "mean": statistics.fmean(values),
+                            "total": metric.total(group),
+                        },
+                    )
+                )
     return dict(stats)
 
 
@@ -109,8 +149,11 @@ def run(
 ) -> Snapshot:
     """A healthy run just after step ``last`` arrived (at its ts + 1.5 s). ``vary(rank, step)``
     changes rank rows, ``gpu(rank, age_s)`` GPU samples; ``fields`` replace the snapshot's."""
-    rows = [step_row(rank, step, **(vary(rank, step) if vary else {}))
-            for step in range(first, last + 1) for rank in range(world)]  # fmt: skip
+    rows = [
+        step_row(rank, step, **(vary(rank, step) if vary else {}))
+        for step in range(first, last + 1)
+        for rank in range(world)
+    ]
     now = ts_of(last) + 2.0
     ranks = {
         r: RankInfo(
@@ -121,17 +164,28 @@ def run(
             heartbeat_s=2.0,
             progress_at=now - 1.0,
             last_step=last,
-        )  # fmt: skip
+        )
         for r in range(world)
     }
-    samples = [gpu_row(r, now - age, **(gpu(r, age) if gpu else {}))
-               for age in range(115, -1, -5) for r in range(world)]  # fmt: skip
+    samples = [
+        gpu_row(r, now - age, **(gpu(r, age) if gpu else {}))
+        for age in range(115, -1, -5)
+        for r in range(world)
+    ]
     snap = Snapshot(
-        run=RUN, now=now, last_step=last, first_step=first, started_at=ts_of(first) - 60,
-        ranks=ranks, stats=rollup(rows), steps=rows,
-        marked=[r for r in rows if r["flags"] or r["issues"]], gpu=samples,
-        last_event={"checkpoint": now - 900}, median_step_s=STEP_S,
-    )  # fmt: skip
+        run=RUN,
+        now=now,
+        last_step=last,
+        first_step=first,
+        started_at=ts_of(first) - 60,
+        ranks=ranks,
+        stats=rollup(rows),
+        steps=rows,
+        marked=[r for r in rows if r["flags"] or r["issues"]],
+        gpu=samples,
+        last_event={"checkpoint": now - 900},
+        median_step_s=STEP_S,
+    )
     return replace(snap, **fields)
 
 
@@ -144,10 +198,19 @@ def with_ranks(snap: Snapshot, **changes: dict[str, Any]) -> Snapshot:
     return replace(snap, ranks=ranks)
 
 
-def event(kind: str, rank: int | None, *, at: float, step: int | None = 400, **data: Any) -> dict[str, Any]:  # fmt: skip
+def event(
+    kind: str, rank: int | None, *, at: float, step: int | None = 400, **data: Any
+) -> dict[str, Any]:
     """An ``events`` row that happened at ``at`` and arrived half a second later."""
-    return {"id": next(_ids), "kind": kind, "rank": rank, "step": step, "ts": at,
-            "recv_ts": at + 0.5, "data": data}  # fmt: skip
+    return {
+        "id": next(_ids),
+        "kind": kind,
+        "rank": rank,
+        "step": step,
+        "ts": at,
+        "recv_ts": at + 0.5,
+        "data": data,
+    }
 
 
 def xid(rank: int, code: int, *, at: float, step: int = 400) -> dict[str, Any]:
@@ -157,8 +220,17 @@ def xid(rank: int, code: int, *, at: float, step: int = 400) -> dict[str, Any]:
 
 def custom(kind: str, params: dict[str, Any], **fields: Any) -> Rule:
     """A user's own rule of ``kind``."""
-    return parse_rule({"name": "Custom", "kind": kind, "summary": "A user's rule.",
-                       "severity": "warning", "runbook": "LowMFU.md", "params": params, **fields})  # fmt: skip
+    return parse_rule(
+        {
+            "name": "Custom",
+            "kind": kind,
+            "summary": "A user's rule.",
+            "severity": "warning",
+            "runbook": "LowMFU.md",
+            "params": params,
+            **fields,
+        }
+    )
 
 
 def only(verdicts: list[Verdict]) -> Verdict:
@@ -236,7 +308,9 @@ def test_low_mfu_needs_enough_baseline_after_the_warmup() -> None:
 
 
 @pytest.mark.parametrize(("first_step", "fires"), [(0, True), (1000, False), (None, False)])
-def test_low_mfu_counts_the_warmup_from_the_runs_first_step(first_step: int | None, fires: bool) -> None:  # fmt: skip
+def test_low_mfu_counts_the_warmup_from_the_runs_first_step(
+    first_step: int | None, fires: bool
+) -> None:
     # The snapshot holds steps 1000-1349 only; the run itself began at first_step (None:
     # unknown, so the snapshot's first step).
     snap = run(first=1000, last=1349, vary=bend(since=1300, duration_s=1.4))
@@ -293,7 +367,9 @@ def test_data_loader_stall_is_a_fraction_of_each_ranks_own_step() -> None:
         ("EccUncorrectable", "ecc_uncorrected", 1, "ecc_uncorrected 1, threshold > 0"),
     ],
 )
-def test_gpu_thresholds_read_the_recent_samples(name: str, reading: str, bad: float, says: str) -> None:  # fmt: skip
+def test_gpu_thresholds_read_the_recent_samples(
+    name: str, reading: str, bad: float, says: str
+) -> None:
     def gpu(rank: int, age: int) -> dict[str, Any]:
         if rank == 1 and age < 60:  # bad for the last minute
             return {reading: bad}
@@ -333,7 +409,10 @@ def test_loss_spike_onset_is_where_the_loss_left_its_trend_not_where_a_pass_saw_
     late = run(first=100, last=460, vary=bend(since=381, loss=5.0))
     assert only(evaluate(PACK["LossSpike"], late)).onset_step == 381
     # The streak began before the snapshot's oldest step: its oldest spiked step.
-    assert only(evaluate(PACK["LossSpike"], run(first=100, vary=bend(since=396, loss=5.0)))).onset_step == 396  # fmt: skip
+    assert (
+        only(evaluate(PACK["LossSpike"], run(first=100, vary=bend(since=396, loss=5.0)))).onset_step
+        == 396
+    )
 
 
 def test_threshold_onset_is_the_first_step_of_the_streak() -> None:
@@ -375,7 +454,9 @@ def test_a_z_score_needs_min_ranks() -> None:
         return lambda rank, step: {"loss": values[rank]}
 
     assert evaluate(rule, run(first=390, world=2, vary=losses(2.0, 7.5))) == []
-    assert [v.rank for v in evaluate(rule, run(first=390, world=3, vary=losses(2.0, 7.5, 2.0)))] == [1]  # fmt: skip
+    assert [
+        v.rank for v in evaluate(rule, run(first=390, world=3, vary=losses(2.0, 7.5, 2.0)))
+    ] == [1]
     # Three ranks, but one reported a NaN (stored as no value): two losses to compare.
     assert evaluate(rule, run(first=390, world=3, vary=losses(2.0, 7.5, None))) == []
 
@@ -398,8 +479,12 @@ def test_non_finite_loss_fires_while_the_nan_is_fresh() -> None:
     assert evaluate(PACK["NonFiniteLoss"], replace(snap, now=arrived + 10.0)) == []
 
 
-@pytest.mark.parametrize(("spikes", "fires"), [((250, 350, 360, 370, 380), False), ((350, 360, 370, 380, 390), True)])  # fmt: skip
-def test_grad_norm_spike_burst_counts_a_spike_on_every_rank_once(spikes: tuple[int, ...], fires: bool) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    ("spikes", "fires"), [((250, 350, 360, 370, 380), False), ((350, 360, 370, 380, 390), True)]
+)
+def test_grad_norm_spike_burst_counts_a_spike_on_every_rank_once(
+    spikes: tuple[int, ...], fires: bool
+) -> None:
     # The grad norm is global: every rank flags the same step. Step 250 is outside the
     # 100-step window, so the first case has 4 spikes (16 flagged rows), the second 5.
     vary = bend(steps=set(spikes), flags=["grad_norm_spike"])
@@ -418,7 +503,10 @@ def test_checkpoint_stale_counts_from_the_last_checkpoint() -> None:
     v = only(evaluate(PACK["CheckpointStale"], stale))
     assert v.rank is None and v.value == pytest.approx(3 * 3600)
     assert "no checkpoint event for 3.0h" in v.detail
-    assert evaluate(PACK["CheckpointStale"], replace(snap, last_event={"checkpoint": snap.now - 3600})) == []  # fmt: skip
+    assert (
+        evaluate(PACK["CheckpointStale"], replace(snap, last_event={"checkpoint": snap.now - 3600}))
+        == []
+    )
 
 
 def test_checkpoint_stale_counts_from_the_start_when_none_was_ever_saved() -> None:
@@ -457,7 +545,9 @@ def test_fatal_xid_follows_the_catalogs_action() -> None:
     snap = run(first=390)
     at = snap.now - 1.0
     events = [xid(0, 31, at=at), xid(1, 79, at=at), xid(2, 48, at=at), xid(3, 13, at=at)]
-    verdicts = sorted(evaluate(PACK["FatalXid"], replace(snap, events=events)), key=lambda v: v.rank or 0)  # fmt: skip
+    verdicts = sorted(
+        evaluate(PACK["FatalXid"], replace(snap, events=events)), key=lambda v: v.rank or 0
+    )
     assert [v.rank for v in verdicts] == [1, 2]  # 79 drain, 48 reset_gpu; not 13, 31 (restart_app)
     assert "rank 1 (node node0)" in verdicts[0].detail and "XID 79" in verdicts[0].detail
     assert "XID 48" in verdicts[1].detail and "Double Bit ECC Error" in verdicts[1].detail
@@ -475,7 +565,13 @@ def test_fatal_xid_holds_only_while_fresh() -> None:
 def test_rank_hung_pages_for_the_culprit_only() -> None:
     snap = run(first=390)
     victim = {"state": "hung", "role": "victim"}
-    hung = with_ranks(snap, r0=victim, r1=victim, r2={"state": "hung", "role": "culprit", "last_step": 397}, r3=victim)  # fmt: skip
+    hung = with_ranks(
+        snap,
+        r0=victim,
+        r1=victim,
+        r2={"state": "hung", "role": "culprit", "last_step": 397},
+        r3=victim,
+    )
     v = only(evaluate(PACK["RankHung"], hung))
     assert (v.rank, v.step, v.value) == (2, 397, None)
     assert v.detail == "rank 2 (node node1) is hung (culprit)"
@@ -491,7 +587,7 @@ def test_rank_dead_after_two_and_a_quarter_heartbeats() -> None:
         r1={"last_seen": now - 5.0},  # 5 s > 2.25 x 2 s
         r2={"last_seen": now - 20.0, "heartbeat_s": 10.0},  # 20 s < 2.25 x 10 s
         r3={"last_seen": now - 100.0, "state": "finished"},  # said goodbye
-    )  # fmt: skip
+    )
     v = only(evaluate(PACK["RankDead"], snap))
     assert v.rank == 1 and v.value == pytest.approx(5.0)
     assert "rank 1" in v.detail and "no heartbeat for 5.0s" in v.detail
@@ -505,7 +601,10 @@ def test_rank_dead_after_two_and_a_quarter_heartbeats() -> None:
 
 
 def test_threshold_below_per_rank() -> None:
-    rule = custom("threshold", {"scope": "rank", "metric": "tokens_per_s", "window": "10 steps", "below": 3000})  # fmt: skip
+    rule = custom(
+        "threshold",
+        {"scope": "rank", "metric": "tokens_per_s", "window": "10 steps", "below": 3000},
+    )
     snap = run(first=380, vary=bend(ranks={1}, duration_s=2.0))
     v = only(evaluate(rule, snap))
     assert v.rank == 1 and v.value == pytest.approx(2048.0)
@@ -513,8 +612,16 @@ def test_threshold_below_per_rank() -> None:
 
 
 def test_baseline_ratio_above_per_rank() -> None:
-    rule = custom("baseline", {"scope": "rank", "metric": "step_time", "window": "10 steps",
-                               "baseline": "100 steps", "ratio_above": 1.5})  # fmt: skip
+    rule = custom(
+        "baseline",
+        {
+            "scope": "rank",
+            "metric": "step_time",
+            "window": "10 steps",
+            "baseline": "100 steps",
+            "ratio_above": 1.5,
+        },
+    )
     snap = run(first=280, vary=bend(ranks={3}, since=391, duration_s=2.0))
     v = only(evaluate(rule, snap))
     assert (v.rank, v.step) == (3, 400)
@@ -531,8 +638,15 @@ def test_peer_ratio_below() -> None:
 
 
 def test_rate_per_rank_over_a_time_window() -> None:
-    rule = custom("rate", {"count": {"match": "xid", "codes": [13, 31, 43]}, "window": "10m",
-                           "at_least": 3, "per": "rank"})  # fmt: skip
+    rule = custom(
+        "rate",
+        {
+            "count": {"match": "xid", "codes": [13, 31, 43]},
+            "window": "10m",
+            "at_least": 3,
+            "per": "rank",
+        },
+    )
     snap = run(first=390)
     now = snap.now
     events = sorted(
@@ -547,7 +661,9 @@ def test_rate_per_rank_over_a_time_window() -> None:
 
 def test_rate_per_run_counts_each_event_even_at_one_step() -> None:
     # After an XID 79 the job stops advancing: every later XID carries the same last step.
-    rule = custom("rate", {"count": {"match": "xid", "codes": [79]}, "window": "10m", "at_least": 3})  # fmt: skip
+    rule = custom(
+        "rate", {"count": {"match": "xid", "codes": [79]}, "window": "10m", "at_least": 3}
+    )
     snap = run(first=390)
     events = [xid(rank, 79, at=snap.now - 60 + rank, step=400) for rank in (0, 1, 2)]
     v = only(evaluate(rule, replace(snap, events=events)))
@@ -555,10 +671,19 @@ def test_rate_per_run_counts_each_event_even_at_one_step() -> None:
 
 
 def test_rate_per_rank_over_event_kinds_counts_each_ranks_own() -> None:
-    rule = custom("rate", {"count": {"match": "event", "events": ["oom_retry"]}, "window": "10m",
-                           "at_least": 2, "per": "rank"})  # fmt: skip
+    rule = custom(
+        "rate",
+        {
+            "count": {"match": "event", "events": ["oom_retry"]},
+            "window": "10m",
+            "at_least": 2,
+            "per": "rank",
+        },
+    )
     snap = run(first=390)
-    events = [event("oom_retry", rank, at=snap.now - age) for rank, age in ((1, 300), (2, 200), (1, 100))]  # fmt: skip
+    events = [
+        event("oom_retry", rank, at=snap.now - age) for rank, age in ((1, 300), (2, 200), (1, 100))
+    ]
     v = only(evaluate(rule, replace(snap, events=events)))
     assert v.rank == 1 and v.value == 2.0
 
@@ -583,9 +708,12 @@ def test_absence_of_progress_in_median_step_times() -> None:
         r1={"progress_at": now - 25.0},
         r2={"progress_at": None, "last_seen": now - 30.0},  # never finished a step: since last seen
         r3={"progress_at": now - 1000.0, "state": "finished"},
-    )  # fmt: skip
+    )
     verdicts = sorted(evaluate(rule, snap), key=lambda v: v.rank or 0)
-    assert [(v.rank, v.value) for v in verdicts] == [(1, pytest.approx(25.0)), (2, pytest.approx(30.0))]  # fmt: skip
+    assert [(v.rank, v.value) for v in verdicts] == [
+        (1, pytest.approx(25.0)),
+        (2, pytest.approx(30.0)),
+    ]
     assert "rank 1" in verdicts[0].detail and "no completed step for 25.0s" in verdicts[0].detail
     # No step time known yet: nothing to count steps by.
     assert evaluate(rule, replace(snap, median_step_s=None)) == []
@@ -605,8 +733,14 @@ def states(rule: Rule, snaps: Sequence[Snapshot], rank: int | None) -> list[str]
     out = []
     for snap in snaps:
         active = any(v.rank == rank for v in evaluate(rule, snap))
-        alert = advance(alert, active=active, now=snap.now, step=snap.last_step,
-                        for_=rule.for_, keep_firing_for=rule.keep_firing_for)  # fmt: skip
+        alert = advance(
+            alert,
+            active=active,
+            now=snap.now,
+            step=snap.last_step,
+            for_=rule.for_,
+            keep_firing_for=rule.keep_firing_for,
+        )
         out.append(alert.state)
     return out
 
@@ -617,13 +751,22 @@ def test_straggler_pages_after_20_slow_steps_and_resolves_when_it_catches_up() -
 
     steps = [(400, True), (410, True), (420, True), (430, True), (440, False)]
     assert states(PACK["Straggler"], [at(s, slow) for s, slow in steps], 2) == [
-        "pending", "pending", "firing", "firing", "resolved",
-    ]  # fmt: skip
+        "pending",
+        "pending",
+        "firing",
+        "firing",
+        "resolved",
+    ]
     # A rank that recovers for a moment starts counting again.
     steps = [(400, True), (410, True), (415, False), (420, True), (439, True), (440, True)]
     assert states(PACK["Straggler"], [at(s, slow) for s, slow in steps], 2) == [
-        "pending", "pending", "inactive", "pending", "pending", "firing",
-    ]  # fmt: skip
+        "pending",
+        "pending",
+        "inactive",
+        "pending",
+        "pending",
+        "firing",
+    ]
 
 
 def test_step_time_regression_waits_10_steps() -> None:
@@ -631,8 +774,10 @@ def test_step_time_regression_waits_10_steps() -> None:
         return run(last=last, vary=bend(since=351, duration_s=1.5))
 
     assert states(PACK["StepTimeRegression"], [at(s) for s in (400, 405, 410)], None) == [
-        "pending", "pending", "firing",
-    ]  # fmt: skip
+        "pending",
+        "pending",
+        "firing",
+    ]
 
 
 def test_gpu_over_temperature_pages_after_5_minutes_hot() -> None:
@@ -642,8 +787,12 @@ def test_gpu_over_temperature_pages_after_5_minutes_hot() -> None:
 
     minutes = [(0, True), (2, True), (4, True), (5, True), (6, False)]
     assert states(PACK["GpuOverTemperature"], [at(m, hot) for m, hot in minutes], 0) == [
-        "pending", "pending", "pending", "firing", "resolved",
-    ]  # fmt: skip
+        "pending",
+        "pending",
+        "pending",
+        "firing",
+        "resolved",
+    ]
 
 
 def test_rank_hung_for_less_than_a_minute_never_pages() -> None:
@@ -651,9 +800,14 @@ def test_rank_hung_for_less_than_a_minute_never_pages() -> None:
         snap = run(first=395, last=400 + seconds)
         return with_ranks(snap, r2={"state": "hung", "role": "culprit"}) if hung else snap
 
-    assert states(PACK["RankHung"], [at(0, True), at(30, True), at(50, False), at(120, False)], 2) == [
-        "pending", "pending", "inactive", "inactive",
-    ]  # fmt: skip
+    assert states(
+        PACK["RankHung"], [at(0, True), at(30, True), at(50, False), at(120, False)], 2
+    ) == [
+        "pending",
+        "pending",
+        "inactive",
+        "inactive",
+    ]
     assert states(PACK["RankHung"], [at(0, True), at(30, True), at(60, True)], 2)[-1] == "firing"
 
 
@@ -662,8 +816,12 @@ def test_non_finite_loss_keeps_firing_for_10_minutes_after_the_nan() -> None:
     later = [replace(snap, now=snap.now + dt) for dt in (0, 20, 600, 619, 620)]
     # The NaN is news for 10 s; the alert is kept 10 minutes from then (cleared at +20).
     assert states(PACK["NonFiniteLoss"], later, 2) == [
-        "firing", "firing", "firing", "firing", "resolved",
-    ]  # fmt: skip
+        "firing",
+        "firing",
+        "firing",
+        "firing",
+        "resolved",
+    ]
 
 
 # -- economics -------------------------------------------------------------------------------
@@ -671,8 +829,14 @@ def test_non_finite_loss_keeps_firing_for_10_minutes_after_the_nan() -> None:
 
 def test_checkpoint_cadence_fires_when_the_interval_is_more_than_2x_off() -> None:
     rule = PACK["CheckpointCadence"]
-    advice = {"checkpoints": 5, "cost_s": 20.0, "mtbf_s": 25_000.0, "optimal_interval_s": 1000.0,
-              "waste_now": 0.16, "waste_optimal": 0.04}  # fmt: skip
+    advice = {
+        "checkpoints": 5,
+        "cost_s": 20.0,
+        "mtbf_s": 25_000.0,
+        "optimal_interval_s": 1000.0,
+        "waste_now": 0.16,
+        "waste_optimal": 0.04,
+    }
     rare = run()
     rare.cadence = {**advice, "interval_s": 7200.0, "ratio": 7.2}
     v = only(evaluate(rule, rare))
@@ -681,18 +845,32 @@ def test_checkpoint_cadence_fires_when_the_interval_is_more_than_2x_off() -> Non
     often = run()
     often.cadence = {**advice, "interval_s": 300.0, "ratio": 0.3}
     assert "save less often" in only(evaluate(rule, often)).detail
-    for quiet in ({**advice, "interval_s": 1900.0, "ratio": 1.9},  # within 2x
-                  {**advice, "interval_s": 7200.0, "ratio": 7.2, "checkpoints": 2},  # too few yet
-                  {**advice, "interval_s": None, "ratio": None}, None,
-                  # 7x too often, but a save costs next to nothing: 0.3 % wasted now
-                  # against 0.1 % at T* would gain 0.2 % (under min_saving, 0.5 %).
-                  {**advice, "interval_s": 15.0, "ratio": 0.14, "cost_s": 0.05,
-                   "waste_now": 0.003, "waste_optimal": 0.001}):  # fmt: skip
+    for quiet in (
+        {**advice, "interval_s": 1900.0, "ratio": 1.9},  # within 2x
+        {**advice, "interval_s": 7200.0, "ratio": 7.2, "checkpoints": 2},  # too few yet
+        {**advice, "interval_s": None, "ratio": None},
+        None,
+        # 7x too often, but a save costs next to nothing: 0.3 % wasted now
+        # against 0.1 % at T* would gain 0.2 % (under min_saving, 0.5 %).
+        {
+            **advice,
+            "interval_s": 15.0,
+            "ratio": 0.14,
+            "cost_s": 0.05,
+            "waste_now": 0.003,
+            "waste_optimal": 0.001,
+        },
+    ):
         snap = run()
         snap.cadence = quiet
         assert evaluate(rule, snap) == []
     # The same gain over min_saving fires.
     pricey = run()
-    pricey.cadence = {**advice, "interval_s": 15.0, "ratio": 0.14, "waste_now": 0.009,
-                      "waste_optimal": 0.001}  # fmt: skip
+    pricey.cadence = {
+        **advice,
+        "interval_s": 15.0,
+        "ratio": 0.14,
+        "waste_now": 0.009,
+        "waste_optimal": 0.001,
+    }
     assert "save less often" in only(evaluate(rule, pricey)).detail

@@ -14,24 +14,40 @@ def run(
 ) -> list[str]:
     states = []
     for active, now, step in verdicts:
-        alert = advance(alert, active=active, now=now, step=step,
-                        for_=spans.get("for_", ZERO), keep_firing_for=spans.get("keep", ZERO))  # fmt: skip
+        alert = advance(
+            alert,
+            active=active,
+            now=now,
+            step=step,
+            for_=spans.get("for_", ZERO),
+            keep_firing_for=spans.get("keep", ZERO),
+        )
         states.append(alert.state)
     return states
 
 
 def test_for_holds_an_alert_pending_until_the_condition_lasts() -> None:
     a = Alert("StepTimeRegression", {"run": "r"})
-    assert run(a, [(True, 0, None), (True, 20, None), (True, 30, None), (True, 40, None)], for_=S30) == [
-        "pending", "pending", "firing", "firing",
-    ]  # fmt: skip
+    assert run(
+        a, [(True, 0, None), (True, 20, None), (True, 30, None), (True, 40, None)], for_=S30
+    ) == [
+        "pending",
+        "pending",
+        "firing",
+        "firing",
+    ]
 
 
 def test_a_blip_shorter_than_for_never_fires() -> None:
     a = Alert("Straggler", {"rank": "3"})
-    assert run(a, [(True, 0, None), (False, 10, None), (True, 20, None), (True, 45, None)], for_=S30) == [
-        "pending", "inactive", "pending", "pending",
-    ]  # 45 - 20 < 30: the clock restarted  # fmt: skip
+    assert run(
+        a, [(True, 0, None), (False, 10, None), (True, 20, None), (True, 45, None)], for_=S30
+    ) == [
+        "pending",
+        "inactive",
+        "pending",
+        "pending",
+    ]  # 45 - 20 < 30: the clock restarted
 
 
 def test_for_in_steps_counts_the_runs_steps() -> None:
@@ -47,10 +63,17 @@ def test_an_alert_keeps_the_steps_it_went_pending_and_fired_at() -> None:
     assert (a.state, a.active_since_step, a.fired_at_step) == ("firing", 100, 105)
     a = advance(a, active=False, now=10, step=110, for_=STEPS5, keep_firing_for=ZERO)
     a = advance(a, active=True, now=11, step=111, for_=STEPS5, keep_firing_for=ZERO)
-    assert (a.state, a.active_since_step, a.fired_at_step) == ("pending", 111, None)  # fmt: skip
+    assert (a.state, a.active_since_step, a.fired_at_step) == ("pending", 111, None)
     # An event's own step (an XID at step 50, heard of at step 59) is the step it fired at.
-    xid = advance(Alert("FatalXid", {"rank": "1"}), active=True, now=0, step=59, for_=ZERO,
-                  keep_firing_for=ZERO, verdict_step=50)  # fmt: skip
+    xid = advance(
+        Alert("FatalXid", {"rank": "1"}),
+        active=True,
+        now=0,
+        step=59,
+        for_=ZERO,
+        keep_firing_for=ZERO,
+        verdict_step=50,
+    )
     assert (xid.state, xid.fired_at_step) == ("firing", 50)
 
 

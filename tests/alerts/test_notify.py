@@ -36,8 +36,13 @@ RUN_URL = "http://127.0.0.1:8000/runs/r1"
 
 def note(status: str = "firing", *, alert_id: int = 1, **labels: str) -> Notification:
     """A Straggler alert on rank 3 (``labels`` added or replaced)."""
-    labels = {"alertname": "Straggler", "severity": "warning", "run": "r1", "rank": "3",
-              "node": "n1"} | labels  # fmt: skip
+    labels = {
+        "alertname": "Straggler",
+        "severity": "warning",
+        "run": "r1",
+        "rank": "3",
+        "node": "n1",
+    } | labels
     now = time.time()
     return Notification(
         alert_id=alert_id,
@@ -48,7 +53,7 @@ def note(status: str = "firing", *, alert_id: int = 1, **labels: str) -> Notific
             "summary": f"Rank {labels['rank']} is 40% slower than the median",
             "description": "Step time above 1.4 x the run's median.",
             "runbook_url": RUNBOOK,
-        },  # fmt: skip
+        },
         starts_at=now - 60,
         ends_at=None if status == "firing" else now,
         generator_url=RUN_URL,
@@ -82,7 +87,9 @@ async def until(cond: Callable[[], object], what: str, timeout_s: float = 20.0) 
         await asyncio.sleep(0.02)
 
 
-def deliver(cfg: NotifyConfig, *notes: Notification, **options: Any) -> tuple[list[Attempt], Dispatcher]:  # fmt: skip
+def deliver(
+    cfg: NotifyConfig, *notes: Notification, **options: Any
+) -> tuple[list[Attempt], Dispatcher]:
     """Submit ``notes`` in order and wait for every delivery to end."""
     attempts: list[Attempt] = []
 
@@ -110,12 +117,15 @@ def alertmanager(tmp_path: Path, receiver: Receiver) -> Iterator[str]:
 
 def to_alertmanager(tmp_path: Path, url: str) -> NotifyConfig:
     """A notifier config that sends every alert to the Alertmanager at ``url``."""
-    return config(tmp_path, f"""\
+    return config(
+        tmp_path,
+        f"""\
         receivers:
           - {{name: am, kind: alertmanager, url: "{url}"}}
         routes:
           - receivers: [am]
-        """)  # fmt: skip
+        """,
+    )
 
 
 def test_alertmanager_shows_the_alert_with_its_runbook_and_resolves_it(
@@ -126,7 +136,7 @@ def test_alertmanager_shows_the_alert_with_its_runbook_and_resolves_it(
     attempts: list[Attempt] = []
 
     def hooked(status: str) -> list[Any]:
-        return [a for r in receiver.got("/am") for a in r.body["alerts"] if a["status"] == status]  # fmt: skip
+        return [a for r in receiver.got("/am") for a in r.body["alerts"] if a["status"] == status]
 
     async def main() -> None:
         d = Dispatcher(cfg, on_attempt=attempts.append)
@@ -196,7 +206,9 @@ def test_pagerduty_slack_and_webhook_get_their_own_shapes(
     tmp_path: Path, receiver: Receiver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TW_TEST_PD_KEY", "R0UT1NGKEY")
-    cfg = config(tmp_path, f"""\
+    cfg = config(
+        tmp_path,
+        f"""\
         receivers:
           - name: pd
             kind: pagerduty
@@ -210,7 +222,8 @@ def test_pagerduty_slack_and_webhook_get_their_own_shapes(
             external_url: http://trainwarden.example
         routes:
           - receivers: [pd, chat, hook]
-        """)  # fmt: skip
+        """,
+    )
     firing, resolved = episode()
     attempts, d = deliver(cfg, firing, resolved)
     assert (d.sent, d.failed, d.dropped) == (6, 0, 0)
@@ -233,17 +246,30 @@ def test_pagerduty_slack_and_webhook_get_their_own_shapes(
     assert f"<{RUNBOOK}|Runbook>" in fired["text"]
     assert cleared["text"].startswith(":white_check_mark: *[RESOLVED] Straggler (warning)*")
     shown = json.dumps(fired["blocks"])
-    for part in ("Rank 3 is 40% slower", "run `r1`", "rank `3`", "node `n1`",
-                 f"<{RUNBOOK}|Runbook>", f"<{RUN_URL}|Open in trainwarden>"):  # fmt: skip
+    for part in (
+        "Rank 3 is 40% slower",
+        "run `r1`",
+        "rank `3`",
+        "node `n1`",
+        f"<{RUNBOOK}|Runbook>",
+        f"<{RUN_URL}|Open in trainwarden>",
+    ):
         assert part in shown, part
 
     hooks = receiver.got("/hook")
     assert [h.headers["Authorization"] for h in hooks] == ["Bearer s3cret"] * 2
     body = hooks[0].body
-    assert {k: body[k] for k in ("version", "groupKey", "truncatedAlerts", "status", "receiver", "externalURL")} == {  # fmt: skip
-        "version": "4", "groupKey": firing.fingerprint, "truncatedAlerts": 0,
-        "status": "firing", "receiver": "hook", "externalURL": "http://trainwarden.example",
-    }  # fmt: skip
+    assert {
+        k: body[k]
+        for k in ("version", "groupKey", "truncatedAlerts", "status", "receiver", "externalURL")
+    } == {
+        "version": "4",
+        "groupKey": firing.fingerprint,
+        "truncatedAlerts": 0,
+        "status": "firing",
+        "receiver": "hook",
+        "externalURL": "http://trainwarden.example",
+    }
     assert body["commonLabels"] == firing.labels
     assert body["commonAnnotations"]["runbook_url"] == RUNBOOK
     (alert,) = body["alerts"]
@@ -261,16 +287,22 @@ def test_pagerduty_slack_and_webhook_get_their_own_shapes(
 def hook_config(tmp_path: Path, receiver: Receiver, *paths: str) -> NotifyConfig:
     """A webhook receiver per path, named after it, every alert routed to all."""
     names = ", ".join(p.strip("/") for p in paths)
-    receivers = "".join(f"  - {{name: {p.strip('/')}, kind: webhook, url: '{receiver.url(p)}'}}\n" for p in paths)  # fmt: skip
+    receivers = "".join(
+        f"  - {{name: {p.strip('/')}, kind: webhook, url: '{receiver.url(p)}'}}\n" for p in paths
+    )
     return config(tmp_path, f"receivers:\n{receivers}routes:\n  - receivers: [{names}]\n")
 
 
-def test_a_failing_receiver_is_retried_until_it_takes_it(tmp_path: Path, receiver: Receiver) -> None:  # fmt: skip
+def test_a_failing_receiver_is_retried_until_it_takes_it(
+    tmp_path: Path, receiver: Receiver
+) -> None:
     receiver.answer("/flaky", 500, 429, 200)
     attempts, d = deliver(hook_config(tmp_path, receiver, "/flaky"), note())
     assert [(a.attempt, a.ok, a.http_status, a.final) for a in attempts] == [
-        (1, False, 500, False), (2, False, 429, False), (3, True, 200, True),
-    ]  # fmt: skip
+        (1, False, 500, False),
+        (2, False, 429, False),
+        (3, True, 200, True),
+    ]
     assert attempts[0].error == "HTTP 500: bad day at the receiver"
     assert len(receiver.got("/flaky")) == 3
     assert (d.sent, d.failed) == (1, 0)
@@ -286,13 +318,16 @@ def test_a_refused_notification_is_not_retried(tmp_path: Path, receiver: Receive
 
 def test_a_receiver_that_is_down_is_given_up_after_max_attempts(tmp_path: Path) -> None:
     down = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
-    cfg = config(tmp_path, f"receivers:\n  - {{name: down, kind: slack, url: '{down}'}}\nroutes:\n  - receivers: [down]\n")  # fmt: skip
+    cfg = config(
+        tmp_path,
+        f"receivers:\n  - {{name: down, kind: slack, url: '{down}'}}\nroutes:\n  - receivers: [down]\n",
+    )
     attempts, d = deliver(cfg, note(), max_attempts=3)
     assert [(a.attempt, a.ok, a.http_status, a.error, a.final) for a in attempts] == [
         (1, False, None, "connect refused", False),
         (2, False, None, "connect refused", False),
         (3, False, None, "connect refused", True),
-    ]  # fmt: skip
+    ]
     assert (d.sent, d.failed) == (0, 1)
 
 
@@ -313,7 +348,10 @@ def test_a_hung_receiver_delays_neither_other_receivers_nor_other_alerts(
         d.submit(first)
         await until(lambda: receiver.got("/hung"), "the hung request")
         d.submit(second)
-        await until(lambda: seen("fine", first) and seen("fine", second) and seen("hung", second), "the other deliveries")  # fmt: skip
+        await until(
+            lambda: seen("fine", first) and seen("fine", second) and seen("hung", second),
+            "the other deliveries",
+        )
         assert seen("hung", first) == []  # ... while the first one still hangs
         await d.drain(20)
         await d.stop()
@@ -339,12 +377,20 @@ def test_a_failed_firing_is_not_retried_once_its_resolve_waits(
     firing, resolved = episode()
     attempts, d = deliver(hook_config(tmp_path, receiver, "/flaky"), firing, resolved)
     assert [r.body["status"] for r in receiver.got("/flaky")] == ["firing", "resolved"]
-    assert [(a.status, a.ok, a.final) for a in attempts] == [("firing", False, True), ("resolved", True, True)]  # fmt: skip
-    assert attempts[0].error == "HTTP 503: bad day at the receiver; not retried: a newer notification of this alert follows"  # fmt: skip
+    assert [(a.status, a.ok, a.final) for a in attempts] == [
+        ("firing", False, True),
+        ("resolved", True, True),
+    ]
+    assert (
+        attempts[0].error
+        == "HTTP 503: bad day at the receiver; not retried: a newer notification of this alert follows"
+    )
     assert (d.sent, d.failed) == (1, 1)
 
 
-def test_submit_never_blocks_a_full_queue_drops_and_counts(tmp_path: Path, receiver: Receiver) -> None:  # fmt: skip
+def test_submit_never_blocks_a_full_queue_drops_and_counts(
+    tmp_path: Path, receiver: Receiver
+) -> None:
     d = Dispatcher(hook_config(tmp_path, receiver, "/a", "/b"), queue_size=2)
     # not started: nothing is delivered, so the queues fill up
     assert d.submit(note(rank="1")) and d.submit(note(rank="2"))
@@ -359,7 +405,11 @@ def test_submit_from_the_engines_thread(tmp_path: Path, receiver: Receiver) -> N
     async def main() -> Dispatcher:
         d = Dispatcher(cfg)
         await d.start()
-        engine = threading.Thread(target=lambda: accepted.extend(d.submit(note(rank=str(r), alert_id=r)) for r in range(20)))  # fmt: skip
+        engine = threading.Thread(
+            target=lambda: accepted.extend(
+                d.submit(note(rank=str(r), alert_id=r)) for r in range(20)
+            )
+        )
         engine.start()
         await asyncio.to_thread(engine.join)
         await d.drain(20)
@@ -369,11 +419,13 @@ def test_submit_from_the_engines_thread(tmp_path: Path, receiver: Receiver) -> N
 
     d = asyncio.run(main())
     assert accepted == [True] * 20
-    assert sorted(int(r.body["alerts"][0]["labels"]["rank"]) for r in receiver.got("/hook")) == list(range(20))  # fmt: skip
+    assert sorted(
+        int(r.body["alerts"][0]["labels"]["rank"]) for r in receiver.got("/hook")
+    ) == list(range(20))
     assert (d.sent, d.failed, d.dropped) == (20, 0, 1)
 
 
-def test_an_on_attempt_that_raises_breaks_no_delivery(tmp_path: Path, receiver: Receiver) -> None:  # fmt: skip
+def test_an_on_attempt_that_raises_breaks_no_delivery(tmp_path: Path, receiver: Receiver) -> None:
     calls: list[Attempt] = []
 
     def broken(attempt: Attempt) -> None:
@@ -397,7 +449,9 @@ def test_an_on_attempt_that_raises_breaks_no_delivery(tmp_path: Path, receiver: 
 
 
 def test_routes_match_labels_exactly_or_by_regex_and_can_stop(tmp_path: Path) -> None:
-    cfg = config(tmp_path, """\
+    cfg = config(
+        tmp_path,
+        """\
         receivers:
           - {name: pd, kind: pagerduty, routing_key: k}
           - {name: chat, kind: slack, url: "http://127.0.0.1:1/chat", send_resolved: false}
@@ -411,7 +465,8 @@ def test_routes_match_labels_exactly_or_by_regex_and_can_stop(tmp_path: Path) ->
             receivers: [test-hook]
             continue: false
           - receivers: [am, chat]
-        """)  # fmt: skip
+        """,
+    )
 
     def names(n: Notification) -> list[str]:
         return [r.name for r in cfg.receivers_for(n)]
@@ -437,27 +492,51 @@ receivers:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        (GOOD_RECEIVERS + "  - {name: am, kind: slack, url: 'http://x'}\nroutes: [{receivers: [am]}]\n",
-         "notify.yaml:6: receiver 'am': name: already used by receiver #1"),
-        (GOOD_RECEIVERS + "routes:\n  - receivers: [am]\n  - receivers: [pd, pagerduty]\n",
-         "notify.yaml:8: route #2: receivers[1]: 'pagerduty' is not a receiver; known: am, pd"),
-        (GOOD_RECEIVERS.replace("routing_key: abc", "routing_key: ${TW_TEST_UNSET}") + "routes: [{receivers: [pd]}]\n",
-         "notify.yaml:3: receiver 'pd': routing_key: ${TW_TEST_UNSET}: the environment variable TW_TEST_UNSET is not set"),
-        (GOOD_RECEIVERS.replace("routing_key: abc", "routing_kye: abc") + "routes: [{receivers: [pd]}]\n",
-         "notify.yaml:3: receiver 'pd': routing_kye: is not a field here (a typo?)"),
-        (GOOD_RECEIVERS.replace("http://127.0.0.1:9093", "127.0.0.1:9093") + "routes: [{receivers: [am]}]\n",
-         "notify.yaml:2: receiver 'am': url: '127.0.0.1:9093' is not an http:// or https:// URL with a host"),
-        (GOOD_RECEIVERS.replace("kind: pagerduty", "kind: opsgenie") + "routes: [{receivers: [am]}]\n",
-         "notify.yaml:3: receiver 'pd': kind: 'opsgenie' is not a kind; known: alertmanager, pagerduty, slack, webhook"),
-        (GOOD_RECEIVERS + "routes:\n  - match_re: {run: 'prod-('}\n    receivers: [am]\n",
-         "notify.yaml:7: route #1: match_re: run: 'prod-(' is not a regular expression"),
-        (GOOD_RECEIVERS + "routes:\n  - match: {severity: critical, severity: warning}\n    receivers: [am]\n",
-         "notify.yaml:7:33: YAML syntax error: key 'severity' repeats line 7"),
-        (GOOD_RECEIVERS + "routes:\n  - receivers: [am]\n    contiune: false\n",
-         "notify.yaml:7: route #1: contiune: is not a field here (a typo?)"),
+        (
+            GOOD_RECEIVERS
+            + "  - {name: am, kind: slack, url: 'http://x'}\nroutes: [{receivers: [am]}]\n",
+            "notify.yaml:6: receiver 'am': name: already used by receiver #1",
+        ),
+        (
+            GOOD_RECEIVERS + "routes:\n  - receivers: [am]\n  - receivers: [pd, pagerduty]\n",
+            "notify.yaml:8: route #2: receivers[1]: 'pagerduty' is not a receiver; known: am, pd",
+        ),
+        (
+            GOOD_RECEIVERS.replace("routing_key: abc", "routing_key: ${TW_TEST_UNSET}")
+            + "routes: [{receivers: [pd]}]\n",
+            "notify.yaml:3: receiver 'pd': routing_key: ${TW_TEST_UNSET}: the environment variable TW_TEST_UNSET is not set",
+        ),
+        (
+            GOOD_RECEIVERS.replace("routing_key: abc", "routing_kye: abc")
+            + "routes: [{receivers: [pd]}]\n",
+            "notify.yaml:3: receiver 'pd': routing_kye: is not a field here (a typo?)",
+        ),
+        (
+            GOOD_RECEIVERS.replace("http://127.0.0.1:9093", "127.0.0.1:9093")
+            + "routes: [{receivers: [am]}]\n",
+            "notify.yaml:2: receiver 'am': url: '127.0.0.1:9093' is not an http:// or https:// URL with a host",
+        ),
+        (
+            GOOD_RECEIVERS.replace("kind: pagerduty", "kind: opsgenie")
+            + "routes: [{receivers: [am]}]\n",
+            "notify.yaml:3: receiver 'pd': kind: 'opsgenie' is not a kind; known: alertmanager, pagerduty, slack, webhook",
+        ),
+        (
+            GOOD_RECEIVERS + "routes:\n  - match_re: {run: 'prod-('}\n    receivers: [am]\n",
+            "notify.yaml:7: route #1: match_re: run: 'prod-(' is not a regular expression",
+        ),
+        (
+            GOOD_RECEIVERS
+            + "routes:\n  - match: {severity: critical, severity: warning}\n    receivers: [am]\n",
+            "notify.yaml:7:33: YAML syntax error: key 'severity' repeats line 7",
+        ),
+        (
+            GOOD_RECEIVERS + "routes:\n  - receivers: [am]\n    contiune: false\n",
+            "notify.yaml:7: route #1: contiune: is not a field here (a typo?)",
+        ),
         (GOOD_RECEIVERS, "notify.yaml: routes: is required"),
     ],
-)  # fmt: skip
+)
 def test_config_errors_name_the_file_the_receiver_or_route_and_the_field(
     tmp_path: Path, text: str, expected: str
 ) -> None:
@@ -470,7 +549,10 @@ def test_config_errors_name_the_file_the_receiver_or_route_and_the_field(
 
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     with pytest.raises(NotifyConfigError) as caught:
-        load_notify_config(tmp_path / "n.yaml", text="receivers:\n  - {kind: slack, url: ftp://x}\nroutes: []\nsend_resolved: maybe\n")  # fmt: skip
+        load_notify_config(
+            tmp_path / "n.yaml",
+            text="receivers:\n  - {kind: slack, url: ftp://x}\nroutes: []\nsend_resolved: maybe\n",
+        )
     lines = str(caught.value).splitlines()
     assert [line.split(": ", 1)[1] for line in lines] == [
         "receiver #1: name: is required",
@@ -487,4 +569,9 @@ def test_the_documented_example_loads(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PAGERDUTY_ROUTING_KEY", "k")
     monkeypatch.setenv("WEBHOOK_TOKEN", "t")
     cfg = load_notify_config("docs/notifiers.md", text=example.group(1))
-    assert sorted({r.kind for r in cfg.receivers.values()}) == ["alertmanager", "pagerduty", "slack", "webhook"]  # fmt: skip
+    assert sorted({r.kind for r in cfg.receivers.values()}) == [
+        "alertmanager",
+        "pagerduty",
+        "slack",
+        "webhook",
+    ]

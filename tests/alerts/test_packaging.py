@@ -26,10 +26,22 @@ def test_the_wheel_holds_the_rules_and_runbooks_next_to_the_package(tmp_path: Pa
     for folder in folders:
         shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path / "dist"), str(src)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path / "dist"),
+            str(src),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     (wheel,) = (tmp_path / "dist").glob("trainwarden-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         names = set(zf.namelist())
@@ -38,5 +50,9 @@ def test_the_wheel_holds_the_rules_and_runbooks_next_to_the_package(tmp_path: Pa
     assert DEFAULT_RULES == ROOT / "alerts" / "rules" / "default.yaml"
     assert RUNBOOKS_DIR == ROOT / "runbooks"
     assert "trainwarden/alerts/rules/default.yaml" in names
-    shipped = {n.removeprefix("trainwarden/runbooks/") for n in names if n.startswith("trainwarden/runbooks/")}  # fmt: skip
+    shipped = {
+        n.removeprefix("trainwarden/runbooks/")
+        for n in names
+        if n.startswith("trainwarden/runbooks/")
+    }
     assert shipped == {p.name for p in RUNBOOKS_DIR.glob("*.md")}

@@ -29,13 +29,26 @@ from trainwarden.alerts import rules as r
 from trainwarden.collector import health
 
 PACK = [
-    "LowMFU", "StepTimeRegression", "Straggler", "HighExposedComm", "DataLoaderStall",
-    "LossSpike", "NonFiniteLoss", "GradNormSpikeBurst", "RankLossDivergence",
-    "GpuThermalThrottle", "GpuOverTemperature", "FatalXid", "EccUncorrectable", "RankHung",
-    "RankDead", "CheckpointStale", "LowGpuUtilization",
+    "LowMFU",
+    "StepTimeRegression",
+    "Straggler",
+    "HighExposedComm",
+    "DataLoaderStall",
+    "LossSpike",
+    "NonFiniteLoss",
+    "GradNormSpikeBurst",
+    "RankLossDivergence",
+    "GpuThermalThrottle",
+    "GpuOverTemperature",
+    "FatalXid",
+    "EccUncorrectable",
+    "RankHung",
+    "RankDead",
+    "CheckpointStale",
+    "LowGpuUtilization",
     "ActionFailed",  # trainwarden's own: an action it took failed (issue 7)
     "CheckpointCadence",  # the cadence advisor's (issue 11)
-]  # fmt: skip
+]
 HEADINGS = [
     "## What it means",
     "## Likely causes",
@@ -78,8 +91,14 @@ def test_default_pack_loads_with_exactly_the_issue_rules() -> None:
     rules = load_rule_packs()
     assert sorted(rule.name for rule in rules) == sorted(PACK)
     by_name = {rule.name: rule for rule in rules}
-    assert {n for n, rule in by_name.items() if rule.action == "rollback"} == {"LossSpike", "NonFiniteLoss"}  # fmt: skip
-    assert {n for n, rule in by_name.items() if rule.action == "evict"} == {"FatalXid", "EccUncorrectable"}  # fmt: skip
+    assert {n for n, rule in by_name.items() if rule.action == "rollback"} == {
+        "LossSpike",
+        "NonFiniteLoss",
+    }
+    assert {n for n, rule in by_name.items() if rule.action == "evict"} == {
+        "FatalXid",
+        "EccUncorrectable",
+    }
     assert {rule.kind for rule in rules} == set(KINDS)  # the pack uses every kind
 
 
@@ -101,7 +120,9 @@ def test_fatal_xid_follows_the_catalog_actions() -> None:
     fatal = next(rule for rule in load_rule_packs() if rule.name == "FatalXid")
     assert isinstance(fatal, EventRule)
     for code, entry in xid_catalog().items():
-        assert fatal.params.matches(code) == (entry["action"] in ("reset_gpu", "reboot_node", "drain")), code  # fmt: skip
+        assert fatal.params.matches(code) == (
+            entry["action"] in ("reset_gpu", "reboot_node", "drain")
+        ), code
     assert fatal.params.matches(79) and fatal.params.matches(48)
     assert not fatal.params.matches(13)  # an application fault: restart the app, not the node
 
@@ -163,20 +184,36 @@ def test_intervals_parse(text: object, expected: Interval) -> None:
 
 @pytest.mark.parametrize("text", ["5 parsecs", "5", 5, "-1m", "2.5 steps", "3 beats", True, None])
 def test_bad_intervals_say_what_is_expected(text: object) -> None:
-    with pytest.raises(ValueError, match=r"is not a duration \('90s', '5m', '1h'\) or a step count \('50 steps'\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match=r"is not a duration \('90s', '5m', '1h'\) or a step count \('50 steps'\)"
+    ):
         parse_interval(text)
 
 
 def test_intervals_print_back_in_their_largest_unit() -> None:
-    assert [str(parse_interval(t)) for t in ("90s", "15m", "2h", "20 steps")] == ["90s", "15m", "2h", "20 steps"]  # fmt: skip
+    assert [str(parse_interval(t)) for t in ("90s", "15m", "2h", "20 steps")] == [
+        "90s",
+        "15m",
+        "2h",
+        "20 steps",
+    ]
 
 
 # -- every kind's parameters --------------------------------------------------------
 
 GOOD = [
-    {"kind": "threshold", "params": {"scope": "run", "metric": "step_time", "stat": "max", "above": 2}},
-    {"kind": "threshold", "params": {"scope": "rank", "metric": "data_wait", "fraction_of_step": True, "above": 0.5}},
-    {"kind": "baseline", "params": {"scope": "rank", "metric": "compute", "ratio_above": 1.5, "baseline": "30m"}},
+    {
+        "kind": "threshold",
+        "params": {"scope": "run", "metric": "step_time", "stat": "max", "above": 2},
+    },
+    {
+        "kind": "threshold",
+        "params": {"scope": "rank", "metric": "data_wait", "fraction_of_step": True, "above": 0.5},
+    },
+    {
+        "kind": "baseline",
+        "params": {"scope": "rank", "metric": "compute", "ratio_above": 1.5, "baseline": "30m"},
+    },
     {"kind": "peer", "params": {"metric": "tokens_per_s", "ratio_below": 0.7}},
     {"kind": "event", "params": {"match": "xid", "codes": [79, 94]}},
     {"kind": "event", "params": {"match": "flag", "flags": ["skip_suggested"]}},
@@ -186,8 +223,16 @@ GOOD = [
     {"kind": "event", "params": {"match": "event", "events": ["restart"]}},
     {"kind": "absence", "params": {"signal": "progress", "after": "5 steps", "at_least": "1m"}},
     {"kind": "absence", "params": {"signal": "heartbeat", "after": "30s"}},
-    {"kind": "rate", "params": {"count": {"match": "event", "events": ["restart"]}, "window": "1h", "at_least": 3, "per": "rank"}},
-]  # fmt: skip
+    {
+        "kind": "rate",
+        "params": {
+            "count": {"match": "event", "events": ["restart"]},
+            "window": "1h",
+            "at_least": 3,
+            "per": "rank",
+        },
+    },
+]
 
 
 @pytest.mark.parametrize(
@@ -206,51 +251,166 @@ def test_a_run_metric_defaults_to_its_run_level_total() -> None:
 
 BAD = [
     # (rule fields, the field named, words of the message)
-    ({"params": {"scope": "run", "metric": "mfuu", "below": 1}}, "params.metric", "'mfuu' is not a run metric trainwarden stores"),
-    ({"params": {"scope": "gpu", "metric": "mfu", "below": 1}}, "params.metric", "'mfu' is not a gpu metric"),
-    ({"params": {"scope": "gpu", "metric": "temp_c"}}, "params", "give exactly one of above, below"),
-    ({"params": {"scope": "gpu", "metric": "temp_c", "above": 1, "stat": "max"}}, "params.stat", "only run metrics"),
-    ({"params": {"scope": "gpu", "metric": "temp_c", "above": 1, "window": "5 steps"}}, "params.window", "use a duration"),
-    ({"params": {"scope": "rank", "metric": "loss", "above": 1, "fraction_of_step": True}}, "params.fraction_of_step", "in seconds"),
-    ({"params": {"scope": "gpu", "metric": "temp_c", "above": 1, "colour": "red"}}, "params.colour", "not a field here"),
-    ({"kind": "baseline", "params": {"scope": "run", "metric": "mfu", "ratio_below": 1.2}}, "params.ratio_below", "less than 1"),
-    ({"kind": "baseline", "params": {"scope": "gpu", "metric": "temp_c", "ratio_above": 2}}, "params.scope", "'run' or 'rank'"),
-    ({"kind": "peer", "params": {"metric": "loss", "z_above": 4, "min_ranks": 2}}, "params.min_ranks", "at least 3 ranks"),
-    ({"kind": "peer", "params": {"metric": "loss", "z_above": 4, "ratio_above": 2, "min_ranks": 3}}, "params", "exactly one"),
+    (
+        {"params": {"scope": "run", "metric": "mfuu", "below": 1}},
+        "params.metric",
+        "'mfuu' is not a run metric trainwarden stores",
+    ),
+    (
+        {"params": {"scope": "gpu", "metric": "mfu", "below": 1}},
+        "params.metric",
+        "'mfu' is not a gpu metric",
+    ),
+    (
+        {"params": {"scope": "gpu", "metric": "temp_c"}},
+        "params",
+        "give exactly one of above, below",
+    ),
+    (
+        {"params": {"scope": "gpu", "metric": "temp_c", "above": 1, "stat": "max"}},
+        "params.stat",
+        "only run metrics",
+    ),
+    (
+        {"params": {"scope": "gpu", "metric": "temp_c", "above": 1, "window": "5 steps"}},
+        "params.window",
+        "use a duration",
+    ),
+    (
+        {"params": {"scope": "rank", "metric": "loss", "above": 1, "fraction_of_step": True}},
+        "params.fraction_of_step",
+        "in seconds",
+    ),
+    (
+        {"params": {"scope": "gpu", "metric": "temp_c", "above": 1, "colour": "red"}},
+        "params.colour",
+        "not a field here",
+    ),
+    (
+        {"kind": "baseline", "params": {"scope": "run", "metric": "mfu", "ratio_below": 1.2}},
+        "params.ratio_below",
+        "less than 1",
+    ),
+    (
+        {"kind": "baseline", "params": {"scope": "gpu", "metric": "temp_c", "ratio_above": 2}},
+        "params.scope",
+        "'run' or 'rank'",
+    ),
+    (
+        {"kind": "peer", "params": {"metric": "loss", "z_above": 4, "min_ranks": 2}},
+        "params.min_ranks",
+        "at least 3 ranks",
+    ),
+    (
+        {
+            "kind": "peer",
+            "params": {"metric": "loss", "z_above": 4, "ratio_above": 2, "min_ranks": 3},
+        },
+        "params",
+        "exactly one",
+    ),
     ({"kind": "event", "params": {"match": "xidd"}}, "params.match", "'xidd' is not a match"),
     ({"kind": "event", "params": {"codes": [79]}}, "params.match", "is required"),
     ({"kind": "event", "params": {"match": "xid"}}, "params", "give codes, actions"),
-    ({"kind": "event", "params": {"match": "xid", "codes": [0]}}, "params.codes[0]", "greater than or equal to 1"),
-    ({"kind": "event", "params": {"match": "flag", "flags": ["bogus"]}}, "params.flags[0]", "'bogus' is not one of"),
-    ({"kind": "event", "params": {"match": "nonfinite", "metrics": ["tokens_per_s"]}}, "params.metrics", "stored from one column"),
-    ({"kind": "event", "params": {"match": "rank_state", "to": ["asleep"]}}, "params.to[0]", "'asleep' is not one of"),
-    ({"kind": "event", "params": {"match": "throttle", "reasons": ["hot"]}}, "params.reasons[0]", "'hot' is not one of"),
+    (
+        {"kind": "event", "params": {"match": "xid", "codes": [0]}},
+        "params.codes[0]",
+        "greater than or equal to 1",
+    ),
+    (
+        {"kind": "event", "params": {"match": "flag", "flags": ["bogus"]}},
+        "params.flags[0]",
+        "'bogus' is not one of",
+    ),
+    (
+        {"kind": "event", "params": {"match": "nonfinite", "metrics": ["tokens_per_s"]}},
+        "params.metrics",
+        "stored from one column",
+    ),
+    (
+        {"kind": "event", "params": {"match": "rank_state", "to": ["asleep"]}},
+        "params.to[0]",
+        "'asleep' is not one of",
+    ),
+    (
+        {"kind": "event", "params": {"match": "throttle", "reasons": ["hot"]}},
+        "params.reasons[0]",
+        "'hot' is not one of",
+    ),
     ({"kind": "event", "params": {"match": "xid", "codes": [79]}, "for": "1m"}, "for", "instants"),
-    ({"kind": "event", "params": {"match": "rank_state", "to": ["hung"]}, "for": "5 steps"}, "for", "counts time, not steps"),
-    ({"kind": "absence", "params": {"signal": "event", "after": "1h"}}, "params.event", "exactly when signal is 'event'"),
-    ({"kind": "absence", "params": {"signal": "progress", "after": "3 beats"}}, "params.after", "does not measure a missing progress"),
-    ({"kind": "absence", "params": {"signal": "heartbeat", "after": "10s", "at_least": "1m"}}, "params.at_least", "relative"),
-    ({"kind": "rate", "params": {"count": {"match": "flag", "flags": []}, "window": "10 steps", "at_least": 1}}, "params.count.flags", "at least 1 item"),
-    ({"kind": "rate", "params": {"count": {"match": "flag", "flags": ["loss_spike"]}, "window": "10 steps", "at_least": 0}}, "params.at_least", "greater than or equal to 1"),
+    (
+        {"kind": "event", "params": {"match": "rank_state", "to": ["hung"]}, "for": "5 steps"},
+        "for",
+        "counts time, not steps",
+    ),
+    (
+        {"kind": "absence", "params": {"signal": "event", "after": "1h"}},
+        "params.event",
+        "exactly when signal is 'event'",
+    ),
+    (
+        {"kind": "absence", "params": {"signal": "progress", "after": "3 beats"}},
+        "params.after",
+        "does not measure a missing progress",
+    ),
+    (
+        {"kind": "absence", "params": {"signal": "heartbeat", "after": "10s", "at_least": "1m"}},
+        "params.at_least",
+        "relative",
+    ),
+    (
+        {
+            "kind": "rate",
+            "params": {
+                "count": {"match": "flag", "flags": []},
+                "window": "10 steps",
+                "at_least": 1,
+            },
+        },
+        "params.count.flags",
+        "at least 1 item",
+    ),
+    (
+        {
+            "kind": "rate",
+            "params": {
+                "count": {"match": "flag", "flags": ["loss_spike"]},
+                "window": "10 steps",
+                "at_least": 0,
+            },
+        },
+        "params.at_least",
+        "greater than or equal to 1",
+    ),
     ({"kind": "thresold"}, "kind", "'thresold' is not a rule kind; known: threshold, baseline"),
     ({"severity": "urgent"}, "severity", "'urgent' is not one of 'critical', 'warning' or 'info'"),
-    ({"for": "5 parsecs"}, "for", "'5 parsecs' is not a duration ('90s', '5m', '1h') or a step count ('50 steps')"),
+    (
+        {"for": "5 parsecs"},
+        "for",
+        "'5 parsecs' is not a duration ('90s', '5m', '1h') or a step count ('50 steps')",
+    ),
     ({"for": "5 steps"}, "for", "counts time, not steps"),
     ({"runbook": "Missing.md"}, "runbook", "'Missing.md' is not in"),
     ({"runbook": "../../etc/passwd"}, "runbook", "not a Markdown file name"),
     ({"action": "reboot"}, "action", "'reboot' is not one of"),
-    ({"action": "evict", "params": {"scope": "run", "metric": "mfu", "below": 0.3}}, "action", "evict needs a rule whose alerts name a rank"),
+    (
+        {"action": "evict", "params": {"scope": "run", "metric": "mfu", "below": 0.3}},
+        "action",
+        "evict needs a rule whose alerts name a rank",
+    ),
     ({"labels": {"rank": "0"}}, "labels", "set by trainwarden"),
     ({"labels": {"bad-name": "x"}}, "labels", "not a label name"),
     ({"name": "Has space"}, "name", "use letters, digits and _"),
     ({"summary": ""}, "summary", "at least 1 character"),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(
     ("fields", "field", "words"), BAD, ids=[f"{b[1]}:{b[2][:24]}" for b in BAD]
 )
-def test_bad_rules_name_the_field_and_the_problem(fields: dict[str, Any], field: str, words: str) -> None:  # fmt: skip
+def test_bad_rules_name_the_field_and_the_problem(
+    fields: dict[str, Any], field: str, words: str
+) -> None:
     lines = _error(_rule(**fields)).splitlines()
     assert any(line.startswith(f"{field}: ") and words in line for line in lines), lines
 
@@ -265,7 +425,9 @@ def test_a_missing_field_is_named() -> None:
 
 
 def test_errors_name_the_file_the_line_the_rule_and_the_field(tmp_path: Path) -> None:
-    path = _write(tmp_path, """\
+    path = _write(
+        tmp_path,
+        """\
         rules:
           - name: LowMFU
             kind: baseline
@@ -286,14 +448,15 @@ def test_errors_name_the_file_the_line_the_rule_and_the_field(tmp_path: Path) ->
             params: {metric: perplexity, ratio_above: 2}
             severity: info
             runbook: NoSuchRunbook.md
-    """)  # fmt: skip
+    """,
+    )
     with pytest.raises(RuleError) as caught:
         load_rules(path)
     assert str(caught.value).splitlines() == [
         f"{path}:2: rule 'LowMFU': for: '5 parsecs' is not a duration ('90s', '5m', '1h') or a step count ('50 steps')",
         f"{path}:15: rule 'Nameless': runbook: 'NoSuchRunbook.md' is not in {RUNBOOKS_DIR}",
         f"{path}:15: rule 'Nameless': params.metric: 'perplexity' is not a rank metric trainwarden stores; known: {', '.join(r.STEP_METRICS)}",
-    ]  # fmt: skip
+    ]
 
 
 def test_yaml_syntax_errors_give_the_line(tmp_path: Path) -> None:
@@ -304,20 +467,26 @@ def test_yaml_syntax_errors_give_the_line(tmp_path: Path) -> None:
 
 def test_a_repeated_key_is_an_error_not_a_silent_override(tmp_path: Path) -> None:
     path = _write(tmp_path, "rules:\n  - name: A\n    severity: info\n    severity: critical\n")
-    with pytest.raises(RuleError, match=re.escape(f"{path}:4:5: YAML syntax error: key 'severity' repeats line 3")):  # fmt: skip
+    with pytest.raises(
+        RuleError, match=re.escape(f"{path}:4:5: YAML syntax error: key 'severity' repeats line 3")
+    ):
         load_rules(path)
 
 
 @pytest.mark.parametrize("text", ["", "- name: A\n", "rules: {}\n", "rules: []\nextra: 1\n"])
 def test_the_file_must_hold_a_list_of_rules(tmp_path: Path, text: str) -> None:
     path = _write(tmp_path, text)
-    with pytest.raises(RuleError, match=re.escape(f"{path}: expected one key, 'rules', holding a list of rules")):  # fmt: skip
+    with pytest.raises(
+        RuleError, match=re.escape(f"{path}: expected one key, 'rules', holding a list of rules")
+    ):
         load_rules(path)
 
 
 def test_a_rule_that_is_not_a_mapping(tmp_path: Path) -> None:
     path = _write(tmp_path, "rules:\n  - just a string\n")
-    with pytest.raises(RuleError, match=re.escape(f"{path}: rule #1: a rule is a mapping of fields, not str")):  # fmt: skip
+    with pytest.raises(
+        RuleError, match=re.escape(f"{path}: rule #1: a rule is a mapping of fields, not str")
+    ):
         load_rules(path)
 
 
@@ -332,7 +501,11 @@ def _rules_file(tmp_path: Path, name: str, *rules: dict[str, Any]) -> Path:
 
 def test_duplicate_names_are_rejected_within_a_file(tmp_path: Path) -> None:
     path = _rules_file(tmp_path, "rules.yaml", _rule(), _rule())
-    with pytest.raises(RuleError, match=re.escape(f"{path}:") + r"\d+: rule 'HotGpu': name: already used by the rule at line \d+"):  # fmt: skip
+    with pytest.raises(
+        RuleError,
+        match=re.escape(f"{path}:")
+        + r"\d+: rule 'HotGpu': name: already used by the rule at line \d+",
+    ):
         load_rules(path)
 
 
@@ -341,7 +514,10 @@ def test_user_files_add_to_the_default_pack_and_cannot_reuse_its_names(tmp_path:
     names = [rule.name for rule in load_rule_packs([mine])]
     assert names[-1] == "HotGpu" and len(names) == len(PACK) + 1
     clash = _rules_file(tmp_path, "clash.yaml", _rule(name="LowMFU"))
-    with pytest.raises(RuleError, match=re.escape(f"{clash}: rule 'LowMFU': name: already defined in {DEFAULT_RULES}")):  # fmt: skip
+    with pytest.raises(
+        RuleError,
+        match=re.escape(f"{clash}: rule 'LowMFU': name: already defined in {DEFAULT_RULES}"),
+    ):
         load_rule_packs([clash])
 
 

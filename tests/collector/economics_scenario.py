@@ -24,16 +24,28 @@ RUN, OTHER, OLD = "econ", "other", "old"
 WORLD = 2
 HOUR = 3600.0
 STEP_S, IN_STEP_S = 60.0, 55.0
-CONFIG = {"lr": 3e-4, "batch": 512, "model": {"layers": 24, "d_model": 2048},
-          "optim": {"name": "adamw", "betas": [0.9, 0.95]}}  # fmt: skip
+CONFIG = {
+    "lr": 3e-4,
+    "batch": 512,
+    "model": {"layers": 24, "d_model": 2048},
+    "optim": {"name": "adamw", "betas": [0.9, 0.95]},
+}
 MTBF_HOURS = 7.0
 PRICE = 2.5
 
 Post = Callable[[dict[str, Any]], None]
 
 
-def body(run: str, rank: int, session: str, started: float, *, steps: list[dict[str, Any]] = (),  # type: ignore[assignment]
-         events: list[dict[str, Any]] = (), world: int = WORLD) -> dict[str, Any]:  # type: ignore[assignment]  # fmt: skip
+def body(
+    run: str,
+    rank: int,
+    session: str,
+    started: float,
+    *,
+    steps: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    events: list[dict[str, Any]] = (),
+    world: int = WORLD,
+) -> dict[str, Any]:  # type: ignore[assignment]
     """One agent's batch, as :mod:`.test_economics` sends it, from a node named like one."""
     out = _body(run, rank, session, started, steps=steps, events=events, world=world)
     out["agent"]["host"] = f"gpu-node{rank}"
@@ -43,33 +55,66 @@ def body(run: str, rank: int, session: str, started: float, *, steps: list[dict[
 
 def start(session: str, t: float, config: dict[str, Any], *, rank: int) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "attempt": None, "restart_count": None, "config": config, "tags": ["baseline", "llama-1b"],
+        "attempt": None,
+        "restart_count": None,
+        "config": config,
+        "tags": ["baseline", "llama-1b"],
         "data_snapshot": "s3://corpus/v7@2026-11-01",
-        "code": {"commit": "9f8e7d6c5b4a39281706f5e4d3c2b1a098765432", "dirty": True,
-                 "branch": "main", "root": "/work/llm"},
-        "env": {"python": "3.11.7", "torch": "2.5.1", "cuda": "12.4", "nccl": "2.21.5",
-                "gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1, "driver": "550.54.15",
-                "host": f"gpu-node{rank}", "platform": "Linux-5.15-x86_64", "world_size": WORLD,
-                "packages_hash": "3b1f" + "0" * 60},
-    }  # fmt: skip
+        "code": {
+            "commit": "9f8e7d6c5b4a39281706f5e4d3c2b1a098765432",
+            "dirty": True,
+            "branch": "main",
+            "root": "/work/llm",
+        },
+        "env": {
+            "python": "3.11.7",
+            "torch": "2.5.1",
+            "cuda": "12.4",
+            "nccl": "2.21.5",
+            "gpu": "NVIDIA H100 80GB HBM3",
+            "gpu_count": 1,
+            "driver": "550.54.15",
+            "host": f"gpu-node{rank}",
+            "platform": "Linux-5.15-x86_64",
+            "world_size": WORLD,
+            "packages_hash": "3b1f" + "0" * 60,
+        },
+    }
     if rank == 0:
         data["packages"] = ["numpy==2.1.0", "torch==2.5.1"]
     return {"id": f"start-{session}", "kind": "attempt_start", "ts": t, "data": data}
 
 
 def end(session: str, t: float, reason: str, detail: str, last_step: int) -> dict[str, Any]:
-    return {"id": f"end-{session}", "kind": "attempt_end", "ts": t,
-            "data": {"reason": reason, "detail": detail, "exit_code": 1, "last_step": last_step}}  # fmt: skip
+    return {
+        "id": f"end-{session}",
+        "kind": "attempt_end",
+        "ts": t,
+        "data": {"reason": reason, "detail": detail, "exit_code": 1, "last_step": last_step},
+    }
 
 
 def steps(first: int, last: int, t_first: float) -> list[dict[str, Any]]:
-    return [{"step": n, "ts": t_first + STEP_S * (n - first), "duration_s": IN_STEP_S,
-             "data_wait_s": STEP_S - IN_STEP_S, "loss": 2.0 - n / 1000} for n in range(first, last + 1)]  # fmt: skip
+    return [
+        {
+            "step": n,
+            "ts": t_first + STEP_S * (n - first),
+            "duration_s": IN_STEP_S,
+            "data_wait_s": STEP_S - IN_STEP_S,
+            "loss": 2.0 - n / 1000,
+        }
+        for n in range(first, last + 1)
+    ]
 
 
 def ckpt(session: str, step: int, ts: float, seconds: float) -> dict[str, Any]:
-    return {"id": f"ck-{session}-{step}", "kind": "checkpoint", "ts": ts, "step": step,
-            "data": {"path": f"s3://ckpt/econ/step-{step}", "seconds": seconds, "bytes": 14.2e9}}  # fmt: skip
+    return {
+        "id": f"ck-{session}-{step}",
+        "kind": "checkpoint",
+        "ts": ts,
+        "step": step,
+        "data": {"path": f"s3://ckpt/econ/step-{step}", "seconds": seconds, "bytes": 14.2e9},
+    }
 
 
 def at_step(t_first: float, first: int, step: int) -> float:
@@ -85,24 +130,66 @@ def seed(post: Post, now: float | None = None) -> float:
     for rank in (0, 1):
         s = f"a{rank}"
         post(body(RUN, rank, s, t0, events=[start(s, t0, CONFIG, rank=rank)]))
-        saves = [ckpt(s, 5, at_step(first1, 0, 5) + 1, 18.0), ckpt(s, 143, at_step(first1, 0, 143) + 1, 22.0)]  # fmt: skip
+        saves = [
+            ckpt(s, 5, at_step(first1, 0, 5) + 1, 18.0),
+            ckpt(s, 143, at_step(first1, 0, 143) + 1, 22.0),
+        ]
         post(body(RUN, rank, s, t0, steps=steps(0, 155, first1), events=saves))
     crash = at_step(first1, 0, 155)
-    post(body(RUN, 1, "a1", t0, events=[end("a1", crash + 1, "exception",
-                                            "RuntimeError: CUDA error: an illegal memory access was encountered", 155)]))  # fmt: skip
-    post(body(RUN, 0, "a0", t0, events=[end("a0", crash + 15, "sigterm", "SIGTERM from torchrun", 155)]))  # fmt: skip
+    post(
+        body(
+            RUN,
+            1,
+            "a1",
+            t0,
+            events=[
+                end(
+                    "a1",
+                    crash + 1,
+                    "exception",
+                    "RuntimeError: CUDA error: an illegal memory access was encountered",
+                    155,
+                )
+            ],
+        )
+    )
+    post(
+        body(
+            RUN,
+            0,
+            "a0",
+            t0,
+            events=[end("a0", crash + 15, "sigterm", "SIGTERM from torchrun", 155)],
+        )
+    )
     t1 = t0 + 2.7 * HOUR
     first2 = t1 + 240
     last2 = 144 + int((now - 60 - first2) // STEP_S)
     for rank in (0, 1):
         s = f"b{rank}"
         post(body(RUN, rank, s, t1, events=[start(s, t1, CONFIG, rank=rank)]))
-        post(body(RUN, rank, s, t1, steps=steps(144, last2, first2),
-                  events=[ckpt(s, 270, at_step(first2, 144, 270) + 1, 20.0)]))  # fmt: skip
+        post(
+            body(
+                RUN,
+                rank,
+                s,
+                t1,
+                steps=steps(144, last2, first2),
+                events=[ckpt(s, 270, at_step(first2, 144, 270) + 1, 20.0)],
+            )
+        )
     t2 = now - 600
     for rank in (0, 1):
         s = f"o{rank}"
-        post(body(OTHER, rank, s, t2, events=[start(s, t2, {**CONFIG, "lr": 1e-3}, rank=rank)],
-                  steps=steps(0, 5, t2 + 10)))  # fmt: skip
+        post(
+            body(
+                OTHER,
+                rank,
+                s,
+                t2,
+                events=[start(s, t2, {**CONFIG, "lr": 1e-3}, rank=rank)],
+                steps=steps(0, 5, t2 + 10),
+            )
+        )
     post(body(OLD, 0, "old0", t2, steps=steps(0, 5, t2 + 10), world=1))
     return t0

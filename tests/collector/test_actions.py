@@ -75,10 +75,20 @@ class Rank:
 
     # -- the part of trainwarden.agent.core.Agent that Commands uses
 
-    def event(self, kind: str, *, step: int | None = None, severity: str = "info", **data: Any) -> None:  # fmt: skip
+    def event(
+        self, kind: str, *, step: int | None = None, severity: str = "info", **data: Any
+    ) -> None:
         self._n += 1
-        self.events.append({"id": f"{self.rank}-{self._n}-{kind}", "kind": kind, "ts": self.run.now,
-                            "step": step, "severity": severity, "data": data})  # fmt: skip
+        self.events.append(
+            {
+                "id": f"{self.rank}-{self._n}-{kind}",
+                "kind": kind,
+                "ts": self.run.now,
+                "step": step,
+                "severity": severity,
+                "data": data,
+            }
+        )
         if kind == "command_ack":
             self.acks.append(data)
             if data.get("armed"):
@@ -154,10 +164,20 @@ class Rank:
         """One ingest request: what the rank recorded goes in, its commands come back."""
         if self.silent or (self.exit_code is not None and not (self.steps or self.events)):
             return []
-        body = batch(RUN, rank=self.rank, world_size=len(self.run.ranks), steps=self.steps,
-                     events=self.events)  # fmt: skip
-        body["agent"].update(node=self.node, heartbeat_s=2.0, sent_at=self.run.now,
-                             last_step=self._last_step, last_step_end=self.run.now)  # fmt: skip
+        body = batch(
+            RUN,
+            rank=self.rank,
+            world_size=len(self.run.ranks),
+            steps=self.steps,
+            events=self.events,
+        )
+        body["agent"].update(
+            node=self.node,
+            heartbeat_s=2.0,
+            sent_at=self.run.now,
+            last_step=self._last_step,
+            last_step_end=self.run.now,
+        )
         self.steps, self.events = [], []
         with write(self.run.engine) as conn:
             ingest(conn, batch=IngestBatch.model_validate(body), now=self.run.now)
@@ -183,10 +203,19 @@ class Cluster:
     ``spike_update``: the update of that step is spiked; every later step's loss is
     1000x until a rank restores a checkpoint saved before it (or one in ``corrupt``)."""
 
-    def __init__(self, engine: Any, policy: dict[str, Any] | None = None, *, world: int = 2,
-                 per_node: int = 1, handlers: dict[int, str | None] | None = None,
-                 rules: tuple[str, ...] = ("NonFiniteLoss", "ActionFailed"), verify: bool = False,
-                 spike_update: int | None = None, corrupt: tuple[int, ...] = ()) -> None:  # fmt: skip
+    def __init__(
+        self,
+        engine: Any,
+        policy: dict[str, Any] | None = None,
+        *,
+        world: int = 2,
+        per_node: int = 1,
+        handlers: dict[int, str | None] | None = None,
+        rules: tuple[str, ...] = ("NonFiniteLoss", "ActionFailed"),
+        verify: bool = False,
+        spike_update: int | None = None,
+        corrupt: tuple[int, ...] = (),
+    ) -> None:
         self.engine = engine
         self.now = T0
         self.board = CommandBoard()
@@ -198,12 +227,16 @@ class Cluster:
         self.actions = ActionEngine(engine, self.policy, board=self.board, rules=checked)
         self.alerts = AlertEngine(engine, [RULES[n] for n in rules])
         handlers = handlers or {}
-        self.ranks = [Rank(self, r, f"node{r // per_node}", handlers.get(r, "restore")) for r in range(world)]  # fmt: skip
+        self.ranks = [
+            Rank(self, r, f"node{r // per_node}", handlers.get(r, "restore")) for r in range(world)
+        ]
 
     def tick(self, seconds: float = 1.0) -> None:
         self.now += seconds
 
-    def train(self, until: int, *, ranks: list[int] | None = None, nan_at: int | None = None) -> None:  # fmt: skip
+    def train(
+        self, until: int, *, ranks: list[int] | None = None, nan_at: int | None = None
+    ) -> None:
         for r in self._ranks(ranks):
             r.train(until, nan_at=nan_at)
 
@@ -248,8 +281,15 @@ class Cluster:
 
     def api(self) -> TestClient:
         """The collector's HTTP API on this database and policy (no background threads)."""
-        app = create_app(self.engine, ui=False, health=None, rollups=False, alerting=None,
-                         act=False, actions=self.policy)  # fmt: skip
+        app = create_app(
+            self.engine,
+            ui=False,
+            health=None,
+            rollups=False,
+            alerting=None,
+            act=False,
+            actions=self.policy,
+        )
         return TestClient(app)
 
 
@@ -309,11 +349,18 @@ def test_dry_run_records_the_plan_once_and_does_nothing(cluster: Any) -> None:
     run.spike()
     (planned,) = run.act()  # an alert on each rank, one rollback planned
     assert (planned["kind"], planned["mode"], planned["state"], planned["trigger"]) == (
-        "rollback", "dry-run", "done", "rule:NonFiniteLoss",
-    )  # fmt: skip
+        "rollback",
+        "dry-run",
+        "done",
+        "rule:NonFiniteLoss",
+    )
     result = planned["result"]
     assert result["dry_run"] is True and result["problem"] is None
-    assert result["would"] | {"checkpoint_step": 30, "checkpoint_path": "/ckpt/step-30.pt", "skip_from": 31} == result["would"]  # fmt: skip
+    assert (
+        result["would"]
+        | {"checkpoint_step": 30, "checkpoint_path": "/ckpt/step-30.pt", "skip_from": 31}
+        == result["would"]
+    )
     assert states(planned) == ["proposed", "approved", "done"]
     assert (planned["finished_at"], planned["approver"]) == (run.now, None)
     for _ in range(3):  # the alerts keep firing: nothing more is planned, nothing is sent
@@ -321,14 +368,22 @@ def test_dry_run_records_the_plan_once_and_does_nothing(cluster: Any) -> None:
     assert rows(run.engine, m.agent_commands) == [] and run.board.runs == set()
     assert all(not r.restored and not r.acks for r in run.ranks)
     (ev,) = events(run.engine, "action")
-    assert ev["data"] | {"action": planned["id"], "type": "rollback", "state": "done", "mode": "dry-run"} == ev["data"]  # fmt: skip
+    assert (
+        ev["data"]
+        | {"action": planned["id"], "type": "rollback", "state": "done", "mode": "dry-run"}
+        == ev["data"]
+    )
 
 
 def test_require_ack_acts_once_its_alert_is_acknowledged(cluster: Any) -> None:
     run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "mode": "require-ack"}})
     run.spike()
     (proposed,) = run.act()
-    assert (proposed["state"], proposed["mode"], proposed["approver"]) == ("proposed", "require-ack", None)  # fmt: skip
+    assert (proposed["state"], proposed["mode"], proposed["approver"]) == (
+        "proposed",
+        "require-ack",
+        None,
+    )
     for _ in range(3):
         assert [a["state"] for a in run.second()] == ["proposed"]
     assert rows(run.engine, m.agent_commands) == []
@@ -337,7 +392,12 @@ def test_require_ack_acts_once_its_alert_is_acknowledged(cluster: Any) -> None:
         assert acked.status_code == 200, acked.text
     (approved,) = run.act()
     assert (approved["state"], approved["approver"]) == ("approved", "ana")
-    assert approved["history"][-1] == {"at": run.now, "state": "approved", "by": "ana", "detail": "its alert was acknowledged"}  # fmt: skip
+    assert approved["history"][-1] == {
+        "at": run.now,
+        "state": "approved",
+        "by": "ana",
+        "detail": "its alert was acknowledged",
+    }
     (executing,) = run.act()
     assert executing["state"] == "executing" and executing["plan"]["issued_at_step"] == 38
     assert "barrier_step" not in executing["plan"]  # set at commit, from the ranks' answers
@@ -345,9 +405,14 @@ def test_require_ack_acts_once_its_alert_is_acknowledged(cluster: Any) -> None:
 
 
 def test_approve_and_cancel_through_the_api(cluster: Any) -> None:
-    run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "mode": "require-ack"},
-                   "evict": {"mode": "require-ack"}, "stop": {"mode": "auto"}},
-                  rules=("NonFiniteLoss", "FatalXid"))  # fmt: skip
+    run = cluster(
+        {
+            "rollback": {**AUTO_ROLLBACK["rollback"], "mode": "require-ack"},
+            "evict": {"mode": "require-ack"},
+            "stop": {"mode": "auto"},
+        },
+        rules=("NonFiniteLoss", "FatalXid"),
+    )
     run.ranks[1].event("xid", severity="critical", code=79)
     run.spike()
     rollback, evict = run.act()
@@ -355,14 +420,28 @@ def test_approve_and_cancel_through_the_api(cluster: Any) -> None:
     assert (rollback["state"], evict["state"]) == ("proposed", "proposed")
     with run.api() as client:
         url = "/api/v1/actions/{}/{}".format
-        cancelled = client.post(url(evict["id"], "cancel"), json={"by": "bo", "reason": "known flaky"})  # fmt: skip
+        cancelled = client.post(
+            url(evict["id"], "cancel"), json={"by": "bo", "reason": "known flaky"}
+        )
         assert cancelled.status_code == 200, cancelled.text
         body = cancelled.json()
-        assert (body["state"], body["reason"], body["finished_at"]) == ("cancelled", "known flaky", run.now)  # fmt: skip
-        assert body["history"][-1] == {"at": run.now, "state": "cancelled", "by": "bo", "detail": "known flaky"}  # fmt: skip
+        assert (body["state"], body["reason"], body["finished_at"]) == (
+            "cancelled",
+            "known flaky",
+            run.now,
+        )
+        assert body["history"][-1] == {
+            "at": run.now,
+            "state": "cancelled",
+            "by": "bo",
+            "detail": "known flaky",
+        }
         assert client.post(url(evict["id"], "approve"), json={"by": "bo"}).status_code == 409
         # Acknowledging its alert no longer approves it.
-        assert client.post(f"/api/v1/alerts/{evict['alert_id']}/ack", json={"by": "bo"}).status_code == 200  # fmt: skip
+        assert (
+            client.post(f"/api/v1/alerts/{evict['alert_id']}/ack", json={"by": "bo"}).status_code
+            == 200
+        )
 
         assert client.post(url(rollback["id"], "approve"), json={}).status_code == 422
         approved = client.post(url(rollback["id"], "approve"), json={"by": "cy", "reason": "go"})
@@ -371,13 +450,18 @@ def test_approve_and_cancel_through_the_api(cluster: Any) -> None:
         again = client.post(url(rollback["id"], "approve"), json={"by": "cy"})
         assert again.status_code == 409 and "is approved" in again.json()["detail"]
         run.tick()
-        assert [(a["kind"], a["state"]) for a in run.act()] == [("rollback", "executing"), ("evict", "cancelled")]  # fmt: skip
+        assert [(a["kind"], a["state"]) for a in run.act()] == [
+            ("rollback", "executing"),
+            ("evict", "cancelled"),
+        ]
         late = client.post(url(rollback["id"], "cancel"), json={"by": "cy"})
         assert late.status_code == 409 and "is executing" in late.json()["detail"]
         assert client.post(url(999_999, "cancel"), json={"by": "cy"}).status_code == 404
 
         # An approved action can still be cancelled before the engine starts it.
-        stop = client.post(f"/api/v1/runs/{RUN}/actions", json={"kind": "stop", "by": "dee", "reason": "wrong run"}).json()  # fmt: skip
+        stop = client.post(
+            f"/api/v1/runs/{RUN}/actions", json={"kind": "stop", "by": "dee", "reason": "wrong run"}
+        ).json()
         assert (stop["state"], stop["approver"]) == ("approved", "dee")
         cancelled = client.post(url(stop["id"], "cancel"), json={"by": "dee"}).json()
         assert (cancelled["state"], cancelled["reason"]) == ("cancelled", "cancelled by dee")
@@ -385,7 +469,10 @@ def test_approve_and_cancel_through_the_api(cluster: Any) -> None:
     assert action(run, stop["id"])["state"] == "cancelled" and commands(run, stop["id"]) == []
     assert commands(run, evict["id"]) == []
     timeline = [(e["data"]["action"], e["data"]["state"]) for e in events(run.engine, "action")]
-    assert [t for t in timeline if t[0] == evict["id"]] == [(evict["id"], "proposed"), (evict["id"], "cancelled")]  # fmt: skip
+    assert [t for t in timeline if t[0] == evict["id"]] == [
+        (evict["id"], "proposed"),
+        (evict["id"], "cancelled"),
+    ]
     assert (rollback["id"], "approved") in timeline and (stop["id"], "cancelled") in timeline
 
 
@@ -401,13 +488,21 @@ def test_rollback_restores_every_rank_after_the_same_step(cluster: Any) -> None:
     run.ranks[0].event("checkpoint", step=32, path="/ckpt/step-32.pt")  # saved after the onset
     run.exchange([0])
     (rollback,) = run.act()  # one rollback for the alerts of both ranks
-    assert (rollback["state"], rollback["mode"], rollback["approver"]) == ("executing", "auto", "policy")  # fmt: skip
+    assert (rollback["state"], rollback["mode"], rollback["approver"]) == (
+        "executing",
+        "auto",
+        "policy",
+    )
     assert rollback["alert_id"] == alerts[0]["id"] and rollback["trigger"] == "rule:NonFiniteLoss"
     plan = rollback["plan"]
     assert plan["rollback"] == {
-        "checkpoint_step": 30, "checkpoint_path": "/ckpt/step-30.pt", "skip_from": 31,
-        "skip_to": 35 + 5, "lr_scale": None, "reason": "rule:NonFiniteLoss: onset at step 35",
-    }  # fmt: skip
+        "checkpoint_step": 30,
+        "checkpoint_path": "/ckpt/step-30.pt",
+        "skip_from": 31,
+        "skip_to": 35 + 5,
+        "lr_scale": None,
+        "reason": "rule:NonFiniteLoss: onset at step 35",
+    }
     assert (plan["issued_at_step"], plan["ranks"], plan["attempt"]) == (35, [0, 1], 1)
     assert "barrier_step" not in plan
 
@@ -415,45 +510,64 @@ def test_rollback_restores_every_rank_after_the_same_step(cluster: Any) -> None:
     sent = run.exchange()  # each rank answers at once, with the last step it finished ...
     for r in (0, 1):
         (prepare,) = sent[r]
-        assert prepare == {"id": prepare["id"], "type": "rollback", "phase": "prepare", "action": rollback["id"],
-                           "attempt": 1, "plan": plan["rollback"]}  # fmt: skip
+        assert prepare == {
+            "id": prepare["id"],
+            "type": "rollback",
+            "phase": "prepare",
+            "action": rollback["id"],
+            "attempt": 1,
+            "plan": plan["rollback"],
+        }
     assert {c["delivered_at"] for c in commands(run, rollback["id"])} == {run.now}
     assert [r.events[-1]["step"] for r in run.ranks] == [35, 35]
     assert [r.acks[-1] for r in run.ranks] == [
         {"command": sent[r][0]["id"], "action": rollback["id"], "phase": "prepare", "armed": True}
         for r in (0, 1)
-    ]  # fmt: skip
+    ]
     run.train(45)  # ... and holds at its next step boundary
     assert [r.last_step for r in run.ranks] == [36, 36]
     run.exchange()
     (rollback,) = run.act()  # every rank answered: the collector commits, barrier 35 + 1
     plan = rollback["plan"]
     assert rollback["state"] == "executing" and plan["committed_at"] == run.now
-    assert (plan["barrier_step"], plan["answered_at_step"], plan["rollback"]["skip_to"]) == (36, 35, 36 + 5)  # fmt: skip
+    assert (plan["barrier_step"], plan["answered_at_step"], plan["rollback"]["skip_to"]) == (
+        36,
+        35,
+        36 + 5,
+    )
     run.tick()
     commits = run.exchange()  # the prepare too: a command is sent until its action is over
     assert [[c["phase"] for c in commits[r]] for r in (0, 1)] == [["prepare", "commit"]] * 2
     assert commits[0][1] | {"barrier_step": 36, "skip_to": 41, "attempt": 1} == commits[0][1]
     run.train(45)  # both restore where they hold, after step 36
-    assert [(r.last_step, [p.checkpoint_step for p in r.restored]) for r in run.ranks] == [(36, [30])] * 2  # fmt: skip
+    assert [(r.last_step, [p.checkpoint_step for p in r.restored]) for r in run.ranks] == [
+        (36, [30])
+    ] * 2
     assert [r.restored[0].barrier_step for r in run.ranks] == [36, 36]
     run.exchange()
     (done,) = run.act()
     assert done["state"] == "done" and done["finished_at"] == run.now
     per_rank = done["result"]["ranks"]
     assert {r: (a["barrier_step"], a["checkpoint_step"], a["at"]) for r, a in per_rank.items()} == {
-        "0": (36, 30, run.now), "1": (36, 30, run.now),
-    }  # fmt: skip
+        "0": (36, 30, run.now),
+        "1": (36, 30, run.now),
+    }
     assert all(0 <= a["seconds"] < 1 for a in per_rank.values())  # how long the handler took
     result = done["result"]
-    assert (result["restored_within_s"], result["steps_after_command"], result["steps_after_issue"]) == (1.0, 1, 1)  # fmt: skip
+    assert (
+        result["restored_within_s"],
+        result["steps_after_command"],
+        result["steps_after_issue"],
+    ) == (1.0, 1, 1)
     assert {c["done_at"] for c in commands(run, done["id"])} == {run.now}
     assert run.exchange() == {0: [], 1: []}  # nothing left to send
     assert states(done) == ["proposed", "approved", "executing", "executing", "done"]
 
     # The ranks go on from step 31, skipping the data window; the alerts do not act again.
     run.train(50)
-    assert [b for b in range(29, 46) if run.ranks[0].commands.should_skip_batch(b)] == list(range(31, 42))  # fmt: skip
+    assert [b for b in range(29, 46) if run.ranks[0].commands.should_skip_batch(b)] == list(
+        range(31, 42)
+    )
     for _ in range(3):
         assert [a["state"] for a in run.second()] == ["done"]
     timeline = [(e["data"]["state"], e["data"].get("detail")) for e in events(run.engine, "action")]
@@ -466,17 +580,25 @@ def test_rollback_restores_every_rank_after_the_same_step(cluster: Any) -> None:
     assert events(run.engine, "action_failed") == []
 
 
-def test_an_operator_rollback_while_another_executes_fails_instead_of_racing_it(cluster: Any) -> None:  # fmt: skip
+def test_an_operator_rollback_while_another_executes_fails_instead_of_racing_it(
+    cluster: Any,
+) -> None:
     run = cluster(AUTO_ROLLBACK)
     run.spike()
     (rule,) = run.act()
     assert rule["state"] == "executing"
     with run.api() as client:
-        made = client.post(f"/api/v1/runs/{RUN}/actions", json={"kind": "rollback", "by": "ana", "reason": "bad shard", "checkpoint_step": 20})  # fmt: skip
+        made = client.post(
+            f"/api/v1/runs/{RUN}/actions",
+            json={"kind": "rollback", "by": "ana", "reason": "bad shard", "checkpoint_step": 20},
+        )
         assert made.status_code == 201, made.text
     rule, operator = run.act()
     assert (rule["state"], operator["state"]) == ("executing", "failed")
-    assert operator["reason"] == f"rollback {rule['id']} of this run is executing; not starting a second one"  # fmt: skip
+    assert (
+        operator["reason"]
+        == f"rollback {rule['id']} of this run is executing; not starting a second one"
+    )
     assert commands(run, operator["id"]) == []
     assert settle(run, rule["id"])["state"] == "done"
 
@@ -496,8 +618,12 @@ def test_checkpoints_are_listed_good_or_suspect(cluster: Any) -> None:
     (alert_id,) = {a["id"] for a in rows(run.engine, m.alerts) if a["rank"] == 0}
     why = f"saved before NonFiniteLoss (alert {alert_id}, onset at step 35) cleared"
     assert [(c["step"], c["good"], c["suspect"]) for c in listed] == [
-        (10, True, None), (20, True, None), (30, True, None), (34, False, why), (32, False, why),
-    ]  # fmt: skip
+        (10, True, None),
+        (20, True, None),
+        (30, True, None),
+        (34, False, why),
+        (32, False, why),
+    ]
     assert listed[3] | {"path": "/ckpt/step-34.pt", "rank": 0, "meta": {"bytes": 123}} == listed[3]
     (rollback,) = run.act()  # it restores the newest good one
     assert rollback["plan"]["rollback"]["checkpoint_step"] == 30
@@ -520,14 +646,18 @@ def test_a_rollback_without_a_good_checkpoint_fails_and_pages(cluster: Any) -> N
     assert states(failed) == ["proposed", "approved", "failed"]
     assert commands(run, failed["id"]) == []
     (ev,) = events(run.engine, "action_failed")
-    assert (ev["severity"], ev["data"]["action"], ev["data"]["detail"]) == ("critical", failed["id"], failed["reason"])  # fmt: skip
+    assert (ev["severity"], ev["data"]["action"], ev["data"]["detail"]) == (
+        "critical",
+        failed["id"],
+        failed["reason"],
+    )
     run.tick()
     paged = [a for a in run.alert() if a["rule"] == "ActionFailed"]
     assert [(a["state"], a["severity"]) for a in paged] == [("firing", "critical")]
     assert "action_failed" in paged[0]["annotations"]["description"]
 
 
-def test_ranks_that_hear_of_it_at_different_steps_restore_after_the_same_step(cluster: Any) -> None:  # fmt: skip
+def test_ranks_that_hear_of_it_at_different_steps_restore_after_the_same_step(cluster: Any) -> None:
     run = cluster(AUTO_ROLLBACK)
     run.spike()
     (rollback,) = run.act()
@@ -544,9 +674,12 @@ def test_ranks_that_hear_of_it_at_different_steps_restore_after_the_same_step(cl
     run.tick()
     run.exchange()
     run.train(45)  # rank 0 trains on from 36 to the barrier; both restore after step 38
-    assert [(r.last_step, [(p.barrier_step, p.checkpoint_step) for p in r.restored]) for r in run.ranks] == [
-        (38, [(38, 30)]), (38, [(38, 30)]),
-    ]  # fmt: skip
+    assert [
+        (r.last_step, [(p.barrier_step, p.checkpoint_step) for p in r.restored]) for r in run.ranks
+    ] == [
+        (38, [(38, 30)]),
+        (38, [(38, 30)]),
+    ]
     run.exchange()
     (done,) = run.act()
     assert done["state"] == "done" and done["result"]["steps_after_command"] == 3
@@ -554,7 +687,9 @@ def test_ranks_that_hear_of_it_at_different_steps_restore_after_the_same_step(cl
 
 
 def test_a_rank_that_never_answers_fails_the_rollback_after_its_attempts(cluster: Any) -> None:
-    run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "attempts": 2, "prepare_timeout": "5s"}})  # fmt: skip
+    run = cluster(
+        {"rollback": {**AUTO_ROLLBACK["rollback"], "attempts": 2, "prepare_timeout": "5s"}}
+    )
     run.spike()
     (rollback,) = run.act()
     run.ranks[1].silent = True
@@ -576,30 +711,45 @@ def test_a_rank_that_never_answers_fails_the_rollback_after_its_attempts(cluster
     run.second()
     run.second()
     assert run.ranks[0].last_step == held + 1  # it heard the abort and trains on
-    assert run.ranks[0].acks[-1] | {"phase": "abort", "applied": False, "decision": "abort"} == run.ranks[0].acks[-1]  # fmt: skip
+    assert (
+        run.ranks[0].acks[-1] | {"phase": "abort", "applied": False, "decision": "abort"}
+        == run.ranks[0].acks[-1]
+    )
 
 
-def test_a_rank_that_stops_holding_aborts_the_attempt_and_the_other_hears_abort(cluster: Any) -> None:  # fmt: skip
+def test_a_rank_that_stops_holding_aborts_the_attempt_and_the_other_hears_abort(
+    cluster: Any,
+) -> None:
     run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "attempts": 1}})
     run.spike()
     (rollback,) = run.act()
     run.exchange([0])  # rank 1 does not hear of it yet
     run.train(37)
     run.ranks[0].give_up()  # rank 0's wait times out: it trains on without a decision
-    assert run.ranks[0].acks[-1] | {"phase": "timeout", "applied": False, "decision": "timeout", "barrier_step": 36} == run.ranks[0].acks[-1]  # fmt: skip
+    assert (
+        run.ranks[0].acks[-1]
+        | {"phase": "timeout", "applied": False, "decision": "timeout", "barrier_step": 36}
+        == run.ranks[0].acks[-1]
+    )
     run.exchange()
     run.train(38)  # rank 1 holds after 38
     run.exchange()
     (failed,) = run.act()
     assert failed["state"] == "failed"
-    assert failed["reason"] == "ranks not ready: rank 0: stopped holding: no decision within its wait"  # fmt: skip
+    assert (
+        failed["reason"] == "ranks not ready: rank 0: stopped holding: no decision within its wait"
+    )
     assert len(events(run.engine, "action_failed")) == 1
     # Rank 1 learns of the abort and trains on without waiting out its timeout.
     run.tick()
     run.exchange()
     run.train(45)
     assert [(r.last_step, r.restored) for r in run.ranks] == [(45, []), (45, [])]
-    assert run.ranks[1].acks[-1] | {"phase": "abort", "applied": False, "decision": "abort", "barrier_step": 38} == run.ranks[1].acks[-1]  # fmt: skip
+    assert (
+        run.ranks[1].acks[-1]
+        | {"phase": "abort", "applied": False, "decision": "abort", "barrier_step": 38}
+        == run.ranks[1].acks[-1]
+    )
     run.tick(60)
     run.act()
     assert all(c["done_at"] is not None for c in commands(run, rollback["id"]))
@@ -622,14 +772,18 @@ def test_a_handler_that_raises_fails_the_rollback_naming_the_rank(cluster: Any) 
     (rollback,) = run.act()
     done = settle(run, rollback["id"])
     assert done["state"] == "failed"
-    assert done["reason"] == "rollback not applied: rank 1: RuntimeError: cannot read /ckpt/step-30.pt"  # fmt: skip
+    assert (
+        done["reason"] == "rollback not applied: rank 1: RuntimeError: cannot read /ckpt/step-30.pt"
+    )
     assert [len(r.restored) for r in run.ranks] == [1, 0]
     (ev,) = events(run.engine, "action_failed")
     assert ev["data"]["detail"] == done["reason"]
 
 
 def test_a_rank_that_does_not_answer_the_prepare_times_it_out(cluster: Any) -> None:
-    run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "attempts": 1, "prepare_timeout": "20s"}})  # fmt: skip
+    run = cluster(
+        {"rollback": {**AUTO_ROLLBACK["rollback"], "attempts": 1, "prepare_timeout": "20s"}}
+    )
     run.spike()
     (rollback,) = run.act()
     run.ranks[1].silent = True
@@ -638,7 +792,10 @@ def test_a_rank_that_does_not_answer_the_prepare_times_it_out(cluster: Any) -> N
         assert row["state"] == "executing"
     assert run.ranks[0].last_step == 37  # it answered after step 36 and holds after 37 ...
     (failed,) = run.second()
-    assert (failed["state"], failed["finished_at"]) == ("failed", rollback["plan"]["prepared_at"] + 21)  # fmt: skip
+    assert (failed["state"], failed["finished_at"]) == (
+        "failed",
+        rollback["plan"]["prepared_at"] + 21,
+    )
     assert failed["reason"] == "ranks not ready: ranks [1] did not answer within 20s"
     run.second()
     run.second()
@@ -659,14 +816,18 @@ def calm(run: Cluster, minutes: float) -> None:
 
 
 def test_past_the_budget_the_rollback_fails_and_the_run_is_stopped(cluster: Any) -> None:
-    run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "budget": {"count": 1, "per": "30m"}}})  # fmt: skip
+    run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "budget": {"count": 1, "per": "30m"}}})
     run.spike(at=35)
     (first,) = run.act()
     assert settle(run, first["id"])["state"] == "done"
     calm(run, minutes=35)  # past the budget's period: the next rollback is allowed
     run.spike(at=50)
     second = run.act()[-1]
-    assert (second["id"], second["state"], second["plan"]["rollback"]["checkpoint_step"]) == (first["id"] + 1, "executing", 40)  # fmt: skip
+    assert (second["id"], second["state"], second["plan"]["rollback"]["checkpoint_step"]) == (
+        first["id"] + 1,
+        "executing",
+        40,
+    )
     assert settle(run, second["id"])["state"] == "done"
     calm(run, minutes=11)
     run.spike(at=65)
@@ -676,12 +837,18 @@ def test_past_the_budget_the_rollback_fails_and_the_run_is_stopped(cluster: Any)
     assert commands(run, third["id"]) == []
     assert [e["data"]["action"] for e in events(run.engine, "action_failed")] == [third["id"]]
     assert (stop["kind"], stop["state"], stop["mode"], stop["trigger"], stop["approver"]) == (
-        "stop", "approved", "auto", "budget", "policy",
-    )  # fmt: skip
+        "stop",
+        "approved",
+        "auto",
+        "budget",
+        "policy",
+    )
     (stop,) = [a for a in run.act() if a["kind"] == "stop"]
     assert stop["state"] == "executing" and stop["plan"]["ranks"] == [0, 1]
     # Rank 1 crashes before it hears of the stop; rank 0 stops at its next step boundary.
-    run.ranks[1].event("shutdown", error="CUDA error: an illegal memory access", severity="critical")  # fmt: skip
+    run.ranks[1].event(
+        "shutdown", error="CUDA error: an illegal memory access", severity="critical"
+    )
     run.ranks[1].exit_code = 1
     run.tick()
     sent = run.exchange()
@@ -702,8 +869,10 @@ def test_past_the_budget_the_rollback_fails_and_the_run_is_stopped(cluster: Any)
 def test_rollbacks_that_fail_at_the_ranks_spend_the_budget_too(cluster: Any) -> None:
     """A rollback that reaches the ranks and fails there (a handler that cannot read the
     checkpoint) is an attempt: past the budget the run is stopped, not rolled back forever."""
-    run = cluster({"rollback": {**AUTO_ROLLBACK["rollback"], "budget": {"count": 2, "per": "1h"}}},
-                  handlers={1: "raise"})  # fmt: skip
+    run = cluster(
+        {"rollback": {**AUTO_ROLLBACK["rollback"], "budget": {"count": 2, "per": "1h"}}},
+        handlers={1: "raise"},
+    )
     failed = []
     for at in (35, 50):
         run.spike(at=at)
@@ -724,7 +893,9 @@ def test_rollbacks_that_fail_at_the_ranks_spend_the_budget_too(cluster: Any) -> 
 CHECKED = ("LossSpike", "ActionFailed")
 
 
-def spiked_run(cluster: Any, *, budget: int = 3, corrupt: tuple[int, ...] = ()) -> tuple[Cluster, dict[str, Any]]:  # fmt: skip
+def spiked_run(
+    cluster: Any, *, budget: int = 3, corrupt: tuple[int, ...] = ()
+) -> tuple[Cluster, dict[str, Any]]:
     """A run of fast steps (20 a second, an engine pass a second) whose update of step 120
     is spiked, under the default pack's LossSpike and an auto rollback: the seconds until
     the rollback has an outcome, and that action."""
@@ -737,7 +908,7 @@ def spiked_run(cluster: Any, *, budget: int = 3, corrupt: tuple[int, ...] = ()) 
     raise AssertionError(f"no outcome: {found}")
 
 
-def test_fast_steps_roll_back_to_a_checkpoint_saved_before_the_spiked_update(cluster: Any) -> None:  # fmt: skip
+def test_fast_steps_roll_back_to_a_checkpoint_saved_before_the_spiked_update(cluster: Any) -> None:
     run, done = spiked_run(cluster)
     # The pass that saw the doubled loss ran 20 steps after it began: the onset is the
     # data's (the loss of step 121, computed after the spiked update of step 120).
@@ -753,7 +924,10 @@ def test_fast_steps_roll_back_to_a_checkpoint_saved_before_the_spiked_update(clu
     assert [r.bad for r in run.ranks] == [False, False]
     assert states(done)[-3:] == ["executing", "executing", "done"]
     (checking,) = [h for h in done["history"] if "checking" in (h["detail"] or "")]
-    assert checking["detail"] == "every rank restored the checkpoint of step 110; checking LossSpike on the steps run again"  # fmt: skip
+    assert (
+        checking["detail"]
+        == "every rank restored the checkpoint of step 110; checking LossSpike on the steps run again"
+    )
     assert summary("rollback", "done", done["result"], None).endswith(
         "; LossSpike no longer holds on steps 111-115 run again"
     )
@@ -771,7 +945,9 @@ def test_fast_steps_roll_back_to_a_checkpoint_saved_before_the_spiked_update(clu
     assert events(run.engine, "action_failed") == []
 
 
-def test_a_restore_that_does_not_bring_the_loss_back_rolls_back_again_to_an_older_checkpoint(cluster: Any) -> None:  # fmt: skip
+def test_a_restore_that_does_not_bring_the_loss_back_rolls_back_again_to_an_older_checkpoint(
+    cluster: Any,
+) -> None:
     run, done = spiked_run(cluster, corrupt=(110,))  # the checkpoint of step 110 is bad on disk
     assert done["state"] == "done", done["history"]
     (first,) = done["result"]["restores"]
@@ -782,10 +958,15 @@ def test_a_restore_that_does_not_bring_the_loss_back_rolls_back_again_to_an_olde
     assert [[p.checkpoint_step for p in r.restored] for r in run.ranks] == [[110, 100]] * 2
     assert [r.bad for r in run.ranks] == [False, False]
     again = [h["detail"] for h in done["history"] if h["state"] == "approved"][-1]
-    assert again.startswith("the restore of the checkpoint of step 110 did not fix it (steps 111-115 run again): run: loss")  # fmt: skip
+    assert again.startswith(
+        "the restore of the checkpoint of step 110 did not fix it (steps 111-115 run again): run: loss"
+    )
     assert again.endswith("; rolling back to an older checkpoint")
     text = summary("rollback", "done", done["result"], None)
-    assert "restored the checkpoint of step 100" in text and "(the restore of step 110 had not fixed it)" in text  # fmt: skip
+    assert (
+        "restored the checkpoint of step 100" in text
+        and "(the restore of step 110 had not fixed it)" in text
+    )
     assert events(run.engine, "action_failed") == []
 
 
@@ -793,8 +974,12 @@ def test_a_rollback_whose_restores_never_bring_the_loss_back_fails_and_pages(clu
     run, failed = spiked_run(cluster, budget=2, corrupt=tuple(range(10, 130, 10)))
     assert failed["state"] == "failed", failed["history"]
     assert [[p.checkpoint_step for p in r.restored] for r in run.ranks] == [[110, 100]] * 2
-    assert failed["reason"].startswith("the restore of the checkpoint of step 100 did not fix it (steps 101-105 run again): run: loss")  # fmt: skip
-    assert failed["reason"].endswith("; retry budget spent: 2 rollbacks within 6h; stopping the run instead")  # fmt: skip
+    assert failed["reason"].startswith(
+        "the restore of the checkpoint of step 100 did not fix it (steps 101-105 run again): run: loss"
+    )
+    assert failed["reason"].endswith(
+        "; retry budget spent: 2 rollbacks within 6h; stopping the run instead"
+    )
     (ev,) = events(run.engine, "action_failed")
     assert ev["data"]["detail"] == failed["reason"]
     run.tick()
@@ -810,7 +995,9 @@ def test_stopping_a_run_whose_ranks_have_all_ended_is_done_at_once(cluster: Any)
         r.exit_code = 0
     run.exchange()
     with run.api() as client:
-        made = client.post(f"/api/v1/runs/{RUN}/actions", json={"kind": "stop", "by": "ana", "reason": "cleanup"})  # fmt: skip
+        made = client.post(
+            f"/api/v1/runs/{RUN}/actions", json={"kind": "stop", "by": "ana", "reason": "cleanup"}
+        )
         assert made.status_code == 201, made.text
     run.tick()
     (stop,) = run.act()
@@ -834,9 +1021,11 @@ class Script:
 
     def argv(self, code: int = 0, stderr: str = "") -> list[str]:
         path = self.folder / "evict.sh"
-        path.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > "{self.folder}/argv-$1"\n'
-                        + (f'echo "{stderr}" >&2\n' if stderr else "")
-                        + f'echo "drained $1"\nexit {code}\n')  # fmt: skip
+        path.write_text(
+            f'#!/bin/sh\nprintf "%s\\n" "$@" > "{self.folder}/argv-$1"\n'
+            + (f'echo "{stderr}" >&2\n' if stderr else "")
+            + f'echo "drained $1"\nexit {code}\n'
+        )
         path.chmod(0o755)
         return [str(path), "{node}", "{reason}", "{ranks}", "{run}"]
 
@@ -876,13 +1065,27 @@ def xid(run: Cluster, *ranks: int) -> None:
 def test_an_xid_evicts_its_node_once_and_stops_the_ranks_there(
     cluster: Any, script: Script
 ) -> None:
-    run = cluster(evict_policy(script.argv(), max_nodes_fraction_per_hour=0.5), world=4, per_node=2,
-                  rules=("FatalXid",))  # fmt: skip
+    run = cluster(
+        evict_policy(script.argv(), max_nodes_fraction_per_hour=0.5),
+        world=4,
+        per_node=2,
+        rules=("FatalXid",),
+    )
     run.second(5)
     xid(run, 2, 3)  # both GPUs of node1 fall off the bus: an alert each, one eviction
     (evict,) = run.second()
-    assert (evict["kind"], evict["node"], evict["state"], evict["trigger"]) == ("evict", "node1", "executing", "rule:FatalXid")  # fmt: skip
-    assert evict["plan"] == {"node": "node1", "ranks": [2, 3], "backend": "command", "started_at": run.now}  # fmt: skip
+    assert (evict["kind"], evict["node"], evict["state"], evict["trigger"]) == (
+        "evict",
+        "node1",
+        "executing",
+        "rule:FatalXid",
+    )
+    assert evict["plan"] == {
+        "node": "node1",
+        "ranks": [2, 3],
+        "backend": "command",
+        "started_at": run.now,
+    }
     evicted = evicting(run, evict["id"])
     args = script.ran("node1")
     assert args is not None, "the backend did not run the script"
@@ -893,7 +1096,10 @@ def test_an_xid_evicts_its_node_once_and_stops_the_ranks_there(
         " ".join([script.argv()[0], "node1", f"'{reason}'", "2,3", RUN])
     ]
     assert evicted["plan"]["output"] == "drained node1"
-    assert [(c["rank"], c["body"]["type"]) for c in commands(run, evict["id"])] == [(2, "stop"), (3, "stop")]  # fmt: skip
+    assert [(c["rank"], c["body"]["type"]) for c in commands(run, evict["id"])] == [
+        (2, "stop"),
+        (3, "stop"),
+    ]
     for _ in range(2):
         run.second()
     assert [r.exit_code for r in run.ranks] == [None, None, STOPPED_EXIT_CODE, STOPPED_EXIT_CODE]
@@ -904,11 +1110,18 @@ def test_an_xid_evicts_its_node_once_and_stops_the_ranks_there(
         "stopped",
         "stopped",
     ]
-    assert [r.acks[-1]["reason"] for r in run.ranks[2:]] == ["node node1 evicted by trainwarden (rule:FatalXid)"] * 2  # fmt: skip
+    assert [r.acks[-1]["reason"] for r in run.ranks[2:]] == [
+        "node node1 evicted by trainwarden (rule:FatalXid)"
+    ] * 2
     done = action(run, evict["id"])
     assert done["state"] == "done"
-    assert done["result"] == {"node": "node1", "steps": evicted["plan"]["steps"], "drained_within_s": 0.0,
-                              "ranks_stopped": [2, 3], "ranks_gone": []}  # fmt: skip
+    assert done["result"] == {
+        "node": "node1",
+        "steps": evicted["plan"]["steps"],
+        "drained_within_s": 0.0,
+        "ranks_stopped": [2, 3],
+        "ranks_gone": [],
+    }
     assert states(done) == ["proposed", "approved", "executing", "executing", "done"]
     before = run.ranks[0].last_step
     assert run.second() == [done] and run.ranks[0].last_step == before + 1  # node0 trains on
@@ -930,9 +1143,14 @@ def test_an_eviction_the_backend_refuses_fails_with_its_error(cluster: Any, scri
     assert [r.exit_code for r in run.ranks] == [None, None]
 
 
-def test_evictions_wait_out_the_cool_down_and_stop_at_the_blast_radius(cluster: Any, script: Script) -> None:  # fmt: skip
-    run = cluster(evict_policy(script.argv(), max_nodes_fraction_per_hour=0.5, cooldown="10m"), world=4,
-                  rules=("FatalXid",))  # fmt: skip
+def test_evictions_wait_out_the_cool_down_and_stop_at_the_blast_radius(
+    cluster: Any, script: Script
+) -> None:
+    run = cluster(
+        evict_policy(script.argv(), max_nodes_fraction_per_hour=0.5, cooldown="10m"),
+        world=4,
+        rules=("FatalXid",),
+    )
     run.second(5)
     xid(run, 1)
     (first,) = run.second()
@@ -957,7 +1175,10 @@ def test_evictions_wait_out_the_cool_down_and_stop_at_the_blast_radius(cluster: 
     xid(run, 3)
     third = run.second()[-1]
     assert (third["node"], third["state"]) == ("node3", "failed")
-    assert third["reason"] == "blast-radius guard: evicting node3 would make 3 of the run's 4 nodes within an hour (limit 50%)"  # fmt: skip
+    assert (
+        third["reason"]
+        == "blast-radius guard: evicting node3 would make 3 of the run's 4 nodes within an hour (limit 50%)"
+    )
     assert script.ran("node3") is None
 
 
@@ -973,7 +1194,10 @@ def test_the_blast_radius_guard_counts_the_run_s_nodes(cluster: Any, script: Scr
     xid(run, 1)
     second = run.second()[-1]
     assert (second["node"], second["state"]) == ("node1", "failed") and script.ran("node1") is None
-    assert second["reason"] == "blast-radius guard: evicting node1 would make 2 of the run's 2 nodes within an hour (limit 25%)"  # fmt: skip
+    assert (
+        second["reason"]
+        == "blast-radius guard: evicting node1 would make 2 of the run's 2 nodes within an hour (limit 25%)"
+    )
 
 
 # -- the operator's API ----------------------------------------------------------------
@@ -1000,16 +1224,41 @@ def test_operator_actions_through_the_api(cluster: Any) -> None:
         made = ask(kind="rollback", checkpoint_step=20)
         assert made.status_code == 201, made.text
         rollback = made.json()
-        assert rollback | {"run": RUN, "kind": "rollback", "state": "approved", "mode": "auto", "trigger": "operator:ana",
-                           "approver": "ana", "alert_id": None, "plan": {"checkpoint_step": 20},
-                           "reason": "bad shard", "created_at": run.now} == rollback  # fmt: skip
+        assert (
+            rollback
+            | {
+                "run": RUN,
+                "kind": "rollback",
+                "state": "approved",
+                "mode": "auto",
+                "trigger": "operator:ana",
+                "approver": "ana",
+                "alert_id": None,
+                "plan": {"checkpoint_step": 20},
+                "reason": "bad shard",
+                "created_at": run.now,
+            }
+            == rollback
+        )
         assert [h["state"] for h in rollback["history"]] == ["proposed", "approved"]
         (executing,) = run.act()
         plan = executing["plan"]
-        assert (executing["state"], plan["checkpoint_step"], plan["issued_at_step"]) == ("executing", 20, 34)  # fmt: skip
+        assert (executing["state"], plan["checkpoint_step"], plan["issued_at_step"]) == (
+            "executing",
+            20,
+            34,
+        )
         assert plan["ranks"] == [0, 1]
-        assert plan["rollback"] | {"checkpoint_step": 20, "checkpoint_path": "/ckpt/step-20.pt", "skip_from": 21,
-                                   "reason": "operator:ana: onset at step 34"} == plan["rollback"]  # fmt: skip
+        assert (
+            plan["rollback"]
+            | {
+                "checkpoint_step": 20,
+                "checkpoint_path": "/ckpt/step-20.pt",
+                "skip_from": 21,
+                "reason": "operator:ana: onset at step 34",
+            }
+            == plan["rollback"]
+        )
 
         # The agent's own ingest request brings its commands back.
         with write(run.engine) as conn:
@@ -1017,13 +1266,23 @@ def test_operator_actions_through_the_api(cluster: Any) -> None:
         answer = client.post("/api/v1/ingest", json=batch(RUN, rank=0, world_size=3))
         assert answer.status_code == 200, answer.text
         (prepare,) = answer.json()["commands"]
-        assert prepare | {"type": "rollback", "phase": "prepare", "action": rollback["id"], "attempt": 1} == prepare  # fmt: skip
+        assert (
+            prepare
+            | {"type": "rollback", "phase": "prepare", "action": rollback["id"], "attempt": 1}
+            == prepare
+        )
         detail = client.get(f"/api/v1/actions/{rollback['id']}").json()
-        assert [(c["rank"], c["phase"], c["delivered_at"] is not None, c["done_at"]) for c in detail["commands"]] == [
-            (0, "prepare", True, None), (1, "prepare", False, None),
-        ]  # fmt: skip
+        assert [
+            (c["rank"], c["phase"], c["delivered_at"] is not None, c["done_at"])
+            for c in detail["commands"]
+        ] == [
+            (0, "prepare", True, None),
+            (1, "prepare", False, None),
+        ]
         assert detail["commands"][0]["id"] == prepare["id"]
-        assert client.post("/api/v1/ingest", json=batch(RUN, rank=0, world_size=3)).json()["commands"] == [prepare]  # fmt: skip
+        assert client.post("/api/v1/ingest", json=batch(RUN, rank=0, world_size=3)).json()[
+            "commands"
+        ] == [prepare]
 
         unknown = ask(kind="rollback", checkpoint_step=25).json()
         run.tick()
@@ -1035,8 +1294,10 @@ def test_operator_actions_through_the_api(cluster: Any) -> None:
 
         evict = ask(kind="evict", node="node1").json()
         assert (evict["state"], evict["mode"], evict["result"]) == (
-            "done", "dry-run", {"dry_run": True, "would": {"node": "node1", "backend": None}, "problem": None},
-        )  # fmt: skip
+            "done",
+            "dry-run",
+            {"dry_run": True, "would": {"node": "node1", "backend": None}, "problem": None},
+        )
         dry = ask(kind="rollback", dry_run=True).json()
         assert (dry["state"], dry["result"]["would"]["checkpoint_step"]) == ("done", 30)
         stop = ask(kind="stop", rank=1).json()
@@ -1048,14 +1309,23 @@ def test_operator_actions_through_the_api(cluster: Any) -> None:
             ({"kind": "evict", "node": "node9"}, "node: no rank of run 'r1' runs on node 'node9'"),
             ({"kind": "stop", "rank": 7}, "rank: run 'r1' has no rank 7"),
             ({"kind": "evict"}, "body: Value error, an eviction names its node"),
-            ({"kind": "stop", "checkpoint_step": 3}, "body: Value error, checkpoint_step is for rollbacks, not a stop"),
-            ({"kind": "rollback", "checkpoint_step": -1}, "checkpoint_step: Input should be greater than or equal to 0"),
-            ({"kind": "rollback", "node": "node1"}, "body: Value error, node is for evictions, not a rollback"),
+            (
+                {"kind": "stop", "checkpoint_step": 3},
+                "body: Value error, checkpoint_step is for rollbacks, not a stop",
+            ),
+            (
+                {"kind": "rollback", "checkpoint_step": -1},
+                "checkpoint_step: Input should be greater than or equal to 0",
+            ),
+            (
+                {"kind": "rollback", "node": "node1"},
+                "body: Value error, node is for evictions, not a rollback",
+            ),
             ({"kind": "reboot"}, "kind: Input should be 'rollback', 'evict' or 'stop'"),
             ({"kind": "stop", "force": True}, "force: Extra inputs are not permitted"),
             ({"kind": "stop", "by": ""}, "by: String should have at least 1 character"),
             ({"kind": "stop", "reason": None}, "reason: Input should be a valid string"),
-        ]  # fmt: skip
+        ]
         for body, problem in cases:
             resp = ask(**body)
             assert (resp.status_code, named(resp)) == (422, problem), body
@@ -1069,7 +1339,10 @@ def test_operator_actions_through_the_api(cluster: Any) -> None:
         assert [a[0] for a in listed()] == newest_first
         assert listed(run=RUN, state="failed") == [(unknown["id"], "rollback", "failed")]
         assert listed(kind="stop") == [(stop["id"], "stop", "executing")]
-        assert listed(state=["done", "failed"], kind="rollback") == [(dry["id"], "rollback", "done"), (unknown["id"], "rollback", "failed")]  # fmt: skip
+        assert listed(state=["done", "failed"], kind="rollback") == [
+            (dry["id"], "rollback", "done"),
+            (unknown["id"], "rollback", "failed"),
+        ]
         assert listed(run="other") == []
         assert client.get("/api/v1/actions", params={"state": "lost"}).status_code == 422
         assert client.get("/api/v1/actions/999999").status_code == 404

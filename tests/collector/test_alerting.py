@@ -35,8 +35,13 @@ EXTERNAL = "https://tw.example.org"
 def send(engine, *, rank: int, at: float, world: int = 2, steps=(), events=(), node=None) -> None:  # type: ignore[no-untyped-def]
     body = batch(rank=rank, world_size=world, steps=list(steps), events=list(events))
     done = [s["step"] for s in steps]
-    body["agent"].update(heartbeat_s=2.0, sent_at=at, last_step=max(done) if done else None,
-                         last_step_end=at if done else None, node=node or f"node{rank // 2}")  # fmt: skip
+    body["agent"].update(
+        heartbeat_s=2.0,
+        sent_at=at,
+        last_step=max(done) if done else None,
+        last_step_end=at if done else None,
+        node=node or f"node{rank // 2}",
+    )
     with write(engine) as conn:
         ingest(conn, batch=IngestBatch.model_validate(body), now=at)
 
@@ -57,8 +62,14 @@ class Engine:
         self.alerts = self._new()
 
     def _new(self) -> AlertEngine:
-        return AlertEngine(self.engine, [RULES[n] for n in self.names], settings=self.settings,
-                           external_url=EXTERNAL, submit=self.sent.append, pressure=self.pressure)  # fmt: skip
+        return AlertEngine(
+            self.engine,
+            [RULES[n] for n in self.names],
+            settings=self.settings,
+            external_url=EXTERNAL,
+            submit=self.sent.append,
+            pressure=self.pressure,
+        )
 
     def restart(self) -> None:
         self.alerts = self._new()
@@ -89,8 +100,18 @@ def test_fatal_xid_fires_at_once_pages_once_and_resolves_after_keep_firing_for(e
     assert row["annotations"]["runbook_url"] == f"{EXTERNAL}/runbooks/FatalXid"
     (note,) = alerts.sent
     assert (note.status, note.alert_id) == ("firing", row["id"])
-    assert note.labels | {"run": "r1", "rank": "1", "node": "node0", "alertname": "FatalXid",
-                          "severity": "critical", "category": "hardware"} == note.labels  # fmt: skip
+    assert (
+        note.labels
+        | {
+            "run": "r1",
+            "rank": "1",
+            "node": "node0",
+            "alertname": "FatalXid",
+            "severity": "critical",
+            "category": "hardware",
+        }
+        == note.labels
+    )
     assert note.generator_url == f"{EXTERNAL}/runs/r1"
     # Later passes: the instant is over, the alert is kept firing for an hour, not re-sent.
     for t in (T0 + 20, T0 + 600, T0 + 1800):
@@ -116,10 +137,21 @@ def test_an_alert_whose_own_action_is_done_resolves_without_keep_firing_for(engi
 
     def action(mode: str, state: str, at: float) -> None:
         with write(engine) as conn:
-            conn.execute(insert(m.actions).values(
-                run_id=row["run_id"], kind="evict", state=state, mode=mode,
-                trigger="rule:FatalXid", alert_id=row["id"], node="node0", history=[],
-                created_at=at, updated_at=at, finished_at=at))  # fmt: skip
+            conn.execute(
+                insert(m.actions).values(
+                    run_id=row["run_id"],
+                    kind="evict",
+                    state=state,
+                    mode=mode,
+                    trigger="rule:FatalXid",
+                    alert_id=row["id"],
+                    node="node0",
+                    history=[],
+                    created_at=at,
+                    updated_at=at,
+                    finished_at=at,
+                )
+            )
 
     action("dry-run", "done", T0 + 3)  # a dry run did nothing: the hold stays
     action("auto", "failed", T0 + 4)  # nor did a failed one
@@ -138,8 +170,14 @@ def test_a_stability_alert_resolves_when_a_rollback_replaced_the_steps_it_fired_
     alerts = Engine(engine, "GradNormSpikeBurst")
 
     def steps(spiky: bool, t0: float) -> list[dict[str, Any]]:
-        return [{**step(n), "ts": t0 + n, **({"flags": ["grad_norm_spike"]} if spiky and n >= 3 else {})}
-                for n in range(10)]  # fmt: skip
+        return [
+            {
+                **step(n),
+                "ts": t0 + n,
+                **({"flags": ["grad_norm_spike"]} if spiky and n >= 3 else {}),
+            }
+            for n in range(10)
+        ]
 
     for rank in (0, 1):
         send(engine, rank=rank, at=T0 + 10, steps=steps(True, T0))
@@ -151,9 +189,18 @@ def test_a_stability_alert_resolves_when_a_rollback_replaced_the_steps_it_fired_
     assert (row["state"], row["cleared_at"]) == ("firing", T0 + 31)  # held: keep_firing_for 10m
     with write(engine) as conn:
         for mode, state in (("dry-run", "done"), ("auto", "done")):
-            conn.execute(insert(m.actions).values(
-                run_id=row["run_id"], kind="rollback", state=state, mode=mode,
-                trigger="rule:LossSpike", history=[], created_at=T0 + 25, updated_at=T0 + 30))  # fmt: skip
+            conn.execute(
+                insert(m.actions).values(
+                    run_id=row["run_id"],
+                    kind="rollback",
+                    state=state,
+                    mode=mode,
+                    trigger="rule:LossSpike",
+                    history=[],
+                    created_at=T0 + 25,
+                    updated_at=T0 + 30,
+                )
+            )
     (row,) = alerts.run(T0 + 32)
     assert (row["state"], row["resolved_at"]) == ("resolved", T0 + 32)
 
@@ -238,11 +285,19 @@ def test_resend_until_acknowledged(engine) -> None:
 
 def test_a_silence_keeps_the_alert_but_pages_nobody(engine) -> None:
     with write(engine) as conn:
-        conn.execute(insert(m.silences).values(
-            matchers=[{"name": "alertname", "value": "Fatal.*", "regex": True},
-                      {"name": "rank", "value": "0", "regex": False}],
-            starts_at=T0, ends_at=T0 + 100, created_by="me", comment="reseating the GPU", created_at=T0,
-        ))  # fmt: skip
+        conn.execute(
+            insert(m.silences).values(
+                matchers=[
+                    {"name": "alertname", "value": "Fatal.*", "regex": True},
+                    {"name": "rank", "value": "0", "regex": False},
+                ],
+                starts_at=T0,
+                ends_at=T0 + 100,
+                created_by="me",
+                comment="reseating the GPU",
+                created_at=T0,
+            )
+        )
     alerts = Engine(engine, "FatalXid")
     send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(79, T0, "a")])
     send(engine, rank=1, at=T0, steps=[step(1)], events=[xid(79, T0, "b")])
@@ -299,15 +354,30 @@ def test_delivery_attempts_are_stored_and_served(engine) -> None:
     send(engine, rank=0, at=T0, steps=[step(1)], events=[xid(79, T0, "x")])
     (row,) = alerts.run(T0 + 1)
     for n, ok in ((1, False), (2, True)):
-        alerts.alerts.deliveries.append(Attempt(
-            alert_id=row["id"], fingerprint=row["fingerprint"], status="firing", receiver="pd",
-            kind="pagerduty", attempt=n, ok=ok, http_status=202 if ok else 500,
-            error=None if ok else "HTTP 500: down", at=T0 + n, duration_s=0.01, final=ok))  # fmt: skip
+        alerts.alerts.deliveries.append(
+            Attempt(
+                alert_id=row["id"],
+                fingerprint=row["fingerprint"],
+                status="firing",
+                receiver="pd",
+                kind="pagerduty",
+                attempt=n,
+                ok=ok,
+                http_status=202 if ok else 500,
+                error=None if ok else "HTTP 500: down",
+                at=T0 + n,
+                duration_s=0.01,
+                final=ok,
+            )
+        )
     alerts.run(T0 + 2)
     app = create_app(engine, ui=False, health=None, rollups=False, alerting=None)
     with TestClient(app) as client:
         detail = client.get(f"/api/v1/alerts/{row['id']}").json()
-        assert [(d["attempt"], d["ok"], d["http_status"]) for d in detail["deliveries"]] == [(1, False, 500), (2, True, 202)]  # fmt: skip
+        assert [(d["attempt"], d["ok"], d["http_status"]) for d in detail["deliveries"]] == [
+            (1, False, 500),
+            (2, True, 202),
+        ]
         assert detail["runbook_url"] == f"{EXTERNAL}/runbooks/FatalXid"
         listed = client.get("/api/v1/alerts", params={"run": "r1", "state": "firing"}).json()
         assert [a["id"] for a in listed] == [row["id"]] and listed[0]["labels"][
@@ -339,9 +409,15 @@ def test_ack_and_silence_api(engine) -> None:
         assert client.post("/api/v1/alerts/999999/ack", json={"by": "x"}).status_code == 404
         assert client.post(f"/api/v1/alerts/{row['id']}/ack", json={}).status_code == 422
 
-        made = client.post("/api/v1/silences", json={
-            "matchers": [{"name": "run", "value": "r1"}], "duration_s": 3600,
-            "created_by": "ana", "comment": "maintenance"})  # fmt: skip
+        made = client.post(
+            "/api/v1/silences",
+            json={
+                "matchers": [{"name": "run", "value": "r1"}],
+                "duration_s": 3600,
+                "created_by": "ana",
+                "comment": "maintenance",
+            },
+        )
         assert made.status_code == 201, made.text
         silence = made.json()
         assert silence["active"] and silence["ends_at"] - silence["starts_at"] == pytest.approx(
@@ -515,11 +591,16 @@ def test_a_rank_rule_that_must_hold_for_minutes_is_evaluated_every_for_over_20_s
 
 def test_a_run_rule_on_p99_sees_the_tail_the_median_hides(engine) -> None:
     def rule(stat: str) -> Any:
-        return parse_rule({
-            "name": f"SlowTail{stat}", "kind": "threshold", "summary": "The slowest ranks' step time.",
-            "severity": "warning", "runbook": "Straggler.md",
-            "params": {"scope": "run", "metric": "step_time", "stat": stat, "above": 0.5},
-        })  # fmt: skip
+        return parse_rule(
+            {
+                "name": f"SlowTail{stat}",
+                "kind": "threshold",
+                "summary": "The slowest ranks' step time.",
+                "severity": "warning",
+                "runbook": "Straggler.md",
+                "params": {"scope": "run", "metric": "step_time", "stat": stat, "above": 0.5},
+            }
+        )
 
     for rank in range(4):  # one rank of four takes 1 s: p99 0.97 s, median 0.1 s
         send(engine, rank=rank, world=4, at=T0, steps=[step(1, duration=1.0 if rank == 3 else 0.1)])
@@ -593,7 +674,7 @@ def test_a_whole_job_back_resolves_its_alerts_in_one_statement(engine) -> None:
         send(engine, rank=rank, world=world, at=T0 + 11, steps=[step(1)])
     written: list[str] = []
 
-    def count(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    def count(conn, cursor, statement, parameters, context, executemany) -> None:  # type: ignore[no-untyped-def]
         if statement.lstrip().upper().startswith(("UPDATE ALERTS", "DELETE FROM ALERTS")):
             written.append(statement)
 
@@ -651,9 +732,15 @@ def test_a_few_ranks_page_one_by_one() -> None:
     from trainwarden.collector.alerting import grouped
 
     def note(rank: int, rule: str = "RankDead") -> Notification:
-        return Notification(alert_id=rank, fingerprint=f"f{rank}", status="firing",
-                            labels={"alertname": rule, "run": "r", "rank": str(rank)},
-                            annotations={"summary": "s"}, starts_at=T0, ends_at=None)  # fmt: skip
+        return Notification(
+            alert_id=rank,
+            fingerprint=f"f{rank}",
+            status="firing",
+            labels={"alertname": rule, "run": "r", "rank": str(rank)},
+            annotations={"summary": "s"},
+            starts_at=T0,
+            ends_at=None,
+        )
 
     few = [note(r) for r in range(3)] + [note(r, "RankHung") for r in range(3)]
     assert grouped(few, over=3) == few
@@ -681,10 +768,16 @@ def test_a_storm_over_several_passes_pages_once_and_resolves_once(engine) -> Non
     assert page.annotations["summary"] == "RankDead on 5 ranks (0-4) of run r1"
     beat([8], T0 + 7, 2)
     with write(engine) as conn:  # someone silences rank 2's alert: it is not paged again
-        conn.execute(insert(m.silences).values(
-            matchers=[{"name": "rank", "value": "2", "regex": False}],
-            starts_at=T0, ends_at=T0 + 100, created_by="me", comment="known", created_at=T0,
-        ))  # fmt: skip
+        conn.execute(
+            insert(m.silences).values(
+                matchers=[{"name": "rank", "value": "2", "regex": False}],
+                starts_at=T0,
+                ends_at=T0 + 100,
+                created_by="me",
+                comment="known",
+                created_at=T0,
+            )
+        )
     alerts.run(T0 + 8)  # ranks 5-7 now too: they join the page, which is sent again
     (_, update) = alerts.sent
     assert update.fingerprint == page.fingerprint and update.labels == page.labels

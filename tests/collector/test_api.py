@@ -53,7 +53,9 @@ def test_both_ranks_steps_roll_up_per_step(client: TestClient) -> None:
     assert throughput["total"] == pytest.approx([200 / 0.30, 200 / 0.12])
 
 
-def test_a_run_not_heard_from_for_five_minutes_is_lost_until_a_rank_reports(client: TestClient) -> None:  # fmt: skip
+def test_a_run_not_heard_from_for_five_minutes_is_lost_until_a_rank_reports(
+    client: TestClient,
+) -> None:
     from sqlalchemy import update
 
     from trainwarden.collector import ingest as ingest_module
@@ -197,8 +199,15 @@ def test_malformed_ingest_is_a_422_naming_the_field(
 
 def test_unknown_run_is_404_and_unknown_metric_is_422(client: TestClient) -> None:
     assert client.get("/api/v1/runs/nope").status_code == 404
-    for path in ("ranks", "events", "series?metric=loss", "heatmap?metric=step_time",
-                 "ranks/0/series?metric=loss", "flags", "gpu"):  # fmt: skip
+    for path in (
+        "ranks",
+        "events",
+        "series?metric=loss",
+        "heatmap?metric=step_time",
+        "ranks/0/series?metric=loss",
+        "flags",
+        "gpu",
+    ):
         response = client.get(f"/api/v1/runs/nope/{path}")
         assert response.status_code == 404, path
         assert response.json()["detail"] == "run 'nope' not found", path
@@ -247,14 +256,22 @@ def telemetry_step(n: int, *, rank: int, flags: list[str] | None = None) -> dict
     return {
         **step(n, loss=2.0 + rank, duration=1.0),
         "grad_norm": 0.5 + rank,
-        "fwd_s": 0.2, "bwd_s": 0.5, "opt_s": 0.2, "other_s": 0.1,
-        "compute_s": 0.8 - 0.2 * rank, "exposed_comm_s": 0.2 + 0.2 * rank, "overlapped_comm_s": 0.3,
+        "fwd_s": 0.2,
+        "bwd_s": 0.5,
+        "opt_s": 0.2,
+        "other_s": 0.1,
+        "compute_s": 0.8 - 0.2 * rank,
+        "exposed_comm_s": 0.2 + 0.2 * rank,
+        "overlapped_comm_s": 0.3,
         "comm_source": "hook",
-        "flops": 4e12, "mfu": 0.4, "peak_flops": 10e12,
-        "flops_source": "given: flops_per_step", "peak_source": "given",
+        "flops": 4e12,
+        "mfu": 0.4,
+        "peak_flops": 10e12,
+        "flops_source": "given: flops_per_step",
+        "peak_source": "given",
         "rss_bytes": 1 << 30,
         **({"flags": flags} if flags else {}),
-    }  # fmt: skip
+    }
 
 
 def test_step_telemetry_round_trips_per_rank_and_rolls_up(client: TestClient) -> None:
@@ -348,14 +365,30 @@ def test_columnar_ingest_stores_a_nodes_ranks_in_one_request(client: TestClient)
         (lambda b: b["steps"].pop("duration_s"), "missing step columns ['duration_s']"),
         (lambda b: b["agents"].pop(), "ranks [7] that have no entry in agents"),
         (lambda b: b["steps"]["duration_s"].__setitem__(5, -1), "steps row 5"),
-        (lambda b: b.update(extras=[{"run": "other", "agent": {"rank": 1, "world_size": 8,
-                                     "host": "n", "session": "s1"}}]),
-         "extras row 0: run 'other' is not this batch's 'node-batched'"),
-        (lambda b: b.update(extras=[{"run": "node-batched", "agent": {"rank": 9, "world_size": 8,
-                                     "host": "n", "session": "s1"}}]),
-         "rank 9 is outside world_size 8"),
+        (
+            lambda b: b.update(
+                extras=[
+                    {
+                        "run": "other",
+                        "agent": {"rank": 1, "world_size": 8, "host": "n", "session": "s1"},
+                    }
+                ]
+            ),
+            "extras row 0: run 'other' is not this batch's 'node-batched'",
+        ),
+        (
+            lambda b: b.update(
+                extras=[
+                    {
+                        "run": "node-batched",
+                        "agent": {"rank": 9, "world_size": 8, "host": "n", "session": "s1"},
+                    }
+                ]
+            ),
+            "rank 9 is outside world_size 8",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_columnar_bodies_say_what_is_wrong(client: TestClient, change, message: str) -> None:
     body = columns_body(range(8), range(3))
     change(body)
@@ -374,8 +407,15 @@ def as_agent_columns(body: dict) -> dict:
 
 def test_headers_sent_as_columns_are_stored_as_rows_are(client: TestClient) -> None:
     now = time.time()
-    extra = {"pid": 4242, "sent_at": now, "last_step": 2, "last_step_end": now - 0.1,
-             "in_step": False, "heartbeat_s": 2.0, "local_rank": 3}  # fmt: skip
+    extra = {
+        "pid": 4242,
+        "sent_at": now,
+        "last_step": 2,
+        "last_step_end": now - 0.1,
+        "in_step": False,
+        "heartbeat_s": 2.0,
+        "local_rank": 3,
+    }
     for run, columnar in (("as-rows", False), ("as-columns", True)):
         body = columns_body(range(8), range(3), run=run)
         for agent in body["agents"]:
@@ -401,8 +441,10 @@ def test_headers_sent_as_columns_are_stored_as_rows_are(client: TestClient) -> N
 
     assert seen("as-columns") == seen("as-rows")
     assert len(seen("as-rows")) == 8 and seen("as-rows")[0]["pid"] == 4242
-    series = [client.get(f"/api/v1/runs/{run}/series", params={"metric": "loss"}).json()
-              for run in ("as-rows", "as-columns")]  # fmt: skip
+    series = [
+        client.get(f"/api/v1/runs/{run}/series", params={"metric": "loss"}).json()
+        for run in ("as-rows", "as-columns")
+    ]
     assert series[0]["max"] == series[1]["max"] == [2.7] * 3
 
 
@@ -410,16 +452,29 @@ def test_headers_sent_as_columns_are_stored_as_rows_are(client: TestClient) -> N
     ("change", "message"),
     [
         (lambda b: b["agent_columns"]["host"].pop(), "agent_columns differ in length"),
-        (lambda b: b["agent_columns"]["rank"].__setitem__(2, 8), "agent_columns row 2: rank 8 is outside world_size 8"),
-        (lambda b: b["agent_columns"].update(sent_at=[time.time()] * 7 + [time.time() + 3 * 86400]),
-         "agent_columns row 7: sent_at: timestamp is 72 h in the future"),
-        (lambda b: b["agent_columns"]["host"].__setitem__(4, ""), "agent_columns.host[4]: String should have at least 1 character"),
+        (
+            lambda b: b["agent_columns"]["rank"].__setitem__(2, 8),
+            "agent_columns row 2: rank 8 is outside world_size 8",
+        ),
+        (
+            lambda b: b["agent_columns"].update(
+                sent_at=[time.time()] * 7 + [time.time() + 3 * 86400]
+            ),
+            "agent_columns row 7: sent_at: timestamp is 72 h in the future",
+        ),
+        (
+            lambda b: b["agent_columns"]["host"].__setitem__(4, ""),
+            "agent_columns.host[4]: String should have at least 1 character",
+        ),
         (lambda b: b["agent_columns"].pop("session"), "agent_columns.session"),
         (lambda b: b.update(agents=[{"rank": 0, "host": "h", "session": "s"}]), "not both"),
         (lambda b: b.pop("agent_columns"), "no ranks"),
-        (lambda b: b["agent_columns"]["rank"].__setitem__(7, 6), "ranks [7] that have no entry in agent_columns"),
+        (
+            lambda b: b["agent_columns"]["rank"].__setitem__(7, 6),
+            "ranks [7] that have no entry in agent_columns",
+        ),
     ],
-)  # fmt: skip
+)
 def test_bad_agent_columns_say_what_is_wrong(client: TestClient, change, message: str) -> None:
     body = as_agent_columns(columns_body(range(8), range(3)))
     change(body)
@@ -453,8 +508,14 @@ def test_downsampled_series_keeps_the_spike(client: TestClient) -> None:
 
 def test_heatmap_shows_the_slow_rank_as_a_stripe(client: TestClient) -> None:
     for rank in range(4):
-        ingest(client, batch(rank=rank, world_size=4,
-                             steps=[step(i, duration=0.3 if rank == 2 else 0.1) for i in range(100)]))  # fmt: skip
+        ingest(
+            client,
+            batch(
+                rank=rank,
+                world_size=4,
+                steps=[step(i, duration=0.3 if rank == 2 else 0.1) for i in range(100)],
+            ),
+        )
     heat = client.get(
         "/api/v1/runs/r1/heatmap", params={"metric": "step_time", "buckets": 10}
     ).json()
@@ -536,6 +597,9 @@ def test_a_large_run_with_no_relay_is_told_of_relays_once(
     assert len(hints) == 1 and "run big: 512 ranks" in hints[0], hints
     # A small run, or a batch a relay sends on its own, says nothing.
     client.post("/api/v1/ingest", json=batch("small", world_size=8, steps=[step(0)]))
-    client.post("/api/v1/ingest", json=batch("relayed", world_size=512, steps=[step(0)]),
-                headers={"Via": "1.1 trainwarden-relay"})  # fmt: skip
+    client.post(
+        "/api/v1/ingest",
+        json=batch("relayed", world_size=512, steps=[step(0)]),
+        headers={"Via": "1.1 trainwarden-relay"},
+    )
     assert len([r for r in caplog.records if "relay" in r.getMessage()]) == 1

@@ -34,8 +34,16 @@ INGEST = {"/api/v1/ingest", "/api/v1/ingest/columns", "/v1/metrics"}
 
 def make_app(engine: Engine, **settings: Any) -> Any:
     settings.setdefault("cache_ttl_s", 0.0)  # a revocation counts at once in these tests
-    return create_app(engine, ui=False, health=None, rollups=False, alerting=None, act=False,
-                      incidents=False, auth_settings=AuthSettings(**settings))  # fmt: skip
+    return create_app(
+        engine,
+        ui=False,
+        health=None,
+        rollups=False,
+        alerting=None,
+        act=False,
+        incidents=False,
+        auth_settings=AuthSettings(**settings),
+    )
 
 
 def token(engine: Engine, name: str, *scopes: str, runs: str = "*") -> str:
@@ -56,7 +64,7 @@ def tokens(engine: Engine) -> dict[str, str]:
             "read": ["read"],
             "admin": ["admin"],
             "revoked": ["admin", "ingest"],
-        }.items()  # fmt: skip
+        }.items()
     }
     with write(engine) as conn:
         assert revoke_token(conn, name="revoked")
@@ -83,7 +91,7 @@ def routes(app: Any) -> list[tuple[str, str, str]]:
     return out
 
 
-def test_every_api_route_refuses_a_missing_a_revoked_and_a_wrong_token_and_lets_the_right_one_in(  # fmt: skip
+def test_every_api_route_refuses_a_missing_a_revoked_and_a_wrong_token_and_lets_the_right_one_in(
     engine: Engine, client: TestClient, tokens: dict[str, str]
 ) -> None:
     table = routes(make_app(engine))
@@ -98,7 +106,7 @@ def test_every_api_route_refuses_a_missing_a_revoked_and_a_wrong_token_and_lets_
         revoked = client.request(method, path, json={}, headers=bearer(tokens["revoked"]))
         assert revoked.status_code == 401, where
         assert 'error="invalid_token"' in revoked.headers["www-authenticate"], where
-        mistyped = client.request(method, path, json={}, headers=bearer(tokens["admin"][:-1] + "x"))  # fmt: skip
+        mistyped = client.request(method, path, json={}, headers=bearer(tokens["admin"][:-1] + "x"))
         assert mistyped.status_code == 401, where
         wrong = {"ingest": ["read", "admin"], "read": ["ingest"], "admin": ["ingest", "read"]}
         for other in wrong[scope]:
@@ -109,7 +117,9 @@ def test_every_api_route_refuses_a_missing_a_revoked_and_a_wrong_token_and_lets_
         let_in = client.request(method, path, json={}, headers=bearer(tokens[right]))
         assert let_in.status_code not in (401, 403), f"{where}: {let_in.text}"
         if scope == "read":  # admin implies read
-            assert client.request(method, path, headers=bearer(tokens["admin"])).status_code not in (401, 403)  # fmt: skip
+            assert client.request(
+                method, path, headers=bearer(tokens["admin"])
+            ).status_code not in (401, 403)
 
 
 def test_the_right_scopes_do_the_work(client: TestClient, tokens: dict[str, str]) -> None:
@@ -119,11 +129,20 @@ def test_the_right_scopes_do_the_work(client: TestClient, tokens: dict[str, str]
     assert client.get("/api/v1/runs/r1", headers=read).json()["last_step"] == 1
     note = client.post("/api/v1/runs/r1/notes", json={"author": "ana", "text": "hi"}, headers=admin)
     assert note.status_code == 201, note.text
-    silence = client.post("/api/v1/silences", headers=admin, json={
-        "matchers": [{"name": "run", "value": "r1"}], "duration_s": 60, "created_by": "ana",
-        "comment": "maintenance"})  # fmt: skip
+    silence = client.post(
+        "/api/v1/silences",
+        headers=admin,
+        json={
+            "matchers": [{"name": "run", "value": "r1"}],
+            "duration_s": 60,
+            "created_by": "ana",
+            "comment": "maintenance",
+        },
+    )
     assert silence.status_code == 201, silence.text
-    incident = client.post("/api/v1/incidents", json={"run": "r1", "title": "t", "by": "ana"}, headers=admin)  # fmt: skip
+    incident = client.post(
+        "/api/v1/incidents", json={"run": "r1", "title": "t", "by": "ana"}, headers=admin
+    )
     assert incident.status_code == 201, incident.text
     # Open stays open: liveness, Prometheus, runbooks, the API's description.
     for path in ("/healthz", "/metrics", "/runbooks", "/openapi.json"):
@@ -136,21 +155,37 @@ def test_the_audit_trail_names_the_token_a_change_was_made_with(
     """A typed name alone cannot pass for someone else: acks, silences, actions, incidents
     and notes record it with the token the request really used."""
     admin = bearer(tokens["admin"])  # a token named "admin"
-    assert client.post("/api/v1/ingest", json=batch("r1", steps=[step(0)]),
-                       headers=bearer(tokens["ingest"])).status_code == 200  # fmt: skip
+    assert (
+        client.post(
+            "/api/v1/ingest", json=batch("r1", steps=[step(0)]), headers=bearer(tokens["ingest"])
+        ).status_code
+        == 200
+    )
     note = client.post("/api/v1/runs/r1/notes", json={"author": "ana", "text": "hi"}, headers=admin)
     assert note.json()["author"] == "ana (as token admin)"
-    silence = client.post("/api/v1/silences", headers=admin, json={
-        "matchers": [{"name": "run", "value": "r1"}], "duration_s": 60, "created_by": "ana",
-        "comment": "maintenance"})  # fmt: skip
+    silence = client.post(
+        "/api/v1/silences",
+        headers=admin,
+        json={
+            "matchers": [{"name": "run", "value": "r1"}],
+            "duration_s": 60,
+            "created_by": "ana",
+            "comment": "maintenance",
+        },
+    )
     assert silence.json()["created_by"] == "ana (as token admin)"
-    same = client.post("/api/v1/incidents", json={"run": "r1", "title": "t", "by": "admin"}, headers=admin)  # fmt: skip
+    same = client.post(
+        "/api/v1/incidents", json={"run": "r1", "title": "t", "by": "admin"}, headers=admin
+    )
     assert same.status_code == 201, same.text
     with engine.connect() as conn:
         opened_by = conn.execute(select(models.incidents.c.opened_by)).scalars().all()
     assert opened_by == ["admin"]  # the token's own name: said once
-    action = client.post("/api/v1/runs/r1/actions", headers=admin,
-                         json={"kind": "rollback", "by": "b" * 128, "reason": "test", "dry_run": True})  # fmt: skip
+    action = client.post(
+        "/api/v1/runs/r1/actions",
+        headers=admin,
+        json={"kind": "rollback", "by": "b" * 128, "reason": "test", "dry_run": True},
+    )
     assert action.status_code == 201, action.text
     trigger = action.json()["trigger"]
     assert trigger.startswith("operator:bbb") and trigger.endswith(" (as token admin)")
@@ -161,13 +196,24 @@ def test_an_ingest_token_sends_only_the_runs_its_pattern_matches(
     engine: Engine, client: TestClient
 ) -> None:
     llama = bearer(token(engine, "llama-agents", "ingest", runs="llama-*"))
-    assert client.post("/api/v1/ingest", json=batch("llama-7b", steps=[step(0)]), headers=llama).status_code == 200  # fmt: skip
+    assert (
+        client.post(
+            "/api/v1/ingest", json=batch("llama-7b", steps=[step(0)]), headers=llama
+        ).status_code
+        == 200
+    )
     other = client.post("/api/v1/ingest", json=batch("gpt-1", steps=[step(0)]), headers=llama)
     assert other.status_code == 403
     assert "'gpt-1'" in other.json()["detail"] and "llama-*" in other.json()["detail"]
-    columns = {"run": "gpt-1", "agents": [batch("gpt-1")["agent"]],
-               "steps": {"rank": [0], "step": [0], "ts": [1.7e9], "duration_s": [0.1]}}  # fmt: skip
-    assert client.post("/api/v1/ingest/columns", json=columns, headers=llama).status_code in (403, 422)  # fmt: skip
+    columns = {
+        "run": "gpt-1",
+        "agents": [batch("gpt-1")["agent"]],
+        "steps": {"rank": [0], "step": [0], "ts": [1.7e9], "duration_s": [0.1]},
+    }
+    assert client.post("/api/v1/ingest/columns", json=columns, headers=llama).status_code in (
+        403,
+        422,
+    )
     with engine.connect() as conn:
         names = [r.name for r in conn.execute(select(models.runs.c.name))]
     assert names == ["llama-7b"]
@@ -179,9 +225,10 @@ def test_the_database_keeps_no_secret(engine: Engine) -> None:
     assert len(secret) >= 43  # 256 random bits
     with engine.connect() as conn:
         stored = " ".join(
-            str(tuple(row)) for table in models.metadata.sorted_tables
+            str(tuple(row))
+            for table in models.metadata.sorted_tables
             for row in conn.execute(select(table))
-        )  # fmt: skip
+        )
         assert secret not in stored and raw not in stored
         (listed,) = list_tokens(conn)
     assert listed["name"] == "ops" and listed["scopes"] == ["admin"] and "secret_hash" not in listed
@@ -235,15 +282,27 @@ def test_last_use_is_recorded_without_a_write_per_request(engine: Engine) -> Non
 
 @pytest.fixture
 def ui_app(engine: Engine) -> Any:
-    app = create_app(engine, health=None, rollups=False, alerting=None, act=False,
-                     incidents=False, auth_settings=AuthSettings(cache_ttl_s=0,
-                     trusted_user_header="X-Forwarded-User", trusted_user_scope="read"))  # fmt: skip
+    app = create_app(
+        engine,
+        health=None,
+        rollups=False,
+        alerting=None,
+        act=False,
+        incidents=False,
+        auth_settings=AuthSettings(
+            cache_ttl_s=0, trusted_user_header="X-Forwarded-User", trusted_user_scope="read"
+        ),
+    )
     client = LocalClient(engine)
 
     def silence() -> str:  # what the UI's silence button does, inside the Dash server
         try:
-            made = client.silence(matchers=[{"name": "run", "value": "r1"}], duration_s=60,
-                                  by="ana", comment="maintenance")  # fmt: skip
+            made = client.silence(
+                matchers=[{"name": "run", "value": "r1"}],
+                duration_s=60,
+                by="ana",
+                comment="maintenance",
+            )
         except Refused as exc:
             return f"refused: {exc}"
         return f"silenced #{made.id}"

@@ -74,8 +74,16 @@ def test_serve_logs_each_request_at_info_and_none_at_warning(tmp_path: Path) -> 
 def test_demo_refuses_a_bad_actions_file_before_it_starts_anything(tmp_path: Path) -> None:
     bad = tmp_path / "actions.yaml"
     bad.write_text("rollback:\n  mode: sometimes\n")
-    result = trainwarden("demo", "--actions", str(bad), "--db", f"sqlite:///{tmp_path}/tw.db",
-                         "--port", str(free_port()), "--exit-when-done")  # fmt: skip
+    result = trainwarden(
+        "demo",
+        "--actions",
+        str(bad),
+        "--db",
+        f"sqlite:///{tmp_path}/tw.db",
+        "--port",
+        str(free_port()),
+        "--exit-when-done",
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert str(bad) in result.stderr and "rollback.mode" in result.stderr, result.stderr
     assert "dashboard" not in result.stdout  # nothing was started
@@ -86,4 +94,8 @@ def test_the_demo_policy_runs_a_rollback_and_keeps_evictions_and_stops_dry() -> 
     from trainwarden.collector.demo import demo_policy
 
     policy = demo_policy()
-    assert (policy.rollback.mode, policy.evict.mode, policy.stop.mode) == ("auto", "dry-run", "dry-run")  # fmt: skip
+    assert (policy.rollback.mode, policy.evict.mode, policy.stop.mode) == (
+        "auto",
+        "dry-run",
+        "dry-run",
+    )

@@ -50,8 +50,14 @@ def test_advice_verdicts_and_where_tau_comes_from() -> None:
     )
     assert own["mtbf_s"] == 18_000 and "observed" in own["mtbf_source"]
     # Nothing configured: 50,000 GPU-hours per GPU over the job's GPUs.
-    default = advise(cost_s=20, interval_s=600, wall_s=60, interruptions=0, world_size=1000,
-                     settings=EconomicsSettings())  # fmt: skip
+    default = advise(
+        cost_s=20,
+        interval_s=600,
+        wall_s=60,
+        interruptions=0,
+        world_size=1000,
+        settings=EconomicsSettings(),
+    )
     assert default["mtbf_s"] == pytest.approx(50_000 * 3600 / 1000)
     unknown = advise(
         cost_s=None, interval_s=600, wall_s=60, interruptions=0, world_size=8, settings=s
@@ -70,28 +76,53 @@ def client(engine):  # type: ignore[no-untyped-def]
         yield c
 
 
-def _body(run: str, rank: int, session: str, started: float, *, steps: list[dict[str, Any]] = (),  # type: ignore[assignment]
-          events: list[dict[str, Any]] = (), world: int = 2) -> dict[str, Any]:  # type: ignore[assignment]  # fmt: skip
+def _body(
+    run: str,
+    rank: int,
+    session: str,
+    started: float,
+    *,
+    steps: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    events: list[dict[str, Any]] = (),
+    world: int = 2,
+) -> dict[str, Any]:  # type: ignore[assignment]
     last = steps[-1] if steps else None
     return {
         "run": run,
         "agent": {
-            "rank": rank, "world_size": world, "local_rank": rank, "host": f"host{rank}",
-            "pid": 100 + rank, "session": session, "started_at": started,
+            "rank": rank,
+            "world_size": world,
+            "local_rank": rank,
+            "host": f"host{rank}",
+            "pid": 100 + rank,
+            "session": session,
+            "started_at": started,
             "last_step": None if last is None else last["step"],
             "last_step_end": None if last is None else last["ts"] + last["duration_s"],
         },
-        "steps": list(steps), "events": list(events),
-    }  # fmt: skip
+        "steps": list(steps),
+        "events": list(events),
+    }
 
 
-def _start(session: str, t: float, config: dict[str, Any], *, key: str | None = None, rank: int = 0) -> dict[str, Any]:  # fmt: skip
+def _start(
+    session: str, t: float, config: dict[str, Any], *, key: str | None = None, rank: int = 0
+) -> dict[str, Any]:
     data: dict[str, Any] = {
-        "attempt": key, "restart_count": None, "config": config, "tags": ["baseline"],
-        "data_snapshot": "s3://data/v3", "code": {"commit": "abc123", "dirty": False},
-        "env": {"python": "3.11.7", "torch": "2.13.0", "host": f"host{rank}", "world_size": 2,
-                "packages_hash": "f" * 64},
-    }  # fmt: skip
+        "attempt": key,
+        "restart_count": None,
+        "config": config,
+        "tags": ["baseline"],
+        "data_snapshot": "s3://data/v3",
+        "code": {"commit": "abc123", "dirty": False},
+        "env": {
+            "python": "3.11.7",
+            "torch": "2.13.0",
+            "host": f"host{rank}",
+            "world_size": 2,
+            "packages_hash": "f" * 64,
+        },
+    }
     if rank == 0:
         data["packages"] = ["numpy==2.1.0", "torch==2.13.0"]
     return {"id": f"start-{session}", "kind": "attempt_start", "ts": t, "data": data}
@@ -117,8 +148,13 @@ def _post(client: TestClient, body: dict[str, Any]) -> None:
 
 
 def _ckpt(session: str, step: int, ts: float, seconds: float) -> dict[str, Any]:
-    return {"id": f"ck-{session}-{step}", "kind": "checkpoint", "ts": ts, "step": step,
-            "data": {"path": f"/ckpt/{step}", "seconds": seconds, "bytes": 1000}}  # fmt: skip
+    return {
+        "id": f"ck-{session}-{step}",
+        "kind": "checkpoint",
+        "ts": ts,
+        "step": step,
+        "data": {"path": f"/ckpt/{step}", "seconds": seconds, "bytes": 1000},
+    }
 
 
 def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(
@@ -131,20 +167,57 @@ def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(
     for rank in (0, 1):
         s = f"a{rank}"
         _post(client, _body("job", rank, s, t0, events=[_start(s, t0, config, rank=rank)]))
-        _post(client, _body("job", rank, s, t0, steps=_steps(0, 4, t0 + 10),
-                            events=[_ckpt(s, 4, t0 + 19.5, 0.2)]))  # fmt: skip
+        _post(
+            client,
+            _body(
+                "job",
+                rank,
+                s,
+                t0,
+                steps=_steps(0, 4, t0 + 10),
+                events=[_ckpt(s, 4, t0 + 19.5, 0.2)],
+            ),
+        )
         _post(client, _body("job", rank, s, t0, steps=_steps(5, 9, t0 + 20)))
-    _post(client, _body("job", 0, "a0", t0, events=[
-        {"id": "end-a0", "kind": "attempt_end", "ts": t0 + 35,
-         "data": {"reason": "sigterm", "detail": "SIGTERM", "exit_code": None, "last_step": 9}}]))  # fmt: skip
+    _post(
+        client,
+        _body(
+            "job",
+            0,
+            "a0",
+            t0,
+            events=[
+                {
+                    "id": "end-a0",
+                    "kind": "attempt_end",
+                    "ts": t0 + 35,
+                    "data": {
+                        "reason": "sigterm",
+                        "detail": "SIGTERM",
+                        "exit_code": None,
+                        "last_step": 9,
+                    },
+                }
+            ],
+        ),
+    )
     # Attempt 2 starts at t0 + 40 and resumes from the checkpoint: steps 5..14 from t0 + 50.
     for rank in (0, 1):
         s = f"b{rank}"
         _post(
             client, _body("job", rank, s, t0 + 40, events=[_start(s, t0 + 40, config, rank=rank)])
         )
-        _post(client, _body("job", rank, s, t0 + 40, steps=_steps(5, 14, t0 + 50),
-                            events=[_ckpt(s, 12, t0 + 65.5, 0.4)]))  # fmt: skip
+        _post(
+            client,
+            _body(
+                "job",
+                rank,
+                s,
+                t0 + 40,
+                steps=_steps(5, 14, t0 + 50),
+                events=[_ckpt(s, 12, t0 + 65.5, 0.4)],
+            ),
+        )
     flush(client.app.state.engine, now=time.time(), grace_s=0)
 
     tries = client.get("/api/v1/runs/job/attempts").json()
@@ -234,22 +307,60 @@ def test_launcher_keys_group_processes_and_a_replayed_start_changes_nothing(
 ) -> None:
     t = time.time() - 50
     for rank in (0, 1):  # restart 0 of a torchelastic job, then restart 1
-        _post(client, _body("te", rank, f"x{rank}", t, events=[_start(f"x{rank}", t, {}, key="torchelastic:j:0", rank=rank)]))  # fmt: skip
+        _post(
+            client,
+            _body(
+                "te",
+                rank,
+                f"x{rank}",
+                t,
+                events=[_start(f"x{rank}", t, {}, key="torchelastic:j:0", rank=rank)],
+            ),
+        )
     for rank in (0, 1):
-        _post(client, _body("te", rank, f"y{rank}", t + 5, events=[_start(f"y{rank}", t + 5, {}, key="torchelastic:j:1", rank=rank)]))  # fmt: skip
+        _post(
+            client,
+            _body(
+                "te",
+                rank,
+                f"y{rank}",
+                t + 5,
+                events=[_start(f"y{rank}", t + 5, {}, key="torchelastic:j:1", rank=rank)],
+            ),
+        )
     _post(
         client,
         _body("te", 0, "y0", t + 5, events=[_start("y0", t + 5, {}, key="torchelastic:j:1")]),
     )
     tries = client.get("/api/v1/runs/te/attempts").json()
     assert [(t_["number"], t_["key"], len(t_["processes"])) for t_ in tries] == [
-        (1, "torchelastic:j:0", 2), (2, "torchelastic:j:1", 2)
-    ]  # fmt: skip
+        (1, "torchelastic:j:0", 2),
+        (2, "torchelastic:j:1", 2),
+    ]
     # A clean goodbye from every process: the attempt completed.
     for rank in (0, 1):
-        _post(client, _body("te", rank, f"y{rank}", t + 5, events=[
-            {"id": f"end-y{rank}", "kind": "attempt_end", "ts": t + 9,
-             "data": {"reason": "completed", "detail": "", "exit_code": 0, "last_step": None}}]))  # fmt: skip
+        _post(
+            client,
+            _body(
+                "te",
+                rank,
+                f"y{rank}",
+                t + 5,
+                events=[
+                    {
+                        "id": f"end-y{rank}",
+                        "kind": "attempt_end",
+                        "ts": t + 9,
+                        "data": {
+                            "reason": "completed",
+                            "detail": "",
+                            "exit_code": 0,
+                            "last_step": None,
+                        },
+                    }
+                ],
+            ),
+        )
     last = client.get("/api/v1/runs/te/attempts").json()[-1]
     assert (last["state"], last["exit_reason"]) == ("ended", "completed")
 

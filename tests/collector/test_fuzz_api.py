@@ -46,8 +46,13 @@ def fuzz_all(app: Any) -> None:
 
     def fuzz(operation: Any) -> None:
         @given(case=operation.as_strategy())
-        @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=not RANDOM,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=EXAMPLES,
+            deadline=None,
+            database=None,
+            derandomize=not RANDOM,
+            suppress_health_check=list(HealthCheck),
+        )
         def run(case: Any) -> None:
             cases[operation.label] += 1
             try:

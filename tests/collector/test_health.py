@@ -19,16 +19,34 @@ from .helpers import batch, step
 T0 = 1_700_000_000.0
 
 
-def send(engine, *, rank: int, world: int = 2, steps=(), at: float, phase=None, in_step=False,
-         last_step=None, heartbeat: float = 2.0, session: str | None = None, late: float = 0.0) -> None:  # fmt: skip
+def send(
+    engine,
+    *,
+    rank: int,
+    world: int = 2,
+    steps=(),
+    at: float,
+    phase=None,
+    in_step=False,
+    last_step=None,
+    heartbeat: float = 2.0,
+    session: str | None = None,
+    late: float = 0.0,
+) -> None:
     """A request that arrives at ``at``; ``late``: how long before that the agent sent
     it, by its own clock (a clock behind the collector's, or a request kept waiting)."""
     body = batch(rank=rank, world_size=world, steps=list(steps), session=session)
     done = [s["step"] for s in steps]
     last = last_step if last_step is not None else (max(done) if done else None)
     # A batch with steps means a step just ended; a bare heartbeat leaves progress as it was.
-    body["agent"].update(heartbeat_s=heartbeat, last_step=last, in_step=in_step, phase=phase, sent_at=at - late,
-                         last_step_end=at - late if done else None)  # fmt: skip
+    body["agent"].update(
+        heartbeat_s=heartbeat,
+        last_step=last,
+        in_step=in_step,
+        phase=phase,
+        sent_at=at - late,
+        last_step_end=at - late if done else None,
+    )
     with write(engine) as conn:
         ingest(conn, batch=IngestBatch.model_validate(body), now=at)
 
@@ -237,8 +255,12 @@ def test_the_writers_lag_is_the_age_of_its_oldest_waiting_request(engine) -> Non
     assert writer.lag_s() == 0.0
     gate = threading.Event()
     writer.on_flush = lambda *_: gate.wait(10)
-    body = {"run": "lag", "world_size": 1, "agents": [{"rank": 0, "host": "h", "session": "s"}],
-            "steps": {"rank": [0], "step": [0], "ts": [T0], "duration_s": [0.1]}}  # fmt: skip
+    body = {
+        "run": "lag",
+        "world_size": 1,
+        "agents": [{"rank": 0, "host": "h", "session": "s"}],
+        "steps": {"rank": [0], "step": [0], "ts": [T0], "duration_s": [0.1]},
+    }
     done = writer.submit(ColumnarBatch.model_validate(body))
     while not writer.flushes:  # committed, now held in on_flush
         pass
@@ -387,8 +409,12 @@ def test_the_backpressure_gate_hands_on_who_it_refused() -> None:
         answers.append(message)
 
     header = sender({"run": "big-run", "agent": {"rank": 7}})
-    scope = {"type": "http", "method": "POST", "path": "/api/v1/ingest",
-             "headers": [(SENDER_HEADER.lower().encode(), header.encode())]}  # fmt: skip
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/api/v1/ingest",
+        "headers": [(SENDER_HEADER.lower().encode(), header.encode())],
+    }
     before = time.time()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # no loop of the caller's to nest in
         pool.submit(asyncio.run, gate(scope, None, collect)).result(30)

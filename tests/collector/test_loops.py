@@ -51,9 +51,12 @@ def test_a_loop_over_its_cpu_share_spaces_its_passes_out() -> None:
 def test_the_alert_engine_spaces_full_passes_over_its_share_and_says_so(engine) -> None:  # type: ignore[no-untyped-def]
     metrics = CollectorMetrics(engine)
     alerts = AlertEngine(
-        engine, load_rule_packs(), settings=EngineSettings(interval_s=0.01, max_cpu_share=1e-6),
-        submit=lambda _: None, metrics=metrics,
-    )  # fmt: skip
+        engine,
+        load_rule_packs(),
+        settings=EngineSettings(interval_s=0.01, max_cpu_share=1e-6),
+        submit=lambda _: None,
+        metrics=metrics,
+    )
     assert metrics.registry.get_sample_value("trainwarden_alert_interval_seconds") == 0.01
     alerts.start()
     try:

@@ -30,7 +30,7 @@ def send(engine, rank: int, steps: list[tuple[int, float]], *, gpu_at: float | N
     if gpu_at is not None:
         body["gpu"] = [{"ts": gpu_at, "temp_c": 60.0}]
     with write(engine) as conn:
-        ingest(conn, batch=IngestBatch.model_validate(body), now=NOW)  # fmt: skip
+        ingest(conn, batch=IngestBatch.model_validate(body), now=NOW)
 
 
 def count(engine, table) -> int:  # type: ignore[no-untyped-def]
@@ -178,7 +178,12 @@ def test_migration_0006_keeps_existing_rows(fresh_url: str) -> None:
                 ),
                 {"s": step, "ts": ts, "f": '["loss_spike"]' if step else None},
             )
-        conn.execute(text("INSERT INTO gpu_samples (run_id, rank, ts, recv_ts, temp_c, simulated) VALUES (1, 0, :ts, :ts, 70, 0)"), {"ts": NOW})  # fmt: skip
+        conn.execute(
+            text(
+                "INSERT INTO gpu_samples (run_id, rank, ts, recv_ts, temp_c, simulated) VALUES (1, 0, :ts, :ts, 70, 0)"
+            ),
+            {"ts": NOW},
+        )
     upgrade(engine)
     with engine.connect() as conn:
         rows = conn.execute(text("SELECT step, day, loss FROM rank_steps ORDER BY step")).all()

@@ -21,8 +21,12 @@ from . import incident_scenario as sc
 
 
 def trainwarden(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trainwarden.collector.cli", *args],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "trainwarden.collector.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_note_and_postmortem_through_a_collector_with_a_failing_and_a_working_webhook(
@@ -34,7 +38,9 @@ def test_note_and_postmortem_through_a_collector_with_a_failing_and_a_working_we
     url = live_server.url
     wait_for(lambda: live_server.get(f"/api/v1/runs/{sc.RUN}/incidents").json(), 30, "the incident")
 
-    noted = trainwarden("note", sc.RUN, "rolled back by hand? no: auto", "--author", "ana", "--url", url)  # fmt: skip
+    noted = trainwarden(
+        "note", sc.RUN, "rolled back by hand? no: auto", "--author", "ana", "--url", url
+    )
     assert noted.returncode == 0, noted.stderr
     assert noted.stdout.startswith(f"trainwarden: note 1 added to run {sc.RUN}")
     (note,) = live_server.get(f"/api/v1/runs/{sc.RUN}/notes").json()
@@ -44,8 +50,18 @@ def test_note_and_postmortem_through_a_collector_with_a_failing_and_a_working_we
     recv.answer("/down", 500)
     try:
         out = tmp_path / "report.md"
-        failed = trainwarden("postmortem", sc.RUN, "--format", "md", "--out", str(out),
-                             "--post", recv.url("/down"), "--url", url)  # fmt: skip
+        failed = trainwarden(
+            "postmortem",
+            sc.RUN,
+            "--format",
+            "md",
+            "--out",
+            str(out),
+            "--post",
+            recv.url("/down"),
+            "--url",
+            url,
+        )
         assert failed.returncode == 1
         assert "posting the report to http://127.0.0.1:" in failed.stderr
         assert "failed: HTTP 500: bad day at the receiver" in failed.stderr
@@ -53,8 +69,20 @@ def test_note_and_postmortem_through_a_collector_with_a_failing_and_a_working_we
         assert "- **Time to detect**: 0.8 s" in out.read_text()
 
         out = tmp_path / "report.json"
-        posted = trainwarden("postmortem", sc.RUN, "--format", "json", "--out", str(out),
-                             "--post", recv.url("/hook"), "--price-per-gpu-hour", "3", "--url", url)  # fmt: skip
+        posted = trainwarden(
+            "postmortem",
+            sc.RUN,
+            "--format",
+            "json",
+            "--out",
+            str(out),
+            "--post",
+            recv.url("/hook"),
+            "--price-per-gpu-hour",
+            "3",
+            "--url",
+            url,
+        )
         assert posted.returncode == 0, posted.stderr
         assert "report posted to http://127.0.0.1:" in posted.stderr
         written = json.loads(out.read_text())
@@ -64,11 +92,15 @@ def test_note_and_postmortem_through_a_collector_with_a_failing_and_a_working_we
         assert "charts" not in got.body["report"]["incidents"][0]  # a webhook gets no chart data
         assert got.body["text"].startswith(f"# Post-mortem: run `{sc.RUN}`")
 
-        slack = trainwarden("postmortem", sc.RUN, "--post", recv.url("/slack"), "--post-kind", "slack", "--url", url)  # fmt: skip
+        slack = trainwarden(
+            "postmortem", sc.RUN, "--post", recv.url("/slack"), "--post-kind", "slack", "--url", url
+        )
         assert slack.returncode == 0, slack.stderr
         assert slack.stdout.startswith(f"# Post-mortem: run `{sc.RUN}`")  # no --out: stdout
         (chat,) = recv.got("/slack")
-        assert set(chat.body) == {"text"} and chat.body["text"].startswith(f"*Post-mortem: run `{sc.RUN}`*")  # fmt: skip
+        assert set(chat.body) == {"text"} and chat.body["text"].startswith(
+            f"*Post-mortem: run `{sc.RUN}`*"
+        )
     finally:
         recv.close()
 
@@ -86,8 +118,11 @@ def test_the_engine_posts_the_report_of_an_incident_when_it_closes(engine: Engin
     try:
         sc.rollback_incident(engine)  # everything resolved at T0+75
         clock = [sc.T0 + 76]
-        incidents = IncidentEngine(engine, IncidentSettings(cooldown_s=60, post_url=recv.url("/hook")),
-                                   clock=lambda: clock[0])  # fmt: skip
+        incidents = IncidentEngine(
+            engine,
+            IncidentSettings(cooldown_s=60, post_url=recv.url("/hook")),
+            clock=lambda: clock[0],
+        )
         (opened,) = incidents.run_once().opened
         assert recv.got("/hook") == []  # open: nothing to post yet
         clock[0] = sc.T0 + 75 + 60

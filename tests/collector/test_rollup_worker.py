@@ -93,8 +93,14 @@ def test_heatmap_from_bucket_maxima_equals_the_one_from_raw_rows(engine) -> None
 
     rng = __import__("random").Random(3)
     for rank in range(4):
-        body = batch(rank=rank, world_size=4,
-                     steps=[step(i, duration=(0.3 if rank == 2 else 0.1) + rng.random() / 100) for i in range(640)])  # fmt: skip
+        body = batch(
+            rank=rank,
+            world_size=4,
+            steps=[
+                step(i, duration=(0.3 if rank == 2 else 0.1) + rng.random() / 100)
+                for i in range(640)
+            ],
+        )
         with write(engine) as conn:
             ingest(conn, batch=IngestBatch.model_validate(body), now=T0)
     flush(engine, now=T0 + 1)
@@ -206,20 +212,26 @@ def test_the_recheck_reads_the_queued_steps_by_key_not_the_days_rows(pg_url: str
     with write(engine) as conn:
         conn.execute(text("TRUNCATE runs, rank_steps, rollup_queue RESTART IDENTITY CASCADE"))
         conn.execute(
-            text("INSERT INTO runs (name, created_at, updated_at, world_size) VALUES ('big', :t, :t, 512)"),
+            text(
+                "INSERT INTO runs (name, created_at, updated_at, world_size) VALUES ('big', :t, :t, 512)"
+            ),
             {"t": T0},
-        )  # fmt: skip
+        )
         conn.execute(
-            text("INSERT INTO rank_steps (run_id, step, rank, day, ts, recv_ts, duration_s) "
-                 "SELECT 1, s, r, :day, :t + s, :t + s, 1.0 "
-                 "FROM generate_series(0, 299) s, generate_series(0, 511) r"),
+            text(
+                "INSERT INTO rank_steps (run_id, step, rank, day, ts, recv_ts, duration_s) "
+                "SELECT 1, s, r, :day, :t + s, :t + s, 1.0 "
+                "FROM generate_series(0, 299) s, generate_series(0, 511) r"
+            ),
             {"day": day_of(T0), "t": T0},
-        )  # fmt: skip
+        )
         conn.execute(
-            text("INSERT INTO rollup_queue (run_id, step, first_seen, seen_n, newest, rolled_n, rolled_at) "
-                 "SELECT 1, s, :t + s, 513, :t + s, 512, :t + s FROM generate_series(290, 299) s"),
+            text(
+                "INSERT INTO rollup_queue (run_id, step, first_seen, seen_n, newest, rolled_n, rolled_at) "
+                "SELECT 1, s, :t + s, 513, :t + s, 512, :t + s FROM generate_series(290, 299) s"
+            ),
             {"t": T0},
-        )  # fmt: skip
+        )
     with engine.connect() as conn:
         conn.execute(text("ANALYZE rank_steps"))
         conn.execute(text("ANALYZE rollup_queue"))
@@ -266,7 +278,11 @@ def test_bucket_maxima_of_every_heatmap_metric_are_each_ranks_maxima(engine) -> 
                 if isinstance(value, float):
                     sent.setdefault((metric, rank, i // 16), []).append(value)
         with write(engine) as conn:
-            ingest(conn, batch=IngestBatch.model_validate(batch(rank=rank, world_size=3, steps=steps)), now=T0)  # fmt: skip
+            ingest(
+                conn,
+                batch=IngestBatch.model_validate(batch(rank=rank, world_size=3, steps=steps)),
+                now=T0,
+            )
     flush(engine, now=T0 + 1)
     k = m.rank_buckets.c
     with engine.connect() as conn:
@@ -290,9 +306,9 @@ def test_a_steps_rollup_is_queryable_before_its_heatmap_bucket_is_written(
 
     def watched(conn, groups):  # type: ignore[no-untyped-def]
         with engine.connect() as other:  # another session: what the series API sees
-            seen_then.append(other.execute(
-                select(func.count(func.distinct(m.step_stats.c.step)))
-            ).scalar_one())  # fmt: skip
+            seen_then.append(
+                other.execute(select(func.count(func.distinct(m.step_stats.c.step)))).scalar_one()
+            )
         real(conn, groups)
 
     monkeypatch.setattr(rollup_worker, "_bucket_maxima", watched)

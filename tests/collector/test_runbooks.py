@@ -73,8 +73,12 @@ def test_raw_html_in_a_runbook_is_shown_as_text(engine, tmp_path: Path) -> None:
 
 
 def trainwarden(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trainwarden.collector.cli", *args],
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "trainwarden.collector.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_serve_refuses_a_bad_rules_file_naming_file_rule_and_field(tmp_path: Path) -> None:
@@ -96,8 +100,11 @@ def test_serve_loads_your_rules_and_serves_your_runbooks(tmp_path: Path) -> None
         "# MyTeamExposedComm\n\nPage Ana.\n"
     )
     (tmp_path / "mine.yaml").write_text(MY_RULES)
-    server = start_serve(f"sqlite:///{tmp_path / 'tw.db'}", tmp_path / "serve.log",
-                         env={"TRAINWARDEN_RULES": str(tmp_path / "mine.yaml")})  # fmt: skip
+    server = start_serve(
+        f"sqlite:///{tmp_path / 'tw.db'}",
+        tmp_path / "serve.log",
+        env={"TRAINWARDEN_RULES": str(tmp_path / "mine.yaml")},
+    )
     try:
         names = [r["name"] for r in server.get("/api/v1/rules").json()]
         assert (

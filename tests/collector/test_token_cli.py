@@ -15,8 +15,12 @@ from ..conftest import create_token, start_serve, stop_serve
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trainwarden.collector.cli", *args],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "trainwarden.collector.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_create_list_and_revoke_against_a_running_collector(db_url: str, tmp_path: Path) -> None:
@@ -45,8 +49,9 @@ def test_create_list_and_revoke_against_a_running_collector(db_url: str, tmp_pat
         status = 200
         while time.monotonic() < deadline and status == 200:
             time.sleep(0.5)
-            status = httpx.get(f"{server.url}/api/v1/runs",
-                               headers={"Authorization": f"Bearer {viewer}"}).status_code  # fmt: skip
+            status = httpx.get(
+                f"{server.url}/api/v1/runs", headers={"Authorization": f"Bearer {viewer}"}
+            ).status_code
         assert status == 401
         assert "grafana" not in cli("token", "list", "--db", db_url).stdout
         assert "grafana" in cli("token", "list", "--all", "--db", db_url).stdout

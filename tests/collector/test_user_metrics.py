@@ -41,8 +41,10 @@ def series(client: TestClient, metric: str, **params: Any) -> dict[str, Any]:
 def test_user_metrics_roll_up_across_ranks(client: TestClient) -> None:
     values = {0: (1e-4, 0.50), 1: (1e-4, 0.20), 2: (1e-4, 0.90)}
     for rank, (lr, aux) in values.items():
-        steps = [with_metrics(0, lr=lr, **{"moe.aux_loss": aux}),
-                 with_metrics(1, lr=lr / 2, **{"moe.aux_loss": aux + 1})]  # fmt: skip
+        steps = [
+            with_metrics(0, lr=lr, **{"moe.aux_loss": aux}),
+            with_metrics(1, lr=lr / 2, **{"moe.aux_loss": aux + 1}),
+        ]
         ingest(client, batch(rank=rank, world_size=3, steps=steps))
 
     aux = series(client, "user.moe.aux_loss")
@@ -100,12 +102,17 @@ def test_bad_user_metrics_are_a_422_naming_them(client: TestClient, metrics, mes
 def columns(ranks: range, steps: range, metrics: Any) -> dict[str, Any]:
     rows = [(r, s) for s in steps for r in ranks]
     return {
-        "run": "r1", "world_size": len(ranks),
+        "run": "r1",
+        "world_size": len(ranks),
         "agents": [{"rank": r, "host": "node0", "session": f"s{r}"} for r in ranks],
-        "steps": {"rank": [r for r, _ in rows], "step": [s for _, s in rows],
-                  "ts": [1_700_000_000.0 + s for _, s in rows], "duration_s": [0.5] * len(rows),
-                  "metrics": [metrics(r, s) for r, s in rows]},
-    }  # fmt: skip
+        "steps": {
+            "rank": [r for r, _ in rows],
+            "step": [s for _, s in rows],
+            "ts": [1_700_000_000.0 + s for _, s in rows],
+            "duration_s": [0.5] * len(rows),
+            "metrics": [metrics(r, s) for r, s in rows],
+        },
+    }
 
 
 def test_columnar_user_metrics_and_a_replay_change_nothing(client: TestClient) -> None:
@@ -231,8 +238,9 @@ def test_user_metric_rollups_in_sql_equal_the_python_ones(engine) -> None:  # ty
         for i in range(10):
             user = {
                 name: rng.choice([0.5, 0.5, rng.random(), -rng.random(), None, "nan", "-inf"])
-                for name in ("lr", "aux.loss", "z") if rng.random() < 0.7 and i != 4
-            }  # fmt: skip
+                for name in ("lr", "aux.loss", "z")
+                if rng.random() < 0.7 and i != 4
+            }
             steps.append({**step(i), "metrics": user})
         body = batch(rank=rank, world_size=6, steps=steps)
         with write(engine) as conn:

@@ -63,9 +63,12 @@ def test_a_bad_batch_fails_alone_in_its_group(engine) -> None:  # type: ignore[n
     # Validated at the edge, yet refused by the database (a step without a duration).
     agent = AgentInfo(rank=16, world_size=64, host="n16", session="s16")
     bad = IngestBatch.model_construct(
-        run="w", agent=agent, steps=[StepIn.model_construct(step=0, ts=1_700_000_000.0, duration_s=None)],
-        events=[], gpu=[],
-    )  # fmt: skip
+        run="w",
+        agent=agent,
+        steps=[StepIn.model_construct(step=0, ts=1_700_000_000.0, duration_s=None)],
+        events=[],
+        gpu=[],
+    )
     refused = writer.submit(bad)
     gate.set()
     assert first.result(30).accepted_steps == 8 and good.result(30).accepted_steps == 16
@@ -95,9 +98,11 @@ def test_a_full_queue_refuses_new_requests(engine) -> None:  # type: ignore[no-u
 def test_one_agents_batch_and_a_node_batch_in_one_flush(engine) -> None:  # type: ignore[no-untyped-def]
     writer = IngestWriter(engine)
     agent = IngestBatch.model_validate(
-        {**batch(run="w", rank=63, world_size=64, steps=[step(0), step(1)]),
-         "events": [{"id": "e1", "kind": "xid", "ts": 1_700_000_000.0, "severity": "critical"}]}
-    )  # fmt: skip
+        {
+            **batch(run="w", rank=63, world_size=64, steps=[step(0), step(1)]),
+            "events": [{"id": "e1", "kind": "xid", "ts": 1_700_000_000.0, "severity": "critical"}],
+        }
+    )
     a, b = writer.submit(agent), writer.submit(node(0, range(2)))
     assert a.result(30).accepted_events == 1 and b.result(30).accepted_steps == 16
     again = writer.submit(agent).result(30)  # replayed: the event is not counted twice
@@ -145,9 +150,12 @@ def test_a_flushs_requests_from_an_event_loop_complete_in_one_callback(engine) -
     writer.on_flush = lambda *_: gate.wait(10)
     agent = AgentInfo(rank=16, world_size=64, host="n16", session="s16")
     bad = IngestBatch.model_construct(
-        run="w", agent=agent, steps=[StepIn.model_construct(step=0, ts=1_700_000_000.0, duration_s=None)],
-        events=[], gpu=[],
-    )  # fmt: skip
+        run="w",
+        agent=agent,
+        steps=[StepIn.model_construct(step=0, ts=1_700_000_000.0, duration_s=None)],
+        events=[],
+        gpu=[],
+    )
 
     async def main() -> tuple[list[object], int]:
         loop = asyncio.get_running_loop()
@@ -230,7 +238,11 @@ def test_new_steps_are_copied_straight_in_and_a_key_stored_meanwhile_falls_back_
 
     copied: list[str] = []
     real = ingest._copy
-    monkeypatch.setattr(ingest, "_copy", lambda conn, table, into, *a: (copied.append(into), real(conn, table, into, *a)))  # fmt: skip
+    monkeypatch.setattr(
+        ingest,
+        "_copy",
+        lambda conn, table, into, *a: (copied.append(into), real(conn, table, into, *a)),
+    )
 
     def request(*steps: dict[str, object]) -> IngestBatch:
         return IngestBatch.model_validate(batch(run="w", rank=3, world_size=8, steps=list(steps)))
@@ -245,17 +257,22 @@ def test_new_steps_are_copied_straight_in_and_a_key_stored_meanwhile_falls_back_
     with engine.connect() as conn:
         c = m.rank_steps.c
         stored = conn.execute(select(c.step, c.loss).order_by(c.step)).all()
-        queued = conn.execute(select(m.rollup_queue.c.step, m.rollup_queue.c.seen_n)
-                              .order_by(m.rollup_queue.c.step)).all()  # fmt: skip
+        queued = conn.execute(
+            select(m.rollup_queue.c.step, m.rollup_queue.c.seen_n).order_by(m.rollup_queue.c.step)
+        ).all()
     assert [tuple(r) for r in stored] == [(5, 1.0), (6, 0.5), (7, 1.0)]
     assert [tuple(r) for r in queued] == [(5, 1), (6, 2), (7, 1)]
     if not is_sqlite(engine):
         assert [t for t in copied if "rank_steps" in t] == [
-            "rank_steps", "rank_steps", "tw_stage_rank_steps"
-        ]  # fmt: skip
+            "rank_steps",
+            "rank_steps",
+            "tw_stage_rank_steps",
+        ]
 
 
-def test_a_step_run_twice_within_one_flush_keeps_the_later_and_the_earlier_as_replaced(engine) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_a_step_run_twice_within_one_flush_keeps_the_later_and_the_earlier_as_replaced(
+    engine,
+) -> None:  # type: ignore[no-untyped-def]
     # Under load a rank's first execution of steps and, after a rollback, its second can
     # wait in the same flush: the later one is stored, the earlier kept as replaced.
     from trainwarden.collector import ingest
@@ -267,8 +284,9 @@ def test_a_step_run_twice_within_one_flush_keeps_the_later_and_the_earlier_as_re
     first = [{**step(s, loss=9.0), "ts": 1_700_000_000.0 + s} for s in (5, 6)]
     again = [{**step(s, loss=1.0), "ts": 1_700_000_100.0 + s} for s in (5, 6)]
     with write(engine) as conn:  # the first execution replayed too (a retry after a timeout)
-        ingest.store_many(conn, [request(*first), request(*first), request(*again), request(*again)],
-                          now=100.0)  # fmt: skip
+        ingest.store_many(
+            conn, [request(*first), request(*first), request(*again), request(*again)], now=100.0
+        )
     with engine.connect() as conn:
         c, r = m.rank_steps.c, m.replaced_steps.c
         stored = conn.execute(select(c.step, c.loss).order_by(c.step)).all()
@@ -277,7 +295,9 @@ def test_a_step_run_twice_within_one_flush_keeps_the_later_and_the_earlier_as_re
     assert [tuple(x) for x in replaced] == [(5, 9.0, 100.0), (6, 9.0, 100.0)]  # once each
 
 
-def test_a_rollbacks_later_steps_in_a_flush_with_another_ranks_replay_are_kept_as_replaced(engine) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_a_rollbacks_later_steps_in_a_flush_with_another_ranks_replay_are_kept_as_replaced(
+    engine,
+) -> None:  # type: ignore[no-untyped-def]
     # After a rollback each rank's last step goes back with its first steps run again. A
     # rank whose next steps (past that new last step, but stored once already) share a
     # flush with another rank's first steps run again must have its earlier executions
@@ -286,8 +306,14 @@ def test_a_rollbacks_later_steps_in_a_flush_with_another_ranks_replay_are_kept_a
     from trainwarden.collector.db import write
 
     def request(rank: int, steps: range, *, t0: float, loss: float) -> IngestBatch:
-        return IngestBatch.model_validate(batch(run="w", rank=rank, world_size=8, steps=[
-            {**step(s, loss=loss), "ts": t0 + s} for s in steps]))  # fmt: skip
+        return IngestBatch.model_validate(
+            batch(
+                run="w",
+                rank=rank,
+                world_size=8,
+                steps=[{**step(s, loss=loss), "ts": t0 + s} for s in steps],
+            )
+        )
 
     first, again = 1_700_000_000.0, 1_700_000_100.0
     with write(engine) as conn:  # both ranks ran steps 0-5
@@ -297,22 +323,43 @@ def test_a_rollbacks_later_steps_in_a_flush_with_another_ranks_replay_are_kept_a
     with write(engine) as conn:  # rank 1 rolled back to 0 and sends 1-2 again first
         ingest.store_many(conn, [request(1, range(1, 3), t0=again, loss=1.0)], now=20.0)
     with write(engine) as conn:  # then rank 0's 1-2 again and rank 1's 3-4 again, one flush
-        ingest.store_many(conn, [request(0, range(1, 3), t0=again, loss=1.0),
-                                 request(1, range(3, 5), t0=again, loss=1.0)], now=30.0)  # fmt: skip
+        ingest.store_many(
+            conn,
+            [
+                request(0, range(1, 3), t0=again, loss=1.0),
+                request(1, range(3, 5), t0=again, loss=1.0),
+            ],
+            now=30.0,
+        )
     with engine.connect() as conn:
         c, r = m.rank_steps.c, m.replaced_steps.c
         stored = conn.execute(select(c.rank, c.step, c.loss).order_by(c.rank, c.step)).all()
         replaced = conn.execute(select(r.rank, r.step, r.loss).order_by(r.rank, r.step)).all()
     assert [tuple(x) for x in stored] == [
-        (0, 0, 9.0), (0, 1, 1.0), (0, 2, 1.0), (0, 3, 9.0), (0, 4, 9.0), (0, 5, 9.0),
-        (1, 0, 9.0), (1, 1, 1.0), (1, 2, 1.0), (1, 3, 1.0), (1, 4, 1.0), (1, 5, 9.0),
-    ]  # fmt: skip
+        (0, 0, 9.0),
+        (0, 1, 1.0),
+        (0, 2, 1.0),
+        (0, 3, 9.0),
+        (0, 4, 9.0),
+        (0, 5, 9.0),
+        (1, 0, 9.0),
+        (1, 1, 1.0),
+        (1, 2, 1.0),
+        (1, 3, 1.0),
+        (1, 4, 1.0),
+        (1, 5, 9.0),
+    ]
     assert [tuple(x) for x in replaced] == [
-        (0, 1, 9.0), (0, 2, 9.0), (1, 1, 9.0), (1, 2, 9.0), (1, 3, 9.0), (1, 4, 9.0)
-    ]  # fmt: skip
+        (0, 1, 9.0),
+        (0, 2, 9.0),
+        (1, 1, 9.0),
+        (1, 2, 9.0),
+        (1, 3, 9.0),
+        (1, 4, 9.0),
+    ]
 
 
-def test_steps_run_again_after_midnight_replace_those_of_the_day_before(engine) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_steps_run_again_after_midnight_replace_those_of_the_day_before(engine) -> None:  # type: ignore[no-untyped-def]
     # rank_steps is partitioned by day, so a step run again on the next day (a rollback
     # across midnight UTC) has a key of its own: no unique violation tells the COPY of new
     # steps that it was stored already. Every step up to the rank's highest ever stored
@@ -323,8 +370,14 @@ def test_steps_run_again_after_midnight_replace_those_of_the_day_before(engine) 
     midnight = 1_700_006_400.0  # 2023-11-15 00:00 UTC: day_of changes here
 
     def request(steps: range, *, t0: float, loss: float) -> IngestBatch:
-        return IngestBatch.model_validate(batch(run="w", rank=0, world_size=1, steps=[
-            {**step(s, loss=loss), "ts": t0 + s} for s in steps]))  # fmt: skip
+        return IngestBatch.model_validate(
+            batch(
+                run="w",
+                rank=0,
+                world_size=1,
+                steps=[{**step(s, loss=loss), "ts": t0 + s} for s in steps],
+            )
+        )
 
     with write(engine) as conn:  # steps 0-5 just before midnight
         ingest.store_many(conn, [request(range(6), t0=midnight - 10, loss=9.0)], now=10.0)

@@ -39,10 +39,18 @@ def main() -> None:
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     # The launcher's store outlives a restart: a prefix per attempt keeps the new ranks
     # from reading the previous attempt's gloo addresses (and timing out on them).
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timedelta(seconds=60))  # fmt: skip
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"restart-{restart}", store),
-                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))  # fmt: skip
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(seconds=60),
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"restart-{restart}", store),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(32, 32))
@@ -55,10 +63,17 @@ def main() -> None:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"] + 1
-    tw.init(run=a.run_name, url=a.url, flush_interval_s=0.3, heartbeat_s=1.0, profile_every=0,
-            config={"lr": a.lr, "every": a.every, "model": {"dim": 32}}, tags=["restart-drill"],
-            data_snapshot="synthetic-v1",
-            drill=f"die@rank=1,step={a.die_at}" if restart == 0 else None)  # fmt: skip
+    tw.init(
+        run=a.run_name,
+        url=a.url,
+        flush_interval_s=0.3,
+        heartbeat_s=1.0,
+        profile_every=0,
+        config={"lr": a.lr, "every": a.every, "model": {"dim": 32}},
+        tags=["restart-drill"],
+        data_snapshot="synthetic-v1",
+        drill=f"die@rank=1,step={a.die_at}" if restart == 0 else None,
+    )
     for step in range(start, a.steps):
         with tw.step(step, tokens=64) as s:
             x = torch.randn(64, 32)

@@ -44,7 +44,8 @@ rules:
 
 
 def notify_file(path: Path, am: str, recv: Receiver) -> Path:
-    path.write_text(textwrap.dedent(f"""\
+    path.write_text(
+        textwrap.dedent(f"""\
         receivers:
           - {{name: am, kind: alertmanager, url: "{am}"}}
           - {{name: pd, kind: pagerduty, routing_key: drill-key, url: "{recv.url("/pd")}"}}
@@ -53,7 +54,8 @@ def notify_file(path: Path, am: str, recv: Receiver) -> Path:
         routes:
           - {{match: {{severity: critical}}, receivers: [pd]}}
           - {{receivers: [am, chat, hook]}}
-        """))  # fmt: skip
+        """)
+    )
     return path
 
 
@@ -61,12 +63,35 @@ def launch(server: Server, run: str, drill: str, logs: Path) -> list[subprocess.
     port = free_port()
     procs = []
     for rank in range(2):  # each rank on its own (pretend) node: inhibition is per node
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": "0", "WORLD_SIZE": "2",
-               "NODE_NAME": f"node{rank}", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1", "TRAINWARDEN_DRILL": drill, "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
-               "TRAINWARDEN_GPU_INTERVAL": "1", "TRAINWARDEN_PROFILE_EVERY": "0"}  # fmt: skip
-        cmd = [sys.executable, "-m", "trainwarden.agent.demo_trainer", "--run-name", run, "--url",
-               server.url, "--steps", "90", "--work-ms", "60", "--batch-size", "16"]  # fmt: skip
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "NODE_NAME": f"node{rank}",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "TRAINWARDEN_DRILL": drill,
+            "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
+            "TRAINWARDEN_GPU_INTERVAL": "1",
+            "TRAINWARDEN_PROFILE_EVERY": "0",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainwarden.agent.demo_trainer",
+            "--run-name",
+            run,
+            "--url",
+            server.url,
+            "--steps",
+            "90",
+            "--work-ms",
+            "60",
+            "--batch-size",
+            "16",
+        ]
         log = (logs / f"{run}-rank{rank}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
@@ -78,7 +103,11 @@ def alerts(server: Server, **params: Any) -> list[dict[str, Any]]:
 
 
 def one(server: Server, rule: str, rank: int, state: str | None = None) -> dict[str, Any] | None:
-    found = [a for a in alerts(server, rule=rule) if a["rank"] == rank and (state is None or a["state"] == state)]  # fmt: skip
+    found = [
+        a
+        for a in alerts(server, rule=rule)
+        if a["rank"] == rank and (state is None or a["state"] == state)
+    ]
     return found[0] if found else None
 
 
@@ -94,7 +123,9 @@ def hook_got(recv: Receiver, path: str, alertname: str, status: str) -> list[Any
 
 # The embedded default; the alert engine runs on PostgreSQL in tests/collector/test_alerting.py.
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
-def test_drills_page_through_alertmanager_pagerduty_slack_and_webhooks(db_url: str, tmp_path: Path) -> None:  # fmt: skip
+def test_drills_page_through_alertmanager_pagerduty_slack_and_webhooks(
+    db_url: str, tmp_path: Path
+) -> None:
     recv = Receiver()
     run = "paged"
     with running_alertmanager(tmp_path, recv.url("/am")) as am:
@@ -102,9 +133,16 @@ def test_drills_page_through_alertmanager_pagerduty_slack_and_webhooks(db_url: s
         rules.write_text(DRILL_RULES)
         port = free_port()
         external = f"http://127.0.0.1:{port}"
-        server = start_serve(db_url, tmp_path / "serve.log", port=port, env={
-            "TRAINWARDEN_RULES": str(rules), "TRAINWARDEN_EXTERNAL_URL": external,
-            "TRAINWARDEN_NOTIFY": str(notify_file(tmp_path / "notify.yaml", am, recv))})  # fmt: skip
+        server = start_serve(
+            db_url,
+            tmp_path / "serve.log",
+            port=port,
+            env={
+                "TRAINWARDEN_RULES": str(rules),
+                "TRAINWARDEN_EXTERNAL_URL": external,
+                "TRAINWARDEN_NOTIFY": str(notify_file(tmp_path / "notify.yaml", am, recv)),
+            },
+        )
         drill = "xid=79@rank=0,step=10; loss_spike=50x@step=30; hang@rank=1,step=50,for=8s"
         procs = launch(server, run, drill, tmp_path)
         try:
@@ -113,8 +151,15 @@ def test_drills_page_through_alertmanager_pagerduty_slack_and_webhooks(db_url: s
             assert fatal["node"] == "node0" and fatal["action"] == "evict"
             assert fatal["runbook_url"] == f"{external}/runbooks/FatalXid"
             assert "XID 79" in fatal["annotations"]["description"]
-            pd = wait_for(lambda: [r for r in recv.got("/pd") if r.body["payload"]["summary"] and
-                                   r.body["dedup_key"] == fatal["fingerprint"]], 20, "PagerDuty trigger")  # fmt: skip
+            pd = wait_for(
+                lambda: [
+                    r
+                    for r in recv.got("/pd")
+                    if r.body["payload"]["summary"] and r.body["dedup_key"] == fatal["fingerprint"]
+                ],
+                20,
+                "PagerDuty trigger",
+            )
             assert (
                 pd[0].body["event_action"] == "trigger" and pd[0].body["routing_key"] == "drill-key"
             )
@@ -135,7 +180,11 @@ def test_drills_page_through_alertmanager_pagerduty_slack_and_webhooks(db_url: s
 
             (held,) = wait_for(lambda: in_alertmanager("FatalXid"), 20, "FatalXid in Alertmanager")
             assert held["annotations"]["runbook_url"] == fatal["runbook_url"]
-            assert (held["labels"]["rank"], held["labels"]["node"], held["labels"]["severity"]) == ("0", "node0", "critical")  # fmt: skip
+            assert (held["labels"]["rank"], held["labels"]["node"], held["labels"]["severity"]) == (
+                "0",
+                "node0",
+                "critical",
+            )
             wait_for(
                 lambda: hook_got(recv, "/am", "FatalXid", "firing"),
                 30,
@@ -193,7 +242,12 @@ def test_drills_page_through_alertmanager_pagerduty_slack_and_webhooks(db_url: s
 
             # Every delivery attempt is on record.
             detail = server.get(f"/api/v1/alerts/{fatal['id']}").json()
-            assert {(d["receiver"], d["ok"]) for d in detail["deliveries"]} >= {("pd", True), ("am", True), ("chat", True), ("hook", True)}  # fmt: skip
+            assert {(d["receiver"], d["ok"]) for d in detail["deliveries"]} >= {
+                ("pd", True),
+                ("am", True),
+                ("chat", True),
+                ("hook", True),
+            }
         finally:
             stop(procs)
             stop_serve(server)

@@ -15,8 +15,21 @@ from ..conftest import Server, create_token, start_serve, stop_serve
 def train(server: Server, run: str, *, token: str | None, start: int, steps: int) -> str:
     # One process, no launcher (torchrun's own start-up is ~3 s a run here; the launcher is
     # tested in test_restart_drill and test_training).
-    cmd = [sys.executable, "-m", "trainwarden.agent.demo_trainer", "--url", server.url,
-           "--run-name", run, "--steps", str(steps), "--start-step", str(start), "--data-delay", "0"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainwarden.agent.demo_trainer",
+        "--url",
+        server.url,
+        "--run-name",
+        run,
+        "--steps",
+        str(steps),
+        "--start-step",
+        str(start),
+        "--data-delay",
+        "0",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINWARDEN_FLUSH_INTERVAL": "0.2"}
     for name in ("TRAINWARDEN_TOKEN", "RANK", "LOCAL_RANK", "WORLD_SIZE"):
         env.pop(name, None)

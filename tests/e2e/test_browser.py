@@ -79,7 +79,9 @@ USER_TRACES = (
 )
 
 
-def test_the_trainers_own_metrics_are_picked_and_drawn_on_the_run_page(server: Server, page) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+def test_the_trainers_own_metrics_are_picked_and_drawn_on_the_run_page(
+    server: Server, page
+) -> None:  # type: ignore[no-untyped-def]
     ranks = agents(server, "ui-user")
     for step in range(12):
         for rank, agent in enumerate(ranks):

@@ -20,9 +20,21 @@ RUN = "ui-alerts"
 
 def ingest_xid(server: Server, *, run: str = RUN, code: int = 79) -> None:
     now = time.time()
-    body = batch(run, rank=0, world_size=1, steps=[{**step(1), "ts": now - 1}],
-                 events=[{"id": f"xid-{now}", "kind": "xid", "ts": now, "severity": "critical",
-                          "data": {"code": code}}])  # fmt: skip
+    body = batch(
+        run,
+        rank=0,
+        world_size=1,
+        steps=[{**step(1), "ts": now - 1}],
+        events=[
+            {
+                "id": f"xid-{now}",
+                "kind": "xid",
+                "ts": now,
+                "severity": "critical",
+                "data": {"code": code},
+            }
+        ],
+    )
     body["agent"].update(sent_at=now, heartbeat_s=2.0, last_step=1, last_step_end=now)
     response = httpx.post(f"{server.url}/api/v1/ingest", json=body, timeout=10)
     assert response.status_code == 200, response.text

@@ -26,8 +26,10 @@ SPIKE = (40, 2)  # (step, rank) of the loss spike
 T0 = time.time() - 600  # the steps' wall clock: in the past (the collector refuses the future)
 PLOT = "document.querySelector('#run-overview .js-plotly-plot')"
 # The x-range of each of the figure's six rows, as drawn now.
-X_RANGES = f"[1, 2, 3, 4, 5, 6].map(i => {PLOT}._fullLayout['xaxis' + (i > 1 ? i : '')].range.map(Number))"  # fmt: skip
-MEDIAN_POINTS = f"(({PLOT} || {{}}).data || []).filter(t => t.name === 'loss median').map(t => t.x.length)[0] || 0"  # fmt: skip
+X_RANGES = (
+    f"[1, 2, 3, 4, 5, 6].map(i => {PLOT}._fullLayout['xaxis' + (i > 1 ? i : '')].range.map(Number))"
+)
+MEDIAN_POINTS = f"(({PLOT} || {{}}).data || []).filter(t => t.name === 'loss median').map(t => t.x.length)[0] || 0"
 
 
 @pytest.fixture(scope="module")
@@ -42,10 +44,17 @@ def a_step(n: int, rank: int) -> dict[str, Any]:
     loss = 4.0 / (1 + n * 0.1) + 0.05 * rank
     spike = (n, rank) == SPIKE
     row: dict[str, Any] = {
-        "step": n, "ts": T0 + n, "duration_s": 0.1 + 0.01 * rank, "data_wait_s": 0.01,
-        "tokens": 512, "loss": 30.0 if spike else loss, "grad_norm": 1.0 + 0.01 * (n % 7),
-        "compute_s": 0.07, "overlapped_comm_s": 0.02, "exposed_comm_s": 0.02,
-    }  # fmt: skip
+        "step": n,
+        "ts": T0 + n,
+        "duration_s": 0.1 + 0.01 * rank,
+        "data_wait_s": 0.01,
+        "tokens": 512,
+        "loss": 30.0 if spike else loss,
+        "grad_norm": 1.0 + 0.01 * (n % 7),
+        "compute_s": 0.07,
+        "overlapped_comm_s": 0.02,
+        "exposed_comm_s": 0.02,
+    }
     if spike:
         row["flags"] = ["loss_spike"]
     return row
@@ -55,8 +64,13 @@ def send(
     server: Server, steps: range, events: dict[int, list[dict[str, Any]]] | None = None
 ) -> None:
     for rank in range(WORLD):
-        body = batch(RUN, rank=rank, world_size=WORLD, steps=[a_step(n, rank) for n in steps],
-                     events=(events or {}).get(rank, []))  # fmt: skip
+        body = batch(
+            RUN,
+            rank=rank,
+            world_size=WORLD,
+            steps=[a_step(n, rank) for n in steps],
+            events=(events or {}).get(rank, []),
+        )
         now = time.time()
         body["agent"].update(sent_at=now, heartbeat_s=2.0, last_step=steps[-1], last_step_end=now)
         response = httpx.post(f"{server.url}/api/v1/ingest", json=body, timeout=10)
@@ -69,15 +83,33 @@ def seeded(server: Server) -> Server:
     an XID 79 on rank 1 at step 50, reported now (FatalXid fires; the alert engine reads
     recent events only)."""
     events = {
-        0: [{"id": "ckpt-20", "kind": "checkpoint", "ts": T0 + 20.5, "step": 20,
-             "data": {"path": "/ckpt/step-20"}},
-            {"id": "restart-30", "kind": "restart", "ts": T0 + 30.2, "step": 30}],
-        1: [{"id": "xid-50", "kind": "xid", "ts": time.time(), "step": 50, "severity": "critical",
-             "data": {"code": 79}}],
-    }  # fmt: skip
+        0: [
+            {
+                "id": "ckpt-20",
+                "kind": "checkpoint",
+                "ts": T0 + 20.5,
+                "step": 20,
+                "data": {"path": "/ckpt/step-20"},
+            },
+            {"id": "restart-30", "kind": "restart", "ts": T0 + 30.2, "step": 30},
+        ],
+        1: [
+            {
+                "id": "xid-50",
+                "kind": "xid",
+                "ts": time.time(),
+                "step": 50,
+                "severity": "critical",
+                "data": {"code": 79},
+            }
+        ],
+    }
     send(server, range(60), events)
-    wait_for(lambda: server.get("/api/v1/alerts", run=RUN, rule="FatalXid", state="firing").json(),
-             20, "FatalXid firing")  # fmt: skip
+    wait_for(
+        lambda: server.get("/api/v1/alerts", run=RUN, rule="FatalXid", state="firing").json(),
+        20,
+        "FatalXid firing",
+    )
     return server
 
 
@@ -104,9 +136,21 @@ def test_overview_draws_every_row_with_markers_and_updates_live(seeded: Server, 
     assert not any("polyfill@" in u for u in requested), requested
     page.wait_for_function(f"{MEDIAN_POINTS} >= 60", timeout=15_000)
     drawn = names(page)
-    for name in ("tokens/s", "MFU", "loss median", "grad norm median", "compute",
-                 "exposed comm", "overlapped comm", "data wait", "loss spike", "rank 2",
-                 "checkpoint", "restart", "alert"):  # fmt: skip
+    for name in (
+        "tokens/s",
+        "MFU",
+        "loss median",
+        "grad norm median",
+        "compute",
+        "exposed comm",
+        "overlapped comm",
+        "data wait",
+        "loss spike",
+        "rank 2",
+        "checkpoint",
+        "restart",
+        "alert",
+    ):
         if name == "MFU":
             continue  # no FLOPs reported: the row says how to get MFU instead
         assert name in drawn, (name, drawn)
@@ -224,9 +268,19 @@ def test_a_small_mfu_reads_as_a_percentage_on_its_ticks_and_hover(
     whole percent printed "0%" on every tick) and the hover says %, not an SI "4.5m"."""
     run, peak = "ui-mfu", 1e12
     mfu = [0.004 + 0.0005 * (n % 4) for n in range(30)]
-    steps = [{"step": n, "ts": T0 + n, "duration_s": 0.1, "tokens": 512, "loss": 2.0,
-              "flops": m * 0.1 * peak, "peak_flops": peak, "mfu": m}
-             for n, m in enumerate(mfu)]  # fmt: skip
+    steps = [
+        {
+            "step": n,
+            "ts": T0 + n,
+            "duration_s": 0.1,
+            "tokens": 512,
+            "loss": 2.0,
+            "flops": m * 0.1 * peak,
+            "peak_flops": peak,
+            "mfu": m,
+        }
+        for n, m in enumerate(mfu)
+    ]
     body = batch(run, rank=0, world_size=1, steps=steps)
     assert httpx.post(f"{server.url}/api/v1/ingest", json=body, timeout=10).status_code == 200
     open_overview(page, f"{server.url}/runs/{run}")

@@ -47,10 +47,19 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def seed(server: Server) -> None:
     """Four ranks train in lockstep; every step does 10 ms of real work."""
     ranks = [
-        Agent(AgentConfig.resolve(run=RUN, url=server.url, rank=r, world_size=WORLD,
-                                  flush_interval_s=0.1, drill=DRILL, gpu_interval_s=0.2))
+        Agent(
+            AgentConfig.resolve(
+                run=RUN,
+                url=server.url,
+                rank=r,
+                world_size=WORLD,
+                flush_interval_s=0.1,
+                drill=DRILL,
+                gpu_interval_s=0.2,
+            )
+        )
         for r in range(WORLD)
-    ]  # fmt: skip
+    ]
     for step in range(STEPS):
         for rank, agent in enumerate(ranks):
             with agent.step(step, tokens=512) as s:
@@ -80,8 +89,10 @@ def heatmap(page: Any, graph: str) -> dict[str, Any]:
 
         rows, cols = (int(n) for n in str(z["shape"]).split(","))
         flat = np.frombuffer(base64.b64decode(z["bdata"]), dtype=z["dtype"])
-        z = [[None if np.isnan(v) else float(v) for v in flat[i * cols : (i + 1) * cols]]
-             for i in range(rows)]  # fmt: skip
+        z = [
+            [None if np.isnan(v) else float(v) for v in flat[i * cols : (i + 1) * cols]]
+            for i in range(rows)
+        ]
     found["z"] = z
     return found
 
@@ -147,7 +158,9 @@ def test_a_user_metric_is_picked_and_drawn_per_rank(server: Server, page: Any) -
     assert page.errors == []
 
 
-def test_clicking_a_rank_shows_its_detail_and_keeps_it_in_the_url(server: Server, page: Any) -> None:  # fmt: skip
+def test_clicking_a_rank_shows_its_detail_and_keeps_it_in_the_url(
+    server: Server, page: Any
+) -> None:
     page.goto(f"{server.url}/runs/{RUN}/ranks")
     heatmap(page, "ranks-step_time")
     page.locator("#ranks-states .rank-row").first.wait_for(timeout=10_000)  # layout settled
@@ -218,7 +231,9 @@ def test_clicking_a_rank_shows_its_detail_and_keeps_it_in_the_url(server: Server
     assert page.errors == []
 
 
-def test_hardware_page_lists_the_xid_with_its_meaning_and_the_hot_gpu(server: Server, page: Any) -> None:  # fmt: skip
+def test_hardware_page_lists_the_xid_with_its_meaning_and_the_hot_gpu(
+    server: Server, page: Any
+) -> None:
     page.goto(f"{server.url}/runs/{RUN}/hardware")
     xid = page.locator("#hw-xids .xid-row", has_text="XID 79")
     xid.wait_for(timeout=20_000)

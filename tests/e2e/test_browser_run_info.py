@@ -26,9 +26,14 @@ BARS = """(sel) => {
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("ui-run-info")
-    server = start_serve(f"sqlite:///{tmp / 'ui.db'}", tmp / "serve.log",
-                         env={"TRAINWARDEN_PRICE_PER_GPU_HOUR": str(sc.PRICE),
-                              "TRAINWARDEN_MTBF_HOURS": str(sc.MTBF_HOURS)})  # fmt: skip
+    server = start_serve(
+        f"sqlite:///{tmp / 'ui.db'}",
+        tmp / "serve.log",
+        env={
+            "TRAINWARDEN_PRICE_PER_GPU_HOUR": str(sc.PRICE),
+            "TRAINWARDEN_MTBF_HOURS": str(sc.MTBF_HOURS),
+        },
+    )
 
     def post(body: dict[str, Any]) -> None:
         r = httpx.post(f"{server.url}/api/v1/ingest", json=body, timeout=30)
@@ -37,8 +42,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     try:
         sc.seed(post)
         # serve's rollup worker: the steps' time is what goodput keeps
-        wait_for(lambda: server.get(f"/api/v1/runs/{sc.RUN}/economics").json()["goodput"]["kept_steps"] > 0,
-                 30, "the step rollups")  # fmt: skip
+        wait_for(
+            lambda: (
+                server.get(f"/api/v1/runs/{sc.RUN}/economics").json()["goodput"]["kept_steps"] > 0
+            ),
+            30,
+            "the step rollups",
+        )
     except BaseException:
         stop_serve(server)
         raise
@@ -46,7 +56,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     stop_serve(server)
 
 
-def test_the_run_page_shows_identity_attempts_goodput_and_the_advice(server: Server, page: Any) -> None:  # fmt: skip
+def test_the_run_page_shows_identity_attempts_goodput_and_the_advice(
+    server: Server, page: Any
+) -> None:
     page.goto(f"{server.url}/runs/{sc.RUN}/info")
     page.locator("#ri-config").wait_for(timeout=20_000)
     config = page.locator("#ri-config").inner_text()
@@ -63,7 +75,14 @@ def test_the_run_page_shows_identity_attempts_goodput_and_the_advice(server: Ser
     assert shown == pytest.approx(100 * econ["goodput"]["ettr"], abs=0.3)
     # The breakdown, drawn: one stacked bar of six parts that add up to the allocation.
     drawn = page.wait_for_function(BARS, arg="#ri-breakdown", timeout=20_000).json_value()
-    assert [name for name, _ in drawn] == ["kept", "replayed", "recovery", "checkpoint", "data wait", "other"]  # fmt: skip
+    assert [name for name, _ in drawn] == [
+        "kept",
+        "replayed",
+        "recovery",
+        "checkpoint",
+        "data wait",
+        "other",
+    ]
     assert sum(x for _, x in drawn) == pytest.approx(100, abs=0.01)
     # T* = sqrt(2 x 20 s x 7 h) = 1004 s; every 2.4 h is too rare.
     assert page.locator("#ri-tstar").inner_text().startswith("17 min")

@@ -53,16 +53,26 @@ def position(texts: list[str], part: str) -> int:
     return found[0]
 
 
-def test_an_incident_shows_its_entries_in_order_its_figures_and_downloads(server: Server, page: Any) -> None:  # fmt: skip
+def test_an_incident_shows_its_entries_in_order_its_figures_and_downloads(
+    server: Server, page: Any
+) -> None:
     n = incident_id(server)
     page.goto(f"{server.url}/runs/{sc.RUN}/timeline?incident={n}")
     page.locator(f"#tl-inc-{n}.tl-inc-selected").wait_for(timeout=20_000)  # the URL selected it
     page.locator("#tl-entries tr.tl-entry").first.wait_for(timeout=20_000)
     texts = entry_texts(page)
-    order = [position(texts, part) for part in (
-        "fault injected (drill): loss_spike=50x@step=35", "LossSpike pending", "LossSpike firing",
-        "delivered to hook", "rollback executing", "rollback done", "recovered: step 40",
-    )]  # fmt: skip
+    order = [
+        position(texts, part)
+        for part in (
+            "fault injected (drill): loss_spike=50x@step=35",
+            "LossSpike pending",
+            "LossSpike firing",
+            "delivered to hook",
+            "rollback executing",
+            "rollback done",
+            "recovered: step 40",
+        )
+    ]
     assert order == sorted(order), texts
     # The alert's rows link to its runbook; the firing alert is critical.
     firing = page.locator("#tl-entries tr.tl-alert", has_text="LossSpike firing")
@@ -92,12 +102,15 @@ def test_an_incident_shows_its_entries_in_order_its_figures_and_downloads(server
         got = httpx.get(server.url + href, timeout=30)
         assert got.status_code == 200, got.text
         assert got.headers["content-type"].startswith(media)
-        assert f'filename="postmortem-{sc.RUN}-incident-{n}.{fmt}"' in got.headers["content-disposition"]  # fmt: skip
+        assert (
+            f'filename="postmortem-{sc.RUN}-incident-{n}.{fmt}"'
+            in got.headers["content-disposition"]
+        )
     assert "Traceback" not in page.content()
     assert page.errors == []
 
 
-def test_a_note_from_the_form_joins_the_timeline_and_the_logbook(server: Server, page: Any) -> None:  # fmt: skip
+def test_a_note_from_the_form_joins_the_timeline_and_the_logbook(server: Server, page: Any) -> None:
     n = incident_id(server)
     page.goto(f"{server.url}/runs/{sc.RUN}/timeline?incident={n}")
     page.locator("#tl-entries tr.tl-entry").first.wait_for(timeout=20_000)
@@ -107,7 +120,9 @@ def test_a_note_from_the_form_joins_the_timeline_and_the_logbook(server: Server,
     page.fill("#tl-note-text", "checked the loss curve: the rollback took")
     page.click("#tl-note-add")
     page.locator("#tl-feedback", has_text="added to run").wait_for(timeout=10_000)
-    page.locator("#tl-entries tr.tl-note", has_text="ana: checked the loss curve").wait_for(timeout=10_000)  # fmt: skip
+    page.locator("#tl-entries tr.tl-note", has_text="ana: checked the loss curve").wait_for(
+        timeout=10_000
+    )
     assert page.input_value("#tl-note-text") == ""  # ready for the next one
     notes = server.get(f"/api/v1/runs/{sc.RUN}/notes").json()
     assert [(x["author"], x["text"], x["incident"]) for x in notes] == [
@@ -116,7 +131,9 @@ def test_a_note_from_the_form_joins_the_timeline_and_the_logbook(server: Server,
     assert page.errors == []
 
 
-def test_whole_run_no_incidents_unknown_incident_and_missing_run_say_so(server: Server, page: Any) -> None:  # fmt: skip
+def test_whole_run_no_incidents_unknown_incident_and_missing_run_say_so(
+    server: Server, page: Any
+) -> None:
     page.goto(f"{server.url}/runs/{CALM}/timeline")
     page.locator("#tl-incidents .notice", has_text="No incidents").wait_for(timeout=20_000)
     assert page.locator("#tl-inc-all.tl-inc-selected").count() == 1
@@ -124,7 +141,9 @@ def test_whole_run_no_incidents_unknown_incident_and_missing_run_say_so(server: 
 
     n = incident_id(server)
     page.goto(f"{server.url}/runs/{sc.RUN}/timeline?incident=999")
-    page.locator("#tl-notice .notice-error", has_text="has no incident 999").wait_for(timeout=20_000)  # fmt: skip
+    page.locator("#tl-notice .notice-error", has_text="has no incident 999").wait_for(
+        timeout=20_000
+    )
     page.locator("#tl-entries tr.tl-entry").first.wait_for(timeout=10_000)  # the whole run
     page.locator(f"#tl-inc-{n}").click()  # picking it from the list: the URL follows
     page.wait_for_url(f"**/timeline?incident={n}", timeout=10_000)

@@ -12,12 +12,28 @@ from pathlib import Path
 from ..conftest import ROOT
 
 
-def test_nothing_is_lost_or_duplicated_through_kills_a_database_restart_and_a_cut(tmp_path: Path) -> None:  # fmt: skip
+def test_nothing_is_lost_or_duplicated_through_kills_a_database_restart_and_a_cut(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "chaos.json"
     run = subprocess.run(
-        [sys.executable, "chaos.py", "--ranks", "2", "--seconds", "40", "--cut-s", "8", "--json", str(out)],
-        cwd=ROOT / "bench", capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "chaos.py",
+            "--ranks",
+            "2",
+            "--seconds",
+            "40",
+            "--cut-s",
+            "8",
+            "--json",
+            str(out),
+        ],
+        cwd=ROOT / "bench",
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     print(run.stdout)
     f = json.loads(out.read_text())

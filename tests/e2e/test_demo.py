@@ -55,7 +55,10 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
     assert f"runbook: http://127.0.0.1:{port}/runbooks/FatalXid" in result.stdout
     assert "critical LossSpike: run: loss" in result.stdout, result.stdout
     assert "evict    done     dry-run  rule:FatalXid: dry run, nothing done" in result.stdout
-    assert "rollback done     auto     rule:LossSpike: every rank (2) restored the checkpoint of step 250 after step" in result.stdout, result.stdout  # fmt: skip
+    assert (
+        "rollback done     auto     rule:LossSpike: every rank (2) restored the checkpoint of step 250 after step"
+        in result.stdout
+    ), result.stdout
     # Nothing the demo did not inject: its input pipeline is healthy (it was not).
     assert "DataLoaderStall" not in result.stdout, result.stdout
 
@@ -63,7 +66,12 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
     assert db.exists()
     with make_engine(f"sqlite:///{db}").connect() as conn:
         (run,) = list_runs(conn)
-        assert (run.world_size, run.ranks_seen, run.last_step, run.status) == (2, 2, STEPS - 1, "finished")  # fmt: skip
+        assert (run.world_size, run.ranks_seen, run.last_step, run.status) == (
+            2,
+            2,
+            STEPS - 1,
+            "finished",
+        )
         loss = series(conn, run=run.name, metric="loss")
         assert loss.n == [2] * STEPS
         # After the rollback the replayed steps are the ones kept, and the loss is back on

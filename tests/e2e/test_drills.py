@@ -22,17 +22,40 @@ from ..conftest import Server, free_port
 HEARTBEAT_S = 2.0
 
 
-def launch(server: Server, run: str, *, world: int, drill: str, steps: int, work_ms: float,
-           logs: Path) -> list[subprocess.Popen]:  # fmt: skip
+def launch(
+    server: Server, run: str, *, world: int, drill: str, steps: int, work_ms: float, logs: Path
+) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "TRAINWARDEN_DRILL": drill, "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
-               "TRAINWARDEN_GPU_INTERVAL": "1", "TRAINWARDEN_PROFILE_EVERY": "0"}  # fmt: skip
-        cmd = [sys.executable, "-m", "trainwarden.agent.demo_trainer", "--run-name", run, "--url", server.url,
-               "--steps", str(steps), "--work-ms", str(work_ms), "--batch-size", "16"]  # fmt: skip
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "TRAINWARDEN_DRILL": drill,
+            "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
+            "TRAINWARDEN_GPU_INTERVAL": "1",
+            "TRAINWARDEN_PROFILE_EVERY": "0",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainwarden.agent.demo_trainer",
+            "--run-name",
+            run,
+            "--url",
+            server.url,
+            "--steps",
+            str(steps),
+            "--work-ms",
+            str(work_ms),
+            "--batch-size",
+            "16",
+        ]
         log = (logs / f"{run}-rank{rank}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
@@ -73,17 +96,24 @@ def test_two_rank_drills_show_the_right_states_events_and_flags(
     live_server: Server, tmp_path: Path
 ) -> None:
     run = "drill2"
-    drill = ("thermal=92C@rank=0,step=5; slow=1.5x@rank=1,steps=10-40; xid=79@rank=1,step=12; "
-             "loss_spike=50x@step=46; hang@rank=1,step=55,for=14s; die@rank=1,step=70")  # fmt: skip
+    drill = (
+        "thermal=92C@rank=0,step=5; slow=1.5x@rank=1,steps=10-40; xid=79@rank=1,step=12; "
+        "loss_spike=50x@step=46; hang@rank=1,step=55,for=14s; die@rank=1,step=70"
+    )
     procs = launch(live_server, run, world=2, drill=drill, steps=90, work_ms=60, logs=tmp_path)
     try:
         dead = wait_for(lambda: state_changes(live_server, run, 1, "dead"), 150, "rank 1 dead")[0]
         # gloo sees the peer's socket close and raises in rank 0 (NCCL would block it
         # instead, and rank 0 would show as hung, waiting on rank 1).
         rank0 = wait_for(
-            lambda: [r for r in live_server.get(f"/api/v1/runs/{run}/ranks").json()
-                     if r["rank"] == 0 and r["state"] in ("failed", "hung")],
-            30, "rank 0 failed or blocked behind the dead rank")[0]  # fmt: skip
+            lambda: [
+                r
+                for r in live_server.get(f"/api/v1/runs/{run}/ranks").json()
+                if r["rank"] == 0 and r["state"] in ("failed", "hung")
+            ],
+            30,
+            "rank 0 failed or blocked behind the dead rank",
+        )[0]
     finally:
         codes = stop(procs)
     assert codes[1] == 75, "the die drill exits with its documented code"
@@ -134,9 +164,11 @@ def test_two_rank_drills_show_the_right_states_events_and_flags(
         "Connection closed by peer" in reason or "Connection reset by peer" in reason
     ), reason
 
-    print(f"\nstraggler flagged {flagged_after} steps after the slowdown began; "
-          f"hung flagged {hung_latency:.1f} s after the last progress; "
-          f"dead flagged {dead_latency:.1f} s after the process died")  # fmt: skip
+    print(
+        f"\nstraggler flagged {flagged_after} steps after the slowdown began; "
+        f"hung flagged {hung_latency:.1f} s after the last progress; "
+        f"dead flagged {dead_latency:.1f} s after the process died"
+    )
 
 
 def test_one_slow_rank_among_eight_is_the_only_one_flagged(tmp_path: Path) -> None:
@@ -145,8 +177,15 @@ def test_one_slow_rank_among_eight_is_the_only_one_flagged(tmp_path: Path) -> No
     server = start_serve(f"sqlite:///{tmp_path / 'eight.db'}", tmp_path / "serve.log")
     run = "drill8"
     try:
-        procs = launch(server, run, world=8, drill="slow=1.3x@rank=5,steps=10-69", steps=70, work_ms=80,
-                       logs=tmp_path)  # fmt: skip
+        procs = launch(
+            server,
+            run,
+            world=8,
+            drill="slow=1.3x@rank=5,steps=10-69",
+            steps=70,
+            work_ms=80,
+            logs=tmp_path,
+        )
         assert [p.wait(timeout=240) for p in procs] == [0] * 8
         time.sleep(1.5)  # one more evaluation
         changes = [e for e in events(server, run, "rank_state") if e["data"]["to"] == "slow"]

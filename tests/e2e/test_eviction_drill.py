@@ -37,14 +37,16 @@ def backend_spec(kind: str, cluster: SlurmCluster, tmp_path: Path) -> str:
         return f"{{backend: slurm, env: {{SLURM_CONF: '{cluster.conf}'}}}}"
     # A site's own script: drain through scontrol, then requeue the run's job.
     script = tmp_path / "drain.sh"
-    script.write_text(textwrap.dedent(f"""\
+    script.write_text(
+        textwrap.dedent(f"""\
         #!/bin/bash
         set -eu
         export SLURM_CONF={cluster.conf}
         echo "$@" >> {tmp_path}/drain-calls.txt
         scontrol update NodeName="$1" State=DRAIN Reason="$2"
         for job in $(squeue -h -w "$1" -n "$3" -o %i); do scontrol requeue "$job"; done
-        """))  # fmt: skip
+        """)
+    )
     script.chmod(0o755)
     return f"{{backend: command, argv: ['{script}', '{{node}}', '{{reason}}', '{{run}}']}}"
 
@@ -56,12 +58,14 @@ def test_fatal_xid_drains_the_node_and_the_job_resumes_without_it(
     cluster.reset()
     db_url = f"sqlite:///{tmp_path / 'tw.db'}"
     actions = tmp_path / "actions.yaml"
-    actions.write_text(textwrap.dedent(f"""\
+    actions.write_text(
+        textwrap.dedent(f"""\
         evict:
           mode: auto
           backend: {backend_spec(kind, cluster, tmp_path)}
           max_nodes_fraction_per_hour: 0.5   # one node of two
-        """))  # fmt: skip
+        """)
+    )
     port = free_port()
     server = start_serve(
         db_url, tmp_path / "serve.log", port=port, env={"TRAINWARDEN_ACTIONS": str(actions)}
@@ -69,7 +73,8 @@ def test_fatal_xid_drains_the_node_and_the_job_resumes_without_it(
     run = f"evict-{kind}-{uuid.uuid4().hex[:6]}"
     ckpt = tmp_path / "ckpt"
     task = tmp_path / "task.sh"
-    task.write_text(textwrap.dedent(f"""\
+    task.write_text(
+        textwrap.dedent(f"""\
         #!/bin/bash
         export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=0 OMP_NUM_THREADS=1
         export MASTER_ADDR=127.0.0.1 MASTER_PORT=$(( {free_port()} + ${{SLURM_RESTART_COUNT:-0}} ))
@@ -78,11 +83,18 @@ def test_fatal_xid_drains_the_node_and_the_job_resumes_without_it(
         echo "attempt ${{SLURM_RESTART_COUNT:-0}}: rank $RANK of $WORLD_SIZE on $SLURMD_NODENAME"
         exec {sys.executable} -m trainwarden.agent.demo_trainer --run-name {run} --url {server.url} \\
             --steps {STEPS} --work-ms 100 --batch-size 16 --checkpoint-dir {ckpt} --checkpoint-every 10
-        """))  # fmt: skip
+        """)
+    )
     task.chmod(0o755)
     try:
-        job = cluster.sbatch("--requeue", "-N1-2", "--open-mode=append", "-J", run,
-                             script=f"srun --ntasks-per-node=1 {task}")  # fmt: skip
+        job = cluster.sbatch(
+            "--requeue",
+            "-N1-2",
+            "--open-mode=append",
+            "-J",
+            run,
+            script=f"srun --ntasks-per-node=1 {task}",
+        )
         cluster.wait_job(job, "COMPLETED", timeout=180)
         out = cluster.output(job)
         assert (
@@ -101,10 +113,21 @@ def test_fatal_xid_drains_the_node_and_the_job_resumes_without_it(
             "node2"
         )
 
-        (action,) = wait_for(lambda: [a for a in server.get("/api/v1/actions", run=run).json()
-                                      if a["state"] in ("done", "failed")], 60, "the eviction done")  # fmt: skip
+        (action,) = wait_for(
+            lambda: [
+                a
+                for a in server.get("/api/v1/actions", run=run).json()
+                if a["state"] in ("done", "failed")
+            ],
+            60,
+            "the eviction done",
+        )
         assert (action["state"], action["kind"], action["node"], action["trigger"]) == (
-            "done", "evict", "node2", "rule:FatalXid"), action  # fmt: skip
+            "done",
+            "evict",
+            "node2",
+            "rule:FatalXid",
+        ), action
         if kind == "slurm":
             assert any("State=DRAIN" in s for s in action["result"]["steps"])
             assert any("requeuehold" in s for s in action["result"]["steps"])
@@ -115,8 +138,16 @@ def test_fatal_xid_drains_the_node_and_the_job_resumes_without_it(
         assert max(series["step"]) == STEPS - 1
         # Two attempts (Slurm's restart count): the first ended by the eviction, on 2 nodes;
         # the second ran on node1 alone and completed.
-        tries = wait_for(lambda: (t := server.get(f"/api/v1/runs/{run}/attempts").json())
-                         and len(t) == 2 and t[1]["state"] == "ended" and t, 30, "two attempts")  # fmt: skip
+        tries = wait_for(
+            lambda: (
+                (t := server.get(f"/api/v1/runs/{run}/attempts").json())
+                and len(t) == 2
+                and t[1]["state"] == "ended"
+                and t
+            ),
+            30,
+            "two attempts",
+        )
         assert [(t["key"], t["world_size"]) for t in tries] == [
             (f"slurm:{job}:0", 2),
             (f"slurm:{job}:1", 1),
@@ -132,6 +163,8 @@ def test_fatal_xid_drains_the_node_and_the_job_resumes_without_it(
     finally:
         stop_serve(server)
         cluster.reset()
-    print(f"\n{kind} backend: XID 79 reached the collector -> node2 drained and the job requeued "
-          f"{drained:.1f} s later")  # fmt: skip
+    print(
+        f"\n{kind} backend: XID 79 reached the collector -> node2 drained and the job requeued "
+        f"{drained:.1f} s later"
+    )
     assert drained <= 5.0, f"target: drained within 5 s of the XID (took {drained:.1f} s)"

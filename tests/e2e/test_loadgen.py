@@ -11,10 +11,28 @@ from ..conftest import Server
 
 def test_loadgen_rows_all_arrive_and_roll_up(live_server: Server) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "trainwarden.collector.cli", "loadgen", "--url", live_server.url,
-         "--ranks", "64", "--ranks-per-node", "8", "--steps-per-s", "4", "--duration", "2", "--run", "lg"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "trainwarden.collector.cli",
+            "loadgen",
+            "--url",
+            live_server.url,
+            "--ranks",
+            "64",
+            "--ranks-per-node",
+            "8",
+            "--steps-per-s",
+            "4",
+            "--duration",
+            "2",
+            "--run",
+            "lg",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "64 ranks on 8 nodes, 8 steps" in result.stdout and "0 failed" in result.stdout
     assert "25 metrics a row" in result.stdout  # 19 built-in + 6 user metrics (the default)
@@ -49,8 +67,11 @@ def test_the_load_generators_client_reads_chunked_and_sized_answers_on_one_conne
         for answer in answers:
             head = await reader.readuntil(b"\r\n\r\n")
             seen.append(head)
-            length = next(int(v) for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n"))
-                          if k.lower() == b"content-length")  # fmt: skip
+            length = next(
+                int(v)
+                for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n"))
+                if k.lower() == b"content-length"
+            )
             await reader.readexactly(length)
             writer.write(answer)
             await writer.drain()

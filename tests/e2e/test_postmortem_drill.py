@@ -32,7 +32,14 @@ def open_report(browser: Any, path: Path) -> dict[str, Any]:
     errors: list[str] = []
     page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
     page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.on("request", lambda req: errors.append(f"fetched {req.url}") if not req.url.startswith(("file:", "data:")) else None)  # fmt: skip
+    page.on(
+        "request",
+        lambda req: (
+            errors.append(f"fetched {req.url}")
+            if not req.url.startswith(("file:", "data:"))
+            else None
+        ),
+    )
     try:
         page.goto(path.as_uri())
         page.wait_for_selector(".js-plotly-plot .main-svg", timeout=30_000)
@@ -49,13 +56,19 @@ def open_report(browser: Any, path: Path) -> dict[str, Any]:
 
 
 def trainwarden(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trainwarden.collector.cli", *args],
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "trainwarden.collector.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def first(entries: list[dict[str, Any]], source: str, kind: str, **ref: Any) -> int:
     for i, e in enumerate(entries):
-        if (e["source"], e["kind"]) == (source, kind) and all(e["ref"].get(k) == v for k, v in ref.items()):  # fmt: skip
+        if (e["source"], e["kind"]) == (source, kind) and all(
+            e["ref"].get(k) == v for k, v in ref.items()
+        ):
             return i
     raise AssertionError(
         f"no {source}/{kind} {ref} in {[(e['source'], e['kind']) for e in entries]}"
@@ -63,7 +76,9 @@ def first(entries: list[dict[str, Any]], source: str, kind: str, **ref: Any) -> 
 
 
 @pytest.mark.parametrize("db_url", ["postgres"], indirect=True)  # SQLite: tests/collector
-def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_durations(db_url: str, tmp_path: Path, browser: Any) -> None:  # fmt: skip
+def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_durations(
+    db_url: str, tmp_path: Path, browser: Any
+) -> None:
     recv = Receiver()
     rules, actions, notify = (
         tmp_path / "rules.yaml",
@@ -72,33 +87,77 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
     )
     rules.write_text(RULES)
     actions.write_text(ACTIONS)
-    notify.write_text(textwrap.dedent(f"""\
+    notify.write_text(
+        textwrap.dedent(f"""\
         receivers:
           - {{name: oncall, kind: webhook, url: "{recv.url("/page")}"}}
         routes:
           - {{receivers: [oncall]}}
-        """))  # fmt: skip
-    server = start_serve(db_url, tmp_path / "serve.log", env={
-        "TRAINWARDEN_RULES": str(rules), "TRAINWARDEN_DEFAULT_RULES": "0",
-        "TRAINWARDEN_ACTIONS": str(actions), "TRAINWARDEN_NOTIFY": str(notify),
-        "TRAINWARDEN_PRICE_PER_GPU_HOUR": "4"})  # fmt: skip
+        """)
+    )
+    server = start_serve(
+        db_url,
+        tmp_path / "serve.log",
+        env={
+            "TRAINWARDEN_RULES": str(rules),
+            "TRAINWARDEN_DEFAULT_RULES": "0",
+            "TRAINWARDEN_ACTIONS": str(actions),
+            "TRAINWARDEN_NOTIFY": str(notify),
+            "TRAINWARDEN_PRICE_PER_GPU_HOUR": "4",
+        },
+    )
     run = "postmortem2"
     procs = launch(server, run, 2, tmp_path / "ckpt", tmp_path)
     try:
         codes = [p.wait(300) for p in procs]
-        assert codes == [0, 0], [(tmp_path / f"{run}-rank{r}.log").read_text()[-2000:] for r in range(2)]  # fmt: skip
-        (action,) = wait_for(lambda: [a for a in server.get("/api/v1/actions", run=run).json()
-                                      if a["state"] in ("done", "failed")], 30, "the rollback done")  # fmt: skip
+        assert codes == [0, 0], [
+            (tmp_path / f"{run}-rank{r}.log").read_text()[-2000:] for r in range(2)
+        ]
+        (action,) = wait_for(
+            lambda: [
+                a
+                for a in server.get("/api/v1/actions", run=run).json()
+                if a["state"] in ("done", "failed")
+            ],
+            30,
+            "the rollback done",
+        )
         assert action["state"] == "done", action
-        incident = wait_for(lambda: [i for i in server.get(f"/api/v1/runs/{run}/incidents").json()
-                                     if action["id"] in i["actions"]], 30, "the incident with the rollback")[0]  # fmt: skip
+        incident = wait_for(
+            lambda: [
+                i
+                for i in server.get(f"/api/v1/runs/{run}/incidents").json()
+                if action["id"] in i["actions"]
+            ],
+            30,
+            "the incident with the rollback",
+        )[0]
         alert = server.get(f"/api/v1/alerts/{action['alert_id']}").json()
-        wait_for(lambda: [d for d in server.get(f"/api/v1/alerts/{action['alert_id']}").json()["deliveries"] if d["ok"]],
-                 30, "the page on record")  # fmt: skip
+        wait_for(
+            lambda: [
+                d
+                for d in server.get(f"/api/v1/alerts/{action['alert_id']}").json()["deliveries"]
+                if d["ok"]
+            ],
+            30,
+            "the page on record",
+        )
 
         out = tmp_path / "report.json"
-        got = trainwarden("postmortem", run, "--incident", str(incident["id"]), "--format", "json",
-                          "--out", str(out), "--post", recv.url("/report"), "--url", server.url)  # fmt: skip
+        got = trainwarden(
+            "postmortem",
+            run,
+            "--incident",
+            str(incident["id"]),
+            "--format",
+            "json",
+            "--out",
+            str(out),
+            "--post",
+            recv.url("/report"),
+            "--url",
+            server.url,
+        )
         assert got.returncode == 0, got.stderr
         page = tmp_path / "report.html"
         html = trainwarden(
@@ -143,8 +202,12 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
     fault = min(e["ts"] for e in drills)
     pending = min(a["active_since"] for a in all_alerts)
     firing = min(a["fired_at"] for a in all_alerts if a["fired_at"] is not None)
-    paged = min(d["at"] + d["duration_s"] for a in all_alerts for d in a["deliveries"]
-                if d["ok"] and d["status"] == "firing")  # fmt: skip
+    paged = min(
+        d["at"] + d["duration_s"]
+        for a in all_alerts
+        for d in a["deliveries"]
+        if d["ok"] and d["status"] == "firing"
+    )
     executing = min(h["at"] for h in action["history"] if h["state"] == "executing")
     recovered = min(ts for ts in steps["ts"] if ts > action["finished_at"])
     assert f["fault_at"] == pytest.approx(fault)
@@ -166,12 +229,16 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
     assert shown["errors"] == []
     assert shown["charts"] == 1 and shown["traces"][0] >= 3 * 3  # loss, step time, MFU
     assert shown["lines"] > 0 and shown["entries"] >= len(story)
-    print(f"\npost-mortem of {run}: detect {f['detect_s']:.2f} s, page {f['page_s']:.2f} s, "
-          f"act {f['act_s']:.2f} s, recover {f['recover_s']:.2f} s, {f['steps_lost']} steps and "
-          f"{f['gpu_hours_lost'] * 3600:.1f} GPU-seconds lost")  # fmt: skip
+    print(
+        f"\npost-mortem of {run}: detect {f['detect_s']:.2f} s, page {f['page_s']:.2f} s, "
+        f"act {f['act_s']:.2f} s, recover {f['recover_s']:.2f} s, {f['steps_lost']} steps and "
+        f"{f['gpu_hours_lost'] * 3600:.1f} GPU-seconds lost"
+    )
 
 
-def test_the_html_report_opened_from_disk_draws_its_charts_with_no_console_error(engine: Any, tmp_path: Path, browser: Any) -> None:  # fmt: skip
+def test_the_html_report_opened_from_disk_draws_its_charts_with_no_console_error(
+    engine: Any, tmp_path: Path, browser: Any
+) -> None:
     from trainwarden.collector.db import write
     from trainwarden.collector.incidents import group
     from trainwarden.collector.postmortem import render_html, report_of

@@ -28,8 +28,18 @@ from .test_rollback_drill import STEPS, launch, rolled_back, serve_with_rollback
 
 
 def _relay_process(upstream: str, port: int, expect: int, log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "trainwarden.collector.cli", "relay", "--upstream", upstream,
-           "--port", str(port), "--expect", str(expect)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "trainwarden.collector.cli",
+        "relay",
+        "--upstream",
+        upstream,
+        "--port",
+        str(port),
+        "--expect",
+        str(expect),
+    ]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     wait_for(lambda: _stats(port), 30, "the relay to listen")
     return proc
@@ -52,8 +62,14 @@ def test_a_rollback_reaches_every_rank_through_the_node_relay(db_url: str, tmp_p
     port = free_port()
     relay = _relay_process(server.url, port, world, tmp_path / "relay.log")
     run = "relayed"
-    procs = launch(server, run, world, tmp_path / "ckpt", tmp_path,
-                   env={"TRAINWARDEN_RELAY": f"http://127.0.0.1:{port}"})  # fmt: skip
+    procs = launch(
+        server,
+        run,
+        world,
+        tmp_path / "ckpt",
+        tmp_path,
+        env={"TRAINWARDEN_RELAY": f"http://127.0.0.1:{port}"},
+    )
     try:
         rolled_back(server, run, world, procs, tmp_path)
 
@@ -115,8 +131,13 @@ def test_a_bad_batch_is_refused_alone(live_server: Server) -> None:
     assert (stats["merged_requests"], stats["one_by_one"]) == (1, 1), stats
     ranks = live_server.get(f"/api/v1/runs/{run}/ranks").json()
     assert [(r["rank"], r["last_step"]) for r in ranks] == [(0, 1), (2, 1)]
-    series = wait_for(lambda: (s := live_server.get(f"/api/v1/runs/{run}/series", metric="loss")
-                               .json())["step"] and s, 15, "the step rolled up")  # fmt: skip
+    series = wait_for(
+        lambda: (
+            (s := live_server.get(f"/api/v1/runs/{run}/series", metric="loss").json())["step"] and s
+        ),
+        15,
+        "the step rolled up",
+    )
     assert series["n"] == [2]  # ranks 0 and 2
 
 
@@ -152,8 +173,9 @@ def test_an_agent_goes_around_a_dead_relay(
     """No relay where TRAINWARDEN_RELAY points: the agent sends to the collector itself,
     and tries the relay again later."""
     port = free_port()
-    transport = HttpTransport(live_server.url, token=None, timeout_s=10,
-                              relay=f"http://127.0.0.1:{port}")  # fmt: skip
+    transport = HttpTransport(
+        live_server.url, token=None, timeout_s=10, relay=f"http://127.0.0.1:{port}"
+    )
     run = f"around-{uuid.uuid4().hex[:6]}"
     try:
         answer = transport.send("/api/v1/ingest", _batch(run, 0, 1))
@@ -195,8 +217,11 @@ def test_agents_go_direct_once_their_relay_stops(live_server: Server) -> None:
 def test_relay_refuses_bad_settings_clearly() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "trainwarden.agent.relay", "--upstream", "ftp://x", "--port", "0"],
-        capture_output=True, text=True, timeout=60, env={**os.environ},
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ},
+    )
     assert result.returncode == 2
     assert "collector url 'ftp://x' is not valid" in result.stderr
     with pytest.raises(ValueError, match="window"):
@@ -235,11 +260,27 @@ def test_relay_auto_runs_the_nodes_relay_in_local_rank_0(
     script = tmp_path / "trainer.py"
     script.write_text(AUTO_TRAINER)
     run = f"auto-{uuid.uuid4().hex[:6]}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(script), live_server.url, run, str(tmp_path)]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINWARDEN_RELAY_PORT": str(free_port()),
-           "TRAINWARDEN_PROFILE_EVERY": "0"}  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(script),
+        live_server.url,
+        run,
+        str(tmp_path),
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TRAINWARDEN_RELAY_PORT": str(free_port()),
+        "TRAINWARDEN_PROFILE_EVERY": "0",
+    }
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     seen = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]

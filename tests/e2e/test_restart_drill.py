@@ -30,21 +30,53 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
     server: Server, pg_url: str, tmp_path: Path
 ) -> None:
     run = f"restart-{free_port()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", "--monitor-interval", "0.2", str(WORKER), "--run-name", run, "--url", server.url,
-           "--ckpt-dir", str(tmp_path / "ckpt"), "--steps", str(STEPS), "--every", str(EVERY),
-           "--die-at", str(DIE_AT)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "1",
+        "--monitor-interval",
+        "0.2",
+        str(WORKER),
+        "--run-name",
+        run,
+        "--url",
+        server.url,
+        "--ckpt-dir",
+        str(tmp_path / "ckpt"),
+        "--steps",
+        str(STEPS),
+        "--every",
+        str(EVERY),
+        "--die-at",
+        str(DIE_AT),
+    ]
     log = tmp_path / "torchrun.log"
-    done = subprocess.run(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, timeout=240,
-                          env={"OMP_NUM_THREADS": "1", **os.environ})  # fmt: skip
+    done = subprocess.run(
+        cmd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        timeout=240,
+        env={"OMP_NUM_THREADS": "1", **os.environ},
+    )
     assert done.returncode == 0, log.read_text()[-3000:]
     engine = create_engine(pg_url)
 
     def stored_kept() -> float:
         with engine.connect() as conn:
-            return float(conn.execute(text(
-                "SELECT sum(duration_s) FROM rank_steps s JOIN runs r ON r.id = s.run_id WHERE r.name = :n"
-            ), {"n": run}).scalar_one() or 0.0)  # fmt: skip
+            return float(
+                conn.execute(
+                    text(
+                        "SELECT sum(duration_s) FROM rank_steps s JOIN runs r ON r.id = s.run_id WHERE r.name = :n"
+                    ),
+                    {"n": run},
+                ).scalar_one()
+                or 0.0
+            )
 
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:  # the last goodbyes and rollups
@@ -52,9 +84,13 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
         econ = server.get(f"/api/v1/runs/{run}/economics").json()
         # The replayed steps' rollups are redone by the worker's recheck (every 8
         # passes): on a loaded machine, a few seconds after the last step's own.
-        if (len(tries) == 2 and tries[1]["state"] == "ended"
-                and econ["goodput"]["kept_steps"] == STEPS and not econ["goodput"]["running"]
-                and econ["goodput"]["breakdown_gpu_s"]["kept"] == pytest.approx(stored_kept(), rel=1e-6)):  # fmt: skip
+        if (
+            len(tries) == 2
+            and tries[1]["state"] == "ended"
+            and econ["goodput"]["kept_steps"] == STEPS
+            and not econ["goodput"]["running"]
+            and econ["goodput"]["breakdown_gpu_s"]["kept"] == pytest.approx(stored_kept(), rel=1e-6)
+        ):
             break
         time.sleep(0.5)
 
@@ -65,7 +101,11 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
     assert second["key"].endswith(":1") and first["key"][:-2] == second["key"][:-2]
     assert first["exit_reason"] == "lost" and first["exit_detail"].startswith("rank 1 ")
     assert (second["exit_reason"], second["state"]) == ("completed", "ended")
-    assert sorted(p["rank"] for p in first["processes"]) == [0, 1] == sorted(p["rank"] for p in second["processes"])  # fmt: skip
+    assert (
+        sorted(p["rank"] for p in first["processes"])
+        == [0, 1]
+        == sorted(p["rank"] for p in second["processes"])
+    )
     resume = second["first_step"]
     assert resume == 31  # the checkpoint of step 30, the newest before rank 1 died at 35
     # Rank 1 died before step 35; rank 0 may have got through step 35's compute and
@@ -79,14 +119,32 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
     # By hand, from the stored rows.
     with engine.connect() as conn:
         run_id = conn.execute(text("SELECT id FROM runs WHERE name = :n"), {"n": run}).scalar_one()
-        sessions = conn.execute(text(
-            "SELECT attempt, rank, started_at, first_step_at, last_step, last_step_end, ended_at "
-            "FROM attempt_sessions WHERE run_id = :r ORDER BY attempt, rank"), {"r": run_id}).mappings().all()  # fmt: skip
-        starts = dict(conn.execute(text("SELECT number, started_at FROM attempts WHERE run_id = :r"), {"r": run_id}).all())  # fmt: skip
-        kept = conn.execute(text("SELECT sum(duration_s) FROM rank_steps WHERE run_id = :r"), {"r": run_id}).scalar_one()  # fmt: skip
-        kept_end = {rank: ts + d for rank, ts, d in conn.execute(text(
-            "SELECT rank, ts, duration_s FROM rank_steps WHERE run_id = :r AND step = :s"),
-            {"r": run_id, "s": resume - 1})}  # fmt: skip
+        sessions = (
+            conn.execute(
+                text(
+                    "SELECT attempt, rank, started_at, first_step_at, last_step, last_step_end, ended_at "
+                    "FROM attempt_sessions WHERE run_id = :r ORDER BY attempt, rank"
+                ),
+                {"r": run_id},
+            )
+            .mappings()
+            .all()
+        )
+        starts = dict(
+            conn.execute(
+                text("SELECT number, started_at FROM attempts WHERE run_id = :r"), {"r": run_id}
+            ).all()
+        )
+        kept = conn.execute(
+            text("SELECT sum(duration_s) FROM rank_steps WHERE run_id = :r"), {"r": run_id}
+        ).scalar_one()
+        kept_end = {
+            rank: ts + d
+            for rank, ts, d in conn.execute(
+                text("SELECT rank, ts, duration_s FROM rank_steps WHERE run_id = :r AND step = :s"),
+                {"r": run_id, "s": resume - 1},
+            )
+        }
     engine.dispose()
     one = [s for s in sessions if s["attempt"] == 1]
     two = [s for s in sessions if s["attempt"] == 2]
@@ -95,8 +153,10 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
     replayed = sum(s["last_step_end"] - kept_end[s["rank"]] for s in one)
     recovery = 2 * (min(s["first_step_at"] for s in two) - max(s["last_step_end"] for s in one))
     g = econ["goodput"]
-    print(f"\nrestart drill: allocation {allocation:.2f} GPU-s, kept {kept:.2f}, replayed {replayed:.2f}, "
-          f"recovery {recovery:.2f}, ETTR {kept / allocation:.3f}; API: {g['breakdown_gpu_s']}")  # fmt: skip
+    print(
+        f"\nrestart drill: allocation {allocation:.2f} GPU-s, kept {kept:.2f}, replayed {replayed:.2f}, "
+        f"recovery {recovery:.2f}, ETTR {kept / allocation:.3f}; API: {g['breakdown_gpu_s']}"
+    )
     assert g["allocation_gpu_s"] == pytest.approx(allocation, rel=1e-6)
     assert g["breakdown_gpu_s"]["kept"] == pytest.approx(kept, rel=1e-6)
     assert g["breakdown_gpu_s"]["replayed"] == pytest.approx(replayed, rel=1e-6)

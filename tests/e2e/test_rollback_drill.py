@@ -46,21 +46,57 @@ rollback:
 STEPS = 110
 
 
-def launch(server: Server, run: str, world: int, ckpt: Path, logs: Path,
-           env: dict[str, str] | None = None, *, drill: str = "loss_spike=50x@step=35",
-           steps: int = STEPS, work_ms: int = 80, checkpoint_every: int = 10,
-           trainer_args: tuple[str, ...] = ()) -> list[subprocess.Popen]:  # fmt: skip
+def launch(
+    server: Server,
+    run: str,
+    world: int,
+    ckpt: Path,
+    logs: Path,
+    env: dict[str, str] | None = None,
+    *,
+    drill: str = "loss_spike=50x@step=35",
+    steps: int = STEPS,
+    work_ms: int = 80,
+    checkpoint_every: int = 10,
+    trainer_args: tuple[str, ...] = (),
+) -> list[subprocess.Popen]:
     port = free_port()
     procs = []
     extra = env or {}
     for rank in range(world):
-        env = {**os.environ, **extra, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "TRAINWARDEN_DRILL": drill, "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
-               "TRAINWARDEN_PROFILE_EVERY": "0"}  # fmt: skip
-        cmd = [sys.executable, "-m", "trainwarden.agent.demo_trainer", "--run-name", run, "--url", server.url,
-               "--steps", str(steps), "--work-ms", str(work_ms), "--batch-size", "32", "--checkpoint-dir", str(ckpt),
-               "--checkpoint-every", str(checkpoint_every), *trainer_args]  # fmt: skip
+        env = {
+            **os.environ,
+            **extra,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "TRAINWARDEN_DRILL": drill,
+            "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
+            "TRAINWARDEN_PROFILE_EVERY": "0",
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "trainwarden.agent.demo_trainer",
+            "--run-name",
+            run,
+            "--url",
+            server.url,
+            "--steps",
+            str(steps),
+            "--work-ms",
+            str(work_ms),
+            "--batch-size",
+            "32",
+            "--checkpoint-dir",
+            str(ckpt),
+            "--checkpoint-every",
+            str(checkpoint_every),
+            *trainer_args,
+        ]
         log = (logs / f"{run}-rank{rank}.log").open("w")
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
@@ -71,21 +107,35 @@ def serve_with_rollback(db_url: str, tmp_path: Path) -> Server:
     rules, actions = tmp_path / "rules.yaml", tmp_path / "actions.yaml"
     rules.write_text(RULES)
     actions.write_text(ACTIONS)
-    return start_serve(db_url, tmp_path / "serve.log", env={
-        "TRAINWARDEN_RULES": str(rules), "TRAINWARDEN_DEFAULT_RULES": "0",
-        "TRAINWARDEN_ACTIONS": str(actions)})  # fmt: skip
+    return start_serve(
+        db_url,
+        tmp_path / "serve.log",
+        env={
+            "TRAINWARDEN_RULES": str(rules),
+            "TRAINWARDEN_DEFAULT_RULES": "0",
+            "TRAINWARDEN_ACTIONS": str(actions),
+        },
+    )
 
 
-def rolled_back(server: Server, run: str, world: int, procs: list[subprocess.Popen],
-                logs_dir: Path) -> tuple[dict[str, Any], int, dict[int, str]]:  # fmt: skip
+def rolled_back(
+    server: Server, run: str, world: int, procs: list[subprocess.Popen], logs_dir: Path
+) -> tuple[dict[str, Any], int, dict[int, str]]:
     """Once the ranks have exited 0: the done rollback, its barrier step and the ranks'
     logs; every rank restored the same checkpoint after the same step, at most 2 steps
     after the command reached it."""
     codes = [p.wait(300) for p in procs]
     logs = {r: (logs_dir / f"{run}-rank{r}.log").read_text() for r in range(world)}
     assert codes == [0] * world, logs
-    (action,) = wait_for(lambda: [a for a in server.get("/api/v1/actions", run=run).json()
-                                  if a["state"] in ("done", "failed")], 30, "the rollback done")  # fmt: skip
+    (action,) = wait_for(
+        lambda: [
+            a
+            for a in server.get("/api/v1/actions", run=run).json()
+            if a["state"] in ("done", "failed")
+        ],
+        30,
+        "the rollback done",
+    )
     assert action["state"] == "done", action
     assert (action["kind"], action["trigger"], action["mode"]) == (
         "rollback",
@@ -103,7 +153,9 @@ def rolled_back(server: Server, run: str, world: int, procs: list[subprocess.Pop
 
 # Two ranks on SQLite, four on PostgreSQL: each database and each world size once.
 @pytest.mark.parametrize(("db_url", "world"), [("sqlite", 2), ("postgres", 4)], indirect=["db_url"])
-def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tmp_path: Path, world: int) -> None:  # fmt: skip
+def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(
+    db_url: str, tmp_path: Path, world: int
+) -> None:
     server = serve_with_rollback(db_url, tmp_path)
     run = f"rollback{world}"
     procs = launch(server, run, world, tmp_path / "ckpt", tmp_path)
@@ -118,7 +170,10 @@ def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tm
         # work, and the rollback as an interruption.
         goodput = server.get(f"/api/v1/runs/{run}/economics").json()["goodput"]
         assert (goodput["rollbacks"], goodput["interruptions"], goodput["replayed_steps"]) == (
-            1, 1, barrier - 30), goodput  # fmt: skip
+            1,
+            1,
+            barrier - 30,
+        ), goodput
         assert goodput["breakdown_gpu_s"]["replayed"] > 0, goodput
         history = [h["state"] for h in action["history"]]
         assert history[:3] == ["proposed", "approved", "executing"] and history[-1] == "done"
@@ -145,14 +200,19 @@ def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(db_url: str, tm
     finally:
         stop(procs)
         stop_serve(server)
-    print(f"\n{world} ranks: the command reached the ranks after step {action['plan']['answered_at_step']}; "
-          f"every rank restored after step {barrier} ({result['steps_after_command']} step(s) later; "
-          f"{result['since_prepare_s']:.2f} s from the prepare, commit -> restored {result['restored_within_s']:.2f} s, "
-          f"at {step_s * 1000:.0f} ms a step); loss {before:.3f} before the spike"
-          + (f", {spike:.3f} at its peak" if spike else "") + f", {after:.3f} at the end")  # fmt: skip
+    print(
+        f"\n{world} ranks: the command reached the ranks after step {action['plan']['answered_at_step']}; "
+        f"every rank restored after step {barrier} ({result['steps_after_command']} step(s) later; "
+        f"{result['since_prepare_s']:.2f} s from the prepare, commit -> restored {result['restored_within_s']:.2f} s, "
+        f"at {step_s * 1000:.0f} ms a step); loss {before:.3f} before the spike"
+        + (f", {spike:.3f} at its peak" if spike else "")
+        + f", {after:.3f} at the end"
+    )
 
 
-def fast_spike(tmp_path: Path, run: str, trainer_args: tuple[str, ...] = ()) -> tuple[dict[str, Any], dict[int, str], dict[int, float]]:  # fmt: skip
+def fast_spike(
+    tmp_path: Path, run: str, trainer_args: tuple[str, ...] = ()
+) -> tuple[dict[str, Any], dict[int, str], dict[int, float]]:
     """Two ranks of ~40 ms steps, a checkpoint every 20, the default pack's LossSpike (a
     baseline rule, seen by a pass that runs every ~2 s: dozens of steps after the loss
     left its trend) and an auto rollback; the update of step 270 is spiked. Once the ranks
@@ -164,18 +224,39 @@ def fast_spike(tmp_path: Path, run: str, trainer_args: tuple[str, ...] = ()) -> 
     two engine passes on a loaded machine. With a full baseline it holds for ~100."""
     actions = tmp_path / "actions.yaml"
     actions.write_text("rollback:\n  mode: auto\n")
-    server = start_serve("sqlite:///" + str(tmp_path / "tw.db"), tmp_path / "serve.log",
-                         env={"TRAINWARDEN_ACTIONS": str(actions)})  # fmt: skip
-    procs = launch(server, run, 2, tmp_path / "ckpt", tmp_path, drill="loss_spike=1000x@step=270",
-                   steps=FAST_STEPS, work_ms=30, checkpoint_every=20, trainer_args=trainer_args)  # fmt: skip
+    server = start_serve(
+        "sqlite:///" + str(tmp_path / "tw.db"),
+        tmp_path / "serve.log",
+        env={"TRAINWARDEN_ACTIONS": str(actions)},
+    )
+    procs = launch(
+        server,
+        run,
+        2,
+        tmp_path / "ckpt",
+        tmp_path,
+        drill="loss_spike=1000x@step=270",
+        steps=FAST_STEPS,
+        work_ms=30,
+        checkpoint_every=20,
+        trainer_args=trainer_args,
+    )
     try:
         codes = [p.wait(300) for p in procs]
         logs = {r: (tmp_path / f"{run}-rank{r}.log").read_text() for r in range(2)}
         assert codes == [0, 0], logs
-        (action,) = wait_for(lambda: [a for a in server.get("/api/v1/actions", run=run).json()
-                                      if a["kind"] == "rollback" and a["state"] in ("done", "failed")],
-                             30, "the rollback done")  # fmt: skip
-        (alert,) = [a for a in server.get("/api/v1/alerts", run=run).json() if a["rule"] == "LossSpike"]  # fmt: skip
+        (action,) = wait_for(
+            lambda: [
+                a
+                for a in server.get("/api/v1/actions", run=run).json()
+                if a["kind"] == "rollback" and a["state"] in ("done", "failed")
+            ],
+            30,
+            "the rollback done",
+        )
+        (alert,) = [
+            a for a in server.get("/api/v1/alerts", run=run).json() if a["rule"] == "LossSpike"
+        ]
         assert alert["onset_step"] == 271, alert
         series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
         loss = dict(zip(series["step"], series["median"], strict=True))

@@ -105,10 +105,17 @@ def test_both_ranks_steps_arrive(live_server: Server) -> None:
         e for e in live_server.get("/api/v1/runs/e2e/events").json() if e["kind"] != "rank_state"
     ]
     assert sorted((e["kind"], e["rank"]) for e in events) == [
-        ("attempt_end", 0), ("attempt_end", 1), ("attempt_start", 0), ("attempt_start", 1),
-        ("gpu_telemetry", 0), ("gpu_telemetry", 1),  # "unavailable": no GPU here
-        ("shutdown", 0), ("shutdown", 1), ("start", 0), ("start", 1),
-    ]  # fmt: skip
+        ("attempt_end", 0),
+        ("attempt_end", 1),
+        ("attempt_start", 0),
+        ("attempt_start", 1),
+        ("gpu_telemetry", 0),
+        ("gpu_telemetry", 1),  # "unavailable": no GPU here
+        ("shutdown", 0),
+        ("shutdown", 1),
+        ("start", 0),
+        ("start", 1),
+    ]
     # One attempt, both processes said goodbye: completed, with the trainer's config.
     attempts = live_server.get("/api/v1/runs/e2e/attempts").json()
     assert [(a["number"], a["exit_reason"]) for a in attempts] == [(1, "completed")]

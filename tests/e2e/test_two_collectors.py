@@ -47,8 +47,11 @@ def test_two_collectors_share_one_database(pg_url: str, tmp_path: Path) -> None:
         assert (
             series["n"] == [4] * 10 + [3] * 10
         )  # steps 10+ rolled up after the grace, without rank 3
-        dead = [e for e in a.get("/api/v1/runs/shared/events", kind="rank_state").json()
-                if e["rank"] == 3 and e["data"]["to"] == "dead"]  # fmt: skip
+        dead = [
+            e
+            for e in a.get("/api/v1/runs/shared/events", kind="rank_state").json()
+            if e["rank"] == 3 and e["data"]["to"] == "dead"
+        ]
         assert len(dead) == 1  # one evaluator at a time: one verdict, not two
     finally:
         stop_serve(a)

@@ -24,8 +24,11 @@ def dash_call(app: dash.Dash, output: str, values: dict[str, Any], changed: list
         inputs = {f"{d['id']}.{d['property']}" for d in app.callback_map[key]["inputs"]}
         return inputs.issuperset(changed)
 
-    keys = [k for k in app.callback_map
-            if output in [o.partition("@")[0] for o in outputs(k)] and fires(k)]  # fmt: skip
+    keys = [
+        k
+        for k in app.callback_map
+        if output in [o.partition("@")[0] for o in outputs(k)] and fires(k)
+    ]
     assert len(keys) == 1, (output, changed, keys)
     cb = app.callback_map[keys[0]]
 
@@ -33,9 +36,13 @@ def dash_call(app: dash.Dash, output: str, values: dict[str, Any], changed: list
         return [{**d, "value": values.get(f"{d['id']}.{d['property']}")} for d in deps]
 
     outs = [dict(zip(("id", "property"), o.split(".", 1), strict=True)) for o in outputs(keys[0])]
-    body = {"output": keys[0], "outputs": outs if keys[0].startswith("..") else outs[0],
-            "inputs": items(cb["inputs"]), "state": items(cb["state"]),
-            "changedPropIds": changed}  # fmt: skip
+    body = {
+        "output": keys[0],
+        "outputs": outs if keys[0].startswith("..") else outs[0],
+        "inputs": items(cb["inputs"]),
+        "state": items(cb["state"]),
+        "changedPropIds": changed,
+    }
     reply = app.server.test_client().post("/_dash-update-component", json=body)
     if reply.status_code == 204:  # PreventUpdate / every output no_update
         return {}

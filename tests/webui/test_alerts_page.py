@@ -22,23 +22,59 @@ NOW = 1_700_000_000.0
 
 def alert(**over: Any) -> AlertOut:
     base: dict[str, Any] = dict(
-        id=7, fingerprint="f", rule="FatalXid", run="r1", rank=3, node="node1", gpu="0",
-        severity="critical", state="firing", labels={}, runbook_url="/runbooks/FatalXid",
-        annotations={"description": "rank 3 (node node1): XID 79", "runbook_url": "/runbooks/FatalXid"},
-        value=79.0, step=10, action="evict", active_since=NOW - 60, fired_at=NOW - 60,
-        resolved_at=None, updated_at=NOW, acked_at=None, acked_by=None, ack_comment=None,
-        silenced_by=None, inhibited_by=None, notified="firing", last_sent_at=NOW - 60,
-    )  # fmt: skip
+        id=7,
+        fingerprint="f",
+        rule="FatalXid",
+        run="r1",
+        rank=3,
+        node="node1",
+        gpu="0",
+        severity="critical",
+        state="firing",
+        labels={},
+        runbook_url="/runbooks/FatalXid",
+        annotations={
+            "description": "rank 3 (node node1): XID 79",
+            "runbook_url": "/runbooks/FatalXid",
+        },
+        value=79.0,
+        step=10,
+        action="evict",
+        active_since=NOW - 60,
+        fired_at=NOW - 60,
+        resolved_at=None,
+        updated_at=NOW,
+        acked_at=None,
+        acked_by=None,
+        ack_comment=None,
+        silenced_by=None,
+        inhibited_by=None,
+        notified="firing",
+        last_sent_at=NOW - 60,
+    )
     return AlertOut(**{**base, **over})
 
 
 def action(**over: Any) -> ActionOut:
     base: dict[str, Any] = dict(
-        id=4, run="r1", kind="evict", state="proposed", mode="require-ack",
-        trigger="rule:FatalXid", alert_id=7, rank=None, node="node1", approver=None, plan=None,
-        result=None, reason="XID 79", history=[], created_at=NOW - 5, updated_at=NOW - 5,
+        id=4,
+        run="r1",
+        kind="evict",
+        state="proposed",
+        mode="require-ack",
+        trigger="rule:FatalXid",
+        alert_id=7,
+        rank=None,
+        node="node1",
+        approver=None,
+        plan=None,
+        result=None,
+        reason="XID 79",
+        history=[],
+        created_at=NOW - 5,
+        updated_at=NOW - 5,
         finished_at=None,
-    )  # fmt: skip
+    )
     return ActionOut(**{**base, **over})
 
 
@@ -150,10 +186,15 @@ def test_alerts_table_lists_every_alert_newest_first_as_given() -> None:
 
 def test_silences_list_their_matchers_and_end() -> None:
     silence = SilenceOut(
-        id=3, matchers=[Matcher(name="run", value="r1"), Matcher(name="rank", value="1|2", regex=True)],
-        starts_at=NOW - 10, ends_at=NOW + 3600, created_by="ana", comment="node1 maintenance",
-        created_at=NOW - 10, active=True,
-    )  # fmt: skip
+        id=3,
+        matchers=[Matcher(name="run", value="r1"), Matcher(name="rank", value="1|2", regex=True)],
+        starts_at=NOW - 10,
+        ends_at=NOW + 3600,
+        created_by="ana",
+        comment="node1 maintenance",
+        created_at=NOW - 10,
+        active=True,
+    )
     table = alerts.silences_table([silence], now=NOW)
     assert "run=r1, rank=~1|2" in text(table) and "(in 60 min)" in text(table)
     assert buttons(table) == {"End": {"type": "alerts-unsilence", "index": 3}}
@@ -162,18 +203,39 @@ def test_silences_list_their_matchers_and_end() -> None:
 def test_actions_offer_approve_and_cancel_only_while_undecided() -> None:
     assert list(buttons(alerts.action_row(action(), now=NOW))) == ["Approve", "Cancel"]
     assert list(buttons(alerts.action_row(action(state="approved"), now=NOW))) == ["Cancel"]
-    done = action(state="done", mode="dry-run", result={"dry_run": True, "would": {"node": "node1"}, "problem": None})  # fmt: skip
+    done = action(
+        state="done",
+        mode="dry-run",
+        result={"dry_run": True, "would": {"node": "node1"}, "problem": None},
+    )
     row = alerts.action_row(done, now=NOW)
     assert buttons(row) == {}
     assert "dry run, nothing done; would evict: node node1" in text(row)
     failed = action(state="failed", reason="blast-radius guard: too many nodes")
     assert "blast-radius guard" in text(alerts.action_row(failed, now=NOW))
-    unset = action(state="done", mode="dry-run", result={"dry_run": True, "would": {"node": "node1", "backend": None}, "problem": None})  # fmt: skip
-    assert "would evict: node node1 (no eviction backend is configured)" in text(alerts.action_row(unset, now=NOW))  # fmt: skip
+    unset = action(
+        state="done",
+        mode="dry-run",
+        result={"dry_run": True, "would": {"node": "node1", "backend": None}, "problem": None},
+    )
+    assert "would evict: node node1 (no eviction backend is configured)" in text(
+        alerts.action_row(unset, now=NOW)
+    )
     # A done rollback in words, not its result's fields (every rank's step, seconds, time).
-    ranks = {str(r): {"barrier_step": 1259, "checkpoint_step": 1000, "seconds": 0.01, "at": NOW} for r in (0, 1)}  # fmt: skip
-    rolled = action(kind="rollback", state="done", mode="auto", result={"ranks": ranks, "restored_within_s": 0.12})  # fmt: skip
-    assert "every rank (2) restored the checkpoint of step 1000 after step 1259, 0.12 s after the commit" in text(alerts.action_row(rolled, now=NOW))  # fmt: skip
+    ranks = {
+        str(r): {"barrier_step": 1259, "checkpoint_step": 1000, "seconds": 0.01, "at": NOW}
+        for r in (0, 1)
+    }
+    rolled = action(
+        kind="rollback",
+        state="done",
+        mode="auto",
+        result={"ranks": ranks, "restored_within_s": 0.12},
+    )
+    assert (
+        "every rank (2) restored the checkpoint of step 1000 after step 1259, 0.12 s after the commit"
+        in text(alerts.action_row(rolled, now=NOW))
+    )
 
 
 def test_run_page_panel_lists_open_alerts_with_runbooks() -> None:
@@ -212,12 +274,28 @@ def test_filters_round_trip_through_the_query_string(
 def seed_alert(engine: Any, *, state: str = "firing") -> int:
     now = time.time()
     with engine.begin() as conn:
-        run_id = conn.execute(insert(m.runs).values(name="r1", created_at=now, updated_at=now, world_size=2).returning(m.runs.c.id)).scalar_one()  # fmt: skip
-        return conn.execute(insert(m.alerts).values(
-            fingerprint="fp", rule="FatalXid", run_id=run_id, rank=1, severity="critical",
-            state=state, labels={"run": "r1", "rank": "1"}, annotations={"runbook_url": "/runbooks/FatalXid"},
-            active_since=now, fired_at=now, updated_at=now,
-        ).returning(m.alerts.c.id)).scalar_one()  # fmt: skip
+        run_id = conn.execute(
+            insert(m.runs)
+            .values(name="r1", created_at=now, updated_at=now, world_size=2)
+            .returning(m.runs.c.id)
+        ).scalar_one()
+        return conn.execute(
+            insert(m.alerts)
+            .values(
+                fingerprint="fp",
+                rule="FatalXid",
+                run_id=run_id,
+                rank=1,
+                severity="critical",
+                state=state,
+                labels={"run": "r1", "rank": "1"},
+                annotations={"runbook_url": "/runbooks/FatalXid"},
+                active_since=now,
+                fired_at=now,
+                updated_at=now,
+            )
+            .returning(m.alerts.c.id)
+        ).scalar_one()
 
 
 def test_buttons_act_through_the_api_code_and_say_why_not(engine) -> None:  # type: ignore[no-untyped-def]
@@ -225,10 +303,22 @@ def test_buttons_act_through_the_api_code_and_say_why_not(engine) -> None:  # ty
     firing, resolved = seed_alert(engine), 0
     with engine.begin() as conn:
         run_id = conn.execute(m.runs.select()).first().id
-        resolved = conn.execute(insert(m.alerts).values(
-            fingerprint="fp2", rule="RankDead", run_id=run_id, severity="critical", state="resolved",
-            labels={}, annotations={}, active_since=NOW, updated_at=NOW, resolved_at=NOW,
-        ).returning(m.alerts.c.id)).scalar_one()  # fmt: skip
+        resolved = conn.execute(
+            insert(m.alerts)
+            .values(
+                fingerprint="fp2",
+                rule="RankDead",
+                run_id=run_id,
+                severity="critical",
+                state="resolved",
+                labels={},
+                annotations={},
+                active_since=NOW,
+                updated_at=NOW,
+                resolved_at=NOW,
+            )
+            .returning(m.alerts.c.id)
+        ).scalar_one()
     form = SilenceForm()
 
     message, kind = perform(client, {"type": "alerts-ack", "index": firing}, by="", form=form)
@@ -242,9 +332,13 @@ def test_buttons_act_through_the_api_code_and_say_why_not(engine) -> None:  # ty
     message, kind = perform(client, {"type": "alerts-ack", "index": resolved}, by="ana", form=form)
     assert (kind, message) == ("error", f"Not done: alert {resolved} is already resolved.")
 
-    message, kind = perform(client, "alerts-silence-submit", by="ana", form=SilenceForm(comment="x"))  # fmt: skip
+    message, kind = perform(
+        client, "alerts-silence-submit", by="ana", form=SilenceForm(comment="x")
+    )
     assert kind == "error" and "at least one of run, rank and alert name" in message
-    message, kind = perform(client, "alerts-silence-submit", by="ana", form=SilenceForm(rank="two", comment="x"))  # fmt: skip
+    message, kind = perform(
+        client, "alerts-silence-submit", by="ana", form=SilenceForm(rank="two", comment="x")
+    )
     assert kind == "error" and "not a rank number" in message
     message, kind = perform(client, "alerts-silence-submit", by="ana", form=SilenceForm(run="r1"))
     assert kind == "error" and "Why" in message
@@ -254,28 +348,49 @@ def test_buttons_act_through_the_api_code_and_say_why_not(engine) -> None:  # ty
     message, kind = perform(client, "alerts-silence-submit", by="ana", form=wanted)
     assert kind == "info", message
     (made,) = client.silences()
-    assert [(mt.name, mt.value) for mt in made.matchers] == [("run", "r1"), ("rank", "1"), ("alertname", "FatalXid")]  # fmt: skip
+    assert [(mt.name, mt.value) for mt in made.matchers] == [
+        ("run", "r1"),
+        ("rank", "1"),
+        ("alertname", "FatalXid"),
+    ]
     assert (made.created_by, made.comment) == ("ana", "swap")
     assert made.ends_at - made.starts_at == pytest.approx(1800)
     perform(client, {"type": "alerts-unsilence", "index": made.id}, by=None, form=form)
     assert client.silences() == []
 
     with engine.begin() as conn:
-        proposed = conn.execute(insert(m.actions).values(
-            run_id=run_id, kind="evict", state="proposed", mode="require-ack", trigger="rule:FatalXid",
-            node="node1", history=[], created_at=NOW, updated_at=NOW,
-        ).returning(m.actions.c.id)).scalar_one()  # fmt: skip
-    message, kind = perform(client, {"type": "alerts-approve", "index": proposed}, by="ana", form=form)  # fmt: skip
+        proposed = conn.execute(
+            insert(m.actions)
+            .values(
+                run_id=run_id,
+                kind="evict",
+                state="proposed",
+                mode="require-ack",
+                trigger="rule:FatalXid",
+                node="node1",
+                history=[],
+                created_at=NOW,
+                updated_at=NOW,
+            )
+            .returning(m.actions.c.id)
+        ).scalar_one()
+    message, kind = perform(
+        client, {"type": "alerts-approve", "index": proposed}, by="ana", form=form
+    )
     (approved,) = client.actions(run="r1")
     assert (kind, approved.state, approved.approver) == ("info", "approved", "ana"), message
     perform(client, {"type": "alerts-cancel", "index": proposed}, by="bo", form=form)
     assert client.actions(run="r1")[0].state == "cancelled"
-    message, kind = perform(client, {"type": "alerts-approve", "index": proposed}, by="ana", form=form)  # fmt: skip
+    message, kind = perform(
+        client, {"type": "alerts-approve", "index": proposed}, by="ana", form=form
+    )
     assert kind == "error" and "is cancelled" in message
 
     with pytest.raises(Refused, match="not found"):
         client.ack(999_999, by="ana")
-    message, kind = perform(client, {"type": "alerts-approve", "index": 999_999}, by="ana", form=form)  # fmt: skip
+    message, kind = perform(
+        client, {"type": "alerts-approve", "index": 999_999}, by="ana", form=form
+    )
     assert (kind, message) == ("error", "Not done: action 999999 not found.")
 
 
@@ -286,8 +401,17 @@ def test_the_runs_list_counts_each_runs_firing_alerts_and_links_them() -> None:
 
     class Runs:
         def list_runs(self) -> list[Any]:
-            return [SimpleNamespace(name=n, status="running", world_size=2, ranks_seen=2, last_step=5,
-                                    updated_at=time.time()) for n in ("r1", "quiet run")]  # fmt: skip
+            return [
+                SimpleNamespace(
+                    name=n,
+                    status="running",
+                    world_size=2,
+                    ranks_seen=2,
+                    last_step=5,
+                    updated_at=time.time(),
+                )
+                for n in ("r1", "quiet run")
+            ]
 
         def alerts(self, *, states: list[str] | None = None, **_: Any) -> list[AlertOut]:
             assert states == ["firing"]

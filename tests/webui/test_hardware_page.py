@@ -25,22 +25,50 @@ NOW = 1_700_000_000.0
 
 
 def sample(rank: int, ts: float = NOW, **over: Any) -> GpuSample:
-    base: dict[str, Any] = dict(rank=rank, ts=ts, gpu_uuid=f"GPU-{rank}", gpu_name="NVIDIA H100",
-                                temp_c=50.0, power_w=300.0, power_limit_w=700.0,
-                                sm_clock_mhz=1980.0, sm_clock_max_mhz=1980.0, throttle=[],
-                                ecc_corrected=0, ecc_uncorrected=0)  # fmt: skip
+    base: dict[str, Any] = dict(
+        rank=rank,
+        ts=ts,
+        gpu_uuid=f"GPU-{rank}",
+        gpu_name="NVIDIA H100",
+        temp_c=50.0,
+        power_w=300.0,
+        power_limit_w=700.0,
+        sm_clock_mhz=1980.0,
+        sm_clock_max_mhz=1980.0,
+        throttle=[],
+        ecc_corrected=0,
+        ecc_uncorrected=0,
+    )
     return GpuSample(**{**base, **over})
 
 
 def rank(n: int, node: str = "node0", **over: Any) -> RankInfo:
-    base: dict[str, Any] = dict(rank=n, local_rank=n, host=node, node=node, pid=1, session="s",
-                                state="healthy", first_seen=0.0, last_seen=1.0, last_step=3)  # fmt: skip
+    base: dict[str, Any] = dict(
+        rank=n,
+        local_rank=n,
+        host=node,
+        node=node,
+        pid=1,
+        session="s",
+        state="healthy",
+        first_seen=0.0,
+        last_seen=1.0,
+        last_step=3,
+    )
     return RankInfo(**{**base, **over})
 
 
 def xid(code: int, rank: int = 1, **data: Any) -> EventOut:
-    return EventOut(id=code, kind="xid", severity="critical", ts=NOW, recv_ts=NOW, rank=rank,
-                    step=40, data={"code": code, **data})  # fmt: skip
+    return EventOut(
+        id=code,
+        kind="xid",
+        severity="critical",
+        ts=NOW,
+        recv_ts=NOW,
+        rank=rank,
+        step=40,
+        data={"code": code, **data},
+    )
 
 
 def row(table: Any, n: int) -> Any:
@@ -48,9 +76,18 @@ def row(table: Any, n: int) -> Any:
 
 
 def test_gpu_table_groups_by_node_and_marks_the_hot_throttled_gpu() -> None:
-    samples = [sample(0, NOW - 10, temp_c=60.0), sample(0, temp_c=92.0, throttle=["sw_thermal"]),
-               sample(1), sample(2, ecc_uncorrected=3)]  # fmt: skip
-    ranks = [rank(0), rank(1), rank(2, "node1"), rank(3, "node1", gpu={"state": "unavailable", "reason": "NVML unavailable"})]  # fmt: skip
+    samples = [
+        sample(0, NOW - 10, temp_c=60.0),
+        sample(0, temp_c=92.0, throttle=["sw_thermal"]),
+        sample(1),
+        sample(2, ecc_uncorrected=3),
+    ]
+    ranks = [
+        rank(0),
+        rank(1),
+        rank(2, "node1"),
+        rank(3, "node1", gpu={"state": "unavailable", "reason": "NVML unavailable"}),
+    ]
     table = hf.gpu_table("r", samples, ranks)
     shown = text(table)
     assert "node0 · 2 GPUs · hottest 92 °C" in shown and "node1 · 2 GPUs" in shown
@@ -107,7 +144,11 @@ def test_xid_rows_carry_the_catalog_meaning() -> None:
 
 
 def test_gpu_figure_lines_nan_and_empty() -> None:
-    samples = [sample(r, NOW + t, temp_c=math.nan if t == 5 else 50.0 + r) for r in range(3) for t in range(0, 30, 5)]  # fmt: skip
+    samples = [
+        sample(r, NOW + t, temp_c=math.nan if t == 5 else 50.0 + r)
+        for r in range(3)
+        for t in range(0, 30, 5)
+    ]
     fig = hf.gpu_figure(samples, "temp", theme="dark", revision="r")
     assert [t.name for t in fig.data] == ["rank 0", "rank 1", "rank 2"]
     assert all(len(t.y) == 5 for t in fig.data)  # the NaN reading is left out
@@ -115,7 +156,9 @@ def test_gpu_figure_lines_nan_and_empty() -> None:
 
 
 def test_gpu_figure_of_many_gpus_is_a_band_and_the_worst() -> None:
-    samples = [sample(r, NOW + t, temp_c=90.0 if r == 7 else 50.0) for r in range(40) for t in (0, 5)]  # fmt: skip
+    samples = [
+        sample(r, NOW + t, temp_c=90.0 if r == 7 else 50.0) for r in range(40) for t in (0, 5)
+    ]
     fig = hf.gpu_figure(samples, "temp", theme=None, revision="r")
     names = [t.name for t in fig.data]
     assert "min..max across GPUs" in names and "median" in names
@@ -131,9 +174,15 @@ def api(engine):  # type: ignore[no-untyped-def]
 
 def test_page_parts_from_the_database(api: TestClient, engine: Any) -> None:
     now = time.time()
-    body = batch("hw", rank=1, world_size=2, steps=[step(1)],
-                 events=[{"id": "x1", "kind": "xid", "ts": now, "severity": "critical",
-                          "data": {"code": 79}}])  # fmt: skip
+    body = batch(
+        "hw",
+        rank=1,
+        world_size=2,
+        steps=[step(1)],
+        events=[
+            {"id": "x1", "kind": "xid", "ts": now, "severity": "critical", "data": {"code": 79}}
+        ],
+    )
     assert api.post("/api/v1/ingest", json=body).status_code == 200
     client = LocalClient(engine)
     note, table, xids, *graphs = hardware_page.page_parts(client, "hw", "", "light")

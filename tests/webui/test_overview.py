@@ -33,12 +33,18 @@ def series(metric: str, steps: int = 10, *, n: int = 4, value: float = 1.0, **co
         "argmax_rank": [1] * steps,
     }
     base.update(cols)
-    return Series(run="r", metric=metric, unit="", step=xs, ts=[T0 + x for x in xs],
-                  n=[n] * steps, **base)  # fmt: skip
+    return Series(
+        run="r", metric=metric, unit="", step=xs, ts=[T0 + x for x in xs], n=[n] * steps, **base
+    )
 
 
-PARTS = {"step_time": 1.0, "compute": 0.6, "overlapped_comm": 0.2, "exposed_comm": 0.1,
-         "data_wait": 0.05}  # fmt: skip
+PARTS = {
+    "step_time": 1.0,
+    "compute": 0.6,
+    "overlapped_comm": 0.2,
+    "exposed_comm": 0.1,
+    "data_wait": 0.05,
+}
 
 
 def full(steps: int = 10, *, n: int = 4) -> dict[str, Series]:
@@ -61,8 +67,13 @@ def test_one_figure_with_every_row_on_one_shared_x_axis() -> None:
     assert traces(fig, 4)[1].fill == "tonexty"
     assert list(traces(fig, 2)[0].y) == [1.0] * 10  # the job's tokens/s
     stacked = [t.name for t in traces(fig, 6) if t.stackgroup]
-    assert stacked == ["compute", "overlapped comm", "exposed comm", "other (idle, slowest rank)",
-                       "data wait"]  # fmt: skip
+    assert stacked == [
+        "compute",
+        "overlapped comm",
+        "exposed comm",
+        "other (idle, slowest rank)",
+        "data wait",
+    ]
     assert all(t.stackgroup == "time" for t in traces(fig, 6)[: len(stacked)])
     assert fig.layout.uirevision == "r|step"  # live refresh keeps hidden traces and zoom
     assert fig.layout.yaxis4.fixedrange  # a drag selects steps, not values
@@ -79,8 +90,9 @@ def test_breakdown_other_is_what_the_slowest_rank_holds_beyond_compute_and_expos
 
 def test_step_time_median_and_p99_across_ranks_are_lines_over_the_stack() -> None:
     parts = full(4)
-    parts["step_time"] = series("step_time", 4, value=1.0, p99=[1.1, 1.2, float("nan"), 1.9],
-                                median=[0.9, 1.0, 1.0, 1.0])  # fmt: skip
+    parts["step_time"] = series(
+        "step_time", 4, value=1.0, p99=[1.1, 1.2, float("nan"), 1.9], median=[0.9, 1.0, 1.0, 1.0]
+    )
     fig = overview_figure(Overview(series=parts))
     lines = {t.name: t for t in traces(fig, 6) if not t.stackgroup}
     assert set(lines) == {"step time p99 across ranks", "step time median across ranks"}
@@ -138,7 +150,7 @@ def test_spikes_and_outlier_ranks_on_the_loss_row() -> None:
             (4, 2, "loss_spike", 9.0),
             (5, 3, "nonfinite_loss", None),
             (6, 1, "grad_norm_spike", 40.0),
-        ],  # fmt: skip
+        ],
         ranks=[RankLine(2, "1 loss spike", [0, 1, 4], [T0, T0 + 1, T0 + 4], [1.0, 1.1, 9.0])],
     )
     fig = overview_figure(data)
@@ -153,9 +165,17 @@ def test_spikes_and_outlier_ranks_on_the_loss_row() -> None:
 
 def test_steps_a_rollback_ran_again_keep_their_earlier_execution_in_sight() -> None:
     # Steps 4-6 were run again after a rollback: their first execution spiked to 300.
-    loss = ReplacedSeries(run="r", metric="loss", unit="", step=[4, 5, 6], ts=[T0 + 4, T0 + 5, T0 + 6],
-                          n=[4, 4, 4], min=[250.0, 100.0, 20.0], mean=[280.0, 150.0, 30.0],
-                          max=[300.0, 200.0, 40.0])  # fmt: skip
+    loss = ReplacedSeries(
+        run="r",
+        metric="loss",
+        unit="",
+        step=[4, 5, 6],
+        ts=[T0 + 4, T0 + 5, T0 + 6],
+        n=[4, 4, 4],
+        min=[250.0, 100.0, 20.0],
+        mean=[280.0, 150.0, 30.0],
+        max=[300.0, 200.0, 40.0],
+    )
     fig = overview_figure(Overview(series=full(), replaced={"loss": loss}))
     replaced = {t.name: t for t in traces(fig, 4)}["replaced (run again)"]
     assert (list(replaced.x), list(replaced.y)) == ([4, 5, 6], [300.0, 200.0, 40.0])
@@ -163,7 +183,9 @@ def test_steps_a_rollback_ran_again_keep_their_earlier_execution_in_sight() -> N
     assert "loss before it was run again" in replaced.hovertemplate
     assert "replaced (run again)" not in {t.name for t in traces(fig, 5)}  # no grad norm ones
     on_time = overview_figure(Overview(series=full(), replaced={"loss": loss}), axis="time")
-    assert {t.name: t for t in traces(on_time, 4)}["replaced (run again)"].x[0] == dt.datetime.fromtimestamp(T0 + 4)  # fmt: skip
+    assert {t.name: t for t in traces(on_time, 4)}["replaced (run again)"].x[
+        0
+    ] == dt.datetime.fromtimestamp(T0 + 4)
     # The loss as it is now (0.5..2 across ranks) keeps the row: the 300 runs off its top,
     # and a note gives the peak. The grad norm row, with nothing replaced, scales itself.
     assert list(fig.layout.yaxis4.range) == pytest.approx([0.35, 2.15])
@@ -171,8 +193,17 @@ def test_steps_a_rollback_ran_again_keep_their_earlier_execution_in_sight() -> N
     assert notes == ["replaced (run again): peak 300, above this scale"]
     assert fig.layout.yaxis5.range is None
     # A replaced execution within reach of the live values: one scale for all, no note.
-    near = ReplacedSeries(run="r", metric="loss", unit="", step=[4], ts=[T0 + 4], n=[4],
-                          min=[2.5], mean=[3.0], max=[3.5])  # fmt: skip
+    near = ReplacedSeries(
+        run="r",
+        metric="loss",
+        unit="",
+        step=[4],
+        ts=[T0 + 4],
+        n=[4],
+        min=[2.5],
+        mean=[3.0],
+        max=[3.5],
+    )
     fig = overview_figure(Overview(series=full(), replaced={"loss": near}))
     assert fig.layout.yaxis4.range is None
     assert not [a for a in fig.layout.annotations if a.yref == "y4 domain"]
@@ -180,8 +211,12 @@ def test_steps_a_rollback_ran_again_keep_their_earlier_execution_in_sight() -> N
 
 def test_outlier_ranks_are_the_url_rank_then_spiky_ranks_then_a_usual_maximum() -> None:
     loss = series("loss", 10, n=8, argmax_rank=[5] * 8 + [1, 2])
-    spikes = [(1, 3, "loss_spike", 2.0), (2, 3, "loss_spike", 2.0), (4, 6, "nonfinite_loss", None),
-              (7, 4, "grad_norm_spike", 3.0)]  # fmt: skip
+    spikes = [
+        (1, 3, "loss_spike", 2.0),
+        (2, 3, "loss_spike", 2.0),
+        (4, 6, "nonfinite_loss", None),
+        (7, 4, "grad_norm_spike", 3.0),
+    ]
     picked = overview.outlier_ranks(loss, spikes, wanted=0)
     assert [r for r, _ in picked] == [0, 3, 6]  # at most three
     assert picked[1][1] == "2 loss spikes"
@@ -214,8 +249,9 @@ def test_a_run_with_one_rank_draws_its_line_and_no_outliers() -> None:
 def test_nan_and_infinite_values_are_gaps_and_the_figure_serializes() -> None:
     nan, inf = float("nan"), float("inf")
     parts = full(4)
-    parts["loss"] = series("loss", 4, min=[1.0, nan, 1.0, 1.0], median=[1.0, nan, inf, 1.0],
-                           max=[1.0, nan, 1.0, 1.0])  # fmt: skip
+    parts["loss"] = series(
+        "loss", 4, min=[1.0, nan, 1.0, 1.0], median=[1.0, nan, inf, 1.0], max=[1.0, nan, 1.0, 1.0]
+    )
     parts["mfu"] = series("mfu", 4, total=[nan] * 4)
     fig = overview_figure(Overview(series=parts))
     assert list(traces(fig, 4)[2].y) == [1.0, None, None, 1.0]
@@ -270,8 +306,12 @@ def test_view_round_trips_through_the_query_string() -> None:
     assert overview.to_query(overview.parse_query("")) == ""
     # What does not parse is left out; a reversed range is put the right way round.
     assert overview.parse_query("?from=x&to=-4&axis=weird&rank=a&user=") == {
-        "from": None, "to": None, "axis": "step", "rank": None, "user": None,
-    }  # fmt: skip
+        "from": None,
+        "to": None,
+        "axis": "step",
+        "rank": None,
+        "user": None,
+    }
     assert overview.parse_query("?from=900&to=100")["from"] == 100
 
 
@@ -305,8 +345,9 @@ def test_range_from_a_zoom_on_any_row() -> None:
     start = dt.datetime.fromtimestamp(T0 + 12).strftime("%Y-%m-%d %H:%M:%S.%f")[:-2]
     end = dt.datetime.fromtimestamp(T0 + 25).strftime("%Y-%m-%d %H:%M:%S")
     assert pick({"xaxis.range[0]": start, "xaxis.range[1]": end}, axis="time", xmap=xmap) == (
-        10, 30,
-    )  # fmt: skip
+        10,
+        30,
+    )
 
 
 def test_a_pick_that_fires_with_the_charts_relayout_still_goes_to_the_url() -> None:
@@ -322,17 +363,26 @@ def test_a_pick_that_fires_with_the_charts_relayout_still_goes_to_the_url() -> N
     app = create_dash(LocalClient(create_engine("sqlite://")))
     view = overview.parse_query("?rank=3")
     options = [{"label": m, "value": f"user.{m}"} for m in ("lr", "moe.aux")]
-    values = {"run-url.search": "?rank=3", "run-view.data": view, "run-axis.value": "step",
-              "run-rank.value": 3, "run-user-metric.value": "user.moe.aux",
-              "run-user-metric.options": options, "run-overview.relayoutData": {"autosize": True}}  # fmt: skip
-    for changed in (["run-overview.relayoutData", "run-user-metric.value"],
-                    ["run-user-metric.value", "run-overview.relayoutData"]):  # fmt: skip
+    values = {
+        "run-url.search": "?rank=3",
+        "run-view.data": view,
+        "run-axis.value": "step",
+        "run-rank.value": 3,
+        "run-user-metric.value": "user.moe.aux",
+        "run-user-metric.options": options,
+        "run-overview.relayoutData": {"autosize": True},
+    }
+    for changed in (
+        ["run-overview.relayoutData", "run-user-metric.value"],
+        ["run-user-metric.value", "run-overview.relayoutData"],
+    ):
         found = dash_call(app, "run-url.search", values, changed)
         assert found["run-url"] == {"search": "?rank=3&user=moe.aux"}, changed
         assert found["run-view"]["data"]["user"] == "user.moe.aux"
     zoom = {**values, "run-overview.relayoutData": {"xaxis.range[0]": 10, "xaxis.range[1]": 20}}
-    found = dash_call(app, "run-url.search", zoom,
-                      ["run-overview.relayoutData", "run-user-metric.value"])  # fmt: skip
+    found = dash_call(
+        app, "run-url.search", zoom, ["run-overview.relayoutData", "run-user-metric.value"]
+    )
     assert found["run-url"] == {"search": "?from=10&to=20&rank=3&user=moe.aux"}
     # Back / forward in the browser: the address wins over what fired with it.
     back = {**zoom, "run-url.search": "?rank=1"}
@@ -360,8 +410,11 @@ def test_a_refresh_sets_the_user_metric_picker_only_when_it_changed() -> None:
     client = Metrics(create_engine("sqlite://"))
     app = create_dash(client)
     options = [{"label": m.removeprefix("user."), "value": m} for m in client.found]
-    first = {"run-name.data": "r", "run-view.data": overview.parse_query("?user=moe.aux"),
-             "run-xmap.data": {"step": [1], "ts": [1.0]}}  # fmt: skip
+    first = {
+        "run-name.data": "r",
+        "run-view.data": overview.parse_query("?user=moe.aux"),
+        "run-xmap.data": {"step": [1], "ts": [1.0]},
+    }
     # The page opens: the picker gets the run's metrics and the URL's pick.
     found = dash_call(app, "run-user-metric.options", first, ["run-xmap.data"])
     assert found == {"run-user-metric": {"options": options, "value": "user.moe.aux"}}
@@ -371,8 +424,11 @@ def test_a_refresh_sets_the_user_metric_picker_only_when_it_changed() -> None:
     # A new metric appears: the options change, the pick stays.
     client.found = [*client.found, "user.tokens_dropped"]
     found = dash_call(app, "run-user-metric.options", again, ["run-xmap.data"])
-    assert found == {"run-user-metric": {"options": [*options, {"label": "tokens_dropped",
-                                                                "value": "user.tokens_dropped"}]}}  # fmt: skip
+    assert found == {
+        "run-user-metric": {
+            "options": [*options, {"label": "tokens_dropped", "value": "user.tokens_dropped"}]
+        }
+    }
 
 
 def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() -> None:
@@ -381,8 +437,15 @@ def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() ->
     from trainwarden.webui.overview import PANEL_RANKS, ranks_panel
 
     def r(n: int, state: str) -> SimpleNamespace:
-        return SimpleNamespace(rank=n, node=f"node{n // 8}", host="h", state=state, state_detail=None,
-                               last_step=10, gpu=None)  # fmt: skip
+        return SimpleNamespace(
+            rank=n,
+            node=f"node{n // 8}",
+            host="h",
+            state=state,
+            state_detail=None,
+            last_step=10,
+            gpu=None,
+        )
 
     run = SimpleNamespace(
         name="big run", ranks=[r(i, "finished") for i in range(1024)] + [r(1024, "hung")]
@@ -396,8 +459,12 @@ def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() ->
 
     panel = ranks_panel(run, [], [])
     assert rows(panel) == 1  # the hung rank only: a thousand-row table takes the browser minutes
-    texts = [k for c in walk(panel) for k in (c.children if isinstance(c.children, list) else [c.children])
-             if isinstance(k, str)]  # fmt: skip
+    texts = [
+        k
+        for c in walk(panel)
+        for k in (c.children if isinstance(c.children, list) else [c.children])
+        if isinstance(k, str)
+    ]
     assert any("1 of 1025 ranks listed" in t for t in texts), texts
     assert [c.href for c in walk(panel) if isinstance(c, dcc.Link)] == ["/runs/big%20run/ranks"]
     small = SimpleNamespace(name="s", ranks=[r(i, "healthy") for i in range(PANEL_RANKS)])
@@ -406,8 +473,9 @@ def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() ->
 
 def test_an_xid_event_reads_with_the_catalogs_words_when_it_has_only_its_code() -> None:
     def xid(data: dict[str, object]) -> str:
-        event = EventOut(id=1, kind="xid", severity="critical", ts=1.0, recv_ts=1.0, rank=1,
-                         step=50, data=data)  # fmt: skip
+        event = EventOut(
+            id=1, kind="xid", severity="critical", ts=1.0, recv_ts=1.0, rank=1, step=50, data=data
+        )
         return overview._event_text(event)
 
     # Only the code (an older agent, a hand-written event): looked up, never "None".

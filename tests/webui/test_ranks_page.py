@@ -30,15 +30,30 @@ from .test_alerts_page import text
 
 
 def heatmap(values: list[list[float | None]], metric: str = "step_time") -> Heatmap:
-    return Heatmap(run="r", metric=metric, unit="s", ranks=list(range(len(values))),
-                   step_start=[i * 10 for i in range(len(values[0]) if values else 0)],
-                   bucket=10, values=values)  # fmt: skip
+    return Heatmap(
+        run="r",
+        metric=metric,
+        unit="s",
+        ranks=list(range(len(values))),
+        step_start=[i * 10 for i in range(len(values[0]) if values else 0)],
+        bucket=10,
+        values=values,
+    )
 
 
 def rank(n: int, state: str = "healthy", **over: Any) -> RankInfo:
-    base: dict[str, Any] = dict(rank=n, local_rank=n, host=f"host{n // 8}", node=f"node{n // 8}",
-                                pid=100 + n, session="s", state=state, first_seen=0.0,
-                                last_seen=1.0, last_step=10)  # fmt: skip
+    base: dict[str, Any] = dict(
+        rank=n,
+        local_rank=n,
+        host=f"host{n // 8}",
+        node=f"node{n // 8}",
+        pid=100 + n,
+        session="s",
+        state=state,
+        first_seen=0.0,
+        last_seen=1.0,
+        last_step=10,
+    )
     return RankInfo(**{**base, **over})
 
 
@@ -46,7 +61,9 @@ def rank(n: int, state: str = "healthy", **over: Any) -> RankInfo:
 
 
 def test_a_straggler_is_the_stripe_and_is_named() -> None:
-    grid = rf.grid_of(heatmap([[0.1, 0.1, 0.1], [0.1, 0.11, 0.1], [0.3, 0.31, 0.3], [0.1, 0.1, 0.09]]))  # fmt: skip
+    grid = rf.grid_of(
+        heatmap([[0.1, 0.1, 0.1], [0.1, 0.11, 0.1], [0.3, 0.31, 0.3], [0.1, 0.1, 0.09]])
+    )
     found = rf.stripes(grid)
     assert [r for r, _ in found] == [2]
     assert found[0][1] == pytest.approx(3.0, rel=0.05)
@@ -80,7 +97,9 @@ def test_a_heatmap_of_zeros_is_pale_not_the_middle_of_a_scale() -> None:
 
 def test_empty_heatmap_says_what_to_wait_for() -> None:
     for grid in (rf.grid_of(heatmap([])), rf.grid_of(heatmap([[None, None]]))):
-        fig = rf.heatmap_figure(grid, title="Step time", theme=None, revision="r", empty="No steps yet")  # fmt: skip
+        fig = rf.heatmap_figure(
+            grid, title="Step time", theme=None, revision="r", empty="No steps yet"
+        )
         assert fig["data"] == []
         assert fig["layout"]["annotations"][0]["text"] == "No steps yet"
 
@@ -100,12 +119,15 @@ def test_one_rank_has_no_stripe() -> None:
 
 
 def test_gpu_temperature_grid_keeps_the_hottest_reading_per_bucket() -> None:
-    samples = [GpuSample(rank=r, ts=1000.0 + t, temp_c=92.0 if (r, t) == (1, 30) else 45.0)
-               for r in range(3) for t in range(0, 60, 5)]  # fmt: skip
+    samples = [
+        GpuSample(rank=r, ts=1000.0 + t, temp_c=92.0 if (r, t) == (1, 30) else 45.0)
+        for r in range(3)
+        for t in range(0, 60, 5)
+    ]
     samples.append(GpuSample(rank=0, ts=1001.0, temp_c=math.nan))
     grid = rf.gpu_grid(samples, buckets=6)
     assert grid.ranks == [0, 1, 2] and grid.unit == "°C"
-    hottest = max((v, r) for r, row in zip(grid.ranks, grid.values, strict=True) for v in row if v)  # fmt: skip
+    hottest = max((v, r) for r, row in zip(grid.ranks, grid.values, strict=True) for v in row if v)
     assert hottest == (92.0, 1)
     assert rf.gpu_grid([]).ranks == []
 
@@ -113,8 +135,11 @@ def test_gpu_temperature_grid_keeps_the_hottest_reading_per_bucket() -> None:
 def test_gpu_temperature_buckets_are_never_narrower_than_the_sampling_interval() -> None:
     """A short run sampled every 5 s: 120 buckets of 1 s would leave four cells in five
     empty. Each rank's row is full, and a hot reading still shows in its own bucket."""
-    samples = [GpuSample(rank=r, ts=1000.0 + t + 0.3 * r, temp_c=90.0 if (r, t) == (0, 40) else 45.0)
-               for r in range(2) for t in range(0, 60, 5)]  # fmt: skip
+    samples = [
+        GpuSample(rank=r, ts=1000.0 + t + 0.3 * r, temp_c=90.0 if (r, t) == (0, 40) else 45.0)
+        for r in range(2)
+        for t in range(0, 60, 5)
+    ]
     grid = rf.gpu_grid(samples)
     assert grid.width == pytest.approx(5.0)
     assert all(v is not None for row in grid.values for v in row), grid.values
@@ -125,8 +150,13 @@ def test_gpu_temperature_buckets_are_never_narrower_than_the_sampling_interval()
 
 
 def test_states_table_counts_states_and_lists_the_unhealthy_first() -> None:
-    ranks = [rank(0), rank(1, "slow", state_detail={"role": "culprit", "reason": "compute 3x"}),
-             rank(2, "dead"), rank(3, "evicted"), rank(4, "hung")]  # fmt: skip
+    ranks = [
+        rank(0),
+        rank(1, "slow", state_detail={"role": "culprit", "reason": "compute 3x"}),
+        rank(2, "dead"),
+        rank(3, "evicted"),
+        rank(4, "hung"),
+    ]
     table = rf.states_table("r", ranks, selected=1)
     shown = text(table)
     assert "1 dead" in shown and "1 slow" in shown and "1 healthy" in shown
@@ -141,8 +171,16 @@ def test_a_big_run_lists_only_its_unhealthy_ranks() -> None:
     ranks = [rank(i) for i in range(200)] + [rank(200, "hung")]
     shown = text(rf.states_table("r", ranks, selected=None))
     assert "200 ranks not listed" in shown and "200 healthy" in shown
-    assert len([c for c in ranks_walk(rf.states_table("r", ranks, selected=None))
-                if str(getattr(c, "id", "")).startswith("ranks-row-")]) == 1  # fmt: skip
+    assert (
+        len(
+            [
+                c
+                for c in ranks_walk(rf.states_table("r", ranks, selected=None))
+                if str(getattr(c, "id", "")).startswith("ranks-row-")
+            ]
+        )
+        == 1
+    )
 
 
 def test_a_big_finished_run_lists_at_most_a_screenful_of_ranks() -> None:
@@ -151,8 +189,11 @@ def test_a_big_finished_run_lists_at_most_a_screenful_of_ranks() -> None:
     ranks = [rank(i, "finished") for i in range(1024)] + [
         rank(1024 + i, "slow") for i in range(100)
     ]
-    rows = [c for c in ranks_walk(rf.states_table("r", ranks, selected=None))
-            if str(getattr(c, "id", "")).startswith("ranks-row-")]  # fmt: skip
+    rows = [
+        c
+        for c in ranks_walk(rf.states_table("r", ranks, selected=None))
+        if str(getattr(c, "id", "")).startswith("ranks-row-")
+    ]
     assert len(rows) == rf.RANK_ROWS and rows[0].id == "ranks-row-1024"
     assert f"{1124 - rf.RANK_ROWS} ranks not listed" in text(
         rf.states_table("r", ranks, selected=None)
@@ -177,7 +218,10 @@ def test_query_string_round_trip_and_bad_input() -> None:
     assert ranks_page.query_string(2, None, None, user="user.moe.load") == "?rank=2&user=moe.load"
     assert ranks_page.parse_user("?rank=2&user=moe.load") == "user.moe.load"
     assert ranks_page.parse_user("?user=") is None and ranks_page.parse_user(None) is None
-    assert ranks_page.range_from_relayout({"xaxis.range[0]": 10.4, "xaxis.range[1]": 19.6}) == (10, 20)  # fmt: skip
+    assert ranks_page.range_from_relayout({"xaxis.range[0]": 10.4, "xaxis.range[1]": 19.6}) == (
+        10,
+        20,
+    )
     assert ranks_page.range_from_relayout({"xaxis.autorange": True}) == (None, None)
     assert ranks_page.range_from_relayout({"yaxis.range[0]": 1, "yaxis.range[1]": 2}) is None
     assert ranks_page.clicked_rank({"points": [{"x": 20, "y": 2}]}) == 2
@@ -190,13 +234,20 @@ def test_the_user_metric_pick_goes_to_the_url_whatever_the_heatmap_does() -> Non
     the pick never reached the address). The pick has a callback of its own."""
     app = create_dash(LocalClient(create_engine("sqlite://")))
     options = [{"label": m, "value": f"user.{m}"} for m in ("eval.acc", "moe.load")]
-    values = {"ranks-user-metric.value": "user.moe.load", "ranks-user-metric.options": options,
-              "ranks-user.relayoutData": {"autosize": True}, "ranks-url.search": "?rank=2"}  # fmt: skip
+    values = {
+        "ranks-user-metric.value": "user.moe.load",
+        "ranks-user-metric.options": options,
+        "ranks-user.relayoutData": {"autosize": True},
+        "ranks-url.search": "?rank=2",
+    }
     pick = dash_call(app, "ranks-url.search", values, ["ranks-user-metric.value"])
     assert pick == {"ranks-url": {"search": "?rank=2&user=moe.load"}}
-    picker = [cb for key, cb in app.callback_map.items()
-              if {"id": "ranks-user-metric", "property": "value"} in cb["inputs"]
-              and key.startswith("ranks-url.search")]  # fmt: skip
+    picker = [
+        cb
+        for key, cb in app.callback_map.items()
+        if {"id": "ranks-user-metric", "property": "value"} in cb["inputs"]
+        and key.startswith("ranks-url.search")
+    ]
     assert [i["id"] for cb in picker for i in cb["inputs"]] == ["ranks-user-metric"]
     # The heatmap's own relayout (autosize) changes nothing; a zoom on it is a range.
     assert dash_call(app, "ranks-url.search", values, ["ranks-user.relayoutData"]) == {}
@@ -212,10 +263,14 @@ def test_inputs_that_fire_together_are_all_applied() -> None:
     """Dash sends inputs that changed together in one call, in no set order: a click on
     a rank and a zoom in one call both go to the URL, whichever is first."""
     app = create_dash(LocalClient(create_engine("sqlite://")))
-    click = {"ranks-step_time.clickData": {"points": [{"x": 20, "y": 3}]},
-             "ranks-exposed_comm.relayoutData": {"xaxis.range[0]": 0, "xaxis.range[1]": 9}}  # fmt: skip
-    for changed in (["ranks-exposed_comm.relayoutData", "ranks-step_time.clickData"],
-                    ["ranks-step_time.clickData", "ranks-exposed_comm.relayoutData"]):  # fmt: skip
+    click = {
+        "ranks-step_time.clickData": {"points": [{"x": 20, "y": 3}]},
+        "ranks-exposed_comm.relayoutData": {"xaxis.range[0]": 0, "xaxis.range[1]": 9},
+    }
+    for changed in (
+        ["ranks-exposed_comm.relayoutData", "ranks-step_time.clickData"],
+        ["ranks-step_time.clickData", "ranks-exposed_comm.relayoutData"],
+    ):
         found = dash_call(app, "ranks-url.search", click, changed)
         assert found == {"ranks-url": {"search": "?rank=3&from=0&to=10"}}, changed
 
@@ -237,9 +292,17 @@ def ingest(api: TestClient, body: dict[str, Any]) -> None:
 
 def test_page_names_the_straggler_and_shows_a_rank_detail(api: TestClient, engine: Any) -> None:
     for r in range(4):
-        ingest(api, batch("r1", rank=r, world_size=4,
-                          steps=[step(i, duration=0.3 if r == 2 else 0.1, loss=2.0 + r / 100)
-                                 for i in range(40)]))  # fmt: skip
+        ingest(
+            api,
+            batch(
+                "r1",
+                rank=r,
+                world_size=4,
+                steps=[
+                    step(i, duration=0.3 if r == 2 else 0.1, loss=2.0 + r / 100) for i in range(40)
+                ],
+            ),
+        )
     client = LocalClient(engine)
     fig = ranks_page.heatmap_part(client, "r1", "step_time", "", "light")
     assert "stands out: rank 2 (3.0× its peers)" in fig["layout"]["title"]["text"]
@@ -263,8 +326,10 @@ def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, e
     assert "s.metric(name, value)" in empty.layout.annotations[0].text
 
     for r in range(4):  # rank 3's router sends it 2x the tokens; "delta" goes negative
-        steps = [{**step(i), "metrics": {"moe.load": 2.0 if r == 3 else 1.0, "delta": -1.0 - r}}
-                 for i in range(20)]  # fmt: skip
+        steps = [
+            {**step(i), "metrics": {"moe.load": 2.0 if r == 3 else 1.0, "delta": -1.0 - r}}
+            for i in range(20)
+        ]
         ingest(api, batch("moe", rank=r, world_size=4, steps=steps))
     options, value = ranks_page.user_choices(client, "moe", "?rank=3")
     assert [o["label"] for o in options] == ["delta", "moe.load"]

@@ -29,44 +29,79 @@ from .test_alerts_page import text, walk
 # -- pieces --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("seconds", "want"), [
-    (None, "—"), (math.inf, "—"), (4.25, "4.2 s"), (42, "42 s"), (1004, "17 min"),
-    (2.3 * 3600, "2.3 h"), (3 * 86400, "3.0 days"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("seconds", "want"),
+    [
+        (None, "—"),
+        (math.inf, "—"),
+        (4.25, "4.2 s"),
+        (42, "42 s"),
+        (1004, "17 min"),
+        (2.3 * 3600, "2.3 h"),
+        (3 * 86400, "3.0 days"),
+    ],
+)
 def test_durations_read_as_people_say_them(seconds: float | None, want: str) -> None:
     assert view.span(seconds) == want
 
 
 def test_a_nested_config_is_flat_dotted_keys_in_the_given_order() -> None:
     rows = view.flat(sc.CONFIG)
-    assert rows == [("lr", 3e-4), ("batch", 512), ("model.layers", 24), ("model.d_model", 2048),
-                    ("optim.name", "adamw"), ("optim.betas", [0.9, 0.95])]  # fmt: skip
+    assert rows == [
+        ("lr", 3e-4),
+        ("batch", 512),
+        ("model.layers", 24),
+        ("model.d_model", 2048),
+        ("optim.name", "adamw"),
+        ("optim.betas", [0.9, 0.95]),
+    ]
     assert [view.value_text(v) for _, v in rows][-1] == "[0.9, 0.95]"
     assert view.flat({}) == [] and view.flat({"empty": {}}) == [("empty", {})]
 
 
 def test_the_code_version_is_a_short_sha_with_its_dirty_flag_and_branch() -> None:
-    assert view.code_text({"commit": "9f8e7d6c5b4a", "dirty": True, "branch": "main"}) == "9f8e7d6 (dirty) on main"  # fmt: skip
+    assert (
+        view.code_text({"commit": "9f8e7d6c5b4a", "dirty": True, "branch": "main"})
+        == "9f8e7d6 (dirty) on main"
+    )
     assert view.code_text({"commit": "9f8e7d6c5b4a", "dirty": False}) == "9f8e7d6"
     assert "not a git checkout" in view.code_text(None)
 
 
-@pytest.mark.parametrize(("verdict", "interval", "words"), [
-    ("too_rare", 2.3 * 3600, "Checkpointing every 2.3 h; T* is 17 min: save more often"),
-    ("too_often", 60, "Checkpointing every 60 s; T* is 17 min: save less often"),
-    ("ok", 1200, "within 2× of T*"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("verdict", "interval", "words"),
+    [
+        ("too_rare", 2.3 * 3600, "Checkpointing every 2.3 h; T* is 17 min: save more often"),
+        ("too_often", 60, "Checkpointing every 60 s; T* is 17 min: save less often"),
+        ("ok", 1200, "within 2× of T*"),
+    ],
+)
 def test_the_verdict_in_words(verdict: str, interval: float, words: str) -> None:
     adv = {"verdict": verdict, "interval_s": interval, "optimal_interval_s": 1004.0}
     assert words in view.verdict_text(adv)
-    unknown = {"verdict": "unknown", "interval_s": None, "optimal_interval_s": None,
-               "why": "fewer than two checkpoints: no interval yet"}  # fmt: skip
-    assert view.verdict_text(unknown) == "No verdict yet: fewer than two checkpoints: no interval yet."  # fmt: skip
+    unknown = {
+        "verdict": "unknown",
+        "interval_s": None,
+        "optimal_interval_s": None,
+        "why": "fewer than two checkpoints: no interval yet",
+    }
+    assert (
+        view.verdict_text(unknown) == "No verdict yet: fewer than two checkpoints: no interval yet."
+    )
 
 
 def test_the_breakdown_is_one_stacked_bar_of_the_allocation_in_the_theme() -> None:
-    good = {"allocation_gpu_s": 1000.0, "breakdown_gpu_s": {"kept": 700.0, "replayed": 100.0,
-            "recovery": 50.0, "checkpoint": 10.0, "data_wait": 40.0, "other": 100.0}}  # fmt: skip
+    good = {
+        "allocation_gpu_s": 1000.0,
+        "breakdown_gpu_s": {
+            "kept": 700.0,
+            "replayed": 100.0,
+            "recovery": 50.0,
+            "checkpoint": 10.0,
+            "data_wait": 40.0,
+            "other": 100.0,
+        },
+    }
     fig = view.breakdown_figure(good, theme="dark", revision="r")
     assert isinstance(fig, dict) and fig["layout"]["barmode"] == "stack"
     assert [t["name"] for t in fig["data"]] == [label for _, label, _ in view.BREAKDOWN]
@@ -78,13 +113,35 @@ def test_the_breakdown_is_one_stacked_bar_of_the_allocation_in_the_theme() -> No
 
 
 def test_the_diff_lists_what_changed_between_the_runs() -> None:
-    d = {"a": "econ", "b": "other", "identical": False, "config": [{"key": "lr", "a": 3e-4, "b": 1e-3}],
-         "code": [], "env": [{"key": "torch", "a": "2.5.1", "b": "2.6.0"}],
-         "tags": {"only_a": [], "only_b": ["hot"]}, "data_snapshot": None, "world_size": None,
-         "packages": {"added": ["rich==13.0"], "removed": [], "changed": [{"name": "torch", "a": "2.5.1", "b": "2.6.0"}]}}  # fmt: skip
+    d = {
+        "a": "econ",
+        "b": "other",
+        "identical": False,
+        "config": [{"key": "lr", "a": 3e-4, "b": 1e-3}],
+        "code": [],
+        "env": [{"key": "torch", "a": "2.5.1", "b": "2.6.0"}],
+        "tags": {"only_a": [], "only_b": ["hot"]},
+        "data_snapshot": None,
+        "world_size": None,
+        "packages": {
+            "added": ["rich==13.0"],
+            "removed": [],
+            "changed": [{"name": "torch", "a": "2.5.1", "b": "2.6.0"}],
+        },
+    }
     shown = text(view.diff_view(d))
-    for part in ("Config", "lr", "0.0003", "0.001", "Environment", "2.6.0", "tags", "hot",
-                 "Packages", "rich==13.0"):  # fmt: skip
+    for part in (
+        "Config",
+        "lr",
+        "0.0003",
+        "0.001",
+        "Environment",
+        "2.6.0",
+        "tags",
+        "hot",
+        "Packages",
+        "rich==13.0",
+    ):
         assert part in shown, part
     assert "Code" not in shown
     same = view.diff_view({"a": "x", "b": "y", "identical": True})
@@ -104,7 +161,9 @@ def seeded(engine: Engine) -> Iterator[LocalClient]:
 
         sc.seed(post)
     flush(engine, now=time.time(), grace_s=0)
-    yield LocalClient(engine, settings=Settings(price_per_gpu_hour=sc.PRICE, mtbf_hours=sc.MTBF_HOURS))  # fmt: skip
+    yield LocalClient(
+        engine, settings=Settings(price_per_gpu_hour=sc.PRICE, mtbf_hours=sc.MTBF_HOURS)
+    )
 
 
 def test_the_page_of_a_run_with_two_attempts(seeded: LocalClient) -> None:

@@ -26,18 +26,48 @@ from .test_alerts_page import classes, classes_of, text, walk
 NOW = sc.T0 + 100
 
 
-def entry(at: float, source: str = "event", kind: str = "drill", text: str = "x", **over: Any) -> dict[str, Any]:  # fmt: skip
-    base = dict(at=at, step=None, source=source, kind=kind, rank=None, node=None,
-                severity="info", text=text, runbook_url=None, ui_url=None, ref={})  # fmt: skip
+def entry(
+    at: float, source: str = "event", kind: str = "drill", text: str = "x", **over: Any
+) -> dict[str, Any]:
+    base = dict(
+        at=at,
+        step=None,
+        source=source,
+        kind=kind,
+        rank=None,
+        node=None,
+        severity="info",
+        text=text,
+        runbook_url=None,
+        ui_url=None,
+        ref={},
+    )
     return {**base, **over}
 
 
 def incident(n: int, **over: Any) -> IncidentOut:
-    base: dict[str, Any] = dict(id=n, run="r", title=f"Trouble {n}", state="open", severity="critical",
-                                auto=True, opened_at=sc.T0 + n, opened_by="trainwarden", closed_at=None,
-                                closed_by=None, summary=None, merged_into=None, ranks=[0], nodes=["node0"],
-                                history=[], alerts=[], actions=[], posted_at=None, post_status=None,
-                                updated_at=sc.T0)  # fmt: skip
+    base: dict[str, Any] = dict(
+        id=n,
+        run="r",
+        title=f"Trouble {n}",
+        state="open",
+        severity="critical",
+        auto=True,
+        opened_at=sc.T0 + n,
+        opened_by="trainwarden",
+        closed_at=None,
+        closed_by=None,
+        summary=None,
+        merged_into=None,
+        ranks=[0],
+        nodes=["node0"],
+        history=[],
+        alerts=[],
+        actions=[],
+        posted_at=None,
+        post_status=None,
+        updated_at=sc.T0,
+    )
     return IncidentOut(**{**base, **over})
 
 
@@ -48,10 +78,17 @@ def rows(table: Any) -> list[Any]:
 # -- the URL -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("search", "want"), [
-    ("", None), (None, None), ("?incident=3", 3), ("incident=12", 12), ("?incident=%203%20", 3),
-    ("?other=1", None),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("search", "want"),
+    [
+        ("", None),
+        (None, None),
+        ("?incident=3", 3),
+        ("incident=12", 12),
+        ("?incident=%203%20", 3),
+        ("?other=1", None),
+    ],
+)
 def test_the_url_selects_an_incident(search: str | None, want: int | None) -> None:
     assert view.parse_query(search) == (want, None)
     assert view.parse_query(view.query_string(want)) == (want, None)
@@ -65,8 +102,13 @@ def test_a_url_with_no_incident_number_says_so_and_shows_the_whole_run(bad: str)
 
 
 def test_download_links_name_the_format_and_the_incident() -> None:
-    assert view.downloads_href("a b", "md") == "/api/v1/runs/a%20b/postmortem?format=md&download=true"  # fmt: skip
-    assert view.downloads_href("r", "json", 4) == "/api/v1/runs/r/postmortem?format=json&incident=4&download=true"  # fmt: skip
+    assert (
+        view.downloads_href("a b", "md") == "/api/v1/runs/a%20b/postmortem?format=md&download=true"
+    )
+    assert (
+        view.downloads_href("r", "json", 4)
+        == "/api/v1/runs/r/postmortem?format=json&incident=4&download=true"
+    )
     hrefs = [c.href for c in walk(view.downloads("r", 4)) if getattr(c, "href", None)]
     assert hrefs == [view.downloads_href("r", f, 4) for f in ("md", "html", "json")]
     assert "every incident" in text(view.downloads("r", None))
@@ -78,17 +120,28 @@ def test_download_links_name_the_format_and_the_incident() -> None:
 def test_entries_keep_the_collectors_order_with_severity_classes_and_links() -> None:
     given = [
         entry(sc.T0 + 1, text="fault injected", severity="warning", rank=0, node="node0", step=35),
-        entry(sc.T0 + 2, "alert", "firing", "LossSpike firing", severity="critical",
-              runbook_url="/runbooks/LossSpike", ui_url="/alerts?run=r"),
+        entry(
+            sc.T0 + 2,
+            "alert",
+            "firing",
+            "LossSpike firing",
+            severity="critical",
+            runbook_url="/runbooks/LossSpike",
+            ui_url="/alerts?run=r",
+        ),
         entry(sc.T0 + 2, "page", "delivered", "delivered to hook"),
         entry(sc.T0 + 3, "note", "note", "ana: looked", severity="page-me"),  # unknown: as info
-    ]  # fmt: skip
+    ]
     table = view.entries_table(given, now=NOW, origin=sc.T0 + 1)
     found = rows(table)
     assert [text(r).split(" ")[0] for r in found] == [view.stamp(e["at"], NOW) for e in given]
     assert "fault injected" in text(found[0]) and "LossSpike firing" in text(found[1])
     assert [next(c for c in classes_of(r) if c.startswith("tl-sev-")) for r in found] == [
-        "tl-sev-warning", "tl-sev-critical", "tl-sev-info", "tl-sev-info"]  # fmt: skip
+        "tl-sev-warning",
+        "tl-sev-critical",
+        "tl-sev-info",
+        "tl-sev-info",
+    ]
     assert "severity-critical" in classes(found[1]) and "page-me" in text(found[3])
     links = {c.children: c.href for c in walk(found[1]) if getattr(c, "href", None)}
     assert links == {"runbook": "/runbooks/LossSpike", "view": "/alerts?run=r"}
@@ -114,21 +167,41 @@ def test_a_long_timeline_shows_its_newest_entries_and_says_how_many_are_left_out
 # -- the figures -------------------------------------------------------------------
 
 
-FIGS = {"detect_s": 0.8, "page_s": None, "act_s": 75.0, "recover_s": 4000.0, "steps_lost": 10,
-        "time_lost_s": 5.3, "gpu_hours_lost": 0.0029444, "world_size": 2,
-        "price_per_gpu_hour": None, "cost": None, "fault": "fault injected (drill): loss_spike"}  # fmt: skip
+FIGS = {
+    "detect_s": 0.8,
+    "page_s": None,
+    "act_s": 75.0,
+    "recover_s": 4000.0,
+    "steps_lost": 10,
+    "time_lost_s": 5.3,
+    "gpu_hours_lost": 0.0029444,
+    "world_size": 2,
+    "price_per_gpu_hour": None,
+    "cost": None,
+    "fault": "fault injected (drill): loss_spike",
+}
 
 
 def figure_texts(card: Any) -> dict[str, str]:
-    return {c.id.removeprefix("tl-fig-"): text(c.children[1]) for c in walk(card)
-            if str(getattr(c, "id", "")).startswith("tl-fig-")}  # fmt: skip
+    return {
+        c.id.removeprefix("tl-fig-"): text(c.children[1])
+        for c in walk(card)
+        if str(getattr(c, "id", "")).startswith("tl-fig-")
+    }
 
 
 def test_the_figures_card_formats_durations_and_shows_missing_moments_as_a_dash() -> None:
     got = figure_texts(view.figures_card(FIGS, {"detect_s": "fault -> first alert pending"}))
-    assert got == {"detect_s": "0.8 s", "page_s": "—", "act_s": "1 min 15 s", "recover_s": "1 h 6 min",
-                   "steps_lost": "10", "time_lost_s": "5.3 s", "gpu_hours_lost": "0.003 (2 GPUs)",
-                   "cost": "—"}  # fmt: skip
+    assert got == {
+        "detect_s": "0.8 s",
+        "page_s": "—",
+        "act_s": "1 min 15 s",
+        "recover_s": "1 h 6 min",
+        "steps_lost": "10",
+        "time_lost_s": "5.3 s",
+        "gpu_hours_lost": "0.003 (2 GPUs)",
+        "cost": "—",
+    }
     card = view.figures_card(FIGS, {"detect_s": "fault -> first alert pending"})
     hints = {c.id: c.title for c in walk(card) if str(getattr(c, "id", "")).startswith("tl-fig-")}
     assert hints["tl-fig-detect_s"] == "fault -> first alert pending"
@@ -156,8 +229,9 @@ def test_no_incidents_is_said_and_the_whole_run_stays_selected() -> None:
 
 
 def test_incidents_are_listed_newest_first_as_links_and_the_selected_one_is_marked() -> None:
-    listed = view.incidents_list([incident(1, state="closed"), incident(2)], run="my run",
-                                 selected=1, now=NOW)  # fmt: skip
+    listed = view.incidents_list(
+        [incident(1, state="closed"), incident(2)], run="my run", selected=1, now=NOW
+    )
     links = [c for c in walk(listed) if str(getattr(c, "id", "")).startswith("tl-inc-")]
     assert [c.id for c in links] == ["tl-inc-all", "tl-inc-2", "tl-inc-1"]
     assert links[1].href == "/runs/my%20run/timeline?incident=2"
@@ -166,13 +240,21 @@ def test_incidents_are_listed_newest_first_as_links_and_the_selected_one_is_mark
 
 
 def test_the_chart_puts_entries_on_lanes_by_source_and_marks_the_fault() -> None:
-    given = [entry(sc.T0 + 1, severity="warning"), entry(sc.T0 + 2, "alert", "firing", severity="critical")]  # fmt: skip
-    fig = view.timeline_figure(given, {"fault_at": sc.T0 + 1, "recovered_at": None}, theme="dark", revision="r:1")  # fmt: skip
+    given = [
+        entry(sc.T0 + 1, severity="warning"),
+        entry(sc.T0 + 2, "alert", "firing", severity="critical"),
+    ]
+    fig = view.timeline_figure(
+        given, {"fault_at": sc.T0 + 1, "recovered_at": None}, theme="dark", revision="r:1"
+    )
     assert [t.name for t in fig.data] == ["warning", "critical"]
     assert list(fig.layout.yaxis.categoryarray) == ["alert", "event"]  # the cause on top
     assert [a.text for a in fig.layout.annotations] == ["fault"]
     assert fig.layout.template.layout.paper_bgcolor == "rgb(17,17,17)"
-    assert "No entries" in view.timeline_figure([], None, theme=None, revision="r").layout.annotations[0].text  # fmt: skip
+    assert (
+        "No entries"
+        in view.timeline_figure([], None, theme=None, revision="r").layout.annotations[0].text
+    )
 
 
 # -- the page on a real database --------------------------------------------------------
@@ -221,7 +303,9 @@ def test_the_page_shows_the_incident_the_url_names(client: LocalClient) -> None:
     whole = parts(client, sc.RUN, "")
     assert whole["figures"] is None and whole["tools"] == {"display": "none"}
     # The whole run: every entry of the incident but its history and the derived ones.
-    theirs = [r for r in rows(got["entries"]) if not {"tl-incident", "tl-derived"} & set(classes_of(r))]  # fmt: skip
+    theirs = [
+        r for r in rows(got["entries"]) if not {"tl-incident", "tl-derived"} & set(classes_of(r))
+    ]
     assert len(rows(whole["entries"])) == len(theirs)
 
 
@@ -247,16 +331,26 @@ def test_the_buttons_add_a_note_retitle_and_close_through_the_api(client: LocalC
     assert "Write the note first" in press("tl-note-add", incident=inc.id, by="ana", text=" ")[0]
     message, kind = press("tl-note-add", incident=inc.id, by="ana", text=" looked at it ")
     assert kind == "info" and f"(incident {inc.id}) as ana" in message
-    assert [(n.author, n.text, n.incident) for n in client.notes(sc.RUN)] == [("ana", "looked at it", inc.id)]  # fmt: skip
+    assert [(n.author, n.text, n.incident) for n in client.notes(sc.RUN)] == [
+        ("ana", "looked at it", inc.id)
+    ]
     refused = press("tl-note-add", incident=999, by="ana", text="x")
     assert refused == ("Not done: incident 999 not found.", "error")
     assert press("tl-retitle", incident=inc.id, by="ana", title="Loss spike at step 35") == (
-        f"Incident {inc.id} is now titled “Loss spike at step 35”.", "info")  # fmt: skip
+        f"Incident {inc.id} is now titled “Loss spike at step 35”.",
+        "info",
+    )
     assert press("tl-close", incident=None, by="ana") == ("Pick an incident first.", "error")
     assert press("tl-close", incident=inc.id, by="ana", summary="rolled back")[1] == "info"
     again = press("tl-close", incident=inc.id, by="ana")
     assert again[1] == "error" and again[0].startswith("Not done: ")
     (closed,) = client.incidents(sc.RUN)
-    assert (closed.state, closed.title, closed.summary) == ("closed", "Loss spike at step 35", "rolled back")  # fmt: skip
-    note_entries = [e for e in client.timeline(sc.RUN, incident=inc.id)["entries"] if e["source"] == "note"]  # fmt: skip
+    assert (closed.state, closed.title, closed.summary) == (
+        "closed",
+        "Loss spike at step 35",
+        "rolled back",
+    )
+    note_entries = [
+        e for e in client.timeline(sc.RUN, incident=inc.id)["entries"] if e["source"] == "note"
+    ]
     assert [e["text"] for e in note_entries] == ["ana: looked at it"]
