@@ -1,6 +1,6 @@
 """Each rule kind over a snapshot of one run's recent records: which alerts are active now.
 
-The engine (``collector/alerting.py``) fetches a :class:`Snapshot` per run and pass
+The engine (``collector/alerting/engine.py``) fetches a :class:`Snapshot` per run and pass
 from the database, with the windows the loaded rules need; tests build snapshots by
 hand. ``evaluate(rule, snapshot)`` returns a :class:`Verdict` for every run (rank-less)
 or rank on which the rule's condition holds now; everything not returned is inactive.
@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from trainwarden.collector.health import median_without
-from trainwarden.collector.rollups import METRICS
+from trainwarden.alerts.metrics import METRICS
 
 from .intervals import Interval
 from .rules import (
@@ -667,3 +666,15 @@ _KINDS: dict[type, Callable[[Any, Snapshot], list[Verdict]]] = {
 def evaluate(rule: Rule, snap: Snapshot) -> list[Verdict]:
     """The runs / ranks on which ``rule``'s condition holds in ``snap``."""
     return _KINDS[type(rule)](rule, snap)
+
+
+def median_without(values: list[float], i: int) -> float:
+    """The median of sorted ``values`` without the element at index ``i``, in O(1)."""
+    n = len(values) - 1
+
+    def at(k: int) -> float:  # the k-th element once index i is removed
+        return values[k if k < i else k + 1]
+
+    if n % 2:
+        return at(n // 2)
+    return (at(n // 2 - 1) + at(n // 2)) / 2

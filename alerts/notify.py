@@ -45,7 +45,9 @@ log = logging.getLogger(__name__)
 
 KIND_NAMES = ("alertmanager", "pagerduty", "slack", "webhook")
 PAGERDUTY_URL = "https://events.pagerduty.com/v2/enqueue"
-RESEND_VALIDITY_S = 4 * 3600.0  # four times the engine's hourly re-send (collector/alerting.py)
+RESEND_VALIDITY_S = (
+    4 * 3600.0
+)  # four times the engine's hourly re-send (collector/alerting/engine.py)
 """How long Alertmanager keeps a firing alert without news: 4 x a 3.75 min re-send."""
 RETRYABLE_STATUS = frozenset({408, 429})  # and every 5xx: the rest of 4xx will not change
 

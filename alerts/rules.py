@@ -5,7 +5,7 @@ A rules file is a mapping with one key, ``rules``: a list of rules. Every rule h
 typed model), when it fires (``for``, ``keep_firing_for``), how bad it is
 (``severity``), its ``labels``, the ``runbook`` that tells on-call what to do, and an
 optional ``action`` for issue 7 to carry out. Metric names are checked against what
-trainwarden stores: the per-step metrics of ``collector/rollups.py`` (per rank, and
+trainwarden stores: the per-step metrics of ``collector/rollups/aggregate.py`` (per rank, and
 across ranks in ``step_stats``) and the numeric fields of ``gpu_samples``.
 
 A broken file raises :class:`RuleError` whose lines each name the file, the rule and
@@ -27,11 +27,9 @@ from pydantic import (
     field_validator,
     model_validator,
 )
-from sqlalchemy import Float, Integer
 
 from trainwarden.agent.gpu import THROTTLE_REASONS, describe_xid
-from trainwarden.collector import models
-from trainwarden.collector.rollups import METRICS
+from trainwarden.alerts.metrics import METRICS
 
 from .intervals import ZERO, After, Duration, Interval, Span, Unit
 
@@ -48,20 +46,33 @@ STEP_METRICS = tuple(METRICS)
 RunStat = Literal["min", "median", "max", "p99", "mean", "total"]
 RUN_STATS: tuple[str, ...] = get_args(RunStat)
 """A run metric's statistic across ranks; ``total`` is the run-level value (rollups.py)."""
-GPU_METRICS = tuple(
-    c.name
-    for c in models.gpu_samples.columns
-    if isinstance(c.type, (Float, Integer))
-    and not c.primary_key  # run, rank, time: the keys, not readings
-    and c.name not in ("recv_ts", "simulated")
+GPU_METRICS = (
+    "temp_c",
+    "mem_temp_c",
+    "power_w",
+    "power_limit_w",
+    "sm_clock_mhz",
+    "sm_clock_max_mhz",
+    "util_gpu",
+    "util_mem",
+    "mem_used_bytes",
+    "mem_total_bytes",
+    "ecc_corrected",
+    "ecc_uncorrected",
+    "retired_pages",
+    "remapped_rows_correctable",
+    "remapped_rows_uncorrectable",
+    "remap_pending",
+    "pcie_replay",
 )
-"""The numeric readings of ``gpu_samples`` (NVML, per rank)."""
+"""The numeric readings of ``gpu_samples`` (NVML, per rank); the collector's table has a
+column for each (a test keeps the two the same)."""
 NONFINITE_METRICS = tuple(name for name, m in METRICS.items() if m.source is not None)
 """Metrics stored from one column, whose NaN / Inf the collector marks in ``issues``."""
 FLAGS = ("grad_norm_spike", "skip_suggested", "loss_spike", "nonfinite_loss", "nonfinite_grad_norm")
 """The spike flags the agent raises per step (agent/spikes.py)."""
 RANK_STATES = ("healthy", "slow", "hung", "dead", "failed", "finished")
-"""Rank states the health evaluator writes (collector/health.py)."""
+"""Rank states the health evaluator writes (collector/health/evaluator.py)."""
 THROTTLES = tuple(THROTTLE_REASONS.values())
 XidAction = Literal["ignore", "restart_app", "reset_gpu", "reboot_node", "drain"]
 Severity = Literal["critical", "warning", "info"]
@@ -312,7 +323,7 @@ class RateParams(_Strict):
 
 class CadenceParams(_Strict):
     """The run's checkpoint interval is more than ``off_by`` times longer or shorter than
-    the advisor's optimum T* = sqrt(2 C tau) (``collector/economics.py``), once it has
+    the advisor's optimum T* = sqrt(2 C tau) (``collector/read/economics.py``), once it has
     seen ``min_checkpoints`` checkpoints with their blocking save time."""
 
     off_by: float = Field(default=2.0, gt=1, le=1000)

@@ -17,7 +17,7 @@ import sys
 
 from common import DEFAULT_DB, scratch_database, serving
 
-from trainwarden.collector.loadgen import run_loadgen
+from trainwarden.collector.cli.loadgen import run_loadgen
 
 
 def measure(db_url: str, *, auth: bool, args: argparse.Namespace) -> tuple[float, float]:

@@ -38,8 +38,8 @@ from common import DEFAULT_DB, cpu_seconds, postgres_cpu_seconds, scratch_databa
 from peer_mlflow import describe, find_mlflow, mlflow_points_per_s
 from sqlalchemy import text
 
-from trainwarden.collector.db import make_engine
-from trainwarden.collector.loadgen import METRIC_COLUMNS, run_loadgen, user_metrics
+from trainwarden.collector.cli.loadgen import METRIC_COLUMNS, run_loadgen, user_metrics
+from trainwarden.collector.store.db import make_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -22,9 +22,9 @@ import httpx
 import psycopg
 from common import DEFAULT_DB, scratch_database, serving
 
-from trainwarden.collector.db import make_engine, upgrade
-from trainwarden.collector.partitions import day_of, ensure_partitions
-from trainwarden.collector.rollup_worker import LEVELS
+from trainwarden.collector.rollups.worker import LEVELS
+from trainwarden.collector.store.db import make_engine, upgrade
+from trainwarden.collector.store.partitions import day_of, ensure_partitions
 
 COLUMNS = [
     "run_id",

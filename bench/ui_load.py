@@ -32,7 +32,7 @@ from playwright.sync_api import sync_playwright
 from query import seed
 from sqlalchemy.engine import make_url
 
-from trainwarden.collector.rollup_worker import LEVELS
+from trainwarden.collector.rollups.worker import LEVELS
 
 CHROMIUM = os.environ.get("TRAINWARDEN_CHROMIUM", "/usr/bin/chromium")
 TARGET_S = 1.5

@@ -17,20 +17,26 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
 from trainwarden.alerts import Rule, load_rule_packs
-
-from . import actions_api, alerts_api, api, auth, economics_api, incidents_api, otlp, runbooks
-from .actions import ActionEngine, ActionPolicy, CommandBoard
-from .alerting import AlertEngine, EngineSettings, NotifierThread
-from .api import EXTRA_SCHEMAS, DirectIngest, router
-from .health import HealthSettings, health_loop
-from .incidents import IncidentEngine, IncidentSettings
-from .limits import BodyLimit, IngestBackpressure, Pressure
-from .loops import Loop
-from .prom import CollectorMetrics
-from .queries import NotFound, UnknownMetric
-from .rollup_worker import rollup_loop
-from .settings import Settings
-from .writer import IngestWriter
+from trainwarden.collector.actions.engine import ActionEngine, ActionPolicy, CommandBoard
+from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings, NotifierThread
+from trainwarden.collector.api.prom import CollectorMetrics
+from trainwarden.collector.api.routes import actions as actions_api
+from trainwarden.collector.api.routes import alerts as alerts_api
+from trainwarden.collector.api.routes import economics as economics_api
+from trainwarden.collector.api.routes import incidents as incidents_api
+from trainwarden.collector.api.routes import otlp
+from trainwarden.collector.api.routes import runs as api
+from trainwarden.collector.api.routes.runs import EXTRA_SCHEMAS, DirectIngest, auth, router
+from trainwarden.collector.health.evaluator import HealthSettings, health_loop
+from trainwarden.collector.incidents.engine import IncidentEngine
+from trainwarden.collector.incidents.store import IncidentSettings
+from trainwarden.collector.ingest.limits import BodyLimit, IngestBackpressure, Pressure
+from trainwarden.collector.ingest.writer import IngestWriter
+from trainwarden.collector.loops import Loop
+from trainwarden.collector.read import runbooks
+from trainwarden.collector.read.queries import NotFound, UnknownMetric
+from trainwarden.collector.rollups.worker import rollup_loop
+from trainwarden.collector.settings import Settings
 
 DEFAULT_HEALTH = HealthSettings()
 DEFAULT_ALERTING = EngineSettings()

@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING, Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from .db import default_db_url
+from trainwarden.collector.store.db import default_db_url
 
 if TYPE_CHECKING:
-    from .auth import AuthSettings
+    from trainwarden.collector.api.auth import AuthSettings
 
 
 class Settings(BaseSettings):
@@ -120,7 +120,7 @@ class Settings(BaseSettings):
         """The :class:`~.auth.AuthSettings` of ``auth=required``, else None."""
         if self.auth == "off":
             return None
-        from .auth import AuthSettings
+        from trainwarden.collector.api.auth import AuthSettings
 
         made = AuthSettings(
             trusted_user_header=self.trusted_user_header,

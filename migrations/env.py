@@ -6,8 +6,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine
 
-from trainwarden.collector.models import metadata
-from trainwarden.collector.partitions import include_name
+from trainwarden.collector.store.models import metadata
+from trainwarden.collector.store.partitions import include_name
 
 config = context.config
 

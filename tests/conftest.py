@@ -23,8 +23,8 @@ import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from trainwarden.collector import models
-from trainwarden.collector.db import make_engine, upgrade
+from trainwarden.collector.store import models
+from trainwarden.collector.store.db import make_engine, upgrade
 
 from .net import free_port
 

@@ -10,10 +10,10 @@ from urllib.parse import parse_qs, quote, urlencode
 
 from dash import dcc, html
 
-from trainwarden.collector.actions import summary
-from trainwarden.collector.actions_api import ActionOut
-from trainwarden.collector.alerts_api import AlertOut, Matcher, SilenceOut
-from trainwarden.collector.runbooks import runbook_url
+from trainwarden.collector.actions.engine import summary
+from trainwarden.collector.api.routes.actions import ActionOut
+from trainwarden.collector.api.routes.alerts import AlertOut, Matcher, SilenceOut
+from trainwarden.collector.read.runbooks import runbook_url
 
 from .components import ago, clock, notice, until
 

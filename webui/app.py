@@ -17,7 +17,7 @@ from urllib.parse import quote, unquote
 import dash
 from dash import Input, Output, State, dcc, html
 
-from trainwarden.collector.queries import RUN_STATUS_HELP
+from trainwarden.collector.read.queries import RUN_STATUS_HELP
 
 from . import alerts_page, hardware_page, overview, ranks_page, run_info_page, timeline_page
 from .client import Client

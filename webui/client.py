@@ -16,19 +16,16 @@ from fastapi import HTTPException
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from trainwarden.collector import (
-    actions_api,
-    alerts_api,
-    economics_api,
-    incidents_api,
-    queries,
-    user_metrics,
-)
-from trainwarden.collector.actions import ActionPolicy
-from trainwarden.collector.actions_api import ActionOut, CheckpointOut
-from trainwarden.collector.alerts_api import AlertOut, SilenceOut
-from trainwarden.collector.incidents_api import IncidentOut, NoteOut
-from trainwarden.collector.schemas import (
+from trainwarden.collector.actions.engine import ActionPolicy
+from trainwarden.collector.api.routes import actions as actions_api
+from trainwarden.collector.api.routes import alerts as alerts_api
+from trainwarden.collector.api.routes import economics as economics_api
+from trainwarden.collector.api.routes import incidents as incidents_api
+from trainwarden.collector.api.routes.actions import ActionOut, CheckpointOut
+from trainwarden.collector.api.routes.alerts import AlertOut, SilenceOut
+from trainwarden.collector.api.routes.incidents import IncidentOut, NoteOut
+from trainwarden.collector.read import queries
+from trainwarden.collector.read.schemas import (
     EventOut,
     FlaggedStep,
     GpuSample,
@@ -234,7 +231,7 @@ class LocalClient:
     def user_metrics(self, run: str) -> list[str]:
         """The run's user metrics (``user.<name>``), once rolled up."""
         with self._engine.connect() as conn:
-            return list(user_metrics.run_metrics(conn, run=run, builtin=[])["user"])
+            return list(queries.run_metrics(conn, run=run, builtin=[])["user"])
 
     def rank_series(
         self,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from trainwarden.collector.schemas import Series
+from trainwarden.collector.read.schemas import Series
 
 COLORS = {
     "loss": "#2563eb",

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from dash import dcc, html
 
 from trainwarden.agent.gpu import describe_xid
-from trainwarden.collector.schemas import EventOut, GpuSample, RankInfo
+from trainwarden.collector.read.schemas import EventOut, GpuSample, RankInfo
 
 from .figures import empty_figure, themed
 

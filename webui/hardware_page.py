@@ -12,7 +12,7 @@ from urllib.parse import quote
 import dash
 from dash import Input, Output, State, dcc, html
 
-from trainwarden.collector.queries import NotFound
+from trainwarden.collector.read.queries import NotFound
 
 from . import hardware_figures as hf
 from .client import Client

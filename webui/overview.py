@@ -24,7 +24,7 @@ from urllib.parse import parse_qs, quote, urlencode
 import dash
 from dash import Input, Output, State, dcc, html
 
-from trainwarden.collector.queries import RUN_STATUS_HELP, NotFound
+from trainwarden.collector.read.queries import RUN_STATUS_HELP, NotFound
 
 from . import alerts, figures
 from .client import Client

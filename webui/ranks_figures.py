@@ -24,7 +24,14 @@ from urllib.parse import quote
 import plotly.graph_objects as go
 from dash import dcc, html
 
-from trainwarden.collector.schemas import EventOut, GpuSample, Heatmap, RankInfo, RankSeries, Series
+from trainwarden.collector.read.schemas import (
+    EventOut,
+    GpuSample,
+    Heatmap,
+    RankInfo,
+    RankSeries,
+    Series,
+)
 
 from .figures import empty_figure, themed
 from .overview_figures import themed_layout

@@ -18,7 +18,7 @@ from urllib.parse import parse_qs, quote, urlencode
 import dash
 from dash import Input, Output, State, dcc, html
 
-from trainwarden.collector.queries import NotFound
+from trainwarden.collector.read.queries import NotFound
 
 from . import components
 from . import ranks_figures as rf

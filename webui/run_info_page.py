@@ -19,7 +19,7 @@ import dash
 from dash import Input, Output, State, dcc, html
 from plotly.io.json import to_json_plotly
 
-from trainwarden.collector.queries import NotFound
+from trainwarden.collector.read.queries import NotFound
 
 from . import run_info as view
 from .client import Client

@@ -13,8 +13,8 @@ from urllib.parse import parse_qs, quote
 import plotly.graph_objects as go
 from dash import dcc, html
 
-from trainwarden.collector.incidents_api import IncidentOut
-from trainwarden.collector.postmortem import duration
+from trainwarden.collector.api.routes.incidents import IncidentOut
+from trainwarden.collector.incidents.postmortem import duration
 
 from .components import ago, clock, notice
 from .figures import empty_figure, themed

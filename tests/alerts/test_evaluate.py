@@ -3,7 +3,7 @@ what does not; then the lifecycle over a sequence of snapshots, as the engine ru
 
 The snapshots are a realistic run (four ranks on two nodes, a step a second, GPU samples
 every 5 s) that each test bends where its rule looks; the run-level rollups are computed
-from the rank rows with ``collector/rollups.py``, as the collector stores them.
+from the rank rows with ``collector/rollups/aggregate.py``, as the collector stores them.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import pytest
 from trainwarden.agent.gpu import describe_xid
 from trainwarden.alerts import Alert, Rule, advance, load_rule_packs, parse_rule
 from trainwarden.alerts.evaluate import RankInfo, Snapshot, StatRow, Verdict, evaluate
-from trainwarden.collector import models
-from trainwarden.collector.rollups import METRICS
+from trainwarden.alerts.metrics import METRICS
+from trainwarden.collector.store import models
 
 PACK = {rule.name: rule for rule in load_rule_packs()}
 RUN = "gpt-7b"

@@ -26,7 +26,7 @@ from trainwarden.alerts import (
     parse_rule,
 )
 from trainwarden.alerts import rules as r
-from trainwarden.collector import health
+from trainwarden.collector.health import evaluator as health
 
 PACK = [
     "LowMFU",
@@ -547,3 +547,19 @@ def test_rules_are_frozen_data() -> None:
     with pytest.raises(ValueError):
         rule.severity = "critical"  # type: ignore[misc]
     assert parse_rule(rule.model_dump(by_alias=True)) == rule  # round-trips through plain data
+
+
+def test_the_gpu_metrics_rules_may_name_are_the_numeric_readings_the_collector_stores() -> None:
+    from sqlalchemy import Float, Integer
+
+    from trainwarden.alerts.rules import GPU_METRICS
+    from trainwarden.collector.store import models
+
+    stored = tuple(
+        c.name
+        for c in models.gpu_samples.columns
+        if isinstance(c.type, (Float, Integer))
+        and not c.primary_key  # run, rank, time: the keys, not readings
+        and c.name not in ("recv_ts", "simulated")
+    )
+    assert stored == GPU_METRICS

@@ -9,11 +9,11 @@ from typing import Any
 
 from sqlalchemy import Engine, insert, select
 
-from trainwarden.collector import models as m
-from trainwarden.collector.db import write
-from trainwarden.collector.ingest import ingest
-from trainwarden.collector.rollup_worker import flush
-from trainwarden.collector.schemas import IngestBatch
+from trainwarden.collector.ingest.batches import ingest
+from trainwarden.collector.ingest.schemas import IngestBatch
+from trainwarden.collector.rollups.worker import flush
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.db import write
 
 from .helpers import batch, step
 

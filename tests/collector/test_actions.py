@@ -23,15 +23,15 @@ from sqlalchemy import select
 
 from trainwarden.agent.commands import STOPPED_EXIT_CODE, Commands, RollbackPlan
 from trainwarden.alerts import load_rule_packs
-from trainwarden.collector import actions_api
-from trainwarden.collector import models as m
-from trainwarden.collector.actions import ActionEngine, ActionPolicy, CommandBoard, summary
-from trainwarden.collector.alerting import AlertEngine
+from trainwarden.collector.actions.engine import ActionEngine, ActionPolicy, CommandBoard, summary
+from trainwarden.collector.alerting.engine import AlertEngine
+from trainwarden.collector.api.routes import actions as actions_api
 from trainwarden.collector.app import create_app
-from trainwarden.collector.db import write
-from trainwarden.collector.ingest import ingest
-from trainwarden.collector.rollup_worker import flush
-from trainwarden.collector.schemas import IngestBatch
+from trainwarden.collector.ingest.batches import ingest
+from trainwarden.collector.ingest.schemas import IngestBatch
+from trainwarden.collector.rollups.worker import flush
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.db import write
 
 from .helpers import batch
 

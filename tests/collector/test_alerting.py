@@ -15,15 +15,15 @@ from sqlalchemy import event as sa_event
 from sqlalchemy import insert, select, update
 
 from trainwarden.alerts import Attempt, load_rule_packs, parse_rule
-from trainwarden.collector import models as m
-from trainwarden.collector.alerting import AlertEngine, EngineSettings, recent_steps
+from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings, recent_steps
 from trainwarden.collector.app import create_app
-from trainwarden.collector.db import write
-from trainwarden.collector.health import HealthSettings, evaluate
-from trainwarden.collector.ingest import ingest
-from trainwarden.collector.limits import Pressure
-from trainwarden.collector.rollup_worker import flush
-from trainwarden.collector.schemas import IngestBatch
+from trainwarden.collector.health.evaluator import HealthSettings, evaluate
+from trainwarden.collector.ingest.batches import ingest
+from trainwarden.collector.ingest.limits import Pressure
+from trainwarden.collector.ingest.schemas import IngestBatch
+from trainwarden.collector.rollups.worker import flush
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.db import write
 
 from .helpers import batch, step
 
@@ -729,7 +729,7 @@ def test_a_job_that_dies_whole_is_one_page_not_one_a_rank(engine) -> None:
 
 def test_a_few_ranks_page_one_by_one() -> None:
     from trainwarden.alerts.notify import Notification
-    from trainwarden.collector.alerting import grouped
+    from trainwarden.collector.alerting.engine import grouped
 
     def note(rank: int, rule: str = "RankDead") -> Notification:
         return Notification(

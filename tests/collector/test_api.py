@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from trainwarden.collector.app import create_app
-from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.rollups.worker import flush
 
 from .helpers import batch, step
 
@@ -58,10 +58,10 @@ def test_a_run_not_heard_from_for_five_minutes_is_lost_until_a_rank_reports(
 ) -> None:
     from sqlalchemy import update
 
-    from trainwarden.collector import ingest as ingest_module
-    from trainwarden.collector import models as m
-    from trainwarden.collector.db import write
-    from trainwarden.collector.queries import LOST_AFTER_S
+    from trainwarden.collector.ingest import batches as ingest_module
+    from trainwarden.collector.read.queries import LOST_AFTER_S
+    from trainwarden.collector.store import models as m
+    from trainwarden.collector.store.db import write
 
     for rank in (0, 1):
         ingest(client, batch(rank=rank, steps=[step(0)]))

@@ -13,11 +13,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, select
 
-from trainwarden.collector import auth, models
+from trainwarden.collector.api.auth import AuthSettings
+from trainwarden.collector.api import auth
 from trainwarden.collector.app import create_app
-from trainwarden.collector.auth import AuthSettings
-from trainwarden.collector.db import write
-from trainwarden.collector.tokens import (
+from trainwarden.collector.store import models
+from trainwarden.collector.store.db import write
+from trainwarden.collector.store.tokens import (
     Principal,
     TokenError,
     create_token,
@@ -384,7 +385,7 @@ def test_tokens_that_cannot_be_checked_get_503_not_a_crash(engine: Engine) -> No
 
 
 def test_a_refused_request_vouches_only_for_the_runs_its_token_may_send() -> None:
-    from trainwarden.collector.tokens import Principal
+    from trainwarden.collector.store.tokens import Principal
 
     token = auth.current.set(Principal("ci", frozenset({"ingest"}), runs="team-a-*"))
     try:

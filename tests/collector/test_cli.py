@@ -91,7 +91,7 @@ def test_demo_refuses_a_bad_actions_file_before_it_starts_anything(tmp_path: Pat
 
 
 def test_the_demo_policy_runs_a_rollback_and_keeps_evictions_and_stops_dry() -> None:
-    from trainwarden.collector.demo import demo_policy
+    from trainwarden.collector.cli.demo import demo_policy
 
     policy = demo_policy()
     assert (policy.rollback.mode, policy.evict.mode, policy.stop.mode) == (

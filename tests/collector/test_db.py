@@ -7,10 +7,10 @@ import math
 import pytest
 from sqlalchemy import func, select, update
 
-from trainwarden.collector import models as m
-from trainwarden.collector.db import fetch_rows, write
-from trainwarden.collector.ingest import ingest
-from trainwarden.collector.schemas import IngestBatch
+from trainwarden.collector.ingest.batches import ingest
+from trainwarden.collector.ingest.schemas import IngestBatch
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.db import fetch_rows, write
 
 from .helpers import batch, step
 
@@ -53,7 +53,7 @@ def test_fetch_rows_reads_what_sqlalchemy_reads(engine) -> None:  # type: ignore
 
 
 def test_json_columns_parse_with_orjson_and_what_it_refuses_with_the_standard_library() -> None:
-    from trainwarden.collector.db import json_loads
+    from trainwarden.collector.store.db import json_loads
 
     assert json_loads(b'{"rank": 3, "labels": {"run": "r1"}}') == {
         "rank": 3,

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
-from trainwarden.collector import economics
 from trainwarden.collector.app import create_app
-from trainwarden.collector.economics import EconomicsSettings, advise, optimal_interval, waste
-from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.read import economics
+from trainwarden.collector.read.economics import EconomicsSettings, advise, optimal_interval, waste
+from trainwarden.collector.rollups.worker import flush
 
 # -- the advisor: the reference's worked example and the waste formula ---------------------
 
@@ -378,7 +378,7 @@ def test_a_run_without_identity_events_still_answers(client: TestClient) -> None
 
 def test_the_cadence_rule_fires_on_a_run_that_checkpoints_too_rarely(client: TestClient) -> None:
     from trainwarden.alerts import load_rule_packs
-    from trainwarden.collector.alerting import AlertEngine
+    from trainwarden.collector.alerting.engine import AlertEngine
 
     engine = client.app.state.engine
     t0 = time.time() - 4 * 3600
@@ -391,7 +391,7 @@ def test_the_cadence_rule_fires_on_a_run_that_checkpoints_too_rarely(client: Tes
     alerts.economics = EconomicsSettings(mtbf_hours=7)
     alerts.run_once()
     with engine.connect() as conn:
-        from trainwarden.collector import models as m
+        from trainwarden.collector.store import models as m
 
         fired = conn.execute(m.alerts.select()).mappings().all()
     assert [(a["rule"], a["state"], a["severity"]) for a in fired] == [

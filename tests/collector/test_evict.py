@@ -17,7 +17,7 @@ from urllib.parse import parse_qs, urlsplit
 
 import pytest
 
-from trainwarden.collector.evict import (
+from trainwarden.collector.actions.evict import (
     CommandBackend,
     EvictError,
     Eviction,

@@ -16,7 +16,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import content_type_conformance, response_schema_conformance
 
 from trainwarden.collector.app import create_app
-from trainwarden.collector.db import make_engine, upgrade
+from trainwarden.collector.store.db import make_engine, upgrade
 
 from .helpers import batch, step
 

@@ -7,12 +7,12 @@ import time
 import pytest
 from sqlalchemy import select
 
-from trainwarden.collector import models as m
-from trainwarden.collector.db import write
-from trainwarden.collector.health import HealthSettings, evaluate
-from trainwarden.collector.ingest import ingest
-from trainwarden.collector.rollup_worker import flush
-from trainwarden.collector.schemas import IngestBatch
+from trainwarden.collector.health.evaluator import HealthSettings, evaluate
+from trainwarden.collector.ingest.batches import ingest
+from trainwarden.collector.ingest.schemas import IngestBatch
+from trainwarden.collector.rollups.worker import flush
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.db import write
 
 from .helpers import batch, step
 
@@ -120,7 +120,7 @@ def test_a_silent_dead_run_is_not_read_again_and_a_rank_heard_again_comes_back(
 ) -> None:
     """A crashed run's ranks stay dead without being decided again on every evaluation
     (a crashed run of thousands of ranks took a fifth of the collector's CPU that way)."""
-    from trainwarden.collector import health
+    from trainwarden.collector.health import evaluator as health
 
     for rank in (0, 1):
         send(engine, rank=rank, steps=[step(i) for i in range(10)], at=T0 + 10)
@@ -223,7 +223,7 @@ def test_median_without_matches_the_slow_way() -> None:
     import random
     import statistics
 
-    from trainwarden.collector.health import median_without
+    from trainwarden.alerts.evaluate import median_without
 
     rng = random.Random(1)
     for n in range(2, 12):
@@ -248,8 +248,8 @@ def test_the_collectors_own_lag_is_not_a_dead_rank(engine) -> None:
 def test_the_writers_lag_is_the_age_of_its_oldest_waiting_request(engine) -> None:
     import threading
 
-    from trainwarden.collector.schemas import ColumnarBatch
-    from trainwarden.collector.writer import IngestWriter
+    from trainwarden.collector.ingest.schemas import ColumnarBatch
+    from trainwarden.collector.ingest.writer import IngestWriter
 
     writer = IngestWriter(engine)
     assert writer.lag_s() == 0.0
@@ -342,7 +342,7 @@ def test_progress_is_read_on_the_collectors_clock(engine, late: float) -> None:
 
 
 def test_pressure_remembers_refusals_and_lag_for_a_while() -> None:
-    from trainwarden.collector.limits import Pressure
+    from trainwarden.collector.ingest.limits import Pressure
 
     lag = [0.0]
     pressure = Pressure(lambda: lag[0], behind_s=1.0, memory_s=0.2)
@@ -385,7 +385,7 @@ def test_a_request_the_collector_refused_is_its_ranks_heartbeat(engine) -> None:
     ],
 )
 def test_the_sender_header_names_a_run_and_its_ranks(value: str, expected) -> None:
-    from trainwarden.collector.limits import sender_ranks
+    from trainwarden.collector.ingest.limits import sender_ranks
 
     assert sender_ranks(value) == expected
 
@@ -395,7 +395,7 @@ def test_the_backpressure_gate_hands_on_who_it_refused() -> None:
     import concurrent.futures
 
     from trainwarden.agent.exporter import SENDER_HEADER, sender
-    from trainwarden.collector.limits import IngestBackpressure, Pressure
+    from trainwarden.collector.ingest.limits import IngestBackpressure, Pressure
 
     async def app(scope, receive, send) -> None:  # never reached: the gate is full
         raise AssertionError("admitted")
@@ -426,7 +426,7 @@ def test_the_backpressure_gate_hands_on_who_it_refused() -> None:
 
 
 def test_what_refused_senders_claim_is_bounded(monkeypatch) -> None:
-    from trainwarden.collector import limits
+    from trainwarden.collector.ingest import limits
 
     monkeypatch.setattr(limits, "MAX_HEARD", 10_000)
     pressure = limits.Pressure(lambda: 0.0, memory_s=60.0)
@@ -442,7 +442,7 @@ def test_stragglers_and_diverging_are_the_ranks_over_the_line_on_every_step() ->
     import random
     import statistics
 
-    from trainwarden.collector.health import StepView, diverging, stragglers
+    from trainwarden.collector.health.evaluator import StepView, diverging, stragglers
 
     rng = random.Random(7)
     for _ in range(300):

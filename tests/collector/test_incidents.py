@@ -14,12 +14,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
 from trainwarden.collector.app import create_app
-from trainwarden.collector.db import write
-from trainwarden.collector.incidents import group
-from trainwarden.collector.postmortem import render_html, render_markdown, report_of
-from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.incidents.postmortem import render_html, render_markdown, report_of
+from trainwarden.collector.incidents.store import group
+from trainwarden.collector.incidents.timeline import timeline
+from trainwarden.collector.rollups.worker import flush
 from trainwarden.collector.settings import Settings
-from trainwarden.collector.timeline import timeline
+from trainwarden.collector.store.db import write
 
 from . import incident_scenario as sc
 from .incident_scenario import T0
@@ -103,7 +103,7 @@ def test_an_incident_opens_on_the_first_firing_alert_gathers_what_follows_and_cl
     with write(engine) as conn:
         from sqlalchemy import update
 
-        from trainwarden.collector import models as m
+        from trainwarden.collector.store import models as m
 
         conn.execute(
             update(m.alerts).values(state="resolved", resolved_at=T0 + 50, cleared_at=T0 + 45)

@@ -9,10 +9,10 @@ import time
 from fastapi.testclient import TestClient
 
 from trainwarden.alerts import load_rule_packs
-from trainwarden.collector.alerting import AlertEngine, EngineSettings
+from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings
+from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.app import _stop_together, create_app
 from trainwarden.collector.loops import Loop, spaced
-from trainwarden.collector.prom import CollectorMetrics
 
 
 def burn(cpu_s: float) -> None:

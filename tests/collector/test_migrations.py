@@ -1,8 +1,8 @@
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from trainwarden.collector.models import metadata
-from trainwarden.collector.partitions import include_name
+from trainwarden.collector.store.models import metadata
+from trainwarden.collector.store.partitions import include_name
 
 
 def test_migrations_build_exactly_the_models_schema(engine) -> None:  # type: ignore[no-untyped-def]
@@ -36,8 +36,8 @@ def test_0022_keeps_one_of_each_replaced_execution(db_url: str) -> None:
     # and at the latest again whatever happens.)
     from sqlalchemy import func, insert, select
 
-    from trainwarden.collector import models as m
-    from trainwarden.collector.db import make_engine, upgrade
+    from trainwarden.collector.store import models as m
+    from trainwarden.collector.store.db import make_engine, upgrade
 
     engine = make_engine(db_url)
     try:

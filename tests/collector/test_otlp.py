@@ -30,9 +30,9 @@ from opentelemetry.proto.resource.v1.resource_pb2 import Resource
 from sqlalchemy import select
 
 from trainwarden.agent.otlp import OtlpTransport
-from trainwarden.collector import models as m
 from trainwarden.collector.app import create_app
-from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.rollups.worker import flush
+from trainwarden.collector.store import models as m
 
 from .helpers import batch
 

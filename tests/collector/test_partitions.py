@@ -10,13 +10,13 @@ import pytest
 from sqlalchemy import create_engine, func, select, text
 from sqlalchemy.engine import make_url
 
-from trainwarden.collector import models as m
-from trainwarden.collector.db import make_engine, upgrade, write
-from trainwarden.collector.ingest import ingest
-from trainwarden.collector.partitions import DAY_S, day_of, list_partitions, parse_age, prune
-from trainwarden.collector.queries import series
-from trainwarden.collector.rollup_worker import flush
-from trainwarden.collector.schemas import IngestBatch
+from trainwarden.collector.ingest.batches import ingest
+from trainwarden.collector.ingest.schemas import IngestBatch
+from trainwarden.collector.read.queries import series
+from trainwarden.collector.rollups.worker import flush
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.db import make_engine, upgrade, write
+from trainwarden.collector.store.partitions import DAY_S, day_of, list_partitions, parse_age, prune
 
 from .helpers import batch
 
@@ -210,8 +210,8 @@ def test_the_rollup_worker_makes_todays_and_tomorrows_partitions(pg_url: str) ->
     """PostgreSQL only (SQLite has no partitions)."""
     import time
 
-    from trainwarden.collector.partitions import day_of, partition_name
-    from trainwarden.collector.rollup_worker import rollup_loop
+    from trainwarden.collector.rollups.worker import rollup_loop
+    from trainwarden.collector.store.partitions import day_of, partition_name
 
     engine = make_engine(pg_url)
     today = day_of(time.time())

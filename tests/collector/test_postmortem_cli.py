@@ -11,8 +11,9 @@ from pathlib import Path
 
 from sqlalchemy import Engine
 
-from trainwarden.collector.db import make_engine
-from trainwarden.collector.incidents import IncidentEngine, IncidentSettings
+from trainwarden.collector.incidents.engine import IncidentEngine
+from trainwarden.collector.incidents.store import IncidentSettings
+from trainwarden.collector.store.db import make_engine
 
 from ..conftest import Server
 from ..e2e.test_drills import wait_for
@@ -133,7 +134,7 @@ def test_the_engine_posts_the_report_of_an_incident_when_it_closes(engine: Engin
         incidents.run_once()
         assert len(recv.got("/hook")) == 1  # posted once
         with engine.connect() as conn:
-            from trainwarden.collector.incidents import get_incident
+            from trainwarden.collector.incidents.store import get_incident
 
             assert get_incident(conn, incident_id=opened)["post_status"] == "posted (HTTP 200)"
     finally:

@@ -6,11 +6,11 @@ import itertools
 
 from sqlalchemy import func, select
 
-from trainwarden.collector import models as m
-from trainwarden.collector.db import write
-from trainwarden.collector.ingest import ingest
-from trainwarden.collector.rollup_worker import flush, roll_up_ready
-from trainwarden.collector.schemas import IngestBatch
+from trainwarden.collector.ingest.batches import ingest
+from trainwarden.collector.ingest.schemas import IngestBatch
+from trainwarden.collector.rollups.worker import flush, roll_up_ready
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.db import write
 
 from .helpers import batch, step
 
@@ -89,7 +89,7 @@ def test_a_replayed_batch_changes_nothing_and_a_changed_replay_is_rolled_again(e
 
 
 def test_heatmap_from_bucket_maxima_equals_the_one_from_raw_rows(engine) -> None:
-    from trainwarden.collector.queries import heatmap
+    from trainwarden.collector.read.queries import heatmap
 
     rng = __import__("random").Random(3)
     for rank in range(4):
@@ -121,7 +121,7 @@ def test_heatmap_from_bucket_maxima_equals_the_one_from_raw_rows(engine) -> None
 def test_bucket_maxima_rolled_up_piecewise_with_gaps_match_raw_rows(engine) -> None:  # type: ignore[no-untyped-def]
     """Steps arrive and roll up in uneven pieces, some steps never come, the last bucket
     is still open: the heatmap from stored maxima plus the raw edge equals the raw one."""
-    from trainwarden.collector.queries import heatmap
+    from trainwarden.collector.read.queries import heatmap
 
     rng = __import__("random").Random(5)
     steps = [i for i in range(2_900) if not 100 <= i < 140 and i != 2_063]
@@ -203,9 +203,9 @@ def test_the_recheck_reads_the_queued_steps_by_key_not_the_days_rows(pg_url: str
     from sqlalchemy import text
     from sqlalchemy.dialects import postgresql
 
-    from trainwarden.collector.db import make_engine
-    from trainwarden.collector.partitions import day_of, ensure_partitions
-    from trainwarden.collector.rollup_worker import due_query
+    from trainwarden.collector.rollups.worker import due_query
+    from trainwarden.collector.store.db import make_engine
+    from trainwarden.collector.store.partitions import day_of, ensure_partitions
 
     engine = make_engine(pg_url)
     ensure_partitions(engine, {day_of(T0)})
@@ -261,7 +261,7 @@ def test_the_recheck_reads_the_queued_steps_by_key_not_the_days_rows(pg_url: str
 def test_bucket_maxima_of_every_heatmap_metric_are_each_ranks_maxima(engine) -> None:  # type: ignore[no-untyped-def]
     """One pass computes every heatmap metric's maxima: each stored under its own name,
     none for a rank that never reported the metric in the bucket (NULLs, a NaN loss)."""
-    from trainwarden.collector.rollup_worker import HEATMAP_COLUMNS
+    from trainwarden.collector.rollups.worker import HEATMAP_COLUMNS
 
     rng = __import__("random").Random(5)
     sent: dict[tuple[str, int, int], list[float]] = {}  # (metric, rank, bucket) -> values
@@ -299,7 +299,7 @@ def test_a_steps_rollup_is_queryable_before_its_heatmap_bucket_is_written(
 ) -> None:  # type: ignore[no-untyped-def]
     # A 16-step bucket's maxima at 16,384 ranks take a second: the steps' rollups are
     # committed before that work starts, not held back by it.
-    from trainwarden.collector import rollup_worker
+    from trainwarden.collector.rollups import worker as rollup_worker
 
     seen_then: list[int] = []
     real = rollup_worker._bucket_maxima

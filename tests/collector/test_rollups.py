@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from trainwarden.collector.models import metadata, rank_steps
-from trainwarden.collector.rollups import aggregate
+from trainwarden.collector.rollups.aggregate import aggregate
+from trainwarden.collector.store.models import metadata, rank_steps
 
 # Every table: runs' CASCADE does not reach rank_steps (no foreign key since migration 0015).
 ALL_TABLES = ", ".join(t.name for t in metadata.sorted_tables)
@@ -95,10 +95,10 @@ def test_postgres_rolls_up_in_sql_exactly_as_python_does(pg_url: str) -> None:
 
     from sqlalchemy import text
 
-    from trainwarden.collector.db import make_engine, write
-    from trainwarden.collector.ingest import ingest
-    from trainwarden.collector.rollup_worker import _aggregate_here, _aggregate_in_db
-    from trainwarden.collector.schemas import IngestBatch
+    from trainwarden.collector.ingest.batches import ingest
+    from trainwarden.collector.ingest.schemas import IngestBatch
+    from trainwarden.collector.rollups.worker import _aggregate_here, _aggregate_in_db
+    from trainwarden.collector.store.db import make_engine, write
 
     from .helpers import batch
 
@@ -172,7 +172,7 @@ def test_postgres_sessions_run_without_jit_whatever_the_server_default(pg_url: s
     from sqlalchemy import create_engine, text
     from sqlalchemy.engine import make_url
 
-    from trainwarden.collector.db import make_engine, write
+    from trainwarden.collector.store.db import make_engine, write
 
     name = make_url(pg_url).database
     admin = create_engine(pg_url, isolation_level="AUTOCOMMIT")

@@ -9,9 +9,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from trainwarden.collector import models as m
 from trainwarden.collector.app import create_app
-from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.rollups.worker import flush
+from trainwarden.collector.store import models as m
 
 from .helpers import batch, step
 
@@ -227,10 +227,10 @@ def test_user_metric_rollups_in_sql_equal_the_python_ones(engine) -> None:  # ty
     on awkward data: metrics some ranks lack, nulls, NaN / Inf, ties, steps without any."""
     import random
 
-    from trainwarden.collector.db import is_sqlite, write
-    from trainwarden.collector.ingest import ingest as store
-    from trainwarden.collector.rollup_worker import _aggregate_here, _aggregate_in_db
-    from trainwarden.collector.schemas import IngestBatch
+    from trainwarden.collector.ingest.batches import ingest as store
+    from trainwarden.collector.ingest.schemas import IngestBatch
+    from trainwarden.collector.rollups.worker import _aggregate_here, _aggregate_in_db
+    from trainwarden.collector.store.db import is_sqlite, write
 
     rng = random.Random(5)
     for rank in range(6):

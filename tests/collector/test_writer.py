@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import func, select
 
-from trainwarden.collector import models as m
-from trainwarden.collector.schemas import AgentInfo, ColumnarBatch, IngestBatch, StepIn
-from trainwarden.collector.writer import Busy, IngestWriter
+from trainwarden.collector.ingest.schemas import AgentInfo, ColumnarBatch, IngestBatch, StepIn
+from trainwarden.collector.ingest.writer import Busy, IngestWriter
+from trainwarden.collector.store import models as m
 
 from .helpers import batch, step
 
@@ -114,8 +114,8 @@ def test_a_ranks_stale_request_committed_late_adds_its_steps_but_not_its_heartbe
     # Two collectors behind a load balancer: a rank's request that arrived first can
     # commit after the next one (its collector was behind). Here even from the rank's
     # previous process, which had exited.
-    from trainwarden.collector.db import write
-    from trainwarden.collector.ingest import store_many
+    from trainwarden.collector.ingest.batches import store_many
+    from trainwarden.collector.store.db import write
 
     def request(session: str, step_no: int) -> IngestBatch:
         body = batch(run="w", rank=3, world_size=8, steps=[step(step_no)], session=session)
@@ -202,7 +202,7 @@ def test_serving_gc_lets_a_burst_of_live_requests_die_before_a_young_collection(
 
     code = """
 import gc
-from trainwarden.collector.writer import _settle_gc
+from trainwarden.collector.ingest.writer import _settle_gc
 _settle_gc()
 frozen = gc.get_freeze_count()
 young = []
@@ -233,16 +233,20 @@ def test_new_steps_are_copied_straight_in_and_a_key_stored_meanwhile_falls_back_
     # savepoint and the upsert decides, keeping the latest execution of the step.
     from sqlalchemy import update
 
-    from trainwarden.collector import ingest
-    from trainwarden.collector.db import is_sqlite, write
+    from trainwarden.collector.ingest import batches as ingest
+    from trainwarden.collector.store.db import is_sqlite, write
+
+    from trainwarden.collector.store import bulk
 
     copied: list[str] = []
-    real = ingest._copy
-    monkeypatch.setattr(
-        ingest,
-        "_copy",
-        lambda conn, table, into, *a: (copied.append(into), real(conn, table, into, *a)),
-    )
+    real = bulk._copy
+
+    def spy(conn, table, into, *a):  # type: ignore[no-untyped-def]
+        copied.append(into)
+        return real(conn, table, into, *a)
+
+    monkeypatch.setattr(bulk, "_copy", spy)  # staged upserts
+    monkeypatch.setattr(ingest, "_copy", spy)  # new steps copied straight in
 
     def request(*steps: dict[str, object]) -> IngestBatch:
         return IngestBatch.model_validate(batch(run="w", rank=3, world_size=8, steps=list(steps)))
@@ -275,8 +279,8 @@ def test_a_step_run_twice_within_one_flush_keeps_the_later_and_the_earlier_as_re
 ) -> None:  # type: ignore[no-untyped-def]
     # Under load a rank's first execution of steps and, after a rollback, its second can
     # wait in the same flush: the later one is stored, the earlier kept as replaced.
-    from trainwarden.collector import ingest
-    from trainwarden.collector.db import write
+    from trainwarden.collector.ingest import batches as ingest
+    from trainwarden.collector.store.db import write
 
     def request(*steps: dict[str, object]) -> IngestBatch:
         return IngestBatch.model_validate(batch(run="w", rank=3, world_size=8, steps=list(steps)))
@@ -302,8 +306,8 @@ def test_a_rollbacks_later_steps_in_a_flush_with_another_ranks_replay_are_kept_a
     # rank whose next steps (past that new last step, but stored once already) share a
     # flush with another rank's first steps run again must have its earlier executions
     # kept as replaced too, not written over (seen in CI: 2 of 4 ranks' steps missing).
-    from trainwarden.collector import ingest
-    from trainwarden.collector.db import write
+    from trainwarden.collector.ingest import batches as ingest
+    from trainwarden.collector.store.db import write
 
     def request(rank: int, steps: range, *, t0: float, loss: float) -> IngestBatch:
         return IngestBatch.model_validate(
@@ -364,8 +368,8 @@ def test_steps_run_again_after_midnight_replace_those_of_the_day_before(engine) 
     # across midnight UTC) has a key of its own: no unique violation tells the COPY of new
     # steps that it was stored already. Every step up to the rank's highest ever stored
     # is looked up, whatever its last step says now.
-    from trainwarden.collector import ingest
-    from trainwarden.collector.db import write
+    from trainwarden.collector.ingest import batches as ingest
+    from trainwarden.collector.store.db import write
 
     midnight = 1_700_006_400.0  # 2023-11-15 00:00 UTC: day_of changes here
 

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from trainwarden.collector.db import make_engine
+from trainwarden.collector.store.db import make_engine
 
 from ..collector import incident_scenario as sc
 from ..conftest import Server, start_serve, stop_serve

@@ -54,7 +54,7 @@ def test_the_load_generators_client_reads_chunked_and_sized_answers_on_one_conne
     import asyncio
     import concurrent.futures
 
-    from trainwarden.collector.loadgen import _Connection
+    from trainwarden.collector.cli.loadgen import _Connection
 
     seen: list[bytes] = []
 

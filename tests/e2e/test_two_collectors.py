@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import create_engine, text
 
-from trainwarden.collector import models
+from trainwarden.collector.store import models
 
 from ..collector.helpers import batch, step
 from ..conftest import start_serve, stop_serve

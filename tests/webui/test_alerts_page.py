@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 
-from trainwarden.collector import models as m
-from trainwarden.collector.actions_api import ActionOut
-from trainwarden.collector.alerts_api import AlertOut, Matcher, SilenceOut
+from trainwarden.collector.api.routes.actions import ActionOut
+from trainwarden.collector.api.routes.alerts import AlertOut, Matcher, SilenceOut
+from trainwarden.collector.store import models as m
 from trainwarden.webui import alerts
 from trainwarden.webui.alerts_page import SilenceForm, perform
 from trainwarden.webui.client import LocalClient, Refused

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from trainwarden.collector.schemas import Series
+from trainwarden.collector.read.schemas import Series
 from trainwarden.webui import figures
 
 

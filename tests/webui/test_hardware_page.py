@@ -12,8 +12,8 @@ from fastapi.testclient import TestClient
 
 from trainwarden.agent.gpu import describe_xid
 from trainwarden.collector.app import create_app
-from trainwarden.collector.queries import NotFound
-from trainwarden.collector.schemas import EventOut, GpuSample, RankInfo
+from trainwarden.collector.read.queries import NotFound
+from trainwarden.collector.read.schemas import EventOut, GpuSample, RankInfo
 from trainwarden.webui import hardware_figures as hf
 from trainwarden.webui import hardware_page
 from trainwarden.webui.client import LocalClient

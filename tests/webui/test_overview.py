@@ -10,7 +10,7 @@ import math
 import plotly.graph_objects as go
 import pytest
 
-from trainwarden.collector.schemas import EventOut, ReplacedSeries, Series
+from trainwarden.collector.read.schemas import EventOut, ReplacedSeries, Series
 from trainwarden.webui import overview, overview_figures
 from trainwarden.webui.overview_figures import ROW_EMPTY, Marker, Overview, RankLine, thin
 

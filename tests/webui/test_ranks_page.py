@@ -15,9 +15,9 @@ from plotly.io.json import to_json_plotly
 from sqlalchemy import create_engine
 
 from trainwarden.collector.app import create_app
-from trainwarden.collector.queries import NotFound
-from trainwarden.collector.rollup_worker import flush
-from trainwarden.collector.schemas import GpuSample, Heatmap, RankInfo
+from trainwarden.collector.read.queries import NotFound
+from trainwarden.collector.read.schemas import GpuSample, Heatmap, RankInfo
+from trainwarden.collector.rollups.worker import flush
 from trainwarden.webui import ranks_figures as rf
 from trainwarden.webui import ranks_page
 from trainwarden.webui.app import create_dash

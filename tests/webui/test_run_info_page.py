@@ -16,8 +16,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
 from trainwarden.collector.app import create_app
-from trainwarden.collector.queries import NotFound
-from trainwarden.collector.rollup_worker import flush
+from trainwarden.collector.read.queries import NotFound
+from trainwarden.collector.rollups.worker import flush
 from trainwarden.collector.settings import Settings
 from trainwarden.webui import run_info as view
 from trainwarden.webui import run_info_page

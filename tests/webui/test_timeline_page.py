@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from trainwarden.collector.db import write
-from trainwarden.collector.incidents import group
-from trainwarden.collector.incidents_api import IncidentOut
-from trainwarden.collector.queries import NotFound
+from trainwarden.collector.api.routes.incidents import IncidentOut
+from trainwarden.collector.incidents.store import group
+from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.settings import Settings
+from trainwarden.collector.store.db import write
 from trainwarden.webui import timeline as view
 from trainwarden.webui import timeline_page
 from trainwarden.webui.client import LocalClient

@@ -1,0 +1,1261 @@
+"""The alert engine inside ``serve``: evaluates the rules, keeps each alert's lifecycle
+in the database, applies silences and inhibition, and hands notifications to the
+notifiers.
+
+One pass (every ``interval_s``, and at once when ingest stores an event or a flagged
+step, so that an XID pages within a second):
+
+1. For every live run (and every run with an open alert), fetch a
+   :class:`~trainwarden.alerts.evaluate.Snapshot` with the windows the rules need and
+   evaluate each rule on it (``alerts/evaluate.py``).
+2. Advance each alert (rule + labels = fingerprint) through inactive → pending →
+   firing → resolved (``alerts/lifecycle.py``) and write the changes: one row per
+   episode in ``alerts``. A pending episode that clears is deleted.
+3. Silences (``silences``) and inhibition decide what may page:
+   - an alert whose rule has ``action: evict`` (FatalXid, EccUncorrectable: the node
+     is going away) inhibits every other alert on the same node of the run;
+   - a firing liveness alert (``category: liveness``: RankDead, RankHung) inhibits
+     the other alerts of its rank (a dead rank is not also a straggler).
+4. Notify: a firing alert that is neither silenced nor inhibited is sent once when it
+   fires, again every ``resend_s`` until acknowledged, and once more when it resolves.
+
+The state lives in the database, so it survives a restart, and on PostgreSQL one
+collector at a time runs the pass (an advisory lock), as for the health evaluator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import math
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, or_, select, update
+
+from trainwarden.alerts import Alert, Rule, advance, fingerprint
+from trainwarden.alerts.evaluate import (
+    RankInfo,
+    Row,
+    Snapshot,
+    StatRow,
+    Verdict,
+    evaluate,
+    metric_columns,
+)
+from trainwarden.alerts.intervals import ZERO
+from trainwarden.alerts.rules import (
+    RUN_STATS,
+    AbsenceRule,
+    BaselineRule,
+    CadenceRule,
+    EventKindMatch,
+    EventRule,
+    FlagMatch,
+    NonFiniteMatch,
+    PeerRule,
+    RankStateMatch,
+    RateRule,
+    ThresholdRule,
+    ThrottleMatch,
+    XidMatch,
+)
+from trainwarden.collector.ingest.limits import Pressure
+from trainwarden.collector.loops import spaced
+from trainwarden.collector.read.economics import EconomicsSettings, economics
+from trainwarden.collector.read.queries import arrival_lateness, median_step_time
+from trainwarden.collector.read.runbooks import runbook_url
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.db import fetch_rows, leads, write
+
+log = logging.getLogger(__name__)
+
+ADVISORY_LOCK_KEY = 0x7477_616C_6572  # "twaler": one alert engine across collectors
+OPEN = ("pending", "firing")
+STATS = RUN_STATS  # the step_stats columns a run rule may read
+FAST_KINDS = (EventRule, AbsenceRule, RateRule)
+"""Rules a wake-up (ingest stored an event or a flagged step) evaluates at once."""
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    interval_s: float = 2.0
+    resend_s: float = 3600.0
+    """Re-send a firing, unacknowledged alert this often (Alertmanager also needs it to
+    keep the alert alive; see ``alerts/notify.py``)."""
+    min_wake_s: float = 0.05
+    """A burst of wake-ups runs one pass, not one each."""
+    stale_run_s: float = 86400.0
+    """A run silent this long is no longer evaluated (its open alerts resolve)."""
+    group_over: int = 3
+    """More notifications than this of one rule, run and status in one pass go out as one
+    (a node's 8 ranks dying, a job that dies whole, or a collector cut off from it, is one
+    page, not one a rank); the alerts themselves stay one a rank."""
+    max_cpu_share: float = 0.25
+    """A full pass may cost at most this share of one core (the engine thread's CPU):
+    past that (16,384 ranks on a 2-core collector) passes are spaced out instead of
+    taking time from ingest; ``trainwarden_alert_interval_seconds`` shows the interval."""
+    refresh_s: float = 300.0
+    """An open alert whose state is unchanged but whose value or description moved (a dead
+    rank's silence grows on every pass) is written at most this often: a crashed run of
+    16,384 ranks is 16,384 firing RankDead alerts, and rewriting them all on every pass
+    took a tenth of the collector's CPU (every 30 s still left PostgreSQL 550 dead row
+    versions a second to vacuum). A change of state, step or GPU is written at once."""
+    silent_run_s: float = 60.0
+    """A running run none of whose ranks has been heard from for this long (a crashed job:
+    its RankDead alerts fired a minute ago) is evaluated every ``silent_every_s`` instead
+    of on every pass, and its open alerts are neither read nor routed between (a new
+    silence or a due resend reaches them up to ``silent_every_s`` late): with nothing new
+    to read only the clock moves, and a dead run of 16,384 ranks evaluated every 2 s took
+    a quarter of the collector's CPU from the runs still sending."""
+    silent_every_s: float = 30.0
+    slow_rule_s: float = 15.0
+    """At most this long between evaluations of a rank-scoped threshold or baseline rule
+    that must hold for minutes: one reads every rank's rows of its window (a 20-step
+    window at 8,192 ranks is 164,000 rows), and its ``for`` is not the time to within a
+    pass. Evaluated every ``for``/20, at least every ``interval_s``."""
+
+    @property
+    def hold_s(self) -> float:
+        return max(10.0, 3 * self.interval_s)
+
+
+# -- what the rules need ------------------------------------------------------------
+
+
+@dataclass
+class Needs:
+    stats_rows: dict[str, int] = field(default_factory=dict)  # metric -> newest N rollups
+    stats_s: dict[str, float] = field(default_factory=dict)  # metric -> rollups of the last S s
+    first_step: bool = False
+    steps_back: int = 0  # full per-rank rows over the last N steps ...
+    steps_s: float = 0.0  # ... or the last S seconds (converted with the step time)
+    steps_arriving: bool = False  # rows of steps not rolled up yet too (else: settled steps)
+    step_cols: set[str] = field(default_factory=set)
+    marked_back: int = 0  # flagged / non-finite rows over the last N steps
+    marked_s: float = 0.0
+    gpu_s: float = 0.0
+    events_s: float = 0.0
+    events_back: int = 0
+    last_event: set[str] = field(default_factory=set)
+    cadence: bool = False  # the checkpoint cadence advisor's verdict
+
+    def add_stats(self, metric: str, *, rows: int = 0, seconds: float = 0.0) -> None:
+        if rows:
+            self.stats_rows[metric] = max(self.stats_rows.get(metric, 0), rows)
+        if seconds:
+            self.stats_s[metric] = max(self.stats_s.get(metric, 0.0), seconds)
+
+
+def _span(needs_rows: int, needs_s: float, span: Any) -> tuple[int, float]:
+    if span is None:
+        return max(needs_rows, 1), needs_s
+    if span.unit == "steps":
+        return max(needs_rows, int(span.value)), needs_s
+    return needs_rows, max(needs_s, span.value)
+
+
+def needs_of(rules: Iterable[Rule], hold_s: float) -> Needs:
+    n = Needs()
+    for rule in rules:
+        if isinstance(rule, (ThresholdRule, BaselineRule)):
+            p = rule.params
+            rows, secs = _span(0, 0.0, p.window)
+            if isinstance(rule, BaselineRule):
+                if p.baseline.unit == "steps":
+                    rows += int(p.baseline.value) + (
+                        int(p.warmup.value) if p.warmup.unit == "steps" else 0
+                    )
+                else:
+                    secs += p.baseline.value
+                n.first_step |= p.warmup.unit == "steps" and p.warmup.value > 0
+                rows = max(rows, 1) + 1
+            if p.scope == "run":
+                for metric in (
+                    (p.metric, "step_time")
+                    if getattr(p, "fraction_of_step", False)
+                    else (p.metric,)
+                ):
+                    n.add_stats(metric, rows=rows, seconds=secs)
+            elif p.scope == "rank":
+                n.steps_back, n.steps_s = max(n.steps_back, rows), max(n.steps_s, secs)
+                n.steps_arriving = True
+                n.step_cols |= set(metric_columns(p.metric))
+            else:
+                n.gpu_s = max(n.gpu_s, secs, 60.0)
+        elif isinstance(rule, PeerRule):
+            # The newest step every rank reported: a rolled-up one (the rollup worker rolls
+            # a step up as it completes), so the rows of steps still arriving are not read.
+            n.steps_back = max(n.steps_back, 8)
+            n.step_cols |= set(metric_columns(rule.params.metric))
+        elif isinstance(rule, EventRule):
+            _match_needs(n, rule.params, steps=0, seconds=hold_s)
+        elif isinstance(rule, RateRule):
+            w = rule.params.window
+            _match_needs(
+                n,
+                rule.params.count,
+                steps=int(w.value) if w.unit == "steps" else 0,
+                seconds=w.value if w.unit == "s" else 0.0,
+            )
+        elif isinstance(rule, AbsenceRule) and rule.params.event is not None:
+            n.last_event.add(rule.params.event)
+        elif isinstance(rule, CadenceRule):
+            n.cadence = True
+    return n
+
+
+def _match_needs(n: Needs, match: Any, *, steps: int, seconds: float) -> None:
+    if isinstance(match, (XidMatch, EventKindMatch, RankStateMatch)):
+        if isinstance(match, RankStateMatch) and not steps and not seconds:
+            return  # an event rule on rank states reads the ranks, not their history
+        n.events_back, n.events_s = max(n.events_back, steps), max(n.events_s, seconds)
+    elif isinstance(match, (FlagMatch, NonFiniteMatch)):
+        n.marked_back, n.marked_s = max(n.marked_back, steps, 1), max(n.marked_s, seconds)
+    elif isinstance(match, ThrottleMatch):
+        n.gpu_s = max(n.gpu_s, seconds, 60.0)
+
+
+# -- reading a run ------------------------------------------------------------------
+
+
+def _steps_for(seconds: float, median_step_s: float | None, cap: int = 100_000) -> int:
+    if not seconds:
+        return 0
+    if not median_step_s:
+        return 1000
+    return min(cap, math.ceil(seconds / median_step_s) + 2)
+
+
+CADENCE_EVERY_S = 60.0
+"""How often the cadence advisor is asked again about a run (it reads every checkpoint)."""
+
+
+def cadence_of(
+    conn: Connection,
+    run: Any,
+    *,
+    now: float,
+    settings: EconomicsSettings,
+    cache: dict[int, tuple[float, dict[str, Any]]],
+) -> dict[str, Any]:
+    """The advisor's answer for ``run``, at most once a minute per run."""
+    cached = cache.get(run.id)
+    if cached is not None and now - cached[0] < CADENCE_EVERY_S:
+        return cached[1]
+    found = economics(conn, run.name, settings=settings, now=now)
+    advice = (
+        {} if found is None else {**found["advisor"], "checkpoints": found["checkpoints"]["count"]}
+    )
+    cache[run.id] = (now, advice)
+    return advice
+
+
+@dataclass
+class SettledSteps:
+    """One run's rank rows of steps already rolled up, kept between passes: per step,
+    the rollup's stamp (rank count, time) when read, and the rows."""
+
+    cols: tuple[str, ...]
+    steps: dict[int, tuple[tuple[int, float], list[Row]]] = field(default_factory=dict)
+
+
+def recent_steps(
+    conn: Connection,
+    run_id: int,
+    *,
+    since: int,
+    cols: tuple[str, ...],
+    cache: dict[int, SettledSteps] | None = None,
+    arriving: bool = True,
+) -> list[Row]:
+    """The rank rows of steps after ``since``, in (step, rank) order; with ``arriving``
+    false, only of the steps rolled up.
+
+    With a ``cache``, a step already rolled up is read once and kept while its rollup
+    stays the same (a late or replayed row rolls it up again, and it is read again):
+    a pass reads only the steps still arriving, not the whole window of every rank
+    (a rank-scoped rule's window of 20 steps at 4,096 ranks is 82,000 rows)."""
+    r_, s = m.rank_steps.c, m.step_stats.c
+    names = ("rank", "step", "ts", "recv_ts", *cols)
+    query = select(*(r_[c] for c in names)).where(r_.run_id == run_id, r_.step > since)
+    if cache is None and arriving:
+        return [
+            dict(zip(names, row, strict=True))
+            for row in fetch_rows(conn, query.order_by(r_.step, r_.rank))
+        ]
+    settled = {
+        row.step: (row.n, row.ts)
+        for row in conn.execute(
+            select(s.step, s.n, s.ts).where(
+                s.run_id == run_id, s.metric == "step_time", s.step > since
+            )
+        )
+    }
+    mine = None if cache is None else cache.get(run_id)
+    if mine is None or mine.cols != cols:
+        mine = SettledSteps(cols)
+        if cache is not None:
+            cache[run_id] = mine
+    mine.steps = {st: kept for st, kept in mine.steps.items() if settled.get(st) == kept[0]}
+    fetched: dict[int, list[Row]] = {}
+    wanted = None if arriving else sorted(settled.keys() - mine.steps.keys())
+    if wanted is not None:
+        query = query.where(r_.step.in_(wanted))
+    elif mine.steps:
+        query = query.where(r_.step.not_in(sorted(mine.steps)))
+    rows = [] if wanted == [] else fetch_rows(conn, query.order_by(r_.step, r_.rank))
+    for row in rows:
+        fetched.setdefault(row[1], []).append(dict(zip(names, row, strict=True)))
+    for st, rows in fetched.items():
+        if st in settled:
+            mine.steps[st] = (settled[st], rows)
+    out: list[Row] = []
+    for st in sorted(mine.steps.keys() | fetched.keys()):
+        out += mine.steps[st][1] if st in mine.steps else fetched[st]
+    return out
+
+
+def snapshot(
+    conn: Connection,
+    run: Any,
+    needs: Needs,
+    *,
+    now: float,
+    lag_s: float,
+    hold_s: float,
+    first_steps: dict[int, int],
+    cadence: Callable[[], dict[str, Any]] | None = None,
+    step_cache: dict[int, SettledSteps] | None = None,
+    pressed: bool = False,
+    heard: Mapping[int, float] | None = None,
+) -> Snapshot:
+    """One run's recent records, as much as ``needs`` says; ``step_cache`` keeps the
+    rank rows of rolled-up steps between passes (:func:`recent_steps`).
+
+    As the health evaluator does: ``pressed`` (the collector fell behind lately) widens
+    ``lag_s`` to how late the run's ranks have been arriving, and ``heard`` (ranks whose
+    requests the collector refused, and when) counts as their heartbeat, so that an
+    absence rule (RankDead) does not page for a busy collector."""
+    run_id, last = run.id, run.last_step
+    if pressed:
+        lag_s = max(lag_s, arrival_lateness(conn, run_id))
+    heard = heard or {}
+    snap = Snapshot(
+        run=run.name, now=now, last_step=last, started_at=run.created_at, lag_s=lag_s, hold_s=hold_s
+    )
+    k = m.ranks.c
+    # Every rank, every pass: the two JSON fields are read in SQL (not parsed a row here),
+    # and rows are unpacked as tuples (at 16,384 ranks: 230 -> 150 ms a pass).
+    rows = fetch_rows(
+        conn,
+        select(
+            k.rank,
+            k.node,
+            k.gpu["uuid"].as_string(),
+            k.local_rank,
+            k.state,
+            k.state_detail["role"].as_string(),
+            k.last_seen,
+            k.heartbeat_s,
+            k.progress_at,
+            k.last_step,
+        ).where(k.run_id == run_id),
+    )
+    for rank, node, gpu, local_rank, state, role, seen, beat, progress, step in rows:
+        snap.ranks[rank] = RankInfo(
+            rank=rank,
+            node=node,
+            gpu=gpu or (str(local_rank) if local_rank is not None else None),
+            state=state,
+            role=role,
+            last_seen=max(seen, heard.get(rank, seen)),
+            heartbeat_s=beat,
+            progress_at=progress,
+            last_step=step,
+        )
+    # The run row's last step is refreshed every few seconds; the ranks' are current.
+    newest = max(
+        (r.last_step for r in snap.ranks.values() if r.last_step is not None), default=None
+    )
+    if newest is not None and (last is None or newest > last):
+        snap.last_step = last = newest
+    snap.median_step_s = median_step_time(conn, run_id)
+    s = m.step_stats.c
+    for metric in set(needs.stats_rows) | set(needs.stats_s):
+        query = select(s.step, s.ts, *(s[c] for c in STATS)).where(
+            s.run_id == run_id, s.metric == metric
+        )
+        rows_n = needs.stats_rows.get(metric, 0)
+        secs = needs.stats_s.get(metric, 0.0)
+        if secs:
+            query = query.where(s.ts > now - secs)
+        if rows_n and not secs:
+            query = query.limit(rows_n)
+        stats = conn.execute(query.order_by(s.step.desc())).all()
+        snap.stats[metric] = [
+            StatRow(r.step, r.ts, {c: getattr(r, c) for c in STATS}) for r in reversed(stats)
+        ]
+    if needs.first_step:
+        if run_id not in first_steps:
+            first = conn.execute(
+                select(func.min(s.step)).where(s.run_id == run_id, s.metric == "step_time")
+            ).scalar()
+            if first is not None:
+                first_steps[run_id] = first
+        snap.first_step = first_steps.get(run_id)
+    r_ = m.rank_steps.c
+    if last is not None:
+        back = max(needs.steps_back, _steps_for(needs.steps_s, snap.median_step_s))
+        if back:
+            cols = tuple(sorted(needs.step_cols | {"duration_s"}))
+            snap.steps = recent_steps(
+                conn,
+                run_id,
+                since=last - back,
+                cols=cols,
+                cache=step_cache,
+                arriving=needs.steps_arriving,
+            )
+        back = max(needs.marked_back, _steps_for(needs.marked_s, snap.median_step_s))
+        if back:
+            snap.marked = [
+                dict(row)
+                for row in conn.execute(
+                    select(r_.rank, r_.step, r_.ts, r_.recv_ts, r_.flags, r_.issues)
+                    .where(
+                        r_.run_id == run_id,
+                        r_.step > last - max(back, 50),
+                        or_(r_.flags.is_not(None), r_.issues.is_not(None)),
+                    )
+                    .order_by(r_.step, r_.rank)
+                ).mappings()
+            ]
+    if needs.gpu_s and snap.ranks:
+        g = m.gpu_samples.c
+        snap.gpu = [
+            dict(row)
+            for row in conn.execute(
+                select(m.gpu_samples)
+                .where(g.run_id == run_id, g.ts > now - needs.gpu_s)
+                .order_by(g.ts)
+            ).mappings()
+        ]
+    events_s = max(
+        needs.events_s,
+        (needs.events_back * (snap.median_step_s or 1.0) * 2) if needs.events_back else 0.0,
+    )
+    if events_s:
+        e = m.events.c
+        snap.events = [
+            dict(row)
+            for row in conn.execute(
+                select(e.id, e.rank, e.step, e.ts, e.recv_ts, e.kind, e.data)
+                .where(e.run_id == run_id, e.ts > now - events_s)
+                .order_by(e.ts)
+            ).mappings()
+        ]
+    for kind in needs.last_event:
+        e = m.events.c
+        ts = conn.execute(select(func.max(e.ts)).where(e.run_id == run_id, e.kind == kind)).scalar()
+        if ts is not None:
+            snap.last_event[kind] = ts
+    if needs.cadence and cadence is not None:
+        snap.cadence = cadence()
+    return snap
+
+
+# -- storms -------------------------------------------------------------------------
+
+
+def group_labels(labels: Mapping[str, str]) -> dict[str, str]:
+    """A storm group's labels: the rule's and the run's, without rank, node or GPU, and
+    ``grouped="true"``; its fingerprint is of the rule and these, as every alert's is."""
+    out = {k: v for k, v in labels.items() if k not in ("rank", "node", "gpu")}
+    out["grouped"] = "true"
+    return out
+
+
+def group_note(members: list[Any]) -> Any:
+    """One notification for ``members`` (notifications of one rule, run and status).
+
+    Its labels (:func:`group_labels`) are the same whenever the group fires, grows or
+    resolves, and so is its fingerprint, so that Alertmanager and PagerDuty update and
+    resolve what fired. How many, and which ranks, are in its annotations (``alerts``,
+    ``summary``). Its deliveries are recorded on the first alert's row."""
+    from trainwarden.alerts.notify import Notification
+
+    first = members[0]
+    rule, run, status = first.alertname, first.labels.get("run", ""), first.status
+    labels = group_labels(first.labels)
+    ranks = sorted({int(n.labels["rank"]) for n in members if n.labels.get("rank", "").isdigit()})
+    who = f"{len(ranks):,} ranks ({_spans(ranks)})" if ranks else f"{len(members):,} alerts"
+    annotations = {
+        **first.annotations,
+        "alerts": str(len(members)),
+        "summary": f"{rule} on {who} of run {run}",
+        "description": f"{len(members):,} {rule} alerts {'firing' if status == 'firing' else 'resolved'} "
+        f"together; the first: {first.annotations.get('description', '')}",
+    }
+    return Notification(
+        alert_id=first.alert_id,
+        fingerprint=fingerprint(rule, labels),
+        status=status,
+        labels=labels,
+        annotations=annotations,
+        starts_at=min(n.starts_at for n in members),
+        ends_at=max(n.ends_at for n in members)
+        if status == "resolved" and all(n.ends_at for n in members)
+        else None,
+        generator_url=first.generator_url,
+    )
+
+
+def grouped(notes: list[Any], *, over: int) -> list[Any]:
+    """``notes`` with each set of more than ``over`` of one rule, run and status made one
+    (:func:`group_note`)."""
+    sets: dict[tuple[str, str, str], list[Any]] = {}
+    for note in notes:
+        sets.setdefault((note.alertname, note.labels.get("run", ""), note.status), []).append(note)
+    out = []
+    for members in sets.values():
+        out += members if len(members) <= over else [group_note(members)]
+    return out
+
+
+def _spans(ranks: list[int], most: int = 8) -> str:
+    """``0-7, 16, 24-31``: sorted ranks as runs, at most ``most`` of them, then "...".."""
+    spans: list[list[int]] = []
+    for r in ranks:
+        if spans and r == spans[-1][1] + 1:
+            spans[-1][1] = r
+        else:
+            spans.append([r, r])
+    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans[:most])
+    return text + (", ..." if len(spans) > most else "")
+
+
+# -- silences -----------------------------------------------------------------------
+
+
+def silence_matches(matchers: Sequence[dict[str, Any]], labels: dict[str, str]) -> bool:
+    for mt in matchers:
+        value = labels.get(mt["name"], "")
+        if mt.get("regex"):
+            if not re.fullmatch(mt["value"], value):
+                return False
+        elif value != mt["value"]:
+            return False
+    return True
+
+
+# -- the engine ---------------------------------------------------------------------
+
+
+@dataclass
+class _Entry:
+    """An alert in a routing pass: what to send for it, and what to change on its row."""
+
+    row: Any
+    labels: dict[str, str]
+    status: str | None = None  # "firing" or "resolved" to notify; None: nothing
+    quiet: bool = False  # silenced or inhibited
+    changes: dict[str, Any] = field(default_factory=dict)
+
+
+Submit = Callable[[Any], object]
+"""Hands one ``trainwarden.alerts.notify.Notification`` to the notifiers."""
+
+
+@dataclass
+class PassResult:
+    runs: int = 0
+    changed: int = 0
+    notified: int = 0
+    seconds: float = 0.0
+
+
+def _labels(rule: Rule, run: str, verdict: Verdict) -> dict[str, str]:
+    labels = {"run": run}
+    if verdict.rank is not None:
+        labels["rank"] = str(verdict.rank)
+    return {**rule.labels, **labels}
+
+
+class AlertEngine:
+    """Evaluates ``rules`` against ``engine``'s database; ``submit`` receives notifications."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        rules: Sequence[Rule],
+        *,
+        settings: EngineSettings | None = None,
+        external_url: str | None = None,
+        submit: Submit | None = None,
+        lag: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.time,
+        metrics: Any = None,
+        pressure: Pressure | None = None,
+    ) -> None:
+        self.engine = engine
+        self.rules = {r.name: r for r in rules}
+        self.settings = settings or EngineSettings()
+        self.external_url = external_url
+        self.submit = submit
+        self.lag = lag
+        self.pressure = pressure  # whether the collector fell behind, whom it refused
+        self.clock = clock
+        self.metrics = metrics  # prom.CollectorMetrics: pass durations, notifications
+        self.spacing_s = self.settings.interval_s  # between full passes (max_cpu_share)
+        if metrics is not None:
+            metrics.alert_interval_seconds.set(self.spacing_s)
+        self.needs = needs_of(rules, self.settings.hold_s)
+        self.fast_needs = needs_of(
+            [r for r in rules if isinstance(r, FAST_KINDS)], self.settings.hold_s
+        )
+        self._first_steps: dict[int, int] = {}
+        self._due_needs: dict[tuple[str, ...], Needs] = {}
+        self._settled: dict[int, SettledSteps] = {}
+        self._evaluated_at: dict[str, float] = {}  # a slow rule's last evaluation
+        self._silent_at: dict[int, float] = {}  # a silent run's last evaluation
+        self.economics = EconomicsSettings()  # serve's price and MTBF (app.py sets them)
+        self._cadence: dict[int, tuple[float, dict[str, Any]]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.deliveries: deque[Any] = deque(maxlen=100_000)  # attempts waiting to be stored
+
+    # -- the thread ---------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="trainwarden-alerts", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def wake(self) -> None:
+        """Evaluate the event, absence and rate rules now (ingest stored something notable)."""
+        self._wake.set()
+
+    def _run(self) -> None:
+        due = time.monotonic()
+        while not self._stop.is_set():
+            woken = self._wake.wait(max(0.0, due - time.monotonic()))
+            if self._stop.is_set():
+                return
+            started, cpu = time.monotonic(), time.thread_time()
+            full = started >= due
+            if full:
+                due = started + self.settings.interval_s
+            self._wake.clear()
+            try:
+                self.run_once(fast_only=woken and not full)
+            except Exception:
+                log.exception("alert evaluation failed; retrying")
+            if full:  # a full pass over its CPU share spaces the next one out
+                spent = time.thread_time() - cpu
+                self.spacing_s = spaced(
+                    self.settings.interval_s, spent, self.settings.max_cpu_share
+                )
+                due = max(due, started + self.spacing_s)
+                if self.metrics is not None:
+                    self.metrics.alert_interval_seconds.set(self.spacing_s)
+            self._stop.wait(self.settings.min_wake_s)
+
+    def period_s(self, rule: Rule) -> float:
+        """How often ``rule`` is evaluated: every pass, or (a rank-scoped threshold or
+        baseline rule whose ``for`` is in seconds) every ``for``/20 up to ``slow_rule_s``."""
+        interval = self.settings.interval_s
+        if not isinstance(rule, (ThresholdRule, BaselineRule)) or rule.params.scope != "rank":
+            return interval
+        if rule.for_.unit != "s":
+            return interval
+        return max(interval, min(self.settings.slow_rule_s, rule.for_.value / 20))
+
+    def _needs_of_due(self, rules: list[Rule]) -> Needs:
+        """What this pass's rules need: a slow rule's window (DataLoaderStall's 20 steps
+        of every rank) is read only on the passes that evaluate it. The columns stay
+        those of all rules, so the settled steps kept between passes stay usable."""
+        key = tuple(r.name for r in rules)
+        needs = self._due_needs.get(key)
+        if needs is None:
+            needs = needs_of(rules, self.settings.hold_s)
+            needs.step_cols = set(self.needs.step_cols) if needs.step_cols else set()
+            self._due_needs[key] = needs
+        return needs
+
+    def _due(self, rule: Rule, now: float) -> bool:
+        period = self.period_s(rule)
+        if period <= self.settings.interval_s:
+            return True
+        last = self._evaluated_at.get(rule.name)
+        if last is not None and last <= now < last + period:
+            return False
+        self._evaluated_at[rule.name] = now
+        return True
+
+    # -- one pass -------------------------------------------------------------------
+
+    def run_once(self, *, now: float | None = None, fast_only: bool = False) -> PassResult:
+        """One pass in one transaction; on PostgreSQL only one collector runs it."""
+        started = time.perf_counter()
+        now = self.clock() if now is None else now
+        notes: list[Any] = []
+        with write(self.engine) as conn:
+            if not leads(conn, ADVISORY_LOCK_KEY):
+                return PassResult()
+            self._store_deliveries(conn)
+            result = self._pass(conn, now, fast_only, notes)
+        for note in notes:  # after the commit: what was paged is on record first
+            self._send(note)
+        result.seconds = time.perf_counter() - started
+        if self.metrics is not None:
+            self.metrics.alert_pass_seconds.observe(result.seconds)
+            for note in notes:
+                self.metrics.alert_notifications.labels(note.status).inc()
+        return result
+
+    def _pass(self, conn: Connection, now: float, fast_only: bool, notes: list[Any]) -> PassResult:
+        result = PassResult()
+        rules = [r for r in self.rules.values() if not fast_only or isinstance(r, FAST_KINDS)]
+        rules = [r for r in rules if self._due(r, now)]
+        needs = self.fast_needs if fast_only else self._needs_of_due(rules)
+        a = m.alerts.c
+        ru = m.runs.c
+        runs = conn.execute(
+            select(ru.id, ru.name, ru.created_at, ru.last_step, ru.status, ru.updated_at).where(
+                or_(
+                    (ru.status == "running") & (ru.updated_at > now - self.settings.stale_run_s),
+                    ru.id.in_(select(a.run_id).where(a.state.in_(OPEN)).distinct()),
+                )
+            )
+        ).all()
+        # A resting run's open alerts are neither read nor routed this pass: a dead job's
+        # thousands of RankDead alerts cost a pass every silent_every_s, not every pass.
+        resting = {run.id for run in runs if self._rests(run, now, fast_only)}
+        query = select(m.alerts).where(a.state.in_(OPEN))
+        if resting:
+            query = query.where(a.run_id.not_in(resting))
+        open_rows = {row.fingerprint: row for row in conn.execute(query)}
+        lag = self.lag() if self.lag is not None else 0.0
+        pressed = self.pressure is not None and self.pressure.pressed()
+        evaluated = {r.name for r in rules}
+        seen: dict[str, tuple[Rule, Verdict, dict[str, str], Any, Snapshot]] = {}
+        watched = {run.id for run in runs if run.status == "running"}
+        self._settled = {
+            run_id: kept for run_id, kept in self._settled.items() if run_id in watched
+        }
+        for run in runs:
+            if run.id in resting:
+                continue
+            result.runs += 1
+            live = run.status == "running"
+            advice = functools.partial(
+                cadence_of, conn, run, now=now, settings=self.economics, cache=self._cadence
+            )
+            heard = self.pressure.heard(run.name) if self.pressure is not None else None
+            snap = (
+                snapshot(
+                    conn,
+                    run,
+                    needs,
+                    now=now,
+                    lag_s=lag,
+                    hold_s=self.settings.hold_s,
+                    first_steps=self._first_steps,
+                    cadence=advice,
+                    step_cache=self._settled,
+                    pressed=pressed,
+                    heard=heard,
+                )
+                if live
+                else Snapshot(run=run.name, now=now)
+            )
+            for rule in rules:
+                if not live:
+                    break
+                try:
+                    verdicts = evaluate(rule, snap)
+                except Exception:
+                    log.exception("rule %s failed on run %s", rule.name, run.name)
+                    continue
+                for v in verdicts:
+                    labels = _labels(rule, run.name, v)
+                    seen[fingerprint(rule.name, labels)] = (rule, v, labels, run, snap)
+        run_steps = {run.id: run.last_step for run in runs}
+        writes = _Writes()
+        healed = _healed(
+            conn, [row for fp, row in open_rows.items() if fp not in seen and row.state == "firing"]
+        )
+        # Alerts the pass speaks for: those found active, and the open ones whose rule
+        # was evaluated (or no longer exists, or whose run is no longer watched).
+        for fp, row in open_rows.items():
+            if fp in seen:
+                continue
+            rule_ = self.rules.get(row.rule)
+            if rule_ is not None and row.rule not in evaluated and row.run_id in run_steps:
+                continue  # a fast pass: this rule waits for the next full one
+            result.changed += self._advance_stored(
+                writes, row, rule_, now, run_steps.get(row.run_id), healed=row.id in healed
+            )
+        for fp, (rule, v, labels, run, snap) in seen.items():
+            result.changed += self._advance_active(
+                writes, fp, open_rows.get(fp), rule, v, labels, run, snap, now
+            )
+        writes.flush(conn)
+        result.notified = self._route(conn, now, notes, resting)
+        return result
+
+    def _rests(self, run: Any, now: float, fast_only: bool) -> bool:
+        """Whether ``run`` sits this pass out: silent for ``silent_run_s`` (none of its
+        ranks heard from), and evaluated less than ``silent_every_s`` ago (a fast pass,
+        woken by something a run sent, never evaluates a silent run)."""
+        if run.status != "running" or now - (run.updated_at or now) < self.settings.silent_run_s:
+            self._silent_at.pop(run.id, None)
+            return False
+        last = self._silent_at.get(run.id)
+        if fast_only or (last is not None and now - last < self.settings.silent_every_s):
+            return True
+        self._silent_at[run.id] = now
+        return False
+
+    def _advance_active(
+        self,
+        writes: _Writes,
+        fp: str,
+        row: Any,
+        rule: Rule,
+        v: Verdict,
+        labels: dict[str, str],
+        run: Any,
+        snap: Snapshot,
+        now: float,
+    ) -> int:
+        alert = _alert_of(row) if row is not None else Alert(rule.name, labels)
+        new = advance(
+            alert,
+            active=True,
+            now=now,
+            step=snap.last_step,
+            for_=rule.for_,
+            keep_firing_for=rule.keep_firing_for,
+            verdict_step=v.step,
+            onset_step=v.onset_step,
+        )
+        info = snap.ranks.get(v.rank) if v.rank is not None else None
+        annotations = {
+            "summary": rule.summary,
+            "description": v.detail,
+            "runbook_url": runbook_url(self.external_url, rule.runbook),
+        }
+        fields = dict(
+            state=new.state,
+            active_since=new.active_since,
+            active_since_step=new.active_since_step,
+            onset_step=new.onset_step,
+            fired_at=new.fired_at,
+            fired_at_step=new.fired_at_step,
+            cleared_at=new.cleared_at,
+            cleared_at_step=new.cleared_at_step,
+            resolved_at=new.resolved_at,
+            value=_num(v.value),
+            step=v.step,
+            annotations=annotations,
+            node=info.node if info else None,
+            gpu=info.gpu if info else None,
+        )
+        if row is None:
+            writes.inserts.append(
+                dict(
+                    fingerprint=fp,
+                    rule=rule.name,
+                    run_id=run.id,
+                    rank=v.rank,
+                    severity=rule.severity,
+                    labels=labels,
+                    action=rule.action,
+                    updated_at=now,
+                    **fields,
+                )
+            )
+            return 1
+        same = (row.step, row.node, row.gpu) == (fields["step"], fields["node"], fields["gpu"])
+        if new is alert and same:
+            if row.value == fields["value"] and row.annotations == annotations:
+                return 0
+            if now - (row.updated_at or 0.0) < self.settings.refresh_s:
+                return 0  # only its value or description moved: written now and then
+        writes.updates.append({"b_id": row.id, "updated_at": now, **fields})
+        return int(new is not alert)
+
+    def _advance_stored(
+        self,
+        writes: _Writes,
+        row: Any,
+        rule: Rule | None,
+        now: float,
+        step: int | None,
+        *,
+        healed: bool = False,
+    ) -> int:
+        """An open alert whose condition this pass did not find. ``healed``: an action
+        carried out since it fired dealt with it (:func:`_healed`), so it resolves
+        once its condition has cleared, without waiting out ``keep_firing_for`` (a hold
+        against flapping, and for an instant event to stay in view: the action dealt with
+        it, and the resolve tells on-call so)."""
+        alert = _alert_of(row)
+        if rule is None or healed:  # a rule removed from the pack: nothing to wait for
+            new = advance(alert, active=False, now=now, step=step, for_=ZERO, keep_firing_for=ZERO)
+        else:
+            new = advance(
+                alert,
+                active=False,
+                now=now,
+                step=step,
+                for_=rule.for_,
+                keep_firing_for=rule.keep_firing_for,
+            )
+        if new is alert:
+            return 0
+        if new.state == "inactive":  # pending that never fired: forgotten
+            writes.deletes.append(row.id)
+            return 1
+        writes.updates.append(
+            dict(
+                b_id=row.id,
+                state=new.state,
+                cleared_at=new.cleared_at,
+                cleared_at_step=new.cleared_at_step,
+                resolved_at=new.resolved_at,
+                updated_at=now,
+            )
+        )
+        return 1
+
+    # -- silences, inhibition, notifications ---------------------------------------------
+
+    def _route(self, conn: Connection, now: float, notes: list[Any], resting: set[int]) -> int:
+        """Silences, inhibition and notifications of the alerts of the runs not ``resting``
+        (routing is per run: inhibition and grouping never cross runs)."""
+        a = m.alerts.c
+        query = (
+            select(m.alerts, m.runs.c.name.label("run_name"))
+            .join(m.runs, m.runs.c.id == a.run_id)
+            .where(or_(a.state.in_(OPEN), (a.state == "resolved") & (a.notified == "firing")))
+        )
+        if resting:
+            query = query.where(a.run_id.not_in(resting))
+        rows = conn.execute(query).all()
+        if not rows:
+            return 0
+        si = m.silences.c
+        silences = conn.execute(
+            select(si.id, si.matchers).where(si.starts_at <= now, si.ends_at > now)
+        ).all()
+        # Inhibition sources: firing evict-action alerts per (run, node); firing liveness per (run, rank).
+        evicting: dict[tuple[int, str], int] = {}
+        liveness: dict[tuple[int, int], int] = {}
+        for r in rows:
+            if r.state != "firing":
+                continue
+            if r.action == "evict" and r.node:
+                evicting.setdefault((r.run_id, r.node), r.id)
+            if (r.labels or {}).get("category") == "liveness" and r.rank is not None:
+                liveness.setdefault((r.run_id, r.rank), r.id)
+        entries: list[_Entry] = []
+        for r in rows:
+            labels = self._full_labels(r)
+            silenced = next((s.id for s in silences if silence_matches(s.matchers, labels)), None)
+            inhibited = None
+            if r.action != "evict" and r.node:
+                inhibited = evicting.get((r.run_id, r.node))
+            if inhibited is None and r.rank is not None and labels.get("category") != "liveness":
+                inhibited = liveness.get((r.run_id, r.rank))
+            entry = _Entry(r, labels)
+            if (silenced, inhibited) != (r.silenced_by, r.inhibited_by):
+                entry.changes.update(silenced_by=silenced, inhibited_by=inhibited)
+            entry.quiet = quiet = silenced is not None or inhibited is not None
+            if r.state == "firing" and not quiet:
+                due = r.last_sent_at is None or (
+                    r.acked_at is None and now - r.last_sent_at >= self.settings.resend_s
+                )
+                if r.notified != "firing" or due:
+                    entry.status = "firing"
+            elif r.state == "resolved" and r.notified == "firing":
+                entry.status = "resolved"
+            entries.append(entry)
+        sets: dict[tuple[str, int], list[_Entry]] = {}
+        for entry in entries:
+            sets.setdefault((entry.row.rule, entry.row.run_id), []).append(entry)
+        for members in sets.values():
+            notes += self._storm(members, now)
+        sent = 0
+        writes = _Writes()
+        for entry in entries:
+            if entry.changes:
+                writes.updates.append({"b_id": entry.row.id, **entry.changes})
+                sent += "notified" in entry.changes
+        writes.flush(conn)
+        return sent
+
+    def _storm(self, entries: list[_Entry], now: float) -> list[Any]:
+        """The notifications of one rule and run's alerts in this pass, storm or not.
+
+        More than ``group_over`` alerts to page at once are one notification (their
+        group's: :func:`group_note`), and alerts that fire while their group is still
+        open join it: the group's notification is sent again with them (Alertmanager
+        and PagerDuty update the page they have, by its fingerprint; nothing pages
+        twice). An alert is resolved under the fingerprint it was paged under: its own,
+        or, once none of its group is firing any more, the group's."""
+        over = self.settings.group_over
+        gfp = fingerprint(entries[0].row.rule, group_labels(entries[0].labels))
+        in_group = [e for e in entries if e.row.notified == "firing" and e.row.notified_as == gfp]
+        firing = [e for e in entries if e.status == "firing"]
+        fresh = [e for e in firing if e.row.notified != "firing"]
+        alone = [e for e in firing if e.row.notified == "firing" and e.row.notified_as != gfp]
+        still = [e for e in in_group if e.row.state == "firing"]  # the group's open members
+        notes: list[Any] = []
+        group_due = any(e.status == "firing" for e in in_group)
+        if group_due or (fresh and (still or len(fresh) > over)):
+            members = [e for e in still if not e.quiet] + fresh  # silenced: not paged again
+            notes.append(
+                group_note([self._notification(e.row, e.labels, "firing") for e in members])
+            )
+            for e in members:  # one resend of the group, not one per member
+                e.changes.update(notified="firing", notified_as=gfp, last_sent_at=now)
+        else:
+            alone += fresh
+        for e in alone:
+            notes.append(self._notification(e.row, e.labels, "firing"))
+            e.changes.update(notified="firing", notified_as=e.row.fingerprint, last_sent_at=now)
+        resolving = [e for e in entries if e.status == "resolved"]
+        ended = [e for e in resolving if e.row.notified_as == gfp]
+        for e in resolving:
+            if e not in ended:
+                notes.append(self._notification(e.row, e.labels, "resolved"))
+                e.changes.update(notified="resolved", last_sent_at=now)
+        # A group's members that end while it is still open wait, paged as firing, for
+        # its resolve, which then names every one of them (not those of its last pass).
+        if ended and not any(e.changes.get("notified_as") == gfp for e in entries) and not still:
+            notes.append(
+                group_note([self._notification(e.row, e.labels, "resolved") for e in ended])
+            )
+            for e in ended:
+                e.changes.update(notified="resolved", last_sent_at=now)
+        return notes
+
+    def _full_labels(self, r: Any) -> dict[str, str]:
+        labels = {
+            **(r.labels or {}),
+            "alertname": r.rule,
+            "severity": r.severity,
+            "run": r.run_name,
+        }
+        for key in ("node", "gpu"):
+            if getattr(r, key) is not None:
+                labels[key] = str(getattr(r, key))
+        return labels
+
+    def _notification(self, r: Any, labels: dict[str, str], status: str) -> Any:
+        from trainwarden.alerts.notify import Notification
+
+        base = (self.external_url or "").rstrip("/")
+        return Notification(
+            alert_id=r.id,
+            fingerprint=r.fingerprint,
+            status=status,  # type: ignore[arg-type]
+            labels=labels,
+            annotations=dict(r.annotations or {}),
+            starts_at=r.fired_at or r.active_since,
+            ends_at=r.resolved_at if status == "resolved" else None,
+            generator_url=f"{base}/runs/{r.run_name}" if base else None,
+        )
+
+    def _send(self, note: Any) -> None:
+        if self.submit is None:
+            return
+        try:
+            self.submit(note)
+        except Exception:
+            log.exception("could not hand alert %s to the notifiers", note.fingerprint)
+
+    def _store_deliveries(self, conn: Connection) -> None:
+        batch = []
+        while self.deliveries:
+            batch.append(self.deliveries.popleft())
+        if not batch:
+            return
+        known = set(
+            conn.execute(
+                select(m.alerts.c.id).where(m.alerts.c.id.in_({d.alert_id for d in batch}))
+            ).scalars()
+        )
+        rows = [
+            dict(
+                alert_id=d.alert_id,
+                receiver=d.receiver,
+                kind=d.kind,
+                status=d.status,
+                attempt=d.attempt,
+                ok=int(d.ok),
+                http_status=d.http_status,
+                error=(d.error or None) and d.error[:1000],
+                at=d.at,
+                duration_s=d.duration_s,
+                final=int(d.final),
+            )
+            for d in batch
+            if d.alert_id in known
+        ]
+        if rows:
+            conn.execute(insert(m.alert_deliveries), rows)
+
+
+class _Writes:
+    """A pass's new, changed and forgotten alerts, written in one statement for each kind
+    of change (an executemany): a job that dies whole brings thousands of RankDead alerts
+    at once, and when it comes back they all resolve at once."""
+
+    def __init__(self) -> None:
+        self.inserts: list[dict[str, Any]] = []
+        self.updates: list[dict[str, Any]] = []  # each: b_id (the alert's id) and its new values
+        self.deletes: list[int] = []
+
+    def flush(self, conn: Connection) -> None:
+        if self.inserts:
+            conn.execute(insert(m.alerts), self.inserts)
+        a = m.alerts.c
+        alike: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for u in self.updates:
+            alike.setdefault(tuple(sorted(k for k in u if k != "b_id")), []).append(u)
+        for names, rows in alike.items():
+            conn.execute(
+                update(m.alerts)
+                .where(a.id == bindparam("b_id"))
+                .values({k: bindparam(f"b_{k}", type_=a[k].type) for k in names}),
+                [{"b_id": u["b_id"], **{f"b_{k}": u[k] for k in names}} for u in rows],
+            )
+        for i in range(0, len(self.deletes), 1000):  # SQLite caps a statement's parameters
+            conn.execute(delete(m.alerts).where(a.id.in_(self.deletes[i : i + 1000])))
+        self.inserts, self.updates, self.deletes = [], [], []
+
+
+def _healed(conn: Connection, firing: list[Any]) -> set[int]:
+    """The ids of the ``firing`` alerts that an action carried out since they fired (done,
+    not a dry run) dealt with: their own action, or, for a stability alert (the loss, the
+    grad norm), a rollback of their run, which threw away the steps they fired on."""
+    if not firing:
+        return set()
+    fired = {row.id: row.fired_at or 0.0 for row in firing}
+    ac = m.actions.c
+    carried_out = (ac.state == "done") & (ac.mode != "dry-run")
+    ids = list(fired)
+    done = [
+        found
+        for i in range(0, len(ids), 1000)  # SQLite caps a statement's parameters
+        for found in conn.execute(
+            select(ac.alert_id, ac.created_at).where(
+                ac.alert_id.in_(ids[i : i + 1000]), carried_out
+            )
+        )
+    ]
+    healed = {alert_id for alert_id, created in done if created >= fired[alert_id]}
+    stability = [row for row in firing if (row.labels or {}).get("category") == "stability"]
+    if stability:
+        rolled_back: dict[int, float] = dict(
+            conn.execute(
+                select(ac.run_id, func.max(ac.created_at))
+                .where(
+                    ac.run_id.in_(sorted({row.run_id for row in stability})),
+                    ac.kind == "rollback",
+                    carried_out,
+                )
+                .group_by(ac.run_id)
+            ).all()
+        )
+        healed |= {
+            row.id for row in stability if rolled_back.get(row.run_id, -1.0) >= fired[row.id]
+        }
+    return healed
+
+
+def _num(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def _alert_of(row: Any) -> Alert:
+    return Alert(
+        rule=row.rule,
+        labels=dict(row.labels),
+        state=row.state,
+        active_since=row.active_since,
+        active_since_step=row.active_since_step,
+        onset_step=row.onset_step,
+        fired_at=row.fired_at,
+        fired_at_step=row.fired_at_step,
+        cleared_at=row.cleared_at,
+        cleared_at_step=row.cleared_at_step,
+        resolved_at=row.resolved_at,
+    )
+
+
+# -- running the notifiers in their own thread --------------------------------------
+
+
+class NotifierThread:
+    """The notifiers' asyncio loop in a thread of its own, so that a slow receiver
+    never touches the request loop or the engine: ``submit`` is thread-safe."""
+
+    def __init__(self, dispatcher: Any) -> None:
+        self.dispatcher = dispatcher
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="trainwarden-notify", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+        self._ready.wait(10)
+
+    def _run(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            loop.run_until_complete(self.dispatcher.start())
+            self._ready.set()
+            loop.run_forever()
+        finally:
+            loop.close()
+
+    def submit(self, note: Any) -> bool:
+        """Queue ``note`` for its receivers (thread-safe, never blocks); False: dropped."""
+        return bool(self.dispatcher.submit(note))
+
+    def drain(self, timeout_s: float) -> None:
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self.dispatcher.drain(timeout_s), self._loop).result(
+                timeout_s + 5
+            )
+
+    def stop(self, deadline_s: float = 5.0) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+        try:
+            asyncio.run_coroutine_threadsafe(self.dispatcher.stop(deadline_s), loop).result(
+                deadline_s + 5
+            )
+        except Exception:
+            log.exception("notifiers did not stop cleanly")
+        loop.call_soon_threadsafe(loop.stop)
+        self._thread.join(5)

@@ -1,0 +1,509 @@
+"""Rank health: which ranks are healthy, slow, hung or dead, and who is to blame.
+
+``evaluate`` runs about once a second (a thread in ``serve``), reads each live run's
+ranks and recent steps, and writes state changes (with an event each) back. Rules:
+
+- **dead**: no heartbeat for ``dead_after_beats`` (2.25) x the rank's heartbeat interval;
+- **hung**: heartbeats arrive but no step has completed for ``max(hung_min_s,
+  hung_steps x the run's median step time)``. When several ranks stall together the
+  culprits are the ranks furthest behind (lowest last step, then earliest phase), or
+  the dead ranks; the others are *victims* blocked in a collective, and say so;
+- **slow** (straggler): the rank's compute time exceeds ``straggler_ratio`` x the
+  median of its peers' on each of the last ``straggler_window`` complete steps. A rank
+  whose exposed communication is long while its compute is normal is a victim of the
+  straggler, not a culprit: its detail says which rank it waits on;
+- **loss divergence** (not a state: an event and a detail): the rank's loss leaves its
+  peers' band, robust z-score over the ranks of the same step, on
+  ``divergence_window`` consecutive steps; needs at least 3 ranks.
+
+A busy collector is not a dead rank. The dead threshold grows by how late the collector
+is: its own delay (requests waiting to be read or written) or, when it fell behind
+lately (``limits.Pressure``) and that is larger, how much later than their heartbeat the
+run's ranks have been arriving. A request it refused with 503 still counts as its
+ranks' heartbeat (the agent names them in a header). Hung is judged from what the rank
+itself said in its latest request: how long it had gone without a step when it sent it,
+by its own clock; a request kept waiting, or a node whose clock is off, changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+import uuid
+import weakref
+from collections import defaultdict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, Engine, bindparam, func, or_, select, text, update
+
+from trainwarden.alerts.evaluate import LIVE_STATES, median_without
+from trainwarden.collector.ingest.limits import Pressure
+from trainwarden.collector.loops import Loop
+from trainwarden.collector.read.queries import arrival_lateness
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.bulk import dialect_insert
+from trainwarden.collector.store.db import fetch_rows, is_sqlite, write
+
+log = logging.getLogger(__name__)
+
+PHASE_ORDER = {None: 0, "step": 0, "forward": 1, "backward": 2, "optimizer": 3, "other": 4}
+ADVISORY_LOCK_KEY = 0x7477_6865_616C  # "twheal": one evaluator across collectors
+LIVE = LIVE_STATES
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    dead_after_beats: float = 2.25
+    hung_min_s: float = 5.0
+    hung_steps: float = 5.0
+    straggler_ratio: float = 1.2
+    straggler_window: int = 5
+    divergence_z: float = 6.0
+    divergence_window: int = 5
+    interval_s: float = 1.0
+    max_cpu_share: float = 0.15  # of one core; past it evaluations are spaced out (Loop)
+
+
+def _median_step_time(conn: Connection, run_id: int) -> float | None:
+    s = m.step_stats.c
+    rows = conn.execute(
+        select(s.median)
+        .where(s.run_id == run_id, s.metric == "step_time")
+        .order_by(s.step.desc())
+        .limit(20)
+    ).scalars()
+    values = [v for v in rows if v is not None]
+    return statistics.median(values) if values else None
+
+
+@dataclass
+class StepView:
+    """What the evaluator needs of one step that every rank reported, computed once."""
+
+    ratio: dict[int, float]  # compute / the peers' median compute, per rank
+    z: dict[int, float]  # robust z-score of the loss among the ranks (empty under 3 ranks)
+    exposed: dict[int, float | None]  # exposed communication seconds, per rank
+
+
+StepRow = tuple[int, float, float | None, float | None]
+"""(rank, compute seconds (the step's when not split), exposed comm seconds, loss)."""
+
+
+def view_of(rows: list[StepRow]) -> StepView:
+    """O(ranks log ranks): ratios via the median without each rank, z via median/MAD."""
+    ranked = sorted((compute, rank) for rank, compute, _, _ in rows)
+    values = [v for v, _ in ranked]
+    ratio = {}
+    if len(ranked) >= 2:
+        for i, (value, rank) in enumerate(ranked):
+            base = median_without(values, i)
+            ratio[rank] = value / base if base > 0 else 1.0
+    z: dict[int, float] = {}
+    losses = {rank: loss for rank, _, _, loss in rows if loss is not None}
+    if len(losses) >= 3:
+        center = statistics.median(losses.values())
+        mad = statistics.median(abs(v - center) for v in losses.values())
+        scale = max(1.4826 * mad, 1e-3 * abs(center), 1e-12)
+        z = {rank: (value - center) / scale for rank, value in losses.items()}
+    return StepView(ratio, z, {rank: exposed for rank, _, exposed, _ in rows})
+
+
+# Views of complete steps, per database and run: each step is read and computed once,
+# not on every evaluation (a run of 4,096 ranks would otherwise be re-read each second).
+_views: weakref.WeakKeyDictionary[Engine, dict[int, dict[int, StepView]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _recent_views(conn: Connection, run_id: int, world: int, count: int) -> dict[int, StepView]:
+    """The newest ``count`` steps that every rank has reported, as views."""
+    r = m.rank_steps.c
+    newest = conn.execute(
+        select(r.step).where(r.run_id == run_id).order_by(r.step.desc()).limit(1)
+    ).scalar_one_or_none()
+    cache = _views.setdefault(conn.engine, {}).setdefault(run_id, {})
+    if newest is None:
+        return {}
+    if cache and max(cache) > newest:  # the run went back (rollback, restart): start over
+        cache.clear()
+    lo = newest - 2 * count - 2  # complete steps are the newest ones, give or take
+    after = max(lo, max(cache, default=lo))
+    counts = conn.execute(
+        select(r.step, func.count()).where(r.run_id == run_id, r.step > after).group_by(r.step)
+    ).all()
+    complete = [step for step, n in counts if n >= world]
+    if complete:
+        rows = fetch_rows(
+            conn,
+            select(
+                r.step, r.rank, func.coalesce(r.compute_s, r.duration_s), r.exposed_comm_s, r.loss
+            ).where(r.run_id == run_id, r.step.in_(complete)),
+        )
+        by_step: dict[int, list[StepRow]] = defaultdict(list)
+        for row in rows:  # plain tuples: 4,096 and more a step, read once each
+            by_step[row[0]].append(row[1:])
+        for step, ranks in by_step.items():
+            cache[step] = view_of(ranks)
+    for step in [s for s in cache if s <= lo]:
+        del cache[step]
+    return {step: cache[step] for step in sorted(cache)[-count:]}
+
+
+def stragglers(views: dict[int, StepView], *, ratio: float, window: int) -> dict[int, float]:
+    """Ranks slower than ``ratio`` x their peers' median compute on each of the last
+    ``window`` steps: {rank: median ratio}."""
+    if len(views) < window:
+        return {}
+    steps = [views[step].ratio for step in sorted(views)[-window:]]
+    # Only a rank slow on the newest step can be slow on all of them: that handful is
+    # checked, not every rank of every step on every evaluation (once a second).
+    out = {}
+    for rank in [r for r, v in steps[-1].items() if v > ratio]:
+        values = [s[rank] for s in steps if rank in s]
+        if len(values) == window and all(v > ratio for v in values):
+            out[rank] = statistics.median(values)
+    return out
+
+
+def diverging(views: dict[int, StepView], *, z: float, window: int) -> dict[int, tuple[float, int]]:
+    """Ranks whose loss is a robust outlier among peers on each of the last ``window``
+    steps: {rank: (median z, first step of the streak)}."""
+    ordered = sorted(views)[-window:]
+    if len(ordered) < window or any(not views[step].z for step in ordered):
+        return {}
+    steps = [views[step].z for step in ordered]
+    out = {}
+    for rank in [r for r, v in steps[-1].items() if abs(v) > z]:  # as for stragglers
+        values = [s[rank] for s in steps if rank in s]
+        if len(values) == window and all(abs(v) > z for v in values):
+            out[rank] = (statistics.median(values), ordered[0])
+    return out
+
+
+def _events(conn: Connection, *, run_id: int, now: float, events: list[dict[str, Any]]) -> None:
+    """Insert events in one statement; ``uid`` makes each idempotent."""
+    if events:
+        conn.execute(
+            dialect_insert(conn, m.events).on_conflict_do_nothing(index_elements=["uid"]),
+            [
+                {
+                    **e,
+                    "uid": uuid.uuid5(uuid.NAMESPACE_OID, e["uid"]).hex,
+                    "run_id": run_id,
+                    "ts": now,
+                    "recv_ts": now,
+                }
+                for e in events
+            ],
+        )
+
+
+def _idle_s(rank: Any, *, now: float, late: float, refused_at: float | None) -> float:
+    """How long the rank has gone without completing a step, at the least.
+
+    What it said: how long it had gone without one when it sent its latest request, by
+    its own clock (``progress_at`` and ``sent_at`` both are the agent's: no skew between
+    clocks, no time the request spent in transit or in a queue). Plus the time since,
+    less ``late`` (news of a step may be on its way); not when a later request of the
+    rank was refused (it may have carried that news)."""
+    sent_at = rank["last_seen"] - (rank["clock_skew_s"] or 0.0)
+    said = sent_at - rank["progress_at"]
+    if refused_at is not None and refused_at > rank["last_seen"]:
+        return said
+    return said + max(0.0, now - rank["last_seen"] - late)
+
+
+def _states(
+    ranks: list[Any],
+    *,
+    now: float,
+    settings: HealthSettings,
+    median_step: float | None,
+    slow: dict[int, float],
+    steps: dict[int, StepView],
+    lag_s: float = 0.0,
+    heard: Mapping[int, float] | None = None,
+    still_dead: Callable[[], list[int]] | None = None,
+) -> dict[int, tuple[str, dict[str, Any]]]:
+    """The state and detail of every live rank. ``lag_s``: how late the collector hears
+    from ranks; silence that long is the collector's, not the rank's. ``heard``: when a
+    rank last sent a request the collector refused (as alive as one it took).
+    ``still_dead``: the dead ranks not in ``ranks`` (not heard from since), asked for
+    only when hung ranks may be waiting on them."""
+    hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
+    heard = heard or {}
+    dead, stalled = [], []
+    for r in ranks:
+        beat = r["heartbeat_s"] or 2.0
+        seen = max(r["last_seen"], heard.get(r["rank"], r["last_seen"]))
+        if now - seen > settings.dead_after_beats * beat + lag_s:
+            dead.append(r)
+        elif (
+            r["progress_at"] is not None
+            and _idle_s(r, now=now, late=lag_s, refused_at=heard.get(r["rank"])) > hung_after
+        ):
+            stalled.append(r)
+    out: dict[int, tuple[str, dict[str, Any]]] = {}
+    for r in dead:
+        out[r["rank"]] = (
+            "dead",
+            {"role": "culprit", "reason": f"no heartbeat for {now - r['last_seen']:.1f}s"},
+        )
+    if stalled:
+        blamed_dead = sorted({r["rank"] for r in dead} | set(still_dead() if still_dead else ()))
+        if blamed_dead:
+            culprits: list[Any] = []
+        else:
+            key = min(
+                (
+                    r["last_step"] if r["last_step"] is not None else -1,
+                    PHASE_ORDER.get(r["phase"], 5),
+                )
+                for r in stalled
+            )
+            culprits = [
+                r
+                for r in stalled
+                if (
+                    r["last_step"] if r["last_step"] is not None else -1,
+                    PHASE_ORDER.get(r["phase"], 5),
+                )
+                == key
+            ]
+        blamed = blamed_dead or sorted(r["rank"] for r in culprits)
+        for r in stalled:
+            idle = _idle_s(r, now=now, late=lag_s, refused_at=heard.get(r["rank"]))
+            detail: dict[str, Any]
+            if r in culprits:
+                detail = {
+                    "role": "culprit",
+                    "reason": f"no step completed for {idle:.1f}s (in {r['phase'] or 'between steps'})",
+                }
+            else:
+                detail = {
+                    "role": "victim",
+                    "waiting_on": blamed,
+                    "reason": f"blocked for {idle:.1f}s in {r['phase'] or 'a step'}, waiting on rank(s) {blamed}",
+                }
+            out[r["rank"]] = ("hung", detail)
+    exposed = steps[max(steps)].exposed if steps else {}
+    for r in ranks:
+        if r["rank"] in out:
+            continue
+        if r["rank"] in slow:
+            out[r["rank"]] = (
+                "slow",
+                {
+                    "role": "culprit",
+                    "compute_ratio": round(slow[r["rank"]], 3),
+                    "reason": f"compute {slow[r['rank']]:.2f}x the peer median",
+                },
+            )
+            continue
+        detail = {}
+        waited = exposed.get(r["rank"])
+        if slow and waited:
+            detail = {
+                "role": "victim",
+                "waiting_on": sorted(slow),
+                "reason": f"exposed comm {waited * 1000:.0f} ms waiting on straggler(s) {sorted(slow)}",
+            }
+        out[r["rank"]] = ("healthy", detail)
+    return out
+
+
+_RANK_FIELDS = (
+    "rank",
+    "state",
+    "state_detail",
+    "last_seen",
+    "heartbeat_s",
+    "progress_at",
+    "clock_skew_s",
+    "last_step",
+    "phase",
+)
+
+
+def evaluate(
+    conn: Connection,
+    *,
+    now: float | None = None,
+    settings: HealthSettings | None = None,
+    lag_s: float = 0.0,
+    pressed: bool = False,
+    heard: Callable[[str], Mapping[int, float]] | None = None,
+) -> int:
+    """Bring every live rank's state up to date; returns the number of state changes.
+
+    ``lag_s``: how far behind the collector's own ingest is (requests waiting to be
+    read or written); it is added to the dead and hung thresholds, so an overloaded
+    collector does not declare its ranks dead for its own delay. ``pressed``: the
+    collector fell behind or refused requests lately (``Pressure``); then how much later
+    than their heartbeat the run's live ranks have been arriving is added instead, when
+    that is more: requests refused 503, or read late, space every rank out. ``heard``:
+    a run's ranks whose requests the collector refused, and when (``Pressure.heard``).
+
+    Hung is read from what the rank itself said: how long it had gone without a step
+    when it sent its latest request, by its own clock; a request kept waiting, or a node
+    whose clock is off, does not make a rank look hung."""
+    now = time.time() if now is None else now
+    settings = settings or HealthSettings()
+    changes = 0
+    runs = conn.execute(
+        select(m.runs.c.id, m.runs.c.name, m.runs.c.world_size).where(m.runs.c.status == "running")
+    ).all()
+    for run_id, name, world in runs:
+        window = max(settings.straggler_window, settings.divergence_window)
+        steps = _recent_views(conn, run_id, world, window)
+        slow = stragglers(steps, ratio=settings.straggler_ratio, window=settings.straggler_window)
+        median_step = _median_step_time(conn, run_id)
+        late = max(lag_s, arrival_lateness(conn, run_id)) if pressed else lag_s
+        k = m.ranks.c
+        heard_ranks = heard(name) if heard else None
+        silent = k.last_seen < now - late - settings.dead_after_beats * func.coalesce(
+            k.heartbeat_s, 2.0
+        )
+        # A dead rank not heard from since stays dead, its detail the same: it is not read
+        # (a crashed run of 16,384 ranks would otherwise be read and decided again on every
+        # evaluation, for as long as the run is watched). _states still blames it (still_dead).
+        still_dead = (k.state == "dead") & silent
+        if heard_ranks:
+            still_dead = still_dead & k.rank.not_in(list(heard_ranks))
+        query = select(*(k[c] for c in _RANK_FIELDS)).where(
+            k.run_id == run_id, k.state.in_(LIVE), ~still_dead
+        )
+        if not slow:  # read only the ranks whose state can change (a large run: a handful)
+            hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
+            query = query.where(
+                or_(
+                    k.state != "healthy",
+                    k.state_detail.is_not(None),
+                    silent,
+                    # _idle_s, at its most (late 0)
+                    k.progress_at + func.coalesce(k.clock_skew_s, 0.0) < now - hung_after,
+                )
+            )
+        # In rank order, the order ingest locks rank rows in: no deadlocks.
+        ranks = conn.execute(query.order_by(k.rank)).mappings().all()
+        _events(
+            conn,
+            run_id=run_id,
+            now=now,
+            events=[
+                dict(
+                    rank=rank,
+                    kind="loss_divergence",
+                    severity="warning",
+                    step=first,
+                    uid=f"divergence:{run_id}:{rank}:{first}",
+                    data={
+                        "robust_z": round(z, 2),
+                        "steps": settings.divergence_window,
+                        "reason": "loss outside its peers' band: silent data corruption suspect",
+                    },
+                )
+                for rank, (z, first) in diverging(
+                    steps, z=settings.divergence_z, window=settings.divergence_window
+                ).items()
+            ],
+        )
+        if not ranks:
+            continue
+        unread = select(k.rank).where(k.run_id == run_id, still_dead)
+
+        def dead_unread(unread: Any = unread) -> list[int]:
+            return list(conn.execute(unread).scalars())
+
+        states = _states(
+            list(ranks),
+            now=now,
+            settings=settings,
+            median_step=median_step,
+            slow=slow,
+            steps=steps,
+            lag_s=late,
+            heard=heard_ranks,
+            still_dead=dead_unread,
+        )
+        # Decide everything first, then write in two statements in rank order: the rank
+        # rows stay locked for as short a time as possible (ingest updates them too).
+        details, changed, events = [], [], []
+        for r in ranks:
+            state, detail = states[r["rank"]]
+            if state == r["state"]:  # same state: rewrite the detail only if its gist changed
+                before = r["state_detail"] or {}
+                if (detail.get("role"), detail.get("waiting_on")) != (
+                    before.get("role"),
+                    before.get("waiting_on"),
+                ):
+                    details.append({"b_rank": r["rank"], "detail": detail or None})
+                continue
+            changed.append({"b_rank": r["rank"], "state": state, "detail": detail or None})
+            severity = {"healthy": "info", "slow": "warning"}.get(state, "critical")
+            events.append(
+                dict(
+                    rank=r["rank"],
+                    kind="rank_state",
+                    severity=severity,
+                    uid=f"state:{run_id}:{r['rank']}:{state}:{now}",
+                    step=r["last_step"],
+                    data={"from": r["state"], "to": state, **detail},
+                )
+            )
+        where = (m.ranks.c.run_id == run_id) & (m.ranks.c.rank == bindparam("b_rank"))
+        if details:
+            conn.execute(
+                update(m.ranks).where(where).values(state_detail=bindparam("detail")), details
+            )
+        if changed:
+            conn.execute(
+                update(m.ranks)
+                .where(where)
+                .values(
+                    state=bindparam("state"), state_since=now, state_detail=bindparam("detail")
+                ),
+                changed,
+            )
+            changes += len(changed)
+        _events(conn, run_id=run_id, now=now, events=events)
+    return changes
+
+
+def evaluate_once(
+    engine: Engine, settings: HealthSettings, pressure: Pressure | None = None
+) -> int:
+    """One evaluation in its own transaction; on PostgreSQL only one collector runs it."""
+    with write(engine) as conn:
+        if not is_sqlite(conn):
+            locked = conn.execute(
+                text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": ADVISORY_LOCK_KEY}
+            ).scalar()
+            if not locked:
+                return 0
+        if pressure is None:
+            return evaluate(conn, settings=settings)
+        return evaluate(
+            conn,
+            settings=settings,
+            lag_s=pressure.lag_s(),
+            pressed=pressure.pressed(),
+            heard=pressure.heard,
+        )
+
+
+def health_loop(
+    engine: Engine, settings: HealthSettings | None = None, pressure: Pressure | None = None
+) -> Loop:
+    """The evaluator's thread inside ``serve``; ``pressure``: the collector's delay and
+    whether it fell behind lately."""
+    settings = settings or HealthSettings()
+    return Loop(
+        "trainwarden-health",
+        settings.interval_s,
+        lambda: evaluate_once(engine, settings, pressure),
+        max_cpu_share=settings.max_cpu_share,
+    )

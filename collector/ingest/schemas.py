@@ -1,0 +1,465 @@
+"""Request and response bodies of the HTTP API (pydantic), validated at the edge.
+
+Unknown fields are ignored rather than refused so that a newer agent can talk to an
+older collector; every known field is checked, and a wrong one is a 422 naming it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Iterable
+from typing import Annotated, Any, Literal
+
+from fastapi import Path as FastApiPath
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    create_model,
+    field_validator,
+    model_validator,
+)
+
+from trainwarden.collector.ingest import user_metrics
+
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$"
+MAX_RECORDS_PER_BATCH = 20_000
+INT64_MAX = 2**63 - 1  # counters are stored as BIGINT
+MAX_STEP = 2**62  # a step number the database and every query can hold
+MAX_RANK = 1_000_000  # as world_size
+RowId = Annotated[int, FastApiPath(ge=1, le=INT64_MAX, description="The row's id")]
+"""An id in a URL path: past a BIGINT is not found, not an error of the database."""
+MAX_FUTURE_S = 24 * 3600.0  # a timestamp further ahead than this is a broken clock
+
+
+MIN_TS = 0.0  # epoch seconds: a negative one is no time at all
+
+
+def _not_in_the_future(ts: float) -> float:
+    """A plausible wall-clock time: after 1970, and not a day ahead of the collector's."""
+    if not ts >= MIN_TS:  # also NaN
+        raise ValueError(f"timestamp {ts} is before 1970: send epoch seconds")
+    ahead = ts - time.time()
+    if ahead > MAX_FUTURE_S:
+        raise ValueError(
+            f"timestamp is {ahead / 3600:.0f} h in the future: check this host's clock"
+        )
+    return ts
+
+
+class AgentInfo(BaseModel):
+    """Who sent the batch: one process of one rank."""
+
+    rank: int = Field(ge=0)
+    world_size: int = Field(ge=1, le=1_000_000)
+    local_rank: int = Field(default=0, ge=0, le=1_000_000)
+    host: str = Field(min_length=1, max_length=255)
+    node: str | None = Field(default=None, max_length=255)
+    pid: int | None = Field(default=None, ge=0, le=2**31 - 1)
+    session: str = Field(min_length=1, max_length=64, description="Unique per process lifetime")
+    started_at: float | None = None
+    version: str | None = Field(default=None, max_length=32)
+    sent_at: float | None = None
+    heartbeat_s: float | None = Field(default=None, gt=0, le=3600)
+    last_step: int | None = Field(default=None, ge=0, le=2**62)
+    last_step_end: float | None = Field(default=None, description="Wall time the last step ended")
+    in_step: bool | None = None
+    phase: str | None = Field(default=None, max_length=32)
+
+    @field_validator("started_at", "sent_at", "last_step_end")
+    @classmethod
+    def _plausible(cls, ts: float | None) -> float | None:
+        return None if ts is None else _not_in_the_future(ts)
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> AgentInfo:
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world_size {self.world_size}")
+        return self
+
+
+class StepIn(BaseModel):
+    """One rank's record of one step."""
+
+    step: int = Field(ge=0, le=2**62)
+    ts: float = Field(description="Wall-clock start of the step, epoch seconds")
+    duration_s: float = Field(ge=0)
+    data_wait_s: float | None = Field(default=None, ge=0)
+    tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    loss: float | None = Field(
+        default=None, description='NaN/Inf may be sent as "nan", "inf", "-inf"'
+    )
+    grad_norm: float | None = Field(
+        default=None, description="Global gradient norm; NaN/Inf as for loss"
+    )
+    fwd_s: float | None = Field(default=None, ge=0, description="Forward phase")
+    bwd_s: float | None = Field(
+        default=None, ge=0, description="Backward phase (with the loss and the gradient-sync tail)"
+    )
+    opt_s: float | None = Field(default=None, ge=0, description="Optimizer phase")
+    other_s: float | None = Field(default=None, ge=0, description="The rest of the step")
+    compute_s: float | None = Field(default=None, ge=0)
+    exposed_comm_s: float | None = Field(
+        default=None, ge=0, description="Waiting on collectives with no compute running"
+    )
+    overlapped_comm_s: float | None = Field(
+        default=None, ge=0, description="Collective time hidden behind compute"
+    )
+    idle_s: float | None = Field(default=None, ge=0)
+    comm_source: Literal["hook", "profiler"] | None = None
+    flops: float | None = Field(
+        default=None, ge=0, description="Model FLOPs of the step on this rank"
+    )
+    mfu: float | None = Field(default=None, ge=0)
+    peak_flops: float | None = Field(default=None, gt=0)
+    flops_source: str | None = Field(default=None, max_length=128)
+    peak_source: str | None = Field(default=None, max_length=255)
+    mem_allocated_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    mem_reserved_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    rss_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    flags: list[str] | None = Field(default=None, max_length=16, description="Spike flags")
+    issues: dict[str, str] | None = None
+    metrics: dict[str, float | None] | None = Field(
+        default=None,
+        description="User metrics (s.metric): name (^[a-z][a-z0-9_.]{0,31}$) to value, at "
+        'most 32; NaN/Inf as for loss. Series "user.<name>"',
+    )
+
+    _ts_now = field_validator("ts")(_not_in_the_future)
+
+    @field_validator("metrics")
+    @classmethod
+    def _user_metrics(
+        cls, metrics: dict[str, float | None] | None
+    ) -> dict[str, float | None] | None:
+        if not metrics:
+            return None
+        user_metrics.check(metrics)
+        return metrics
+
+    @field_validator(
+        "ts",
+        "duration_s",
+        "fwd_s",
+        "bwd_s",
+        "opt_s",
+        "other_s",
+        "compute_s",
+        "exposed_comm_s",
+        "overlapped_comm_s",
+        "idle_s",
+        "flops",
+        "mfu",
+        "peak_flops",
+    )
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class EventIn(BaseModel):
+    """Something that happened on a rank at a time (start, shutdown, restart, ...)."""
+
+    id: str = Field(
+        min_length=1, max_length=64, description="Unique id; a replayed event is ignored"
+    )
+    kind: str = Field(min_length=1, max_length=64)
+    ts: float
+    _ts_now = field_validator("ts")(_not_in_the_future)
+    step: int | None = Field(default=None, ge=0, le=2**62)
+    severity: Literal["info", "warning", "critical"] = "info"
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class GpuSampleIn(BaseModel):
+    """One NVML reading of this rank's GPU. Fields a GPU or driver lacks are left out."""
+
+    ts: float
+    _ts_now = field_validator("ts")(_not_in_the_future)
+    gpu_uuid: str | None = Field(default=None, max_length=64)
+    gpu_name: str | None = Field(default=None, max_length=128)
+    temp_c: float | None = None
+    mem_temp_c: float | None = None
+    power_w: float | None = Field(default=None, ge=0)
+    power_limit_w: float | None = Field(default=None, ge=0)
+    sm_clock_mhz: float | None = Field(default=None, ge=0)
+    sm_clock_max_mhz: float | None = Field(default=None, ge=0)
+    throttle: list[str] | None = Field(default=None, max_length=16)
+    util_gpu: float | None = Field(default=None, ge=0, le=100)
+    util_mem: float | None = Field(default=None, ge=0, le=100)
+    mem_used_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    mem_total_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    ecc_corrected: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    ecc_uncorrected: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    retired_pages: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    remapped_rows_correctable: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    remapped_rows_uncorrectable: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    remap_pending: bool | None = None
+    pcie_replay: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    recovery_action: str | None = Field(default=None, max_length=32)
+    simulated: bool = False
+
+
+class IngestBatch(BaseModel):
+    """``POST /api/v1/ingest``: one agent's batch of step records and events."""
+
+    run: str = Field(pattern=RUN_NAME_PATTERN)
+    agent: AgentInfo
+    steps: list[StepIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
+    events: list[EventIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
+    gpu: list[GpuSampleIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
+
+
+STEP_COLUMNS = frozenset(StepIn.model_fields)
+
+
+def _agent_column_model() -> type[BaseModel]:
+    """``AgentInfo`` turned column-wise (``world_size`` is the batch's): each field a list
+    of its type with its constraints, validated in one pass, with no object a rank. A
+    field with a default may be left out (every rank takes the default)."""
+    fields: dict[str, Any] = {}
+    for name, info in AgentInfo.model_fields.items():
+        if name == "world_size":
+            continue
+        args = (info.annotation, *info.metadata)
+        item = Annotated[args] if info.metadata else info.annotation  # type: ignore[valid-type]
+        column = Annotated[list[item], Field(max_length=65_536)]  # type: ignore[valid-type]
+        fields[name] = (column, ...) if info.is_required() else (column | None, None)
+    return create_model(
+        "AgentColumns",
+        __doc__="The ranks' headers column-wise: a field of ``AgentInfo`` (but ``world_size``, "
+        "the batch's) to a list with one value a rank, all lists of one length.",
+        **fields,
+    )
+
+
+AgentColumns = _agent_column_model()
+AGENT_FIELDS = tuple(AgentInfo.model_fields)
+_AGENT_DEFAULTS = {
+    name: info.default for name, info in AgentInfo.model_fields.items() if not info.is_required()
+}
+_AGENT_TIMES = ("started_at", "sent_at", "last_step_end")
+
+
+class ColumnarBatch(BaseModel):
+    """``POST /api/v1/ingest/columns``: several ranks' steps in one request, column-wise.
+
+    For node relays and load generators: the ranks' headers come either as
+    ``agents`` (one ``AgentInfo`` a rank in the request) or as ``agent_columns`` (the same
+    fields column-wise: one list a field, a value a rank; cheaper to check and to store);
+    ``steps`` maps a step field (as in ``StepIn``) plus ``rank`` to a list, all lists of
+    one length. ``extras``: whole per-rank batches of the same run, for what has no columns
+    (events, GPU samples): a node relay (``trainwarden relay``) sends its ranks' steps as
+    columns and their events and GPU samples this way, all in one request.
+    """
+
+    run: str = Field(pattern=RUN_NAME_PATTERN)
+    world_size: int = Field(ge=1, le=1_000_000)
+    agents: list[AgentInfo] = Field(default_factory=list, max_length=65_536)
+    agent_columns: AgentColumns | None = None  # type: ignore[valid-type]
+    steps: dict[str, list[Any]] = Field(default_factory=dict)
+    extras: list[IngestBatch] = Field(default_factory=list, max_length=4096)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _agents_share_the_world(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("agents"), list):
+            data = {
+                **data,
+                "agents": [
+                    {"world_size": data.get("world_size"), **a} if isinstance(a, dict) else a
+                    for a in data["agents"]
+                ],
+            }
+        return data
+
+    @model_validator(mode="after")
+    def _columns(self) -> ColumnarBatch:
+        self._heads = self._header_columns()
+        for i, extra in enumerate(self.extras):
+            if extra.run != self.run:
+                raise ValueError(
+                    f"extras row {i}: run {extra.run!r} is not this batch's {self.run!r}"
+                )
+        if not self.steps:
+            self._cols = {}
+            return self
+        unknown = set(self.steps) - STEP_COLUMNS - {"rank"}
+        if unknown:
+            raise ValueError(
+                f"unknown step columns {sorted(unknown)}; known: {sorted(STEP_COLUMNS)}"
+            )
+        missing = {"rank", "step", "ts", "duration_s"} - set(self.steps)
+        if missing:
+            raise ValueError(f"missing step columns {sorted(missing)}")
+        lengths = {name: len(values) for name, values in self.steps.items()}
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"step columns differ in length: {lengths}")
+        if lengths["rank"] > MAX_RECORDS_PER_BATCH * 4:
+            raise ValueError(f"at most {MAX_RECORDS_PER_BATCH * 4} step rows per request")
+        heads = self._heads["rank"]
+        if self.steps["rank"] != heads:  # else: a row a rank, in the headers' order
+            stray = set(self.steps["rank"]) - set(heads)
+            if stray:
+                which = "agent_columns" if self.agent_columns is not None else "agents"
+                raise ValueError(
+                    f"step rows for ranks {sorted(stray)[:5]} that have no entry in {which}"
+                )
+        self._cols = _validate_columns(self.steps)  # every value checked here, at the edge
+        return self
+
+    def _header_columns(self) -> dict[str, list[Any]]:
+        if self.agent_columns is None:
+            if not self.agents:
+                raise ValueError("no ranks: send their headers as agents or agent_columns")
+            return {name: [getattr(a, name) for a in self.agents] for name in AGENT_FIELDS}
+        if self.agents:
+            raise ValueError("send the ranks' headers as agents or as agent_columns, not both")
+        given = {name: v for name, v in self.agent_columns.__dict__.items() if v is not None}
+        lengths = {name: len(values) for name, values in given.items()}
+        n = lengths["rank"]
+        if len(set(lengths.values())) != 1:
+            raise ValueError(f"agent_columns differ in length: {lengths}")
+        if not 1 <= n <= 65_536:
+            raise ValueError(f"agent_columns: {n} ranks; from 1 to 65,536 a request")
+        heads = {
+            name: given.get(name) or [_AGENT_DEFAULTS[name]] * n
+            if name != "world_size"
+            else [self.world_size] * n
+            for name in AGENT_FIELDS
+        }
+        ranks = heads["rank"]
+        if max(ranks) >= self.world_size:
+            i = next(i for i, rank in enumerate(ranks) if rank >= self.world_size)
+            raise ValueError(
+                f"agent_columns row {i}: rank {ranks[i]} is outside world_size {self.world_size}"
+            )
+        horizon = time.time() + MAX_FUTURE_S
+        for name in _AGENT_TIMES:  # as AgentInfo checks each: after 1970, not a day ahead
+            values = given.get(name)
+            if not values:
+                continue
+            known = [t for t in values if t is not None] if None in values else values
+            if known and all_finite(known) and min(known) >= MIN_TS and max(known) <= horizon:
+                continue
+            for i, ts in enumerate(values):
+                if ts is not None:
+                    try:
+                        _not_in_the_future(ts)
+                    except ValueError as exc:
+                        raise ValueError(f"agent_columns row {i}: {name}: {exc}") from None
+        return heads
+
+    _cols: dict[str, list[Any]] = PrivateAttr(default_factory=dict)
+    _heads: dict[str, list[Any]] = PrivateAttr(default_factory=dict)
+
+    # The two below read the private attributes' dict directly: ``self._cols`` goes
+    # through pydantic's __getattr__ (a Python call), and the writer asks per request.
+
+    def columns(self) -> dict[str, list[Any]]:
+        """The validated step columns: ``rank`` and the fields sent, all of one length
+        (the writer keeps them column-wise: no object a row)."""
+        return self.__pydantic_private__["_cols"]  # type: ignore[index]
+
+    def header_columns(self) -> dict[str, list[Any]]:
+        """The ranks' headers column-wise, whichever way they came: every ``AgentInfo``
+        field (defaults filled in) to a list with a value a rank."""
+        return self.__pydantic_private__["_heads"]  # type: ignore[index]
+
+    def rows(self) -> list[tuple[int, dict[str, Any]]]:
+        """(rank, step fields) pairs: the fields sent."""
+        cols = dict(self._cols)
+        ranks = cols.pop("rank", [])
+        names = list(cols)
+        return [
+            (rank, dict(zip(names, values, strict=True)))
+            for rank, values in zip(ranks, zip(*cols.values(), strict=True), strict=True)
+        ]
+
+
+def _column_model() -> type[BaseModel]:
+    """``StepIn`` turned column-wise: each field a list of its type with its constraints,
+    so a node's rows are validated in one pass instead of one model per row."""
+    fields: dict[str, Any] = {"rank": (list[Annotated[int, Field(ge=0)]], ...)}
+    for name, info in StepIn.model_fields.items():
+        args = (info.annotation, *info.metadata)
+        item = Annotated[args] if info.metadata else info.annotation  # type: ignore[valid-type]
+        fields[name] = (list[item] | None, None)  # type: ignore[valid-type]
+    return create_model("StepColumns", **fields)
+
+
+_STEP_COLUMNS_MODEL = _column_model()
+_FINITE_COLUMNS = tuple(
+    name
+    for name in StepIn.model_fields
+    if name not in ("loss", "grad_norm")
+    and StepIn.model_fields[name].annotation in (float, float | None)
+)
+_NONFINITE_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+
+def _validate_columns(steps: dict[str, list[Any]]) -> dict[str, list[Any]]:
+    for name in ("loss", "grad_norm"):  # NaN/Inf may come as words, as in ``StepIn``
+        values = steps.get(name)
+        if values and str in map(type, values):
+            steps = {
+                **steps,
+                name: [_NONFINITE_WORDS.get(v, v) if isinstance(v, str) else v for v in values],
+            }
+    try:
+        cols = _STEP_COLUMNS_MODEL.model_validate(steps)
+    except ValidationError as exc:
+        error = exc.errors(include_url=False)[0]
+        loc = error["loc"]
+        field = ".".join(map(str, (loc[0], *loc[2:])))  # a user metric's key follows its row
+        where = f"steps row {loc[1]}: {field}" if len(loc) > 1 else f"steps: {loc[0]}"
+        raise ValueError(f"{where}: {error['msg']}") from None
+    fields = cols.__dict__
+    columns = {name: fields[name] for name in steps}
+    if columns.get("metrics"):
+        user_metrics.check_column(columns["metrics"])
+    finite = [values for name in _FINITE_COLUMNS if (values := columns.get(name))]
+    if not all_finite(itertools.chain.from_iterable(finite)):  # one C loop for them all
+        for name in _FINITE_COLUMNS:  # the column and row at fault
+            values = columns.get(name)
+            if values and not all_finite(values):
+                for i, value in enumerate(values):
+                    if value is not None and not math.isfinite(value):
+                        raise ValueError(f"steps row {i}: {name}: must be a finite number")
+    horizon = time.time() + MAX_FUTURE_S
+    ts = columns["ts"]
+    if not MIN_TS <= min(ts) <= max(ts) <= horizon:
+        i = next(i for i, t in enumerate(ts) if not MIN_TS <= t <= horizon)
+        try:
+            _not_in_the_future(ts[i])
+        except ValueError as exc:
+            raise ValueError(f"steps row {i}: ts: {exc}") from None
+    return columns
+
+
+def all_finite(values: Iterable[Any]) -> bool:
+    """Whether every number in ``values`` (None aside) is finite, in one C loop: a sum is
+    finite when its terms are. False may be wrong (a sum that overflows, a non-number):
+    then look row by row."""
+    try:
+        return math.isfinite(sum(filter(None, values)))
+    except TypeError:
+        return False
+
+
+class IngestResult(BaseModel):
+    accepted_steps: int
+    accepted_events: int
+    commands: list[dict[str, Any]] = Field(
+        default_factory=list, description="Commands for this agent (rollback, stop, ...)"
+    )
+    rank_commands: dict[int, list[dict[str, Any]]] | None = Field(
+        default=None,
+        description="A columnar batch's answer: the commands waiting for each of its ranks "
+        "(only ranks that have some), which a relay hands to each rank's agent",
+    )
