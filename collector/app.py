@@ -16,7 +16,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
-from trainwarden.alerts import Rule, load_rule_packs
+from trainwarden.alerts import Dispatcher, Rule, load_rule_packs
 from trainwarden.collector.actions.engine import ActionEngine, ActionPolicy, CommandBoard
 from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings, NotifierThread
 from trainwarden.collector.api.prom import CollectorMetrics
@@ -120,13 +120,11 @@ def create_app(
         for loop in loops:
             loop.start()
         if ui:
-            from trainwarden.webui.app import warm_up
+            from trainwarden.webui.app import warm_up  # Dash: see create_dash below
 
             warm_up(app.state.dash)
         notifier = alert_engine = None
         if notify is not None:
-            from trainwarden.alerts import Dispatcher
-
             notifier = NotifierThread(Dispatcher(notify, on_attempt=lambda a: engine_deliveries(a)))
             notifier.start()
         if alerting is not None:
@@ -259,6 +257,8 @@ def create_app(
         return JSONResponse({"error": summary, "detail": detail}, status_code=422)
 
     if ui:
+        # Dash and plotly take about a second to import, and an API-only collector (ui
+        # off: tests, a separate UI deployment) never needs them.
         from a2wsgi import WSGIMiddleware
 
         from trainwarden.webui.app import create_dash

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from trainwarden.collector.api.auth import AuthSettings
 from trainwarden.collector.store.db import default_db_url
-
-if TYPE_CHECKING:
-    from trainwarden.collector.api.auth import AuthSettings
 
 
 class Settings(BaseSettings):
@@ -120,8 +118,6 @@ class Settings(BaseSettings):
         """The :class:`~.auth.AuthSettings` of ``auth=required``, else None."""
         if self.auth == "off":
             return None
-        from trainwarden.collector.api.auth import AuthSettings
-
         made = AuthSettings(
             trusted_user_header=self.trusted_user_header,
             trusted_user_scope=self.trusted_user_scope,

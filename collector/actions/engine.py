@@ -56,6 +56,7 @@ from sqlalchemy import Connection, Engine, and_, insert, or_, select, update
 
 from trainwarden.alerts.intervals import Duration, Interval
 from trainwarden.alerts.rules import Rule
+from trainwarden.collector.actions.evict import Eviction, load_backend
 from trainwarden.collector.actions.rollback_check import (
     MIN_STEPS,
     check_replay,
@@ -127,8 +128,6 @@ class EvictPolicy(_Strict):
     @classmethod
     def _known(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
-            from trainwarden.collector.actions.evict import load_backend
-
             load_backend(value)  # raises ValueError naming the field
         return value
 
@@ -240,8 +239,6 @@ class ActionEngine:
         self.clock = clock
         self.backend = backend
         if self.backend is None and policy.evict.backend is not None:
-            from trainwarden.collector.actions.evict import load_backend
-
             self.backend = load_backend(policy.evict.backend)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainwarden-evict")
         self._evictions: dict[int, Future[Any]] = {}
@@ -833,8 +830,6 @@ class ActionEngine:
         last = max((r.finished_at or ctx.now for r in recent), default=None)
         if last is not None and ctx.now - last < pol.cooldown.value:
             return  # waits (approved) until the cool-down after the last eviction has passed
-        from trainwarden.collector.actions.evict import Eviction
-
         ranks = tuple(
             r
             for (r,) in ctx.conn.execute(

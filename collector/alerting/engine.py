@@ -50,6 +50,7 @@ from trainwarden.alerts.evaluate import (
     metric_columns,
 )
 from trainwarden.alerts.intervals import ZERO
+from trainwarden.alerts.notify import Notification
 from trainwarden.alerts.rules import (
     RUN_STATS,
     AbsenceRule,
@@ -489,8 +490,6 @@ def group_note(members: list[Any]) -> Any:
     resolves, and so is its fingerprint, so that Alertmanager and PagerDuty update and
     resolve what fired. How many, and which ranks, are in its annotations (``alerts``,
     ``summary``). Its deliveries are recorded on the first alert's row."""
-    from trainwarden.alerts.notify import Notification
-
     first = members[0]
     rule, run, status = first.alertname, first.labels.get("run", ""), first.status
     labels = group_labels(first.labels)
@@ -1068,8 +1067,6 @@ class AlertEngine:
         return labels
 
     def _notification(self, r: Any, labels: dict[str, str], status: str) -> Any:
-        from trainwarden.alerts.notify import Notification
-
         base = (self.external_url or "").rstrip("/")
         return Notification(
             alert_id=r.id,

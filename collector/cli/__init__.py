@@ -1,12 +1,20 @@
-"""The ``trainwarden`` command: ``serve``, ``demo``, ``loadgen``, ``relay``, ``note``, ``postmortem``,
-``token create|list|revoke``, ``db upgrade`` and ``db prune``."""
+"""The ``trainwarden`` command: ``serve``, ``demo``, ``loadgen``, ``relay``, ``note``,
+``postmortem``, ``token create|list|revoke``, ``db upgrade`` and ``db prune``.
+
+Each subcommand imports the server stack it needs (FastAPI, SQLAlchemy, Dash, the
+collector's modules) when it runs, not this module: ``trainwarden relay`` runs on
+training nodes that have only the agent's dependencies, and ``trainwarden --help``
+stays fast. Those imports are marked ``# deferred``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from trainwarden.collector.cli.common import CliError, open_database, settings_of
@@ -17,10 +25,8 @@ from trainwarden.collector.cli.tokens import add_parsers as add_token_parsers
 def _rules(args: argparse.Namespace) -> tuple[list, list]:  # type: ignore[type-arg]
     """The default rule pack plus ``--rules`` files (and ``TRAINWARDEN_RULES``, paths
     separated by ``:``), checked before anything starts: a bad file is one clear error."""
-    import os
-    from pathlib import Path
 
-    from trainwarden.alerts import RuleError, load_rule_packs
+    from trainwarden.alerts import RuleError, load_rule_packs  # deferred: see the module docstring
 
     files = [
         *filter(None, os.environ.get("TRAINWARDEN_RULES", "").split(os.pathsep)),
@@ -41,9 +47,11 @@ def _rules(args: argparse.Namespace) -> tuple[list, list]:  # type: ignore[type-
 def _notify(args: argparse.Namespace) -> object:
     """The notifiers file (``--notify`` or ``TRAINWARDEN_NOTIFY``), checked before
     anything starts; ``None`` when there is none (alerts are then stored, not sent)."""
-    import os
 
-    from trainwarden.alerts import NotifyConfigError, load_notify_config
+    from trainwarden.alerts import (  # deferred: see the module docstring
+        NotifyConfigError,
+        load_notify_config,
+    )
 
     path = args.notify or os.environ.get("TRAINWARDEN_NOTIFY")
     if not path:
@@ -57,9 +65,11 @@ def _notify(args: argparse.Namespace) -> object:
 def _actions(args: argparse.Namespace) -> object:
     """The action policy (``--actions`` or ``TRAINWARDEN_ACTIONS``), checked before
     anything starts; without one every action is a dry run."""
-    import os
 
-    from trainwarden.collector.actions.engine import ActionConfigError, load_policy
+    from trainwarden.collector.actions.engine import (  # deferred: see the module docstring
+        ActionConfigError,
+        load_policy,
+    )
 
     try:
         return load_policy(args.actions or os.environ.get("TRAINWARDEN_ACTIONS") or None)
@@ -68,10 +78,10 @@ def _actions(args: argparse.Namespace) -> object:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn
+    import uvicorn  # deferred: see the module docstring
 
-    from trainwarden.collector.app import create_app
-    from trainwarden.collector.store.db import masked
+    from trainwarden.collector.app import create_app  # deferred: see the module docstring
+    from trainwarden.collector.store.db import masked  # deferred: see the module docstring
 
     settings = settings_of(args)
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
@@ -124,7 +134,7 @@ def access_log(log_level: str) -> bool:
 
 def _say_if_no_tokens(engine: Any) -> None:
     """Auth is on and no token exists yet: say how to make the first one."""
-    from trainwarden.collector.store.tokens import list_tokens
+    from trainwarden.collector.store.tokens import list_tokens  # deferred: see the module docstring
 
     with engine.connect() as conn:
         if list_tokens(conn, revoked=False):
@@ -138,8 +148,11 @@ def _say_if_no_tokens(engine: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from trainwarden.agent.drills import DrillError, parse
-    from trainwarden.collector.cli.demo import DEFAULT_DRILL, run_demo
+    from trainwarden.agent.drills import DrillError, parse  # deferred: see the module docstring
+    from trainwarden.collector.cli.demo import (  # deferred: see the module docstring
+        DEFAULT_DRILL,
+        run_demo,
+    )
 
     if args.drill is None:
         args.drill = DEFAULT_DRILL
@@ -147,9 +160,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
         parse("" if args.drill.lower() == "none" else args.drill)
     except DrillError as exc:
         raise CliError(str(exc)) from None
-    import os
 
-    from trainwarden.collector.cli.demo import demo_policy
+    from trainwarden.collector.cli.demo import demo_policy  # deferred: see the module docstring
 
     # The demo's own policy (a rollback runs) unless one is named, as for serve.
     named = args.actions or os.environ.get("TRAINWARDEN_ACTIONS")
@@ -169,7 +181,7 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> None:
-    from trainwarden.collector.store.db import masked
+    from trainwarden.collector.store.db import masked  # deferred: see the module docstring
 
     settings = settings_of(args)
     open_database(settings.db)
@@ -177,7 +189,10 @@ def cmd_db_upgrade(args: argparse.Namespace) -> None:
 
 
 def cmd_db_prune(args: argparse.Namespace) -> None:
-    from trainwarden.collector.store.partitions import parse_age, prune
+    from trainwarden.collector.store.partitions import (  # deferred: see the module docstring
+        parse_age,
+        prune,
+    )
 
     try:
         keep = parse_age(args.keep_raw)
@@ -192,7 +207,7 @@ def cmd_db_prune(args: argparse.Namespace) -> None:
 
 
 def _cmd_relay(args: argparse.Namespace) -> None:
-    from trainwarden.agent.relay import run
+    from trainwarden.agent.relay import run  # deferred: see the module docstring
 
     try:
         run(args)
@@ -201,7 +216,7 @@ def _cmd_relay(args: argparse.Namespace) -> None:
 
 
 def _cmd_loadgen(args: argparse.Namespace) -> None:
-    from trainwarden.collector.cli.loadgen import cmd_loadgen
+    from trainwarden.collector.cli.loadgen import cmd_loadgen  # deferred: see the module docstring
 
     cmd_loadgen(args)
 
@@ -416,4 +431,3 @@ def main(argv: Sequence[str] | None = None) -> None:
         sys.exit(2)
     except KeyboardInterrupt:
         sys.exit(130)
-

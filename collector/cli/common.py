@@ -41,7 +41,7 @@ def open_database(url: str):  # type: ignore[no-untyped-def]
         make_engine,
         masked,
         upgrade,
-    )
+    )  # deferred: see collector/cli/__init__.py
 
     try:
         engine = make_engine(url)

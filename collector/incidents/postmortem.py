@@ -16,10 +16,15 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from sqlalchemy import Connection
+from sqlalchemy import Connection, select
+
+from trainwarden.collector.incidents.store import list_incidents
+from trainwarden.collector.incidents.timeline import DEFINITIONS, timeline
+from trainwarden.collector.read.economics import EconomicsSettings, goodput
+from trainwarden.collector.read.queries import NotFound
+from trainwarden.collector.store import models as m
 
 CHART_POINTS = 2000
 CHART_METRICS = (("loss", "Loss"), ("step_time", "Step time (s)"), ("mfu", "MFU"))
@@ -61,14 +66,6 @@ def report_of(
 ) -> dict[str, Any]:
     """The post-mortem of ``run``: every incident (or only ``incident_id``), each with its
     timeline, derived figures and the chart data of its window; plus the run's notes."""
-    from sqlalchemy import select
-
-    from trainwarden.collector.incidents.store import list_incidents
-    from trainwarden.collector.incidents.timeline import DEFINITIONS, timeline
-    from trainwarden.collector.read.economics import EconomicsSettings, goodput
-    from trainwarden.collector.read.queries import NotFound
-    from trainwarden.collector.store import models as m
-
     now = time.time() if now is None else now
     ru = conn.execute(select(m.runs).where(m.runs.c.name == run)).first()
     if ru is None:
@@ -143,10 +140,6 @@ def chart_data(
     """Loss, step time and MFU across ranks (median, min, max per step) and the GPU
     temperature of the involved ranks (all ranks, up to 8, when none is named) over
     ``start``..``end``."""
-    from sqlalchemy import select
-
-    from trainwarden.collector.store import models as m
-
     s = m.step_stats.c
     out: dict[str, Any] = {}
     for metric, _label in CHART_METRICS:
@@ -351,6 +344,7 @@ def _plot_time(ts: float) -> str:
 
 
 def _chart(t: dict[str, Any], div_id: str) -> str:
+    # plotly: ~0.5 s to import, and only the HTML report needs it (not Markdown or JSON)
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
@@ -448,7 +442,7 @@ def _chart(t: dict[str, Any], div_id: str) -> str:
 
 def render_html(report: dict[str, Any]) -> str:
     """One self-contained page: plotly.js is inlined, so it opens with no network."""
-    from plotly.offline import get_plotlyjs
+    from plotly.offline import get_plotlyjs  # plotly: HTML reports only (see _chart)
 
     esc = html.escape
     run = report["run"]
@@ -578,7 +572,7 @@ def post_report(
     report: dict[str, Any], url: str, *, kind: str = "auto", timeout_s: float = 10.0
 ) -> PostOutcome:
     """POST the report to ``url``; never raises: the outcome says what happened."""
-    import httpx
+    import httpx  # httpx: only a report that is posted needs a client
 
     try:
         body = json.dumps(payload(report, post_kind(url, kind)), default=str)

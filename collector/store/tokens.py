@@ -21,6 +21,7 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, insert, select, update
 
+from trainwarden.collector.store.db import write
 from trainwarden.collector.store.models import tokens
 
 SCOPES = ("ingest", "read", "admin")
@@ -159,8 +160,6 @@ def find(engine: Engine, token_id: str) -> Any:
 
 def touch(engine: Engine, *, last_used: dict[str, float]) -> None:
     """Write when tokens were last used (batched: called at most every so often)."""
-    from trainwarden.collector.store.db import write
-
     with write(engine) as conn:
         for token_id, at in last_used.items():
             conn.execute(

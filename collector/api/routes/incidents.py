@@ -10,8 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 
 from trainwarden.collector.api import auth
-from trainwarden.collector.incidents.postmortem import render, report_of
 from trainwarden.collector.incidents import store as svc
+from trainwarden.collector.incidents.postmortem import render, report_of
 from trainwarden.collector.incidents.timeline import timeline
 from trainwarden.collector.ingest.schemas import INT64_MAX, MAX_STEP, RowId
 from trainwarden.collector.store.db import write

@@ -23,8 +23,8 @@ from sqlalchemy.exc import DBAPIError
 from starlette.requests import ClientDisconnect
 
 from trainwarden.alerts.metrics import METRICS
-from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.api import auth
+from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.ingest.schemas import (
     MAX_RANK,
     MAX_STEP,
