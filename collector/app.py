@@ -18,7 +18,8 @@ from sqlalchemy import Engine
 
 from trainwarden.alerts import Dispatcher, Rule, load_rule_packs
 from trainwarden.collector.actions.engine import ActionEngine, ActionPolicy, CommandBoard
-from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings, NotifierThread
+from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings
+from trainwarden.collector.alerting.notifier import NotifierThread
 from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.api.routes import actions as actions_api
 from trainwarden.collector.api.routes import alerts as alerts_api

@@ -21,65 +21,63 @@ step, so that an XID pages within a second):
 
 The state lives in the database, so it survives a restart, and on PostgreSQL one
 collector at a time runs the pass (an advisory lock), as for the health evaluator.
+
+What a pass reads is in ``snapshot.py``, what it writes in ``writes.py``, storms and
+silence matching in ``trainwarden.alerts`` (pure), the notifier thread in
+``notifier.py``. :class:`AlertEngine` stays one class of some 600 lines: evaluation,
+the lifecycle and routing share one pass's state (its caches of settled steps, due
+rules, silent runs and deliveries), and reading it top to bottom is reading a pass.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import math
-import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, delete, func, insert, or_, select, update
+from sqlalchemy import Connection, Engine, insert, or_, select
 
 from trainwarden.alerts import Alert, Rule, advance, fingerprint
 from trainwarden.alerts.evaluate import (
-    RankInfo,
-    Row,
     Snapshot,
-    StatRow,
     Verdict,
     evaluate,
-    metric_columns,
 )
+from trainwarden.alerts.grouping import group_labels, group_note
 from trainwarden.alerts.intervals import ZERO
 from trainwarden.alerts.notify import Notification
 from trainwarden.alerts.rules import (
-    RUN_STATS,
     AbsenceRule,
     BaselineRule,
-    CadenceRule,
-    EventKindMatch,
     EventRule,
-    FlagMatch,
-    NonFiniteMatch,
-    PeerRule,
-    RankStateMatch,
     RateRule,
     ThresholdRule,
-    ThrottleMatch,
-    XidMatch,
 )
+from trainwarden.alerts.silences import silence_matches
+from trainwarden.collector.alerting.snapshot import (
+    Needs,
+    SettledSteps,
+    cadence_of,
+    needs_of,
+    snapshot,
+)
+from trainwarden.collector.alerting.writes import _alert_of, _healed, _num, _Writes
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.loops import spaced
-from trainwarden.collector.read.economics import EconomicsSettings, economics
-from trainwarden.collector.read.queries import arrival_lateness, median_step_time
+from trainwarden.collector.read.economics import EconomicsSettings
 from trainwarden.collector.read.runbooks import runbook_url
 from trainwarden.collector.store import models as m
-from trainwarden.collector.store.db import fetch_rows, leads, write
+from trainwarden.collector.store.db import leads, write
 
 log = logging.getLogger(__name__)
 
 ADVISORY_LOCK_KEY = 0x7477_616C_6572  # "twaler": one alert engine across collectors
 OPEN = ("pending", "firing")
-STATS = RUN_STATS  # the step_stats columns a run rule may read
 FAST_KINDS = (EventRule, AbsenceRule, RateRule)
 """Rules a wake-up (ingest stored an event or a flagged step) evaluates at once."""
 
@@ -130,428 +128,13 @@ class EngineSettings:
 # -- what the rules need ------------------------------------------------------------
 
 
-@dataclass
-class Needs:
-    stats_rows: dict[str, int] = field(default_factory=dict)  # metric -> newest N rollups
-    stats_s: dict[str, float] = field(default_factory=dict)  # metric -> rollups of the last S s
-    first_step: bool = False
-    steps_back: int = 0  # full per-rank rows over the last N steps ...
-    steps_s: float = 0.0  # ... or the last S seconds (converted with the step time)
-    steps_arriving: bool = False  # rows of steps not rolled up yet too (else: settled steps)
-    step_cols: set[str] = field(default_factory=set)
-    marked_back: int = 0  # flagged / non-finite rows over the last N steps
-    marked_s: float = 0.0
-    gpu_s: float = 0.0
-    events_s: float = 0.0
-    events_back: int = 0
-    last_event: set[str] = field(default_factory=set)
-    cadence: bool = False  # the checkpoint cadence advisor's verdict
-
-    def add_stats(self, metric: str, *, rows: int = 0, seconds: float = 0.0) -> None:
-        if rows:
-            self.stats_rows[metric] = max(self.stats_rows.get(metric, 0), rows)
-        if seconds:
-            self.stats_s[metric] = max(self.stats_s.get(metric, 0.0), seconds)
-
-
-def _span(needs_rows: int, needs_s: float, span: Any) -> tuple[int, float]:
-    if span is None:
-        return max(needs_rows, 1), needs_s
-    if span.unit == "steps":
-        return max(needs_rows, int(span.value)), needs_s
-    return needs_rows, max(needs_s, span.value)
-
-
-def needs_of(rules: Iterable[Rule], hold_s: float) -> Needs:
-    n = Needs()
-    for rule in rules:
-        if isinstance(rule, (ThresholdRule, BaselineRule)):
-            p = rule.params
-            rows, secs = _span(0, 0.0, p.window)
-            if isinstance(rule, BaselineRule):
-                if p.baseline.unit == "steps":
-                    rows += int(p.baseline.value) + (
-                        int(p.warmup.value) if p.warmup.unit == "steps" else 0
-                    )
-                else:
-                    secs += p.baseline.value
-                n.first_step |= p.warmup.unit == "steps" and p.warmup.value > 0
-                rows = max(rows, 1) + 1
-            if p.scope == "run":
-                for metric in (
-                    (p.metric, "step_time")
-                    if getattr(p, "fraction_of_step", False)
-                    else (p.metric,)
-                ):
-                    n.add_stats(metric, rows=rows, seconds=secs)
-            elif p.scope == "rank":
-                n.steps_back, n.steps_s = max(n.steps_back, rows), max(n.steps_s, secs)
-                n.steps_arriving = True
-                n.step_cols |= set(metric_columns(p.metric))
-            else:
-                n.gpu_s = max(n.gpu_s, secs, 60.0)
-        elif isinstance(rule, PeerRule):
-            # The newest step every rank reported: a rolled-up one (the rollup worker rolls
-            # a step up as it completes), so the rows of steps still arriving are not read.
-            n.steps_back = max(n.steps_back, 8)
-            n.step_cols |= set(metric_columns(rule.params.metric))
-        elif isinstance(rule, EventRule):
-            _match_needs(n, rule.params, steps=0, seconds=hold_s)
-        elif isinstance(rule, RateRule):
-            w = rule.params.window
-            _match_needs(
-                n,
-                rule.params.count,
-                steps=int(w.value) if w.unit == "steps" else 0,
-                seconds=w.value if w.unit == "s" else 0.0,
-            )
-        elif isinstance(rule, AbsenceRule) and rule.params.event is not None:
-            n.last_event.add(rule.params.event)
-        elif isinstance(rule, CadenceRule):
-            n.cadence = True
-    return n
-
-
-def _match_needs(n: Needs, match: Any, *, steps: int, seconds: float) -> None:
-    if isinstance(match, (XidMatch, EventKindMatch, RankStateMatch)):
-        if isinstance(match, RankStateMatch) and not steps and not seconds:
-            return  # an event rule on rank states reads the ranks, not their history
-        n.events_back, n.events_s = max(n.events_back, steps), max(n.events_s, seconds)
-    elif isinstance(match, (FlagMatch, NonFiniteMatch)):
-        n.marked_back, n.marked_s = max(n.marked_back, steps, 1), max(n.marked_s, seconds)
-    elif isinstance(match, ThrottleMatch):
-        n.gpu_s = max(n.gpu_s, seconds, 60.0)
-
-
 # -- reading a run ------------------------------------------------------------------
-
-
-def _steps_for(seconds: float, median_step_s: float | None, cap: int = 100_000) -> int:
-    if not seconds:
-        return 0
-    if not median_step_s:
-        return 1000
-    return min(cap, math.ceil(seconds / median_step_s) + 2)
-
-
-CADENCE_EVERY_S = 60.0
-"""How often the cadence advisor is asked again about a run (it reads every checkpoint)."""
-
-
-def cadence_of(
-    conn: Connection,
-    run: Any,
-    *,
-    now: float,
-    settings: EconomicsSettings,
-    cache: dict[int, tuple[float, dict[str, Any]]],
-) -> dict[str, Any]:
-    """The advisor's answer for ``run``, at most once a minute per run."""
-    cached = cache.get(run.id)
-    if cached is not None and now - cached[0] < CADENCE_EVERY_S:
-        return cached[1]
-    found = economics(conn, run.name, settings=settings, now=now)
-    advice = (
-        {} if found is None else {**found["advisor"], "checkpoints": found["checkpoints"]["count"]}
-    )
-    cache[run.id] = (now, advice)
-    return advice
-
-
-@dataclass
-class SettledSteps:
-    """One run's rank rows of steps already rolled up, kept between passes: per step,
-    the rollup's stamp (rank count, time) when read, and the rows."""
-
-    cols: tuple[str, ...]
-    steps: dict[int, tuple[tuple[int, float], list[Row]]] = field(default_factory=dict)
-
-
-def recent_steps(
-    conn: Connection,
-    run_id: int,
-    *,
-    since: int,
-    cols: tuple[str, ...],
-    cache: dict[int, SettledSteps] | None = None,
-    arriving: bool = True,
-) -> list[Row]:
-    """The rank rows of steps after ``since``, in (step, rank) order; with ``arriving``
-    false, only of the steps rolled up.
-
-    With a ``cache``, a step already rolled up is read once and kept while its rollup
-    stays the same (a late or replayed row rolls it up again, and it is read again):
-    a pass reads only the steps still arriving, not the whole window of every rank
-    (a rank-scoped rule's window of 20 steps at 4,096 ranks is 82,000 rows)."""
-    r_, s = m.rank_steps.c, m.step_stats.c
-    names = ("rank", "step", "ts", "recv_ts", *cols)
-    query = select(*(r_[c] for c in names)).where(r_.run_id == run_id, r_.step > since)
-    if cache is None and arriving:
-        return [
-            dict(zip(names, row, strict=True))
-            for row in fetch_rows(conn, query.order_by(r_.step, r_.rank))
-        ]
-    settled = {
-        row.step: (row.n, row.ts)
-        for row in conn.execute(
-            select(s.step, s.n, s.ts).where(
-                s.run_id == run_id, s.metric == "step_time", s.step > since
-            )
-        )
-    }
-    mine = None if cache is None else cache.get(run_id)
-    if mine is None or mine.cols != cols:
-        mine = SettledSteps(cols)
-        if cache is not None:
-            cache[run_id] = mine
-    mine.steps = {st: kept for st, kept in mine.steps.items() if settled.get(st) == kept[0]}
-    fetched: dict[int, list[Row]] = {}
-    wanted = None if arriving else sorted(settled.keys() - mine.steps.keys())
-    if wanted is not None:
-        query = query.where(r_.step.in_(wanted))
-    elif mine.steps:
-        query = query.where(r_.step.not_in(sorted(mine.steps)))
-    rows = [] if wanted == [] else fetch_rows(conn, query.order_by(r_.step, r_.rank))
-    for row in rows:
-        fetched.setdefault(row[1], []).append(dict(zip(names, row, strict=True)))
-    for st, rows in fetched.items():
-        if st in settled:
-            mine.steps[st] = (settled[st], rows)
-    out: list[Row] = []
-    for st in sorted(mine.steps.keys() | fetched.keys()):
-        out += mine.steps[st][1] if st in mine.steps else fetched[st]
-    return out
-
-
-def snapshot(
-    conn: Connection,
-    run: Any,
-    needs: Needs,
-    *,
-    now: float,
-    lag_s: float,
-    hold_s: float,
-    first_steps: dict[int, int],
-    cadence: Callable[[], dict[str, Any]] | None = None,
-    step_cache: dict[int, SettledSteps] | None = None,
-    pressed: bool = False,
-    heard: Mapping[int, float] | None = None,
-) -> Snapshot:
-    """One run's recent records, as much as ``needs`` says; ``step_cache`` keeps the
-    rank rows of rolled-up steps between passes (:func:`recent_steps`).
-
-    As the health evaluator does: ``pressed`` (the collector fell behind lately) widens
-    ``lag_s`` to how late the run's ranks have been arriving, and ``heard`` (ranks whose
-    requests the collector refused, and when) counts as their heartbeat, so that an
-    absence rule (RankDead) does not page for a busy collector."""
-    run_id, last = run.id, run.last_step
-    if pressed:
-        lag_s = max(lag_s, arrival_lateness(conn, run_id))
-    heard = heard or {}
-    snap = Snapshot(
-        run=run.name, now=now, last_step=last, started_at=run.created_at, lag_s=lag_s, hold_s=hold_s
-    )
-    k = m.ranks.c
-    # Every rank, every pass: the two JSON fields are read in SQL (not parsed a row here),
-    # and rows are unpacked as tuples (at 16,384 ranks: 230 -> 150 ms a pass).
-    rows = fetch_rows(
-        conn,
-        select(
-            k.rank,
-            k.node,
-            k.gpu["uuid"].as_string(),
-            k.local_rank,
-            k.state,
-            k.state_detail["role"].as_string(),
-            k.last_seen,
-            k.heartbeat_s,
-            k.progress_at,
-            k.last_step,
-        ).where(k.run_id == run_id),
-    )
-    for rank, node, gpu, local_rank, state, role, seen, beat, progress, step in rows:
-        snap.ranks[rank] = RankInfo(
-            rank=rank,
-            node=node,
-            gpu=gpu or (str(local_rank) if local_rank is not None else None),
-            state=state,
-            role=role,
-            last_seen=max(seen, heard.get(rank, seen)),
-            heartbeat_s=beat,
-            progress_at=progress,
-            last_step=step,
-        )
-    # The run row's last step is refreshed every few seconds; the ranks' are current.
-    newest = max(
-        (r.last_step for r in snap.ranks.values() if r.last_step is not None), default=None
-    )
-    if newest is not None and (last is None or newest > last):
-        snap.last_step = last = newest
-    snap.median_step_s = median_step_time(conn, run_id)
-    s = m.step_stats.c
-    for metric in set(needs.stats_rows) | set(needs.stats_s):
-        query = select(s.step, s.ts, *(s[c] for c in STATS)).where(
-            s.run_id == run_id, s.metric == metric
-        )
-        rows_n = needs.stats_rows.get(metric, 0)
-        secs = needs.stats_s.get(metric, 0.0)
-        if secs:
-            query = query.where(s.ts > now - secs)
-        if rows_n and not secs:
-            query = query.limit(rows_n)
-        stats = conn.execute(query.order_by(s.step.desc())).all()
-        snap.stats[metric] = [
-            StatRow(r.step, r.ts, {c: getattr(r, c) for c in STATS}) for r in reversed(stats)
-        ]
-    if needs.first_step:
-        if run_id not in first_steps:
-            first = conn.execute(
-                select(func.min(s.step)).where(s.run_id == run_id, s.metric == "step_time")
-            ).scalar()
-            if first is not None:
-                first_steps[run_id] = first
-        snap.first_step = first_steps.get(run_id)
-    r_ = m.rank_steps.c
-    if last is not None:
-        back = max(needs.steps_back, _steps_for(needs.steps_s, snap.median_step_s))
-        if back:
-            cols = tuple(sorted(needs.step_cols | {"duration_s"}))
-            snap.steps = recent_steps(
-                conn,
-                run_id,
-                since=last - back,
-                cols=cols,
-                cache=step_cache,
-                arriving=needs.steps_arriving,
-            )
-        back = max(needs.marked_back, _steps_for(needs.marked_s, snap.median_step_s))
-        if back:
-            snap.marked = [
-                dict(row)
-                for row in conn.execute(
-                    select(r_.rank, r_.step, r_.ts, r_.recv_ts, r_.flags, r_.issues)
-                    .where(
-                        r_.run_id == run_id,
-                        r_.step > last - max(back, 50),
-                        or_(r_.flags.is_not(None), r_.issues.is_not(None)),
-                    )
-                    .order_by(r_.step, r_.rank)
-                ).mappings()
-            ]
-    if needs.gpu_s and snap.ranks:
-        g = m.gpu_samples.c
-        snap.gpu = [
-            dict(row)
-            for row in conn.execute(
-                select(m.gpu_samples)
-                .where(g.run_id == run_id, g.ts > now - needs.gpu_s)
-                .order_by(g.ts)
-            ).mappings()
-        ]
-    events_s = max(
-        needs.events_s,
-        (needs.events_back * (snap.median_step_s or 1.0) * 2) if needs.events_back else 0.0,
-    )
-    if events_s:
-        e = m.events.c
-        snap.events = [
-            dict(row)
-            for row in conn.execute(
-                select(e.id, e.rank, e.step, e.ts, e.recv_ts, e.kind, e.data)
-                .where(e.run_id == run_id, e.ts > now - events_s)
-                .order_by(e.ts)
-            ).mappings()
-        ]
-    for kind in needs.last_event:
-        e = m.events.c
-        ts = conn.execute(select(func.max(e.ts)).where(e.run_id == run_id, e.kind == kind)).scalar()
-        if ts is not None:
-            snap.last_event[kind] = ts
-    if needs.cadence and cadence is not None:
-        snap.cadence = cadence()
-    return snap
 
 
 # -- storms -------------------------------------------------------------------------
 
 
-def group_labels(labels: Mapping[str, str]) -> dict[str, str]:
-    """A storm group's labels: the rule's and the run's, without rank, node or GPU, and
-    ``grouped="true"``; its fingerprint is of the rule and these, as every alert's is."""
-    out = {k: v for k, v in labels.items() if k not in ("rank", "node", "gpu")}
-    out["grouped"] = "true"
-    return out
-
-
-def group_note(members: list[Any]) -> Any:
-    """One notification for ``members`` (notifications of one rule, run and status).
-
-    Its labels (:func:`group_labels`) are the same whenever the group fires, grows or
-    resolves, and so is its fingerprint, so that Alertmanager and PagerDuty update and
-    resolve what fired. How many, and which ranks, are in its annotations (``alerts``,
-    ``summary``). Its deliveries are recorded on the first alert's row."""
-    first = members[0]
-    rule, run, status = first.alertname, first.labels.get("run", ""), first.status
-    labels = group_labels(first.labels)
-    ranks = sorted({int(n.labels["rank"]) for n in members if n.labels.get("rank", "").isdigit()})
-    who = f"{len(ranks):,} ranks ({_spans(ranks)})" if ranks else f"{len(members):,} alerts"
-    annotations = {
-        **first.annotations,
-        "alerts": str(len(members)),
-        "summary": f"{rule} on {who} of run {run}",
-        "description": f"{len(members):,} {rule} alerts {'firing' if status == 'firing' else 'resolved'} "
-        f"together; the first: {first.annotations.get('description', '')}",
-    }
-    return Notification(
-        alert_id=first.alert_id,
-        fingerprint=fingerprint(rule, labels),
-        status=status,
-        labels=labels,
-        annotations=annotations,
-        starts_at=min(n.starts_at for n in members),
-        ends_at=max(n.ends_at for n in members)
-        if status == "resolved" and all(n.ends_at for n in members)
-        else None,
-        generator_url=first.generator_url,
-    )
-
-
-def grouped(notes: list[Any], *, over: int) -> list[Any]:
-    """``notes`` with each set of more than ``over`` of one rule, run and status made one
-    (:func:`group_note`)."""
-    sets: dict[tuple[str, str, str], list[Any]] = {}
-    for note in notes:
-        sets.setdefault((note.alertname, note.labels.get("run", ""), note.status), []).append(note)
-    out = []
-    for members in sets.values():
-        out += members if len(members) <= over else [group_note(members)]
-    return out
-
-
-def _spans(ranks: list[int], most: int = 8) -> str:
-    """``0-7, 16, 24-31``: sorted ranks as runs, at most ``most`` of them, then "...".."""
-    spans: list[list[int]] = []
-    for r in ranks:
-        if spans and r == spans[-1][1] + 1:
-            spans[-1][1] = r
-        else:
-            spans.append([r, r])
-    text = ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in spans[:most])
-    return text + (", ..." if len(spans) > most else "")
-
-
 # -- silences -----------------------------------------------------------------------
-
-
-def silence_matches(matchers: Sequence[dict[str, Any]], labels: dict[str, str]) -> bool:
-    for mt in matchers:
-        value = labels.get(mt["name"], "")
-        if mt.get("regex"):
-            if not re.fullmatch(mt["value"], value):
-                return False
-        elif value != mt["value"]:
-            return False
-    return True
 
 
 # -- the engine ---------------------------------------------------------------------
@@ -1119,140 +702,4 @@ class AlertEngine:
             conn.execute(insert(m.alert_deliveries), rows)
 
 
-class _Writes:
-    """A pass's new, changed and forgotten alerts, written in one statement for each kind
-    of change (an executemany): a job that dies whole brings thousands of RankDead alerts
-    at once, and when it comes back they all resolve at once."""
-
-    def __init__(self) -> None:
-        self.inserts: list[dict[str, Any]] = []
-        self.updates: list[dict[str, Any]] = []  # each: b_id (the alert's id) and its new values
-        self.deletes: list[int] = []
-
-    def flush(self, conn: Connection) -> None:
-        if self.inserts:
-            conn.execute(insert(m.alerts), self.inserts)
-        a = m.alerts.c
-        alike: dict[tuple[str, ...], list[dict[str, Any]]] = {}
-        for u in self.updates:
-            alike.setdefault(tuple(sorted(k for k in u if k != "b_id")), []).append(u)
-        for names, rows in alike.items():
-            conn.execute(
-                update(m.alerts)
-                .where(a.id == bindparam("b_id"))
-                .values({k: bindparam(f"b_{k}", type_=a[k].type) for k in names}),
-                [{"b_id": u["b_id"], **{f"b_{k}": u[k] for k in names}} for u in rows],
-            )
-        for i in range(0, len(self.deletes), 1000):  # SQLite caps a statement's parameters
-            conn.execute(delete(m.alerts).where(a.id.in_(self.deletes[i : i + 1000])))
-        self.inserts, self.updates, self.deletes = [], [], []
-
-
-def _healed(conn: Connection, firing: list[Any]) -> set[int]:
-    """The ids of the ``firing`` alerts that an action carried out since they fired (done,
-    not a dry run) dealt with: their own action, or, for a stability alert (the loss, the
-    grad norm), a rollback of their run, which threw away the steps they fired on."""
-    if not firing:
-        return set()
-    fired = {row.id: row.fired_at or 0.0 for row in firing}
-    ac = m.actions.c
-    carried_out = (ac.state == "done") & (ac.mode != "dry-run")
-    ids = list(fired)
-    done = [
-        found
-        for i in range(0, len(ids), 1000)  # SQLite caps a statement's parameters
-        for found in conn.execute(
-            select(ac.alert_id, ac.created_at).where(
-                ac.alert_id.in_(ids[i : i + 1000]), carried_out
-            )
-        )
-    ]
-    healed = {alert_id for alert_id, created in done if created >= fired[alert_id]}
-    stability = [row for row in firing if (row.labels or {}).get("category") == "stability"]
-    if stability:
-        rolled_back: dict[int, float] = dict(
-            conn.execute(
-                select(ac.run_id, func.max(ac.created_at))
-                .where(
-                    ac.run_id.in_(sorted({row.run_id for row in stability})),
-                    ac.kind == "rollback",
-                    carried_out,
-                )
-                .group_by(ac.run_id)
-            ).all()
-        )
-        healed |= {
-            row.id for row in stability if rolled_back.get(row.run_id, -1.0) >= fired[row.id]
-        }
-    return healed
-
-
-def _num(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
-
-
-def _alert_of(row: Any) -> Alert:
-    return Alert(
-        rule=row.rule,
-        labels=dict(row.labels),
-        state=row.state,
-        active_since=row.active_since,
-        active_since_step=row.active_since_step,
-        onset_step=row.onset_step,
-        fired_at=row.fired_at,
-        fired_at_step=row.fired_at_step,
-        cleared_at=row.cleared_at,
-        cleared_at_step=row.cleared_at_step,
-        resolved_at=row.resolved_at,
-    )
-
-
 # -- running the notifiers in their own thread --------------------------------------
-
-
-class NotifierThread:
-    """The notifiers' asyncio loop in a thread of its own, so that a slow receiver
-    never touches the request loop or the engine: ``submit`` is thread-safe."""
-
-    def __init__(self, dispatcher: Any) -> None:
-        self.dispatcher = dispatcher
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="trainwarden-notify", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-        self._ready.wait(10)
-
-    def _run(self) -> None:
-        loop = asyncio.new_event_loop()
-        self._loop = loop
-        try:
-            loop.run_until_complete(self.dispatcher.start())
-            self._ready.set()
-            loop.run_forever()
-        finally:
-            loop.close()
-
-    def submit(self, note: Any) -> bool:
-        """Queue ``note`` for its receivers (thread-safe, never blocks); False: dropped."""
-        return bool(self.dispatcher.submit(note))
-
-    def drain(self, timeout_s: float) -> None:
-        if self._loop is not None:
-            asyncio.run_coroutine_threadsafe(self.dispatcher.drain(timeout_s), self._loop).result(
-                timeout_s + 5
-            )
-
-    def stop(self, deadline_s: float = 5.0) -> None:
-        loop = self._loop
-        if loop is None:
-            return
-        try:
-            asyncio.run_coroutine_threadsafe(self.dispatcher.stop(deadline_s), loop).result(
-                deadline_s + 5
-            )
-        except Exception:
-            log.exception("notifiers did not stop cleanly")
-        loop.call_soon_threadsafe(loop.stop)
-        self._thread.join(5)

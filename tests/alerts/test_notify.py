@@ -170,7 +170,7 @@ def test_alertmanager_shows_the_alert_with_its_runbook_and_resolves_it(
 def test_alertmanager_resolves_the_one_page_a_storm_became(
     tmp_path: Path, alertmanager: str, receiver: Receiver
 ) -> None:
-    from trainwarden.collector.alerting.engine import grouped
+    from trainwarden.alerts.grouping import grouped
 
     cfg = to_alertmanager(tmp_path, alertmanager)
     ranks = [episode(rank=str(r), node=f"n{r // 8}") for r in range(8, 16)]  # a node's ranks
