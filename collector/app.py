@@ -17,7 +17,9 @@ from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
 from trainwarden.alerts import Dispatcher, Rule, load_rule_packs
-from trainwarden.collector.actions.engine import ActionEngine, ActionPolicy, CommandBoard
+from trainwarden.collector.actions.commands import CommandBoard
+from trainwarden.collector.actions.engine import ActionEngine
+from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings
 from trainwarden.collector.alerting.notifier import NotifierThread
 from trainwarden.collector.api.prom import CollectorMetrics

@@ -16,7 +16,7 @@ from fastapi import HTTPException
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
-from trainwarden.collector.actions.engine import ActionPolicy
+from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.api.routes import actions as actions_api
 from trainwarden.collector.api.routes import alerts as alerts_api
 from trainwarden.collector.api.routes import economics as economics_api

@@ -66,10 +66,7 @@ def _actions(args: argparse.Namespace) -> object:
     """The action policy (``--actions`` or ``TRAINWARDEN_ACTIONS``), checked before
     anything starts; without one every action is a dry run."""
 
-    from trainwarden.collector.actions.engine import (  # deferred: see the module docstring
-        ActionConfigError,
-        load_policy,
-    )
+    from trainwarden.collector.actions.policy import ActionConfigError, load_policy
 
     try:
         return load_policy(args.actions or os.environ.get("TRAINWARDEN_ACTIONS") or None)

@@ -19,7 +19,8 @@ from typing import Any
 import httpx
 from sqlalchemy import Engine
 
-from trainwarden.collector.actions.engine import ActionPolicy, RollbackPolicy, summary
+from trainwarden.collector.actions.policy import ActionPolicy, RollbackPolicy
+from trainwarden.collector.actions.records import summary
 from trainwarden.collector.settings import Settings
 
 # What the demo injects unless told otherwise: visible, and nothing that ends the run.

@@ -23,7 +23,10 @@ from sqlalchemy import select
 
 from trainwarden.agent.commands import STOPPED_EXIT_CODE, Commands, RollbackPlan
 from trainwarden.alerts import load_rule_packs
-from trainwarden.collector.actions.engine import ActionEngine, ActionPolicy, CommandBoard, summary
+from trainwarden.collector.actions.commands import CommandBoard
+from trainwarden.collector.actions.engine import ActionEngine
+from trainwarden.collector.actions.policy import ActionPolicy
+from trainwarden.collector.actions.records import summary
 from trainwarden.collector.alerting.engine import AlertEngine
 from trainwarden.collector.api.routes import actions as actions_api
 from trainwarden.collector.app import create_app

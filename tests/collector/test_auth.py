@@ -13,8 +13,8 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import Engine, select
 
-from trainwarden.collector.api.auth import AuthSettings
 from trainwarden.collector.api import auth
+from trainwarden.collector.api.auth import AuthSettings
 from trainwarden.collector.app import create_app
 from trainwarden.collector.store import models
 from trainwarden.collector.store.db import write

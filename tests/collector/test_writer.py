@@ -234,9 +234,8 @@ def test_new_steps_are_copied_straight_in_and_a_key_stored_meanwhile_falls_back_
     from sqlalchemy import update
 
     from trainwarden.collector.ingest import batches as ingest
-    from trainwarden.collector.store.db import is_sqlite, write
-
     from trainwarden.collector.store import bulk
+    from trainwarden.collector.store.db import is_sqlite, write
 
     copied: list[str] = []
     real = bulk._copy

@@ -1,0 +1,159 @@
+"""A rollback's plan: where the anomaly began (its onset, from the data), which
+checkpoints are clean (``clean_limit``: step <= onset - 2 - margin), the newest clean one
+to restore and the data window to skip; and the run's checkpoints marked good or suspect."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from sqlalchemy import Connection, select
+
+from trainwarden.collector.actions.policy import (
+    RollbackPolicy,
+)
+from trainwarden.collector.store import models as m
+
+
+def rollback_plan(
+    conn: Connection, row: Any, pol: RollbackPolicy
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The newest checkpoint before the anomaly's onset and the data to skip (the end of
+    the window is set again at commit, from the barrier)."""
+    run = conn.execute(select(m.runs).where(m.runs.c.id == row.run_id)).one()
+    onset_step, onset_ts = run.last_step or 0, math.inf
+    given = (row.plan or {}).get("checkpoint_step")
+    below = (row.plan or {}).get("below_step")  # a restore of it did not fix the anomaly
+    if row.alert_id is not None:
+        alert = conn.execute(select(m.alerts).where(m.alerts.c.id == row.alert_id)).one()
+        onset_step = onset_of(alert) or onset_step
+        onset_ts = alert.active_since
+    e = m.events.c
+    ckpts = [
+        (s, ts, (d or {}).get("path"))
+        for s, ts, d in conn.execute(
+            select(e.step, e.ts, e.data).where(
+                e.run_id == row.run_id, e.kind == "checkpoint", e.step.is_not(None)
+            )
+        )
+    ]
+    if given is not None:
+        good = [c for c in ckpts if c[0] == given]
+        if not good:
+            return (
+                None,
+                f"no checkpoint of step {given} was reported (known: {sorted({c[0] for c in ckpts})})",
+            )
+    else:
+        limit = clean_limit(onset_step, pol.margin_steps)
+        if below is not None:
+            limit = min(limit, below - 1)
+        good = [c for c in ckpts if c[0] <= limit and c[1] < onset_ts]
+        if not good:
+            known = sorted({c[0] for c in ckpts})[-5:]
+            older = f", older than step {below}" if below is not None else ""
+            return None, (
+                f"no checkpoint at or before step {limit} (onset {onset_step} - 2 - margin {pol.margin_steps}{older}); "
+                f"reported: {known or 'none (call tw.checkpoint_saved)'}"
+            )
+    step, _, path = max(good, key=lambda c: (c[0], c[1]))
+    newest = max(
+        (
+            r
+            for (r,) in conn.execute(
+                select(m.ranks.c.last_step).where(m.ranks.c.run_id == row.run_id)
+            )
+            if r is not None
+        ),
+        default=run.last_step or 0,
+    )
+    plan = {
+        "issued_at_step": newest,
+        "onset_step": onset_step,
+        "rollback": {
+            "checkpoint_step": step,
+            "checkpoint_path": path or "",
+            "skip_from": step + 1,
+            "skip_to": newest + pol.skip_margin_steps,
+            "lr_scale": pol.lr_scale,
+            "reason": f"{row.trigger}: onset at step {onset_step}",
+        },
+    }
+    return plan, None
+
+
+def onset_of(alert: Any) -> int | None:
+    """Where an alert's anomaly began: its onset in the data (``onset_step``); for an alert
+    stored before that was kept, the earliest step a pass saw it at."""
+    if alert.onset_step is not None:
+        return int(alert.onset_step)
+    steps = [s for s in (alert.step, alert.active_since_step) if s is not None]
+    return min(steps) if steps else None
+
+
+def clean_limit(onset_step: int, margin_steps: int) -> int:
+    """The newest checkpoint step that is clean for an anomaly whose onset is step
+    ``onset_step``. A checkpoint reported as ``tw.checkpoint_saved(s)`` holds the weights
+    after the update of step s; the loss of step k is computed with the weights after
+    update k - 1, so the update that caused an anomaly seen at k is k - 1 at the latest,
+    and a checkpoint is clean iff s <= k - 2. ``margin_steps`` more for safety."""
+    return onset_step - 2 - margin_steps
+
+
+def _carried(plan: dict[str, Any] | None) -> dict[str, Any]:
+    """What a rollback's next attempt keeps of the plan: the attempt count, an operator's
+    checkpoint, and the restores that did not fix the anomaly (with the bound they set)."""
+    keys = ("attempt", "checkpoint_step", "below_step", "restores", "round_start")
+    return {k: v for k, v in (plan or {}).items() if k in keys}
+
+
+def _not_fixed(restore: dict[str, Any]) -> str:
+    steps = restore.get("steps") or []
+    on = f" (steps {steps[0]}-{steps[-1]} run again)" if len(steps) == 2 else ""
+    return f"the restore of the checkpoint of step {restore['checkpoint_step']} did not fix it{on}: {restore['detail']}"
+
+
+def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dict[str, Any]]:
+    """The checkpoints the trainer reported (``tw.checkpoint_saved``), oldest first, each
+    good or suspect. Suspect: saved before an anomaly whose rule rolls back (LossSpike,
+    NonFiniteLoss, ...) had cleared, and either while it was active or of a step past its
+    clean limit (:func:`clean_limit`: onset - 2 - ``margin_steps``). Once the anomaly
+    cleared, new checkpoints are good again."""
+    a = m.alerts.c
+    anomalies = conn.execute(
+        select(
+            a.id, a.rule, a.active_since, a.cleared_at, a.step, a.active_since_step, a.onset_step
+        )
+        .where(a.run_id == run_id, a.action == "rollback")
+        .order_by(a.active_since)
+    ).all()
+    e = m.events.c
+    out = []
+    for step, ts, rank, data in conn.execute(
+        select(e.step, e.ts, e.rank, e.data)
+        .where(e.run_id == run_id, e.kind == "checkpoint", e.step.is_not(None))
+        .order_by(e.ts, e.id)
+    ):
+        data = dict(data or {})
+        suspect = None
+        for al in anomalies:
+            onset = onset_of(al)
+            if al.cleared_at is not None and ts >= al.cleared_at:
+                continue
+            if ts >= al.active_since or (
+                onset is not None and step > clean_limit(onset, margin_steps)
+            ):
+                suspect = f"saved before {al.rule} (alert {al.id}, onset at step {onset}) cleared"
+                break
+        out.append(
+            {
+                "step": step,
+                "path": data.pop("path", None),
+                "ts": ts,
+                "rank": rank,
+                "meta": data,
+                "good": suspect is None,
+                "suspect": suspect,
+            }
+        )
+    return out

@@ -1,0 +1,346 @@
+"""A rollback's steps: *prepare* (every rank holds), *commit* (all restore after one
+barrier step) or *abort* and another attempt, then the check of its result on the steps
+run again, and another rollback to an older clean checkpoint when the restore did not
+fix it. The ranks' side is ``trainwarden.agent.commands``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import select, update
+
+from trainwarden.alerts.rules import Rule
+from trainwarden.collector.actions.records import (
+    _acks,
+    _commands,
+    _gone,
+    _live_ranks,
+    create_action,
+)
+from trainwarden.collector.actions.rollback import (
+    _carried,
+    _not_fixed,
+    rollback_plan,
+)
+from trainwarden.collector.actions.rollback_check import (
+    check_replay,
+    checkable,
+    steps_needed,
+)
+from trainwarden.collector.actions.steps import Steps, _Ctx
+from trainwarden.collector.store import models as m
+
+
+class RollbackSteps(Steps):
+    def _start_rollback(self, ctx: _Ctx, row: Any) -> None:
+        pol = self.policy.rollback
+        # Spent: every rollback of the period that reached the ranks, whether it is running,
+        # done, or failed once it had started (a rollback that fails at the ranks again and
+        # again must stop the run, not retry forever); one that failed before it started
+        # (no good checkpoint, a dry run) touched nothing.
+        spent = [
+            a
+            for a in ctx.conn.execute(
+                select(m.actions.c.id, m.actions.c.state, m.actions.c.history).where(
+                    m.actions.c.run_id == row.run_id,
+                    m.actions.c.kind == "rollback",
+                    m.actions.c.id != row.id,
+                    m.actions.c.state.in_(("executing", "done", "failed")),
+                    m.actions.c.mode != "dry-run",
+                    m.actions.c.created_at > ctx.now - pol.budget.per.value,
+                )
+            ).all()
+            if a.state != "failed" or any(h.get("state") == "executing" for h in a.history or ())
+        ]
+        before = (row.plan or {}).get(
+            "restores"
+        ) or []  # this action's restores that did not fix it
+        if len(spent) + len(before) >= pol.budget.count:
+            why = f"retry budget spent: {len(spent) + len(before)} rollbacks within {pol.budget.per}; stopping the run instead"
+            if before:
+                why = f"{_not_fixed(before[-1])}; {why}"
+            self._finish(ctx, row, "failed", reason=why)
+            create_action(
+                ctx.conn,
+                self.policy,
+                run_id=row.run_id,
+                kind="stop",
+                now=ctx.now,
+                trigger="budget",
+                detail="rollback budget spent",
+                mode="auto",
+                fingerprint=f"budget:{row.id}",
+                approver="policy",
+            )
+            return
+        plan, problem = rollback_plan(ctx.conn, row, pol)
+        if plan is None:
+            if before:
+                problem = f"{_not_fixed(before[-1])}, and no older clean checkpoint: {problem}"
+            self._finish(ctx, row, "failed", reason=problem)
+            return
+        a = m.actions.c
+        busy = ctx.conn.execute(
+            select(a.id).where(
+                a.run_id == row.run_id, a.kind == "rollback", a.id != row.id, a.state == "executing"
+            )
+        ).scalar()
+        if busy is not None:  # two rollbacks at once would race for the ranks' hold
+            self._finish(
+                ctx,
+                row,
+                "failed",
+                reason=f"rollback {busy} of this run is executing; not starting a second one",
+            )
+            return
+        attempt = (row.plan or {}).get("attempt", 0) + 1
+        plan.update(
+            _carried(row.plan), attempt=attempt
+        )  # an operator's checkpoint, earlier restores
+        ranks = _live_ranks(ctx.conn, row.run_id)
+        if not ranks:
+            self._finish(ctx, row, "failed", reason="no live rank to roll back")
+            return
+        plan["ranks"] = ranks
+        plan["prepared_at"] = ctx.now
+        _commands(
+            ctx.conn,
+            row,
+            ranks,
+            {
+                "type": "rollback",
+                "phase": "prepare",
+                "action": row.id,
+                "attempt": attempt,
+                "plan": plan["rollback"],
+            },
+            ctx.now,
+        )
+        self._set(
+            ctx,
+            row,
+            "executing",
+            detail=f"prepare: every rank holds at its next step (attempt {attempt})",
+            plan=plan,
+        )
+
+    def _executing_rollback(self, ctx: _Ctx, row: Any) -> None:
+        pol = self.policy.rollback
+        plan = dict(row.plan)
+        if "restored_at" in plan:
+            self._verify_rollback(ctx, row, plan)
+            return
+        acks = _acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
+        ranks = plan["ranks"]
+        if "committed_at" not in plan:
+            prepared = {
+                r: acks[r] for r in ranks if r in acks and acks[r].get("phase") == "prepare"
+            }
+            refused = {r: a for r, a in prepared.items() if not a.get("armed")}
+            refused |= {
+                r: {**a, "error": "stopped holding: no decision within its wait"}
+                for r, a in acks.items()
+                if r in ranks and a.get("phase") == "timeout"
+            }
+            if refused or ctx.now - plan["prepared_at"] > pol.prepare_timeout.value:
+                why = (
+                    "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items()))
+                    or f"ranks {sorted(set(ranks) - set(prepared))} did not answer within {pol.prepare_timeout}"
+                )
+                fatal = any("on_rollback" in str(a.get("error")) for a in refused.values())
+                tries = plan["attempt"] - plan.get("round_start", 1) + 1  # of this restore
+                if tries >= pol.attempts or fatal:
+                    self._finish(ctx, row, "failed", reason=f"ranks not ready: {why}")
+                    # After _finish closed the action's other commands: this one must go out,
+                    # or an armed rank holds at the barrier until its decision timeout.
+                    # _close_commands closes it once the ranks have had time to take it.
+                    abort = {
+                        "type": "rollback",
+                        "phase": "abort",
+                        "action": row.id,
+                        "attempt": plan["attempt"],
+                    }
+                    _commands(ctx.conn, row, ranks, abort, ctx.now)
+                else:  # try again
+                    # Decisions are per attempt: this abort frees the ranks holding now,
+                    # and cannot decide the next attempt.
+                    ctx.conn.execute(
+                        update(m.agent_commands)
+                        .where(m.agent_commands.c.action_id == row.id)
+                        .values(done_at=ctx.now)
+                    )
+                    abort = {
+                        "type": "rollback",
+                        "phase": "abort",
+                        "action": row.id,
+                        "attempt": plan["attempt"],
+                    }
+                    _commands(ctx.conn, row, ranks, abort, ctx.now)
+                    self._set(
+                        ctx,
+                        row,
+                        "approved",
+                        detail=f"aborted attempt {plan['attempt']}: {why}",
+                        plan=_carried(plan),
+                    )
+                return
+            if len(prepared) == len(ranks):
+                # Each rank holds at most one step past the step it answered with: none can
+                # be past the newest + 1, and in lockstep none is more than one step short.
+                answered = {r: int(a.get("step") or 0) for r, a in prepared.items()}
+                barrier = max(answered.values()) + 1
+                skip_to = barrier + pol.skip_margin_steps
+                commit = {
+                    "type": "rollback",
+                    "phase": "commit",
+                    "action": row.id,
+                    "attempt": plan["attempt"],
+                    "barrier_step": barrier,
+                    "skip_to": skip_to,
+                }
+                _commands(ctx.conn, row, ranks, commit, ctx.now)
+                plan.update(
+                    committed_at=ctx.now,
+                    barrier_step=barrier,
+                    answered_at_step=min(answered.values()),
+                )
+                plan["rollback"] = {**plan["rollback"], "skip_to": skip_to}
+                self._set(
+                    ctx,
+                    row,
+                    "executing",
+                    detail=f"commit: every rank holds; restore after step {barrier}",
+                    plan=plan,
+                )
+            return
+        done = {
+            r: acks[r]
+            for r in ranks
+            if r in acks and acks[r].get("phase") in ("commit", "abort", "timeout")
+        }
+        failed = {r: a for r, a in done.items() if not a.get("applied")}
+        if failed:
+            why = "; ".join(
+                f"rank {r}: {a.get('error') or a.get('decision')}"
+                for r, a in sorted(failed.items())
+            )
+            self._finish(ctx, row, "failed", reason=f"rollback not applied: {why}")
+        elif len(done) == len(ranks):
+            result = {
+                "ranks": {
+                    str(r): {
+                        k: done[r].get(k)
+                        for k in ("barrier_step", "checkpoint_step", "seconds", "at")
+                    }
+                    for r in ranks
+                },
+                "restored_within_s": round(
+                    max(a["at"] for a in done.values()) - plan["committed_at"], 3
+                ),
+                "since_prepare_s": round(
+                    max(a["at"] for a in done.values()) - plan["prepared_at"], 3
+                ),
+                # steps run from the command reaching the ranks to the restore
+                "steps_after_command": plan["barrier_step"] - plan["answered_at_step"],
+                "steps_after_issue": plan["barrier_step"] - plan["issued_at_step"],
+            }
+            if plan.get("restores"):
+                result["restores"] = plan["restores"]
+            rule = self._rule_of(ctx, row)
+            if rule is None or pol.verify_steps == 0 or not checkable(rule):
+                self._finish(ctx, row, "done", result=result)
+                return
+            step = plan["rollback"]["checkpoint_step"]
+            plan.update(
+                restored_at=ctx.now,
+                result=result,
+                rule=rule.name,
+                restored_ts=min(float(a.get("ts") or ctx.now) for a in done.values()),
+            )
+            self._set(
+                ctx,
+                row,
+                "executing",
+                detail=f"every rank restored the checkpoint of step {step}; "
+                f"checking {rule.name} on the steps run again",
+                plan=plan,
+            )
+        elif ctx.now - plan["committed_at"] > pol.apply_timeout.value:
+            self._finish(
+                ctx,
+                row,
+                "failed",
+                reason=f"ranks {sorted(set(ranks) - set(done))} did not restore within {pol.apply_timeout}",
+            )
+
+    def _rule_of(self, ctx: _Ctx, row: Any) -> Rule | None:
+        if row.alert_id is None:
+            return None  # an operator's rollback: no rule to ask
+        name = ctx.conn.execute(
+            select(m.alerts.c.rule).where(m.alerts.c.id == row.alert_id)
+        ).scalar()
+        return self.rules.get(name) if name is not None else None
+
+    def _verify_rollback(self, ctx: _Ctx, row: Any, plan: dict[str, Any]) -> None:
+        """Every rank restored: done once the alert's rule no longer holds on the steps
+        run again; if it still does, the checkpoint was bad too, and the rollback goes
+        again to an older clean one (:meth:`_start_rollback` keeps the budget)."""
+        pol = self.policy.rollback
+        rule = self.rules.get(plan["rule"])
+        result = dict(plan["result"])
+        step = plan["rollback"]["checkpoint_step"]
+        if rule is None:
+            self._finish(
+                ctx,
+                row,
+                "done",
+                result={**result, "check": f"not checked: rule {plan['rule']} is no longer loaded"},
+            )
+            return
+        check = check_replay(
+            ctx.conn,
+            rule=rule,
+            run_id=row.run_id,
+            ranks=plan["ranks"],
+            checkpoint_step=step,
+            since_ts=plan["restored_ts"],
+            need=steps_needed(rule, pol.verify_steps),
+            now=ctx.now,
+        )
+        if not check.ready:
+            gone = _gone(ctx.conn, row.run_id, plan["ranks"])
+            if gone or ctx.now - plan["restored_at"] > pol.verify_timeout.value:
+                why = f"ranks {sorted(gone)} ended" if gone else f"waited {pol.verify_timeout}"
+                self._finish(
+                    ctx,
+                    row,
+                    "done",
+                    result={**result, "check": f"not checked: {check.detail} ({why})"},
+                )
+            return
+        if not check.holds:
+            self._finish(ctx, row, "done", result={**result, "check": check.detail})
+            return
+        restores = [
+            *(plan.get("restores") or []),
+            {"checkpoint_step": step, "steps": list(check.steps or ()), "detail": check.detail},
+        ]
+        # Decisions are per attempt: the commands of this one are over.
+        ctx.conn.execute(
+            update(m.agent_commands)
+            .where(m.agent_commands.c.action_id == row.id)
+            .values(done_at=ctx.now)
+        )
+        again = {
+            **_carried(plan),
+            "restores": restores,
+            "below_step": step,
+            "round_start": plan["attempt"] + 1,
+        }
+        self._set(
+            ctx,
+            row,
+            "approved",
+            detail=f"{_not_fixed(restores[-1])}; rolling back to an older checkpoint",
+            plan=again,
+        )
