@@ -234,6 +234,7 @@ def test_new_steps_are_copied_straight_in_and_a_key_stored_meanwhile_falls_back_
     from sqlalchemy import update
 
     from trainwarden.collector.ingest import batches as ingest
+    from trainwarden.collector.ingest import steps
     from trainwarden.collector.store import bulk
     from trainwarden.collector.store.db import is_sqlite, write
 
@@ -245,7 +246,7 @@ def test_new_steps_are_copied_straight_in_and_a_key_stored_meanwhile_falls_back_
         return real(conn, table, into, *a)
 
     monkeypatch.setattr(bulk, "_copy", spy)  # staged upserts
-    monkeypatch.setattr(ingest, "_copy", spy)  # new steps copied straight in
+    monkeypatch.setattr(steps, "_copy", spy)  # new steps copied straight in
 
     def request(*steps: dict[str, object]) -> IngestBatch:
         return IngestBatch.model_validate(batch(run="w", rank=3, world_size=8, steps=list(steps)))
