@@ -61,7 +61,7 @@ from trainwarden.collector.incidents.figures import (
     _figures,
 )
 from trainwarden.collector.incidents.store import describe, members
-from trainwarden.collector.read.economics import attempts
+from trainwarden.collector.read.identity import attempts
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.store import models as m
 

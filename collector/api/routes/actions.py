@@ -10,9 +10,8 @@ from fastapi import APIRouter, HTTPException, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from sqlalchemy import Connection, Engine, select, update
 
-from trainwarden.collector.actions.records import _event, _history, _store_events
 from trainwarden.collector.actions.policy import ActionPolicy
-from trainwarden.collector.actions.records import create_action
+from trainwarden.collector.actions.records import _event, _history, _store_events, create_action
 from trainwarden.collector.actions.rollback import checkpoints
 from trainwarden.collector.api import auth
 from trainwarden.collector.ingest.schemas import RowId

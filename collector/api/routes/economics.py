@@ -9,6 +9,7 @@ from fastapi import APIRouter, Query, Request
 from sqlalchemy import Engine
 
 from trainwarden.collector.read import economics as svc
+from trainwarden.collector.read import identity as runs_identity
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.read.queries import run_id_of as _run_id
 
@@ -39,7 +40,7 @@ def list_attempts(run: str, request: Request) -> list[dict[str, Any]]:
     """Every process lifetime of the run, oldest first: start, end, exit reason, world
     size, nodes, first and last step, and each rank's process and how it ended."""
     with _engine(request).connect() as conn:
-        return svc.attempts(conn, _run_id(conn, run))
+        return runs_identity.attempts(conn, _run_id(conn, run))
 
 
 @router.get("/api/v1/runs/{run}/identity")
@@ -47,7 +48,7 @@ def run_identity(run: str, request: Request, attempt: AttemptNumber = None) -> d
     """What the run is: the config, tags and data snapshot given to ``tw.init``, the code
     version, and the environment of its newest attempt (or of ``attempt``)."""
     with _engine(request).connect() as conn:
-        found = svc.identity(conn, _run_id(conn, run), attempt)
+        found = runs_identity.identity(conn, _run_id(conn, run), attempt)
     if found is None:
         raise NotFound(
             f"run {run!r} has no identity{'' if attempt is None else f' for attempt {attempt}'}: "
@@ -60,7 +61,7 @@ def run_identity(run: str, request: Request, attempt: AttemptNumber = None) -> d
 def run_packages(run: str, request: Request, attempt: AttemptNumber = None) -> list[str]:
     """The installed Python packages (``name==version``) rank 0 reported."""
     with _engine(request).connect() as conn:
-        found = svc.packages(conn, _run_id(conn, run), attempt)
+        found = runs_identity.packages(conn, _run_id(conn, run), attempt)
     if found is None:
         raise NotFound(f"run {run!r} reported no package list")
     return found
@@ -71,7 +72,7 @@ def run_diff(a: str, b: str, request: Request) -> dict[str, Any]:
     """What differs between two runs: config keys (dotted), code version, environment,
     tags, data snapshot, world size and installed packages."""
     with _engine(request).connect() as conn:
-        return {"a": a, "b": b, **svc.diff(conn, _run_id(conn, a), _run_id(conn, b))}
+        return {"a": a, "b": b, **runs_identity.diff(conn, _run_id(conn, a), _run_id(conn, b))}
 
 
 @router.get("/api/v1/runs/{run}/economics")
