@@ -20,7 +20,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.subplots import make_subplots
 
-from trainwarden.collector.incidents.postmortem import MFU_FORMAT
+from trainwarden.collector.incidents.report_format import MFU_FORMAT
 from trainwarden.collector.read.schemas import ReplacedSeries, Series
 
 from .figures import COLORS, TEMPLATES, _translucent, empty_figure, template, themed

@@ -14,7 +14,7 @@ import plotly.graph_objects as go
 from dash import dcc, html
 
 from trainwarden.collector.api.routes.incidents import IncidentOut
-from trainwarden.collector.incidents.postmortem import duration
+from trainwarden.collector.incidents.report_format import duration
 
 from .components import ago, clock, notice
 from .figures import empty_figure, themed

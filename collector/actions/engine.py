@@ -52,9 +52,7 @@ from trainwarden.alerts.rules import Rule
 from trainwarden.collector.actions.commands import CommandBoard
 from trainwarden.collector.actions.evict import load_backend
 from trainwarden.collector.actions.evict_steps import EvictSteps
-from trainwarden.collector.actions.policy import (
-    ActionPolicy,
-)
+from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.records import (
     ACTIVE,
     _store_events,

@@ -13,9 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from trainwarden.alerts.intervals import Duration, Interval
 from trainwarden.collector.actions.evict import load_backend
-from trainwarden.collector.actions.rollback_check import (
-    MIN_STEPS,
-)
+from trainwarden.collector.actions.rollback_check import MIN_STEPS
 
 Mode = Literal["auto", "require-ack", "dry-run"]
 

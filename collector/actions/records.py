@@ -10,9 +10,7 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, select, update
 
-from trainwarden.collector.actions.policy import (
-    ActionPolicy,
-)
+from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.rollback import rollback_plan
 from trainwarden.collector.store import models as m
 

@@ -9,9 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from trainwarden.collector.actions.policy import (
-    RollbackPolicy,
-)
+from trainwarden.collector.actions.policy import RollbackPolicy
 from trainwarden.collector.store import models as m
 
 

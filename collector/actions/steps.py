@@ -10,9 +10,7 @@ from typing import Any
 from sqlalchemy import Connection, update
 
 from trainwarden.alerts.rules import Rule
-from trainwarden.collector.actions.policy import (
-    ActionPolicy,
-)
+from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.records import (
     _event,
     _history,

@@ -26,7 +26,8 @@ def _rules(args: argparse.Namespace) -> tuple[list, list]:  # type: ignore[type-
     """The default rule pack plus ``--rules`` files (and ``TRAINWARDEN_RULES``, paths
     separated by ``:``), checked before anything starts: a bad file is one clear error."""
 
-    from trainwarden.alerts import RuleError, load_rule_packs  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.alerts import RuleError, load_rule_packs
 
     files = [
         *filter(None, os.environ.get("TRAINWARDEN_RULES", "").split(os.pathsep)),
@@ -48,7 +49,8 @@ def _notify(args: argparse.Namespace) -> object:
     """The notifiers file (``--notify`` or ``TRAINWARDEN_NOTIFY``), checked before
     anything starts; ``None`` when there is none (alerts are then stored, not sent)."""
 
-    from trainwarden.alerts import (  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.alerts import (
         NotifyConfigError,
         load_notify_config,
     )
@@ -66,6 +68,7 @@ def _actions(args: argparse.Namespace) -> object:
     """The action policy (``--actions`` or ``TRAINWARDEN_ACTIONS``), checked before
     anything starts; without one every action is a dry run."""
 
+    # deferred: see collector/cli/__init__.py
     from trainwarden.collector.actions.policy import ActionConfigError, load_policy
 
     try:
@@ -75,10 +78,12 @@ def _actions(args: argparse.Namespace) -> object:
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
-    import uvicorn  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    import uvicorn
 
-    from trainwarden.collector.app import create_app  # deferred: see the module docstring
-    from trainwarden.collector.store.db import masked  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.app import create_app
+    from trainwarden.collector.store.db import masked
 
     settings = settings_of(args)
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
@@ -131,7 +136,8 @@ def access_log(log_level: str) -> bool:
 
 def _say_if_no_tokens(engine: Any) -> None:
     """Auth is on and no token exists yet: say how to make the first one."""
-    from trainwarden.collector.store.tokens import list_tokens  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.store.tokens import list_tokens
 
     with engine.connect() as conn:
         if list_tokens(conn, revoked=False):
@@ -145,8 +151,9 @@ def _say_if_no_tokens(engine: Any) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> None:
-    from trainwarden.agent.drills import DrillError, parse  # deferred: see the module docstring
-    from trainwarden.collector.cli.demo import (  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.agent.drills import DrillError, parse
+    from trainwarden.collector.cli.demo import (
         DEFAULT_DRILL,
         run_demo,
     )
@@ -158,7 +165,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
     except DrillError as exc:
         raise CliError(str(exc)) from None
 
-    from trainwarden.collector.cli.demo import demo_policy  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.cli.demo import demo_policy
 
     # The demo's own policy (a rollback runs) unless one is named, as for serve.
     named = args.actions or os.environ.get("TRAINWARDEN_ACTIONS")
@@ -178,7 +186,8 @@ def cmd_demo(args: argparse.Namespace) -> None:
 
 
 def cmd_db_upgrade(args: argparse.Namespace) -> None:
-    from trainwarden.collector.store.db import masked  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.store.db import masked
 
     settings = settings_of(args)
     open_database(settings.db)
@@ -186,7 +195,8 @@ def cmd_db_upgrade(args: argparse.Namespace) -> None:
 
 
 def cmd_db_prune(args: argparse.Namespace) -> None:
-    from trainwarden.collector.store.partitions import (  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.store.partitions import (
         parse_age,
         prune,
     )
@@ -204,7 +214,8 @@ def cmd_db_prune(args: argparse.Namespace) -> None:
 
 
 def _cmd_relay(args: argparse.Namespace) -> None:
-    from trainwarden.agent.relay import run  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.agent.relay import run
 
     try:
         run(args)
@@ -213,7 +224,8 @@ def _cmd_relay(args: argparse.Namespace) -> None:
 
 
 def _cmd_loadgen(args: argparse.Namespace) -> None:
-    from trainwarden.collector.cli.loadgen import cmd_loadgen  # deferred: see the module docstring
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.cli.loadgen import cmd_loadgen
 
     cmd_loadgen(args)
 
@@ -389,6 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     load.set_defaults(func=_cmd_loadgen)
 
+    # deferred: see collector/cli/__init__.py
     from trainwarden.agent import relay as _relay  # standard library only
 
     rel = sub.add_parser(

@@ -35,13 +35,14 @@ def settings_of(args: argparse.Namespace) -> Settings:
 
 def open_database(url: str):  # type: ignore[no-untyped-def]
     """Connect and bring the schema to head; a failure is one line naming the URL."""
+    # deferred: see collector/cli/__init__.py
     from trainwarden.collector.store.db import (
         DatabaseError,
         check_connection,
         make_engine,
         masked,
         upgrade,
-    )  # deferred: see collector/cli/__init__.py
+    )
 
     try:
         engine = make_engine(url)

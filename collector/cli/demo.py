@@ -66,9 +66,11 @@ def _port_free(host: str, port: int) -> bool:
 
 def start_server(engine: Engine, settings: Settings, actions: ActionPolicy | None = None):  # type: ignore[no-untyped-def]
     """Start uvicorn on a thread; returns the server once it accepts connections."""
-    import uvicorn  # deferred: see collector/cli/__init__.py
+    # deferred: see collector/cli/__init__.py
+    import uvicorn
 
-    from trainwarden.collector.app import create_app  # deferred: see collector/cli/__init__.py
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.app import create_app
 
     app = create_app(engine, settings, actions=actions, auth_settings=settings.auth_settings())
     server = uvicorn.Server(
@@ -142,10 +144,9 @@ def launch_ranks(
 
 def demo_tokens(engine: Engine) -> tuple[str, str]:
     """(admin, ingest) tokens made fresh for this demo (the previous demo's are replaced)."""
-    from trainwarden.collector.store.db import write  # deferred: see collector/cli/__init__.py
-    from trainwarden.collector.store.tokens import (
-        replace_token,  # deferred: see collector/cli/__init__.py
-    )
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.store.db import write
+    from trainwarden.collector.store.tokens import replace_token
 
     with write(engine) as conn:
         admin = replace_token(conn, name="demo-admin", scopes=["admin"], by="trainwarden demo")

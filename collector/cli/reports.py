@@ -35,7 +35,8 @@ def _shown(url: str) -> str:
 
 def _request(method: str, url: str, **kwargs: Any) -> Any:
     """A request to the collector (only: a webhook never gets the token)."""
-    import httpx  # deferred: see collector/cli/__init__.py
+    # deferred: see collector/cli/__init__.py
+    import httpx
 
     try:
         token = os.environ.get("TRAINWARDEN_TOKEN")
@@ -77,12 +78,9 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     if price is None and os.environ.get("TRAINWARDEN_PRICE_PER_GPU_HOUR"):
         price = float(os.environ["TRAINWARDEN_PRICE_PER_GPU_HOUR"])
     if args.db:
-        from trainwarden.collector.incidents.postmortem import (
-            report_of,  # deferred: see collector/cli/__init__.py
-        )
-        from trainwarden.collector.read.queries import (
-            NotFound,  # deferred: see collector/cli/__init__.py
-        )
+        # deferred: see collector/cli/__init__.py
+        from trainwarden.collector.incidents.postmortem import report_of
+        from trainwarden.collector.read.queries import NotFound
 
         engine = open_database(args.db)
         try:
@@ -111,10 +109,9 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_postmortem(args: argparse.Namespace) -> None:
     """Fetch the report, write it (``--out`` or stdout), then post it (``--post``). A
     failed post is reported with its status (exit 1) after the file was written."""
-    from trainwarden.collector.incidents.postmortem import (  # deferred: see collector/cli/__init__.py
-        post_report,
-        render,
-    )
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.incidents.posting import post_report
+    from trainwarden.collector.incidents.postmortem import render
 
     report = _report(args)
     text = render(report, args.format)

@@ -22,7 +22,8 @@ from trainwarden.collector.store.tokens import (
 
 
 def cmd_create(args: argparse.Namespace) -> None:
-    from trainwarden.collector.store.db import write  # deferred: see collector/cli/__init__.py
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.store.db import write
 
     engine = open_database(settings_of(args).db)
     scopes = sorted({s for given in args.scope for s in given.split(",") if s}, key=_order)
@@ -79,7 +80,8 @@ def cmd_list(args: argparse.Namespace) -> None:
 
 
 def cmd_revoke(args: argparse.Namespace) -> None:
-    from trainwarden.collector.store.db import write  # deferred: see collector/cli/__init__.py
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.store.db import write
 
     engine = open_database(settings_of(args).db)
     with write(engine) as conn:

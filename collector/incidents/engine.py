@@ -9,7 +9,8 @@ from collections.abc import Callable
 
 from sqlalchemy import Engine, select, update
 
-from trainwarden.collector.incidents.postmortem import post_report, report_of
+from trainwarden.collector.incidents.posting import post_report
+from trainwarden.collector.incidents.postmortem import report_of
 from trainwarden.collector.incidents.store import (
     ADVISORY_LOCK_KEY,
     IncidentSettings,

@@ -57,9 +57,7 @@ from trainwarden.collector.incidents.entries import (
     _note_entries,
     _order,
 )
-from trainwarden.collector.incidents.figures import (
-    _figures,
-)
+from trainwarden.collector.incidents.figures import _figures
 from trainwarden.collector.incidents.store import describe, members
 from trainwarden.collector.read.identity import attempts
 from trainwarden.collector.read.queries import NotFound

@@ -21,9 +21,7 @@ from sqlalchemy import (
 from sqlalchemy.dialects.postgresql import ARRAY
 
 from trainwarden.collector.ingest import attempts
-from trainwarden.collector.ingest.schemas import (
-    AGENT_FIELDS,
-)
+from trainwarden.collector.ingest.schemas import AGENT_FIELDS
 from trainwarden.collector.ingest.steps import _take
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.bulk import dialect_insert, upsert_columns
