@@ -28,7 +28,7 @@ Each action is a row of ``actions`` with a state machine and its history::
   (``collector/actions/rollback_check.py``): the alert's rule over the first steps run again.
   Still holding, the checkpoint was bad too: the rollback goes again to the next older
   clean checkpoint (within the budget), or fails and pages. Only then is it ``done``.
-- **Evict**: the node goes through the scheduler backend (``collector/actions/evict.py``:
+- **Evict**: the node goes through the scheduler backend (``collector/actions/evict/``:
   Slurm, Kubernetes, a command), then the node's ranks get a *stop* command and exit
   with ``STOPPED_EXIT_CODE`` so the launcher restarts the job without them.
 

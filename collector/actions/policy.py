@@ -60,7 +60,7 @@ class RollbackPolicy(_Strict):
 class EvictPolicy(_Strict):
     mode: Mode = "dry-run"
     backend: dict[str, Any] | None = None
-    """``collector/actions/evict.py``'s ``load_backend`` spec, e.g. ``{backend: slurm}``."""
+    """``collector/actions/evict/``'s ``load_backend`` spec, e.g. ``{backend: slurm}``."""
     max_nodes_fraction_per_hour: float = Field(default=0.25, gt=0, le=1)
     cooldown: Duration = Interval(600.0, "s")
     timeout: Duration = Interval(30.0, "s")
