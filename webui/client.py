@@ -24,7 +24,7 @@ from trainwarden.collector.api.routes import incidents as incidents_api
 from trainwarden.collector.api.routes.actions import ActionOut, CheckpointOut
 from trainwarden.collector.api.routes.alerts import AlertOut, SilenceOut
 from trainwarden.collector.api.routes.incidents import IncidentOut, NoteOut
-from trainwarden.collector.read import queries
+from trainwarden.collector.read import queries, series
 from trainwarden.collector.read.schemas import (
     EventOut,
     FlaggedStep,
@@ -204,7 +204,7 @@ class LocalClient:
     ) -> Series:
         """Per step across ranks; ``points`` downsamples on the server, keeping spikes."""
         with self._engine.connect() as conn:
-            return queries.series(
+            return series.series(
                 conn,
                 run=run,
                 metric=metric,
@@ -224,7 +224,7 @@ class LocalClient:
         to_step: int | None = None,
     ) -> Heatmap:
         with self._engine.connect() as conn:
-            return queries.heatmap(
+            return series.heatmap(
                 conn, run=run, metric=metric, buckets=buckets, from_step=from_step, to_step=to_step
             )
 
@@ -244,7 +244,7 @@ class LocalClient:
         last: int | None = None,
     ) -> RankSeries:
         with self._engine.connect() as conn:
-            return queries.rank_series(
+            return series.rank_series(
                 conn,
                 run=run,
                 metric=metric,
@@ -269,7 +269,7 @@ class LocalClient:
     ) -> ReplacedSeries:
         """Executions of steps that a rollback or restart ran again (the spike it left)."""
         with self._engine.connect() as conn:
-            return queries.replaced_series(
+            return series.replaced_series(
                 conn, run=run, metric=metric, points=points, from_step=from_step, to_step=to_step
             )
 

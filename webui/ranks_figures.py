@@ -1,7 +1,7 @@
 """Figures and tables of the ranks page, as pure functions of query results.
 
 A heatmap is rank (rows) x bucket (columns); the collector buckets steps on the server
-(:func:`trainwarden.collector.queries.heatmap`), GPU readings are bucketed here by time.
+(:func:`trainwarden.collector.read.series.heatmap`), GPU readings are bucketed here by time.
 Heatmap figures are returned as plain dicts (Plotly's JSON) with the cells as a typed
 array: validating 200,000 cells through ``go.Heatmap`` costs more than half a second,
 printing them as JSON numbers a quarter, and the page's first graph has 1.5 s.

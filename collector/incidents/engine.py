@@ -9,14 +9,10 @@ from collections.abc import Callable
 
 from sqlalchemy import Engine, select, update
 
+from trainwarden.collector.incidents.grouping import PassResult, group
 from trainwarden.collector.incidents.posting import post_report
 from trainwarden.collector.incidents.postmortem import report_of
-from trainwarden.collector.incidents.store import (
-    ADVISORY_LOCK_KEY,
-    IncidentSettings,
-    PassResult,
-    group,
-)
+from trainwarden.collector.incidents.store import ADVISORY_LOCK_KEY, IncidentSettings
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import leads, write

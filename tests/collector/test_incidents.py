@@ -14,10 +14,10 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine
 
 from trainwarden.collector.app import create_app
+from trainwarden.collector.incidents.grouping import group
 from trainwarden.collector.incidents.postmortem import report_of
 from trainwarden.collector.incidents.report_format import render_markdown
 from trainwarden.collector.incidents.report_html import render_html
-from trainwarden.collector.incidents.store import group
 from trainwarden.collector.incidents.timeline import timeline
 from trainwarden.collector.rollups.worker import flush
 from trainwarden.collector.settings import Settings

@@ -12,7 +12,7 @@ from sqlalchemy.engine import make_url
 
 from trainwarden.collector.ingest.batches import ingest
 from trainwarden.collector.ingest.schemas import IngestBatch
-from trainwarden.collector.read.queries import series
+from trainwarden.collector.read.series import series
 from trainwarden.collector.rollups.worker import flush
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import make_engine, upgrade, write

@@ -89,7 +89,7 @@ def test_a_replayed_batch_changes_nothing_and_a_changed_replay_is_rolled_again(e
 
 
 def test_heatmap_from_bucket_maxima_equals_the_one_from_raw_rows(engine) -> None:
-    from trainwarden.collector.read.queries import heatmap
+    from trainwarden.collector.read.series import heatmap
 
     rng = __import__("random").Random(3)
     for rank in range(4):
@@ -121,7 +121,7 @@ def test_heatmap_from_bucket_maxima_equals_the_one_from_raw_rows(engine) -> None
 def test_bucket_maxima_rolled_up_piecewise_with_gaps_match_raw_rows(engine) -> None:  # type: ignore[no-untyped-def]
     """Steps arrive and roll up in uneven pieces, some steps never come, the last bucket
     is still open: the heatmap from stored maxima plus the raw edge equals the raw one."""
-    from trainwarden.collector.read.queries import heatmap
+    from trainwarden.collector.read.series import heatmap
 
     rng = __import__("random").Random(5)
     steps = [i for i in range(2_900) if not 100 <= i < 140 and i != 2_063]

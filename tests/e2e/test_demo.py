@@ -10,7 +10,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trainwarden.collector.read.queries import events, list_runs, series
+from trainwarden.collector.read.queries import events, list_runs
+from trainwarden.collector.read.series import series
 from trainwarden.collector.store.db import make_engine
 
 from ..conftest import free_port

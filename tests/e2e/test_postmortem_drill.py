@@ -239,9 +239,9 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
 def test_the_html_report_opened_from_disk_draws_its_charts_with_no_console_error(
     engine: Any, tmp_path: Path, browser: Any
 ) -> None:
+    from trainwarden.collector.incidents.grouping import group
     from trainwarden.collector.incidents.postmortem import report_of
     from trainwarden.collector.incidents.report_html import render_html
-    from trainwarden.collector.incidents.store import group
     from trainwarden.collector.store.db import write
 
     from ..collector import incident_scenario as sc

@@ -12,7 +12,7 @@ import pytest
 from sqlalchemy import Engine
 
 from trainwarden.collector.api.routes.incidents import IncidentOut
-from trainwarden.collector.incidents.store import group
+from trainwarden.collector.incidents.grouping import group
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.settings import Settings
 from trainwarden.collector.store.db import write

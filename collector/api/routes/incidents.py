@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import Engine
 
 from trainwarden.collector.api import auth
+from trainwarden.collector.incidents import notes
 from trainwarden.collector.incidents import store as svc
 from trainwarden.collector.incidents.postmortem import render, report_of
 from trainwarden.collector.incidents.timeline import timeline
@@ -209,7 +210,7 @@ def add_note(run: str, body: NoteIn, request: Request) -> NoteOut:
     auth.check_admin()  # the UI calls this function in-process
     with write(_engine(request)) as conn:
         try:
-            note = svc.add_note(
+            note = notes.add_note(
                 conn,
                 run=run,
                 author=auth.acting(body.author),
@@ -228,7 +229,7 @@ def add_note(run: str, body: NoteIn, request: Request) -> NoteOut:
 def list_notes(run: str, request: Request) -> list[NoteOut]:
     """The run's logbook, oldest first."""
     with _engine(request).connect() as conn:
-        return [NoteOut(**n) for n in svc.list_notes(conn, run=run)]
+        return [NoteOut(**n) for n in notes.list_notes(conn, run=run)]
 
 
 def _price(request: Request, price: float | None) -> float | None:

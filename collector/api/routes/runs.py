@@ -33,7 +33,7 @@ from trainwarden.collector.ingest.schemas import (
     IngestResult,
 )
 from trainwarden.collector.ingest.writer import Busy, IngestWriter
-from trainwarden.collector.read import queries
+from trainwarden.collector.read import queries, series
 from trainwarden.collector.read.schemas import (
     EventOut,
     FlaggedStep,
@@ -350,7 +350,7 @@ def get_series(
 
     ``points`` downsamples on the server so that spikes survive (min / max per bucket)."""
     with _engine(request).connect() as conn:
-        return queries.series(
+        return series.series(
             conn,
             run=run,
             metric=metric,
@@ -372,7 +372,7 @@ def get_heatmap(
 ) -> Heatmap:
     """Retrieve a rank x step-bucket matrix of a metric (a straggler shows as a stripe)."""
     with _engine(request).connect() as conn:
-        return queries.heatmap(
+        return series.heatmap(
             conn, run=run, metric=metric, buckets=buckets, from_step=from_step, to_step=to_step
         )
 
@@ -389,7 +389,7 @@ def get_rank_series(
 ) -> RankSeries:
     """Retrieve one metric of one rank per step (e.g. each rank's own loss)."""
     with _engine(request).connect() as conn:
-        return queries.rank_series(
+        return series.rank_series(
             conn, run=run, metric=metric, rank=rank, from_step=from_step, to_step=to_step, last=last
         )
 
@@ -416,7 +416,7 @@ def get_replaced(
     keeps the steps run again): the loss spike a rollback went back from, per step across
     ranks; ``points`` downsamples, keeping each bucket's min and max."""
     with _engine(request).connect() as conn:
-        return queries.replaced_series(
+        return series.replaced_series(
             conn, run=run, metric=metric, points=points, from_step=from_step, to_step=to_step
         )
 

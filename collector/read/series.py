@@ -1,0 +1,393 @@
+"""Series for charts: a metric per step across ranks (downsampled on the server, spikes
+kept), one rank's own, the rank x step heatmap, and the executions a rollback or restart
+replaced."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from sqlalchemy import Connection, Integer, func, select
+from sqlalchemy.dialects.postgresql import aggregate_order_by
+
+from trainwarden.alerts.metrics import METRICS
+from trainwarden.collector.ingest import user_metrics
+from trainwarden.collector.read import user_metrics as user_metric_reads
+from trainwarden.collector.read.queries import UnknownMetric, run_id_of
+from trainwarden.collector.read.schemas import (
+    Heatmap,
+    RankSeries,
+    ReplacedSeries,
+    Series,
+)
+from trainwarden.collector.rollups.worker import HEATMAP_COLUMNS, LEVELS
+from trainwarden.collector.store import models as m
+from trainwarden.collector.store.db import is_sqlite
+
+
+def series(
+    conn: Connection,
+    *,
+    run: str,
+    metric: str,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    last: int | None = None,
+    points: int | None = None,
+) -> Series:
+    """Per-step min / median / max / total of ``metric`` across ranks, oldest step first.
+
+    ``last`` keeps only the newest N steps (after the from/to filter). ``points``
+    downsamples to at most N points so that spikes survive: each point holds its
+    bucket's min of mins, max of maxes and of p99s, mean of medians and, for ``total``, the
+    bucket's most extreme value (a spike or a dip, whichever is further out).
+    """
+    run_id = run_id_of(conn, run)
+    if metric not in METRICS and not user_metric_reads.has(conn, run_id=run_id, metric=metric):
+        raise UnknownMetric(metric, user_metric_reads.names(conn, run_id=run_id))
+    s = m.step_stats.c
+    query = select(s.step, s.ts, s.n, s.min, s.median, s.max, s.total, s.argmax_rank, s.p99).where(
+        s.run_id == run_id, s.metric == metric
+    )
+    if from_step is not None:
+        query = query.where(s.step >= from_step)
+    if to_step is not None:
+        query = query.where(s.step <= to_step)
+    bucket = 1
+    if points is not None and not is_sqlite(conn):
+        rows, bucket = _squeezed(
+            conn,
+            query if last is None else query.order_by(s.step.desc()).limit(last),
+            points=points,
+        )
+    elif last is not None:
+        query = query.order_by(s.step.desc()).limit(last)
+        rows = list(reversed(conn.execute(query).all()))
+    else:
+        rows = list(conn.execute(query.order_by(s.step)).all())
+    if points is not None and len(rows) > points:
+        bucket = -(-len(rows) // points)
+        rows = [_squeeze(rows[i : i + bucket]) for i in range(0, len(rows), bucket)]
+    columns: list[Any] = list(zip(*rows, strict=False)) if rows else [[] for _ in range(9)]
+    return Series(
+        bucket=bucket,
+        run=run,
+        metric=metric,
+        unit=METRICS[metric].unit if metric in METRICS else "",  # a user metric has none
+        step=list(columns[0]),
+        ts=list(columns[1]),
+        n=list(columns[2]),
+        min=list(columns[3]),
+        median=list(columns[4]),
+        max=list(columns[5]),
+        total=list(columns[6]),
+        argmax_rank=list(columns[7]),
+        p99=list(columns[8]),
+    )
+
+
+def _squeezed(conn: Connection, query: Any, *, points: int) -> tuple[list[Any], int]:
+    """:func:`_squeeze` in PostgreSQL: the rows of ``query`` (step, ts, n, min, median, max,
+    total, argmax_rank) downsampled to at most ``points``, and the bucket size. A run of a
+    thousand ranks has 10,000 steps a metric: Python spent 20 ms a series fetching and
+    squeezing them, holding the GIL the page's other callbacks want."""
+    q = query.subquery()
+    numbered = select(
+        q,
+        func.row_number().over(order_by=q.c.step).label("i"),
+        func.count().over().label("rows"),
+    ).subquery()
+    size = func.greatest(1, func.ceil(numbered.c.rows / float(points))).cast(Integer)
+    b = (numbered.c.i - 1) // size
+    scored = select(
+        numbered,
+        b.label("b"),
+        size.label("size"),
+        func.avg(numbered.c.total).over(partition_by=b).label("mean"),
+    ).subquery()
+    c = scored.c
+    first = func.array_agg(aggregate_order_by(c.ts, c.step))[1]
+    extreme = func.array_agg(
+        aggregate_order_by(c.total, func.abs(c.total - c.mean).desc().nulls_last(), c.step)
+    )[1]
+    top = func.array_agg(aggregate_order_by(c.argmax_rank, c.max.desc().nulls_last(), c.step))[1]
+    found = conn.execute(
+        select(
+            func.min(c.step),
+            first,
+            func.max(c.n),
+            func.min(c.min),
+            func.avg(c.median),
+            func.max(c.max),
+            extreme,
+            top,
+            func.max(c.p99),
+            func.max(c.size),
+        )
+        .group_by(c.b)
+        .order_by(c.b)
+    ).all()
+    return [row[:9] for row in found], (found[0][9] if found else 1)
+
+
+def _squeeze(rows: list[Any]) -> tuple[Any, ...]:
+    def clean(i: int) -> list[float]:
+        return [r[i] for r in rows if r[i] is not None]
+
+    mins, meds, maxs, totals, p99s = clean(3), clean(4), clean(5), clean(6), clean(8)
+    extreme = None
+    if totals:
+        mean = sum(totals) / len(totals)
+        extreme = max(totals, key=lambda v: abs(v - mean))
+    top = max((r for r in rows if r[5] is not None), key=lambda r: r[5], default=rows[0])
+    return (
+        rows[0][0],
+        rows[0][1],
+        max(r[2] for r in rows),
+        min(mins) if mins else None,
+        sum(meds) / len(meds) if meds else None,
+        max(maxs) if maxs else None,
+        extreme,
+        top[7],
+        max(p99s) if p99s else None,
+    )
+
+
+def heatmap(
+    conn: Connection,
+    *,
+    run: str,
+    metric: str,
+    buckets: int = 200,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    use_rollups: bool = True,
+) -> Heatmap:
+    """``metric`` per rank and step bucket (the max in the bucket), for rank x step heatmaps.
+
+    Cells of 16 steps or more come from the per-rank bucket maxima the rollup worker
+    keeps (step_time, compute, exposed_comm, data_wait, loss), so a long run is not
+    scanned row by row; their width is then a multiple of 16 or 256 steps.
+    """
+    run_id = run_id_of(conn, run)
+    r = m.rank_steps.c
+    value, unit = _per_rank(conn, run_id, metric)
+    lo, hi = conn.execute(
+        select(func.min(r.step), func.max(r.step)).where(r.run_id == run_id)
+    ).one()
+    st = m.step_stats.c  # kept when raw rows are pruned: the run's true first step
+    first = conn.execute(
+        select(func.min(st.step)).where(st.run_id == run_id, st.metric == "step_time")
+    ).scalar()
+    if first is not None and (lo is None or first < lo):
+        lo = first
+        if hi is None:  # every raw row pruned
+            hi = conn.execute(
+                select(func.max(st.step)).where(st.run_id == run_id, st.metric == "step_time")
+            ).scalar()
+    if lo is None:
+        return Heatmap(
+            run=run, metric=metric, unit=unit, ranks=[], step_start=[], bucket=1, values=[]
+        )
+    lo = lo if from_step is None else max(lo, from_step)
+    hi = hi if to_step is None else min(hi, to_step)
+    if hi < lo:
+        return Heatmap(
+            run=run, metric=metric, unit=unit, ranks=[], step_start=[], bucket=1, values=[]
+        )
+    width = max(1, -(-(hi - lo + 1) // buckets))
+    level = (
+        max((lv for lv in LEVELS if lv <= width), default=None)
+        if metric in HEATMAP_COLUMNS
+        else None
+    )
+    if level is not None and use_rollups:
+        # From the per-rank bucket maxima: cells are whole stored buckets, aligned to them;
+        # read the widest level that tiles them (fewer rows: 64 x 16 steps = 4 x 64).
+        width = -(-width // level) * level
+        level = max(lv for lv in LEVELS if width % lv == 0)
+        lo -= lo % level
+    count = (hi - lo) // width + 1
+    rows: dict[int, list[float | None]] = {}  # rank: the max per cell
+    edge = lo  # the first step not covered by stored bucket maxima
+    if level is not None and use_rollups:
+        k = m.rank_buckets.c
+        for lv in sorted({level, LEVELS[0]}, reverse=True):  # big closed buckets, then small
+            closed = conn.execute(
+                select(func.max(k.bucket)).where(
+                    k.run_id == run_id, k.metric == metric, k.level == lv
+                )
+            ).scalar()
+            if closed is None or (closed + 1) * lv <= edge:
+                continue
+            cell = (k.bucket * lv - lo) // width
+            query = select(k.rank, cell.label("cell"), k.max.label("value")).where(
+                k.run_id == run_id,
+                k.metric == metric,
+                k.level == lv,
+                k.bucket >= edge // lv,
+                k.bucket <= min(hi // lv, closed),
+            )
+            # A stored bucket per cell (the usual case): no maxima to take in SQL first.
+            _cells(conn, query if lv == width else _max_per_cell(query), rows, count)
+            edge = (closed + 1) * lv
+    if edge <= hi:  # raw rows: the open bucket at the run's edge, or everything
+        b = (
+            r.step - lo
+        ) // width  # floor division on both backends (SQLAlchemy 2's / is true division)
+        query = select(r.rank, b.label("cell"), value.label("value")).where(
+            r.run_id == run_id, r.step >= edge, r.step <= hi
+        )
+        _cells(conn, _max_per_cell(query), rows, count)
+    ranks = sorted(rows)
+    return Heatmap(
+        run=run,
+        metric=metric,
+        unit=unit,
+        ranks=ranks,
+        step_start=[lo + i * width for i in range(count)],
+        bucket=width,
+        values=[rows[rank] for rank in ranks],
+    )
+
+
+def _per_rank(conn: Connection, run_id: int, metric: str) -> tuple[Any, str]:
+    """(the SQL value of ``metric`` in a ``rank_steps`` row, its unit): a built-in column,
+    or a user metric's field of ``metrics`` (a non-finite value is stored as null: a gap)."""
+    if metric in METRICS:
+        column = METRICS[metric].source
+        if column is None:
+            raise UnknownMetric(f"{metric} (a heatmap needs a per-rank column metric)")
+        return getattr(m.rank_steps.c, column), METRICS[metric].unit
+    if not user_metric_reads.has(conn, run_id=run_id, metric=metric):
+        raise UnknownMetric(metric, user_metric_reads.names(conn, run_id=run_id))
+    return m.rank_steps.c.metrics[user_metrics.field(metric)].as_float(), ""
+
+
+def _max_per_cell(query: Any) -> Any:
+    """``query``'s (rank, cell, value) rows as one row per rank and cell: the max."""
+    q = query.subquery()
+    return select(q.c.rank, q.c.cell, func.max(q.c.value).label("value")).group_by(
+        q.c.rank, q.c.cell
+    )
+
+
+def _cells(conn: Connection, query: Any, rows: dict[int, list[float | None]], count: int) -> None:
+    """Puts the (rank, cell, value) rows of ``query`` into ``rows`` (rank: ``count`` cells),
+    keeping the max per cell. On PostgreSQL, one row per rank with arrays comes back (a row
+    object per cell costs more than the query itself)."""
+    if is_sqlite(conn):
+        found: Any = ((rank, [cell], [value]) for rank, cell, value in conn.execute(query))
+    else:
+        q = query.subquery()
+        found = conn.execute(
+            select(q.c.rank, func.array_agg(q.c.cell), func.array_agg(q.c.value)).group_by(q.c.rank)
+        )
+    for rank, cells, values in found:
+        row = rows.get(rank)
+        if row is None:
+            row = rows[rank] = [None] * count
+        for cell, value in zip(cells, values, strict=True):
+            i = int(cell)  # FLOOR() of a division: a float on PostgreSQL
+            if value is not None and (row[i] is None or value > row[i]):  # type: ignore[operator]
+                row[i] = value
+
+
+def rank_series(
+    conn: Connection,
+    *,
+    run: str,
+    metric: str,
+    rank: int,
+    from_step: int | None = None,
+    to_step: int | None = None,
+    last: int | None = None,
+) -> RankSeries:
+    """``metric`` of one rank per step, from the per-rank rows (a user metric too)."""
+    run_id = run_id_of(conn, run)
+    r = m.rank_steps.c
+    if metric in METRICS:
+        definition = METRICS[metric]
+        unit, value = definition.unit, definition.value
+    elif user_metric_reads.has(conn, run_id=run_id, metric=metric):
+        unit, value = "", partial(user_metrics.value_of, user_metrics.field(metric))
+    else:
+        raise UnknownMetric(metric, user_metric_reads.names(conn, run_id=run_id))
+    query = select(m.rank_steps).where(r.run_id == run_id, r.rank == rank)
+    if from_step is not None:
+        query = query.where(r.step >= from_step)
+    if to_step is not None:
+        query = query.where(r.step <= to_step)
+    if last is not None:
+        rows: list[Any] = list(
+            reversed(conn.execute(query.order_by(r.step.desc()).limit(last)).mappings().all())
+        )
+    else:
+        rows = list(conn.execute(query.order_by(r.step)).mappings().all())
+    return RankSeries(
+        run=run,
+        metric=metric,
+        unit=unit,
+        rank=rank,
+        step=[row["step"] for row in rows],
+        ts=[row["ts"] for row in rows],
+        value=[value(row) for row in rows],
+    )
+
+
+# The metrics replaced_steps keeps, each one rank_steps column (the metric's ``source``).
+REPLACED_METRICS = ("loss", "grad_norm", "step_time")
+
+
+def replaced_series(
+    conn: Connection,
+    *,
+    run: str,
+    metric: str,
+    points: int | None = None,
+    from_step: int | None = None,
+    to_step: int | None = None,
+) -> ReplacedSeries:
+    """The replaced executions of ``metric`` (loss, grad_norm or step_time) per step:
+    min / mean / max across ranks and executions; ``points`` downsamples to at most N
+    points (each bucket's min of mins and max of maxes: a spike survives)."""
+    run_id = run_id_of(conn, run)
+    if metric not in REPLACED_METRICS:
+        raise UnknownMetric(metric, known=list(REPLACED_METRICS))
+    r = m.replaced_steps.c
+    value = r[str(METRICS[metric].source)]
+    where = [r.run_id == run_id]
+    if from_step is not None:
+        where.append(r.step >= from_step)
+    if to_step is not None:
+        where.append(r.step <= to_step)
+    first, last = conn.execute(select(func.min(r.step), func.max(r.step)).where(*where)).one()
+    bucket = 1
+    if points is not None and first is not None:
+        bucket = max(1, -(-(last - first + 1) // points))
+    key = r.step - r.step % bucket if bucket > 1 else r.step
+    rows = conn.execute(
+        select(
+            key.label("s"),
+            func.count(value),
+            func.min(value),
+            func.avg(value),
+            func.max(value),
+            func.min(r.ts),
+        )
+        .where(*where)
+        .group_by(key)
+        .order_by(key)
+    ).all()
+    return ReplacedSeries(
+        run=run,
+        metric=metric,
+        unit=METRICS[metric].unit,
+        bucket=bucket,
+        step=[int(row[0]) for row in rows],
+        ts=[float(row[5]) for row in rows],
+        n=[int(row[1]) for row in rows],
+        min=[row[2] for row in rows],
+        mean=[row[3] for row in rows],
+        max=[row[4] for row in rows],
+    )
