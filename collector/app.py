@@ -10,10 +10,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
+from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse
 from sqlalchemy import Engine
 
 from trainwarden.alerts import Dispatcher, Rule, load_rule_packs
@@ -22,35 +20,27 @@ from trainwarden.collector.actions.engine import ActionEngine
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings
 from trainwarden.collector.alerting.notifier import NotifierThread
+from trainwarden.collector.api import auth, errors
 from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.api.routes import actions as actions_api
 from trainwarden.collector.api.routes import alerts as alerts_api
 from trainwarden.collector.api.routes import economics as economics_api
 from trainwarden.collector.api.routes import incidents as incidents_api
-from trainwarden.collector.api.routes import otlp
-from trainwarden.collector.api.routes import runs as api
-from trainwarden.collector.api.routes.runs import EXTRA_SCHEMAS, DirectIngest, auth, router
+from trainwarden.collector.api.routes import ingest as ingest_api
+from trainwarden.collector.api.routes import ops, otlp, runs
+from trainwarden.collector.api.routes.ingest import EXTRA_SCHEMAS, DirectIngest
 from trainwarden.collector.health.evaluator import HealthSettings, health_loop
 from trainwarden.collector.incidents.engine import IncidentEngine
 from trainwarden.collector.incidents.store import IncidentSettings
 from trainwarden.collector.ingest.limits import BodyLimit, IngestBackpressure, Pressure
 from trainwarden.collector.ingest.writer import IngestWriter
 from trainwarden.collector.loops import Loop
-from trainwarden.collector.read import runbooks
-from trainwarden.collector.read.queries import NotFound, UnknownMetric
+from trainwarden.collector.read import economics, runbooks
 from trainwarden.collector.rollups.worker import rollup_loop
 from trainwarden.collector.settings import Settings
 
 DEFAULT_HEALTH = HealthSettings()
 DEFAULT_ALERTING = EngineSettings()
-
-
-def _location(loc: tuple[object, ...] | list[object]) -> str:
-    parts = [str(p) for p in loc if p != "body"]
-    out = ""
-    for part in parts:
-        out += f"[{part}]" if part.isdigit() else (f".{part}" if out else part)
-    return out or "body"
 
 
 async def _probe_loop_lag(lags: deque[float], every_s: float = 0.1) -> None:
@@ -141,7 +131,7 @@ def create_app(
                 metrics=metrics,
                 pressure=pressure,
             )
-            alert_engine.economics = economics_api.settings_of_app(settings)
+            alert_engine.economics = economics.settings_of(settings)
             alert_engine.start()
         app.state.alert_engine = alert_engine
         app.state.notifier = notifier
@@ -194,7 +184,9 @@ def create_app(
     )
     metrics.ingest_queue_rows.set_function(lambda: writer.pending_rows)
     metrics.ingest_lag_seconds.set_function(lambda: writer.lag_s() + loop_lag())
-    app.include_router(router)
+    app.include_router(ingest_api.router)
+    app.include_router(runs.router)
+    app.include_router(ops.router)
 
     def openapi() -> dict[str, Any]:  # the self-parsed ingest bodies have schemas too
         if app.openapi_schema is None:
@@ -209,8 +201,11 @@ def create_app(
     app.include_router(otlp.router)
     app.include_router(runbooks.router)
     app.include_router(alerts_api.router)
+    app.include_router(alerts_api.silences)
     app.include_router(actions_api.router)
+    app.include_router(actions_api.of_runs)
     app.include_router(incidents_api.router)
+    app.include_router(incidents_api.of_runs)
     app.include_router(economics_api.router)
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
@@ -218,8 +213,8 @@ def create_app(
     # The ingest routes, answered past FastAPI's layers; the innermost of our middleware
     # (added first), so under the body limit, the backpressure gate and auth.
     direct = {
-        "/api/v1/ingest": api.ingest,
-        "/api/v1/ingest/columns": api.ingest_columns,
+        "/api/v1/ingest": ingest_api.ingest,
+        "/api/v1/ingest/columns": ingest_api.ingest_columns,
         "/v1/metrics": otlp.otlp_metrics,
     }
     app.add_middleware(DirectIngest, routes=direct)
@@ -235,29 +230,11 @@ def create_app(
         app.add_middleware(auth.AuthMiddleware, authenticator=app.state.authenticator)
         app.include_router(auth.router)
 
-    @app.exception_handler(NotFound)
-    async def _not_found(_request: Request, exc: NotFound) -> JSONResponse:
-        return JSONResponse({"detail": str(exc)}, status_code=404)
-
-    @app.exception_handler(UnknownMetric)
-    async def _unknown_metric(_request: Request, exc: UnknownMetric) -> JSONResponse:
-        # The shape of every other 422 (and of the schema): a summary, and the field.
-        detail = [{"loc": ["query", "metric"], "msg": str(exc), "type": "value_error"}]
-        return JSONResponse({"error": f"metric: {exc}", "detail": detail}, status_code=422)
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        body = {"error": exc.detail} if exc.status_code == 422 else {"detail": exc.detail}
-        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = exc.errors()
+    def _count_invalid(request: Request) -> None:
         if request.url.path.startswith("/api/v1/ingest"):
             app.state.metrics.ingest_requests.labels("invalid").inc()
-        summary = "; ".join(f"{_location(e['loc'])}: {e['msg']}" for e in errors[:5])
-        detail = [{k: e[k] for k in ("loc", "msg", "type") if k in e} for e in errors]
-        return JSONResponse({"error": summary, "detail": detail}, status_code=422)
+
+    errors.install(app, on_invalid=_count_invalid)
 
     if ui:
         # Dash and plotly take about a second to import, and an API-only collector (ui

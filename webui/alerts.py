@@ -11,8 +11,8 @@ from urllib.parse import parse_qs, quote, urlencode
 from dash import dcc, html
 
 from trainwarden.collector.actions.records import summary
-from trainwarden.collector.api.routes.actions import ActionOut
-from trainwarden.collector.api.routes.alerts import AlertOut, Matcher, SilenceOut
+from trainwarden.collector.actions.schemas import ActionOut
+from trainwarden.collector.alerting.schemas import AlertOut, Matcher, SilenceOut
 from trainwarden.collector.read.runbooks import runbook_url
 
 from .components import ago, clock, notice, until

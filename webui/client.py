@@ -1,30 +1,34 @@
 """How the UI reads data: through the collector's query layer, never its own SQL.
 
-Alerts, silences and actions are read and changed through the collector's API route
-functions, called in-process: an acknowledgement from the page is the same code path
-(checks, refusals, audit trail) as ``POST /api/v1/alerts/{id}/ack``.
+Alerts, silences, actions, incidents and notes are read and changed through the same
+service functions the API's routes call (``collector/alerting/service.py`` and its
+siblings), in-process: an acknowledgement from the page is the same code path (checks,
+refusals, audit trail) as ``POST /api/v1/alerts/{id}/ack``, with the same check that
+the session may change things and the same record of who did.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from types import SimpleNamespace
 from typing import Any, Protocol
 
 from fastapi import HTTPException
 from pydantic import ValidationError
 from sqlalchemy import Engine
 
+from trainwarden.collector.actions import service as actions
 from trainwarden.collector.actions.policy import ActionPolicy
-from trainwarden.collector.api.routes import actions as actions_api
-from trainwarden.collector.api.routes import alerts as alerts_api
-from trainwarden.collector.api.routes import economics as economics_api
-from trainwarden.collector.api.routes import incidents as incidents_api
-from trainwarden.collector.api.routes.actions import ActionOut, CheckpointOut
-from trainwarden.collector.api.routes.alerts import AlertOut, SilenceOut
-from trainwarden.collector.api.routes.incidents import IncidentOut, NoteOut
-from trainwarden.collector.read import queries, series
+from trainwarden.collector.actions.schemas import ActionOut, ByIn, CheckpointOut
+from trainwarden.collector.alerting import service as alerting
+from trainwarden.collector.alerting.schemas import AckIn, AlertOut, SilenceIn, SilenceOut
+from trainwarden.collector.api import auth
+from trainwarden.collector.incidents import notes
+from trainwarden.collector.incidents import store as incidents
+from trainwarden.collector.incidents.schemas import CloseIn, IncidentOut, NoteIn, NoteOut, RetitleIn
+from trainwarden.collector.incidents.timeline import timeline
+from trainwarden.collector.read import economics, identity, queries, series
 from trainwarden.collector.read.schemas import (
     EventOut,
     FlaggedStep,
@@ -37,6 +41,8 @@ from trainwarden.collector.read.schemas import (
     Series,
 )
 from trainwarden.collector.settings import Settings
+from trainwarden.collector.store.db import write
+from trainwarden.collector.store.errors import DomainError
 
 
 class Refused(Exception):
@@ -150,12 +156,12 @@ class Client(Protocol):
 
 @contextmanager
 def _refusals() -> Iterator[None]:
-    """The API's refusals (HTTP 404/409/422 there) as :class:`Refused` here."""
+    """The collector's refusals (HTTP 403/404/409/422 in the API) as :class:`Refused`."""
     try:
         yield
-    except HTTPException as exc:
+    except HTTPException as exc:  # auth.check_admin: a session that may only read
         raise Refused(str(exc.detail)) from None
-    except queries.NotFound as exc:
+    except DomainError as exc:
         raise Refused(str(exc)) from None
     except ValidationError as exc:
         raise Refused(
@@ -177,12 +183,8 @@ class LocalClient:
         settings: Settings | None = None,
     ) -> None:
         self._engine = engine
-        # All that the API's routes read from their request: the app's engine, action
-        # policy and settings (the timeline's external URL and price per GPU-hour).
-        state = SimpleNamespace(
-            engine=engine, action_policy=policy or ActionPolicy(), settings=settings or Settings()
-        )
-        self._request: Any = SimpleNamespace(app=SimpleNamespace(state=state))
+        self._policy = policy or ActionPolicy()
+        self._settings = settings or Settings()
 
     def list_runs(self) -> list[RunSummary]:
         with self._engine.connect() as conn:
@@ -284,96 +286,169 @@ class LocalClient:
             return queries.gpu_samples(conn, run=run, since=since, rank=rank, limit=limit)
 
     def checkpoints(self, run: str) -> list[CheckpointOut]:
-        return actions_api.list_checkpoints(run, self._request)
+        with self._engine.connect() as conn:
+            return actions.list_checkpoints(conn, run=run, policy=self._policy)
 
-    # -- alerts, silences, actions: the API's own functions ------------------------
-    # No auth yet (issue 10): whoever reaches the UI may acknowledge, silence, approve
-    # and cancel, as whoever reaches the API may.
+    # -- alerts, silences, actions -----------------------------------------------------
+    # A change checks, as the API does, that the session may change things (with auth
+    # on), and records who made it as the API does (auth.acting).
 
     def alerts(
         self, *, run: str | None = None, states: list[str] | None = None, limit: int = 200
     ) -> list[AlertOut]:
-        return alerts_api.list_alerts(self._request, run=run, state=states or None, limit=limit)  # type: ignore[arg-type]
+        with self._engine.connect() as conn:
+            return alerting.list_alerts(conn, run=run, states=states or None, limit=limit)
 
     def alert(self, alert_id: int) -> AlertOut:
-        with _refusals():
-            return alerts_api.get_alert(alert_id, self._request)
+        with _refusals(), self._engine.connect() as conn:
+            return alerting.get_alert(conn, alert_id=alert_id)
 
     def silences(self) -> list[SilenceOut]:
-        return alerts_api.list_silences(self._request)
+        with self._engine.connect() as conn:
+            return alerting.list_silences(conn, now=time.time())
 
     def actions(self, *, run: str | None = None, limit: int = 100) -> list[ActionOut]:
-        return actions_api.list_actions(self._request, run=run, limit=limit)
+        with self._engine.connect() as conn:
+            return actions.list_actions(conn, run=run, limit=limit)
 
     def ack(self, alert_id: int, *, by: str, comment: str = "") -> AlertOut:
         with _refusals():
-            body = alerts_api.AckIn(by=by, comment=comment)
-            return alerts_api.ack_alert(alert_id, body, self._request)
+            body = AckIn(by=by, comment=comment)
+            auth.check_admin()
+            with write(self._engine) as conn:
+                return alerting.ack_alert(
+                    conn,
+                    alert_id=alert_id,
+                    by=auth.acting(body.by),
+                    comment=body.comment,
+                    now=time.time(),
+                )
 
     def silence(
         self, *, matchers: list[dict[str, Any]], duration_s: float, by: str, comment: str
     ) -> SilenceOut:
         with _refusals():
-            body = alerts_api.SilenceIn.model_validate(
+            body = SilenceIn.model_validate(
                 dict(matchers=matchers, duration_s=duration_s, created_by=by, comment=comment)
             )
-            return alerts_api.create_silence(body, self._request)
+            auth.check_admin()
+            with write(self._engine) as conn:
+                return alerting.create_silence(
+                    conn, body=body, by=auth.acting(body.created_by), now=time.time()
+                )
 
     def end_silence(self, silence_id: int) -> SilenceOut:
         with _refusals():
-            return alerts_api.expire_silence(silence_id, self._request)
+            auth.check_admin()
+            with write(self._engine) as conn:
+                return alerting.expire_silence(conn, silence_id=silence_id, now=time.time())
 
     def decide(self, action_id: int, *, approve: bool, by: str, reason: str = "") -> ActionOut:
         with _refusals():
-            body = actions_api.ByIn(by=by, reason=reason)
-            route = actions_api.approve_action if approve else actions_api.cancel_action
-            return route(action_id, body, self._request)
+            body = ByIn(by=by, reason=reason)
+            auth.check_admin()
+            with write(self._engine) as conn:
+                return actions.decide(
+                    conn,
+                    action_id=action_id,
+                    state="approved" if approve else "cancelled",
+                    by=auth.acting(body.by),
+                    reason=body.reason,
+                    now=time.time(),
+                )
 
     # -- incidents, the logbook, timelines ------------------------------------------
 
     def incidents(self, run: str, *, merged: bool = False) -> list[IncidentOut]:
         """Raises ``NotFound`` for an unknown run."""
-        return incidents_api.list_incidents(run, self._request, merged=merged)
+        with self._engine.connect() as conn:
+            found = incidents.list_incidents(conn, run=run, merged=merged)
+        return [IncidentOut(**i) for i in found]
 
     def timeline(self, run: str, *, incident: int | None = None) -> dict[str, Any]:
         """Raises ``NotFound`` for an unknown run, or an incident not of this run."""
-        return incidents_api.get_timeline(run, self._request, incident=incident)
+        with self._engine.connect() as conn:
+            return timeline(
+                conn,
+                run=run,
+                incident_id=incident,
+                now=time.time(),
+                price_per_gpu_hour=self._settings.price_per_gpu_hour,
+                base_url=self._settings.external_url or "",
+            )
 
     def notes(self, run: str) -> list[NoteOut]:
-        return incidents_api.list_notes(run, self._request)
+        with self._engine.connect() as conn:
+            return [NoteOut(**n) for n in notes.list_notes(conn, run=run)]
 
     def add_note(self, run: str, *, author: str, text: str, incident: int | None = None) -> NoteOut:
         with _refusals():
-            body = incidents_api.NoteIn(author=author, text=text, incident=incident)
-            return incidents_api.add_note(run, body, self._request)
+            body = NoteIn(author=author, text=text, incident=incident)
+            auth.check_admin()
+            with write(self._engine) as conn:
+                note = notes.add_note(
+                    conn,
+                    run=run,
+                    author=auth.acting(body.author),
+                    text=body.text,
+                    at=body.at,
+                    step=body.step,
+                    incident_id=body.incident,
+                    now=time.time(),
+                )
+            return NoteOut(**note)
 
     def close_incident(
         self, incident_id: int, *, by: str, summary: str | None = None
     ) -> IncidentOut:
         with _refusals():
-            body = incidents_api.CloseIn(by=by, summary=summary)
-            return incidents_api.close_incident(incident_id, body, self._request)
+            body = CloseIn(by=by, summary=summary)
+            auth.check_admin()
+            with write(self._engine) as conn:
+                incidents.close_incident(
+                    conn,
+                    incident_id=incident_id,
+                    by=auth.acting(body.by),
+                    summary=body.summary,
+                    now=time.time(),
+                )
+                return IncidentOut(**incidents.get_incident(conn, incident_id=incident_id))
 
     def retitle_incident(self, incident_id: int, *, by: str, title: str) -> IncidentOut:
         with _refusals():
-            body = incidents_api.RetitleIn(by=by, title=title)
-            return incidents_api.retitle_incident(incident_id, body, self._request)
+            body = RetitleIn(by=by, title=title)
+            auth.check_admin()
+            with write(self._engine) as conn:
+                incidents.retitle_incident(
+                    conn,
+                    incident_id=incident_id,
+                    title=body.title,
+                    by=auth.acting(body.by),
+                    now=time.time(),
+                )
+                return IncidentOut(**incidents.get_incident(conn, incident_id=incident_id))
 
     # -- run identity and economics --------------------------------------------------
 
     def attempts(self, run: str) -> list[dict[str, Any]]:
         """Raises ``NotFound`` for an unknown run; ``[]`` for a run whose agents sent no
         ``attempt_start`` (trainwarden < 0.11)."""
-        return economics_api.list_attempts(run, self._request)
+        with self._engine.connect() as conn:
+            return identity.run_attempts(conn, run=run)
 
     def identity(self, run: str) -> dict[str, Any]:
         """Raises ``NotFound`` for an unknown run, or one without attempts."""
-        return economics_api.run_identity(run, self._request)
+        with self._engine.connect() as conn:
+            return identity.run_identity(conn, run=run)
 
     def economics(self, run: str) -> dict[str, Any]:
         """Checkpoints, goodput and the cadence advisor at serve's price and MTBF settings."""
-        return economics_api.run_economics(run, self._request)
+        with self._engine.connect() as conn:
+            return economics.run_economics(
+                conn, run=run, settings=economics.settings_of(self._settings)
+            )
 
     def diff(self, run: str, other: str) -> dict[str, Any]:
         """Raises ``NotFound`` when either run is unknown."""
-        return economics_api.run_diff(run, other, self._request)
+        with self._engine.connect() as conn:
+            return identity.run_diff(conn, a=run, b=other)

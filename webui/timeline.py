@@ -13,7 +13,7 @@ from urllib.parse import parse_qs, quote
 import plotly.graph_objects as go
 from dash import dcc, html
 
-from trainwarden.collector.api.routes.incidents import IncidentOut
+from trainwarden.collector.incidents.schemas import IncidentOut
 from trainwarden.collector.incidents.report_format import duration
 
 from .components import ago, clock, notice

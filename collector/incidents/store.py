@@ -33,6 +33,7 @@ from sqlalchemy import Connection, exists, insert, select, update
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.read.queries import run_id_of as _run_id
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.errors import Conflict, Invalid
 
 log = logging.getLogger(__name__)
 
@@ -40,14 +41,6 @@ ADVISORY_LOCK_KEY = 0x7477_696E_6364  # "twincd": one incident engine across col
 ENGINE = "trainwarden"
 ENDED = ("done", "failed", "cancelled")
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
-
-
-class Conflict(ValueError):
-    """The incident is not in a state that allows this (HTTP 409)."""
-
-
-class Invalid(ValueError):
-    """The request names something that does not fit (HTTP 422)."""
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from trainwarden.collector.read.identity import (
     attempts,
 )
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.errors import NotFound
 
 MIN_FAILURES = 2
 """Interruptions a run needs before its own rate replaces the configured MTBF."""
@@ -419,3 +420,20 @@ def economics(
     )
     ckpt = {k: v for k, v in ckpt.items() if not k.startswith("_")}
     return {"run": run, "checkpoints": ckpt, "goodput": good, "advisor": advice}
+
+
+def settings_of(s: Any) -> EconomicsSettings:
+    """The economics part of serve's :class:`~trainwarden.collector.settings.Settings`."""
+    return EconomicsSettings(
+        price_per_gpu_hour=s.price_per_gpu_hour,
+        mtbf_hours=s.mtbf_hours,
+        gpu_mtbf_hours=s.gpu_mtbf_hours,
+    )
+
+
+def run_economics(conn: Connection, *, run: str, settings: EconomicsSettings) -> dict[str, Any]:
+    """``GET /api/v1/runs/{run}/economics``; NotFound for an unknown run."""
+    found = economics(conn, run, settings=settings)
+    if found is None:
+        raise NotFound(f"run {run!r} not found")
+    return found

@@ -9,7 +9,9 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
+from trainwarden.collector.read.queries import run_id_of
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.errors import NotFound
 
 _ENV_PER_HOST = ("host",)  # differs between any two runs on different machines: not news
 
@@ -272,3 +274,32 @@ def diff(conn: Connection, run_a: int, run_b: int) -> dict[str, Any]:
         out[k] for k in ("config", "code", "env", "data_snapshot", "world_size")
     ) and not (out["tags"]["only_a"] or out["tags"]["only_b"] or (pkg and any(pkg.values())))
     return out
+
+
+def run_attempts(conn: Connection, *, run: str) -> list[dict[str, Any]]:
+    """``GET /api/v1/runs/{run}/attempts``: every process lifetime of the run, oldest first."""
+    return attempts(conn, run_id_of(conn, run))
+
+
+def run_identity(conn: Connection, *, run: str, attempt: int | None = None) -> dict[str, Any]:
+    """The identity of the run's newest attempt (or of ``attempt``); NotFound without one."""
+    found = identity(conn, run_id_of(conn, run), attempt)
+    if found is None:
+        raise NotFound(
+            f"run {run!r} has no identity{'' if attempt is None else f' for attempt {attempt}'}: "
+            "its agents sent no attempt_start (trainwarden < 0.11?)"
+        )
+    return found
+
+
+def run_packages(conn: Connection, *, run: str, attempt: int | None = None) -> list[str]:
+    """The installed packages rank 0 reported; NotFound without a list."""
+    found = packages(conn, run_id_of(conn, run), attempt)
+    if found is None:
+        raise NotFound(f"run {run!r} reported no package list")
+    return found
+
+
+def run_diff(conn: Connection, *, a: str, b: str) -> dict[str, Any]:
+    """What differs between runs ``a`` and ``b``."""
+    return {"a": a, "b": b, **diff(conn, run_id_of(conn, a), run_id_of(conn, b))}

@@ -20,19 +20,18 @@ from trainwarden.collector.read.schemas import (
     RunSummary,
 )
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.errors import Invalid, NotFound
 
 
-class NotFound(LookupError):
-    """The named run (or other object) does not exist."""
-
-
-class UnknownMetric(ValueError):
+class UnknownMetric(Invalid):
     def __init__(
         self, metric: str, user: list[str] | None = None, *, known: list[str] | None = None
     ) -> None:
         # user: the run's user.<name> metrics; known: the only metrics this query has
         names = ", ".join(known if known is not None else [*METRICS, *(user or ())])
-        super().__init__(f"unknown metric {metric!r}; known metrics: {names}")
+        super().__init__(
+            f"unknown metric {metric!r}; known metrics: {names}", loc=("query", "metric")
+        )
 
 
 def _from_ranks(fn, label: str):  # type: ignore[no-untyped-def]

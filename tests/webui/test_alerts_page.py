@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from sqlalchemy import insert
 
-from trainwarden.collector.api.routes.actions import ActionOut
-from trainwarden.collector.api.routes.alerts import AlertOut, Matcher, SilenceOut
+from trainwarden.collector.actions.schemas import ActionOut
+from trainwarden.collector.alerting.schemas import AlertOut, Matcher, SilenceOut
 from trainwarden.collector.store import models as m
 from trainwarden.webui import alerts
 from trainwarden.webui.alerts_page import SilenceForm, perform

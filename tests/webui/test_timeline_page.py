@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from trainwarden.collector.api.routes.incidents import IncidentOut
+from trainwarden.collector.incidents.schemas import IncidentOut
 from trainwarden.collector.incidents.grouping import group
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.settings import Settings

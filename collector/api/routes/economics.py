@@ -5,83 +5,51 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Query, Request
-from sqlalchemy import Engine
+from fastapi import APIRouter, Query
 
-from trainwarden.collector.read import economics as svc
-from trainwarden.collector.read import identity as runs_identity
-from trainwarden.collector.read.queries import NotFound
-from trainwarden.collector.read.queries import run_id_of as _run_id
+from trainwarden.collector.api.deps import EngineDep, SettingsDep
+from trainwarden.collector.read import economics, identity
 
-router = APIRouter(tags=["runs"])
+router = APIRouter(prefix="/api/v1/runs", tags=["runs"])
 
 AttemptNumber = Annotated[int | None, Query(ge=1, le=2**31 - 1, description="default: the newest")]
 
 
-def _engine(request: Request) -> Engine:
-    return request.app.state.engine
-
-
-def settings_of_app(s: Any) -> svc.EconomicsSettings:
-    """The economics part of serve's :class:`~trainwarden.collector.settings.Settings`."""
-    return svc.EconomicsSettings(
-        price_per_gpu_hour=s.price_per_gpu_hour,
-        mtbf_hours=s.mtbf_hours,
-        gpu_mtbf_hours=s.gpu_mtbf_hours,
-    )
-
-
-def settings_of(request: Request) -> svc.EconomicsSettings:
-    return settings_of_app(request.app.state.settings)
-
-
-@router.get("/api/v1/runs/{run}/attempts")
-def list_attempts(run: str, request: Request) -> list[dict[str, Any]]:
+@router.get("/{run}/attempts")
+def list_attempts(run: str, engine: EngineDep) -> list[dict[str, Any]]:
     """Every process lifetime of the run, oldest first: start, end, exit reason, world
     size, nodes, first and last step, and each rank's process and how it ended."""
-    with _engine(request).connect() as conn:
-        return runs_identity.attempts(conn, _run_id(conn, run))
+    with engine.connect() as conn:
+        return identity.run_attempts(conn, run=run)
 
 
-@router.get("/api/v1/runs/{run}/identity")
-def run_identity(run: str, request: Request, attempt: AttemptNumber = None) -> dict[str, Any]:
+@router.get("/{run}/identity")
+def run_identity(run: str, engine: EngineDep, attempt: AttemptNumber = None) -> dict[str, Any]:
     """What the run is: the config, tags and data snapshot given to ``tw.init``, the code
     version, and the environment of its newest attempt (or of ``attempt``)."""
-    with _engine(request).connect() as conn:
-        found = runs_identity.identity(conn, _run_id(conn, run), attempt)
-    if found is None:
-        raise NotFound(
-            f"run {run!r} has no identity{'' if attempt is None else f' for attempt {attempt}'}: "
-            "its agents sent no attempt_start (trainwarden < 0.11?)"
-        )
-    return found
+    with engine.connect() as conn:
+        return identity.run_identity(conn, run=run, attempt=attempt)
 
 
-@router.get("/api/v1/runs/{run}/packages")
-def run_packages(run: str, request: Request, attempt: AttemptNumber = None) -> list[str]:
+@router.get("/{run}/packages")
+def run_packages(run: str, engine: EngineDep, attempt: AttemptNumber = None) -> list[str]:
     """The installed Python packages (``name==version``) rank 0 reported."""
-    with _engine(request).connect() as conn:
-        found = runs_identity.packages(conn, _run_id(conn, run), attempt)
-    if found is None:
-        raise NotFound(f"run {run!r} reported no package list")
-    return found
+    with engine.connect() as conn:
+        return identity.run_packages(conn, run=run, attempt=attempt)
 
 
-@router.get("/api/v1/runs/{a}/diff/{b}")
-def run_diff(a: str, b: str, request: Request) -> dict[str, Any]:
+@router.get("/{a}/diff/{b}")
+def run_diff(a: str, b: str, engine: EngineDep) -> dict[str, Any]:
     """What differs between two runs: config keys (dotted), code version, environment,
     tags, data snapshot, world size and installed packages."""
-    with _engine(request).connect() as conn:
-        return {"a": a, "b": b, **runs_identity.diff(conn, _run_id(conn, a), _run_id(conn, b))}
+    with engine.connect() as conn:
+        return identity.run_diff(conn, a=a, b=b)
 
 
-@router.get("/api/v1/runs/{run}/economics")
-def run_economics(run: str, request: Request) -> dict[str, Any]:
+@router.get("/{run}/economics")
+def run_economics(run: str, engine: EngineDep, settings: SettingsDep) -> dict[str, Any]:
     """Checkpoints (count, last, interval, blocking cost C, bytes), goodput (ETTR and where
     the rest of the allocation went, GPU-hours, cost) and the cadence advisor (T* =
     sqrt(2 C tau), expected waste now and at T*)."""
-    with _engine(request).connect() as conn:
-        found = svc.economics(conn, run, settings=settings_of(request))
-    if found is None:
-        raise NotFound(f"run {run!r} not found")
-    return found
+    with engine.connect() as conn:
+        return economics.run_economics(conn, run=run, settings=economics.settings_of(settings))

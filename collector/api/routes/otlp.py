@@ -43,7 +43,8 @@ from trainwarden.agent.otlp import (
     STEP_METRICS,
     USER_METRIC_PREFIX,
 )
-from trainwarden.collector.api.routes.runs import auth, submit
+from trainwarden.collector.api import auth
+from trainwarden.collector.api.routes.ingest import submit
 from trainwarden.collector.ingest.schemas import IngestBatch
 
 router = APIRouter()

@@ -1,0 +1,33 @@
+"""Operational routes: ``/healthz`` (liveness and database reachability) and
+``/metrics`` (Prometheus)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from trainwarden.collector.api.deps import EngineDep, MetricsDep
+
+RETRY_AFTER_S = "5"
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/healthz")
+def healthz(engine: EngineDep, response: Response) -> dict[str, str]:
+    """Liveness and database reachability."""
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception:
+        response.status_code = 503
+        response.headers["Retry-After"] = RETRY_AFTER_S
+        return {"status": "degraded", "database": "unreachable"}
+    return {"status": "ok", "database": "ok"}
+
+
+@router.get("/metrics", response_class=Response)
+def metrics(collector: MetricsDep) -> Response:
+    """Prometheus metrics."""
+    return Response(generate_latest(collector.registry), media_type=CONTENT_TYPE_LATEST)
