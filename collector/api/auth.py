@@ -11,9 +11,13 @@ route runs, by path and method:
 - everything else is the web UI: a session cookie (``/login``), the trusted proxy
   header when configured, or a bearer token with ``read``.
 
-The principal is kept in a context variable for the request. The UI calls the API's
-route functions in-process (``webui/client.py``), so the write routes also call
-:func:`check_admin`: a UI session with only ``read`` sees, and is refused changes.
+The principal is kept in a context variable for the request. The UI changes things
+through the same services as the routes, in-process (``webui/client.py``), so it calls
+:func:`check_admin` as the write routes do (``api/deps.admin``): a UI session with only
+``read`` sees, and is refused changes.
+
+One concept in one module of some 500 lines: the middleware, the tokens' cache, sessions
+and the login page decide together who a request is.
 
 The hot path (ingest, thousands of requests a second) costs a dict look-up, one
 sha256 and a constant-time compare: tokens are cached for ``cache_ttl_s`` (so a

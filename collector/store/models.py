@@ -4,6 +4,9 @@ Times are epoch seconds (double precision) everywhere: the agent stamps wall-clo
 time, the collector stamps receive time, and the two can be compared for skew.
 Per-rank step data is one wide row per (run, step, rank); the key starts with the
 step so inserts land at the right edge of the b-tree (see shared/RECIPES.md).
+
+The whole schema in one module (some 500 lines of table definitions): it is read, and
+changed with a migration, as one thing.
 """
 
 from __future__ import annotations
