@@ -131,6 +131,16 @@ def test_a_firing_alert_row_shows_severity_runbook_where_since_and_acts() -> Non
     }
 
 
+def test_an_alert_seen_after_its_onset_says_where_the_anomaly_began() -> None:
+    # Fast steps: the pass that fired LossSpike ran 19 steps after the loss left its trend.
+    late = alert(rule="LossSpike", rank=None, onset_step=121, fired_at_step=140)
+    assert alerts.since(late, NOW).endswith("; began at step 121")
+    assert "began at step 121" in text(alerts.alert_row(late, now=NOW))
+    # An event fires at its own step: nothing to add.
+    assert "began" not in alerts.since(alert(onset_step=10, fired_at_step=10), NOW)
+    assert "began" not in alerts.since(alert(), NOW)  # stored before onsets were kept
+
+
 def test_acknowledged_silenced_and_inhibited_alerts_say_so() -> None:
     row = alerts.alert_row(
         alert(acked_by="ana", acked_at=NOW - 30, silenced_by=2, inhibited_by=5), now=NOW
