@@ -30,6 +30,7 @@ from trainwarden.collector.actions.records import summary
 from trainwarden.collector.alerting.engine import AlertEngine
 from trainwarden.collector.api.routes import actions as actions_api
 from trainwarden.collector.app import create_app
+from trainwarden.collector.incidents.grouping import group
 from trainwarden.collector.ingest.batches import ingest
 from trainwarden.collector.ingest.schemas import IngestBatch
 from trainwarden.collector.rollups.worker import flush
@@ -934,9 +935,12 @@ def test_fast_steps_roll_back_to_a_checkpoint_saved_before_the_spiked_update(clu
     assert summary("rollback", "done", done["result"], None).endswith(
         "; LossSpike no longer holds on steps 111-115 run again"
     )
+    with write(run.engine) as conn:  # the incident engine's pass: the post-mortem's incident
+        group(conn, now=run.now, cooldown_s=600.0)
     with run.api() as client:
         found = client.get(f"/api/v1/runs/{RUN}/checkpoints").json()
         entries = client.get(f"/api/v1/runs/{RUN}/timeline").json()["entries"]
+        report = client.get(f"/api/v1/runs/{RUN}/postmortem", params={"format": "md"}).text
         (api_alert,) = [a for a in client.get("/api/v1/alerts").json() if a["rule"] == "LossSpike"]
     listed = {c["step"]: c["good"] for c in found}
     assert [s for s, good in listed.items() if not good and s <= 140] == [120, 130, 140]
@@ -945,6 +949,7 @@ def test_fast_steps_roll_back_to_a_checkpoint_saved_before_the_spiked_update(clu
     (began,) = [e for e in entries if e["kind"] == "onset"]
     text = "LossSpike: its condition began at step 121 (seen at step 140)"
     assert (began["step"], began["text"]) == (121, text)
+    assert text in report  # the post-mortem's timeline too
     assert events(run.engine, "action_failed") == []
 
 
