@@ -234,7 +234,9 @@ def _fresh(row: Row, snap: Snapshot) -> bool:
 
 def _threshold(rule: ThresholdRule, snap: Snapshot) -> list[Verdict]:
     p = rule.params
-    bound = f"> {_fmt(p.above)}" if p.above is not None else f"< {_fmt(p.below)}"  # type: ignore[arg-type]
+    bound = (
+        f"> {_fmt(p.above)}" if p.above is not None else f"< {_fmt(p.below)}"  # type: ignore[arg-type]
+    )
     what = f"{p.metric}{' / step time' if p.fraction_of_step else ''}"
     out = []
     for rank, points in _series(snap, p.scope, p.metric, p.stat, p.fraction_of_step).items():
@@ -613,7 +615,8 @@ def _rate(rule: RateRule, snap: Snapshot) -> list[Verdict]:
         Verdict(
             key,
             float(n),
-            f"{'run' if key is None else _rank_detail(snap, key)}: {n} matches within {p.window} (at least {p.at_least})",
+            f"{'run' if key is None else _rank_detail(snap, key)}: {n} matches within "
+            f"{p.window} (at least {p.at_least})",
             snap.last_step,
         )
         for key, n in counts.items()

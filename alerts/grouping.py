@@ -35,7 +35,8 @@ def group_note(members: list[Any]) -> Any:
         **first.annotations,
         "alerts": str(len(members)),
         "summary": f"{rule} on {who} of run {run}",
-        "description": f"{len(members):,} {rule} alerts {'firing' if status == 'firing' else 'resolved'} "
+        "description": f"{len(members):,} {rule} alerts "
+        f"{'firing' if status == 'firing' else 'resolved'} "
         f"together; the first: {first.annotations.get('description', '')}",
     }
     return Notification(

@@ -89,7 +89,9 @@ class EvictSteps(Steps):
                 ctx,
                 row,
                 "failed",
-                reason=f"blast-radius guard: evicting {row.node} would make {len(evicted) + 1} of the run's {len(nodes)} nodes within an hour (limit {pol.max_nodes_fraction_per_hour:.0%})",
+                reason=f"blast-radius guard: evicting {row.node} would make "
+                f"{len(evicted) + 1} of the run's {len(nodes)} nodes within an hour (limit "
+                f"{pol.max_nodes_fraction_per_hour:.0%})",
             )
             return
         last = max((r.finished_at or ctx.now for r in recent), default=None)
@@ -109,7 +111,9 @@ class EvictSteps(Steps):
                 node=row.node,
                 run=run,
                 ranks=ranks,
-                reason=f"trainwarden: {row.trigger.removeprefix('rule:')} {row.reason or ''}".strip(),
+                reason=(
+                    f"trainwarden: {row.trigger.removeprefix('rule:')} {row.reason or ''}"
+                ).strip(),
             )
         except ValueError as exc:
             self._finish(ctx, row, "failed", reason=f"cannot evict {row.node!r}: {exc}")
@@ -137,7 +141,8 @@ class EvictSteps(Steps):
                     ctx,
                     row,
                     "failed",
-                    reason="interrupted: the collector restarted during the eviction; check the node by hand",
+                    reason="interrupted: the collector restarted during the eviction; check "
+                    "the node by hand",
                 )
                 return
             if not future.done():
@@ -170,7 +175,8 @@ class EvictSteps(Steps):
                 ctx,
                 row,
                 "executing",
-                detail=f"{row.node} evicted ({'; '.join(result.steps)}); stopping its ranks {plan['ranks']}",
+                detail=f"{row.node} evicted ({'; '.join(result.steps)}); stopping its ranks "
+                f"{plan['ranks']}",
                 plan=plan,
             )
             return

@@ -40,7 +40,8 @@ def rollback_plan(
         if not good:
             return (
                 None,
-                f"no checkpoint of step {given} was reported (known: {sorted({c[0] for c in ckpts})})",
+                f"no checkpoint of step {given} was reported (known: "
+                f"{sorted({c[0] for c in ckpts})})",
             )
     else:
         limit = clean_limit(onset_step, pol.margin_steps)
@@ -51,7 +52,8 @@ def rollback_plan(
             known = sorted({c[0] for c in ckpts})[-5:]
             older = f", older than step {below}" if below is not None else ""
             return None, (
-                f"no checkpoint at or before step {limit} (onset {onset_step} - 2 - margin {pol.margin_steps}{older}); "
+                f"no checkpoint at or before step {limit} (onset {onset_step} - 2 - margin "
+                f"{pol.margin_steps}{older}); "
                 f"reported: {known or 'none (call tw.checkpoint_saved)'}"
             )
     step, _, path = max(good, key=lambda c: (c[0], c[1]))
@@ -108,7 +110,10 @@ def _carried(plan: dict[str, Any] | None) -> dict[str, Any]:
 def _not_fixed(restore: dict[str, Any]) -> str:
     steps = restore.get("steps") or []
     on = f" (steps {steps[0]}-{steps[-1]} run again)" if len(steps) == 2 else ""
-    return f"the restore of the checkpoint of step {restore['checkpoint_step']} did not fix it{on}: {restore['detail']}"
+    return (
+        f"the restore of the checkpoint of step {restore['checkpoint_step']} did not fix "
+        f"it{on}: {restore['detail']}"
+    )
 
 
 def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dict[str, Any]]:

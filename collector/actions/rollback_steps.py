@@ -56,7 +56,10 @@ class RollbackSteps(Steps):
             "restores"
         ) or []  # this action's restores that did not fix it
         if len(spent) + len(before) >= pol.budget.count:
-            why = f"retry budget spent: {len(spent) + len(before)} rollbacks within {pol.budget.per}; stopping the run instead"
+            why = (
+                f"retry budget spent: {len(spent) + len(before)} rollbacks within "
+                f"{pol.budget.per}; stopping the run instead"
+            )
             if before:
                 why = f"{_not_fixed(before[-1])}; {why}"
             self._finish(ctx, row, "failed", reason=why)
@@ -145,7 +148,8 @@ class RollbackSteps(Steps):
             if refused or ctx.now - plan["prepared_at"] > pol.prepare_timeout.value:
                 why = (
                     "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items()))
-                    or f"ranks {sorted(set(ranks) - set(prepared))} did not answer within {pol.prepare_timeout}"
+                    or f"ranks {sorted(set(ranks) - set(prepared))} did not answer within "
+                    f"{pol.prepare_timeout}"
                 )
                 fatal = any("on_rollback" in str(a.get("error")) for a in refused.values())
                 tries = plan["attempt"] - plan.get("round_start", 1) + 1  # of this restore
@@ -270,7 +274,8 @@ class RollbackSteps(Steps):
                 ctx,
                 row,
                 "failed",
-                reason=f"ranks {sorted(set(ranks) - set(done))} did not restore within {pol.apply_timeout}",
+                reason=f"ranks {sorted(set(ranks) - set(done))} did not restore within "
+                f"{pol.apply_timeout}",
             )
 
     def _rule_of(self, ctx: _Ctx, row: Any) -> Rule | None:

@@ -125,18 +125,6 @@ class EngineSettings:
         return max(10.0, 3 * self.interval_s)
 
 
-# -- what the rules need ------------------------------------------------------------
-
-
-# -- reading a run ------------------------------------------------------------------
-
-
-# -- storms -------------------------------------------------------------------------
-
-
-# -- silences -----------------------------------------------------------------------
-
-
 # -- the engine ---------------------------------------------------------------------
 
 
@@ -545,7 +533,8 @@ class AlertEngine:
         silences = conn.execute(
             select(si.id, si.matchers).where(si.starts_at <= now, si.ends_at > now)
         ).all()
-        # Inhibition sources: firing evict-action alerts per (run, node); firing liveness per (run, rank).
+        # Inhibition sources: firing evict-action alerts per (run, node); firing liveness per (run,
+        # rank).
         evicting: dict[tuple[int, str], int] = {}
         liveness: dict[tuple[int, int], int] = {}
         for r in rows:
@@ -700,6 +689,3 @@ class AlertEngine:
         ]
         if rows:
             conn.execute(insert(m.alert_deliveries), rows)
-
-
-# -- running the notifiers in their own thread --------------------------------------

@@ -485,7 +485,8 @@ async def _log_in(request: Request, raw: str, target: str) -> Response:
         return _form("That token is not valid (unknown, revoked or mistyped).", target, 401)
     if not principal.allows("read"):
         return _form(
-            f"Token {principal.name!r} may only send records ({', '.join(sorted(principal.scopes))}); "
+            f"Token {principal.name!r} may only send records "
+            f"({', '.join(sorted(principal.scopes))}); "
             "the UI needs one with read or admin.",
             target,
             403,

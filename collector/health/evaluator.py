@@ -280,13 +280,15 @@ def _states(
             if r in culprits:
                 detail = {
                     "role": "culprit",
-                    "reason": f"no step completed for {idle:.1f}s (in {r['phase'] or 'between steps'})",
+                    "reason": f"no step completed for {idle:.1f}s (in "
+                    f"{r['phase'] or 'between steps'})",
                 }
             else:
                 detail = {
                     "role": "victim",
                     "waiting_on": blamed,
-                    "reason": f"blocked for {idle:.1f}s in {r['phase'] or 'a step'}, waiting on rank(s) {blamed}",
+                    "reason": f"blocked for {idle:.1f}s in {r['phase'] or 'a step'}, waiting "
+                    f"on rank(s) {blamed}",
                 }
             out[r["rank"]] = ("hung", detail)
     exposed = steps[max(steps)].exposed if steps else {}
@@ -309,7 +311,8 @@ def _states(
             detail = {
                 "role": "victim",
                 "waiting_on": sorted(slow),
-                "reason": f"exposed comm {waited * 1000:.0f} ms waiting on straggler(s) {sorted(slow)}",
+                "reason": f"exposed comm {waited * 1000:.0f} ms waiting on straggler(s) "
+                f"{sorted(slow)}",
             }
         out[r["rank"]] = ("healthy", detail)
     return out

@@ -16,7 +16,8 @@ END_SEVERITY = {
     "evicted": "critical",
     "sigterm": "warning",
 }
-"""How an attempt's end reads: a crash or a lost process, a signal, else (completed, stopped) info."""
+"""How an attempt's end reads: a crash or a lost process, a signal, else (completed,
+stopped) info."""
 
 
 FAULT_KINDS = ("drill", "xid", "loss_divergence")
@@ -107,7 +108,8 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
                     min(began, a.active_since),
                     "alert",
                     "onset",
-                    f"{a.rule}: its condition began at step {a.onset_step} (seen at step {a.active_since_step})",
+                    f"{a.rule}: its condition began at step {a.onset_step} (seen at step "
+                    f"{a.active_since_step})",
                     step=a.onset_step,
                     severity=a.severity,
                     **common,

@@ -124,7 +124,8 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
                 row.id,
                 by=ENGINE,
                 now=now,
-                detail=f"every alert resolved and every action ended; quiet for {now - quiet_since:.0f} s",
+                detail="every alert resolved and every action ended; quiet for "
+                f"{now - quiet_since:.0f} s",
             )
             result.closed.append(row.id)
     return result

@@ -81,7 +81,8 @@ def goodput_line(g: dict[str, Any] | None) -> str | None:
     hours = g.get("gpu_hours") or {}
     line = (
         f"ETTR {ettr} over {duration(g.get('wall_s'))} and {g.get('attempts', 0)} attempt(s) "
-        f"({g.get('interruptions', 0)} interruption(s), {g.get('replayed_steps', 0)} steps replayed); "
+        f"({g.get('interruptions', 0)} interruption(s), {g.get('replayed_steps', 0)} steps "
+        "replayed); "
         f"GPU-hours used {hours.get('used', 0.0):.3f}, lost {hours.get('lost', 0.0):.3f}"
     )
     cost = g.get("cost")
@@ -125,7 +126,8 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
     lines = [heading(f"Post-mortem: run `{run['name']}`", 1), ""]
     lines.append(
         f"_{len(report['incidents'])} incident(s); world size {run['world_size']}; "
-        f"run {run['status']}, last step {run['last_step']}; generated {clock(report['generated_at'], ms=False)}_"
+        f"run {run['status']}, last step {run['last_step']}; generated "
+        f"{clock(report['generated_at'], ms=False)}_"
     )
     lines.append("")
     if good := goodput_line(report.get("goodput")):
@@ -140,7 +142,10 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
         if i["closed_at"]:
             scope += f"; closed {clock(i['closed_at'])} by {i['closed_by']}"
         if i["ranks"] or i["nodes"]:
-            scope += f"; ranks {', '.join(map(str, i['ranks'])) or '-'}; nodes {', '.join(i['nodes']) or '-'}"
+            scope += (
+                f"; ranks {', '.join(map(str, i['ranks'])) or '-'}; nodes "
+                f"{', '.join(i['nodes']) or '-'}"
+            )
         lines += [scope, ""]
         if i.get("summary"):
             lines += [f"> {i['summary']}", ""]

@@ -18,12 +18,16 @@ from trainwarden.collector.incidents.report_format import (
 )
 
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem auto;max-width:1200px;color:#1d232b;padding:0 1rem}
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem auto;max-width:1200px;
+color:#1d232b;padding:0 1rem}
 h1{font-size:1.6rem}h2{margin-top:2.5rem;border-bottom:1px solid #ccd;padding-bottom:.3rem}
-table{border-collapse:collapse;width:100%;font-size:.88rem}td,th{border-bottom:1px solid #e3e6ea;padding:.3rem .5rem;text-align:left;vertical-align:top}
+table{border-collapse:collapse;width:100%;font-size:.88rem}
+td,th{border-bottom:1px solid #e3e6ea;padding:.3rem .5rem;text-align:left;vertical-align:top}
 th{background:#f4f6f8}.sev-critical{color:#b00020;font-weight:600}.sev-warning{color:#a15c00}
-.figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(210px,1fr));gap:.6rem;margin:1rem 0}
-.fig{border:1px solid #dde;border-radius:6px;padding:.5rem .8rem}.fig b{display:block;font-size:1.2rem}
+.figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(210px,1fr));gap:.6rem;
+margin:1rem 0}
+.fig{border:1px solid #dde;border-radius:6px;padding:.5rem .8rem}
+.fig b{display:block;font-size:1.2rem}
 .muted{color:#667}code{font-size:.85rem}.none{padding:2rem;border:1px dashed #aab;border-radius:6px}
 """
 
@@ -138,23 +142,30 @@ def render_html(report: dict[str, Any]) -> str:
     run = report["run"]
     body = [
         f"<h1>Post-mortem: run <code>{esc(run['name'])}</code></h1>",
-        f"<p class='muted'>{len(report['incidents'])} incident(s) · world size {run['world_size']} · "
-        f"run {esc(str(run['status']))}, last step {run['last_step']} · generated {clock(report['generated_at'], ms=False)}</p>",
+        f"<p class='muted'>{len(report['incidents'])} incident(s) · world size "
+        f"{run['world_size']} · "
+        f"run {esc(str(run['status']))}, last step {run['last_step']} · generated "
+        f"{clock(report['generated_at'], ms=False)}</p>",
     ]
     if good := goodput_line(report.get("goodput")):
         body.append(f"<p id='goodput'><b>Goodput</b>: {esc(good)}</p>")
     if not report["incidents"]:
         body.append(
-            "<p class='none' id='no-incidents'>No incidents: no alert of this run fired and nobody opened one.</p>"
+            "<p class='none' id='no-incidents'>No incidents: no alert of this run fired and "
+            "nobody opened one.</p>"
         )
     for n, t in enumerate(report["incidents"]):
         i, f = t["incident"], t["figures"]
         body.append(f"<h2 id='incident-{i['id']}'>{esc(_title(t))}</h2>")
-        meta = f"severity {esc(i['severity'])} · opened {clock(i['opened_at'])} by {esc(i['opened_by'])}"
+        meta = (
+            f"severity {esc(i['severity'])} · opened {clock(i['opened_at'])} by "
+            f"{esc(i['opened_by'])}"
+        )
         if i["closed_at"]:
             meta += f" · closed {clock(i['closed_at'])} by {esc(str(i['closed_by']))}"
         body.append(
-            f"<p class='muted'>{meta} · ranks {esc(', '.join(map(str, i['ranks'])) or '-')} · nodes {esc(', '.join(i['nodes']) or '-')}</p>"
+            f"<p class='muted'>{meta} · ranks {esc(', '.join(map(str, i['ranks'])) or '-')} "
+            f"· nodes {esc(', '.join(i['nodes']) or '-')}</p>"
         )
         if i.get("summary"):
             body.append(f"<blockquote>{esc(i['summary'])}</blockquote>")
@@ -178,21 +189,24 @@ def render_html(report: dict[str, Any]) -> str:
             if e.get("ui_url"):
                 links.append(f"<a href='{esc(e['ui_url'])}'>open</a>")
             rows.append(
-                f"<tr class='entry sev-{esc(e['severity'])}' data-source='{esc(e['source'])}' data-kind='{esc(e['kind'])}'>"
+                f"<tr class='entry sev-{esc(e['severity'])}' "
+                f"data-source='{esc(e['source'])}' data-kind='{esc(e['kind'])}'>"
                 f"<td>{clock(e['at'])[11:23]}</td><td>{'' if e['step'] is None else e['step']}</td>"
                 f"<td>{esc(e['source'])}/{esc(e['kind'])}</td><td>{esc(_where(e))}</td><td>{esc(e['severity'])}</td>"
                 f"<td>{esc(e['text'])}</td><td>{' '.join(links)}</td></tr>"
             )
         body.append(
             "<h3>Timeline</h3><table class='timeline'><thead><tr><th>Time (UTC)</th><th>Step</th>"
-            "<th>Source</th><th>Rank / node</th><th>Severity</th><th>What</th><th>Links</th></tr></thead>"
+            "<th>Source</th><th>Rank / "
+            "node</th><th>Severity</th><th>What</th><th>Links</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>"
         )
     if report["notes"]:
         body.append(
             "<h2>Logbook</h2><ul>"
             + "".join(
-                f"<li><code>{clock(n['at'])}</code> <b>{esc(n['author'])}</b>: {esc(n['text'])}</li>"
+                f"<li><code>{clock(n['at'])}</code> <b>{esc(n['author'])}</b>: "
+                f"{esc(n['text'])}</li>"
                 for n in report["notes"]
             )
             + "</ul>"
@@ -208,6 +222,7 @@ def render_html(report: dict[str, Any]) -> str:
         )
     script = f"<script>{get_plotlyjs()}</script>" if report["incidents"] else ""
     return (
-        f"<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Post-mortem: {esc(run['name'])}</title>"
+        "<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'><title>Post-mortem: "
+        f"{esc(run['name'])}</title>"
         f"<style>{CSS}</style>{script}</head><body>{''.join(body)}</body></html>\n"
     )

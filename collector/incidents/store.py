@@ -376,9 +376,3 @@ def merge_incidents(
         now=now,
     )
     conn.execute(update(m.incidents).where(inc.id == into).values(updated_at=now))
-
-
-# -- the logbook ----------------------------------------------------------------------------
-
-
-# -- inside serve -------------------------------------------------------------------------

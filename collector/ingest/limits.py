@@ -119,7 +119,8 @@ class BodyLimit:
     async def _refuse(self, send: Any, size: str) -> None:
         body = json.dumps(
             {
-                "error": f"request body {size} is over the {self.limit:,}-byte limit; send smaller batches"
+                "error": f"request body {size} is over the {self.limit:,}-byte limit; send "
+                "smaller batches"
             }
         )
         await json_response(send, 413, body.encode())

@@ -28,14 +28,16 @@ _PAGE = """<!doctype html>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{title} · trainwarden runbook</title>
 <style>
-:root {{ color-scheme: light dark; --fg: #1d2430; --bg: #ffffff; --muted: #5b6575; --code: #f2f4f7; --line: #d9dee6; }}
+:root {{ color-scheme: light dark; --fg: #1d2430; --bg: #ffffff; --muted: #5b6575;
+         --code: #f2f4f7; --line: #d9dee6; }}
 @media (prefers-color-scheme: dark) {{
   :root {{ --fg: #e6e9ef; --bg: #12161d; --muted: #9aa4b2; --code: #1d232d; --line: #2c3440; }}
 }}
 body {{ font: 16px/1.55 system-ui, sans-serif; color: var(--fg); background: var(--bg);
        max-width: 52rem; margin: 2rem auto; padding: 0 1rem; }}
 a {{ color: #3d7bfd; }} nav {{ color: var(--muted); font-size: .9rem; margin-bottom: 1rem; }}
-h1 {{ margin-bottom: .2rem; }} h2 {{ border-bottom: 1px solid var(--line); padding-bottom: .2rem; margin-top: 2rem; }}
+h1 {{ margin-bottom: .2rem; }}
+h2 {{ border-bottom: 1px solid var(--line); padding-bottom: .2rem; margin-top: 2rem; }}
 code {{ background: var(--code); padding: .1rem .3rem; border-radius: 4px; font-size: .9em; }}
 pre {{ background: var(--code); padding: .8rem 1rem; border-radius: 6px; overflow-x: auto; }}
 pre code {{ padding: 0; }} table {{ border-collapse: collapse; }}

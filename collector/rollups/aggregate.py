@@ -31,7 +31,8 @@ _SQL = {  # metric: (per-rank value, run-level total), the same as the Python de
     "mfu": (
         "mfu",
         f"CASE WHEN count(*) FILTER (WHERE {_RATED}) = 0 OR coalesce({_LONGEST}, 0) = 0 THEN NULL "
-        f"ELSE sum(flops) FILTER (WHERE {_RATED}) / ({_LONGEST} * sum(peak_flops) FILTER (WHERE {_RATED})) END",
+        f"ELSE sum(flops) FILTER (WHERE {_RATED}) / ({_LONGEST} * sum(peak_flops) FILTER "
+        f"(WHERE {_RATED})) END",
     ),
     "grad_norm": ("grad_norm", "max(grad_norm)"),
     "exposed_comm_frac": (

@@ -319,9 +319,11 @@ def _from_raw_sql() -> str:
     names = " UNION ALL ".join(f"SELECT '{metric}' AS metric" for metric in HEATMAP_COLUMNS)
     return (
         "SELECT run_id, metric, level, bucket, rank, max FROM ("
-        f"SELECT t.run_id, k.metric, {small} AS level, t.bucket, t.rank, CASE k.metric {pick} END AS max "
+        f"SELECT t.run_id, k.metric, {small} AS level, t.bucket, t.rank, CASE k.metric "
+        f"{pick} END AS max "
         f"FROM (SELECT run_id, step / {small} AS bucket, rank, {maxima} FROM rank_steps "
-        f"WHERE run_id = :run AND step BETWEEN :lo AND :hi GROUP BY run_id, step / {small}, rank) AS t "
+        f"WHERE run_id = :run AND step BETWEEN :lo AND :hi GROUP BY run_id, step / {small}, "
+        "rank) AS t "
         f"CROSS JOIN ({names}) AS k) AS c WHERE max IS NOT NULL"
     )
 

@@ -157,7 +157,8 @@ def check_connection(engine: Engine) -> None:
     except Exception as exc:
         reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
         raise DatabaseError(
-            f"cannot connect to database {engine.url.render_as_string(hide_password=True)}: {reason}"
+            f"cannot connect to database {engine.url.render_as_string(hide_password=True)}: "
+            f"{reason}"
         ) from None
 
 
