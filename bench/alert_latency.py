@@ -249,8 +249,8 @@ def measure(db_url: str, args: argparse.Namespace) -> None:
         else "no background load"
     )
     print(
-        f"trainwarden alert latency ({os.cpu_count()} cpus; one collector process; {db} on the same "
-        f"machine; default rule pack; one webhook receiver on loopback; {load_txt})",
+        f"trainwarden alert latency ({os.cpu_count()} cpus; one collector process; {db} "
+        f"on the same machine; default rule pack; one webhook receiver on loopback; {load_txt})",
         flush=True,
     )
     hook = Webhook()
@@ -311,24 +311,29 @@ def measure(db_url: str, args: argparse.Namespace) -> None:
     pass_mean = (sum1 - sum0) / passes if passes else float("nan")
 
     print(
-        f"XID 79 on {args.events} new ranks, one every {args.interval:g} s: {len(answered)} accepted, "
-        f"{len(got)} FatalXid notifications, {len(answered) - len(got)} missing after {args.tail:g} s; "
+        f"XID 79 on {args.events} new ranks, one every {args.interval:g} s: "
+        f"{len(answered)} accepted, {len(got)} FatalXid notifications, "
+        f"{len(answered) - len(got)} missing after {args.tail:g} s; "
         f"{others} other notifications"
     )
     print(f"  POST sent -> webhook called (t_notify - t0):           {quantiles(total)}")
     print(f"  POST answered -> webhook called (t_notify - t_commit): {quantiles(after)}")
     print("  where the time goes (per alert; pass start and send start from the alerts API):")
     print(
-        f"    POST sent -> stored, answered (commit wait):        {quantiles([s.t_commit - s.t0 for s in got])}"
+        "    POST sent -> stored, answered (commit wait):        "
+        f"{quantiles([s.t_commit - s.t0 for s in got])}"
     )  # type: ignore[operator]
     print(
-        f"    answered -> engine pass starts (wake; < 0: sooner): {quantiles([s.fired_at - s.t_commit for s in timed])}"
+        "    answered -> engine pass starts (wake; < 0: sooner): "
+        f"{quantiles([s.fired_at - s.t_commit for s in timed])}"
     )  # type: ignore[operator]
     print(
-        f"    pass starts -> notifier sends (pass + hand-off):    {quantiles([s.sent_at - s.fired_at for s in timed])}"
+        "    pass starts -> notifier sends (pass + hand-off):    "
+        f"{quantiles([s.sent_at - s.fired_at for s in timed])}"
     )  # type: ignore[operator]
     print(
-        f"    notifier sends -> webhook called (delivery):        {quantiles([s.t_notify - s.sent_at for s in timed])}"
+        "    notifier sends -> webhook called (delivery):        "
+        f"{quantiles([s.t_notify - s.sent_at for s in timed])}"
     )  # type: ignore[operator]
     print(
         f"  engine: {passes} passes in {window:.0f} s, mean pass {pass_mean * 1000:.0f} ms "

@@ -1,11 +1,13 @@
 """What checking tokens costs ingest, measured in one run on one PostgreSQL.
 
     python bench/auth_cost.py [--db postgresql+psycopg://postgres@127.0.0.1:5432/test]
-                              [--ranks 1024] [--ranks-per-node 8] [--steps-per-s 4] [--duration 20]
+                              [--ranks 1024] [--ranks-per-node 8] [--steps-per-s 4]
+                              [--duration 20]
 
 The same load (the load generator: one request per node per step) against
 ``trainwarden serve --auth off`` and against ``serve`` as shipped (auth required, an
-ingest token on every request); prints points/s and the p95 request latency of each, and their ratios.
+ingest token on every request); prints points/s and the p95 request latency of each, and
+their ratios.
 """
 
 from __future__ import annotations

@@ -389,7 +389,8 @@ def count(
         # The agents' events; the collector adds its own about the ranks (state changes,
         # restarts, loss divergence, actions).
         events = per_rank(
-            "SELECT rank, count(*) FROM events WHERE run_id = %s AND rank IS NOT NULL AND kind NOT IN "
+            "SELECT rank, count(*) FROM events WHERE run_id = %s AND rank IS NOT NULL "
+            "AND kind NOT IN "
             "('rank_state', 'restart', 'loss_divergence', 'action', 'action_failed') GROUP BY rank"
         )
         gpu = per_rank("SELECT rank, count(*) FROM gpu_samples WHERE run_id = %s GROUP BY rank")
@@ -440,7 +441,8 @@ def count(
 
 def report(f: dict[str, Any], args: argparse.Namespace) -> None:
     print(
-        f"chaos: {args.ranks} ranks for {args.seconds:.0f} s ({os.cpu_count()} cpus); faults: {'; '.join(f['faults'])}"
+        f"chaos: {args.ranks} ranks for {args.seconds:.0f} s ({os.cpu_count()} cpus); "
+        f"faults: {'; '.join(f['faults'])}"
     )
     print(
         f"  records recorded by the agents {f['recorded']:,}, stored {f['stored']:,}: "
@@ -451,7 +453,8 @@ def report(f: dict[str, Any], args: argparse.Namespace) -> None:
         ratio = f["step_s_down"] / f["step_s_up"]
         print(
             f"  trainer step time, median: {f['step_s_up'] * 1000:.2f} ms with everything up "
-            f"({f['steps_up']:,} steps), {f['step_s_down'] * 1000:.2f} ms while the network was cut and "
+            f"({f['steps_up']:,} steps), {f['step_s_down'] * 1000:.2f} ms "
+            f"while the network was cut and "
             f"the agents spooled ({f['steps_down']:,} steps): x{ratio:.3f} (target: within 2 %)"
         )
 

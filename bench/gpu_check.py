@@ -70,7 +70,8 @@ def nvml_check() -> None:
 
     pynvml.nvmlInit()
     print(
-        f"driver {pynvml.nvmlSystemGetDriverVersion()}, nvidia-ml-py {pynvml.__version__ if hasattr(pynvml, '__version__') else '?'}"
+        f"driver {pynvml.nvmlSystemGetDriverVersion()}, "
+        f"nvidia-ml-py {pynvml.__version__ if hasattr(pynvml, '__version__') else '?'}"
     )
     pynvml.nvmlShutdown()
     device = NvmlDevice(0)

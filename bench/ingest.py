@@ -139,7 +139,8 @@ def end_to_end(
                 ).scalar()
             engine.dispose()
             print(
-                f"    crashed run: {crashed.rows:,} rows in {CRASH_RUN_S:.0f} s, then silent for {CRASH_WAIT_S:.0f} s: "
+                f"    crashed run: {crashed.rows:,} rows in {CRASH_RUN_S:.0f} s, "
+                f"then silent for {CRASH_WAIT_S:.0f} s: "
                 f"its ranks {states}, {firing:,} alerts firing"
             )
         nodes = -(-ranks // ranks_per_node)
@@ -255,12 +256,14 @@ def main() -> None:
         copy_rows = raw_copy(dsn, args.copy_rows, args.user_metrics)
         metrics = len(METRIC_COLUMNS) + args.user_metrics
         print(
-            f"trainwarden ingest benchmark ({os.cpu_count()} cpus; one collector process; PostgreSQL "
-            f"on the same machine; {metrics} metrics per row = {len(METRIC_COLUMNS)} built-in + "
+            f"trainwarden ingest benchmark ({os.cpu_count()} cpus; one collector process; "
+            f"PostgreSQL on the same machine; {metrics} metrics per row = "
+            f"{len(METRIC_COLUMNS)} built-in + "
             f"{args.user_metrics} user metrics)"
         )
         print(
-            f"(a) raw binary COPY:        {copy_rows:>12,.0f} rows/s = {copy_rows * metrics:>13,.0f} points/s"
+            f"(a) raw binary COPY:        {copy_rows:>12,.0f} rows/s = "
+            f"{copy_rows * metrics:>13,.0f} points/s"
         )
         e2e = end_to_end(
             sa_url,
@@ -277,26 +280,31 @@ def main() -> None:
             else f"a request of {args.ranks_per_node} ranks, as a relay sends"
         )
         print(
-            f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = {e2e['points_per_s']:>13,.0f} points/s "
-            f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s, {shape}; {e2e['failed']:.0f} failed requests)"
+            f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = "
+            f"{e2e['points_per_s']:>13,.0f} points/s "
+            f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s, {shape}; "
+            f"{e2e['failed']:.0f} failed requests)"
         )
         if e2e["steps_measured"]:
             print(
-                f"    p95 step complete -> queryable: {e2e['p95_queryable_s']:.2f} s over {e2e['steps_measured']:.0f} steps "
+                f"    p95 step complete -> queryable: {e2e['p95_queryable_s']:.2f} s "
+                f"over {e2e['steps_measured']:.0f} steps "
                 f"(target <= 2 s); request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
             )
         else:  # past saturation: the load generator does not send a refused request again
             print(
-                f"    p95 step complete -> queryable: not measured, no step had every rank's row (the collector "
-                f"did not take {e2e['failed']:.0f} requests (503 when busy), which agents send again and the load "
-                f"generator does not); request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
+                f"    p95 step complete -> queryable: not measured, no step had every rank's row "
+                f"(the collector did not take {e2e['failed']:.0f} requests (503 when busy), "
+                f"which agents send again and the load generator does not); "
+                f"request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
             )
         serve_us, pg_us, load_us = e2e["cpu_us_per_row"]
         cores = (serve_us + pg_us + load_us) * e2e["rows_per_s"] / 1e6
         print(
-            f"    CPU a stored row: collector {serve_us:.0f} us, PostgreSQL {pg_us:.0f} us, load generator "
-            f"(and the latency probe) {load_us:.0f} us: {cores:.2f} of {os.cpu_count()} cores busy; the "
-            f"collector's Python runs on one core at a time (its interpreter lock)"
+            f"    CPU a stored row: collector {serve_us:.0f} us, PostgreSQL {pg_us:.0f} us, "
+            f"load generator (and the latency probe) {load_us:.0f} us: "
+            f"{cores:.2f} of {os.cpu_count()} cores busy; "
+            f"the collector's Python runs on one core at a time (its interpreter lock)"
         )
         print(f"    (b)/(a) = {e2e['points_per_s'] / (copy_rows * metrics):.4f}")
         peer = mlflow_points_per_s(
@@ -307,7 +315,9 @@ def main() -> None:
         else:
             print(
                 # The peer logs the built-in metrics of each row (bench/peer_mlflow.py).
-                f"(c) MLflow log-batch:       {peer['points_per_s'] / len(METRIC_COLUMNS):>12,.0f} rows/s = {peer['points_per_s']:>13,.0f} points/s"
+                f"(c) MLflow log-batch:       "
+                f"{peer['points_per_s'] / len(METRIC_COLUMNS):>12,.0f} rows/s = "
+                f"{peer['points_per_s']:>13,.0f} points/s"
             )
             print(f"    {describe(peer)}")
             ratio = (

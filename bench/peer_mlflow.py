@@ -61,7 +61,8 @@ def find_mlflow() -> tuple[str | None, str]:
         return str(local), "bench/.mlflow-venv"
     return (
         None,
-        f"no mlflow executable ($TRAINWARDEN_BENCH_MLFLOW, PATH, bench/.mlflow-venv); {INSTALL_HINT}",
+        "no mlflow executable ($TRAINWARDEN_BENCH_MLFLOW, PATH, bench/.mlflow-venv); "
+        f"{INSTALL_HINT}",
     )
 
 
@@ -72,7 +73,10 @@ def mlflow_version(executable: str) -> str:
 
 @contextmanager
 def mlflow_server(executable: str, dsn: str, *, workers: int) -> Iterator[str]:
-    """``mlflow server`` with ``dsn`` as its backend store on a free loopback port; yields its URL."""
+    """``mlflow server`` with ``dsn`` as its backend store on a free loopback port.
+
+    Yields its URL.
+    """
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -104,21 +104,25 @@ def seed(sa_url: str, pg_dsn: str, *, ranks: int, steps: int) -> None:
         # 10M rows in Python; only the query path is measured).
         for metric, column in (("loss", "loss"), ("step_time", "duration_s"), ("mfu", "mfu")):
             conn.execute(
-                f"INSERT INTO step_stats (run_id, metric, step, ts, n, nonfinite, min, median, max, mean, total) "
+                "INSERT INTO step_stats "
+                "(run_id, metric, step, ts, n, nonfinite, min, median, max, mean, total) "
                 f"SELECT 1, %s, step, min(ts), count(*), 0, min({column}), "
-                f"percentile_cont(0.5) WITHIN GROUP (ORDER BY {column}), max({column}), avg({column}), "
+                f"percentile_cont(0.5) WITHIN GROUP (ORDER BY {column}), max({column}), "
+                f"avg({column}), "
                 f"avg({column}) FROM rank_steps GROUP BY step",
                 (metric,),
             )
         for level in LEVELS:  # the per-rank bucket maxima the worker keeps for heatmaps
             conn.execute(
                 f"INSERT INTO rank_buckets (run_id, metric, level, bucket, rank, max) "
-                f"SELECT 1, 'step_time', {level}, step / {level}, rank, max(duration_s) FROM rank_steps "
+                f"SELECT 1, 'step_time', {level}, step / {level}, rank, max(duration_s) "
+                f"FROM rank_steps "
                 f"GROUP BY step / {level}, rank"
             )
         conn.execute("ANALYZE")
     print(
-        f"rolled up {steps:,} steps (3 metrics, heatmap buckets) in {time.perf_counter() - t0:.0f}s",
+        f"rolled up {steps:,} steps (3 metrics, heatmap buckets) "
+        f"in {time.perf_counter() - t0:.0f}s",
         flush=True,
     )
     engine.dispose()
@@ -149,7 +153,8 @@ def main() -> None:
             httpx.Client(base_url=url, timeout=30) as client,
         ):
             print(
-                f"run-overview queries on {args.ranks:,} ranks x {args.steps:,} steps ({os.cpu_count()} cpus), "
+                f"run-overview queries on {args.ranks:,} ranks x {args.steps:,} steps "
+                f"({os.cpu_count()} cpus), "
                 f"{args.repeat} each; target p95 <= 200 ms"
             )
             queries = [

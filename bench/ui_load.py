@@ -65,16 +65,20 @@ def seed_more(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         # The ranks, as their agents would have registered: 8 to a node; rank 17 is slow.
         conn.execute(
-            "INSERT INTO ranks (run_id, rank, local_rank, host, node, pid, session, first_seen, last_seen, last_step, state) "
-            "SELECT 1, r, r % 8, 'node' || (r / 8), 'node' || (r / 8), 1000 + r, 's' || r, ts, ts, step, 'finished' "
+            "INSERT INTO ranks (run_id, rank, local_rank, host, node, pid, session, "
+            "first_seen, last_seen, last_step, state) "
+            "SELECT 1, r, r % 8, 'node' || (r / 8), 'node' || (r / 8), 1000 + r, 's' || r, "
+            "ts, ts, step, 'finished' "
             "FROM generate_series(0, (SELECT world_size FROM runs WHERE id = 1) - 1) AS r, "
             "(SELECT max(ts) AS ts, max(step) AS step FROM rank_steps WHERE rank = 0) AS last"
         )
         for metric, value, total in EXTRA:
             conn.execute(
-                f"INSERT INTO step_stats (run_id, metric, step, ts, n, nonfinite, min, median, max, mean, total) "
+                "INSERT INTO step_stats "
+                "(run_id, metric, step, ts, n, nonfinite, min, median, max, mean, total) "
                 f"SELECT 1, %s, step, min(ts), count(*), 0, min({value}), "
-                f"percentile_cont(0.5) WITHIN GROUP (ORDER BY {value}), max({value}), avg({value}), "
+                f"percentile_cont(0.5) WITHIN GROUP (ORDER BY {value}), max({value}), "
+                f"avg({value}), "
                 f"{total} FROM rank_steps GROUP BY step",
                 (metric,),
             )
@@ -88,7 +92,8 @@ def seed_more(dsn: str) -> None:
                 )
         conn.execute("ANALYZE")
     print(
-        f"rolled up {len(EXTRA)} more metrics and {len(BUCKETED)} heatmap metrics in {time.perf_counter() - t0:.0f}s",
+        f"rolled up {len(EXTRA)} more metrics and {len(BUCKETED)} heatmap metrics "
+        f"in {time.perf_counter() - t0:.0f}s",
         flush=True,
     )
 
@@ -176,7 +181,8 @@ def main() -> None:
                 warm = [first_graph(browser, url + path) for _ in range(args.repeat)]
                 worst = max(worst, cold, *warm)
                 print(
-                    f"  {name:<14} first visit {cold:5.2f} s   then median {statistics.median(warm):5.2f} s, "
+                    f"  {name:<14} first visit {cold:5.2f} s   "
+                    f"then median {statistics.median(warm):5.2f} s, "
                     f"max {max(warm):5.2f} s ({args.repeat} visits)"
                 )
             browser.close()

@@ -309,7 +309,8 @@ def live_server(db_url: str, tmp_path: Path) -> Iterator[Server]:
 def browser():  # type: ignore[no-untyped-def]
     if not os.path.exists(CHROMIUM):
         pytest.fail(
-            f"BROWSER MISSING: {CHROMIUM} not found. Install it: apt-get install -y chromium chromium-driver",
+            f"BROWSER MISSING: {CHROMIUM} not found. "
+            "Install it: apt-get install -y chromium chromium-driver",
             pytrace=False,
         )
     from playwright.sync_api import sync_playwright

@@ -487,7 +487,8 @@ def _breakdown(
     return True
 
 
-SPREAD = [  # step time across ranks over the stack (whose top is the slowest rank): (column, label, dash)
+# Step time across ranks over the stack (whose top is the slowest rank): (column, label, dash).
+SPREAD = [
     ("p99", "step time p99 across ranks", "dash"),
     ("median", "step time median across ranks", "dot"),
 ]

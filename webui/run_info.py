@@ -293,7 +293,9 @@ def breakdown_figure(
                 "insidetextanchor": "middle",
                 "textfont": {"color": "#fff"},
                 "customdata": [[gpu_s / 3600]],
-                "hovertemplate": f"{label}: %{{x:.1f}}% · %{{customdata[0]:.3f}} GPU-h<extra></extra>",
+                "hovertemplate": (
+                    f"{label}: %{{x:.1f}}% · %{{customdata[0]:.3f}} GPU-h<extra></extra>"
+                ),
             }
         )
     return {"data": data, "layout": layout}
@@ -384,7 +386,8 @@ def checkpoints_section(ckpt: dict[str, Any], adv: dict[str, Any]) -> Any:
             ),
             (
                 "Blocking cost C",
-                f"{span(ckpt.get('blocking_s'))} (median) · {span(ckpt.get('blocking_total_s'))} in all"
+                f"{span(ckpt.get('blocking_s'))} (median) · "
+                f"{span(ckpt.get('blocking_total_s'))} in all"
                 + (f" · async drain {span(drain)}" if drain is not None else ""),
             ),
             ("Size", size(ckpt.get("bytes"))),

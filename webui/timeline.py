@@ -13,8 +13,8 @@ from urllib.parse import parse_qs, quote
 import plotly.graph_objects as go
 from dash import dcc, html
 
-from trainwarden.collector.incidents.schemas import IncidentOut
 from trainwarden.collector.incidents.report_format import duration
+from trainwarden.collector.incidents.schemas import IncidentOut
 
 from .components import ago, clock, notice
 from .figures import empty_figure, themed
@@ -198,7 +198,10 @@ def figures_card(figures: dict[str, Any] | None, definitions: dict[str, str]) ->
     for key, label in FIGURES:
         hint = definitions.get(key, "")
         if key == "cost" and figures.get("price_per_gpu_hour") is None:
-            hint = "no price per GPU-hour: start serve with --price-per-gpu-hour (TRAINWARDEN_PRICE_PER_GPU_HOUR)"
+            hint = (
+                "no price per GPU-hour: start serve with --price-per-gpu-hour "
+                "(TRAINWARDEN_PRICE_PER_GPU_HOUR)"
+            )
         items.append(
             html.Div(
                 [

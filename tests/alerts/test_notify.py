@@ -320,7 +320,8 @@ def test_a_receiver_that_is_down_is_given_up_after_max_attempts(tmp_path: Path) 
     down = f"http://127.0.0.1:{free_port()}/"  # nothing listens there
     cfg = config(
         tmp_path,
-        f"receivers:\n  - {{name: down, kind: slack, url: '{down}'}}\nroutes:\n  - receivers: [down]\n",
+        f"receivers:\n  - {{name: down, kind: slack, url: '{down}'}}\n"
+        "routes:\n  - receivers: [down]\n",
     )
     attempts, d = deliver(cfg, note(), max_attempts=3)
     assert [(a.attempt, a.ok, a.http_status, a.error, a.final) for a in attempts] == [
@@ -381,10 +382,10 @@ def test_a_failed_firing_is_not_retried_once_its_resolve_waits(
         ("firing", False, True),
         ("resolved", True, True),
     ]
-    assert (
-        attempts[0].error
-        == "HTTP 503: bad day at the receiver; not retried: a newer notification of this alert follows"
+    expected = (
+        "HTTP 503: bad day at the receiver; not retried: a newer notification of this alert follows"
     )
+    assert attempts[0].error == expected
     assert (d.sent, d.failed) == (1, 1)
 
 
@@ -504,7 +505,8 @@ receivers:
         (
             GOOD_RECEIVERS.replace("routing_key: abc", "routing_key: ${TW_TEST_UNSET}")
             + "routes: [{receivers: [pd]}]\n",
-            "notify.yaml:3: receiver 'pd': routing_key: ${TW_TEST_UNSET}: the environment variable TW_TEST_UNSET is not set",
+            "notify.yaml:3: receiver 'pd': routing_key: ${TW_TEST_UNSET}: "
+            "the environment variable TW_TEST_UNSET is not set",
         ),
         (
             GOOD_RECEIVERS.replace("routing_key: abc", "routing_kye: abc")
@@ -514,12 +516,14 @@ receivers:
         (
             GOOD_RECEIVERS.replace("http://127.0.0.1:9093", "127.0.0.1:9093")
             + "routes: [{receivers: [am]}]\n",
-            "notify.yaml:2: receiver 'am': url: '127.0.0.1:9093' is not an http:// or https:// URL with a host",
+            "notify.yaml:2: receiver 'am': url: '127.0.0.1:9093' "
+            "is not an http:// or https:// URL with a host",
         ),
         (
             GOOD_RECEIVERS.replace("kind: pagerduty", "kind: opsgenie")
             + "routes: [{receivers: [am]}]\n",
-            "notify.yaml:3: receiver 'pd': kind: 'opsgenie' is not a kind; known: alertmanager, pagerduty, slack, webhook",
+            "notify.yaml:3: receiver 'pd': kind: 'opsgenie' is not a kind; "
+            "known: alertmanager, pagerduty, slack, webhook",
         ),
         (
             GOOD_RECEIVERS + "routes:\n  - match_re: {run: 'prod-('}\n    receivers: [am]\n",

@@ -453,9 +453,11 @@ def test_errors_name_the_file_the_line_the_rule_and_the_field(tmp_path: Path) ->
     with pytest.raises(RuleError) as caught:
         load_rules(path)
     assert str(caught.value).splitlines() == [
-        f"{path}:2: rule 'LowMFU': for: '5 parsecs' is not a duration ('90s', '5m', '1h') or a step count ('50 steps')",
+        f"{path}:2: rule 'LowMFU': for: '5 parsecs' is not a duration ('90s', '5m', '1h') "
+        "or a step count ('50 steps')",
         f"{path}:15: rule 'Nameless': runbook: 'NoSuchRunbook.md' is not in {RUNBOOKS_DIR}",
-        f"{path}:15: rule 'Nameless': params.metric: 'perplexity' is not a rank metric trainwarden stores; known: {', '.join(r.STEP_METRICS)}",
+        f"{path}:15: rule 'Nameless': params.metric: 'perplexity' is not a rank metric "
+        f"trainwarden stores; known: {', '.join(r.STEP_METRICS)}",
     ]
 
 

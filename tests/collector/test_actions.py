@@ -928,10 +928,10 @@ def test_fast_steps_roll_back_to_a_checkpoint_saved_before_the_spiked_update(clu
     assert [r.bad for r in run.ranks] == [False, False]
     assert states(done)[-3:] == ["executing", "executing", "done"]
     (checking,) = [h for h in done["history"] if "checking" in (h["detail"] or "")]
-    assert (
-        checking["detail"]
-        == "every rank restored the checkpoint of step 110; checking LossSpike on the steps run again"
+    expected = (
+        "every rank restored the checkpoint of step 110; checking LossSpike on the steps run again"
     )
+    assert checking["detail"] == expected
     assert summary("rollback", "done", done["result"], None).endswith(
         "; LossSpike no longer holds on steps 111-115 run again"
     )
@@ -967,7 +967,8 @@ def test_a_restore_that_does_not_bring_the_loss_back_rolls_back_again_to_an_olde
     assert [r.bad for r in run.ranks] == [False, False]
     again = [h["detail"] for h in done["history"] if h["state"] == "approved"][-1]
     assert again.startswith(
-        "the restore of the checkpoint of step 110 did not fix it (steps 111-115 run again): run: loss"
+        "the restore of the checkpoint of step 110 did not fix it "
+        "(steps 111-115 run again): run: loss"
     )
     assert again.endswith("; rolling back to an older checkpoint")
     text = summary("rollback", "done", done["result"], None)
@@ -983,7 +984,8 @@ def test_a_rollback_whose_restores_never_bring_the_loss_back_fails_and_pages(clu
     assert failed["state"] == "failed", failed["history"]
     assert [[p.checkpoint_step for p in r.restored] for r in run.ranks] == [[110, 100]] * 2
     assert failed["reason"].startswith(
-        "the restore of the checkpoint of step 100 did not fix it (steps 101-105 run again): run: loss"
+        "the restore of the checkpoint of step 100 did not fix it "
+        "(steps 101-105 run again): run: loss"
     )
     assert failed["reason"].endswith(
         "; retry budget spent: 2 rollbacks within 6h; stopping the run instead"
@@ -1183,10 +1185,11 @@ def test_evictions_wait_out_the_cool_down_and_stop_at_the_blast_radius(
     xid(run, 3)
     third = run.second()[-1]
     assert (third["node"], third["state"]) == ("node3", "failed")
-    assert (
-        third["reason"]
-        == "blast-radius guard: evicting node3 would make 3 of the run's 4 nodes within an hour (limit 50%)"
+    expected = (
+        "blast-radius guard: evicting node3 would make 3 of the run's 4 nodes "
+        "within an hour (limit 50%)"
     )
+    assert third["reason"] == expected
     assert script.ran("node3") is None
 
 
@@ -1202,10 +1205,11 @@ def test_the_blast_radius_guard_counts_the_run_s_nodes(cluster: Any, script: Scr
     xid(run, 1)
     second = run.second()[-1]
     assert (second["node"], second["state"]) == ("node1", "failed") and script.ran("node1") is None
-    assert (
-        second["reason"]
-        == "blast-radius guard: evicting node1 would make 2 of the run's 2 nodes within an hour (limit 25%)"
+    expected = (
+        "blast-radius guard: evicting node1 would make 2 of the run's 2 nodes "
+        "within an hour (limit 25%)"
     )
+    assert second["reason"] == expected
 
 
 # -- the operator's API ----------------------------------------------------------------

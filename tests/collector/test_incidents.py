@@ -53,7 +53,7 @@ def client(engine: Engine) -> Iterator[TestClient]:
 # -- grouping ------------------------------------------------------------------------------------
 
 
-def test_an_incident_opens_on_the_first_firing_alert_gathers_what_follows_and_closes_after_the_cooldown(
+def test_an_incident_opens_on_the_first_firing_alert_gathers_what_follows_and_closes_after_cooldown(
     engine: Engine, client: TestClient
 ) -> None:
     run_id = sc.make_run(engine)

@@ -167,20 +167,23 @@ def test_migration_0006_keeps_existing_rows(fresh_url: str) -> None:
     with engine.begin() as conn:
         conn.execute(
             text(
-                "INSERT INTO runs (name, created_at, updated_at, world_size, status) VALUES ('old', 0, 0, 1, 'running')"
+                "INSERT INTO runs (name, created_at, updated_at, world_size, status) "
+                "VALUES ('old', 0, 0, 1, 'running')"
             )
         )
         for step, ts in ((0, NOW - 3 * DAY_S), (1, NOW)):
             conn.execute(
                 text(
-                    "INSERT INTO rank_steps (run_id, step, rank, ts, recv_ts, duration_s, loss, flags) "
+                    "INSERT INTO rank_steps "
+                    "(run_id, step, rank, ts, recv_ts, duration_s, loss, flags) "
                     "VALUES (1, :s, 0, :ts, :ts, 0.5, 1.5, :f)"
                 ),
                 {"s": step, "ts": ts, "f": '["loss_spike"]' if step else None},
             )
         conn.execute(
             text(
-                "INSERT INTO gpu_samples (run_id, rank, ts, recv_ts, temp_c, simulated) VALUES (1, 0, :ts, :ts, 70, 0)"
+                "INSERT INTO gpu_samples (run_id, rank, ts, recv_ts, temp_c, simulated) "
+                "VALUES (1, 0, :ts, :ts, 70, 0)"
             ),
             {"ts": NOW},
         )

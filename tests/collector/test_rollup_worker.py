@@ -213,7 +213,8 @@ def test_the_recheck_reads_the_queued_steps_by_key_not_the_days_rows(pg_url: str
         conn.execute(text("TRUNCATE runs, rank_steps, rollup_queue RESTART IDENTITY CASCADE"))
         conn.execute(
             text(
-                "INSERT INTO runs (name, created_at, updated_at, world_size) VALUES ('big', :t, :t, 512)"
+                "INSERT INTO runs (name, created_at, updated_at, world_size) "
+                "VALUES ('big', :t, :t, 512)"
             ),
             {"t": T0},
         )
@@ -227,7 +228,8 @@ def test_the_recheck_reads_the_queued_steps_by_key_not_the_days_rows(pg_url: str
         )
         conn.execute(
             text(
-                "INSERT INTO rollup_queue (run_id, step, first_seen, seen_n, newest, rolled_n, rolled_at) "
+                "INSERT INTO rollup_queue "
+                "(run_id, step, first_seen, seen_n, newest, rolled_n, rolled_at) "
                 "SELECT 1, s, :t + s, 513, :t + s, 512, :t + s FROM generate_series(290, 299) s"
             ),
             {"t": T0},

@@ -97,7 +97,8 @@ def test_the_trainers_own_metrics_are_picked_and_drawn_on_the_run_page(
     page.wait_for_function(f"{USER_TRACES}.includes('lr median')", timeout=20_000)
     page.wait_for_function("() => location.search.includes('user=lr')", timeout=10_000)
     median = page.evaluate(
-        "document.querySelector('#run-user .js-plotly-plot').data.find(t => t.name === 'lr median').y"
+        "document.querySelector('#run-user .js-plotly-plot')"
+        ".data.find(t => t.name === 'lr median').y"
     )
     assert [round(v, 6) for v in median] == [round(1e-3 * (1 + i), 6) for i in range(12)]
     if os.environ.get("TRAINWARDEN_SCREENSHOTS"):

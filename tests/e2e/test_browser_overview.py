@@ -29,7 +29,10 @@ PLOT = "document.querySelector('#run-overview .js-plotly-plot')"
 X_RANGES = (
     f"[1, 2, 3, 4, 5, 6].map(i => {PLOT}._fullLayout['xaxis' + (i > 1 ? i : '')].range.map(Number))"
 )
-MEDIAN_POINTS = f"(({PLOT} || {{}}).data || []).filter(t => t.name === 'loss median').map(t => t.x.length)[0] || 0"
+MEDIAN_POINTS = (
+    f"(({PLOT} || {{}}).data || [])"
+    ".filter(t => t.name === 'loss median').map(t => t.x.length)[0] || 0"
+)
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +162,8 @@ def test_overview_draws_every_row_with_markers_and_updates_live(seeded: Server, 
     assert spike["x"] == [SPIKE[0]] and "rank 2" in spike["text"][0]
     # (Other alerts may fire later: these ranks stop heartbeating once seeded.)
     alerts = page.evaluate(
-        f"{PLOT}.data.filter(t => t.name === 'alert').flatMap(t => t.x.map((x, i) => [x, t.text[i]]))"
+        f"{PLOT}.data.filter(t => t.name === 'alert')"
+        ".flatMap(t => t.x.map((x, i) => [x, t.text[i]]))"
     )
     assert [50, "alert FatalXid rank 1 (critical, firing)"] in alerts, alerts
     assert "3 / 3" in page.locator("#run-header").inner_text()

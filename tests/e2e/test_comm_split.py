@@ -92,7 +92,8 @@ def test_exposed_comm_tracks_an_injected_delay(
             assert delay <= slept < delay * 1.5, (rank, delay, slept)
             d_compute = median_ms(block, "compute_s", 1) - median_ms(block, "compute_s", 0)
             print(
-                f"{source} rank {rank} X={delay} ms (slept {slept:.1f}): Δexposed {d_exposed:.1f} ms, "
+                f"{source} rank {rank} X={delay} ms (slept {slept:.1f}): "
+                f"Δexposed {d_exposed:.1f} ms, "
                 f"Δcompute {d_compute:.1f} ms"
             )
             assert abs(d_exposed - slept) <= 10, (rank, delay, slept, d_exposed)

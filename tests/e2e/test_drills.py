@@ -197,6 +197,7 @@ def test_one_slow_rank_among_eight_is_the_only_one_flagged(tmp_path: Path) -> No
     assert {e["rank"] for e in changes} == {5}, changes
     assert changes[0]["step"] - 10 <= 20
     print(
-        f"\n8 ranks: rank 5 (1.3x) flagged {changes[0]['step'] - 10} steps after its slowdown began; "
+        f"\n8 ranks: rank 5 (1.3x) flagged {changes[0]['step'] - 10} steps "
+        "after its slowdown began; "
         f"0 false flags on the other 7"
     )

@@ -78,11 +78,15 @@ def test_fatal_xid_drains_the_node_and_the_job_resumes_without_it(
         #!/bin/bash
         export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=0 OMP_NUM_THREADS=1
         export MASTER_ADDR=127.0.0.1 MASTER_PORT=$(( {free_port()} + ${{SLURM_RESTART_COUNT:-0}} ))
-        export TRAINWARDEN_FLUSH_INTERVAL=0.5 TRAINWARDEN_PROFILE_EVERY=0 TRAINWARDEN_GPU_INTERVAL=1
-        if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then export TRAINWARDEN_DRILL="xid=79@rank=1,step=25"; fi
+        export TRAINWARDEN_FLUSH_INTERVAL=0.5 TRAINWARDEN_PROFILE_EVERY=0
+        export TRAINWARDEN_GPU_INTERVAL=1
+        if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
+            export TRAINWARDEN_DRILL="xid=79@rank=1,step=25"
+        fi
         echo "attempt ${{SLURM_RESTART_COUNT:-0}}: rank $RANK of $WORLD_SIZE on $SLURMD_NODENAME"
-        exec {sys.executable} -m trainwarden.agent.demo_trainer --run-name {run} --url {server.url} \\
-            --steps {STEPS} --work-ms 100 --batch-size 16 --checkpoint-dir {ckpt} --checkpoint-every 10
+        exec {sys.executable} -m trainwarden.agent.demo_trainer --run-name {run} \\
+            --url {server.url} --steps {STEPS} --work-ms 100 --batch-size 16 \\
+            --checkpoint-dir {ckpt} --checkpoint-every 10
         """)
     )
     task.chmod(0o755)

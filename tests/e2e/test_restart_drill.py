@@ -71,7 +71,8 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
             return float(
                 conn.execute(
                     text(
-                        "SELECT sum(duration_s) FROM rank_steps s JOIN runs r ON r.id = s.run_id WHERE r.name = :n"
+                        "SELECT sum(duration_s) FROM rank_steps s "
+                        "JOIN runs r ON r.id = s.run_id WHERE r.name = :n"
                     ),
                     {"n": run},
                 ).scalar_one()
@@ -122,7 +123,8 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
         sessions = (
             conn.execute(
                 text(
-                    "SELECT attempt, rank, started_at, first_step_at, last_step, last_step_end, ended_at "
+                    "SELECT attempt, rank, started_at, first_step_at, last_step, last_step_end, "
+                    "ended_at "
                     "FROM attempt_sessions WHERE run_id = :r ORDER BY attempt, rank"
                 ),
                 {"r": run_id},
@@ -154,7 +156,8 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
     recovery = 2 * (min(s["first_step_at"] for s in two) - max(s["last_step_end"] for s in one))
     g = econ["goodput"]
     print(
-        f"\nrestart drill: allocation {allocation:.2f} GPU-s, kept {kept:.2f}, replayed {replayed:.2f}, "
+        f"\nrestart drill: allocation {allocation:.2f} GPU-s, kept {kept:.2f}, "
+        f"replayed {replayed:.2f}, "
         f"recovery {recovery:.2f}, ETTR {kept / allocation:.3f}; API: {g['breakdown_gpu_s']}"
     )
     assert g["allocation_gpu_s"] == pytest.approx(allocation, rel=1e-6)

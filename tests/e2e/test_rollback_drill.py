@@ -201,9 +201,11 @@ def test_loss_spike_rolls_every_rank_back_to_the_same_checkpoint(
         stop(procs)
         stop_serve(server)
     print(
-        f"\n{world} ranks: the command reached the ranks after step {action['plan']['answered_at_step']}; "
+        f"\n{world} ranks: the command reached the ranks "
+        f"after step {action['plan']['answered_at_step']}; "
         f"every rank restored after step {barrier} ({result['steps_after_command']} step(s) later; "
-        f"{result['since_prepare_s']:.2f} s from the prepare, commit -> restored {result['restored_within_s']:.2f} s, "
+        f"{result['since_prepare_s']:.2f} s from the prepare, "
+        f"commit -> restored {result['restored_within_s']:.2f} s, "
         f"at {step_s * 1000:.0f} ms a step); loss {before:.3f} before the spike"
         + (f", {spike:.3f} at its peak" if spike else "")
         + f", {after:.3f} at the end"

@@ -242,10 +242,11 @@ def test_actions_offer_approve_and_cancel_only_while_undecided() -> None:
         mode="auto",
         result={"ranks": ranks, "restored_within_s": 0.12},
     )
-    assert (
-        "every rank (2) restored the checkpoint of step 1000 after step 1259, 0.12 s after the commit"
-        in text(alerts.action_row(rolled, now=NOW))
+    expected = (
+        "every rank (2) restored the checkpoint of step 1000 after step 1259, "
+        "0.12 s after the commit"
     )
+    assert expected in text(alerts.action_row(rolled, now=NOW))
 
 
 def test_run_page_panel_lists_open_alerts_with_runbooks() -> None:

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine
 
-from trainwarden.collector.incidents.schemas import IncidentOut
 from trainwarden.collector.incidents.grouping import group
+from trainwarden.collector.incidents.schemas import IncidentOut
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.settings import Settings
 from trainwarden.collector.store.db import write
