@@ -1,4 +1,5 @@
-"""The hardware page of a run, ``/runs/<name>/hardware``: per node / GPU temperature, power, clocks, throttling, ECC and XID events.
+"""The hardware page of a run, ``/runs/<name>/hardware``: per node / GPU temperature, power,
+clocks, throttling, ECC and XID events.
 
 ``?rank=N`` narrows the page to that rank's GPU (its links come from the ranks page).
 """

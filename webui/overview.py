@@ -285,7 +285,9 @@ def range_label(data: Overview, view: dict[str, Any]) -> str:
     per = f" · 1 point = {base.bucket} steps" if base.bucket > 1 else ""
     if view.get("from") is None and view.get("to") is None:
         return f"Whole run: steps {base.step[0]:,}–{base.step[-1]:,}{per} · live"
-    return f"Steps {view.get('from') or 0:,}–{view['to'] if view.get('to') is not None else base.step[-1]:,}{per}"
+    first = view.get("from") or 0
+    last = view["to"] if view.get("to") is not None else base.step[-1]
+    return f"Steps {first:,}–{last:,}{per}"
 
 
 # -- the header, alerts and ranks panels ---------------------------------------------

@@ -1,4 +1,5 @@
-"""The ranks page of a run, ``/runs/<name>/ranks``: rank x step heatmaps, rank states, one rank's detail.
+"""The ranks page of a run, ``/runs/<name>/ranks``: rank x step heatmaps, rank states, one
+rank's detail.
 
 The URL holds what is shown: ``?rank=3&from=1200&to=1800`` (a rank's detail, a step
 range). Clicking a heatmap cell or a rank in the table sets ``rank``; zooming a step

@@ -179,7 +179,8 @@ def perform(
     who = (by or "").strip()
     if not who:
         return (
-            "Type your name in “Your name” first (this browser remembers it), then press the button again.",
+            "Type your name in “Your name” first (this browser remembers it), "
+            "then press the button again.",
             "error",
         )
     try:

@@ -17,19 +17,23 @@ from trainwarden.collector.incidents.report_format import (
     goodput_line,
 )
 
-CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem auto;max-width:1200px;
-color:#1d232b;padding:0 1rem}
-h1{font-size:1.6rem}h2{margin-top:2.5rem;border-bottom:1px solid #ccd;padding-bottom:.3rem}
-table{border-collapse:collapse;width:100%;font-size:.88rem}
-td,th{border-bottom:1px solid #e3e6ea;padding:.3rem .5rem;text-align:left;vertical-align:top}
-th{background:#f4f6f8}.sev-critical{color:#b00020;font-weight:600}.sev-warning{color:#a15c00}
-.figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(210px,1fr));gap:.6rem;
-margin:1rem 0}
-.fig{border:1px solid #dde;border-radius:6px;padding:.5rem .8rem}
-.fig b{display:block;font-size:1.2rem}
-.muted{color:#667}code{font-size:.85rem}.none{padding:2rem;border:1px dashed #aab;border-radius:6px}
-"""
+CSS = (
+    "\n"
+    "body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:2rem auto;"
+    "max-width:1200px;color:#1d232b;padding:0 1rem}\n"
+    "h1{font-size:1.6rem}h2{margin-top:2.5rem;border-bottom:1px solid #ccd;padding-bottom:.3rem}\n"
+    "table{border-collapse:collapse;width:100%;font-size:.88rem}"
+    "td,th{border-bottom:1px solid #e3e6ea;padding:.3rem .5rem;text-align:left;"
+    "vertical-align:top}\n"
+    "th{background:#f4f6f8}.sev-critical{color:#b00020;font-weight:600}"
+    ".sev-warning{color:#a15c00}\n"
+    ".figs{display:grid;grid-template-columns:repeat(auto-fill,minmax(210px,1fr));gap:.6rem;"
+    "margin:1rem 0}\n"
+    ".fig{border:1px solid #dde;border-radius:6px;padding:.5rem .8rem}"
+    ".fig b{display:block;font-size:1.2rem}\n"
+    ".muted{color:#667}code{font-size:.85rem}"
+    ".none{padding:2rem;border:1px dashed #aab;border-radius:6px}\n"
+)
 
 
 def _plot_time(ts: float) -> str:

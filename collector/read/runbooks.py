@@ -23,30 +23,35 @@ router = APIRouter()
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,127}$")
 _md = MarkdownIt("commonmark", {"html": False, "linkify": False}).enable("table")
 
-_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>{title} · trainwarden runbook</title>
-<style>
-:root {{ color-scheme: light dark; --fg: #1d2430; --bg: #ffffff; --muted: #5b6575;
-         --code: #f2f4f7; --line: #d9dee6; }}
-@media (prefers-color-scheme: dark) {{
-  :root {{ --fg: #e6e9ef; --bg: #12161d; --muted: #9aa4b2; --code: #1d232d; --line: #2c3440; }}
-}}
-body {{ font: 16px/1.55 system-ui, sans-serif; color: var(--fg); background: var(--bg);
-       max-width: 52rem; margin: 2rem auto; padding: 0 1rem; }}
-a {{ color: #3d7bfd; }} nav {{ color: var(--muted); font-size: .9rem; margin-bottom: 1rem; }}
-h1 {{ margin-bottom: .2rem; }}
-h2 {{ border-bottom: 1px solid var(--line); padding-bottom: .2rem; margin-top: 2rem; }}
-code {{ background: var(--code); padding: .1rem .3rem; border-radius: 4px; font-size: .9em; }}
-pre {{ background: var(--code); padding: .8rem 1rem; border-radius: 6px; overflow-x: auto; }}
-pre code {{ padding: 0; }} table {{ border-collapse: collapse; }}
-td, th {{ border: 1px solid var(--line); padding: .3rem .6rem; text-align: left; }}
-</style></head>
-<body><nav><a href="/runbooks">runbooks</a> · <a href="/">trainwarden</a></nav>
-{body}
-</body></html>
-"""
+_PAGE = (
+    "<!doctype html>\n"
+    '<html lang="en"><head><meta charset="utf-8">\n'
+    '<meta name="viewport" content="width=device-width, initial-scale=1">\n'
+    "<title>{title} · trainwarden runbook</title>\n"
+    "<style>\n"
+    ":root {{ color-scheme: light dark; --fg: #1d2430; --bg: #ffffff; --muted: #5b6575; "
+    "--code: #f2f4f7; --line: #d9dee6; }}\n"
+    "@media (prefers-color-scheme: dark) {{\n"
+    "  :root {{ --fg: #e6e9ef; --bg: #12161d; --muted: #9aa4b2; --code: #1d232d; "
+    "--line: #2c3440; }}\n"
+    "}}\n"
+    "body {{ font: 16px/1.55 system-ui, sans-serif; color: var(--fg); background: var(--bg);\n"
+    "       max-width: 52rem; margin: 2rem auto; padding: 0 1rem; }}\n"
+    "a {{ color: #3d7bfd; }} "
+    "nav {{ color: var(--muted); font-size: .9rem; margin-bottom: 1rem; }}\n"
+    "h1 {{ margin-bottom: .2rem; }} "
+    "h2 {{ border-bottom: 1px solid var(--line); padding-bottom: .2rem; margin-top: 2rem; }}\n"
+    "code {{ background: var(--code); padding: .1rem .3rem; border-radius: 4px; "
+    "font-size: .9em; }}\n"
+    "pre {{ background: var(--code); padding: .8rem 1rem; border-radius: 6px; "
+    "overflow-x: auto; }}\n"
+    "pre code {{ padding: 0; }} table {{ border-collapse: collapse; }}\n"
+    "td, th {{ border: 1px solid var(--line); padding: .3rem .6rem; text-align: left; }}\n"
+    "</style></head>\n"
+    '<body><nav><a href="/runbooks">runbooks</a> · <a href="/">trainwarden</a></nav>\n'
+    "{body}\n"
+    "</body></html>\n"
+)
 
 
 def runbook_dirs(request: Request) -> list[Path]:
