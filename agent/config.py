@@ -27,7 +27,8 @@ _INT64 = 2**63
 
 
 class ConfigError(ValueError):
-    """A ``tw.init`` argument or ``TRAINWARDEN_*`` variable is wrong; the message says how to fix it."""
+    """A ``tw.init`` argument or ``TRAINWARDEN_*`` variable is wrong; the message says how
+    to fix it."""
 
 
 def _env(name: str) -> str | None:

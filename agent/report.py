@@ -69,7 +69,8 @@ class StepEncoder:
     def _user_metrics(
         metrics: dict[str, Any], issues: dict[str, str], *, force: bool
     ) -> dict[str, float | str | None] | None:
-        """``s.metric`` values as wire numbers; ``None`` while one is in flight (unless ``force``)."""
+        """``s.metric`` values as wire numbers; ``None`` while one is in flight (unless
+        ``force``)."""
         out: dict[str, float | str | None] = {}
         for name, captured in metrics.items():
             value = resolve(captured)
@@ -83,7 +84,8 @@ class StepEncoder:
         return out
 
     def __call__(self, record: Any, *, force: bool) -> dict[str, Any] | None:
-        """The JSON body of ``record``; ``None`` while a device value is in flight (unless ``force``)."""
+        """The JSON body of ``record``; ``None`` while a device value is in flight (unless
+        ``force``)."""
         loss = resolve(record.loss)
         grad = resolve(record.grad_norm)
         issues: dict[str, str] = {}

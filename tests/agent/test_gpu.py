@@ -247,7 +247,8 @@ def test_manual_phases_are_timed_on_the_gpus_clock() -> None:
         fwd, bwd = ev[0].elapsed_time(ev[1]) / 1000, ev[1].elapsed_time(ev[2]) / 1000
         print(
             f"step {s['step']}: fwd agent {s['fwd_s'] * 1000:.2f} / GPU {fwd * 1000:.2f} ms, "
-            f"bwd {s['bwd_s'] * 1000:.2f} / {bwd * 1000:.2f} ms, host {host[s['step']] * 1000:.2f} ms"
+            f"bwd {s['bwd_s'] * 1000:.2f} / {bwd * 1000:.2f} ms, host "
+            f"{host[s['step']] * 1000:.2f} ms"
         )
         assert s["fwd_s"] == pytest.approx(fwd, rel=0.05, abs=2e-4), s
         assert s["bwd_s"] == pytest.approx(bwd, rel=0.05, abs=2e-4), s
