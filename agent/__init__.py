@@ -23,9 +23,11 @@ from . import core as _core
 from .checkpoints import Checkpointing
 from .commands import STOPPED_EXIT_CODE, RollbackPlan
 from .config import AgentConfig, ConfigError
-from .core import Agent, Step
+from .core import Agent
 from .exporter import Transport
+from .step import Step
 from .watch import Watch
+from .watch import watch as _watch
 
 __all__ = [
     "Agent",
@@ -196,8 +198,6 @@ def watch(
       (foreach norms) before each optimizer step, for spike flags;
     - ``count_flops``: count one step's FLOPs for MFU (default: when no FLOPs were given).
     """
-    from .watch import watch as _watch
-
     return _watch(
         _core.current(), model, optimizer, grad_norm=grad_norm, comm=comm, count_flops=count_flops
     )
@@ -271,7 +271,7 @@ def should_skip_batch(index: int) -> bool:
 
 def stats() -> dict[str, int]:
     """Counters of this process's agent: recorded, sent, dropped (and why)."""
-    return dict(_core.current().stats)
+    return _core.current().stats.as_dict()
 
 
 def recent(n: int = 100) -> list[Any]:

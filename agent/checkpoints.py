@@ -1,9 +1,12 @@
-"""Checkpoint cost: ``tw.checkpoint_saved(..., seconds=, bytes=)`` and ``tw.checkpointing``.
+"""Checkpoint cost: ``tw.checkpoint_saved(..., seconds=, bytes=)``, ``tw.checkpointing``
+and ``tw.checkpoint_drained``.
 
 The agent never writes checkpoints; it times the trainer's save and measures what it
 wrote. The size is read on a short-lived background thread (a sharded checkpoint is a
 directory tree of thousands of files), so the training thread only takes two clock
-readings. The ``checkpoint`` event goes out once the size is known.
+readings. The ``checkpoint`` event goes out once the size is known, or at shutdown
+(:meth:`Checkpoints.finish`) with the size if it comes within the deadline.
+:class:`Checkpoints` needs of the agent only where events go (:class:`EventSink`).
 """
 
 from __future__ import annotations
@@ -14,12 +17,21 @@ import numbers
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .core import Agent
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
+
+
+class EventSink(Protocol):
+    """Where checkpoint events go (the agent's ``event`` and ``event_at``)."""
+
+    def event(
+        self, kind: str, *, step: int | None = None, severity: str = "info", **data: Any
+    ) -> None: ...
+
+    def event_at(
+        self, ts: float, kind: str, *, step: int | None, severity: str, data: dict[str, Any]
+    ) -> None: ...
 
 
 def checked_step(step: Any) -> int:
@@ -102,8 +114,9 @@ class Checkpointing:
     """``with tw.checkpointing(step, path) as ck: save(...)``; ``ck.drained()`` when an
     async save has finished writing."""
 
-    def __init__(self, agent: Agent, step: int, path: Any = None) -> None:
-        self._agent = agent
+    def __init__(self, owner: Checkpoints, step: int, path: Any = None) -> None:
+        self._owner = owner
+        self._events = owner.events
         self.step = step
         self.path: str | None = None if path is None else os.fspath(path)
         self.seconds: float | None = None
@@ -126,7 +139,7 @@ class Checkpointing:
         self._ended_wall = time.time()
         self.seconds = self._ended - self._t0
         if exc_type is not None:
-            self._agent.event(
+            self._events.event(
                 "checkpoint_failed",
                 step=self.step,
                 severity="warning",
@@ -138,7 +151,7 @@ class Checkpointing:
         if self.path is None:
             self.finish()
             return
-        self._agent._checkpoints.add(self)
+        self._owner.measuring.add(self)
         self._sizer = threading.Thread(
             target=self._measure, name="trainwarden-checkpoint-size", daemon=True
         )
@@ -160,9 +173,9 @@ class Checkpointing:
             if self._recorded:
                 return
             self._recorded = True
-        self._agent._checkpoints.discard(self)
+        self._owner.measuring.discard(self)
         data = checkpoint_data(self.path, seconds=self.seconds, bytes=self.bytes)
-        self._agent.event_at(
+        self._events.event_at(
             self._ended_wall, "checkpoint", step=self.step, severity="info", data=data
         )
 
@@ -173,10 +186,59 @@ class Checkpointing:
             raise RuntimeError("ck.drained() is for after the `with tw.checkpointing(...)` block")
         if self.drain_seconds is None:
             self.drain_seconds = time.perf_counter() - self._ended
-            self._agent.event(
+            self._events.event(
                 "checkpoint_drained",
                 step=self.step,
                 path=self.path,
                 drain_seconds=self.drain_seconds,
             )
         return self.drain_seconds
+
+
+class Checkpoints:
+    """The checkpoints one agent reports, and those whose size is still being measured."""
+
+    def __init__(self, events: EventSink) -> None:
+        self.events = events
+        self.measuring: set[Checkpointing] = set()
+
+    def saved(
+        self,
+        step: int,
+        path: Any,
+        *,
+        seconds: float | None = None,
+        bytes: int | None = None,  # noqa: A002 - the public keyword
+        drain_seconds: float | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> None:
+        """``tw.checkpoint_saved``: the ``checkpoint`` event, now."""
+        step = checked_step(step)
+        data = checkpoint_data(
+            path, seconds=seconds, bytes=bytes, drain_seconds=drain_seconds, meta=meta
+        )
+        self.events.event_at(time.time(), "checkpoint", step=step, severity="info", data=data)
+
+    def timing(self, step: int, path: Any = None) -> Checkpointing:
+        """``tw.checkpointing``: a context manager that times the save."""
+        return Checkpointing(self, checked_step(step), path)
+
+    def drained(self, step: int, seconds: float, path: Any = None) -> None:
+        """``tw.checkpoint_drained``: an async save finished writing ``seconds`` after."""
+        step = checked_step(step)
+        drain = checked_seconds(seconds, "seconds")
+        if drain is None:
+            raise TypeError("seconds must be a number of seconds, got None")
+        self.events.event(
+            "checkpoint_drained",
+            step=step,
+            path=None if path is None else os.fspath(path),
+            drain_seconds=drain,
+        )
+
+    def finish(self, timeout_s: float) -> None:
+        """Checkpoints whose size is still being measured go out now, with it if it comes
+        within ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        for ck in list(self.measuring):
+            ck.finish(wait_s=max(0.0, deadline - time.monotonic()))

@@ -25,6 +25,9 @@ phases, and the ranks *hold* in between:
 A **stop** command ends the process at the next step boundary with
 :data:`STOPPED_EXIT_CODE`, after flushing, so a launcher (torchrun elastic, Slurm
 requeue) restarts the job without this rank's node.
+
+:class:`Commands` needs of the agent only :class:`CommandHost`: its events, its
+exporter's wake-ups, its last step and its shutdown.
 """
 
 from __future__ import annotations
@@ -35,10 +38,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from .core import Agent
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,30 @@ class RollbackPlan:
         )
 
 
+class CommandHost(Protocol):
+    """What commands need of the agent."""
+
+    @property
+    def last_step(self) -> int | None:
+        """The last step this rank finished."""
+
+    def event(
+        self, kind: str, *, step: int | None = None, severity: str = "info", **data: Any
+    ) -> None: ...
+
+    def flush_soon(self) -> None:
+        """Wake the exporter: an acknowledgement goes out now."""
+
+    def poll_soon(self) -> None:
+        """Ask the collector now (a heartbeat): its answer carries the decision."""
+
+    def end_reason(self, reason: str, detail: str = "", exit_code: int | None = None) -> None: ...
+
+    def shutdown(self, timeout_s: float = ...) -> None: ...
+
+
 class Commands:
-    def __init__(self, agent: Agent, *, decision_timeout_s: float = 60.0) -> None:
+    def __init__(self, agent: CommandHost, *, decision_timeout_s: float = 60.0) -> None:
         self._agent = agent
         self.decision_timeout_s = decision_timeout_s
         self.pending = False  # read on the hot path: anything to do at the next boundary
@@ -161,7 +183,7 @@ class Commands:
     def _ack(self, c: dict[str, Any], **data: Any) -> None:
         self._agent.event(
             "command_ack",
-            step=self._agent._last_step,
+            step=self._agent.last_step,
             command=c["id"],
             action=c.get("action"),
             phase=c.get("phase") or c.get("type"),

@@ -22,7 +22,7 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +127,22 @@ def _parse_one(text: str) -> Fault:
     return Fault(kind, text, number, rank, first, last, seconds)
 
 
+class DrillHost(Protocol):
+    """What a drill's faults act on (the agent): its events, its flush, its GPU."""
+
+    gpu_device: Any  # a simulated one when the drill needs a GPU and there is none
+    gpu_monitor: Any
+
+    def event(
+        self, kind: str, *, step: int | None = None, severity: str = "info", **data: Any
+    ) -> None: ...
+
+    def flush(self, timeout_s: float) -> None: ...
+
+
 class Drill:
-    """The faults that apply to this rank, triggered from the step hooks."""
+    """The faults that apply to this rank, triggered at step boundaries (:mod:`.rare`)
+    and, for ``loss_spike``, from the optimizer hooks of ``tw.watch``."""
 
     def __init__(self, faults: list[Fault], *, rank: int, world_size: int) -> None:
         for fault in faults:
@@ -147,7 +161,7 @@ class Drill:
         self._fired.add(key)
         return True
 
-    def on_step_start(self, agent: Any, step: int) -> None:
+    def on_step_start(self, agent: DrillHost, step: int) -> None:
         """Before the step's work: XID, thermal, hang, die."""
         for fault in self.faults:
             if (

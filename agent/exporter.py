@@ -1,15 +1,23 @@
-"""Background exporter: drains the agent's queue and POSTs batches to the collector.
+"""Background exporter: drains the agent's queue and sends batches through a transport
+(:class:`HttpTransport`: JSON to the collector, or through the node relay while it
+answers; or ``otlp.OtlpTransport``). Steps are encoded here, off the training thread
+(``report.StepEncoder``); a heartbeat goes out whenever nothing else has for
+``heartbeat_s``, and the commands in the collector's answers go to :mod:`.commands`.
 
 Modelled on OpenTelemetry's BatchProcessor: a daemon thread woken by a timer or an
-``Event``, exports wrapped so nothing ever raises into the trainer, and a
-``shutdown(timeout)`` that flushes what it can before its deadline. A batch the
-collector cannot take for now (unreachable, 429, 5xx) goes to the spool
-(:mod:`.spool`: on disk, bounded, surviving the process), and so does every newer
-batch while anything waits there; the oldest is resent after a jittered backoff or
-the collector's Retry-After, then the rest in order. The in-memory queue is drained
-into the spool meanwhile, so the training thread never waits and never fills it. A
-batch refused as malformed (4xx) is dropped and counted. At shutdown with the
-collector away, what is left goes to the disk spool for the next process to send.
+``Event``, exports wrapped so nothing ever raises into the trainer, a ``flush(timeout)``
+that waits on an ``Event`` the thread sets once what was queued has gone out (or into
+the spool), and a ``shutdown(timeout)`` that flushes what it can before its deadline.
+
+A batch the collector cannot take for now (unreachable, a retryable status such as 429
+or 503, or a refused token) goes to the spool (:mod:`.spool`: on disk, bounded,
+surviving the process), and so does every newer batch while anything waits there; the
+oldest is resent after a jittered backoff or the collector's Retry-After, then the rest
+in order. The in-memory queue is drained into the spool meanwhile, so the training
+thread never waits and never fills it. A batch refused for good (another error status,
+e.g. 422) is dropped and counted. At shutdown with the collector away, what is left
+goes to the disk spool for the next process to send. Paths, headers and the JSON
+encoding are the wire contract's (:mod:`.wire`).
 """
 
 from __future__ import annotations
@@ -24,16 +32,33 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from .spool import Batch, MemorySpool, Spool, count
+from .stats import Stats
+
+# INGEST_PATH, SENDER_HEADER, sender, CollectorError, RETRYABLE and AUTH_REFUSED are also
+# read from this module by the collector's tests and tests/e2e: they stay importable here.
+from .wire import (
+    AUTH_REFUSED,
+    INGEST_PATH,
+    RELAY_HEALTH_PATH,
+    RETRYABLE,
+    SENDER_HEADER,
+    USER_AGENT,
+    CollectorError,
+    dumps,
+    sender,
+)
 
 log = logging.getLogger(__name__)
 
-INGEST_PATH = "/api/v1/ingest"
 # A record whose device copy has not completed after this long is sent without it.
 _MAX_PENDING_S = 10.0
 # The exporter is Python and holds the GIL while it encodes; it lets go every few
 # records so that a training thread waiting for the GIL gets it within microseconds
 # instead of after CPython's 5 ms switch interval.
 _YIELD_EVERY = 8
+# While a flush waits for records whose device copy is in flight, the thread looks again
+# this often instead of at its next tick.
+_FLUSH_POLL_S = 0.02
 
 
 class Transport(Protocol):
@@ -42,17 +67,6 @@ class Transport(Protocol):
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
-
-
-SENDER_HEADER = "X-Trainwarden-Sender"
-
-
-def sender(body: dict[str, Any]) -> str:
-    """``RUN/RANK``: who sends ``body``, in a header the collector can read without the
-    body. A collector too busy to take a request (503) still counts it as the rank's
-    heartbeat, so a rank it turns away does not look dead."""
-    agent = body.get("agent") or {}
-    return f"{body.get('run', '')}/{agent.get('rank', '')}"
 
 
 RELAY_RETRY_S = 30.0  # a relay found down is tried again after this long, ...
@@ -70,7 +84,7 @@ class HttpTransport:
         import httpx  # imported here so that `import trainwarden.agent` stays light
 
         self._httpx = httpx
-        headers = {"User-Agent": "trainwarden-agent"}
+        headers = {"User-Agent": USER_AGENT}
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._client = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
@@ -95,7 +109,7 @@ class HttpTransport:
         if self._relay_checked:
             return True
         try:
-            about = self._relay.get("/relay/healthz").json()
+            about = self._relay.get(RELAY_HEALTH_PATH).json()
             upstream = about.get("upstream") if isinstance(about, dict) else None
         except (self._httpx.HTTPError, ValueError) as exc:
             upstream, why = None, f"no relay answers there ({exc})"
@@ -141,7 +155,7 @@ class HttpTransport:
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         response = self._post(
             path,
-            _dumps(body),
+            dumps(body),
             {"Content-Type": "application/json", SENDER_HEADER: sender(body)},
         )
         if response.status_code >= 400:
@@ -156,28 +170,9 @@ class HttpTransport:
             self._relay.close()
 
 
-def _dumps(body: dict[str, Any]) -> bytes:
-    try:
-        import orjson  # several times faster than json: less GIL time taken from the trainer
-    except ImportError:
-        import json
-
-        return json.dumps(body, allow_nan=False).encode()
-    return orjson.dumps(body)
-
-
-class CollectorError(RuntimeError):
-    def __init__(self, status: int, body: str, retry_after: float | None = None) -> None:
-        super().__init__(f"collector answered {status}: {body}")
-        self.status = status
-        self.retry_after = retry_after
-
-
-RETRYABLE = frozenset({429, 500, 502, 503, 504})
 # A refused token (missing, revoked, or not allowed this run) is an operator's mistake
 # that a restart with the right TRAINWARDEN_TOKEN fixes: keep the records (spool, bounded)
 # and retry slowly, so that nothing is lost silently meanwhile.
-AUTH_REFUSED = frozenset({401, 403})
 AUTH_RETRY_S = 30.0
 MAX_BACKOFF_S = 30.0
 
@@ -208,14 +203,18 @@ class Exporter:
         batch_size: int,
         interval_s: float,
         heartbeat_s: float,
-        stats: dict[str, int],
+        stats: Stats,
         on_commands: Callable[[Any], None] | None = None,
         spool: Spool | None = None,
         phase_of: str | None = None,
     ) -> None:
         self._on_commands = on_commands
         self._poll = False  # send a heartbeat now: the trainer waits for a command
-        self._draining = False  # flush(): send all that is queued, not one batch a tick
+        # flush(): the callers' events, set once what was queued has gone out; and whether
+        # this tick serves one (then it sends all that is queued, not one batch a tick).
+        self._flushes: list[threading.Event] | None = []  # None once the thread has stopped
+        self._flush_lock = threading.Lock()
+        self._draining = False
         self._queue = queue
         self._header = header
         self._encode = encode
@@ -249,17 +248,16 @@ class Exporter:
         self._poll = True
         self._wake.set()
 
-    def flush(self, timeout_s: float) -> None:
-        """Wake the thread and wait (at most ``timeout_s``) until the queue is sent."""
-        deadline = time.monotonic() + timeout_s
-        self._draining = True  # everything queued, not one batch a tick
-        try:
-            self._wake.set()
-            while (self._queue or self._held) and time.monotonic() < deadline:
-                time.sleep(0.02)
-            time.sleep(0.05)  # the last request in flight
-        finally:
-            self._draining = False
+    def flush(self, timeout_s: float) -> bool:
+        """Wake the thread and wait (at most ``timeout_s``) until what is queued now has
+        been sent, or spooled while the collector is away. False if the time ran out."""
+        done = threading.Event()
+        with self._flush_lock:
+            if self._flushes is None:  # the thread has stopped: nothing will send it
+                return False
+            self._flushes.append(done)
+        self._wake.set()
+        return done.wait(timeout_s)
 
     def shutdown(self, timeout_s: float) -> None:
         """Send what is queued, within ``timeout_s``, then stop the thread."""
@@ -276,6 +274,7 @@ class Exporter:
     # -- the thread ---------------------------------------------------------------
 
     def _loop(self) -> None:
+        flushes: list[threading.Event] = []  # flush() calls this thread is serving
         while True:
             # Wake for the next batch, or exactly when a heartbeat is due, whichever is first.
             beat_due = self._heartbeat_s - (time.monotonic() - self._last_sent)
@@ -283,9 +282,15 @@ class Exporter:
             if self._phase_s is not None:  # to the next tick (one just missed: the one after)
                 wait -= (time.time() - self._phase_s) % self._interval_s
                 wait += self._interval_s if wait < 0.005 else 0.0
+            if flushes:  # a flush waits for records whose device copy is in flight
+                wait = min(wait, _FLUSH_POLL_S)
             self._wake.wait(max(0.01, min(wait, beat_due)))
             self._wake.clear()
             stopping = self._stopping.is_set()
+            with self._flush_lock:  # taken before the queue is read: they wait for all of it
+                flushes += self._flushes or []
+                self._flushes = []
+            self._draining = bool(flushes)
             cpu = time.thread_time_ns()
             try:
                 while self._export_once(final=stopping):
@@ -295,10 +300,18 @@ class Exporter:
                     self._send([], [], [])  # nothing to send: a heartbeat alone
             except Exception:  # never let the thread die: the trainer must not notice
                 log.exception("trainwarden: exporter error (records dropped)")
-            self._stats["exporter_cpu_ns"] += time.thread_time_ns() - cpu
+            self._stats.exporter_cpu_ns += time.thread_time_ns() - cpu
             if stopping:
                 self._stop_spooling()
+                with self._flush_lock:  # and a flush asked meanwhile: nothing will send it now
+                    for done in flushes + (self._flushes or []):
+                        done.set()
+                    self._flushes = None
                 return
+            if not (self._queue or self._held):  # what the flushes waited for has gone out
+                for done in flushes:
+                    done.set()
+                flushes = []
 
     def _take_batch(
         self, *, final: bool
@@ -348,10 +361,10 @@ class Exporter:
             if oldest is None:
                 return False
             key, batch = oldest
-            self._stats["retries"] += 1
+            self._stats.retries += 1
             if self._send(*batch, final=final, spooled=True):
                 self._spool.remove(key)
-                self._stats["replayed"] += count(batch)
+                self._stats.replayed += count(batch)
                 return True
             return False
         steps, events, gpu = self._take_batch(final=final)
@@ -369,9 +382,9 @@ class Exporter:
     def _put(self, batch: Batch) -> None:
         try:
             self._spool.put(batch)
-            self._stats["spooled"] += count(batch)
+            self._stats.spooled += count(batch)
         except OSError as exc:  # a full or read-only disk: the records are lost, counted
-            self._stats["dropped_spool_failed"] += count(batch)
+            self._stats.dropped_spool_failed += count(batch)
             log.warning("trainwarden: cannot write to the spool (%s); records dropped", exc)
 
     def _stop_spooling(self) -> None:
@@ -387,7 +400,7 @@ class Exporter:
             while (oldest := self._spool.oldest()) is not None:
                 left += count(oldest[1])
                 self._spool.remove(oldest[0])
-            self._stats["dropped_at_shutdown"] += left
+            self._stats.dropped_at_shutdown += left
 
     def _send(
         self,
@@ -410,12 +423,12 @@ class Exporter:
         try:
             answer = self._transport.send(INGEST_PATH, body)
         except Exception as exc:
-            self._stats["batches_failed"] += 1
+            self._stats.batches_failed += 1
             refused = isinstance(exc, CollectorError) and exc.status in AUTH_REFUSED
             retryable = refused or not isinstance(exc, CollectorError) or exc.status in RETRYABLE
             n = len(steps) + len(events) + len(gpu)
             if refused:
-                self._stats["batches_refused_auth"] += 1
+                self._stats.batches_refused_auth += 1
             self._gave_up = final
             if retryable:
                 # Keep it (the collector dedups a replay) and back off, honouring Retry-After.
@@ -427,12 +440,12 @@ class Exporter:
                 self._retry_at = time.monotonic() + wait
                 self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
             elif spooled:
-                self._stats["dropped_send_failed"] += n
+                self._stats.dropped_send_failed += n
                 key = self._spool.oldest()
                 if key is not None:
                     self._spool.remove(key[0])  # refused as malformed: it never will be taken
             else:
-                self._stats["dropped_send_failed"] += n
+                self._stats.dropped_send_failed += n
             if refused and not self._failing:
                 log.error(
                     "trainwarden: the collector refused this agent's token (%s). Records are "
@@ -455,8 +468,8 @@ class Exporter:
         if self._failing:
             log.warning("trainwarden: collector reachable again")
             self._failing = False
-        self._stats["sent"] += len(steps) + len(events) + len(gpu)
-        self._stats["batches_sent"] += 1
+        self._stats.sent += len(steps) + len(events) + len(gpu)
+        self._stats.batches_sent += 1
         if not steps and not events and not gpu:
-            self._stats["heartbeats"] += 1
+            self._stats.heartbeats += 1
         return True

@@ -30,7 +30,7 @@ import json
 from typing import Any
 
 from .config import ConfigError
-from .exporter import SENDER_HEADER, CollectorError, sender
+from .wire import SENDER_HEADER, CollectorError, sender
 
 OTLP_PATH = "/v1/metrics"
 PREFIX = "trainwarden."

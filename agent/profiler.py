@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from typing import Any
 
 from .timing import split_from_trace
@@ -39,6 +40,13 @@ class SampledProfiler:
     def due(self, count: int) -> bool:
         """Whether the ``count``-th step this process runs (from 1) is profiled."""
         return self.every > 0 and (count == FIRST_AT or count % self.every == 0)
+
+    def next_due(self, count: int) -> int:
+        """The first step count after ``count`` that is profiled; ``sys.maxsize`` when off."""
+        if self.every <= 0:
+            return sys.maxsize
+        following = (count // self.every + 1) * self.every
+        return FIRST_AT if count < FIRST_AT < following else following
 
     def start(self) -> Any:
         import torch

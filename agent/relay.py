@@ -16,11 +16,12 @@ answer it would have had: its accepted counts and the commands waiting for its r
 
 Nothing is lost on the way: the collector's refusal (503 with ``Retry-After``, 401/403)
 is every held agent's own answer, so each keeps its batch and retries as it would have;
-a 413 or 422 for the merged request sends each held batch on its own, so only a bad
+a 400, 413 or 422 for the merged request sends each held batch on its own, so only a bad
 batch is refused; a collector out of reach is 503 to every agent. Requests the relay does
 not merge (other paths, bodies it cannot read) pass through unchanged. And an agent whose
 relay is down sends straight to the collector (``TRAINWARDEN_RELAY`` with
-``TRAINWARDEN_URL``).
+``TRAINWARDEN_URL``). The paths, headers (``Via: 1.1 trainwarden-relay`` on what it passes
+through) and JSON encoding are the wire contract's (:mod:`.wire`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import http.client
-import json
 import logging
 import signal
 import socket
@@ -41,40 +41,26 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import urlsplit
 
-from .exporter import INGEST_PATH, SENDER_HEADER, _dumps
+from .wire import (
+    COLUMNS_PATH,
+    INGEST_PATH,
+    RELAY_HEALTH_PATH,
+    RELAY_NAME,
+    RELAY_VIA,
+    SENDER_HEADER,
+    dumps,
+    loads,
+    ranks_header,
+)
 
 log = logging.getLogger(__name__)
 
-COLUMNS_PATH = "/api/v1/ingest/columns"
 DEFAULT_PORT = 8470
 DEFAULT_WINDOW_S = 0.2
 MAX_BODY_BYTES = 64 << 20  # what one agent may send the relay (the collector's own limit decides)
 MAX_HELD = 4096  # batches held at once; past it an agent is told 503 (its batch kept, resent)
 # Forwarded as they came: what the collector reads from an agent's request.
 _PASSED_HEADERS = ("Authorization", "Content-Type", SENDER_HEADER, "User-Agent")
-
-
-def _loads(body: bytes) -> Any:
-    try:
-        import orjson
-    except ImportError:
-        return json.loads(body)
-    return orjson.loads(body)
-
-
-def ranks_header(run: str, ranks: Sequence[int]) -> str:
-    """``RUN/0-7,12``: the sender header for many ranks (a refused request still counts as
-    their heartbeat)."""
-    parts: list[str] = []
-    ordered = sorted(set(ranks))
-    i = 0
-    while i < len(ordered):
-        j = i
-        while j + 1 < len(ordered) and ordered[j + 1] == ordered[j] + 1:
-            j += 1
-        parts.append(str(ordered[i]) if i == j else f"{ordered[i]}-{ordered[j]}")
-        i = j + 1
-    return f"{run}/{','.join(parts)}"
 
 
 @dataclass
@@ -220,7 +206,7 @@ class _Upstream:
 def _unreachable(exc: BaseException) -> Answer:
     detail = f"trainwarden relay: the collector is out of reach ({exc}); send again later"
     return Answer(
-        503, _dumps({"detail": detail}), {"Retry-After": "2", "Content-Type": "application/json"}
+        503, dumps({"detail": detail}), {"Retry-After": "2", "Content-Type": "application/json"}
     )
 
 
@@ -315,7 +301,7 @@ class Relay:
                 self.stats["refused"] += 1
                 return Answer(
                     503,
-                    _dumps({"detail": "trainwarden relay: busy; send again later"}),
+                    dumps({"detail": "trainwarden relay: busy; send again later"}),
                     {"Retry-After": "1", "Content-Type": "application/json"},
                 )
             self._pending.append(held)
@@ -364,7 +350,7 @@ class Relay:
         if group[0].headers.get("Authorization"):
             headers["Authorization"] = group[0].headers["Authorization"]
         try:
-            answer = self._upstream.request("POST", COLUMNS_PATH, _dumps(body), headers)
+            answer = self._upstream.request("POST", COLUMNS_PATH, dumps(body), headers)
         except (http.client.HTTPException, OSError) as exc:
             for h in group:
                 h.reply(_unreachable(exc))
@@ -382,7 +368,7 @@ class Relay:
                 h.reply(answer)
             return
         try:
-            by_rank = _loads(answer.body).get("rank_commands") or {}
+            by_rank = loads(answer.body).get("rank_commands") or {}
         except ValueError:
             by_rank = {}
         last = {h.rank: h for h in group}  # a rank's commands go to its newest batch
@@ -393,7 +379,7 @@ class Relay:
                 "accepted_events": len(h.body.get("events", ())),
                 "commands": by_rank.get(str(h.rank), []) if last[h.rank] is h else [],
             }
-            h.reply(Answer(200, _dumps(result), {"Content-Type": "application/json"}))
+            h.reply(Answer(200, dumps(result), {"Content-Type": "application/json"}))
 
     def pass_through(
         self, method: str, path: str, body: bytes | None, headers: dict[str, str]
@@ -402,7 +388,7 @@ class Relay:
         self.stats["passed_through"] += 1
         upstream = _Upstream(self.upstream_url, self.timeout_s)
         try:
-            return upstream.request(method, path, body, {**headers, "Via": "1.1 trainwarden-relay"})
+            return upstream.request(method, path, body, {**headers, "Via": RELAY_VIA})
         except (http.client.HTTPException, OSError) as exc:
             return _unreachable(exc)
         finally:
@@ -412,7 +398,7 @@ class Relay:
 class _Handler(BaseHTTPRequestHandler):
     owner: Relay
     protocol_version = "HTTP/1.1"  # keep-alive: an agent's httpx client keeps its connection
-    server_version = "trainwarden-relay"
+    server_version = RELAY_NAME
 
     def setup(self) -> None:
         super().setup()
@@ -443,16 +429,14 @@ class _Handler(BaseHTTPRequestHandler):
         if length > MAX_BODY_BYTES:
             self.close_connection = True
             detail = f"trainwarden relay: body of {length} bytes; at most {MAX_BODY_BYTES}"
-            self._send(
-                Answer(413, _dumps({"detail": detail}), {"Content-Type": "application/json"})
-            )
+            self._send(Answer(413, dumps({"detail": detail}), {"Content-Type": "application/json"}))
             return
         raw = self.rfile.read(length)
         path = self.path.split("?", 1)[0]
         body: Any = None
         if path == INGEST_PATH:
             try:
-                body = _loads(raw)
+                body = loads(raw)
             except ValueError:
                 body = None
         if path != INGEST_PATH or not _mergeable(body):
@@ -461,9 +445,9 @@ class _Handler(BaseHTTPRequestHandler):
         self._send(self.owner.hold(_Held(raw, body, self._headers(), time.monotonic())))
 
     def do_GET(self) -> None:  # noqa: N802
-        if self.path == "/relay/healthz":
+        if self.path == RELAY_HEALTH_PATH:
             stats = {"status": "ok", "upstream": self.owner.upstream_url, **self.owner.stats}
-            self._send(Answer(200, _dumps(stats), {"Content-Type": "application/json"}))
+            self._send(Answer(200, dumps(stats), {"Content-Type": "application/json"}))
             return
         self._send(self.owner.pass_through("GET", self.path, None, self._headers()))
 

@@ -10,11 +10,13 @@ what waits survives the process: a restarted rank, or the next ``tw.init`` of th
 same run on the host, sends it first. Past ``max_bytes`` the oldest batches are
 deleted and their records counted as ``dropped_spool_full``. :class:`MemorySpool` is
 the same FIFO in memory, bounded by records (the agent's ``queue_size``), for when no
-directory can be used. Both are used from the exporter thread only.
+directory can be used. Both are used from the exporter thread only. A spool file holds
+``{"steps", "events", "gpu"}`` in the wire's encoding (:func:`.wire.dumps`).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -22,6 +24,9 @@ import tempfile
 from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
+
+from .stats import Stats
+from .wire import dumps
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +59,7 @@ class Spool(Protocol):
 
 
 class MemorySpool:
-    def __init__(self, *, max_records: int, stats: dict[str, int]) -> None:
+    def __init__(self, *, max_records: int, stats: Stats) -> None:
         self._batches: deque[tuple[int, Batch]] = deque()
         self._records = 0
         self._max = max_records
@@ -68,7 +73,7 @@ class MemorySpool:
         while self._records > self._max and len(self._batches) > 1:
             _, dropped = self._batches.popleft()
             self._records -= count(dropped)
-            self._stats["dropped_spool_full"] += count(dropped)
+            self._stats.dropped_spool_full += count(dropped)
 
     def oldest(self) -> tuple[Any, Batch] | None:
         return self._batches[0] if self._batches else None
@@ -86,9 +91,7 @@ class DiskSpool:
     """One JSON file per batch, named by a sequence number; written to a temporary name
     and renamed, so a crash never leaves half a batch to replay."""
 
-    def __init__(
-        self, directory: str | os.PathLike[str], *, max_bytes: int, stats: dict[str, int]
-    ) -> None:
+    def __init__(self, directory: str | os.PathLike[str], *, max_bytes: int, stats: Stats) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._max = max_bytes
@@ -110,15 +113,13 @@ class DiskSpool:
                 len(self._files),
                 self.directory,
             )
-        self._stats["spooled_from_earlier"] += len(self._files)
+        self._stats.spooled_from_earlier += len(self._files)
 
     def _path(self, seq: int) -> Path:
         return self.directory / f"{seq:016d}.json"
 
     def put(self, batch: Batch) -> None:
-        from .exporter import _dumps
-
-        data = _dumps({"steps": batch[0], "events": batch[1], "gpu": batch[2]})
+        data = dumps({"steps": batch[0], "events": batch[1], "gpu": batch[2]})
         self._seq += 1
         tmp = self._path(self._seq).with_suffix(".tmp")
         tmp.write_bytes(data)
@@ -131,11 +132,9 @@ class DiskSpool:
                 records = count(self._read(seq) or ([], [], []))
             self._path(seq).unlink(missing_ok=True)
             self._bytes -= size
-            self._stats["dropped_spool_full"] += records
+            self._stats.dropped_spool_full += records
 
     def _read(self, seq: int) -> Batch | None:
-        import json
-
         try:
             body = json.loads(self._path(seq).read_bytes())
             return body["steps"], body["events"], body["gpu"]
@@ -150,7 +149,7 @@ class DiskSpool:
             if batch is not None:
                 return seq, batch
             self.remove(seq)
-            self._stats["dropped_spool_unreadable"] += 1
+            self._stats.dropped_spool_unreadable += 1
         return None
 
     def remove(self, key: Any) -> None:

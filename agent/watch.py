@@ -1,11 +1,16 @@
 """``tw.watch(model, optimizer)``: automatic phase timing, grad norm and the DDP comm split.
 
-Hooks only take a timestamp and append it to the step in progress:
+Hooks take a timestamp and append it to the step in progress (``Recorder.current``,
+:mod:`.step`):
 
 - the model's forward pre-hook starts ``forward``; its forward hook starts ``backward``
   (which therefore holds the loss computation and the wait for the last gradient
   buckets: the communication split below tells those apart);
 - the optimizer's step pre-hook starts ``optimizer``; its post-hook starts ``other``.
+
+With ``grad_norm=True`` the optimizer's pre-hook also queues the global gradient norm's
+computation on the device, never waiting for it; under a ``loss_spike`` drill two more
+optimizer hooks scale one update (:mod:`.drills`).
 
 For ``DistributedDataParallel``, a communication hook records when each gradient
 bucket is ready and when its collective completes. It wraps the default allreduce,
@@ -19,7 +24,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from .values import capture
+
+if TYPE_CHECKING:
+    from .core import Agent
+    from .drills import Drill
+    from .step import Recorder
 
 log = logging.getLogger(__name__)
 
@@ -37,25 +49,23 @@ class Watch:
         self.handles.clear()
 
 
-def _mark(agent: Any, name: str) -> Callable[..., None]:
+def _mark(recorder: Recorder, name: str) -> Callable[..., None]:
     def hook(*_args: Any) -> None:
-        record = agent._current
+        record = recorder.current
         if record is not None:
             record.mark(name)
 
     return hook
 
 
-def _grad_norm_hook(agent: Any, optimizer: Any) -> Callable[..., None]:
+def _grad_norm_hook(recorder: Recorder, optimizer: Any) -> Callable[..., None]:
     import torch
 
-    from .values import capture
-
-    mark = _mark(agent, "optimizer")
+    mark = _mark(recorder, "optimizer")
 
     def hook(*_args: Any) -> None:
         mark()
-        record = agent._current
+        record = recorder.current
         if record is None or record.grad_norm is not None:
             return
         grads = [
@@ -74,7 +84,7 @@ def _grad_norm_hook(agent: Any, optimizer: Any) -> Callable[..., None]:
     return hook
 
 
-def _spike_drill_hooks(agent: Any, optimizer: Any) -> list[Any]:
+def _spike_drill_hooks(agent: Agent, drill: Drill, optimizer: Any) -> list[Any]:
     """The loss_spike drill: scale one optimizer update by the drill's factor.
 
     The parameters are saved before the step and moved ``factor`` x as far as the
@@ -85,10 +95,12 @@ def _spike_drill_hooks(agent: Any, optimizer: Any) -> list[Any]:
 
     saved: list[Any] = []
 
+    recorder = agent.recorder
+
     def pre(*_args: Any) -> None:
-        record = agent._current
-        scale = agent._drill.update_scale(record.step) if record is not None else None
-        if scale is None:
+        record = recorder.current
+        scale = None if record is None else drill.update_scale(record.step)
+        if record is None or scale is None:
             return
         agent.event("drill", step=record.step, severity="warning", fault="loss_spike", scale=scale)
         with torch.no_grad():
@@ -106,7 +118,7 @@ def _spike_drill_hooks(agent: Any, optimizer: Any) -> list[Any]:
     return [optimizer.register_step_pre_hook(pre), optimizer.register_step_post_hook(post)]
 
 
-def install_comm_hook(agent: Any, ddp: Any) -> bool:
+def install_comm_hook(recorder: Recorder, ddp: Any) -> bool:
     """Time every gradient bucket's collective; returns False if DDP already had a hook."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
@@ -121,7 +133,7 @@ def install_comm_hook(agent: Any, ddp: Any) -> bool:
 
     # No annotations: DDP checks them, and this module's are strings.
     def hook(_state, bucket):  # type: ignore[no-untyped-def]
-        record = agent._current
+        record = recorder.current
         ready = perf()
         clock = None if record is None else record.gpu
         ready_on_gpu = None if clock is None else clock.now()  # the bucket's gradients are done
@@ -153,7 +165,7 @@ def install_comm_hook(agent: Any, ddp: Any) -> bool:
 
 
 def watch(
-    agent: Any,
+    agent: Agent,
     model: Any,
     optimizer: Any = None,
     *,
@@ -163,21 +175,22 @@ def watch(
 ) -> Watch:
     import torch
 
+    recorder = agent.recorder  # the hooks write into the step in progress
     installed = Watch()
-    installed.handles.append(model.register_forward_pre_hook(_mark(agent, "forward")))
-    installed.handles.append(model.register_forward_hook(_mark(agent, "backward")))
+    installed.handles.append(model.register_forward_pre_hook(_mark(recorder, "forward")))
+    installed.handles.append(model.register_forward_hook(_mark(recorder, "backward")))
     if optimizer is not None:
-        pre = _grad_norm_hook(agent, optimizer) if grad_norm else _mark(agent, "optimizer")
+        pre = _grad_norm_hook(recorder, optimizer) if grad_norm else _mark(recorder, "optimizer")
         installed.handles.append(optimizer.register_step_pre_hook(pre))
-        installed.handles.append(optimizer.register_step_post_hook(_mark(agent, "other")))
-        if agent._drill is not None:
-            installed.handles.extend(_spike_drill_hooks(agent, optimizer))
+        installed.handles.append(optimizer.register_step_post_hook(_mark(recorder, "other")))
+        if agent.drill is not None:
+            installed.handles.extend(_spike_drill_hooks(agent, agent.drill, optimizer))
     elif grad_norm:
         raise ValueError(
             "tw.watch(model, grad_norm=True) needs the optimizer: tw.watch(model, optimizer, ...)"
         )
     if comm and isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        installed.comm_hook = install_comm_hook(agent, model)
+        installed.comm_hook = install_comm_hook(recorder, model)
     if count_flops is None:
         count_flops = agent.flop_model.source is None
     if count_flops:

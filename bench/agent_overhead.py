@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 import trainwarden.agent as tw
-from trainwarden.agent.exporter import _dumps
+from trainwarden.agent.wire import dumps
 
 
 class NullTransport:
@@ -41,7 +41,7 @@ class NullTransport:
         self.records = 0
 
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        _dumps(body)  # what the HTTP transport serializes
+        dumps(body)  # what the HTTP transport serializes
         self.records += len(body["steps"])
         return {}
 
@@ -75,7 +75,7 @@ def thread_costs(n: int) -> dict[str, float]:
     # The exporter runs meanwhile (woken every 512 records), as it does in training.
     results["tw.step + s.loss"] = per_call_us(agent_step, n) - results["bare"]
     tw.shutdown(timeout_s=60)
-    results["exporter CPU per record"] = agent.stats["exporter_cpu_ns"] / agent.stats["sent"] / 1000
+    results["exporter CPU per record"] = agent.stats.exporter_cpu_ns / agent.stats.sent / 1000
     tw.init(run="bench-overhead", transport=NullTransport(), queue_size=1_000_000)
 
     # tw.watch: forward pre/post and optimizer pre/post hooks fire in each step.

@@ -36,6 +36,7 @@ import torch
 import trainwarden.agent as tw
 from trainwarden.agent import core
 from trainwarden.agent.exporter import flush_phase
+from trainwarden.agent.wire import INGEST_PATH
 
 sys.path.insert(0, os.path.dirname(__file__))
 from agent_overhead import sized_mlp, train_step  # noqa: E402
@@ -89,11 +90,11 @@ def peers(
                 ],
             }
             try:
-                via.post("/api/v1/ingest", json=body)
+                via.post(INGEST_PATH, json=body)
                 counts[0] += 1
             except httpx.TransportError:
                 with contextlib.suppress(httpx.TransportError):
-                    direct.post("/api/v1/ingest", json=body)
+                    direct.post(INGEST_PATH, json=body)
                     counts[1] += 1
             step += 1
 

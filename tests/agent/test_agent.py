@@ -179,11 +179,11 @@ def test_collector_down_spools_to_disk_and_the_next_process_sends_it_in_order(
     tw.shutdown(timeout_s=2)
     stats = agent.stats
     # 50 steps + the attempt_start, start, gpu_telemetry, shutdown and attempt_end events
-    assert stats["recorded"] == 55
-    assert stats["sent"] == 0
+    assert stats.recorded == 55
+    assert stats.sent == 0
     # Nothing lost: all of it waits on disk, for this rank of this run.
-    assert stats["spooled"] == 55
-    assert stats["dropped_send_failed"] == stats["dropped_at_shutdown"] == 0
+    assert stats.spooled == 55
+    assert stats.dropped_send_failed == stats.dropped_at_shutdown == 0
     files = sorted(p.name for p in (spool / "unit" / "rank-0").iterdir())
     assert files and all(f.endswith(".json") for f in files)
     warnings = [r for r in caplog.records if "did not take a batch" in r.getMessage()]
@@ -215,7 +215,7 @@ def test_without_a_spool_directory_what_waits_is_lost_at_exit_and_counted() -> N
     time.sleep(0.2)
     agent = tw.init.__globals__["_core"]._agent
     tw.shutdown(timeout_s=2)
-    assert (agent.stats["sent"], agent.stats["dropped_at_shutdown"]) == (0, 55)
+    assert (agent.stats.sent, agent.stats.dropped_at_shutdown) == (0, 55)
 
 
 def test_the_spool_replays_in_order_when_the_collector_returns_and_keeps_its_bound(
@@ -344,7 +344,7 @@ def test_a_busy_collector_loses_nothing_and_gets_each_record_once_in_order() -> 
     time.sleep(1.5)
     tw.shutdown()
     assert [s["step"] for s in transport.steps()] == list(range(40))
-    assert agent.stats["retries"] >= 3 and agent.stats["dropped_send_failed"] == 0
+    assert agent.stats.retries >= 3 and agent.stats.dropped_send_failed == 0
 
 
 def test_a_refused_batch_is_dropped_and_counted_not_retried() -> None:
@@ -371,7 +371,7 @@ def test_a_refused_batch_is_dropped_and_counted_not_retried() -> None:
     with tw.step(1):
         pass
     tw.shutdown()
-    assert agent.stats["dropped_send_failed"] >= 1 and agent.stats["retries"] == 0
+    assert agent.stats.dropped_send_failed >= 1 and agent.stats.retries == 0
     assert [s["step"] for s in transport.steps()] == [1]
 
 
@@ -408,9 +408,9 @@ def test_a_refused_token_loses_nothing_and_says_so_once(caplog, tmp_path: Path) 
     time.sleep(0.2)
     agent = tw.init.__globals__["_core"]._agent
     tw.shutdown(timeout_s=2)
-    assert agent.stats["batches_refused_auth"] >= 1
-    assert agent.stats["dropped_send_failed"] == agent.stats["dropped_at_shutdown"] == 0
-    assert agent.stats["spooled"] == 25
+    assert agent.stats.batches_refused_auth >= 1
+    assert agent.stats.dropped_send_failed == agent.stats.dropped_at_shutdown == 0
+    assert agent.stats.spooled == 25
     said = [r for r in caplog.records if "refused this agent's token" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.ERROR
     assert "TRAINWARDEN_TOKEN" in said[0].getMessage()
@@ -456,3 +456,60 @@ def test_the_http_transport_names_its_sender_so_a_refusal_still_counts_as_a_beat
     finally:
         transport.close()
         server.shutdown()
+
+
+def test_flush_returns_once_the_batch_is_sent_not_while_it_is_in_flight() -> None:
+    transport = RecordingTransport(delay_s=0.3)  # each request takes 300 ms
+    agent = tw.init(
+        run="unit", transport=transport, flush_interval_s=30, heartbeat_s=30, gpu_interval_s=0
+    )
+    for i in range(5):
+        with tw.step(i):
+            pass
+    agent.flush(timeout_s=10)
+    assert [s["step"] for s in transport.steps()] == [0, 1, 2, 3, 4]
+
+    transport.delay_s = 3.0
+    with tw.step(5):
+        pass
+    t0 = time.monotonic()
+    agent.flush(timeout_s=0.3)  # the collector is slower than the flush may wait
+    assert 0.25 < time.monotonic() - t0 < 2.0
+    transport.delay_s = 0.0
+    tw.shutdown(timeout_s=10)
+    t0 = time.monotonic()
+    agent.flush(timeout_s=5)  # the exporter has stopped: nothing to wait for
+    assert time.monotonic() - t0 < 0.5
+
+
+def test_stats_are_typed_and_keep_their_names() -> None:
+    agent = tw.init(run="unit", transport=RecordingTransport(), gpu_interval_s=0)
+    with tw.step(0):
+        pass
+    stats = tw.stats()
+    # A plain dict with the names tw.stats() has always returned, in this order.
+    assert type(stats) is dict and stats == agent.stats.as_dict()
+    assert list(stats) == [
+        "recorded",
+        "dropped_queue_full",
+        "sent",
+        "batches_sent",
+        "batches_failed",
+        "batches_refused_auth",
+        "dropped_send_failed",
+        "exporter_cpu_ns",
+        "heartbeats",
+        "retries",
+        "dropped_at_shutdown",
+        "spooled",
+        "replayed",
+        "spooled_from_earlier",
+        "dropped_spool_full",
+        "dropped_spool_failed",
+        "dropped_spool_unreadable",
+    ]
+    tw.shutdown()
+    assert agent.stats.sent == agent.stats.recorded >= 1  # all of it went out
+    assert agent.stats["sent"] == agent.stats.sent  # read by name, as before it was typed
+    with pytest.raises(KeyError):
+        agent.stats["as_dict"]

@@ -55,8 +55,9 @@ def gpu_agent() -> Any:
     """An agent that believes the trainer runs on a (3x slower) GPU."""
     transport = RecordingTransport()
     tw.init(run="clock", transport=transport, profile_every=0, gpu_interval_s=0)
-    agent = tw.init.__globals__["_core"]._agent
-    agent._torch, agent._cuda, agent._cuda_possible = FakeTorch, True, True
+    rare = tw.init.__globals__["_core"]._agent.rare  # the CUDA state lives with the rare work
+    rare.torch, rare.cuda, rare.cuda_possible = FakeTorch, True, True
+    rare.schedule()  # from now on every step takes the rare path (the GPU's clock)
     yield transport
     FakeCuda.capturing = False
     tw.shutdown()

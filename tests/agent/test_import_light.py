@@ -1,5 +1,11 @@
+import ast
 import subprocess
 import sys
+from pathlib import Path
+
+import trainwarden.agent as tw
+
+AGENT = Path(tw.__file__).parent
 
 
 def test_importing_the_agent_pulls_in_no_server_or_ui_library() -> None:
@@ -11,3 +17,54 @@ def test_importing_the_agent_pulls_in_no_server_or_ui_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The agent modules ``path`` imports, inside functions too; not those imported only
+    for type hints (under ``if TYPE_CHECKING:``)."""
+    tree = ast.parse(path.read_text())
+    hints = {
+        id(node)
+        for branch in ast.walk(tree)
+        if isinstance(branch, ast.If) and "TYPE_CHECKING" in ast.unparse(branch.test)
+        for node in ast.walk(branch)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if id(node) in hints or not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif node.level == 1:
+            names = [node.module] if node.module else [a.name for a in node.names]
+        elif node.module == "trainwarden.agent":
+            names = [a.name for a in node.names]
+        elif node.module:
+            names = [node.module]
+        else:
+            continue
+        for name in names:
+            name = name.removeprefix("trainwarden.agent.")
+            if name.split(".")[0] in modules:
+                found.add(name.split(".")[0])
+    return found - {path.stem}
+
+
+def test_no_agent_module_imports_one_that_imports_it_back() -> None:
+    modules = {p.stem for p in AGENT.glob("*.py")} - {"__init__"}
+    graph = {m: _imports(AGENT / f"{m}.py", modules) for m in modules}
+
+    def reaches(start: str, goal: str) -> bool:
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m == goal:
+                return True
+            if m not in seen:
+                seen.add(m)
+                todo += graph[m]
+        return False
+
+    cycles = sorted((a, b) for a in graph for b in graph[a] if reaches(b, a))
+    assert cycles == []
+    assert {"exporter", "relay", "spool"} <= {m for m in graph if "wire" in graph[m]}
