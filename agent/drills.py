@@ -175,7 +175,8 @@ class Drill:
                 agent.gpu_device.inject_xid(int(fault.value or 0))
             elif fault.kind == "thermal":
                 agent.gpu_device.set_thermal(float(fault.value or 0))
-                agent.gpu_monitor.sample_now()  # the driver's view changes now, not at the next tick
+                # The driver's view changes now, not at the next tick.
+                agent.gpu_monitor.sample_now()
             elif fault.kind == "hang":
                 log.warning(
                     "trainwarden drill: hanging the training thread for %.0fs", fault.seconds

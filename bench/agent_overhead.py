@@ -208,15 +208,16 @@ def main() -> None:
         print("   wandb not installed: no peer figure")
 
     total_us = agent_us + costs["tw.watch hooks (extra)"]
+    share, total_share = agent_us / (args.step_ms * 10), total_us / (args.step_ms * 10)
     print(
-        f"\n2. as a share of a {args.step_ms:.0f} ms step: tw.step {agent_us / (args.step_ms * 10):.4f}% ; "
-        f"with tw.watch hooks {total_us / (args.step_ms * 10):.4f}% (target <= 0.5%)"
+        f"\n2. as a share of a {args.step_ms:.0f} ms step: tw.step {share:.4f}% ; "
+        f"with tw.watch hooks {total_share:.4f}% (target <= 0.5%)"
     )
 
     loop = training_loop(args.step_ms, args.blocks, args.steps_per_block)
     print(
-        f"\n3. alternating blocks of a real ~{args.step_ms:.0f} ms step ({args.blocks} blocks each, "
-        f"{args.steps_per_block} steps per block)"
+        f"\n3. alternating blocks of a real ~{args.step_ms:.0f} ms step "
+        f"({args.blocks} blocks each, {args.steps_per_block} steps per block)"
     )
     print(
         f"   bare {loop['bare_ms']:.2f} ms ; with agent + tw.watch {loop['agent_ms']:.2f} ms ; "

@@ -171,8 +171,9 @@ def main() -> None:
     off, on = (statistics.median(times[a]) * 1000 for a in (False, True))
     cpu_off, cpu_on = (statistics.median(cpu[a]) for a in (False, True))
     print(
-        f"trainwarden relay overhead ({os.cpu_count()} cpus, torch {torch.__version__}): local rank 0 of "
-        f"{world}, {args.blocks} blocks of {args.steps_per_block} steps each arm, alternating"
+        f"trainwarden relay overhead ({os.cpu_count()} cpus, torch {torch.__version__}): "
+        f"local rank 0 of {world}, {args.blocks} blocks of {args.steps_per_block} steps "
+        "each arm, alternating"
     )
     print(
         f"   step time: relay off {off:.2f} ms ; relay on (this process runs it) {on:.2f} ms ; "
@@ -183,11 +184,12 @@ def main() -> None:
         f"{(cpu_on - cpu_off) * 1000:+.1f} ms a second"
     )
     print(
-        f"   the peers sent {counts[0]} batches through the relay, {counts[1]} straight to the collector"
+        f"   the peers sent {counts[0]} batches through the relay, "
+        f"{counts[1]} straight to the collector"
     )
     print(
-        f"   the relay held {held} batches of {world} ranks and sent the collector {merged} requests "
-        f"({held / max(1, merged):.1f} batches a request)"
+        f"   the relay held {held} batches of {world} ranks and sent the collector "
+        f"{merged} requests ({held / max(1, merged):.1f} batches a request)"
     )
 
 
