@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from sqlalchemy import Engine
 
+from trainwarden.agent import wire
 from trainwarden.alerts import Dispatcher, Rule, load_rule_packs
 from trainwarden.collector.actions.commands import CommandBoard
 from trainwarden.collector.actions.engine import ActionEngine
@@ -213,8 +214,8 @@ def create_app(
     # The ingest routes, answered past FastAPI's layers; the innermost of our middleware
     # (added first), so under the body limit, the backpressure gate and auth.
     direct = {
-        "/api/v1/ingest": ingest_api.ingest,
-        "/api/v1/ingest/columns": ingest_api.ingest_columns,
+        wire.INGEST_PATH: ingest_api.ingest,
+        wire.COLUMNS_PATH: ingest_api.ingest_columns,
         "/v1/metrics": otlp.otlp_metrics,
     }
     app.add_middleware(DirectIngest, routes=direct)

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from trainwarden.agent import wire
+
 # The numeric per-rank metrics each row carries (what "points" counts).
 METRIC_COLUMNS = (
     "duration_s",
@@ -315,8 +317,8 @@ async def _node(
     sessions = {r: uuid.uuid4().hex for r in ranks}
     # Who sends, readable without the body: a collector too busy to take the request
     # still counts it as these ranks' heartbeat.
-    sender = f"X-Trainwarden-Sender: {run}/{ranks.start}-{ranks.stop - 1}\r\n"
-    path = "/api/v1/ingest" if per_rank else "/api/v1/ingest/columns"
+    sender = f"{wire.SENDER_HEADER}: {run}/{ranks.start}-{ranks.stop - 1}\r\n"
+    path = wire.INGEST_PATH if per_rank else wire.COLUMNS_PATH
     await asyncio.sleep(rng.random() * period_s)  # nodes are not in phase with each other
     for step in range(steps):
         due = start + step * period_s + rng.random() * period_s * 0.2

@@ -10,7 +10,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-SENDER_HEADER = b"x-trainwarden-sender"  # RUN/RANKS, sent by the agent and loadgen
+from trainwarden.agent import wire
+
+SENDER_HEADER = wire.SENDER_HEADER.lower().encode()  # RUN/RANKS, sent by agents and loadgen
 MAX_SENDER_RANKS = 4096  # ranks one refused request may vouch for
 MAX_HEARD = 1 << 18  # (run, rank) pairs remembered (~25 MB); past it the old ones go
 

@@ -22,6 +22,7 @@ from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
 from starlette.requests import ClientDisconnect
 
+from trainwarden.agent import wire
 from trainwarden.collector.api import auth
 from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.ingest.schemas import (
@@ -118,7 +119,7 @@ def _hint_relay(request: Request, batch: IngestBatch) -> None:
 async def submit(request: Request, batch: IngestBatch | ColumnarBatch) -> IngestResult:
     """Hand a validated batch to the group-commit writer and wait for its commit."""
     auth.check_run(batch.run)  # an ingest token may be limited to some runs
-    if isinstance(batch, IngestBatch) and "trainwarden-relay" not in request.headers.get("via", ""):
+    if isinstance(batch, IngestBatch) and wire.RELAY_NAME not in request.headers.get("via", ""):
         _hint_relay(
             request, batch
         )  # (a relay sends a batch on its own when the merged one is refused)
