@@ -279,7 +279,7 @@ TRAINER = textwrap.dedent("""
         step += 1
         time.sleep(nap)
     tw.shutdown(timeout_s=30)
-    json.dump({"rank": rank, "steps": steps, "stats": agent.stats}, open(out, "w"))
+    json.dump({"rank": rank, "steps": steps, "stats": agent.stats.as_dict()}, open(out, "w"))
 """)
 
 
