@@ -83,6 +83,7 @@ def init(
     config: Any = None,
     tags: Any = None,
     data_snapshot: Any = None,
+    flight_recorder_entries: int | None = None,
 ) -> Agent:
     """Start the agent for this process.
 
@@ -130,6 +131,14 @@ def init(
     (:func:`shutdown` or a normal exit), ``exception`` (an uncaught one),
     ``sigterm`` or ``stopped`` (the collector's stop command).
 
+    Hung collectives: ``init`` turns on PyTorch's Flight Recorder
+    (``TORCH_FR_BUFFER_SIZE``, ``flight_recorder_entries`` entries, 2,000; 0: off;
+    ``TRAINWARDEN_FLIGHT_RECORDER_ENTRIES``; a value the user set is kept), so call it
+    **before** ``torch.distributed.init_process_group``. When the collector asks (a rank
+    is hung) or this rank's training thread has not finished a step for the hung
+    threshold, the exporter thread sends the newest collectives of each process group
+    (a ``collectives`` event), and the collector names the rank that never arrived.
+
     Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
     shuts the previous agent down first.
     """
@@ -160,6 +169,7 @@ def init(
         config=config,
         tags=tags,
         data_snapshot=data_snapshot,
+        flight_recorder_entries=flight_recorder_entries,
     )
     if _core._agent is not None:
         _core._agent.shutdown()

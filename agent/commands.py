@@ -116,6 +116,9 @@ class Commands:
         self._handlers: list[Callable[[RollbackPlan], Any]] = []
         self._skip: list[tuple[int, int]] = []
         self.applied: list[RollbackPlan] = []
+        # A ``collectives`` command (read the Flight Recorder) is answered here, on the
+        # exporter thread: the training thread may be the one that is stuck.
+        self.on_collectives: Callable[[dict[str, Any]], None] | None = None
 
     # -- the trainer's side --------------------------------------------------------------
 
@@ -131,6 +134,7 @@ class Commands:
         """Commands from an ingest answer (repeated until acknowledged: new ones only)."""
         if not isinstance(commands, list):
             return
+        asked = []
         with self._lock:
             for c in commands:
                 if (
@@ -140,6 +144,9 @@ class Commands:
                 ):
                     continue
                 self._seen.add(c["id"])
+                if c.get("type") == "collectives":
+                    asked.append(c)
+                    continue
                 if c.get("type") == "rollback" and c.get("phase") in ("commit", "abort"):
                     self._decisions[_key(c)] = c
                 self._inbox.append(c)
@@ -147,6 +154,14 @@ class Commands:
         for c in commands:
             if isinstance(c, dict) and c.get("type") == "rollback" and c.get("phase") == "prepare":
                 self._answer_prepare(c)
+        for c in asked:
+            if self.on_collectives is None:
+                self._ack(c, error="this agent cannot read its collectives")
+                continue
+            try:
+                self.on_collectives(c)
+            except Exception:  # the answer says why (flight.dump never raises): a bug here
+                log.exception("trainwarden: answering collectives command %s failed", c["id"])
 
     def _answer_prepare(self, c: dict[str, Any]) -> None:
         """Answer a prepare at once, with the last step finished. ``pending`` was set

@@ -224,6 +224,9 @@ class AgentConfig:
     """Labels of the run (``TRAINWARDEN_TAGS``, comma-separated)."""
     data_snapshot: str | None = None
     """The data version the run trains on (``TRAINWARDEN_DATA_SNAPSHOT``)."""
+    flight_recorder_entries: int = 2000
+    """PyTorch Flight Recorder ring size that ``tw.init`` asks for (``TORCH_FR_BUFFER_SIZE``,
+    never over the user's own value); the ring is read when a rank may be hung. 0: off."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -256,6 +259,7 @@ class AgentConfig:
         config: Any = None,
         tags: Any = None,
         data_snapshot: Any = None,
+        flight_recorder_entries: int | None = None,
     ) -> AgentConfig:
         run = _pick(run, "TRAINWARDEN_RUN")
         if run is None:
@@ -348,6 +352,15 @@ class AgentConfig:
             ),
             profile_dir=_pick(profile_dir, "TRAINWARDEN_PROFILE_DIR"),
             drill=_pick(drill, "TRAINWARDEN_DRILL"),
+            flight_recorder_entries=_as_int(
+                _pick(
+                    flight_recorder_entries,
+                    "TRAINWARDEN_FLIGHT_RECORDER_ENTRIES",
+                    cls.flight_recorder_entries,
+                ),
+                "flight_recorder_entries (TRAINWARDEN_FLIGHT_RECORDER_ENTRIES)",
+                minimum=0,
+            ),
             gpu_interval_s=_as_float(
                 _pick(gpu_interval_s, "TRAINWARDEN_GPU_INTERVAL", cls.gpu_interval_s),
                 "gpu_interval_s (TRAINWARDEN_GPU_INTERVAL)",

@@ -31,12 +31,13 @@ import uuid
 from typing import Any
 from urllib.parse import urlsplit
 
-from . import identity
+from . import flight, identity
 from .checkpoints import Checkpointing, Checkpoints
 from .commands import Commands
 from .config import AgentConfig, ConfigError
 from .drills import Drill, DrillError, parse
 from .exporter import Exporter, HttpTransport, Transport
+from .flight import Flight
 from .gpu import XID_SEVERITY, GpuMonitor, describe_xid, open_device
 from .mfu import Peak
 from .rare import RareWork
@@ -97,6 +98,16 @@ class Agent:
             size=config.queue_size, batch_size=config.batch_size, stats=self.stats
         )
         self.commands = Commands(self)
+        # Before the process group exists (tw.init's place in the trainer): see flight.py.
+        late = flight.enable(config.flight_recorder_entries)
+        if late:
+            log.warning(late)
+        self.flight = Flight(
+            self,
+            entries=config.flight_recorder_entries,
+            progress=lambda: (self.recorder.last_step, self.recorder.last_step_wall),
+        )
+        self.commands.on_collectives = self.flight.answer
         # What a step touches (step.py); the rare work keeps its flag (rare.py).
         self.recorder = Recorder(self._records.put, self.commands)
         self.skip_spikes = self.recorder.skip_spikes  # training thread: s.should_skip_step()
@@ -130,6 +141,7 @@ class Agent:
                 heartbeat_s=config.heartbeat_s,
                 stats=self.stats,
                 on_commands=self.commands.receive,
+                on_tick=self.flight.tick,
                 spool=self._open_spool(),
                 # With a relay, the node's ranks send together: it merges them.
                 phase_of=None if config.relay is None else _relay_group(config),

@@ -205,10 +205,12 @@ class Exporter:
         heartbeat_s: float,
         stats: Stats,
         on_commands: Callable[[Any], None] | None = None,
+        on_tick: Callable[[], None] | None = None,
         spool: Spool | None = None,
         phase_of: str | None = None,
     ) -> None:
         self._on_commands = on_commands
+        self._on_tick = on_tick  # each wake-up, before sending (the Flight Recorder's stall check)
         self._poll = False  # send a heartbeat now: the trainer waits for a command
         # flush(): the callers' events, set once what was queued has gone out; and whether
         # this tick serves one (then it sends all that is queued, not one batch a tick).
@@ -293,6 +295,8 @@ class Exporter:
             self._draining = bool(flushes)
             cpu = time.thread_time_ns()
             try:
+                if self._on_tick is not None and not stopping:
+                    self._on_tick()
                 while self._export_once(final=stopping):
                     pass
                 if self._poll or time.monotonic() - self._last_sent >= self._heartbeat_s:

@@ -64,6 +64,7 @@ class RankInfo:
     gpu: str | None = None
     state: str = "healthy"
     role: str | None = None  # culprit | victim, for hung ranks
+    collective: str | None = None  # the hung-collective verdict (Flight Recorder), if any
     last_seen: float | None = None
     heartbeat_s: float | None = None
     progress_at: float | None = None
@@ -133,6 +134,9 @@ class Verdict:
     """The first step of the streak in which the condition holds, from the data (a
     baseline or threshold rule), or the earliest matching record's own step (an event
     rule): where the anomaly began, not when a pass noticed it. ``None``: not known."""
+    annotations: dict[str, str] | None = None
+    """Annotations of this verdict's own, beside summary / description / runbook_url
+    (``RankHung``: ``collective``, the verdict on the ranks' Flight Recorder rings)."""
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -486,12 +490,14 @@ def _event(rule: EventRule, snap: Snapshot) -> list[Verdict]:
         for info in snap.ranks.values():
             if info.state in match.to and (match.role is None or info.role == match.role):
                 role = f" ({info.role})" if info.role else ""
+                why = f": {info.collective}" if info.collective else ""
                 out.append(
                     Verdict(
                         info.rank,
                         None,
-                        f"{_rank_detail(snap, info.rank)} is {info.state}{role}",
+                        f"{_rank_detail(snap, info.rank)} is {info.state}{role}{why}",
                         info.last_step,
+                        annotations={"collective": info.collective} if info.collective else None,
                     )
                 )
         return out

@@ -25,6 +25,7 @@ from trainwarden.collector.api import auth, errors
 from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.api.routes import actions as actions_api
 from trainwarden.collector.api.routes import alerts as alerts_api
+from trainwarden.collector.api.routes import collectives as collectives_api
 from trainwarden.collector.api.routes import economics as economics_api
 from trainwarden.collector.api.routes import incidents as incidents_api
 from trainwarden.collector.api.routes import ingest as ingest_api
@@ -110,7 +111,7 @@ def create_app(
         app.state.pressure = pressure = Pressure(lambda: writer.lag_s() + loop_lag())
         metrics.on_busy = pressure.refused
         if health is not None:
-            loops.append(health_loop(engine, health, pressure=pressure))
+            loops.append(health_loop(engine, health, pressure=pressure, board=app.state.commands))
         for loop in loops:
             loop.start()
         if ui:
@@ -208,6 +209,7 @@ def create_app(
     app.include_router(incidents_api.router)
     app.include_router(incidents_api.of_runs)
     app.include_router(economics_api.router)
+    app.include_router(collectives_api.router)
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
     app.state.alert_engine = None

@@ -425,6 +425,7 @@ class AlertEngine:
         )
         info = snap.ranks.get(v.rank) if v.rank is not None else None
         annotations = {
+            **(v.annotations or {}),
             "summary": rule.summary,
             "description": v.detail,
             "runbook_url": runbook_url(self.external_url, rule.runbook),
@@ -464,7 +465,9 @@ class AlertEngine:
         if new is alert and same:
             if row.value == fields["value"] and row.annotations == annotations:
                 return 0
-            if now - (row.updated_at or 0.0) < self.settings.refresh_s:
+            # A hung rank's culprit named from the rings is news: written at once.
+            named = (row.annotations or {}).get("collective") != annotations.get("collective")
+            if not named and now - (row.updated_at or 0.0) < self.settings.refresh_s:
                 return 0  # only its value or description moved: written now and then
         writes.updates.append({"b_id": row.id, "updated_at": now, **fields})
         return int(new is not alert)

@@ -273,19 +273,21 @@ def snapshot(
             k.local_rank,
             k.state,
             k.state_detail["role"].as_string(),
+            k.state_detail["collective"].as_string(),
             k.last_seen,
             k.heartbeat_s,
             k.progress_at,
             k.last_step,
         ).where(k.run_id == run_id),
     )
-    for rank, node, gpu, local_rank, state, role, seen, beat, progress, step in rows:
+    for rank, node, gpu, local_rank, state, role, coll, seen, beat, progress, step in rows:
         snap.ranks[rank] = RankInfo(
             rank=rank,
             node=node,
             gpu=gpu or (str(local_rank) if local_rank is not None else None),
             state=state,
             role=role,
+            collective=coll,
             last_seen=max(seen, heard.get(rank, seen)),
             heartbeat_s=beat,
             progress_at=progress,

@@ -40,6 +40,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, func, or_, select, text, update
 
 from trainwarden.alerts.evaluate import LIVE_STATES, median_without
+from trainwarden.collector.health import hang
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.read.queries import arrival_lateness
@@ -328,6 +329,7 @@ _RANK_FIELDS = (
     "clock_skew_s",
     "last_step",
     "phase",
+    "state_since",
 )
 
 
@@ -339,6 +341,7 @@ def evaluate(
     lag_s: float = 0.0,
     pressed: bool = False,
     heard: Callable[[str], Mapping[int, float]] | None = None,
+    board: Any = None,
 ) -> int:
     """Bring every live rank's state up to date; returns the number of state changes.
 
@@ -352,8 +355,13 @@ def evaluate(
 
     Hung is read from what the rank itself said: how long it had gone without a step
     when it sent its latest request, by its own clock; a request kept waiting, or a node
-    whose clock is off, does not make a rank look hung."""
+    whose clock is off, does not make a rank look hung.
+
+    A run with hung ranks: its ranks are asked for their Flight Recorder rings, and the
+    verdict on them (:mod:`.hang`) names the culprit in the hung ranks' details.
+    ``board``: the collector's command board, told when a request is made."""
     now = time.time() if now is None else now
+    hang.close_requests(conn, now)
     settings = settings or HealthSettings()
     changes = 0
     runs = conn.execute(
@@ -432,16 +440,31 @@ def evaluate(
             heard=heard_ranks,
             still_dead=dead_unread,
         )
+        events = []
+        if any(state == "hung" for state, _ in states.values()):
+            dead = [r for r, (state, _) in states.items() if state == "dead"]
+            events += hang.refine(
+                conn,
+                run_id=run_id,
+                run=name,
+                world=world,
+                ranks=list(ranks),
+                states=states,
+                dead=dead + dead_unread(),
+                now=now,
+                board=board,
+            )
         # Decide everything first, then write in two statements in rank order: the rank
         # rows stay locked for as short a time as possible (ingest updates them too).
-        details, changed, events = [], [], []
+        details, changed = [], []
         for r in ranks:
             state, detail = states[r["rank"]]
             if state == r["state"]:  # same state: rewrite the detail only if its gist changed
                 before = r["state_detail"] or {}
-                if (detail.get("role"), detail.get("waiting_on")) != (
+                if (detail.get("role"), detail.get("waiting_on"), detail.get("collective")) != (
                     before.get("role"),
                     before.get("waiting_on"),
+                    before.get("collective"),
                 ):
                     details.append({"b_rank": r["rank"], "detail": detail or None})
                 continue
@@ -477,7 +500,7 @@ def evaluate(
 
 
 def evaluate_once(
-    engine: Engine, settings: HealthSettings, pressure: Pressure | None = None
+    engine: Engine, settings: HealthSettings, pressure: Pressure | None = None, board: Any = None
 ) -> int:
     """One evaluation in its own transaction; on PostgreSQL only one collector runs it."""
     with write(engine) as conn:
@@ -488,25 +511,29 @@ def evaluate_once(
             if not locked:
                 return 0
         if pressure is None:
-            return evaluate(conn, settings=settings)
+            return evaluate(conn, settings=settings, board=board)
         return evaluate(
             conn,
             settings=settings,
             lag_s=pressure.lag_s(),
             pressed=pressure.pressed(),
             heard=pressure.heard,
+            board=board,
         )
 
 
 def health_loop(
-    engine: Engine, settings: HealthSettings | None = None, pressure: Pressure | None = None
+    engine: Engine,
+    settings: HealthSettings | None = None,
+    pressure: Pressure | None = None,
+    board: Any = None,
 ) -> Loop:
     """The evaluator's thread inside ``serve``; ``pressure``: the collector's delay and
-    whether it fell behind lately."""
+    whether it fell behind lately; ``board``: the commands board (collectives requests)."""
     settings = settings or HealthSettings()
     return Loop(
         "trainwarden-health",
         settings.interval_s,
-        lambda: evaluate_once(engine, settings, pressure),
+        lambda: evaluate_once(engine, settings, pressure, board),
         max_cpu_share=settings.max_cpu_share,
     )

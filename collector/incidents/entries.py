@@ -234,6 +234,8 @@ def _event_text(kind: str, data: dict[str, Any]) -> str:
     if kind == "rank_state":
         why = f" ({data['reason']})" if data.get("reason") else ""
         return f"rank state {data.get('from')} -> {data.get('to')}{why}"
+    if kind == "hang_verdict":
+        return f"hung collective: {data.get('summary')}"
     if kind == "checkpoint":
         return f"checkpoint saved: {data.get('path') or '?'}"
     if kind == "restart":

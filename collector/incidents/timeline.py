@@ -65,9 +65,18 @@ from trainwarden.collector.store import models as m
 
 LEAD_S = 120.0
 """How far before an incident's first pending alert its timeline starts."""
-NOISE = ("action", "action_failed", "command_ack", "gpu_telemetry", "attempt_start", "attempt_end")
+NOISE = (
+    "action",
+    "action_failed",
+    "command_ack",
+    "gpu_telemetry",
+    "attempt_start",
+    "attempt_end",
+    "collectives",
+)
 """Event kinds the timeline leaves out: actions come from their own history, attempts
-from theirs (one entry per attempt rather than one per rank)."""
+from theirs (one entry per attempt rather than one per rank); a rank's Flight Recorder
+ring (``collectives``) is the raw data of the ``hang_verdict`` entry."""
 DEFINITIONS = {
     "fault": "the earliest injected fault, XID, loss divergence or bad rank state before the "
     "first alert went pending, on the alerts' ranks or nodes; else the first flagged step",

@@ -162,6 +162,58 @@ class StepIn(BaseModel):
         return value
 
 
+class CollectiveEntryIn(BaseModel):
+    """One collective of a rank's Flight Recorder ring (``agent/flight.py``)."""
+
+    seq: int = Field(ge=0, le=INT64_MAX, description="Its sequence id in its process group")
+    op: str = Field(min_length=1, max_length=64)
+    in_sizes: list[list[int]] = Field(default_factory=list, max_length=256)
+    in_dtypes: list[str] = Field(default_factory=list, max_length=256)
+    out_sizes: list[list[int]] = Field(default_factory=list, max_length=256)
+    out_dtypes: list[str] = Field(default_factory=list, max_length=256)
+    state: str = Field(default="", max_length=32)
+    done: bool = False
+    created: float | None = None
+    started: float | None = None
+    completed: float | None = None
+
+    @field_validator("created", "started", "completed")
+    @classmethod
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+
+class CollectiveGroupIn(BaseModel):
+    """A process group's newest collectives on one rank, oldest first."""
+
+    pg: str = Field(min_length=1, max_length=64, description="The group's name (pg 0: default)")
+    desc: str = Field(default="", max_length=256)
+    ranks: list[Annotated[int, Field(ge=0, le=MAX_RANK)]] = Field(
+        default_factory=list, max_length=MAX_RANK
+    )
+    entries: list[CollectiveEntryIn] = Field(default_factory=list, max_length=2048)
+    last_enqueued: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    last_completed: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    dropped: int = Field(default=0, ge=0)
+
+
+class CollectivesIn(BaseModel):
+    """A ``collectives`` event's data: the rank's Flight Recorder ring, or why none."""
+
+    trigger: str = Field(default="command", max_length=32)
+    request: int | None = None
+    available: bool
+    reason: str | None = Field(default=None, max_length=2000)
+    dumped_at: float | None = None
+    groups: list[CollectiveGroupIn] = Field(default_factory=list, max_length=256)
+
+
+EVENT_DATA: dict[str, type[BaseModel]] = {"collectives": CollectivesIn}
+"""Event kinds whose data has a form of its own, checked at the edge."""
+
+
 class EventIn(BaseModel):
     """Something that happened on a rank at a time (start, shutdown, restart, ...)."""
 
@@ -174,6 +226,21 @@ class EventIn(BaseModel):
     step: int | None = Field(default=None, ge=0, le=2**62)
     severity: Literal["info", "warning", "critical"] = "info"
     data: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _data_of_its_kind(self) -> EventIn:
+        model = EVENT_DATA.get(self.kind)
+        if model is not None:
+            try:
+                model.model_validate(self.data)
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(str(part) for part in ("data", *first["loc"]))
+                raise ValueError(
+                    f"a {self.kind} event's {where}: {first['msg']} "
+                    f"(got {str(first.get('input'))[:80]!r})"
+                ) from None
+        return self
 
 
 class GpuSampleIn(BaseModel):

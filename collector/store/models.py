@@ -370,7 +370,9 @@ agent_commands = Table(
     "agent_commands",
     metadata,
     Column("id", Integer, primary_key=True, autoincrement=True),
-    Column("action_id", Integer, ForeignKey("actions.id", ondelete="CASCADE"), nullable=False),
+    # None: a request of the health evaluator or an operator, not an action's (migration
+    # 0024): read the Flight Recorder ({"type": "collectives"}).
+    Column("action_id", Integer, ForeignKey("actions.id", ondelete="CASCADE")),
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), nullable=False),
     Column("rank", Integer, nullable=False),
     Column("body", JSON, nullable=False),

@@ -1,0 +1,238 @@
+"""Hung collectives, live: ask a hung run's ranks for their Flight Recorder rings,
+decide who never arrived (:mod:`.collectives`), and keep the verdict.
+
+- As soon as the health evaluator holds a rank of a run hung, every rank of the run gets
+  a ``collectives`` command (on its next ingest answer; :func:`request`, also what an
+  operator's ``POST /api/v1/runs/{run}/collectives`` does). The agents answer from their
+  exporter thread with a ``collectives`` event; a rank whose own training thread stalled
+  has usually sent one already.
+- Each evaluation of a run with hung ranks lines up the newest ring of each rank (sent
+  since shortly before the hang began) and, when the verdict changed, stores it as a
+  ``hang_verdict`` event (the timeline and the post-mortem show it) and names it in the
+  hung ranks' state details (``collective``), which the ``RankHung`` alert carries in its
+  description and annotations.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+from sqlalchemy import Connection, Engine, and_, func, insert, select, update
+
+from trainwarden.collector.health.collectives import analyze, table
+from trainwarden.collector.read.queries import NotFound
+from trainwarden.collector.store import models as m
+
+REQUEST_TTL_S = 30.0
+"""A request is sent to the ranks (on every ingest answer) for this long."""
+RING_LEAD_S = 60.0
+"""A ring dumped this long before the hang began counts (a rank that stalled dumps its
+own, at the same threshold as the evaluator's)."""
+VIEW_WINDOW_S = 600.0
+"""The view shows each rank's newest ring within this long of the newest one."""
+
+# Per database and run: the last verdict stored (the hang's start, its summary).
+_stored: weakref.WeakKeyDictionary[Engine, dict[int, tuple[float, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def request(
+    conn: Connection, *, run: str, by: str, now: float, reason: str = "", board: Any = None
+) -> dict[str, Any]:
+    """Ask every rank of ``run`` for its collectives now. ``board``: the collector's
+    :class:`~trainwarden.collector.actions.commands.CommandBoard`, told at once."""
+    row = conn.execute(select(m.runs.c.id, m.runs.c.world_size).where(m.runs.c.name == run)).first()
+    if row is None:
+        raise NotFound(f"run {run!r} not found")
+    ranks = _ask(conn, run_id=row.id, world=row.world_size, by=by, now=now, reason=reason)
+    if board is not None:
+        board.runs.add(run)
+    return {"run": run, "requested_at": now, "ranks": ranks}
+
+
+def _ask(conn: Connection, *, run_id: int, world: int, by: str, now: float, reason: str) -> int:
+    ranks = list(
+        conn.execute(select(m.ranks.c.rank).where(m.ranks.c.run_id == run_id)).scalars()
+    ) or list(range(world))
+    body = {"type": "collectives", "by": by, "reason": reason}
+    conn.execute(
+        insert(m.agent_commands),
+        [
+            {"action_id": None, "run_id": run_id, "rank": r, "body": body, "created_at": now}
+            for r in sorted(ranks)
+        ],
+    )
+    return len(ranks)
+
+
+def _requested_since(conn: Connection, run_id: int, since: float) -> bool:
+    c = m.agent_commands.c
+    return (
+        conn.execute(
+            select(c.id)
+            .where(c.run_id == run_id, c.action_id.is_(None), c.created_at >= since)
+            .limit(1)
+        ).first()
+        is not None
+    )
+
+
+def close_requests(conn: Connection, now: float) -> int:
+    """Stop sending requests older than :data:`REQUEST_TTL_S` (an agent answers each once)."""
+    c = m.agent_commands.c
+    return conn.execute(
+        update(m.agent_commands)
+        .where(c.action_id.is_(None), c.done_at.is_(None), c.created_at < now - REQUEST_TTL_S)
+        .values(done_at=now)
+    ).rowcount
+
+
+def rings(conn: Connection, run_id: int, since: float) -> dict[int, tuple[float, dict[str, Any]]]:
+    """Each rank's newest ``collectives`` event since ``since``: rank -> (time, data)."""
+    e = m.events.c
+    newest = (
+        select(e.rank, func.max(e.id).label("id"))
+        .where(e.run_id == run_id, e.kind == "collectives", e.ts >= since, e.rank.is_not(None))
+        .group_by(e.rank)
+        .subquery()
+    )
+    rows = conn.execute(
+        select(e.rank, e.ts, e.data).join(newest, and_(e.id == newest.c.id, e.run_id == run_id))
+    ).all()
+    return {int(r.rank): (float(r.ts), dict(r.data or {})) for r in rows}
+
+
+def _nodes(conn: Connection, run_id: int) -> dict[int, str | None]:
+    k = m.ranks.c
+    return {
+        r.rank: r.node or r.host
+        for r in conn.execute(select(k.rank, k.node, k.host).where(k.run_id == run_id))
+    }
+
+
+def refine(
+    conn: Connection,
+    *,
+    run_id: int,
+    world: int,
+    ranks: list[Any],
+    states: dict[int, tuple[str, dict[str, Any]]],
+    dead: list[int],
+    now: float,
+    board: Any = None,
+    run: str | None = None,
+) -> list[dict[str, Any]]:
+    """For a run with hung ranks: ask for rings once per hang, decide on what arrived, and
+    put the verdict in the hung ranks' details (``states``, changed in place). Returns the
+    events to store (a ``hang_verdict`` when it changed)."""
+    hung = {rank for rank, (state, _) in states.items() if state == "hung"}
+    if not hung:
+        _stored.get(conn.engine, {}).pop(run_id, None)
+        return []
+    since = {r["rank"]: r["state_since"] for r in ranks if r["state"] == "hung"}
+    start = min((since.get(rank) or now for rank in hung), default=now)
+    if not _requested_since(conn, run_id, start - 1.0):
+        _ask(conn, run_id=run_id, world=world, by="health", now=now, reason="a rank is hung")
+        if board is not None and run is not None:
+            board.runs.add(run)
+    got = rings(conn, run_id, start - RING_LEAD_S)
+    if not got:
+        return []
+    nodes = _nodes(conn, run_id)
+    verdict = analyze(
+        {r: data for r, (_, data) in got.items()}, world=world, nodes=nodes, dead=dead
+    )
+    verdict["hang_started"] = start
+    _apply(verdict, states)
+    stored = _stored.setdefault(conn.engine, {})
+    if stored.get(run_id) == (start, verdict["summary"]):
+        return []
+    stored[run_id] = (start, verdict["summary"])
+    culprits = verdict["culprits"]
+    return [
+        {
+            "rank": culprits[0] if len(culprits) == 1 else None,
+            "kind": "hang_verdict",
+            "severity": "critical" if verdict["kind"] in ("culprit", "desync") else "warning",
+            "uid": f"hang_verdict:{run_id}:{start}:{verdict['summary']}",
+            "step": max(
+                (r["last_step"] for r in ranks if r["last_step"] is not None), default=None
+            ),
+            "data": verdict,
+        }
+    ]
+
+
+def _apply(verdict: dict[str, Any], states: dict[int, tuple[str, dict[str, Any]]]) -> None:
+    """The verdict names culprits and victims: the hung ranks' details say so."""
+    if verdict["kind"] not in ("culprit", "desync"):
+        for state, detail in states.values():
+            if state == "hung":
+                detail["collective"] = verdict["summary"]
+        return
+    culprits = verdict["culprits"]
+    where = (
+        f"{verdict['op']} #{verdict['seq']} on pg {verdict['group']['pg']}"
+        if verdict.get("group")
+        else "a collective"
+    )
+    for rank, (state, detail) in states.items():
+        if state != "hung":
+            continue
+        detail["collective"] = verdict["summary"]
+        if rank in culprits:
+            detail.update(role="culprit", reason=verdict["summary"])
+            detail.pop("waiting_on", None)
+        else:
+            detail.update(
+                role="victim",
+                waiting_on=culprits,
+                reason=f"waits in {where} on rank(s) {culprits}",
+            )
+
+
+def view(conn: Connection, *, run: str, now: float) -> dict[str, Any]:
+    """What the API and the UI show: the newest rings, the verdict on them, the table."""
+    row = conn.execute(select(m.runs.c.id, m.runs.c.world_size).where(m.runs.c.name == run)).first()
+    if row is None:
+        raise NotFound(f"run {run!r} not found")
+    e, c = m.events.c, m.agent_commands.c
+    newest = conn.execute(
+        select(func.max(e.ts)).where(e.run_id == row.id, e.kind == "collectives")
+    ).scalar()
+    got = rings(conn, row.id, newest - VIEW_WINDOW_S) if newest is not None else {}
+    requested = conn.execute(
+        select(func.max(c.created_at)).where(c.run_id == row.id, c.action_id.is_(None))
+    ).scalar()
+    nodes = _nodes(conn, row.id)
+    dead = list(
+        conn.execute(
+            select(m.ranks.c.rank).where(m.ranks.c.run_id == row.id, m.ranks.c.state == "dead")
+        ).scalars()
+    )
+    data = {r: d for r, (_, d) in got.items()}
+    verdict = None
+    if data:
+        verdict = analyze(data, world=row.world_size, nodes=nodes, dead=dead)
+        verdict["at"] = now
+    stored = conn.execute(
+        select(e.ts).where(e.run_id == row.id, e.kind == "hang_verdict").order_by(e.id.desc())
+    ).first()
+    return {
+        "run": run,
+        "requested_at": requested,
+        "stored_at": stored.ts if stored else None,
+        "verdict": verdict,
+        "groups": table(data, verdict, world=row.world_size, nodes=nodes),
+        "rings": {
+            str(r): {
+                "at": ts,
+                "trigger": d.get("trigger"),
+                "available": bool(d.get("available")),
+                "reason": d.get("reason"),
+            }
+            for r, (ts, d) in sorted(got.items())
+        },
+    }
