@@ -32,8 +32,13 @@ own, at the same threshold as the evaluator's)."""
 VIEW_WINDOW_S = 600.0
 """The view shows each rank's newest ring within this long of the newest one."""
 
-# Per database and run: the last verdict stored (the hang's start, its summary).
+# Per database and run: the last verdict stored (the hang's start, its summary), and the
+# last one decided with what it was decided on (a run of thousands of ranks is not read
+# and lined up again each second while no new ring came).
 _stored: weakref.WeakKeyDictionary[Engine, dict[int, tuple[float, str]]] = (
+    weakref.WeakKeyDictionary()
+)
+_decided: weakref.WeakKeyDictionary[Engine, dict[int, tuple[Any, dict[str, Any]]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -130,6 +135,7 @@ def refine(
     hung = {rank for rank, (state, _) in states.items() if state == "hung"}
     if not hung:
         _stored.get(conn.engine, {}).pop(run_id, None)
+        _decided.get(conn.engine, {}).pop(run_id, None)
         return []
     since = {r["rank"]: r["state_since"] for r in ranks if r["state"] == "hung"}
     start = min((since.get(rank) or now for rank in hung), default=now)
@@ -137,14 +143,26 @@ def refine(
         _ask(conn, run_id=run_id, world=world, by="health", now=now, reason="a rank is hung")
         if board is not None and run is not None:
             board.runs.add(run)
-    got = rings(conn, run_id, start - RING_LEAD_S)
-    if not got:
+    e = m.events.c
+    newest = conn.execute(
+        select(func.max(e.id)).where(
+            e.run_id == run_id, e.kind == "collectives", e.ts >= start - RING_LEAD_S
+        )
+    ).scalar()
+    if newest is None:
         return []
-    nodes = _nodes(conn, run_id)
-    verdict = analyze(
-        {r: data for r, (_, data) in got.items()}, world=world, nodes=nodes, dead=dead
-    )
-    verdict["hang_started"] = start
+    key = (start, newest, tuple(sorted(dead)))
+    decided = _decided.setdefault(conn.engine, {})
+    if run_id in decided and decided[run_id][0] == key:
+        verdict = decided[run_id][1]
+    else:
+        got = rings(conn, run_id, start - RING_LEAD_S)
+        nodes = _nodes(conn, run_id)
+        verdict = analyze(
+            {r: data for r, (_, data) in got.items()}, world=world, nodes=nodes, dead=dead
+        )
+        verdict["hang_started"] = start
+        decided[run_id] = (key, verdict)
     _apply(verdict, states)
     stored = _stored.setdefault(conn.engine, {})
     if stored.get(run_id) == (start, verdict["summary"]):
@@ -218,7 +236,10 @@ def view(conn: Connection, *, run: str, now: float) -> dict[str, Any]:
         verdict = analyze(data, world=row.world_size, nodes=nodes, dead=dead)
         verdict["at"] = now
     stored = conn.execute(
-        select(e.ts).where(e.run_id == row.id, e.kind == "hang_verdict").order_by(e.id.desc())
+        select(e.ts)
+        .where(e.run_id == row.id, e.kind == "hang_verdict")
+        .order_by(e.id.desc())
+        .limit(1)
     ).first()
     return {
         "run": run,
