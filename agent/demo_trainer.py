@@ -97,6 +97,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="extra time each step waits after its forward, as if on a device (steadier timing "
         "when many ranks share few CPU cores)",
     )
+    p.add_argument(
+        "--extra-group",
+        action="store_true",
+        help="a second process group of the upper half of the ranks, with a small all_reduce "
+        "on it each step before the gradients' (a job with two process groups: a hung "
+        "collective's verdict must name the right one); needs 2 or more ranks",
+    )
     return p.parse_args(argv)
 
 
@@ -149,18 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        dist.init_process_group("gloo")
-    rank = dist.get_rank() if world > 1 else 0
-
+    if args.extra_group and world < 2:
+        raise SystemExit(
+            f"--extra-group needs 2 or more ranks (WORLD_SIZE is {world}): run under "
+            "torchrun --nproc-per-node 2 or more"
+        )
     vocab, context, dim, lr = 64, 8, 32, 3e-3
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model: nn.Module = TinyLM(vocab, context, dim=dim)
-    if world > 1:
-        model = nn.parallel.DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    data = MarkovData(vocab, context, chain_seed=args.seed, sample_seed=args.seed + 1 + rank)
-
     config = {
         "lr": lr,
         "optimizer": "AdamW",
@@ -171,7 +172,10 @@ def main(argv: list[str] | None = None) -> None:
         "seed": args.seed,
         "steps": args.steps,
         "checkpoint_every": args.checkpoint_every,
+        "extra_group": args.extra_group,
     }
+    # Before the process group: tw.init turns on the Flight Recorder, which the group
+    # reads when it is made (rank and world size come from RANK / WORLD_SIZE).
     tw.init(
         run=args.run,
         url=args.url,
@@ -179,6 +183,23 @@ def main(argv: list[str] | None = None) -> None:
         tags=["demo", "cpu"],
         data_snapshot=f"markov:seed={args.seed}",
     )
+    if world > 1:
+        dist.init_process_group("gloo")
+    rank = dist.get_rank() if world > 1 else 0
+    extra = None  # the second group, on the ranks in it
+    if args.extra_group:
+        upper = list(range(world // 2, world))
+        # Every rank calls new_group, in it or not. The description names it in the
+        # Flight Recorder's dumps (and so in the hung-collective verdict).
+        group = dist.new_group(ranks=upper, group_desc="upper_half")
+        extra = group if rank in upper else None
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model: nn.Module = TinyLM(vocab, context, dim=dim)
+    if world > 1:
+        model = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    data = MarkovData(vocab, context, chain_seed=args.seed, sample_seed=args.seed + 1 + rank)
     tw.watch(model, opt, grad_norm=True)  # phases, comm split (DDP), MFU, grad-norm spikes
     state = {"step": args.start_step, "cursor": args.start_step}  # next step, next data batch
     end = args.start_step + args.steps
@@ -214,6 +235,10 @@ def main(argv: list[str] | None = None) -> None:
             loss = F.cross_entropy(logits, y)
             if args.work_ms:
                 time.sleep(args.work_ms / 1000)
+            if extra is not None:
+                # The step's first collective is on the second group, then DDP's gradient
+                # all_reduce on the default one.
+                dist.all_reduce(loss.detach().expand(4).clone(), group=extra)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)

@@ -7,11 +7,30 @@
     slow=1.5x@rank=1,steps=10-60     the rank's steps really take 1.5x as long
     hang@rank=1,step=50,for=30s      the training thread stops; heartbeats go on
     die@rank=1,step=70               the process exits (code 75) without a goodbye
+    desync@rank=1,step=60,for=60s    the rank issues an extra, empty all_reduce: its
+                                     collectives are one sequence id ahead of its
+                                     peers', so every rank blocks on gloo (for= 60s
+                                     by default, then the rank exits with code 75, as a
+                                     watchdog would end it)
     loss_spike=50x@step=35           the optimizer's update is scaled 50x (all ranks
                                      unless rank= is given); needs tw.watch(model, opt)
 
 An XID or a thermal fault runs through the GPU layer: without a real GPU the agent
 then uses a simulated one. Every injected fault is also recorded as a ``drill`` event.
+
+``desync`` is a collective mismatch: at the start of step S, rank R calls
+``torch.distributed.all_reduce`` on an empty float32 tensor (default group). The
+Flight Recorder records it as the next sequence id with size ``[[0]]`` while the peers
+record their real collective there, so the collector sees a desync. On gloo no data
+moves for an empty tensor (a real size mismatch would abort the process instead), and
+the rank's next real collective waits for a sequence id its peers never issue: every
+rank blocks, as on NCCL in a real mismatch. The drill's own timer stands in for the
+NCCL watchdog: after ``for`` seconds the rank records a ``drill`` event with
+``timed_out: true`` and exits with code 75; the peers then fail on the broken
+connection. On NCCL the drill is weaker: NCCL itself drops a collective of 0 elements
+(it moves nothing and pairs with nothing), so the ranks go on; only the recorder's
+sequence ids stay one apart, until the timer ends the rank and the peers wait for it
+(NCCL's own timeout).
 """
 
 from __future__ import annotations
@@ -20,6 +39,7 @@ import logging
 import math
 import os
 import re
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -27,7 +47,9 @@ from typing import Any, Protocol
 log = logging.getLogger(__name__)
 
 DIE_EXIT_CODE = 75
-KINDS = ("xid", "thermal", "slow", "hang", "die", "loss_spike")
+DESYNC_FOR_S = 60.0
+"""How long a ``desync`` rank waits in the mismatched collective before it exits."""
+KINDS = ("xid", "thermal", "slow", "hang", "die", "desync", "loss_spike")
 _VALUE = {
     "xid": (re.compile(r"^\d+$"), "an XID code, e.g. xid=79"),
     "thermal": (re.compile(r"^\d+(\.\d+)?C$"), "a temperature in C, e.g. thermal=92C"),
@@ -118,10 +140,14 @@ def _parse_one(text: str) -> Fault:
         raise
     except ValueError:
         raise fail("rank, step and steps take integers >= 0; for takes seconds like 30s") from None
-    if kind in ("xid", "thermal", "slow", "hang", "die") and rank is None:
+    if kind in ("xid", "thermal", "slow", "hang", "die", "desync") and rank is None:
         raise fail(f"{kind} needs rank=R (which rank fails)")
     if kind == "hang" and seconds is None:
         raise fail("hang needs for=DURATION, e.g. for=30s")
+    if kind == "desync":
+        if last is not None:
+            raise fail("desync happens once: step=S, not steps=A-B")
+        seconds = DESYNC_FOR_S if seconds is None else seconds
     if kind == "thermal" and last is None:
         last = 2**62  # stays hot from that step on
     return Fault(kind, text, number, rank, first, last, seconds)
@@ -162,7 +188,7 @@ class Drill:
         return True
 
     def on_step_start(self, agent: DrillHost, step: int) -> None:
-        """Before the step's work: XID, thermal, hang, die."""
+        """Before the step's work: XID, thermal, hang, die, desync."""
         for fault in self.faults:
             if (
                 not fault.covers(step)
@@ -170,7 +196,11 @@ class Drill:
                 or not self._once(fault, step)
             ):
                 continue
-            agent.event("drill", step=step, severity="warning", fault=fault.kind, spec=fault.text)
+            dist, skipped = _peers() if fault.kind == "desync" else (None, None)
+            extra = {"skipped": skipped} if skipped else {}
+            agent.event(
+                "drill", step=step, severity="warning", fault=fault.kind, spec=fault.text, **extra
+            )
             if fault.kind == "xid":
                 agent.gpu_device.inject_xid(int(fault.value or 0))
             elif fault.kind == "thermal":
@@ -186,6 +216,11 @@ class Drill:
                 log.warning("trainwarden drill: this process exits now (code %d)", DIE_EXIT_CODE)
                 agent.flush(timeout_s=2.0)  # the drill event, so the post-mortem shows the cause
                 os._exit(DIE_EXIT_CODE)
+            elif fault.kind == "desync":
+                if dist is None:
+                    log.warning("trainwarden drill: %s skipped: %s", fault.text, skipped)
+                    continue
+                _desync(agent, dist, fault, step)
 
     def slowdown(self, step: int) -> float | None:
         for fault in self.faults:
@@ -198,3 +233,62 @@ class Drill:
             if fault.kind == "loss_spike" and fault.covers(step) and self._once(fault, step):
                 return fault.value
         return None
+
+
+def _peers() -> tuple[Any, str | None]:
+    """``torch.distributed`` when a desync can be made (a default group with peers), else
+    (None, why not)."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None, "torch is not installed: no collective to desync"
+    if not dist.is_available() or not dist.is_initialized():
+        return None, "torch.distributed is not initialized: no collective to desync"
+    if dist.get_world_size() < 2:
+        return None, "the default process group has one rank: no peer to desync from"
+    return dist, None
+
+
+def _desync(agent: DrillHost, dist: Any, fault: Fault, step: int) -> None:
+    """Issue an empty all_reduce on the default group (training thread), with the timer
+    that ends this rank if the collectives stay stuck (a watchdog's part)."""
+    import torch
+
+    seconds = fault.seconds or DESYNC_FOR_S
+    agent.flush(timeout_s=2.0)  # the drill event reaches the collector before all blocks
+    timer = threading.Timer(seconds, _desync_timed_out, args=(agent, fault, step, seconds))
+    timer.name = "trainwarden-drill-desync"
+    timer.daemon = True  # never keeps a finished trainer alive
+    timer.start()
+    # NCCL takes CUDA tensors only; gloo (and a cpu:gloo,cuda:nccl group) takes this one.
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    )
+    log.warning(
+        "trainwarden drill: an empty all_reduce on the default group at step %d; the ranks "
+        "will wait for each other, and this one exits in %.0fs (code %d)",
+        step,
+        seconds,
+        DIE_EXIT_CODE,
+    )
+    dist.all_reduce(torch.zeros(0, dtype=torch.float32, device=device))
+
+
+def _desync_timed_out(agent: DrillHost, fault: Fault, step: int, seconds: float) -> None:
+    log.warning(
+        "trainwarden drill: the desynced collectives timed out after %.0fs; this process "
+        "exits now (code %d)",
+        seconds,
+        DIE_EXIT_CODE,
+    )
+    agent.event(
+        "drill",
+        step=step,
+        severity="warning",
+        fault=fault.kind,
+        spec=fault.text,
+        timed_out=True,
+        after_s=seconds,
+    )
+    agent.flush(timeout_s=2.0)
+    os._exit(DIE_EXIT_CODE)

@@ -50,12 +50,18 @@ log = logging.getLogger(__name__)
 ENV = "TORCH_FR_BUFFER_SIZE"
 DEFAULT_ENTRIES = 2000
 """The recorder's ring size trainwarden asks for (the Flight Recorder tutorial's advice)."""
+READERS = ("_dump_fr_trace_json", "_dump_nccl_trace_json")
+"""torch's Flight Recorder dumps, as JSON: the generic one (gloo and others) and NCCL's."""
 KEEP_PER_GROUP = 32
 """Entries sent per process group: the newest. A hang is decided by the last few."""
 HUNG_MIN_S = 5.0
 HUNG_STEPS = 5.0
 """The agent's own view of a stall: no step finished for max(HUNG_MIN_S, HUNG_STEPS x
 its median step time), the collector's default hung threshold."""
+MIN_STEP_TIMES = 3
+"""Step times learnt (ticks a second apart that saw steps end) before a stall of this
+rank's own is dumped: not in a run's first seconds, whose steps may be slow by design (a
+first step that compiles; on a GPU, the profiler window's start took over 5 s)."""
 
 
 def enable(entries: int) -> str | None:
@@ -90,17 +96,29 @@ def dump(*, trigger: str, request: int | None = None, keep: int = KEEP_PER_GROUP
     if torch is None:
         return unavailable("torch is not loaded in this process: no collectives to show", **head)
     c10d = getattr(getattr(torch, "_C", None), "_distributed_c10d", None)
-    reader = getattr(c10d, "_dump_fr_trace_json", None)
-    if reader is None:
+    # NCCL's recorder is read by its own function where torch is built with NCCL (seen on
+    # torch 2.11 + CUDA: _dump_fr_trace_json held no NCCL entries); gloo's by the generic.
+    readers = [getattr(c10d, name, None) for name in READERS]
+    if not any(readers):
         return unavailable(
             f"this torch ({getattr(torch, '__version__', '?')}) has no Flight Recorder "
             "(torch._C._distributed_c10d._dump_fr_trace_json; torch 2.5 or later has it)",
             **head,
         )
-    try:
-        raw = json.loads(reader(True, False))
-    except Exception as exc:
-        return unavailable(f"the Flight Recorder dump failed: {type(exc).__name__}: {exc}", **head)
+    raw: dict[str, Any] = {"entries": [], "pg_status": {}}
+    failures = []
+    for read in readers:
+        if read is None:
+            continue
+        try:
+            part = json.loads(read(True, False))
+        except Exception as exc:
+            failures.append(f"{type(exc).__name__}: {exc}")
+            continue
+        raw["entries"] += part.get("entries") or []
+        raw["pg_status"].update(part.get("pg_status") or {})
+    if failures and not raw["entries"]:
+        return unavailable(f"the Flight Recorder dump failed: {'; '.join(failures)}", **head)
     try:
         ranks = group_ranks()
     except Exception:  # the mapping is a help, not a need: pg 0 is the world
@@ -113,6 +131,8 @@ def dump(*, trigger: str, request: int | None = None, keep: int = KEEP_PER_GROUP
         )
     if not data["groups"] and os.environ.get(ENV, "").strip() == "0":
         return unavailable(f"the Flight Recorder is off in this process ({ENV}=0)", **head)
+    if not data["groups"] and not ranks:
+        return unavailable("no process group in this process: no collectives to show", **head)
     return {**head, **data}
 
 
@@ -156,12 +176,17 @@ def parse(raw: dict[str, Any], *, ranks: dict[str, list[int]], keep: int) -> dic
                 "desc": str(pg[1]) if len(pg) > 1 else "",
                 "ranks": ranks.get(name, []),
                 "entries": [],
+                "seen": set(),
             },
         )
         state = str(e.get("state") or "")
+        seq = int(e["collective_seq_id"])
+        if seq in group["seen"]:
+            continue  # the same collective in both dumps
+        group["seen"].add(seq)
         group["entries"].append(
             {
-                "seq": int(e["collective_seq_id"]),
+                "seq": seq,
                 "op": _name(e.get("profiling_name") or e.get("op_id")),
                 "in_sizes": e.get("input_sizes") or [],
                 "in_dtypes": e.get("input_dtypes") or [],
@@ -177,6 +202,7 @@ def parse(raw: dict[str, Any], *, ranks: dict[str, list[int]], keep: int) -> dic
     status = raw.get("pg_status") or {}
     out = []
     for name, group in groups.items():
+        del group["seen"]
         entries = sorted(group["entries"], key=lambda x: x["seq"])
         group["dropped"] = max(0, len(entries) - keep)
         group["entries"] = entries[-keep:] if keep > 0 else []
@@ -255,6 +281,8 @@ class Flight:
         if seen is not None and step > seen[0] and ended > seen[1]:
             self._step_s.append((ended - seen[1]) / (step - seen[0]))
         self._seen = (step, ended)
+        if len(self._step_s) < MIN_STEP_TIMES:
+            return  # warm-up (compiling, a profiler starting): the collector asks if it hangs
         now = time.time() if now is None else now
         threshold = max(HUNG_MIN_S, HUNG_STEPS * (self.step_time_s() or 0.0))
         if now - ended < threshold or self._stall_dumped == ended:

@@ -1,8 +1,9 @@
 """What the agent costs the training thread, measured against a bare loop in the same run.
 
     python bench/agent_overhead.py [--step-ms 50] [--blocks 10] [--steps-per-block 20]
+    python bench/agent_overhead.py --flight-recorder     # only measurement 4
 
-Three measurements, all in this process:
+Four measurements; the first three in this process:
 
 1. Training-thread cost per step (microseconds): the same tiny step body timed bare,
    under ``tw.step`` + ``s.loss``, under ``tw.watch`` hooks on a model (forward and
@@ -14,6 +15,13 @@ Three measurements, all in this process:
    ratio. On a busy 2-core machine this is noisy (a few %), which is why (1) is the
    precise figure and (3) the check that nothing else (the exporter thread, the
    GIL) leaks into the step.
+4. PyTorch's Flight Recorder, which ``tw.init`` turns on: the same MLP under DDP, a
+   2-rank gloo job per arm (the recorder is process-wide and read from the
+   environment: ``TORCH_FR_BUFFER_SIZE=2000`` vs ``=0``). Both jobs stay up and run
+   blocks of steps in turn (ON OFF OFF ON ...); the median step time of each arm, their
+   ratio, and the spread of the ratios of neighbouring blocks; and, per block, the
+   median time of a 1-float all_reduce: the recorder's cost per collective, which a
+   step's few collectives hide.
 
 The agent sends to a transport that encodes and discards, so the exporter thread
 does all its real work (reading tensors, computing splits and flags) but no network.
@@ -22,8 +30,11 @@ does all its real work (reading tensors, computing splits and flags) but no netw
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -177,19 +188,215 @@ def training_loop(step_ms: float, blocks: int, steps_per_block: int) -> dict[str
     return {"bare_ms": bare, "agent_ms": agent, "ratio": agent / bare, "aa_ratio": a2 / a1}
 
 
+FR_ON, FR_OFF = "2000", "0"  # TORCH_FR_BUFFER_SIZE of each arm (2000: what tw.init asks for)
+FR_TINY = 200  # 1-float all_reduces timed per block: the recorder's cost per collective
+
+
+def fr_worker(rank: int, port: int, width: int) -> None:
+    """One rank of a Flight Recorder arm (a child process): the sized MLP under DDP on a
+    2-rank gloo group. Each line on stdin is a step count: it runs those steps, then
+    FR_TINY 1-float all_reduces, and answers one JSON line (step times in ms, the median
+    all_reduce in us); ``q``: what the recorder holds, then exit."""
+    import torch.distributed as dist
+
+    from trainwarden.agent import flight
+
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2:
+        os.sched_setaffinity(0, {rank % (os.cpu_count() or 1)})  # one core per rank: less skew
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=1e-6)
+    x = torch.randn(256, width)
+    tiny = torch.ones(1)
+    for line in sys.stdin:
+        if line.strip() == "q":
+            break
+        steps = []
+        for _ in range(int(line)):
+            t0 = time.perf_counter()
+            train_step(ddp, opt, x)
+            steps.append((time.perf_counter() - t0) * 1000)
+        ops = []
+        for _ in range(FR_TINY):
+            t0 = time.perf_counter()
+            dist.all_reduce(tiny)
+            ops.append((time.perf_counter() - t0) * 1e6)
+        print(json.dumps({"steps_ms": steps, "all_reduce_us": statistics.median(ops)}), flush=True)
+    dump = flight.dump(trigger="command")
+    groups = {g["pg"]: g for g in dump["groups"]}
+    print(
+        json.dumps(
+            {
+                "available": dump["available"],
+                "reason": dump["reason"],
+                "last_seq": groups["0"]["last_enqueued"] if "0" in groups else None,
+            }
+        ),
+        flush=True,
+    )
+    del ddp, opt
+    dist.destroy_process_group()
+
+
+class FrJob:
+    """A 2-rank gloo job of one arm, waiting on its stdin between blocks."""
+
+    def __init__(self, buffer_size: str, width: int) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {**os.environ, "TORCH_FR_BUFFER_SIZE": buffer_size, "PYTHONUNBUFFERED": "1"}
+        script = os.path.abspath(__file__)
+        self.ranks = [
+            subprocess.Popen(
+                [sys.executable, script, "--fr-worker", str(rank), str(port), str(width)],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in (0, 1)
+        ]
+
+    def _ask(self, line: str) -> dict[str, Any]:
+        """Both ranks get the line (their collectives pair up); rank 0's answer."""
+        for proc in self.ranks:
+            assert proc.stdin is not None
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+        answers = []
+        for proc in self.ranks:
+            assert proc.stdout is not None
+            answer = proc.stdout.readline()
+            if not answer:
+                raise RuntimeError(f"a flight-recorder bench rank exited (code {proc.wait()})")
+            answers.append(json.loads(answer))
+        return dict(answers[0])
+
+    def block(self, steps: int) -> dict[str, Any]:
+        return self._ask(str(steps))
+
+    def close(self) -> dict[str, Any]:
+        summary = self._ask("q")
+        for proc in self.ranks:
+            proc.wait(timeout=60)
+        return summary
+
+
+def _spread(on: list[float], off: list[float]) -> dict[str, float]:
+    """The ratios of neighbouring blocks (on / off): median, quartiles, range."""
+    pairs = sorted(a / b for a, b in zip(on, off, strict=True))
+    q1, _, q3 = statistics.quantiles(pairs, n=4) if len(pairs) >= 2 else (pairs[0],) * 3
+    return {
+        "median": statistics.median(pairs),
+        "q1": q1,
+        "q3": q3,
+        "min": pairs[0],
+        "max": pairs[-1],
+    }
+
+
+def flight_recorder_loop(step_ms: float, blocks: int, steps_per_block: int) -> dict[str, Any]:
+    """Median step time of a 2-rank DDP job with the Flight Recorder on vs off, blocks
+    alternating ON OFF OFF ON (a drift of the machine falls on both arms)."""
+    model, _, _ = sized_mlp(step_ms)  # sized in this process, one thread: a rank's share
+    width = int(model[0].in_features)  # type: ignore[index]
+    jobs = {"on": FrJob(FR_ON, width), "off": FrJob(FR_OFF, width)}
+    results: dict[str, list[dict[str, Any]]] = {"on": [], "off": []}
+    try:
+        for job in jobs.values():
+            job.block(max(3, steps_per_block // 2))  # warm-up: rendezvous, first buckets
+        for i in range(blocks):
+            for arm in ("on", "off") if i % 2 == 0 else ("off", "on"):
+                results[arm].append(jobs[arm].block(steps_per_block))
+    finally:
+        summaries = {arm: job.close() for arm, job in jobs.items()}
+    steps = {arm: [r["steps_ms"] for r in results[arm]] for arm in results}
+    tiny = {arm: [r["all_reduce_us"] for r in results[arm]] for arm in results}
+    on = statistics.median(t for b in steps["on"] for t in b)
+    off = statistics.median(t for b in steps["off"] for t in b)
+    return {
+        "width": width,
+        "on_ms": on,
+        "off_ms": off,
+        "ratio": on / off,
+        "pairs": _spread(
+            [statistics.median(b) for b in steps["on"]],
+            [statistics.median(b) for b in steps["off"]],
+        ),
+        "on_us": statistics.median(tiny["on"]),
+        "off_us": statistics.median(tiny["off"]),
+        "tiny_pairs": _spread(tiny["on"], tiny["off"]),
+        "summaries": summaries,
+    }
+
+
+def _verdict(spread: dict[str, float]) -> str:
+    inside = spread["q1"] <= 1.0 <= spread["q3"]
+    return (
+        f"per neighbouring block pair: median {spread['median']:.4f}, quartiles "
+        f"[{spread['q1']:.4f}, {spread['q3']:.4f}], range [{spread['min']:.4f}, "
+        f"{spread['max']:.4f}] -> " + ("within noise" if inside else "outside the noise")
+    )
+
+
+def print_flight_recorder(loop: dict[str, Any], blocks: int, steps_per_block: int) -> None:
+    print(
+        f"\n4. Flight Recorder on vs off: a 2-rank gloo DDP job per arm (MLP width "
+        f"{loop['width']}), {blocks} blocks each of {steps_per_block} steps + {FR_TINY} "
+        "1-float all_reduces, ON OFF OFF ON ..."
+    )
+    for arm, size in (("on", FR_ON), ("off", FR_OFF)):
+        summary = loop["summaries"][arm]
+        held = (
+            f"the recorder held group 0 up to seq {summary['last_seq']}"
+            if summary["available"]
+            else f"no recorder: {summary['reason']}"
+        )
+        print(
+            f"   recorder {arm:<3} (TORCH_FR_BUFFER_SIZE={size:>4}): median "
+            f"{loop[f'{arm}_ms']:.2f} ms/step, 1-float all_reduce {loop[f'{arm}_us']:.1f} us ; "
+            f"{held}"
+        )
+    print(f"   step time on/off {loop['ratio']:.4f} ; {_verdict(loop['pairs'])}")
+    print(
+        f"   1-float all_reduce on/off {loop['on_us'] / loop['off_us']:.4f} "
+        f"({loop['on_us'] - loop['off_us']:+.1f} us per collective) ; "
+        + _verdict(loop["tiny_pairs"])
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step-ms", type=float, default=50.0)
     p.add_argument("--blocks", type=int, default=30)
     p.add_argument("--steps-per-block", type=int, default=4)
     p.add_argument("--calls", type=int, default=2000, help="calls per timing batch in part 1")
+    p.add_argument(
+        "--flight-recorder",
+        action="store_true",
+        help="run only measurement 4 (the Flight Recorder on vs off, 2-rank gloo jobs)",
+    )
+    p.add_argument("--fr-blocks", type=int, default=16, help="blocks per arm in part 4")
+    p.add_argument("--fr-steps-per-block", type=int, default=10, help="steps per block in part 4")
+    p.add_argument("--fr-worker", nargs=3, type=int, help=argparse.SUPPRESS)  # rank port width
     args = p.parse_args()
+    if args.fr_worker:
+        fr_worker(*args.fr_worker)
+        return
     torch.set_num_threads(1)
 
     print(
         f"trainwarden agent overhead (python {sys.version.split()[0]}, torch {torch.__version__}, "
         f"{os.cpu_count()} cpus)"
     )
+    if args.flight_recorder:
+        loop_fr = flight_recorder_loop(args.step_ms, args.fr_blocks, args.fr_steps_per_block)
+        print_flight_recorder(loop_fr, args.fr_blocks, args.fr_steps_per_block)
+        return
     costs = thread_costs(args.calls)
     agent_us = costs["tw.step + s.loss"]
     print("\n1. training-thread cost per step (median, bare loop subtracted)")
@@ -224,6 +431,9 @@ def main() -> None:
         f"ratio {loop['ratio']:.4f}"
     )
     print(f"   A/A noise floor (agent off in both arms): ratio {loop['aa_ratio']:.4f}")
+
+    loop_fr = flight_recorder_loop(args.step_ms, args.fr_blocks, args.fr_steps_per_block)
+    print_flight_recorder(loop_fr, args.fr_blocks, args.fr_steps_per_block)
 
 
 if __name__ == "__main__":

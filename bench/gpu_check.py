@@ -16,17 +16,26 @@ reference measured in the same run:
 3. Comm split on DDP over NCCL: the sampled profiler window's compute / exposed /
    overlapped / idle and the kernels it classed as NCCL; the hook split beside it.
 4. Cost: median step time with the agent ÷ bare, in alternating blocks.
+5. Flight Recorder on NCCL: a world-size-1 NCCL group made with ``TORCH_FR_BUFFER_SIZE``
+   set, a few all_reduces and a synchronize, then the agent's ``flight.dump`` from a
+   second thread (as the exporter thread reads it): the group, the newest entries, and
+   PASS / FAIL (available, all_reduce, sequence ids increasing, the newest done).
+
+``--only flight`` (or another check's name, repeatable) runs just those checks.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from itertools import pairwise
 from typing import Any
 
 import torch
@@ -276,12 +285,109 @@ def cost_check(layers: int, width: int, tokens: int, blocks: int) -> None:
         )
 
 
+def flight_check(backend: str = "nccl", device: str = "cuda") -> None:
+    section(f"5. Flight Recorder on {backend.upper()} (world size 1)")
+    import torch.distributed as dist
+
+    from trainwarden.agent import flight
+
+    if device == "cuda" and not (torch.cuda.is_available() and dist.is_nccl_available()):
+        print("   SKIP: needs a CUDA device and a torch built with NCCL")
+        return
+    # What tw.init does (flight.enable), here outright: before the group, which reads it.
+    os.environ[flight.ENV] = "2000"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    issued = 5
+    try:
+        x = torch.ones(1024, device=device)
+        for _ in range(issued):
+            dist.all_reduce(x)
+        if device == "cuda":
+            torch.cuda.synchronize()  # every all_reduce has run on the GPU now
+
+        def read() -> dict[str, Any]:
+            box: dict[str, Any] = {}  # the dump from a second thread, as the exporter's
+            reader = threading.Thread(
+                target=lambda: box.update(flight.dump(trigger="command")), name="tw-fr-read"
+            )
+            reader.start()
+            reader.join(60)
+            return box
+
+        t0 = time.perf_counter()
+        dump = first = read()
+        # "done" comes from the CUDA end event (state) or the watchdog's retirement: give
+        # the watchdog a few seconds, and say how long it took.
+        while not _newest_done(dump) and time.perf_counter() - t0 < 5:
+            time.sleep(0.1)
+            dump = read()
+        waited = time.perf_counter() - t0
+    finally:
+        dist.destroy_process_group()
+    print(f"   available {dump.get('available')} ; reason {dump.get('reason')}")
+    problems = []
+    if not dump.get("available"):
+        problems.append(f"unavailable: {dump.get('reason')}")
+    groups = {g["pg"]: g for g in dump.get("groups", [])}
+    group = groups.get("0")
+    if group is None:
+        problems.append(f"no group 0 in the dump (groups: {sorted(groups)})")
+    else:
+        print(
+            f"   group {group['pg']} ({group['desc']}), ranks {group['ranks']}, last enqueued "
+            f"{group['last_enqueued']}, last completed {group['last_completed']}, "
+            f"dropped {group['dropped']}"
+        )
+        print("   seq  op          sizes      state       done  started         completed")
+        entries = group["entries"]
+        for e in entries[-8:]:
+            print(
+                f"   {e['seq']:3d}  {e['op']:<11} {e['in_sizes']!s:<10} {e['state']:<11} "
+                f"{e['done']!s:<5} {_clock(e['started']):<15} {_clock(e['completed'])}"
+            )
+        ops = {e["op"] for e in entries}
+        seqs = [e["seq"] for e in entries]
+        if ops != {"all_reduce"}:
+            problems.append(f"ops {sorted(ops)}, not all_reduce only")
+        if len(entries) < issued or any(b != a + 1 for a, b in pairwise(seqs)):
+            problems.append(f"{issued} all_reduces issued, sequence ids {seqs}")
+        if not _newest_done(dump):
+            problems.append("the newest all_reduce is not done after synchronize (+5 s)")
+    print(
+        f"   newest done at the first read: {_newest_done(first)}; "
+        f"{'done' if _newest_done(dump) else 'still not done'} after {waited:.2f} s"
+    )
+    if problems:
+        print("   FAIL: " + "; ".join(problems))
+        raise RuntimeError("flight recorder check failed: " + "; ".join(problems))
+    print("   PASS")
+
+
+def _clock(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.3f}"
+
+
+def _newest_done(dump: dict[str, Any]) -> bool:
+    groups = {g["pg"]: g for g in dump.get("groups", [])}
+    entries = groups["0"]["entries"] if "0" in groups else []
+    return bool(entries) and bool(entries[-1]["done"])
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--width", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--blocks", type=int, default=10)
+    parser.add_argument(
+        "--only",
+        action="append",
+        choices=["nvml", "mfu", "comm", "cost", "flight"],
+        help="run only this check (repeatable); all of them by default",
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run it on a machine with a GPU", file=sys.stderr)
@@ -292,12 +398,16 @@ def main() -> int:
         f"python {sys.version.split()[0]}"
     )
     failed = 0
-    for check in (
-        nvml_check,
-        lambda: mfu_check(args.layers, args.width, args.tokens),
-        lambda: comm_check(args.width, args.tokens),
-        lambda: cost_check(args.layers, args.width, args.tokens, args.blocks),
-    ):
+    checks = {
+        "nvml": nvml_check,
+        "mfu": lambda: mfu_check(args.layers, args.width, args.tokens),
+        "comm": lambda: comm_check(args.width, args.tokens),
+        "cost": lambda: cost_check(args.layers, args.width, args.tokens, args.blocks),
+        "flight": flight_check,
+    }
+    for name, check in checks.items():
+        if args.only and name not in args.only:
+            continue
         try:
             check()
         except Exception:  # noqa: BLE001 - report it and go on to the next check

@@ -248,7 +248,12 @@ def create_app(
         from trainwarden.webui.client import LocalClient
 
         dash_app = create_dash(
-            LocalClient(engine, policy=app.state.action_policy, settings=settings),
+            LocalClient(
+                engine,
+                policy=app.state.action_policy,
+                settings=settings,
+                commands=app.state.commands,
+            ),
             refresh_s=settings.ui_refresh_s,
         )
         app.state.dash = dash_app

@@ -19,11 +19,13 @@ from pydantic import ValidationError
 from sqlalchemy import Engine
 
 from trainwarden.collector.actions import service as actions
+from trainwarden.collector.actions.commands import CommandBoard
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.schemas import ActionOut, ByIn, CheckpointOut
 from trainwarden.collector.alerting import service as alerting
 from trainwarden.collector.alerting.schemas import AckIn, AlertOut, SilenceIn, SilenceOut
 from trainwarden.collector.api import auth
+from trainwarden.collector.health import hang
 from trainwarden.collector.incidents import notes
 from trainwarden.collector.incidents import store as incidents
 from trainwarden.collector.incidents.schemas import CloseIn, IncidentOut, NoteIn, NoteOut, RetitleIn
@@ -153,6 +155,21 @@ class Client(Protocol):
 
     def diff(self, run: str, other: str) -> dict[str, Any]: ...
 
+    def collectives(self, run: str) -> dict[str, Any]: ...
+
+    def request_collectives(self, run: str, *, by: str) -> dict[str, Any]: ...
+
+
+def may_change() -> bool:
+    """Whether this request's session may change things: the rule every change here
+    applies (``auth.check_admin``; with auth off, anyone may). Pages show a button that
+    changes something only where it would not be refused."""
+    try:
+        auth.check_admin()
+    except HTTPException:
+        return False
+    return True
+
 
 @contextmanager
 def _refusals() -> Iterator[None]:
@@ -181,10 +198,12 @@ class LocalClient:
         *,
         policy: ActionPolicy | None = None,
         settings: Settings | None = None,
+        commands: CommandBoard | None = None,
     ) -> None:
         self._engine = engine
         self._policy = policy or ActionPolicy()
         self._settings = settings or Settings()
+        self._commands = commands  # told of a request at once (else at its next refresh)
 
     def list_runs(self) -> list[RunSummary]:
         with self._engine.connect() as conn:
@@ -452,3 +471,26 @@ class LocalClient:
         """Raises ``NotFound`` when either run is unknown."""
         with self._engine.connect() as conn:
             return identity.run_diff(conn, a=run, b=other)
+
+    # -- collectives (which rank, which collective) --------------------------------
+
+    def collectives(self, run: str) -> dict[str, Any]:
+        """The ranks' Flight Recorder rings lined up by sequence id, and the verdict.
+        Raises ``NotFound`` for an unknown run."""
+        with self._engine.connect() as conn:
+            return hang.view(conn, run=run, now=time.time())
+
+    def request_collectives(self, run: str, *, by: str) -> dict[str, Any]:
+        """Ask every rank of the run for its collectives now (their agents answer with
+        their next ingest answer); recorded as ``by``, with whom the session acts as."""
+        with _refusals():
+            auth.check_admin()
+            with write(self._engine) as conn:
+                return hang.request(
+                    conn,
+                    run=run,
+                    by=auth.acting(by),
+                    now=time.time(),
+                    reason="asked from the web UI",
+                    board=self._commands,
+                )

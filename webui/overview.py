@@ -27,6 +27,7 @@ from dash import Input, Output, State, dcc, html
 from trainwarden.collector.read.queries import RUN_STATUS_HELP, NotFound
 
 from . import alerts, figures
+from . import collectives as coll
 from .client import Client
 from .components import ago, is_default_pick, notice, parse_user, run_tabs, user_choices
 from .hardware_figures import ACTION_TEXT, xid_rows
@@ -440,6 +441,25 @@ def run_alerts(client: Client, name: str) -> Any:
     return alerts.run_alerts_panel(found, run=name, now=time.time())
 
 
+def hang_banner(client: Client, run: Any) -> Any:
+    """One line at the top while ranks are hung and the collector names the rank they
+    wait on (or a desync), linking to the ranks page's Collectives section.
+
+    Shown while the health evaluator holds a rank hung, not while the verdict is newer
+    than the last step: the hung state clears by itself when steps complete again, and
+    it compares no rank's clock with the collector's. A run with no hung rank costs no
+    query. An error here leaves the rest of the page alone."""
+    hung = sum(1 for r in run.ranks if r.state == "hung")
+    if not hung:
+        return None
+    try:
+        view = client.collectives(run.name)
+    except Exception:
+        log.exception("run page collectives %s", run.name)
+        return None
+    return coll.banner(view, run=run.name, hung=hung)
+
+
 # -- page ----------------------------------------------------------------------------
 
 
@@ -559,7 +579,7 @@ def register(app: dash.Dash, client: Client) -> None:
         try:
             run = client.get_run(name)
             panel = ranks_panel(run, client.gpu(name, since=time.time() - 120), client.events(name))
-            return run_header(run), None, run_alerts(client, name), panel
+            return run_header(run), hang_banner(client, run), run_alerts(client, name), panel
         except NotFound:
             message = (
                 f"Run {name!r} not found. It appears once its first agent reports; "

@@ -7,23 +7,33 @@ heatmap sets ``from``/``to`` and the collector re-buckets that range; a double-c
 drops them. Each heatmap has its own callback; the step-time heatmap's runs first and the
 others' after it (started together, four heatmaps share the server's cores and all draw
 late; one at a time, the first draws in about a quarter of the time).
+
+Its Collectives section (:mod:`.collectives`) says which rank a hung job waits on, in
+which collective: above the rank states (``#ranks-collectives``) while ranks are hung or
+the verdict names a culprit, else at the bottom of the page (rings of a hang long over,
+or one quiet line when there are none: above, they would push the heatmaps down on every
+run that is fine). It refreshes with the rank states, and is redrawn only when what it
+shows changed (its button is not replaced under the pointer).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs, quote, urlencode
 
 import dash
-from dash import Input, Output, State, dcc, html
+from dash import ALL, Input, Output, State, dcc, html
+from plotly.io.json import to_json_plotly
 
 from trainwarden.collector.read.queries import NotFound
 
+from . import collectives as coll
 from . import components
 from . import ranks_figures as rf
-from .client import Client
+from .client import Client, Refused, may_change
 from .components import is_default_pick, notice, parse_user, run_tabs
 from .figures import empty_figure, themed
 
@@ -193,11 +203,11 @@ def user_heatmap_part(
 
 
 def panels(
-    client: Client, name: str, search: str | None, theme: str | None
+    client: Client, name: str, search: str | None, theme: str | None, *, run: Any = None
 ) -> tuple[Any, Any, Any]:
-    """(notice, rank states, the selected rank's detail)."""
+    """(notice, rank states, the selected rank's detail); ``run``: the run, if read."""
     rank, lo, hi = parse_query(search)
-    run = client.get_run(name)
+    run = run or client.get_run(name)
     note = None
     if run.last_step is None:
         note = notice(f"Run {name!r} has no steps yet: the heatmaps fill as its ranks report.")
@@ -246,6 +256,31 @@ def panels(
     )
 
 
+def collectives_part(client: Client, name: str, *, hung: int) -> tuple[Any, Any]:
+    """(above the rank states, at the bottom of the page): the verdict on the ranks'
+    Flight Recorder rings, or one line saying there are none yet (with a button for a
+    session that may ask the ranks for them), in one of the two; ``hung``: how many of
+    the run's ranks are hung now."""
+    return coll.placed(client.collectives(name), hung=hung, may_change=may_change())
+
+
+def read_collectives(client: Client, name: str) -> tuple[str, str]:
+    """Ask every rank of the run for its collectives; (message, notice kind)."""
+    try:
+        asked = client.request_collectives(name, by="ui")
+    except Refused as exc:
+        return f"Not asked: {exc}.", "error"
+    ranks = asked.get("ranks")
+    who = "its ranks"
+    if isinstance(ranks, int):
+        who = "its only rank" if ranks == 1 else f"its {ranks:,} ranks"
+    return (
+        f"Asked {who} for their collectives: each answers with its next report (a few "
+        "seconds; a rank whose process is gone never does, and is named so).",
+        "info",
+    )
+
+
 # -- the page --------------------------------------------------------------------
 
 
@@ -259,12 +294,19 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             html.H2(name),
             run_tabs(name, "Ranks"),
             html.Div(id="ranks-notice", role="status"),
+            html.Div(id=coll.ANCHOR, className="coll-section"),
+            html.Div(id="ranks-coll-feedback-top", role="status"),
             html.Div(id="ranks-states", className="ranks-panel", children=notice("Loading ranks…")),
             html.Div(id="ranks-detail", children=HINT),
             *[dcc.Graph(id=f"ranks-{key}", **graph) for key in HEATMAPS],
             # The user metric's picker and heatmap are made once the built-in heatmaps are
             # drawn: a fifth graph (and its placeholder) at load slowed the first heatmap.
             html.Div(id="ranks-user-box"),
+            html.Div(id="ranks-coll-bottom", className="coll-section"),
+            html.Div(id="ranks-coll-feedback-bottom", role="status"),
+            dcc.Store(id="ranks-coll-digest"),  # what the section shows: redrawn on a change
+            dcc.Store(id="ranks-coll-changed", data=0),  # a request was made: read again now
+            dcc.Store(id="ranks-coll-scrolled"),  # the address #ranks-collectives was scrolled to
             dcc.Store(id="ranks-heat-drawn"),  # the first heatmap is drawn: draw the others
             dcc.Store(id="ranks-heat-done"),  # and the last: draw the user metric's
             # Heatmaps of a big run are large: they refresh less often than the states.
@@ -421,12 +463,27 @@ def register(app: dash.Dash, client: Client) -> None:
         Output("ranks-notice", "children"),
         Output("ranks-states", "children"),
         Output("ranks-detail", "children"),
+        Output(coll.ANCHOR, "children"),
+        Output("ranks-coll-bottom", "children"),
+        Output("ranks-coll-digest", "data"),
         Input("ranks-interval", "n_intervals"),
         Input("ranks-url", "search"),
         Input("theme", "data"),
+        Input("ranks-coll-changed", "data"),
         State("ranks-run", "data"),
+        State("ranks-coll-digest", "data"),
     )
-    def refresh(_n: int | None, search: str | None, theme: str | None, name: str) -> Any:
+    def refresh(
+        _n: int | None,
+        search: str | None,
+        theme: str | None,
+        _asked: int | None,
+        name: str,
+        seen: str | None,
+    ) -> Any:
+        """The rank states and the Collectives section, in one answer: drawn together,
+        the section does not push the page down after the states appear."""
+
         def failed(message: str) -> Any:
             if message.endswith("not found."):
                 message = (
@@ -435,7 +492,73 @@ def register(app: dash.Dash, client: Client) -> None:
                 )
             return notice(message, "error"), None, None
 
-        return _guarded("rank states", name, lambda: panels(client, name, search, theme), failed)
+        read: dict[str, Any] = {}
+
+        def draw() -> Any:
+            read["run"] = run = client.get_run(name)
+            return panels(client, name, search, theme, run=run)
+
+        parts = _guarded("rank states", name, draw, failed)
+        if parts[1] is None or "run" not in read:  # the notice says what is wrong
+            return (*parts, None, None, None)
+        hung = sum(1 for r in read["run"].ranks if r.state == "hung")
+        drawn = _guarded(
+            "collectives",
+            name,
+            lambda: collectives_part(client, name, hung=hung),
+            lambda message: (None, notice(message, "error")),
+        )
+        digest = hashlib.sha1(to_json_plotly(drawn).encode()).hexdigest()
+        if digest == seen:
+            return (*parts, dash.no_update, dash.no_update, dash.no_update)
+        return (*parts, *drawn, digest)
+
+    @app.callback(
+        Output("ranks-coll-feedback-top", "children"),
+        Output("ranks-coll-feedback-bottom", "children"),
+        Output("ranks-coll-changed", "data"),
+        # A pattern (the index: where the button is drawn): a callback fires only when
+        # all of its inputs are in the page, and the button is in one place or none.
+        Input({"type": coll.READ, "index": ALL}, "n_clicks"),
+        State("ranks-run", "data"),
+        State("ranks-coll-changed", "data"),
+        prevent_initial_call=True,
+    )
+    def read_now(_clicks: list[int | None], name: str, asked: int | None) -> Any:
+        """“Read collectives now” (or “again”): every rank is asked, the section reads
+        again, and the answer is shown by the button."""
+        if not any(t.get("value") for t in dash.ctx.triggered):  # drawn anew, not pressed
+            return dash.no_update, dash.no_update, dash.no_update
+        try:
+            message, kind = read_collectives(client, name)
+        except Exception as exc:
+            log.exception("ranks page: read collectives %s", name)
+            message, kind = (
+                f"Not asked: the collector's database failed ({exc.__class__.__name__}). "
+                "Try again; if it stays, check the collector's log.",
+                "error",
+            )
+        said = notice(message, kind)
+        if (dash.ctx.triggered_id or {}).get("index") == "top":
+            return said, None, (asked or 0) + 1
+        return None, said, (asked or 0) + 1
+
+    # The overview's banner links to #ranks-collectives: the section is drawn after the
+    # page, so the browser cannot scroll to it by itself; once drawn, scroll once.
+    app.clientside_callback(
+        """function(children) {
+            const want = "#ANCHOR", here = window.location.href;
+            if (!children || window.location.hash !== want || window._twScrolled === here) {
+                return window.dash_clientside.no_update;
+            }
+            window._twScrolled = here;
+            const el = document.querySelector(want);
+            if (el) { el.scrollIntoView({block: "start"}); }
+            return here;
+        }""".replace("ANCHOR", coll.ANCHOR),
+        Output("ranks-coll-scrolled", "data"),
+        Input(coll.ANCHOR, "children"),
+    )
 
     @app.callback(
         Output("ranks-url", "search"),

@@ -226,6 +226,8 @@ def _one(values: set[Any]) -> str:
 def _event_text(kind: str, data: dict[str, Any]) -> str:
     if kind == "drill":
         what = data.get("spec") or str(data.get("fault"))
+        if data.get("timed_out"):
+            return f"drill {what} timed out: the rank exits"
         if isinstance(data.get("scale"), (int, float)):
             what += f" x{data['scale']:g}"
         return f"fault injected (drill): {what}"

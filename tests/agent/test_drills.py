@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from torch import nn
 
 import trainwarden.agent as tw
-from trainwarden.agent.drills import DIE_EXIT_CODE, DrillError, parse
+from trainwarden.agent.drills import DESYNC_FOR_S, DIE_EXIT_CODE, DrillError, parse
 from trainwarden.agent.gpu import describe_xid, xid_catalog
 
 from .test_agent import RecordingTransport
@@ -58,12 +59,45 @@ def test_the_documented_spec_parses() -> None:
         ("die@rank=one,step=5", "take integers"),
         ("xid=79@rank=1,stpe=5", "bad parameter 'stpe=5'"),
         ("hang=3@rank=1,step=5,for=3s", "hang takes no value"),
+        ("desync@step=5", "desync needs rank="),
+        ("desync@rank=1", "say when"),
+        ("desync@rank=1,steps=5-9", "desync happens once: step=S"),
+        ("desync@rank=1,step=5,for=0s", "for takes seconds"),
+        ("desync@rank=1,step=5,for=soon", "for takes seconds"),
+        ("desync=2@rank=1,step=5", "desync takes no value"),
     ],
 )
 def test_bad_specs_name_the_fault_and_the_fix(spec: str, message: str) -> None:
     with pytest.raises(DrillError, match=message) as info:
         parse(spec)
     assert spec.split(";")[0] in str(info.value)
+
+
+def test_desync_parses_with_its_default_timeout() -> None:
+    assert [
+        (f.kind, f.rank, f.first, f.last, f.seconds) for f in parse("desync@rank=1,step=5")
+    ] == [("desync", 1, 5, None, DESYNC_FOR_S)]
+    assert parse(" desync@rank=0,step=0,for=2.5s ")[0].seconds == 2.5
+
+
+def test_desync_without_a_process_group_says_so_and_goes_on() -> None:
+    transport = RecordingTransport()
+    tw.init(
+        run="d",
+        rank=1,
+        world_size=2,
+        drill="desync@rank=1,step=2,for=0.5s",
+        transport=transport,
+        flush_interval_s=0.05,
+    )
+    run_steps(4)
+    tw.shutdown()
+    # No timer set: it would end this process (the test run) after for=.
+    assert not [t for t in threading.enumerate() if t.name == "trainwarden-drill-desync"]
+    drills = [e for e in transport.events() if e["kind"] == "drill"]
+    assert [(e["step"], e["data"]["fault"]) for e in drills] == [(2, "desync")]
+    assert "not initialized" in drills[0]["data"]["skipped"]
+    assert [s["step"] for s in transport.steps()] == [0, 1, 2, 3]
 
 
 def test_a_rank_outside_the_world_is_refused_at_init() -> None:

@@ -7,6 +7,7 @@ import time
 
 from fastapi import APIRouter, Request
 
+from trainwarden.collector.api import auth
 from trainwarden.collector.api.deps import EngineDep, admin
 from trainwarden.collector.health import hang
 from trainwarden.collector.health.schemas import CollectivesAsked, CollectivesOut
@@ -31,7 +32,7 @@ def request_collectives(run: str, engine: EngineDep, request: Request) -> Collec
         asked = hang.request(
             conn,
             run=run,
-            by="operator",
+            by=auth.acting("operator"),
             now=time.time(),
             reason="an operator asked",
             board=getattr(request.app.state, "commands", None),
