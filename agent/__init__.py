@@ -197,6 +197,8 @@ def watch(
     grad_norm: bool = False,
     comm: bool = True,
     count_flops: bool | None = None,
+    replica_check_every: int | None = None,
+    replica_group: Any = None,
 ) -> Watch:
     """Install hooks that time forward / backward / optimizer and split communication.
 
@@ -206,10 +208,28 @@ def watch(
     - ``optimizer``: its step hooks mark the optimizer phase;
     - ``grad_norm=True``: the agent computes the global gradient norm on the device
       (foreach norms) before each optimizer step, for spike flags;
-    - ``count_flops``: count one step's FLOPs for MFU (default: when no FLOPs were given).
+    - ``count_flops``: count one step's FLOPs for MFU (default: when no FLOPs were given);
+    - ``replica_check_every`` (``TRAINWARDEN_REPLICA_CHECK_EVERY``, default 100; 0: off):
+      after the optimizer step of every step whose number is a multiple of it, the agent
+      fingerprints the model's parameters on the device (no host sync) and sends it with
+      the step; the collector compares the fingerprints of the ranks that hold the same
+      parameters and names a replica that differs (silent data corruption). Needs the
+      optimizer. :mod:`trainwarden.agent.replica` says what is fingerprinted;
+    - ``replica_group``: who holds the same parameters as this rank, a ``ProcessGroup`` or
+      a list of global ranks. Default: a DDP model's process group; for FSDP2 / HSDP the
+      mesh's replicate dimension (plain FSDP2 has no replica: no check); any other model
+      (a hand-written data-parallel loop, a tensor or pipeline shard): no check unless
+      given. Call ``tw.watch`` after wrapping the model (DDP, ``fully_shard``).
     """
     return _watch(
-        _core.current(), model, optimizer, grad_norm=grad_norm, comm=comm, count_flops=count_flops
+        _core.current(),
+        model,
+        optimizer,
+        grad_norm=grad_norm,
+        comm=comm,
+        count_flops=count_flops,
+        replica_check_every=replica_check_every,
+        replica_group=replica_group,
     )
 
 

@@ -157,6 +157,25 @@ def data_snapshot_name(value: Any) -> str | None:
     return value
 
 
+REPLICA_CHECK_EVERY = 100
+"""``tw.watch``'s default: fingerprint the parameters after one optimizer step in 100."""
+
+
+def replica_check_every(value: Any) -> int:
+    """``tw.watch(..., replica_check_every=N)``, else ``TRAINWARDEN_REPLICA_CHECK_EVERY``,
+    else :data:`REPLICA_CHECK_EVERY`: check the replicas at steps whose number is a
+    multiple of N; 0 turns the check off."""
+    if isinstance(value, bool):  # True would read as 1: every step
+        raise ConfigError(
+            f"replica_check_every must be an integer (steps between checks, 0: off), got {value!r}"
+        )
+    return _as_int(
+        _pick(value, "TRAINWARDEN_REPLICA_CHECK_EVERY", REPLICA_CHECK_EVERY),
+        "replica_check_every (TRAINWARDEN_REPLICA_CHECK_EVERY; 0: off)",
+        minimum=0,
+    )
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """What one rank's agent needs to know. Build it with :meth:`resolve`."""

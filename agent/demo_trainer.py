@@ -104,6 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "on it each step before the gradients' (a job with two process groups: a hung "
         "collective's verdict must name the right one); needs 2 or more ranks",
     )
+    p.add_argument(
+        "--replica-check-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="fingerprint the parameters after every N-th optimizer step, to compare the "
+        "replicas (0: off; default: the agent's, TRAINWARDEN_REPLICA_CHECK_EVERY or 100)",
+    )
     return p.parse_args(argv)
 
 
@@ -200,7 +208,8 @@ def main(argv: list[str] | None = None) -> None:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     data = MarkovData(vocab, context, chain_seed=args.seed, sample_seed=args.seed + 1 + rank)
-    tw.watch(model, opt, grad_norm=True)  # phases, comm split (DDP), MFU, grad-norm spikes
+    # Phases, comm split (DDP), MFU, grad-norm spikes; and the replicas' fingerprints.
+    tw.watch(model, opt, grad_norm=True, replica_check_every=args.replica_check_every)
     state = {"step": args.start_step, "cursor": args.start_step}  # next step, next data batch
     end = args.start_step + args.steps
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None

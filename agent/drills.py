@@ -14,6 +14,9 @@
                                      watchdog would end it)
     loss_spike=50x@step=35           the optimizer's update is scaled 50x (all ranks
                                      unless rank= is given); needs tw.watch(model, opt)
+    sdc=bitflip@rank=1,step=35       silent data corruption: right after its optimizer
+                                     step at 35, the rank flips one bit of one parameter
+                                     element; needs tw.watch(model, opt)
 
 An XID or a thermal fault runs through the GPU layer: without a real GPU the agent
 then uses a simulated one. Every injected fault is also recorded as a ``drill`` event.
@@ -31,6 +34,16 @@ connection. On NCCL the drill is weaker: NCCL itself drops a collective of 0 ele
 (it moves nothing and pairs with nothing), so the ranks go on; only the recorder's
 sequence ids stay one apart, until the timer ends the rank and the peers wait for it
 (NCCL's own timeout).
+
+``sdc=bitflip`` (the only form built) flips, on rank R right after its optimizer step
+at S (an optimizer step post-hook of ``tw.watch``, before that step's replica
+fingerprint), the highest mantissa bit of element 0 of the model's first parameter
+that requires grad (``model.named_parameters()`` order), in place: bit 22 of a float32,
+6 of a bf16, 9 of an fp16, 51 of a float64. The exponent is untouched, so the value
+stays finite and moves by up to half its magnitude: a real divergence, no NaN. DDP
+never broadcasts parameters again after its construction, so the replica stays
+diverged while training goes on; every later replica check shows it. The ``drill``
+event names the parameter, the element and the bit.
 """
 
 from __future__ import annotations
@@ -49,7 +62,9 @@ log = logging.getLogger(__name__)
 DIE_EXIT_CODE = 75
 DESYNC_FOR_S = 60.0
 """How long a ``desync`` rank waits in the mismatched collective before it exits."""
-KINDS = ("xid", "thermal", "slow", "hang", "die", "desync", "loss_spike")
+KINDS = ("xid", "thermal", "slow", "hang", "die", "desync", "loss_spike", "sdc")
+SDC_FORMS = ("bitflip",)
+"""What ``sdc=`` takes; ``arith`` (a perturbed forward output) is not built yet."""
 _VALUE = {
     "xid": (re.compile(r"^\d+$"), "an XID code, e.g. xid=79"),
     "thermal": (re.compile(r"^\d+(\.\d+)?C$"), "a temperature in C, e.g. thermal=92C"),
@@ -101,7 +116,12 @@ def _parse_one(text: str) -> Fault:
     if kind not in KINDS:
         raise fail(f"unknown fault {kind!r}; known: {', '.join(KINDS)}")
     number: float | None = None
-    if kind in _VALUE:
+    if kind == "sdc":
+        if value.strip() not in SDC_FORMS:
+            raise fail(
+                f"sdc needs its form: sdc=bitflip (the only one built), got {value.strip()!r}"
+            )
+    elif kind in _VALUE:
         pattern, example = _VALUE[kind]
         if not pattern.match(value.strip()):
             raise fail(f"{kind} needs {example}")
@@ -140,10 +160,14 @@ def _parse_one(text: str) -> Fault:
         raise
     except ValueError:
         raise fail("rank, step and steps take integers >= 0; for takes seconds like 30s") from None
-    if kind in ("xid", "thermal", "slow", "hang", "die", "desync") and rank is None:
+    if kind in ("xid", "thermal", "slow", "hang", "die", "desync", "sdc") and rank is None:
         raise fail(f"{kind} needs rank=R (which rank fails)")
     if kind == "hang" and seconds is None:
         raise fail("hang needs for=DURATION, e.g. for=30s")
+    if kind == "sdc" and last is not None:
+        raise fail("sdc happens once: step=S, not steps=A-B")
+    if kind == "sdc" and seconds is not None:
+        raise fail("sdc takes no for=: the flipped bit stays")
     if kind == "desync":
         if last is not None:
             raise fail("desync happens once: step=S, not steps=A-B")
@@ -168,7 +192,7 @@ class DrillHost(Protocol):
 
 class Drill:
     """The faults that apply to this rank, triggered at step boundaries (:mod:`.rare`)
-    and, for ``loss_spike``, from the optimizer hooks of ``tw.watch``."""
+    and, for ``loss_spike`` and ``sdc``, from the optimizer hooks of ``tw.watch``."""
 
     def __init__(self, faults: list[Fault], *, rank: int, world_size: int) -> None:
         for fault in faults:
@@ -192,7 +216,7 @@ class Drill:
         for fault in self.faults:
             if (
                 not fault.covers(step)
-                or fault.kind in ("slow", "loss_spike")
+                or fault.kind in ("slow", "loss_spike", "sdc")
                 or not self._once(fault, step)
             ):
                 continue
@@ -228,11 +252,48 @@ class Drill:
                 return fault.value
         return None
 
+    def bitflip(self, step: int) -> Fault | None:
+        """The ``sdc=bitflip`` fault due after this step's optimizer step, once."""
+        for fault in self.faults:
+            if fault.kind == "sdc" and fault.covers(step) and self._once(fault, step):
+                return fault
+        return None
+
     def update_scale(self, step: int) -> float | None:
         for fault in self.faults:
             if fault.kind == "loss_spike" and fault.covers(step) and self._once(fault, step):
                 return fault.value
         return None
+
+
+MANTISSA_TOP_BIT = {"float32": 22, "bfloat16": 6, "float16": 9, "float64": 51}
+"""The bit ``sdc=bitflip`` flips, per dtype: the highest mantissa bit (never the
+exponent: the value stays finite). Other dtypes: bit 0 of the element's raw bits."""
+
+
+def flip_bit(model: Any) -> tuple[str, int, int] | None:
+    """Flip one bit of element 0 of ``model``'s first parameter that requires grad, in
+    place (its local shard for a DTensor); returns (parameter name, element, bit), or
+    None when no parameter requires grad. Queued on the device: no sync."""
+    import torch
+
+    from .replica import local_tensor
+
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        local = local_tensor(param)  # shares the parameter's storage
+        if local.numel() == 0:
+            continue
+        bit = MANTISSA_TOP_BIT.get(str(local.dtype).removeprefix("torch."), 0)
+        size = local.element_size()
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}.get(size, torch.int64)
+        with torch.no_grad():
+            bits = local.view(ints)
+            first = bits[(0,) * bits.dim()]  # a view of element 0, contiguous or not
+            first.bitwise_xor_(1 << bit)
+        return name, 0, bit
+    return None
 
 
 def _peers() -> tuple[Any, str | None]:

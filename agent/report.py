@@ -1,8 +1,8 @@
 """Turn a finished step record into its wire form. Runs on the exporter thread, in step order.
 
-This is where the deferred work happens: tensor values are read, phases and the
-compute / communication split are computed from timestamps, MFU is derived, and the
-spike detector sees each value once.
+This is where the deferred work happens: tensor values (and a replica check's
+fingerprint) are read, phases and the compute / communication split are computed from
+timestamps, MFU is derived, and the spike detector sees each value once.
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from typing import Any
 from . import device_clock
 from .mfu import Peak, mfu
 from .profiler import split_from_profile
+from .replica import hex_words
 from .spikes import SpikeDetector
 from .timing import phase_durations, split_from_hook
-from .values import NOT_READY, issue_of, json_number, resolve
+from .values import NOT_READY, issue_of, json_number, resolve, resolve_ints
 
 _PHASE_KEYS = {"forward": "fwd_s", "backward": "bwd_s", "optimizer": "opt_s", "other": "other_s"}
 _SPLIT_KEYS = {
@@ -99,6 +100,16 @@ class StepEncoder:
         for name, captured in (("loss", record.loss), ("grad_norm", record.grad_norm)):
             if (why := issue_of(captured)) is not None:
                 issues[name] = why
+        replica = None
+        if record.replica is not None:  # a replica-checked step (tw.watch, replica.py)
+            captured, group = record.replica
+            words = resolve_ints(captured)
+            if words is NOT_READY:
+                if not force:
+                    return None
+                issues["fingerprint"] = "device copy did not complete"
+            elif isinstance(words, list):
+                replica = (hex_words(words), group)
         user = None
         if record.metrics is not None:
             user = self._user_metrics(record.metrics, issues, force=force)
@@ -179,6 +190,9 @@ class StepEncoder:
                 out["peak_source"] = self.peak.source
         elif self.flop_model.per_token is not None and record.tokens is None:
             issues["mfu"] = "no tokens given: flops_per_token needs tw.step(..., tokens=n)"
+
+        if replica is not None:
+            out["fingerprint"], out["replica_group"] = replica
 
         if record.memory is not None:
             out["mem_allocated_bytes"], out["mem_reserved_bytes"] = record.memory

@@ -51,6 +51,7 @@ class StepRecord:
         "error",
         "note",
         "metrics",
+        "replica",
         "queued_at",
         "gpu",
     )
@@ -74,6 +75,8 @@ class StepRecord:
         self.note: str | None = None
         # s.metric(...): a dict only once a step uses it
         self.metrics: dict[str, float | Captured | None] | None = None
+        # A replica-checked step (tw.watch, replica.py): (the fingerprint's words, the group)
+        self.replica: tuple[Captured, str] | None = None
         self.queued_at = 0.0
         self.gpu: DeviceClock | None = None  # the step's CUDA events, once the trainer uses CUDA
 

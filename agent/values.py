@@ -90,6 +90,30 @@ def resolve(captured: float | Captured | None) -> Any:
     return float(captured.tensor.item())
 
 
+def capture_ints(tensor: Any) -> Captured:
+    """Take a small integer tensor (a fingerprint's words) on the training thread, as
+    :func:`capture` takes a loss: a CUDA tensor is copied to the host ``non_blocking``
+    behind an event recorded on its device's stream; a CPU tensor is kept as it is. Never
+    syncs."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cuda":
+        torch = sys.modules["torch"]
+        host = tensor.to("cpu", non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensor.device))
+        return Captured(host, event)
+    return Captured(tensor)
+
+
+def resolve_ints(captured: Captured) -> list[int] | None | object:
+    """On the exporter thread: the integers of :func:`capture_ints`, or :data:`NOT_READY`."""
+    if captured.issue is not None:
+        return None
+    if captured.event is not None and not captured.event.query():
+        return NOT_READY
+    return [int(v) for v in captured.tensor.reshape(-1).tolist()]
+
+
 def resolve_now(captured: Captured) -> float | None:
     """Read a captured value at once. **Synchronizes** with the device: not for telemetry."""
     if captured.issue is not None:

@@ -10,7 +10,14 @@ Hooks take a timestamp and append it to the step in progress (``Recorder.current
 
 With ``grad_norm=True`` the optimizer's pre-hook also queues the global gradient norm's
 computation on the device, never waiting for it; under a ``loss_spike`` drill two more
-optimizer hooks scale one update (:mod:`.drills`).
+optimizer hooks scale one update, under an ``sdc`` drill one flips a parameter bit
+(:mod:`.drills`).
+
+Replica check (:mod:`.replica`): when the model has a replica group, the post-hook that
+starts ``other`` also, at steps whose number is a multiple of ``replica_check_every``,
+queues the parameters' fingerprint on the device and captures it as the loss is
+(:func:`.values.capture_ints`); the exporter thread reads it. Every other step pays one
+modulo and one comparison.
 
 For ``DistributedDataParallel``, a communication hook records when each gradient
 bucket is ready and when its collective completes. It wraps the default allreduce,
@@ -26,7 +33,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .values import capture
+from .config import replica_check_every as _replica_check_every
+from .replica import fingerprint, replica_group_of
+from .values import capture, capture_ints
 
 if TYPE_CHECKING:
     from .core import Agent
@@ -42,6 +51,10 @@ class Watch:
     def __init__(self) -> None:
         self.handles: list[Any] = []
         self.comm_hook = False
+        self.replica_check_every = 0
+        """Steps between replica checks; 0: no check (off, no optimizer, or no replica)."""
+        self.replica_group: str | None = None
+        """This rank's replica group as the collector gets it (``"0-7"``), when checked."""
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -82,6 +95,70 @@ def _grad_norm_hook(recorder: Recorder, optimizer: Any) -> Callable[..., None]:
         record.grad_norm = capture(total)
 
     return hook
+
+
+def _replica_hook(recorder: Recorder, model: Any, every: int, group: str) -> Callable[..., None]:
+    """The optimizer's post-hook: starts ``other``; at a checked step, also queues the
+    fingerprint of the parameters as they are after the update."""
+
+    def hook(*_args: Any) -> None:
+        record = recorder.current
+        if record is None:
+            return
+        record.mark("other")
+        if record.step % every:  # an unchecked step: this comparison is all it pays
+            return
+        # Kernels queued on the device, a non_blocking copy to the host: no sync here.
+        record.replica = (capture_ints(fingerprint(model.parameters())), group)
+
+    return hook
+
+
+def _sdc_drill_hook(agent: Agent, drill: Drill, model: Any) -> Callable[..., None]:
+    """The ``sdc=bitflip`` drill: right after this rank's optimizer step at S, one bit of
+    one parameter flips (:func:`.drills.flip_bit`), before the step's fingerprint."""
+    from .drills import flip_bit
+
+    recorder = agent.recorder
+
+    def post(*_args: Any) -> None:
+        record = recorder.current
+        fault = None if record is None else drill.bitflip(record.step)
+        if record is None or fault is None:
+            return
+        flipped = flip_bit(model)
+        if flipped is None:
+            agent.event(
+                "drill",
+                step=record.step,
+                severity="warning",
+                fault="sdc",
+                form="bitflip",
+                spec=fault.text,
+                skipped="no parameter requires grad",
+            )
+            return
+        name, element, bit = flipped
+        log.warning(
+            "trainwarden drill: flipped bit %d of element %d of parameter %s after step %d",
+            bit,
+            element,
+            name,
+            record.step,
+        )
+        agent.event(
+            "drill",
+            step=record.step,
+            severity="warning",
+            fault="sdc",
+            form="bitflip",
+            spec=fault.text,
+            parameter=name,
+            element=element,
+            bit=bit,
+        )
+
+    return post
 
 
 def _spike_drill_hooks(agent: Agent, drill: Drill, optimizer: Any) -> list[Any]:
@@ -172,9 +249,12 @@ def watch(
     grad_norm: bool = False,
     comm: bool = True,
     count_flops: bool | None = None,
+    replica_check_every: int | None = None,
+    replica_group: Any = None,
 ) -> Watch:
     import torch
 
+    every = _replica_check_every(replica_check_every)  # ConfigError now, not at step 100
     recorder = agent.recorder  # the hooks write into the step in progress
     installed = Watch()
     installed.handles.append(model.register_forward_pre_hook(_mark(recorder, "forward")))
@@ -182,9 +262,19 @@ def watch(
     if optimizer is not None:
         pre = _grad_norm_hook(recorder, optimizer) if grad_norm else _mark(recorder, "optimizer")
         installed.handles.append(optimizer.register_step_pre_hook(pre))
-        installed.handles.append(optimizer.register_step_post_hook(_mark(recorder, "other")))
         if agent.drill is not None:
+            # Before the post-hook below: a drill's change is in the step's fingerprint.
             installed.handles.extend(_spike_drill_hooks(agent, agent.drill, optimizer))
+            if any(f.kind == "sdc" for f in agent.drill.faults):
+                sdc = _sdc_drill_hook(agent, agent.drill, model)
+                installed.handles.append(optimizer.register_step_post_hook(sdc))
+        group = replica_group_of(model, replica_group, rank=agent.config.rank) if every else None
+        if group is not None:
+            installed.replica_check_every, installed.replica_group = every, group[0]
+            post = _replica_hook(recorder, model, every, group[0])
+        else:
+            post = _mark(recorder, "other")
+        installed.handles.append(optimizer.register_step_post_hook(post))
     elif grad_norm:
         raise ValueError(
             "tw.watch(model, grad_norm=True) needs the optimizer: tw.watch(model, optimizer, ...)"

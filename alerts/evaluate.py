@@ -136,7 +136,9 @@ class Verdict:
     rule): where the anomaly began, not when a pass noticed it. ``None``: not known."""
     annotations: dict[str, str] | None = None
     """Annotations of this verdict's own, beside summary / description / runbook_url
-    (``RankHung``: ``collective``, the verdict on the ranks' Flight Recorder rings)."""
+    (``RankHung``: ``collective``, the verdict on the ranks' Flight Recorder rings; an
+    event rule whose events say ``clean_through`` (``replica_divergence``): the newest
+    step whose checkpoint is known clean, which a rollback restores exactly)."""
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -458,12 +460,14 @@ def _matches(match: Match, snap: Snapshot) -> list[tuple[Row, int | None, str]]:
             if e["kind"] in match.events:
                 # The rank it came from: an event rule is per run anyway (EventRule.per_rank),
                 # but a rate rule counting per rank counts each rank's own.
+                why = (e.get("data") or {}).get("reason")
                 out.append(
                     (
                         e,
                         e.get("rank"),
                         f"event {e['kind']}"
-                        + (f" on rank {e['rank']}" if e.get("rank") is not None else ""),
+                        + (f" on rank {e['rank']}" if e.get("rank") is not None else "")
+                        + (f": {why}" if isinstance(why, str) and why else ""),
                     )
                 )
     elif isinstance(match, RankStateMatch):  # in a rate rule: the state changes, as events
@@ -521,6 +525,7 @@ def _event(rule: EventRule, snap: Snapshot) -> list[Verdict]:
         return out
     found: dict[int | None, Verdict] = {}
     first: dict[int | None, int] = {}  # the earliest matching step: the onset
+    clean: dict[int | None, int] = {}  # the oldest clean_through an event said
     for row, who_rank, what in _matches(match, snap):
         if _fresh(row, snap):
             key = who_rank if rule.per_rank else None
@@ -528,8 +533,18 @@ def _event(rule: EventRule, snap: Snapshot) -> list[Verdict]:
             step = row.get("step")
             if step is not None:
                 first[key] = min(first.get(key, step), step)
+            through = (row.get("data") or {}).get("clean_through")
+            if isinstance(through, int):
+                clean[key] = min(clean.get(key, through), through)
             found[key] = Verdict(key, None, f"{who}: {what}", step)  # the newest wins
-    return [replace(v, onset_step=first.get(key)) for key, v in found.items()]
+    return [
+        replace(
+            v,
+            onset_step=first.get(key),
+            annotations={"clean_through": str(clean[key])} if key in clean else None,
+        )
+        for key, v in found.items()
+    ]
 
 
 def _absence(rule: AbsenceRule, snap: Snapshot) -> list[Verdict]:

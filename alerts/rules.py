@@ -275,6 +275,9 @@ class EventKindMatch(_Strict):
     stateful: ClassVar[bool] = False
     match: Literal["event"]
     events: tuple[EventName, ...] = Field(min_length=1)
+    per_rank: bool = False
+    """One alert per rank the events name (and so a node an eviction can act on),
+    instead of one for the run."""
 
 
 EventMatch = Annotated[
@@ -433,7 +436,7 @@ class EventRule(_Rule):
 
     @property
     def per_rank(self) -> bool:
-        return self.params.match != "event"
+        return self.params.match != "event" or self.params.per_rank
 
     def _for_units(self) -> tuple[Unit, ...]:
         return ("s",)

@@ -2,8 +2,9 @@
 
     python bench/agent_overhead.py [--step-ms 50] [--blocks 10] [--steps-per-block 20]
     python bench/agent_overhead.py --flight-recorder     # only measurement 4
+    python bench/agent_overhead.py --replica-check       # only measurement 5
 
-Four measurements; the first three in this process:
+Five measurements; all but the fourth in this process:
 
 1. Training-thread cost per step (microseconds): the same tiny step body timed bare,
    under ``tw.step`` + ``s.loss``, under ``tw.watch`` hooks on a model (forward and
@@ -22,6 +23,13 @@ Four measurements; the first three in this process:
    ratio, and the spread of the ratios of neighbouring blocks; and, per block, the
    median time of a 1-float all_reduce: the recorder's cost per collective, which a
    step's few collectives hide.
+5. The replica check (``tw.watch(..., replica_check_every=N)``, agent/replica.py), on the
+   MLP of (3): the optimizer post-hook of an unchecked step vs the plain phase mark it
+   replaces (one modulo more), the hook of a checked step (fingerprint + capture), the
+   fingerprint alone and its fixed cost (the same tensors of one element each: what a
+   checked step costs the training thread besides the work on the parameters, which
+   a GPU does asynchronously), and a checked step's cost amortized over the default
+   interval (100) as a share of the measured step.
 
 The agent sends to a transport that encodes and discards, so the exporter thread
 does all its real work (reading tensors, computing splits and flags) but no network.
@@ -369,6 +377,95 @@ def print_flight_recorder(loop: dict[str, Any], blocks: int, steps_per_block: in
     )
 
 
+def replica_check_costs(step_ms: float, calls: int) -> dict[str, float]:
+    """Part 5: the replica check's training-thread cost on the sized MLP (CPU)."""
+    from trainwarden.agent.config import REPLICA_CHECK_EVERY
+    from trainwarden.agent.replica import fingerprint
+    from trainwarden.agent.step import StepRecord
+    from trainwarden.agent.watch import _mark, _replica_hook
+
+    model, opt, x = sized_mlp(step_ms)
+    params = list(model.parameters())
+    steps = []
+    for _ in range(15):
+        t0 = time.perf_counter()
+        train_step(model, opt, x)
+        steps.append((time.perf_counter() - t0) * 1e6)
+    step_us = statistics.median(steps[3:])
+
+    def median_us(fn: Any, repeat: int) -> float:
+        fn()
+        samples = []
+        for _ in range(repeat):
+            t0 = time.perf_counter_ns()
+            fn()
+            samples.append((time.perf_counter_ns() - t0) / 1000)
+        return statistics.median(samples)
+
+    tiny = [torch.zeros(1) for _ in params]
+    results = {
+        "width": float(model[0].in_features),  # type: ignore[index]
+        "params": float(sum(p.numel() for p in params)),
+        "tensors": float(len(params)),
+        "step_us": step_us,
+        "fixed_us": per_call_us(lambda i: fingerprint(tiny), calls // 10),
+    }
+    agent = tw.init(run="bench-replica", transport=NullTransport())
+    unchecked, checked = StepRecord(1, None), StepRecord(REPLICA_CHECK_EVERY, None)
+    recorder = agent.recorder
+    recorder.current = unchecked  # the hooks write into "the step in progress"
+    mark = _mark(recorder, "other")
+    check = _replica_hook(recorder, model, REPLICA_CHECK_EVERY, "0-7")
+    results["mark_us"] = per_call_us(lambda i: mark(), calls)
+    results["unchecked_us"] = per_call_us(lambda i: check(), calls)
+    recorder.current = checked
+
+    def fingerprint_alone() -> None:
+        fingerprint(params)
+
+    # Alternated, so that a drift of this busy machine falls on both.
+    alone, hooked = [], []
+    for _ in range(30):
+        alone.append(median_us(fingerprint_alone, 1))
+        hooked.append(median_us(check, 1))
+    results["fingerprint_us"], results["checked_us"] = (
+        statistics.median(alone),
+        statistics.median(hooked),
+    )
+    assert checked.replica is not None and unchecked.replica is None
+    agent.recorder.current = None
+    tw.shutdown()
+    results["amortized_share"] = results["checked_us"] / REPLICA_CHECK_EVERY / step_us
+    results["every"] = float(REPLICA_CHECK_EVERY)
+    return results
+
+
+def print_replica_check(r: dict[str, float]) -> None:
+    print(
+        f"\n5. replica check on the sized MLP ({r['params'] / 1e6:.2f} M float32 parameters in "
+        f"{r['tensors']:.0f} tensors, width {r['width']:.0f}; step {r['step_us'] / 1000:.2f} ms)"
+    )
+    print(
+        f"   optimizer post-hook, unchecked step: {r['unchecked_us']:.3f} us "
+        f"(the plain phase mark it replaces: {r['mark_us']:.3f} us; "
+        f"{r['unchecked_us'] - r['mark_us']:+.3f} us)"
+    )
+    print(
+        f"   optimizer post-hook, checked step:   {r['checked_us']:.0f} us "
+        f"(fingerprint alone {r['fingerprint_us']:.0f} us: "
+        f"{r['params'] * 4 / r['fingerprint_us'] / 1e3:.2f} GB/s of parameters)"
+    )
+    print(
+        f"   fixed cost of a fingerprint (same {r['tensors']:.0f} tensors, 1 element each): "
+        f"{r['fixed_us']:.1f} us (target <= 50 us besides the work on the parameters)"
+    )
+    print(
+        f"   a checked step amortized over the default interval ({r['every']:.0f}): "
+        f"{r['checked_us'] / r['every']:.1f} us per step, {r['amortized_share'] * 100:.3f}% "
+        "of a step (on a GPU the parameter work runs on the device, asynchronously)"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step-ms", type=float, default=50.0)
@@ -379,6 +476,11 @@ def main() -> None:
         "--flight-recorder",
         action="store_true",
         help="run only measurement 4 (the Flight Recorder on vs off, 2-rank gloo jobs)",
+    )
+    p.add_argument(
+        "--replica-check",
+        action="store_true",
+        help="run only measurement 5 (the replica check's cost on the sized MLP)",
     )
     p.add_argument("--fr-blocks", type=int, default=16, help="blocks per arm in part 4")
     p.add_argument("--fr-steps-per-block", type=int, default=10, help="steps per block in part 4")
@@ -396,6 +498,9 @@ def main() -> None:
     if args.flight_recorder:
         loop_fr = flight_recorder_loop(args.step_ms, args.fr_blocks, args.fr_steps_per_block)
         print_flight_recorder(loop_fr, args.fr_blocks, args.fr_steps_per_block)
+        return
+    if args.replica_check:
+        print_replica_check(replica_check_costs(args.step_ms, args.calls))
         return
     costs = thread_costs(args.calls)
     agent_us = costs["tw.step + s.loss"]
@@ -434,6 +539,8 @@ def main() -> None:
 
     loop_fr = flight_recorder_loop(args.step_ms, args.fr_blocks, args.fr_steps_per_block)
     print_flight_recorder(loop_fr, args.fr_blocks, args.fr_steps_per_block)
+
+    print_replica_check(replica_check_costs(args.step_ms, args.calls))
 
 
 if __name__ == "__main__":

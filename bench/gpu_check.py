@@ -20,6 +20,14 @@ reference measured in the same run:
    set, a few all_reduces and a synchronize, then the agent's ``flight.dump`` from a
    second thread (as the exporter thread reads it): the group, the newest entries, and
    PASS / FAIL (available, all_reduce, sequence ids increasing, the newest done).
+6. Replica fingerprint (agent/replica.py): 16 bf16 tensors of 8192 x 8192 (1.07 B
+   parameters, 2.1 GB; under 3 GB of GPU memory in all) fingerprinted on the GPU: the
+   kernel time from CUDA events (median of 10 after a warm-up), GB/s of parameters, and
+   the host time to queue it (a checked step's training-thread cost); the fingerprint and
+   its capture for the exporter (``capture_ints``) run under
+   ``torch.cuda.set_sync_debug_mode("error")``, which raises on any host sync; one flipped
+   bit changes word 1 by exactly 2**bit, flipping it back restores it; and the GPU's words
+   equal the CPU's for the same bits. PASS / FAIL; SKIP without CUDA.
 
 ``--only flight`` (or another check's name, repeatable) runs just those checks.
 """
@@ -366,6 +374,97 @@ def flight_check(backend: str = "nccl", device: str = "cuda") -> None:
     print("   PASS")
 
 
+def replica_check(tensors: int = 16, side: int = 8192, device: str = "cuda") -> None:
+    section(f"6. Replica fingerprint: {tensors} bf16 tensors of {side} x {side} on the GPU")
+    from trainwarden.agent.replica import as_int_bits, fingerprint, hex_words
+    from trainwarden.agent.values import NOT_READY, capture_ints, resolve_ints
+
+    if device == "cuda" and not torch.cuda.is_available():
+        print("   SKIP: needs a CUDA device")
+        return
+    cuda = device == "cuda"
+    torch.manual_seed(0)
+    params = [torch.randn(side, side, device=device, dtype=torch.bfloat16) for _ in range(tensors)]
+    count = sum(p.numel() for p in params)
+    size = sum(p.numel() * p.element_size() for p in params)
+    problems = []
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    for _ in range(3):  # warm-up: the allocator's blocks, the kernels' first launch
+        fingerprint(params)
+    sync()
+    gpu_ms, host_us = [], []
+    for _ in range(10):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        fingerprint(params)
+        host_us.append((time.perf_counter() - t0) * 1e6)
+        if cuda:
+            end.record()
+            end.synchronize()
+            gpu_ms.append(start.elapsed_time(end))
+        else:
+            gpu_ms.append(host_us[-1] / 1000)
+    ms = statistics.median(gpu_ms)
+    print(
+        f"   {count / 1e9:.3f} B parameters, {size / 1e9:.2f} GB: fingerprint {ms:.2f} ms on the "
+        f"{'GPU (CUDA events)' if cuda else 'CPU'}, median of 10 -> {size / ms / 1e6:.0f} GB/s; "
+        f"host time to queue it {statistics.median(host_us):.0f} us (median)"
+    )
+    if cuda:
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        print(f"   GPU memory: {peak:.2f} GiB at most (parameters {size / 2**30:.2f} GiB)")
+
+    # No host sync: the fingerprint and the capture as the optimizer post-hook does them.
+    if cuda:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        captured = capture_ints(fingerprint(params))
+    except RuntimeError as exc:
+        problems.append(f"a host sync under set_sync_debug_mode('error'): {exc}")
+        captured = capture_ints(fingerprint(params))
+    finally:
+        if cuda:
+            torch.cuda.set_sync_debug_mode(0)
+    words = resolve_ints(captured)
+    waited = 0
+    while words is NOT_READY:  # as the exporter thread reads it: the event, polled
+        time.sleep(0.001)
+        waited += 1
+        words = resolve_ints(captured)
+    assert isinstance(words, list)
+    print(f"   under sync debug mode 'error': {hex_words(words)} ({waited} ms polled)")
+
+    # One flipped bit: word 1 moves by exactly 2**bit; flipping it back restores it.
+    victim = params[len(params) // 2]
+    bit, index = 6, victim.numel() // 2 + 1  # bf16's highest mantissa bit, mid-tensor
+    flat = as_int_bits(victim)
+    flat[index] ^= 1 << bit
+    flipped = fingerprint(params).tolist()
+    flat[index] ^= 1 << bit
+    again = fingerprint(params).tolist()
+    delta = (flipped[0] - words[0]) % 2**64
+    print(f"   one bit flipped: {hex_words(flipped)} (word 1 moved by {delta:#x})")
+    if delta not in (2**bit, 2**64 - 2**bit):
+        problems.append(f"a flipped bit {bit} moved word 1 by {delta:#x}, not 2**{bit}")
+    if again != words:
+        problems.append("flipping the bit back did not restore the fingerprint")
+    sample = [p[:64] for p in params[:3]]  # the same bits on the CPU: the same words
+    on_cpu = fingerprint([t.cpu() for t in sample]).tolist()
+    if fingerprint(sample).tolist() != on_cpu:
+        problems.append("the GPU's words differ from the CPU's for the same parameters")
+    del params, victim, flat
+    if problems:
+        print("   FAIL: " + "; ".join(problems))
+        raise RuntimeError("replica check failed: " + "; ".join(problems))
+    print("   PASS")
+
+
 def _clock(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.3f}"
 
@@ -385,7 +484,7 @@ def main() -> int:
     parser.add_argument(
         "--only",
         action="append",
-        choices=["nvml", "mfu", "comm", "cost", "flight"],
+        choices=["nvml", "mfu", "comm", "cost", "flight", "replica"],
         help="run only this check (repeatable); all of them by default",
     )
     args = parser.parse_args()
@@ -404,6 +503,7 @@ def main() -> int:
         "comm": lambda: comm_check(args.width, args.tokens),
         "cost": lambda: cost_check(args.layers, args.width, args.tokens, args.blocks),
         "flight": flight_check,
+        "replica": replica_check,
     }
     for name, check in checks.items():
         if args.only and name not in args.only:

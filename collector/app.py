@@ -30,6 +30,7 @@ from trainwarden.collector.api.routes import economics as economics_api
 from trainwarden.collector.api.routes import incidents as incidents_api
 from trainwarden.collector.api.routes import ingest as ingest_api
 from trainwarden.collector.api.routes import ops, otlp, runs
+from trainwarden.collector.api.routes import replicas as replicas_api
 from trainwarden.collector.api.routes.ingest import EXTRA_SCHEMAS, DirectIngest
 from trainwarden.collector.health.evaluator import HealthSettings, health_loop
 from trainwarden.collector.incidents.engine import IncidentEngine
@@ -210,6 +211,7 @@ def create_app(
     app.include_router(incidents_api.of_runs)
     app.include_router(economics_api.router)
     app.include_router(collectives_api.router)
+    app.include_router(replicas_api.router)
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
     app.state.alert_engine = None

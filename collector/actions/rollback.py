@@ -20,12 +20,14 @@ def rollback_plan(
     the window is set again at commit, from the barrier)."""
     run = conn.execute(select(m.runs).where(m.runs.c.id == row.run_id)).one()
     onset_step, onset_ts = run.last_step or 0, math.inf
+    exact = None
     given = (row.plan or {}).get("checkpoint_step")
     below = (row.plan or {}).get("below_step")  # a restore of it did not fix the anomaly
     if row.alert_id is not None:
         alert = conn.execute(select(m.alerts).where(m.alerts.c.id == row.alert_id)).one()
         onset_step = onset_of(alert) or onset_step
         onset_ts = alert.active_since
+        exact = clean_through(alert)
     e = m.events.c
     ckpts = [
         (s, ts, (d or {}).get("path"))
@@ -44,7 +46,7 @@ def rollback_plan(
                 f"{sorted({c[0] for c in ckpts})})",
             )
     else:
-        limit = clean_limit(onset_step, pol.margin_steps)
+        limit = clean_limit(onset_step, pol.margin_steps) if exact is None else exact
         if below is not None:
             limit = min(limit, below - 1)
         good = [c for c in ckpts if c[0] <= limit and c[1] < onset_ts]
@@ -52,8 +54,13 @@ def rollback_plan(
             known = sorted({c[0] for c in ckpts})[-5:]
             older = f", older than step {below}" if below is not None else ""
             return None, (
-                f"no checkpoint at or before step {limit} (onset {onset_step} - 2 - margin "
-                f"{pol.margin_steps}{older}); "
+                f"no checkpoint at or before step {limit} ("
+                + (
+                    f"onset {onset_step} - 2 - margin {pol.margin_steps}"
+                    if exact is None
+                    else "the last step the alert's data proves clean"
+                )
+                + f"{older}); "
                 f"reported: {known or 'none (call tw.checkpoint_saved)'}"
             )
     step, _, path = max(good, key=lambda c: (c[0], c[1]))
@@ -91,6 +98,17 @@ def onset_of(alert: Any) -> int | None:
     return min(steps) if steps else None
 
 
+def clean_through(alert: Any) -> int | None:
+    """The newest step whose checkpoint an alert's own data proves clean, if it says
+    (``SilentDataCorruption``: the last check at which the replicas' parameters agreed;
+    no margin is needed for an exact check)."""
+    value = (getattr(alert, "annotations", None) or {}).get("clean_through")
+    try:
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
+
+
 def clean_limit(onset_step: int, margin_steps: int) -> int:
     """The newest checkpoint step that is clean for an anomaly whose onset is step
     ``onset_step``. A checkpoint reported as ``tw.checkpoint_saved(s)`` holds the weights
@@ -119,17 +137,29 @@ def _not_fixed(restore: dict[str, Any]) -> str:
 def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dict[str, Any]]:
     """The checkpoints the trainer reported (``tw.checkpoint_saved``), oldest first, each
     good or suspect. Suspect: saved before an anomaly whose rule rolls back (LossSpike,
-    NonFiniteLoss, ...) had cleared, and either while it was active or of a step past its
-    clean limit (:func:`clean_limit`: onset - 2 - ``margin_steps``). Once the anomaly
-    cleared, new checkpoints are good again."""
+    NonFiniteLoss, ...) or whose data says where clean checkpoints end (``clean_through``:
+    SilentDataCorruption) had cleared, and either while it was active or of a step past
+    its clean limit (``clean_through``, else :func:`clean_limit`: onset - 2 -
+    ``margin_steps``). Once the anomaly cleared, new checkpoints are good again."""
     a = m.alerts.c
     anomalies = conn.execute(
         select(
-            a.id, a.rule, a.active_since, a.cleared_at, a.step, a.active_since_step, a.onset_step
+            a.id,
+            a.rule,
+            a.active_since,
+            a.cleared_at,
+            a.step,
+            a.active_since_step,
+            a.onset_step,
+            a.annotations,
+            a.action,
         )
-        .where(a.run_id == run_id, a.action == "rollback")
+        .where(a.run_id == run_id, a.active_since.is_not(None))
         .order_by(a.active_since)
     ).all()
+    # Those that roll back, and those whose data proves where the clean checkpoints end
+    # (SilentDataCorruption), whatever their action.
+    anomalies = [al for al in anomalies if al.action == "rollback" or clean_through(al) is not None]
     e = m.events.c
     out = []
     for step, ts, rank, data in conn.execute(
@@ -143,9 +173,11 @@ def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dic
             onset = onset_of(al)
             if al.cleared_at is not None and ts >= al.cleared_at:
                 continue
-            if ts >= al.active_since or (
-                onset is not None and step > clean_limit(onset, margin_steps)
-            ):
+            exact = clean_through(al)
+            limit = exact if exact is not None else None
+            if limit is None and onset is not None:
+                limit = clean_limit(onset, margin_steps)
+            if ts >= al.active_since or (limit is not None and step > limit):
                 suspect = f"saved before {al.rule} (alert {al.id}, onset at step {onset}) cleared"
                 break
         out.append(

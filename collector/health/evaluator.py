@@ -14,7 +14,9 @@ ranks and recent steps, and writes state changes (with an event each) back. Rule
   straggler, not a culprit: its detail says which rank it waits on;
 - **loss divergence** (not a state: an event and a detail): the rank's loss leaves its
   peers' band, robust z-score over the ranks of the same step, on
-  ``divergence_window`` consecutive steps; needs at least 3 ranks.
+  ``divergence_window`` consecutive steps; needs at least 3 ranks;
+- **replica divergence** (an event): a rank's parameter fingerprint differs from its
+  replica group's majority on a checked step (:mod:`.replicas`).
 
 A busy collector is not a dead rank. The dead threshold grows by how late the collector
 is: its own delay (requests waiting to be read or written) or, when it fell behind
@@ -40,7 +42,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, func, or_, select, text, update
 
 from trainwarden.alerts.evaluate import LIVE_STATES, median_without
-from trainwarden.collector.health import hang
+from trainwarden.collector.health import hang, replicas
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.read.queries import arrival_lateness
@@ -421,6 +423,13 @@ def evaluate(
                     steps, z=settings.divergence_z, window=settings.divergence_window
                 ).items()
             ],
+        )
+        # Replicas that disagree: silent data corruption (replicas.py).
+        _events(
+            conn,
+            run_id=run_id,
+            now=now,
+            events=replicas.compare(conn, run_id=run_id, world=world, now=now),
         )
         if not ranks:
             continue

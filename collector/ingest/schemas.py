@@ -36,6 +36,8 @@ MAX_FUTURE_S = 24 * 3600.0  # a timestamp further ahead than this is a broken cl
 
 
 MIN_TS = 0.0  # epoch seconds: a negative one is no time at all
+FINGERPRINT_PATTERN = r"^[0-9a-f]{32}$"
+REPLICA_GROUP_PATTERN = r"^[0-9]+(-[0-9]+(:[0-9]+)?)?(,[0-9]+(-[0-9]+(:[0-9]+)?)?)*$"
 
 
 def _not_in_the_future(ts: float) -> float:
@@ -126,6 +128,19 @@ class StepIn(BaseModel):
         default=None,
         description="User metrics (s.metric): name (^[a-z][a-z0-9_.]{0,31}$) to value, at "
         'most 32; NaN/Inf as for loss. Series "user.<name>"',
+    )
+    fingerprint: str | None = Field(
+        default=None,
+        pattern=FINGERPRINT_PATTERN,
+        description="On a replica-checked step: the parameters' fingerprint after the "
+        "optimizer step, 32 lowercase hex digits (agent/replica.py)",
+    )
+    replica_group: str | None = Field(
+        default=None,
+        max_length=1024,
+        pattern=REPLICA_GROUP_PATTERN,
+        description='The global ranks holding the same parameters, e.g. "0-7", "0-28:4", '
+        '"3,9"; sent with the fingerprint',
     )
 
     _ts_now = field_validator("ts")(_not_in_the_future)

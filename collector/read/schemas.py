@@ -148,3 +148,15 @@ class Heatmap(BaseModel):
     step_start: list[int]
     bucket: int
     values: list[list[float | None]]
+
+
+class ReplicaResult(BaseModel):
+    """One comparison of a checked step's fingerprints within one replica group."""
+
+    step: int
+    replica_group: str = Field(description="The group's global ranks, e.g. 0-7, 0-28:4, 3,9")
+    agree: bool
+    suspects: list[int] = Field(description="Ranks outside the majority (all, with none)")
+    missing: list[int] = Field(description="Members that sent no fingerprint: left out")
+    fingerprints: int = Field(description="How many were compared")
+    decided_at: float

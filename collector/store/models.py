@@ -14,6 +14,7 @@ from __future__ import annotations
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     Column,
     Float,
     ForeignKey,
@@ -194,6 +195,38 @@ events = Table(
     Column("severity", String(16), nullable=False),
     Column("data", JSON),
     Index("ix_events_run_id_ts", "run_id", "ts"),
+)
+
+
+# Replica fingerprints (migration 0025): on a checked step, each rank's fingerprint of its
+# parameters after the optimizer step, and the replica group it belongs to; the health
+# evaluator compares a step's fingerprints within each group (``replica_results``). A
+# step run again (a rollback, a restart) replaces its check: the later execution wins.
+replica_checks = Table(
+    "replica_checks",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", BigInteger, primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("ts", Float, nullable=False),  # the step's start (which execution)
+    Column("recv_ts", Float, nullable=False),
+    Column("replica_group", String(1024), nullable=False),
+    Column("fingerprint", String(32), nullable=False),
+)
+
+# One comparison of a step's fingerprints within one replica group: agreed, or the
+# suspects by majority, and the ranks that sent none (left out of it).
+replica_results = Table(
+    "replica_results",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", BigInteger, primary_key=True),
+    Column("replica_group", String(1024), primary_key=True),
+    Column("decided_at", Float, nullable=False),
+    Column("agree", Boolean, nullable=False),
+    Column("suspects", JSON, nullable=False),  # ranks out of the majority
+    Column("missing", JSON, nullable=False),  # members that sent no fingerprint
+    Column("fingerprints", Integer, nullable=False),  # how many were compared
 )
 
 

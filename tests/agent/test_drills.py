@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import trainwarden.agent as tw
-from trainwarden.agent.drills import DESYNC_FOR_S, DIE_EXIT_CODE, DrillError, parse
+from trainwarden.agent.drills import DESYNC_FOR_S, DIE_EXIT_CODE, Drill, DrillError, parse
 from trainwarden.agent.gpu import describe_xid, xid_catalog
 
 from .test_agent import RecordingTransport
@@ -65,6 +65,12 @@ def test_the_documented_spec_parses() -> None:
         ("desync@rank=1,step=5,for=0s", "for takes seconds"),
         ("desync@rank=1,step=5,for=soon", "for takes seconds"),
         ("desync=2@rank=1,step=5", "desync takes no value"),
+        ("sdc@rank=1,step=5", "sdc needs its form: sdc=bitflip"),
+        ("sdc=arith@rank=1,step=5", r"sdc=bitflip \(the only one built\), got 'arith'"),
+        ("sdc=bitflip@step=5", "sdc needs rank="),
+        ("sdc=bitflip@rank=1", "say when"),
+        ("sdc=bitflip@rank=1,steps=5-9", "sdc happens once: step=S"),
+        ("sdc=bitflip@rank=1,step=5,for=3s", "sdc takes no for="),
     ],
 )
 def test_bad_specs_name_the_fault_and_the_fix(spec: str, message: str) -> None:
@@ -78,6 +84,24 @@ def test_desync_parses_with_its_default_timeout() -> None:
         (f.kind, f.rank, f.first, f.last, f.seconds) for f in parse("desync@rank=1,step=5")
     ] == [("desync", 1, 5, None, DESYNC_FOR_S)]
     assert parse(" desync@rank=0,step=0,for=2.5s ")[0].seconds == 2.5
+
+
+def test_sdc_bitflip_parses_and_fires_once_on_its_rank_only() -> None:
+    (fault,) = parse(" sdc=bitflip@rank=1,step=35 ")
+    assert (fault.kind, fault.value, fault.rank, fault.first, fault.last) == (
+        "sdc",
+        None,
+        1,
+        35,
+        None,
+    )
+    assert fault.text == "sdc=bitflip@rank=1,step=35"
+    on_1 = Drill([fault], rank=1, world_size=4)
+    assert [s for s in range(100) if on_1.bitflip(s)] == [35]
+    assert on_1.bitflip(35) is None  # once, even if step 35 comes again after a rollback
+    assert [s for s in range(100) if Drill([fault], rank=2, world_size=4).bitflip(s)] == []
+    with pytest.raises(DrillError, match="outside world_size 1"):
+        Drill([fault], rank=0, world_size=1)
 
 
 def test_desync_without_a_process_group_says_so_and_goes_on() -> None:

@@ -48,6 +48,7 @@ PACK = [
     "LowGpuUtilization",
     "ActionFailed",  # trainwarden's own: an action it took failed (issue 7)
     "CheckpointCadence",  # the cadence advisor's (issue 11)
+    "SilentDataCorruption",  # replica fingerprints that disagree (issue 34)
 ]
 HEADINGS = [
     "## What it means",

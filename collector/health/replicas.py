@@ -1,0 +1,188 @@
+"""Replicas that disagree: silent data corruption found by comparing fingerprints.
+
+In data parallelism every replica holds bit-identical parameters after each optimizer
+step. On a checked step each rank sends a fingerprint of its parameters and the global
+ranks of its replica group (``replica_checks``, written by ingest). Each evaluation
+compares the steps not yet compared, within each group:
+
+- one fingerprint for all: they **agree**;
+- a strict majority: the ranks outside it are **suspects**; no strict majority (a group
+  of two that disagrees, a tie): every rank is a suspect, and the next checks decide;
+- a member that sent no fingerprint is left out of that comparison (``missing``), not
+  called a suspect. A step is compared once every member's fingerprint came, or
+  :data:`GRACE_S` after its first did, or once a later check of the group arrived;
+- a rank that went back (a rollback or restart: its last step is before this one) has
+  sent the earlier execution's fingerprint: it is not compared with a replay's, but
+  waited for (the replay's replaces it, and the step is compared again).
+
+Each comparison is kept (``replica_results``: what the Ranks page's strip shows), and
+each suspect gets a ``replica_divergence`` event naming the step, the group and where it
+diverged: after the last check at which its fingerprint agreed with its group's.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from typing import Any
+
+from sqlalchemy import Connection, and_, exists, insert, select
+
+from trainwarden.agent.replica import expand
+from trainwarden.collector.store import models as m
+
+GRACE_S = 30.0
+"""How long a step's comparison waits for its group's missing fingerprints."""
+WINDOW_S = 3600.0
+"""Checks that arrived longer ago than this and are still not compared are left alone."""
+
+
+def compare(conn: Connection, *, run_id: int, world: int, now: float) -> list[dict[str, Any]]:
+    """Compare the run's checked steps that are due; returns the events to store."""
+    c, r = m.replica_checks.c, m.replica_results.c
+    decided = exists().where(
+        and_(r.run_id == c.run_id, r.step == c.step, r.replica_group == c.replica_group)
+    )
+    rows = conn.execute(
+        select(c.step, c.rank, c.replica_group, c.fingerprint, c.recv_ts).where(
+            c.run_id == run_id, c.recv_ts >= now - WINDOW_S, ~decided
+        )
+    ).all()
+    if not rows:
+        return []
+    k = m.ranks.c
+    at: dict[int, int | None] = {
+        rank: last
+        for rank, last in conn.execute(select(k.rank, k.last_step).where(k.run_id == run_id))
+    }
+    pending: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
+    first_seen: dict[tuple[str, int], float] = {}
+    newest: dict[str, int] = {}
+    for step, rank, group, fp, recv in rows:
+        last = at.get(rank)
+        if last is not None and last < step:
+            # The rank went back (a rollback, a restart) and has not run this step again
+            # yet: what it sent is the earlier execution's, not comparable with a replay.
+            continue
+        pending[(group, step)][rank] = fp
+        first_seen[(group, step)] = min(first_seen.get((group, step), recv), recv)
+        newest[group] = max(newest.get(group, step), step)
+    events: list[dict[str, Any]] = []
+    for (group, step), prints in sorted(pending.items(), key=lambda kv: kv[0][1]):
+        members = _members(group, world)
+        present = {rank: fp for rank, fp in prints.items() if rank in members}
+        missing = sorted(members - set(present))
+        due = (
+            not missing
+            or now - first_seen[(group, step)] >= GRACE_S
+            or newest[group] > step
+            or not members
+        )
+        if not due:
+            continue
+        counts = Counter(present.values())
+        majority, agreeing = counts.most_common(1)[0] if counts else (None, 0)
+        if len(counts) <= 1:
+            suspects: list[int] = []
+        elif agreeing * 2 > len(present):
+            suspects = sorted(rank for rank, fp in present.items() if fp != majority)
+        else:
+            majority = None
+            suspects = sorted(present)
+        conn.execute(
+            insert(m.replica_results).values(
+                run_id=run_id,
+                step=step,
+                replica_group=group,
+                decided_at=now,
+                agree=not suspects,
+                suspects=suspects,
+                missing=missing if members else sorted(present),
+                fingerprints=len(present),
+            )
+        )
+        for rank in suspects:
+            since = _last_agreed(conn, run_id=run_id, group=group, rank=rank, before=step)
+            events.append(
+                _divergence(run_id, rank, step, group, present, missing, majority, agreeing, since)
+            )
+    return events
+
+
+def _members(group: str, world: int) -> set[int]:
+    """The group's ranks (none when its text is not a group of this run's ranks)."""
+    try:
+        ranks = set(expand(group))
+    except ValueError:
+        return set()
+    return ranks if ranks and max(ranks) < world else set()
+
+
+def _last_agreed(
+    conn: Connection, *, run_id: int, group: str, rank: int, before: int
+) -> int | None:
+    """The newest earlier compared step of ``group`` at which ``rank``'s fingerprint was
+    in the majority."""
+    c, r = m.replica_checks.c, m.replica_results.c
+    rows = conn.execute(
+        select(r.step, r.suspects)
+        .join(
+            m.replica_checks,
+            and_(c.run_id == r.run_id, c.step == r.step, c.replica_group == r.replica_group),
+        )
+        .where(r.run_id == run_id, r.replica_group == group, r.step < before, c.rank == rank)
+        .order_by(r.step.desc())
+        .limit(200)
+    ).all()
+    for step, suspects in rows:
+        if rank not in (suspects or ()):
+            return int(step)
+    return None
+
+
+def _divergence(
+    run_id: int,
+    rank: int,
+    step: int,
+    group: str,
+    present: dict[int, str],
+    missing: list[int],
+    majority: str | None,
+    agreeing: int,
+    since: int | None,
+) -> dict[str, Any]:
+    window = f"in steps {since + 1}-{step}" if since is not None else f"at or before step {step}"
+    if majority is None:
+        reason = (
+            f"the {len(present)} fingerprints of replica group {group} at step {step} have no "
+            f"majority: rank {rank} is a suspect until the next checks decide"
+        )
+    else:
+        reason = (
+            f"rank {rank}'s parameters differ from its replica group's ({agreeing} of "
+            f"{len(present)} ranks of {group} agree) at step {step}"
+        )
+    reason += (
+        f"; it last agreed at step {since}: diverged {window}"
+        if since is not None
+        else "; no earlier agreeing check"
+    )
+    return {
+        "rank": rank,
+        "kind": "replica_divergence",
+        "severity": "critical",
+        "step": step,
+        "uid": f"replica:{run_id}:{group}:{rank}:{step}",
+        "data": {
+            "replica_group": group,
+            "fingerprint": present[rank],
+            "majority": majority,
+            "agreeing": agreeing,
+            "compared": len(present),
+            "missing": missing[:64],
+            "last_agreed_step": since,
+            # Parameters were verified equal after that step's update: its checkpoint and
+            # older ones are clean, exactly (a rollback restores the newest of them).
+            "clean_through": since,
+            "reason": reason,
+        },
+    }
