@@ -224,7 +224,10 @@ def run_ranks(world: int, mode: str, tmp_path: Path, timeout: float = 120) -> li
     """``world`` processes running ``rank_main(mode)`` on one gloo group; their JSON."""
     port = str(free_port())
     code = "import sys; from tests.agent.test_replica import rank_main; rank_main(*sys.argv[1:])"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    # The repository for ``tests``, before what the caller had (scripts/gpu_check.sh puts
+    # the package there instead of installing it).
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", code, mode, str(r), str(world), port, str(tmp_path)],
