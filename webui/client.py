@@ -30,7 +30,7 @@ from trainwarden.collector.incidents import notes
 from trainwarden.collector.incidents import store as incidents
 from trainwarden.collector.incidents.schemas import CloseIn, IncidentOut, NoteIn, NoteOut, RetitleIn
 from trainwarden.collector.incidents.timeline import timeline
-from trainwarden.collector.read import economics, identity, queries, series
+from trainwarden.collector.read import economics, identity, queries, replicas, series
 from trainwarden.collector.read.schemas import (
     EventOut,
     FlaggedStep,
@@ -158,6 +158,8 @@ class Client(Protocol):
     def collectives(self, run: str) -> dict[str, Any]: ...
 
     def request_collectives(self, run: str, *, by: str) -> dict[str, Any]: ...
+
+    def replicas(self, run: str) -> list[dict[str, Any]]: ...
 
 
 def may_change() -> bool:
@@ -473,6 +475,12 @@ class LocalClient:
             return identity.run_diff(conn, a=run, b=other)
 
     # -- collectives (which rank, which collective) --------------------------------
+
+    def replicas(self, run: str) -> list[dict[str, Any]]:
+        """The run's replica comparisons (silent data corruption checks), oldest first.
+        Raises ``NotFound`` for an unknown run."""
+        with self._engine.connect() as conn:
+            return replicas.results(conn, run=run)
 
     def collectives(self, run: str) -> dict[str, Any]:
         """The ranks' Flight Recorder rings lined up by sequence id, and the verdict.

@@ -36,6 +36,7 @@ from . import ranks_figures as rf
 from .client import Client, Refused, may_change
 from .components import is_default_pick, notice, parse_user, run_tabs
 from .figures import empty_figure, themed
+from .replicas import strips as replica_strips
 
 log = logging.getLogger(__name__)
 BUCKETS = 200  # heatmap columns; the collector buckets the steps
@@ -303,6 +304,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             # drawn: a fifth graph (and its placeholder) at load slowed the first heatmap.
             html.Div(id="ranks-user-box"),
             html.Div(id="ranks-coll-bottom", className="coll-section"),
+            html.Div(id="ranks-replicas"),  # replica agreement (silent data corruption)
             html.Div(id="ranks-coll-feedback-bottom", role="status"),
             dcc.Store(id="ranks-coll-digest"),  # what the section shows: redrawn on a change
             dcc.Store(id="ranks-coll-changed", data=0),  # a request was made: read again now
@@ -458,6 +460,19 @@ def register(app: dash.Dash, client: Client) -> None:
             failed,
         )
         return options, figure
+
+    @app.callback(
+        Output("ranks-replicas", "children"),
+        Input("ranks-heat-interval", "n_intervals"),
+        State("ranks-run", "data"),
+    )
+    def draw_replicas(_n: int | None, name: str) -> Any:
+        return _guarded(
+            "replica checks",
+            name,
+            lambda: replica_strips(client.replicas(name)),
+            lambda message: notice(message, "error"),
+        )
 
     @app.callback(
         Output("ranks-notice", "children"),
