@@ -369,6 +369,9 @@ def evaluate(
     runs = conn.execute(
         select(m.runs.c.id, m.runs.c.name, m.runs.c.world_size).where(m.runs.c.status == "running")
     ).all()
+    for run_id, world in replicas.ended_runs(conn, now=now):  # their last checks
+        events = replicas.compare(conn, run_id=run_id, world=world, now=now, ended=True)
+        _events(conn, run_id=run_id, now=now, events=events)
     for run_id, name, world in runs:
         window = max(settings.straggler_window, settings.divergence_window)
         steps = _recent_views(conn, run_id, world, window)

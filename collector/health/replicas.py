@@ -36,8 +36,29 @@ WINDOW_S = 3600.0
 """Checks that arrived longer ago than this and are still not compared are left alone."""
 
 
-def compare(conn: Connection, *, run_id: int, world: int, now: float) -> list[dict[str, Any]]:
-    """Compare the run's checked steps that are due; returns the events to store."""
+def ended_runs(conn: Connection, *, now: float) -> list[tuple[int, int]]:
+    """Runs no longer running with checks not yet compared, (id, world size): a run's last
+    checks often arrive with its end (the evaluator reads running runs only)."""
+    c, r, ru = m.replica_checks.c, m.replica_results.c, m.runs.c
+    decided = exists().where(
+        and_(r.run_id == c.run_id, r.step == c.step, r.replica_group == c.replica_group)
+    )
+    return [
+        (run_id, world)
+        for run_id, world in conn.execute(
+            select(ru.id, ru.world_size).where(
+                ru.status != "running",
+                exists().where(c.run_id == ru.id, c.recv_ts >= now - WINDOW_S, ~decided),
+            )
+        )
+    ]
+
+
+def compare(
+    conn: Connection, *, run_id: int, world: int, now: float, ended: bool = False
+) -> list[dict[str, Any]]:
+    """Compare the run's checked steps that are due; returns the events to store.
+    ``ended``: the run is over, so no fingerprint is still to come: every step is due."""
     c, r = m.replica_checks.c, m.replica_results.c
     decided = exists().where(
         and_(r.run_id == c.run_id, r.step == c.step, r.replica_group == c.replica_group)
@@ -72,7 +93,8 @@ def compare(conn: Connection, *, run_id: int, world: int, now: float) -> list[di
         present = {rank: fp for rank, fp in prints.items() if rank in members}
         missing = sorted(members - set(present))
         due = (
-            not missing
+            ended
+            or not missing
             or now - first_seen[(group, step)] >= GRACE_S
             or newest[group] > step
             or not members

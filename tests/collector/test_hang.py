@@ -216,3 +216,27 @@ def test_an_operator_asks_every_rank_and_reads_the_verdict(client) -> None:
     assert set(view["rings"]) == {"0", "1", "2", "3"}
     assert client.get("/api/v1/runs/nope/collectives").status_code == 404
     assert client.post("/api/v1/runs/nope/collectives").status_code == 404
+
+
+def test_a_dead_rank_is_named_the_culprit_from_the_survivors_rings(engine) -> None:
+    for rank in range(WORLD):
+        beat(engine, rank, T0 + 10, steps=[step(i) for i in range(10)])
+    for rank in (0, 1, 3):  # rank 2's process died: no heartbeat since T0 + 10
+        beat(engine, rank, T0 + 15.5, last_step=9)
+    states = evaluated(engine, T0 + 15.6)
+    assert states[2][0] == "dead" and {states[r][0] for r in (0, 1, 3)} == {"hung"}
+    for rank in (0, 1, 3):
+        beat(
+            engine,
+            rank,
+            T0 + 16.5,
+            last_step=9,
+            events=[ring(rank, 40, waiting=True, at=T0 + 16.4)],
+        )
+    states = evaluated(engine, T0 + 17)
+    summary = states[0][1]["collective"]
+    assert summary.startswith(
+        "rank 2 (node node2) is dead (no heartbeats) and never entered all_reduce #40 on pg 0 "
+        "(default_pg, 4 ranks); 3 ranks wait in it since "
+    )
+    assert all(states[r][1]["waiting_on"] == [2] for r in (0, 1, 3))

@@ -208,3 +208,16 @@ def test_a_rank_not_yet_back_at_a_replayed_step_is_waited_for_not_compared(engin
     evaluated(engine, T0 + 54)
     assert results(engine)[-1] == (20, True, [], [])
     assert [(r, s) for r, s, _, _ in divergences(engine)] == [(1, 20)]  # the first execution's
+
+
+def test_a_run_s_last_checks_are_compared_once_it_ended(engine) -> None:
+    from sqlalchemy import update
+
+    for rank in range(3):  # rank 3's last check never came: the run ended
+        send(engine, rank, [checked(10, GOOD)], T0 + 1)
+    evaluated(engine, T0 + 2)
+    assert results(engine) == []  # still running: waits for rank 3
+    with write(engine) as conn:
+        conn.execute(update(m.runs).values(status="finished"))
+    evaluated(engine, T0 + 3)
+    assert results(engine) == [(10, True, [], [3])]
