@@ -32,8 +32,11 @@ from trainwarden.collector.store import models as m
 
 GRACE_S = 30.0
 """How long a step's comparison waits for its group's missing fingerprints."""
-WINDOW_S = 3600.0
-"""Checks that arrived longer ago than this and are still not compared are left alone."""
+WINDOW_S = 600.0
+"""Checks that arrived longer ago than this and are still not compared are left alone. A
+check is due at most :data:`GRACE_S` after it came, so older ones wait only while the
+evaluator was down; each evaluation reads this much of a run's checks (an index range),
+not the whole run's."""
 
 
 def ended_runs(conn: Connection, *, now: float) -> list[tuple[int, int]]:

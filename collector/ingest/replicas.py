@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, delete, tuple_
+from sqlalchemy import Connection, delete, select, tuple_
 
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.bulk import upsert_rows
@@ -53,9 +53,26 @@ def write_checks(conn: Connection, rows: list[dict[str, Any]]) -> None:
         if key not in latest or row["ts"] >= latest[key]["ts"]:
             latest[key] = row
     rows = list(latest.values())
+    # Which of them are new, or a later execution: only their steps are compared again
+    # (a batch delivered twice changes nothing).
+    c, keys = m.replica_checks.c, list(latest)
+    stored: dict[tuple[int, int, int], float] = {}
+    for at in range(0, len(keys), 500):
+        for run_id, step, rank, ts in conn.execute(
+            select(c.run_id, c.step, c.rank, c.ts).where(
+                tuple_(c.run_id, c.step, c.rank).in_(keys[at : at + 500])
+            )
+        ):
+            stored[(run_id, step, rank)] = ts
     upsert_rows(conn, m.replica_checks, rows, key=_KEY, set_=_overwrite, where=_later)
     r = m.replica_results.c
-    pairs = sorted({(row["run_id"], row["step"]) for row in rows})
+    pairs = sorted(
+        {
+            (key[0], key[1])
+            for key, row in latest.items()
+            if key not in stored or stored[key] < row["ts"]
+        }
+    )
     for at in range(0, len(pairs), 500):
         conn.execute(
             delete(m.replica_results).where(tuple_(r.run_id, r.step).in_(pairs[at : at + 500]))

@@ -212,6 +212,8 @@ replica_checks = Table(
     Column("recv_ts", Float, nullable=False),
     Column("replica_group", String(1024), nullable=False),
     Column("fingerprint", String(32), nullable=False),
+    # The evaluator reads a run's recent checks each second: not the whole run's.
+    Index("ix_replica_checks_run_id_recv_ts", "run_id", "recv_ts"),
 )
 
 # One comparison of a step's fingerprints within one replica group: agreed, or the

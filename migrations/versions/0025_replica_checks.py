@@ -38,6 +38,9 @@ def upgrade() -> None:
         ),
         sa.PrimaryKeyConstraint("run_id", "step", "rank", name=op.f("pk_replica_checks")),
     )
+    op.create_index(
+        op.f("ix_replica_checks_run_id_recv_ts"), "replica_checks", ["run_id", "recv_ts"]
+    )
     op.create_table(
         "replica_results",
         sa.Column("run_id", sa.Integer(), nullable=False),

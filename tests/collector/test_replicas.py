@@ -221,3 +221,11 @@ def test_a_run_s_last_checks_are_compared_once_it_ended(engine) -> None:
         conn.execute(update(m.runs).values(status="finished"))
     evaluated(engine, T0 + 3)
     assert results(engine) == [(10, True, [], [3])]
+
+
+def test_a_batch_delivered_twice_keeps_its_comparison(engine) -> None:
+    for rank in range(4):
+        send(engine, rank, [checked(10, GOOD, ts=T0 + 1)], T0 + 1)
+    evaluated(engine, T0 + 2)
+    send(engine, 2, [checked(10, GOOD, ts=T0 + 1)], T0 + 3)  # a spooled batch, resent
+    assert results(engine) == [(10, True, [], [])]
