@@ -476,12 +476,6 @@ class LocalClient:
 
     # -- collectives (which rank, which collective) --------------------------------
 
-    def replicas(self, run: str) -> list[dict[str, Any]]:
-        """The run's replica comparisons (silent data corruption checks), oldest first.
-        Raises ``NotFound`` for an unknown run."""
-        with self._engine.connect() as conn:
-            return replicas.results(conn, run=run)
-
     def collectives(self, run: str) -> dict[str, Any]:
         """The ranks' Flight Recorder rings lined up by sequence id, and the verdict.
         Raises ``NotFound`` for an unknown run."""
@@ -502,3 +496,11 @@ class LocalClient:
                     reason="asked from the web UI",
                     board=self._commands,
                 )
+
+    # -- replicas (silent data corruption) -------------------------------------------
+
+    def replicas(self, run: str) -> list[dict[str, Any]]:
+        """The run's replica comparisons (silent data corruption checks), oldest first.
+        Raises ``NotFound`` for an unknown run."""
+        with self._engine.connect() as conn:
+            return replicas.results(conn, run=run)
