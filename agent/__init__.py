@@ -199,6 +199,9 @@ def watch(
     count_flops: bool | None = None,
     replica_check_every: int | None = None,
     replica_group: Any = None,
+    determinism_probe_every: int | None = None,
+    probe_input: Any = None,
+    probe_rtol: float | None = None,
 ) -> Watch:
     """Install hooks that time forward / backward / optimizer and split communication.
 
@@ -220,6 +223,15 @@ def watch(
       mesh's replicate dimension (plain FSDP2 has no replica: no check); any other model
       (a hand-written data-parallel loop, a tensor or pipeline shard): no check unless
       given. Call ``tw.watch`` after wrapping the model (DDP, ``fully_shard``).
+    - ``determinism_probe_every`` (``TRAINWARDEN_DETERMINISM_PROBE_EVERY``, default 0: off):
+      at steps whose number is a multiple of it, after the optimizer step, each replica
+      also runs one forward of a fixed input (``probe_input``, else one built from the
+      first forward's shapes) in eval mode under ``no_grad`` and fingerprints the
+      output: replicas must compute equal outputs (catches wrong arithmetic that leaves
+      the parameters equal). Needs a replica group, as the replica check does;
+    - ``probe_rtol`` (``TRAINWARDEN_PROBE_RTOL``, default 0: bit-exact): for models whose
+      kernels are not deterministic, how far two replicas' probe sums may differ,
+      relative to the output's L1 norm. :mod:`trainwarden.agent.probe` says more.
     """
     return _watch(
         _core.current(),
@@ -230,6 +242,9 @@ def watch(
         count_flops=count_flops,
         replica_check_every=replica_check_every,
         replica_group=replica_group,
+        determinism_probe_every=determinism_probe_every,
+        probe_input=probe_input,
+        probe_rtol=probe_rtol,
     )
 
 

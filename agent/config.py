@@ -176,6 +176,43 @@ def replica_check_every(value: Any) -> int:
     )
 
 
+def determinism_probe_every(value: Any) -> int:
+    """``tw.watch(..., determinism_probe_every=M)``, else
+    ``TRAINWARDEN_DETERMINISM_PROBE_EVERY``, else 0 (off): run the determinism probe
+    (:mod:`.probe`) at steps whose number is a multiple of M."""
+    if isinstance(value, bool):
+        raise ConfigError(
+            "determinism_probe_every must be an integer (steps between probes, 0: off), "
+            f"got {value!r}"
+        )
+    return _as_int(
+        _pick(value, "TRAINWARDEN_DETERMINISM_PROBE_EVERY", 0),
+        "determinism_probe_every (TRAINWARDEN_DETERMINISM_PROBE_EVERY; 0: off)",
+        minimum=0,
+    )
+
+
+MAX_PROBE_RTOL = 0.1
+"""A tolerance above this would hide real faults: refused."""
+
+
+def probe_rtol(value: Any) -> float:
+    """``tw.watch(..., probe_rtol=r)``, else ``TRAINWARDEN_PROBE_RTOL``, else 0 (the
+    probes must be bit-identical): how far two replicas' probe sums may differ, relative
+    to the output's L1 norm (:mod:`.probe`)."""
+    what = "probe_rtol (TRAINWARDEN_PROBE_RTOL)"
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be a number, got {value!r}")
+    number = _as_float(
+        _pick(value, "TRAINWARDEN_PROBE_RTOL", 0.0), what, minimum=0.0, zero_is_off=True
+    )
+    if not number <= MAX_PROBE_RTOL:  # also NaN, inf
+        raise ConfigError(
+            f"{what} must be between 0 and {MAX_PROBE_RTOL} (0: bit-exact), got {number}"
+        )
+    return number
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """What one rank's agent needs to know. Build it with :meth:`resolve`."""

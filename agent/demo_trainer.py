@@ -112,6 +112,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fingerprint the parameters after every N-th optimizer step, to compare the "
         "replicas (0: off; default: the agent's, TRAINWARDEN_REPLICA_CHECK_EVERY or 100)",
     )
+    p.add_argument(
+        "--determinism-probe-every",
+        type=int,
+        default=None,
+        metavar="M",
+        help="every M-th step, after the update, each replica runs one forward of a fixed "
+        "input and fingerprints the output, to compare what the replicas compute "
+        "(default: the agent's, TRAINWARDEN_DETERMINISM_PROBE_EVERY or 0: off)",
+    )
     return p.parse_args(argv)
 
 
@@ -208,8 +217,16 @@ def main(argv: list[str] | None = None) -> None:
         model = nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     data = MarkovData(vocab, context, chain_seed=args.seed, sample_seed=args.seed + 1 + rank)
-    # Phases, comm split (DDP), MFU, grad-norm spikes; and the replicas' fingerprints.
-    tw.watch(model, opt, grad_norm=True, replica_check_every=args.replica_check_every)
+    # Phases, comm split (DDP), MFU, grad-norm spikes; the replicas' fingerprints (and,
+    # when asked, the determinism probe: the demo model's kernels are deterministic on the
+    # CPU, so probes compare bit-exactly).
+    tw.watch(
+        model,
+        opt,
+        grad_norm=True,
+        replica_check_every=args.replica_check_every,
+        determinism_probe_every=args.determinism_probe_every,
+    )
     state = {"step": args.start_step, "cursor": args.start_step}  # next step, next data batch
     end = args.start_step + args.steps
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None

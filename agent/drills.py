@@ -17,6 +17,9 @@
     sdc=bitflip@rank=1,step=35       silent data corruption: right after its optimizer
                                      step at 35, the rank flips one bit of one parameter
                                      element; needs tw.watch(model, opt)
+    sdc=arith@rank=1,step=20         wrong arithmetic: from step 20 on, the rank's
+                                     forward output is one unit in the last place off
+                                     (what the determinism probe finds); needs tw.watch
 
 An XID or a thermal fault runs through the GPU layer: without a real GPU the agent
 then uses a simulated one. Every injected fault is also recorded as a ``drill`` event.
@@ -35,7 +38,7 @@ connection. On NCCL the drill is weaker: NCCL itself drops a collective of 0 ele
 sequence ids stay one apart, until the timer ends the rank and the peers wait for it
 (NCCL's own timeout).
 
-``sdc=bitflip`` (the only form built) flips, on rank R right after its optimizer step
+``sdc=bitflip`` flips, on rank R right after its optimizer step
 at S (an optimizer step post-hook of ``tw.watch``, before that step's replica
 fingerprint), the highest mantissa bit of element 0 of the model's first parameter
 that requires grad (``model.named_parameters()`` order), in place: bit 22 of a float32,
@@ -44,6 +47,14 @@ stays finite and moves by up to half its magnitude: a real divergence, no NaN. D
 never broadcasts parameters again after its construction, so the replica stays
 diverged while training goes on; every later replica check shows it. The ``drill``
 event names the parameter, the element and the bit.
+
+``sdc=arith`` stands for a GPU whose arithmetic is wrong while its memory is right: from
+step S on, a forward hook of ``tw.watch`` on the model (inside a DDP wrapper: its
+module) moves element 0 of each floating-point output tensor of rank R one unit in the
+last place up (``torch.nextafter`` towards +inf), in every forward, the training one and
+the determinism probe's (:mod:`.probe`). Gradients flow through unchanged; DDP averages
+the slightly wrong gradient into every replica, so their parameters stay equal: only the
+probe sees it. One ``drill`` event at the first nudged forward.
 """
 
 from __future__ import annotations
@@ -63,8 +74,8 @@ DIE_EXIT_CODE = 75
 DESYNC_FOR_S = 60.0
 """How long a ``desync`` rank waits in the mismatched collective before it exits."""
 KINDS = ("xid", "thermal", "slow", "hang", "die", "desync", "loss_spike", "sdc")
-SDC_FORMS = ("bitflip",)
-"""What ``sdc=`` takes; ``arith`` (a perturbed forward output) is not built yet."""
+SDC_FORMS = ("bitflip", "arith")
+"""What ``sdc=`` takes: a flipped parameter bit, or a perturbed forward output."""
 _VALUE = {
     "xid": (re.compile(r"^\d+$"), "an XID code, e.g. xid=79"),
     "thermal": (re.compile(r"^\d+(\.\d+)?C$"), "a temperature in C, e.g. thermal=92C"),
@@ -87,6 +98,7 @@ class Fault:
     first: int = 0
     last: int | None = None  # inclusive; None: only ``first`` (or open-ended for thermal)
     seconds: float | None = None
+    form: str | None = None  # sdc's: bitflip or arith
 
     def covers(self, step: int) -> bool:
         if self.last is None:
@@ -116,11 +128,11 @@ def _parse_one(text: str) -> Fault:
     if kind not in KINDS:
         raise fail(f"unknown fault {kind!r}; known: {', '.join(KINDS)}")
     number: float | None = None
+    form = None
     if kind == "sdc":
-        if value.strip() not in SDC_FORMS:
-            raise fail(
-                f"sdc needs its form: sdc=bitflip (the only one built), got {value.strip()!r}"
-            )
+        form = value.strip()
+        if form not in SDC_FORMS:
+            raise fail(f"sdc needs its form: sdc=bitflip or sdc=arith, got {form!r}")
     elif kind in _VALUE:
         pattern, example = _VALUE[kind]
         if not pattern.match(value.strip()):
@@ -165,7 +177,7 @@ def _parse_one(text: str) -> Fault:
     if kind == "hang" and seconds is None:
         raise fail("hang needs for=DURATION, e.g. for=30s")
     if kind == "sdc" and last is not None:
-        raise fail("sdc happens once: step=S, not steps=A-B")
+        raise fail("sdc takes step=S (bitflip: once; arith: from S on), not steps=A-B")
     if kind == "sdc" and seconds is not None:
         raise fail("sdc takes no for=: the flipped bit stays")
     if kind == "desync":
@@ -174,7 +186,9 @@ def _parse_one(text: str) -> Fault:
         seconds = DESYNC_FOR_S if seconds is None else seconds
     if kind == "thermal" and last is None:
         last = 2**62  # stays hot from that step on
-    return Fault(kind, text, number, rank, first, last, seconds)
+    if form == "arith":
+        last = 2**62  # wrong from that step on
+    return Fault(kind, text, number, rank, first, last, seconds, form)
 
 
 class DrillHost(Protocol):
@@ -255,9 +269,20 @@ class Drill:
     def bitflip(self, step: int) -> Fault | None:
         """The ``sdc=bitflip`` fault due after this step's optimizer step, once."""
         for fault in self.faults:
-            if fault.kind == "sdc" and fault.covers(step) and self._once(fault, step):
+            if fault.form == "bitflip" and fault.covers(step) and self._once(fault, step):
                 return fault
         return None
+
+    def arith(self, step: int) -> Fault | None:
+        """The ``sdc=arith`` fault in force at this step (every forward from S on)."""
+        for fault in self.faults:
+            if fault.form == "arith" and fault.covers(step):
+                return fault
+        return None
+
+    def first_time(self, fault: Fault) -> bool:
+        """True once per fault: for the one ``drill`` event of a lasting fault."""
+        return self._once(fault, fault.first)
 
     def update_scale(self, step: int) -> float | None:
         for fault in self.faults:
@@ -294,6 +319,34 @@ def flip_bit(model: Any) -> tuple[str, int, int] | None:
             first.bitwise_xor_(1 << bit)
         return name, 0, bit
     return None
+
+
+def nudge_output(output: Any) -> Any:
+    """``output`` with element 0 of each floating-point tensor moved one unit in the last
+    place towards +inf (tuples, lists and dicts rebuilt around them; anything else as it
+    was). Autograd flows through unchanged: the nudge is a constant added."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        if not output.is_floating_point() or output.numel() == 0:
+            return output
+        with torch.no_grad():
+            first = output.reshape(-1)[:1]
+            step = torch.nextafter(first, torch.full_like(first, math.inf)) - first
+            delta = torch.zeros(output.shape, dtype=output.dtype, device=output.device)
+            delta.view(-1)[:1] = torch.where(torch.isfinite(step), step, 0.0)
+        return output + delta
+    if isinstance(output, dict):
+        rebuilt = {k: nudge_output(v) for k, v in output.items()}
+        try:
+            return type(output)(rebuilt)
+        except TypeError:
+            return rebuilt
+    if isinstance(output, tuple) and hasattr(output, "_fields"):  # a namedtuple
+        return type(output)(*(nudge_output(v) for v in output))
+    if isinstance(output, (list, tuple)):
+        return type(output)(nudge_output(v) for v in output)
+    return output
 
 
 def _peers() -> tuple[Any, str | None]:

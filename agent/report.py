@@ -7,6 +7,7 @@ timestamps, MFU is derived, and the spike detector sees each value once.
 
 from __future__ import annotations
 
+import math
 import resource
 import sys
 import time
@@ -15,6 +16,7 @@ from typing import Any
 
 from . import device_clock
 from .mfu import Peak, mfu
+from .probe import decode
 from .profiler import split_from_profile
 from .replica import hex_words
 from .spikes import SpikeDetector
@@ -110,6 +112,18 @@ class StepEncoder:
                 issues["fingerprint"] = "device copy did not complete"
             elif isinstance(words, list):
                 replica = (hex_words(words), group)
+        probe = None
+        if record.probe is not None:  # a probed step (tw.watch, probe.py)
+            captured, rtol = record.probe
+            words = resolve_ints(captured)
+            if words is NOT_READY:
+                if not force:
+                    return None
+                issues["probe"] = "device copy did not complete"
+            elif isinstance(words, list):
+                probe = probe_fields(words, rtol, issues)
+            elif captured.issue is not None:
+                issues["probe"] = captured.issue
         user = None
         if record.metrics is not None:
             user = self._user_metrics(record.metrics, issues, force=force)
@@ -193,6 +207,8 @@ class StepEncoder:
 
         if replica is not None:
             out["fingerprint"], out["replica_group"] = replica
+            if probe is not None:
+                out.update(probe)
 
         if record.memory is not None:
             out["mem_allocated_bytes"], out["mem_reserved_bytes"] = record.memory
@@ -210,3 +226,18 @@ class StepEncoder:
         if issues:
             out["issues"] = issues
         return out
+
+
+def probe_fields(words: list[int], rtol: float, issues: dict[str, str]) -> dict[str, Any]:
+    """A probe's words as the step's fields: ``probe`` (32 hex digits), ``probe_sums``
+    (3 floats; left out, with an issue, when the output was not finite) and, when
+    comparisons are not bit-exact, ``probe_rtol``."""
+    bits, sums = decode(words)
+    out: dict[str, Any] = {"probe": hex_words(bits)}
+    if all(math.isfinite(v) for v in sums):
+        out["probe_sums"] = sums
+    else:
+        issues["probe"] = "output not finite: compared bit-exactly"
+    if rtol:
+        out["probe_rtol"] = rtol
+    return out

@@ -52,6 +52,7 @@ class StepRecord:
         "note",
         "metrics",
         "replica",
+        "probe",
         "queued_at",
         "gpu",
     )
@@ -77,6 +78,8 @@ class StepRecord:
         self.metrics: dict[str, float | Captured | None] | None = None
         # A replica-checked step (tw.watch, replica.py): (the fingerprint's words, the group)
         self.replica: tuple[Captured, str] | None = None
+        # A probed step (tw.watch, probe.py): (the probe's words, probe_rtol)
+        self.probe: tuple[Captured, float] | None = None
         self.queued_at = 0.0
         self.gpu: DeviceClock | None = None  # the step's CUDA events, once the trainer uses CUDA
 

@@ -33,9 +33,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .config import determinism_probe_every as _determinism_probe_every
+from .config import probe_rtol as _probe_rtol
 from .config import replica_check_every as _replica_check_every
+from .probe import Probe
 from .replica import fingerprint, replica_group_of
-from .values import capture, capture_ints
+from .values import Captured, capture, capture_ints
 
 if TYPE_CHECKING:
     from .core import Agent
@@ -55,6 +58,9 @@ class Watch:
         """Steps between replica checks; 0: no check (off, no optimizer, or no replica)."""
         self.replica_group: str | None = None
         """This rank's replica group as the collector gets it (``"0-7"``), when checked."""
+        self.determinism_probe_every = 0
+        """Steps between determinism probes (:mod:`.probe`); 0: no probe."""
+        self.probe_rtol = 0.0
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -112,6 +118,96 @@ def _replica_hook(recorder: Recorder, model: Any, every: int, group: str) -> Cal
         record.replica = (capture_ints(fingerprint(model.parameters())), group)
 
     return hook
+
+
+def _probe_hook(
+    recorder: Recorder,
+    model: Any,
+    every: int,
+    group: str,
+    probe: Probe,
+    probe_every: int,
+    rtol: float,
+) -> Callable[..., None]:
+    """The optimizer's post-hook with the determinism probe on: starts ``other``; at a
+    checked step queues the parameters' fingerprint, at a probed step also runs the probe
+    (:mod:`.probe`). A probed step is always a checked step too."""
+
+    def hook(*_args: Any) -> None:
+        record = recorder.current
+        if record is None:
+            return
+        record.mark("other")
+        step = record.step
+        probed = step % probe_every == 0
+        if not probed and (not every or step % every):
+            return
+        record.replica = (capture_ints(fingerprint(model.parameters())), group)
+        if not probed or probe.args is None:
+            if probed and probe.unusable is not None:
+                record.probe = (Captured(issue=probe.unusable), rtol)
+            return
+        marks = len(record.phases)  # the probe's forward is not the step's own
+        gpu_marks = len(record.gpu.marks) if record.gpu is not None else 0
+        try:
+            words = probe.run()
+        except Exception as exc:  # the trainer is never crashed by the agent
+            probe.args, probe.unusable = None, f"the probe's forward failed: {exc!r}"[:200]
+            log.warning("trainwarden: determinism probe off: %s", probe.unusable)
+            record.probe = (Captured(issue=probe.unusable), rtol)
+            return
+        finally:
+            del record.phases[marks:]
+            if record.gpu is not None:
+                del record.gpu.marks[gpu_marks:]
+        if words is None:
+            record.probe = (Captured(issue="the model's output has no floating-point tensor"), rtol)
+        else:
+            record.probe = (capture_ints(words), rtol)
+
+    return hook
+
+
+def _learn_probe_input(probe: Probe) -> Any:
+    """Build the probe's input from the first training forward (a pre-hook that removes
+    itself after it ran once); returns its handle."""
+    handle: Any = None
+
+    def hook(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        handle.remove()
+        if probe.needs_input:
+            probe.learn_input(args, kwargs)
+
+    handle = probe.module.register_forward_pre_hook(hook, with_kwargs=True)
+    return handle
+
+
+def _arith_drill_hook(agent: Agent, drill: Drill, probe_module: Any) -> Any:
+    """The ``sdc=arith`` drill: from step S on, this rank's forward output is one unit in
+    the last place off (:func:`.drills.nudge_output`), in training and in the probe."""
+    from .drills import nudge_output
+
+    recorder = agent.recorder
+
+    def hook(_module: Any, _args: Any, output: Any) -> Any:
+        record = recorder.current
+        if record is None:
+            return None
+        fault = drill.arith(record.step)
+        if fault is None:
+            return None
+        if drill.first_time(fault):
+            agent.event(
+                "drill",
+                step=record.step,
+                severity="warning",
+                fault="sdc",
+                form="arith",
+                spec=fault.text,
+            )
+        return nudge_output(output)
+
+    return probe_module.register_forward_hook(hook)
 
 
 def _sdc_drill_hook(agent: Agent, drill: Drill, model: Any) -> Callable[..., None]:
@@ -251,10 +347,15 @@ def watch(
     count_flops: bool | None = None,
     replica_check_every: int | None = None,
     replica_group: Any = None,
+    determinism_probe_every: int | None = None,
+    probe_input: Any = None,
+    probe_rtol: float | None = None,
 ) -> Watch:
     import torch
 
     every = _replica_check_every(replica_check_every)  # ConfigError now, not at step 100
+    probe_every = _determinism_probe_every(determinism_probe_every)
+    rtol = _probe_rtol(probe_rtol)
     recorder = agent.recorder  # the hooks write into the step in progress
     installed = Watch()
     installed.handles.append(model.register_forward_pre_hook(_mark(recorder, "forward")))
@@ -265,11 +366,19 @@ def watch(
         if agent.drill is not None:
             # Before the post-hook below: a drill's change is in the step's fingerprint.
             installed.handles.extend(_spike_drill_hooks(agent, agent.drill, optimizer))
-            if any(f.kind == "sdc" for f in agent.drill.faults):
+            if any(f.form == "bitflip" for f in agent.drill.faults):
                 sdc = _sdc_drill_hook(agent, agent.drill, model)
                 installed.handles.append(optimizer.register_step_post_hook(sdc))
-        group = replica_group_of(model, replica_group, rank=agent.config.rank) if every else None
-        if group is not None:
+        checked = every or probe_every
+        group = replica_group_of(model, replica_group, rank=agent.config.rank) if checked else None
+        if group is not None and probe_every:
+            installed.replica_check_every, installed.replica_group = every, group[0]
+            installed.determinism_probe_every, installed.probe_rtol = probe_every, rtol
+            probe = Probe(model, probe_input)
+            if probe.needs_input:
+                installed.handles.append(_learn_probe_input(probe))
+            post = _probe_hook(recorder, model, every, group[0], probe, probe_every, rtol)
+        elif group is not None:
             installed.replica_check_every, installed.replica_group = every, group[0]
             post = _replica_hook(recorder, model, every, group[0])
         else:
@@ -279,6 +388,10 @@ def watch(
         raise ValueError(
             "tw.watch(model, grad_norm=True) needs the optimizer: tw.watch(model, optimizer, ...)"
         )
+    if agent.drill is not None and any(f.form == "arith" for f in agent.drill.faults):
+        from .probe import inner_module
+
+        installed.handles.append(_arith_drill_hook(agent, agent.drill, inner_module(model)))
     if comm and isinstance(model, torch.nn.parallel.DistributedDataParallel):
         installed.comm_hook = install_comm_hook(recorder, model)
     if count_flops is None:

@@ -220,10 +220,12 @@ def test_a_single_process_without_torch_distributed_has_no_replica() -> None:
         replica_group_of(nn.Linear(2, 2), [0, -1])
 
 
-def run_ranks(world: int, mode: str, tmp_path: Path, timeout: float = 120) -> list[dict[str, Any]]:
-    """``world`` processes running ``rank_main(mode)`` on one gloo group; their JSON."""
+def run_ranks(
+    world: int, mode: str, tmp_path: Path, timeout: float = 120, module: str = __name__
+) -> list[dict[str, Any]]:
+    """``world`` processes running ``module.rank_main(mode)`` on one gloo group; their JSON."""
     port = str(free_port())
-    code = "import sys; from tests.agent.test_replica import rank_main; rank_main(*sys.argv[1:])"
+    code = f"import sys; from {module} import rank_main; rank_main(*sys.argv[1:])"
     # The repository for ``tests``, before what the caller had (scripts/gpu_check.sh puts
     # the package there instead of installing it).
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
