@@ -29,7 +29,9 @@ Five measurements; all but the fourth in this process:
    fingerprint alone and its fixed cost (the same tensors of one element each: what a
    checked step costs the training thread besides the work on the parameters, which
    a GPU does asynchronously), and a checked step's cost amortized over the default
-   interval (100) as a share of the measured step.
+   interval (100) as a share of the measured step; and a probed step's hook (the
+   determinism probe: one eval forward of the step's input more) against that forward
+   alone.
 
 The agent sends to a transport that encodes and discards, so the exporter thread
 does all its real work (reading tensors, computing splits and flags) but no network.
@@ -380,9 +382,10 @@ def print_flight_recorder(loop: dict[str, Any], blocks: int, steps_per_block: in
 def replica_check_costs(step_ms: float, calls: int) -> dict[str, float]:
     """Part 5: the replica check's training-thread cost on the sized MLP (CPU)."""
     from trainwarden.agent.config import REPLICA_CHECK_EVERY
+    from trainwarden.agent.probe import Probe
     from trainwarden.agent.replica import fingerprint
     from trainwarden.agent.step import StepRecord
-    from trainwarden.agent.watch import _mark, _replica_hook
+    from trainwarden.agent.watch import _mark, _probe_hook, _replica_hook
 
     model, opt, x = sized_mlp(step_ms)
     params = list(model.parameters())
@@ -423,16 +426,32 @@ def replica_check_costs(step_ms: float, calls: int) -> dict[str, float]:
     def fingerprint_alone() -> None:
         fingerprint(params)
 
-    # Alternated, so that a drift of this busy machine falls on both.
-    alone, hooked = [], []
-    for _ in range(30):
-        alone.append(median_us(fingerprint_alone, 1))
-        hooked.append(median_us(check, 1))
-    results["fingerprint_us"], results["checked_us"] = (
-        statistics.median(alone),
-        statistics.median(hooked),
-    )
+    def alternated(a: Any, b: Any) -> tuple[float, float]:
+        """Medians of ``a`` and ``b`` timed in turn, so that a drift of this busy
+        machine falls on both."""
+        times: tuple[list[float], list[float]] = ([], [])
+        for _ in range(30):
+            times[0].append(median_us(a, 1))
+            times[1].append(median_us(b, 1))
+        return statistics.median(times[0]), statistics.median(times[1])
+
+    results["fingerprint_us"], results["checked_us"] = alternated(fingerprint_alone, check)
     assert checked.replica is not None and unchecked.replica is None
+
+    # The determinism probe at a probed step: the same hook's work plus one eval forward
+    # of the step's own input under no_grad and the output's fingerprint and sums; against
+    # that forward alone, the probe's own cost.
+    probe = Probe(model, x)
+    probed_hook = _probe_hook(recorder, model, 0, "0-7", probe, REPLICA_CHECK_EVERY, 0.0)
+
+    def forward_alone() -> None:
+        model.eval()
+        with torch.no_grad():
+            model(x)
+        model.train()
+
+    results["forward_us"], results["probed_us"] = alternated(forward_alone, probed_hook)
+    assert checked.probe is not None
     agent.recorder.current = None
     tw.shutdown()
     results["amortized_share"] = results["checked_us"] / REPLICA_CHECK_EVERY / step_us
@@ -463,6 +482,13 @@ def print_replica_check(r: dict[str, float]) -> None:
         f"   a checked step amortized over the default interval ({r['every']:.0f}): "
         f"{r['checked_us'] / r['every']:.1f} us per step, {r['amortized_share'] * 100:.3f}% "
         "of a step (on a GPU the parameter work runs on the device, asynchronously)"
+    )
+    extra = r["probed_us"] - r["checked_us"] - r["forward_us"]
+    print(
+        f"   determinism probe, probed step's post-hook: {r['probed_us']:.0f} us = the checked "
+        f"step's {r['checked_us']:.0f} us + one eval forward {r['forward_us']:.0f} us "
+        f"{extra:+.0f} us (the output's fingerprint and sums); at determinism_probe_every="
+        f"{r['every']:.0f}: {r['probed_us'] / r['every'] / r['step_us'] * 100:.3f}% of a step"
     )
 
 

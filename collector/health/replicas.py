@@ -15,15 +15,23 @@ compares the steps not yet compared, within each group:
   sent the earlier execution's fingerprint: it is not compared with a replay's, but
   waited for (the replay's replaces it, and the step is compared again).
 
+A probed step (``determinism_probe_every``, agent/probe.py) also carries each rank's
+determinism probe: the fingerprint and three sums of the model's output on a fixed
+input. The probes of the step's group are compared the same way (:func:`probe_suspects`):
+bit-exactly, or, when a rank sent ``probe_rtol``, within that tolerance of the output's
+L1 norm. A rank whose probe leaves the majority computes differently from its replicas
+(wrong arithmetic), even where its parameters agree.
+
 Each comparison is kept (``replica_results``: what the Ranks page's strip shows), and
-each suspect gets a ``replica_divergence`` event naming the step, the group and where it
-diverged: after the last check at which its fingerprint agreed with its group's.
+each suspect gets a ``replica_divergence`` event naming the step, the group, what
+differed (``check``: ``parameters`` or ``probe``) and where it diverged: after the last
+check at which its fingerprint (or its probe) agreed with its group's.
 """
 
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from sqlalchemy import Connection, and_, exists, insert, select
 
@@ -67,9 +75,16 @@ def compare(
         and_(r.run_id == c.run_id, r.step == c.step, r.replica_group == c.replica_group)
     )
     rows = conn.execute(
-        select(c.step, c.rank, c.replica_group, c.fingerprint, c.recv_ts).where(
-            c.run_id == run_id, c.recv_ts >= now - WINDOW_S, ~decided
-        )
+        select(
+            c.step,
+            c.rank,
+            c.replica_group,
+            c.fingerprint,
+            c.recv_ts,
+            c.probe,
+            c.probe_sums,
+            c.probe_rtol,
+        ).where(c.run_id == run_id, c.recv_ts >= now - WINDOW_S, ~decided)
     ).all()
     if not rows:
         return []
@@ -79,15 +94,18 @@ def compare(
         for rank, last in conn.execute(select(k.rank, k.last_step).where(k.run_id == run_id))
     }
     pending: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
+    probes: dict[tuple[str, int], dict[int, Probe]] = defaultdict(dict)
     first_seen: dict[tuple[str, int], float] = {}
     newest: dict[str, int] = {}
-    for step, rank, group, fp, recv in rows:
+    for step, rank, group, fp, recv, probe, sums, rtol in rows:
         last = at.get(rank)
         if last is not None and last < step:
             # The rank went back (a rollback, a restart) and has not run this step again
             # yet: what it sent is the earlier execution's, not comparable with a replay.
             continue
         pending[(group, step)][rank] = fp
+        if probe is not None:
+            probes[(group, step)][rank] = Probe(probe, sums, rtol or 0.0)
         first_seen[(group, step)] = min(first_seen.get((group, step), recv), recv)
         newest[group] = max(newest.get(group, step), step)
     events: list[dict[str, Any]] = []
@@ -113,6 +131,8 @@ def compare(
         else:
             majority = None
             suspects = sorted(present)
+        probed = {r: p for r, p in probes.get((group, step), {}).items() if r in present}
+        odd, probe_agreeing = probe_suspects(probed) if probed else ([], 0)
         conn.execute(
             insert(m.replica_results).values(
                 run_id=run_id,
@@ -123,6 +143,8 @@ def compare(
                 suspects=suspects,
                 missing=missing if members else sorted(present),
                 fingerprints=len(present),
+                probe_suspects=odd if probed else None,
+                probes=len(probed) if probed else None,
             )
         )
         for rank in suspects:
@@ -130,7 +152,53 @@ def compare(
             events.append(
                 _divergence(run_id, rank, step, group, present, missing, majority, agreeing, since)
             )
+        for rank in odd:
+            since = _last_agreed(
+                conn, run_id=run_id, group=group, rank=rank, before=step, probe=True
+            )
+            events.append(
+                _probe_divergence(run_id, rank, step, group, probed, probe_agreeing, since)
+            )
     return events
+
+
+class Probe(NamedTuple):
+    """One rank's determinism probe of one step."""
+
+    bits: str
+    sums: list[float] | None
+    rtol: float
+
+
+def probe_suspects(probes: dict[int, Probe]) -> tuple[list[int], int]:
+    """The ranks whose probe is out of the group's majority, and how many agree with it.
+
+    Two probes agree when their bits are equal or, with a tolerance (the largest
+    ``probe_rtol`` sent), when each of their three sums differs by at most ``rtol`` times
+    the larger L1 norm (the second sum). The majority is the agreeing set of the rank that
+    agrees with the most others (the lowest such rank); it must be a strict majority,
+    else every rank is a suspect (two that disagree: both), as for parameters."""
+    ranks = sorted(probes)
+    if len(ranks) < 2:
+        return [], len(ranks)
+    rtol = max(p.rtol for p in probes.values())
+
+    def agree(a: Probe, b: Probe) -> bool:
+        if a.bits == b.bits:
+            return True
+        if not rtol or a.sums is None or b.sums is None:
+            return False
+        scale = rtol * max(abs(a.sums[1]), abs(b.sums[1]))
+        return all(abs(x - y) <= scale for x, y in zip(a.sums, b.sums, strict=True))
+
+    peers = {r: {q for q in ranks if agree(probes[r], probes[q])} for r in ranks}
+    best = max(ranks, key=lambda r: (len(peers[r]), -r))
+    majority = peers[best]
+    if len(majority) == len(ranks):
+        return [], len(ranks)
+    if len(majority) * 2 > len(ranks):
+        return sorted(set(ranks) - majority), len(majority)
+    return ranks, 0
 
 
 def _members(group: str, world: int) -> set[int]:
@@ -143,22 +211,23 @@ def _members(group: str, world: int) -> set[int]:
 
 
 def _last_agreed(
-    conn: Connection, *, run_id: int, group: str, rank: int, before: int
+    conn: Connection, *, run_id: int, group: str, rank: int, before: int, probe: bool = False
 ) -> int | None:
-    """The newest earlier compared step of ``group`` at which ``rank``'s fingerprint was
-    in the majority."""
+    """The newest earlier compared step of ``group`` at which ``rank``'s fingerprint (its
+    probe, with ``probe``) was in the majority."""
     c, r = m.replica_checks.c, m.replica_results.c
-    rows = conn.execute(
-        select(r.step, r.suspects)
+    suspects_of = r.probe_suspects if probe else r.suspects
+    query = (
+        select(r.step, suspects_of)
         .join(
             m.replica_checks,
             and_(c.run_id == r.run_id, c.step == r.step, c.replica_group == r.replica_group),
         )
         .where(r.run_id == run_id, r.replica_group == group, r.step < before, c.rank == rank)
-        .order_by(r.step.desc())
-        .limit(200)
-    ).all()
-    for step, suspects in rows:
+    )
+    if probe:
+        query = query.where(c.probe.is_not(None), r.probes.is_not(None))
+    for step, suspects in conn.execute(query.order_by(r.step.desc()).limit(200)).all():
         if rank not in (suspects or ()):
             return int(step)
     return None
@@ -198,6 +267,7 @@ def _divergence(
         "step": step,
         "uid": f"replica:{run_id}:{group}:{rank}:{step}",
         "data": {
+            "check": "parameters",
             "replica_group": group,
             "fingerprint": present[rank],
             "majority": majority,
@@ -207,6 +277,59 @@ def _divergence(
             "last_agreed_step": since,
             # Parameters were verified equal after that step's update: its checkpoint and
             # older ones are clean, exactly (a rollback restores the newest of them).
+            "clean_through": since,
+            "reason": reason,
+        },
+    }
+
+
+def _probe_divergence(
+    run_id: int,
+    rank: int,
+    step: int,
+    group: str,
+    probes: dict[int, Probe],
+    agreeing: int,
+    since: int | None,
+) -> dict[str, Any]:
+    rtol = max(p.rtol for p in probes.values())
+    how = f"within probe_rtol {rtol:g}" if rtol else "bit-exactly"
+    if agreeing == 0:
+        reason = (
+            f"the {len(probes)} determinism probes of replica group {group} at step {step} "
+            f"have no majority ({how}): rank {rank} is a suspect until the next probes decide"
+        )
+    else:
+        reason = (
+            f"rank {rank} computes a different output from its replicas on the same input "
+            f"and parameters ({agreeing} of {len(probes)} ranks of {group} agree {how}) at "
+            f"step {step}: wrong arithmetic"
+        )
+    window = f"in steps {since + 1}-{step}" if since is not None else f"at or before step {step}"
+    reason += (
+        f"; its probe last agreed at step {since}: it went wrong {window}"
+        if since is not None
+        else "; no earlier agreeing probe"
+    )
+    mine = probes[rank]
+    return {
+        "rank": rank,
+        "kind": "replica_divergence",
+        "severity": "critical",
+        "step": step,
+        "uid": f"replica-probe:{run_id}:{group}:{rank}:{step}",
+        "data": {
+            "check": "probe",
+            "replica_group": group,
+            "probe": mine.bits,
+            "probe_sums": mine.sums,
+            "probe_rtol": rtol,
+            "agreeing": agreeing,
+            "compared": len(probes),
+            "last_agreed_step": since,
+            # Its arithmetic was right when that probe ran, after that step's update: the
+            # gradients it gave up to then were too, and so are that step's checkpoint
+            # and older ones.
             "clean_through": since,
             "reason": reason,
         },

@@ -1,7 +1,9 @@
 """Writing replica fingerprints: on a checked step, each rank's fingerprint of its
-parameters and its replica group (``replica_checks``). A later execution of the step (a
-rollback or restart ran it again) replaces the earlier one's, and its group's earlier
-comparison is dropped, to be made again on what the replay sent."""
+parameters and its replica group (``replica_checks``), and on a probed step its
+determinism probe (the output's fingerprint and sums, and their tolerance). A later
+execution of the step (a rollback or restart ran it again) replaces the earlier one's,
+and its group's earlier comparison is dropped, to be made again on what the replay
+sent."""
 
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ def _later(table: Any, new: Any) -> Any:
 
 
 def _overwrite(table: Any, new: Any) -> dict[str, Any]:
-    return {name: new[name] for name in ("ts", "recv_ts", "replica_group", "fingerprint")}
+    return {name: new[name] for name in _COLUMNS}
+
+
+_COLUMNS = ("ts", "recv_ts", "replica_group", "fingerprint", "probe", "probe_sums", "probe_rtol")
 
 
 def checks_of(run_id: int, steps: dict[str, list[Any]], now: float) -> list[dict[str, Any]]:
@@ -28,7 +33,11 @@ def checks_of(run_id: int, steps: dict[str, list[Any]], now: float) -> list[dict
     prints = steps.get("fingerprint")
     if not prints or not any(prints):
         return []
-    groups = steps.get("replica_group") or [None] * len(prints)
+    none = [None] * len(prints)
+    groups = steps.get("replica_group") or none
+    probes = steps.get("probe") or none
+    sums = steps.get("probe_sums") or none
+    rtols = steps.get("probe_rtol") or none
     return [
         {
             "run_id": run_id,
@@ -38,6 +47,9 @@ def checks_of(run_id: int, steps: dict[str, list[Any]], now: float) -> list[dict
             "recv_ts": now,
             "replica_group": groups[i] or "",
             "fingerprint": fp,
+            "probe": probes[i],
+            "probe_sums": sums[i] if probes[i] is not None else None,
+            "probe_rtol": rtols[i] if probes[i] is not None else None,
         }
         for i, fp in enumerate(prints)
         if fp is not None

@@ -37,6 +37,7 @@ MAX_FUTURE_S = 24 * 3600.0  # a timestamp further ahead than this is a broken cl
 
 MIN_TS = 0.0  # epoch seconds: a negative one is no time at all
 FINGERPRINT_PATTERN = r"^[0-9a-f]{32}$"
+PROBE_WITHOUT_CHECK = "probe: sent without the step's fingerprint (a probed step is a checked step)"
 REPLICA_GROUP_PATTERN = r"^[0-9]+(-[0-9]+(:[0-9]+)?)?(,[0-9]+(-[0-9]+(:[0-9]+)?)?)*$"
 
 
@@ -143,7 +144,39 @@ class StepIn(BaseModel):
         '"3,9"; sent with the fingerprint',
     )
 
+    probe: str | None = Field(
+        default=None,
+        pattern=FINGERPRINT_PATTERN,
+        description="On a probed step (determinism_probe_every): the fingerprint of the "
+        "model's output on the probe's fixed input, 32 lowercase hex digits "
+        "(agent/probe.py); sent with the fingerprint",
+    )
+    probe_sums: (
+        Annotated[
+            list[Annotated[float, Field(allow_inf_nan=False)]],
+            Field(min_length=3, max_length=3),
+        ]
+        | None
+    ) = Field(
+        default=None,
+        description="The probe output's sum, L1 norm and signed sum (finite floats), "
+        "compared within probe_rtol",
+    )
+    probe_rtol: float | None = Field(
+        default=None,
+        ge=0,
+        le=0.1,
+        description="How far the probe sums of two replicas may differ, relative to the "
+        "L1 norm; absent or 0: the probes must be bit-identical",
+    )
+
     _ts_now = field_validator("ts")(_not_in_the_future)
+
+    @model_validator(mode="after")
+    def _probe_with_its_check(self) -> StepIn:
+        if self.probe is not None and self.fingerprint is None:
+            raise ValueError(PROBE_WITHOUT_CHECK)
+        return self
 
     @field_validator("metrics")
     @classmethod
@@ -513,6 +546,11 @@ def _validate_columns(steps: dict[str, list[Any]]) -> dict[str, list[Any]]:
                 for i, value in enumerate(values):
                     if value is not None and not math.isfinite(value):
                         raise ValueError(f"steps row {i}: {name}: must be a finite number")
+    if columns.get("probe"):
+        prints = columns.get("fingerprint") or [None] * len(columns["probe"])
+        for i, (probe, fp) in enumerate(zip(columns["probe"], prints, strict=True)):
+            if probe is not None and fp is None:
+                raise ValueError(f"steps row {i}: {PROBE_WITHOUT_CHECK}")
     horizon = time.time() + MAX_FUTURE_S
     ts = columns["ts"]
     if not MIN_TS <= min(ts) <= max(ts) <= horizon:

@@ -159,4 +159,10 @@ class ReplicaResult(BaseModel):
     suspects: list[int] = Field(description="Ranks outside the majority (all, with none)")
     missing: list[int] = Field(description="Members that sent no fingerprint: left out")
     fingerprints: int = Field(description="How many were compared")
+    probe_suspects: list[int] | None = Field(
+        default=None,
+        description="On a probed step: the ranks whose determinism probe (the output on a "
+        "fixed input) left the majority; null: no probe at this step",
+    )
+    probes: int | None = Field(default=None, description="How many probes were compared")
     decided_at: float

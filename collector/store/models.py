@@ -212,6 +212,10 @@ replica_checks = Table(
     Column("recv_ts", Float, nullable=False),
     Column("replica_group", String(1024), nullable=False),
     Column("fingerprint", String(32), nullable=False),
+    # A probed step's (migration 0026): the output's fingerprint and sums, the tolerance
+    Column("probe", String(32)),
+    Column("probe_sums", JSON),
+    Column("probe_rtol", Float),
     # The evaluator reads a run's recent checks each second: not the whole run's.
     Index("ix_replica_checks_run_id_recv_ts", "run_id", "recv_ts"),
 )
@@ -229,6 +233,9 @@ replica_results = Table(
     Column("suspects", JSON, nullable=False),  # ranks out of the majority
     Column("missing", JSON, nullable=False),  # members that sent no fingerprint
     Column("fingerprints", Integer, nullable=False),  # how many were compared
+    # The determinism probes of that step (migration 0026); NULL: no probe compared
+    Column("probe_suspects", JSON),
+    Column("probes", Integer),
 )
 
 

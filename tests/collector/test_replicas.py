@@ -229,3 +229,129 @@ def test_a_batch_delivered_twice_keeps_its_comparison(engine) -> None:
     evaluated(engine, T0 + 2)
     send(engine, 2, [checked(10, GOOD, ts=T0 + 1)], T0 + 3)  # a spooled batch, resent
     assert results(engine) == [(10, True, [], [])]
+
+
+# -- determinism probes -------------------------------------------------------------------
+
+SUMS = [1.5, 40.0, -3.25]
+
+
+def probed(n: int, probe: str, sums: list[float] | None = None, rtol: float | None = None):
+    s = checked(n, GOOD)
+    s["probe"] = probe
+    if sums is not None:
+        s["probe_sums"] = sums
+    if rtol is not None:
+        s["probe_rtol"] = rtol
+    return s
+
+
+def probe_results(engine) -> list[tuple]:
+    r = m.replica_results.c
+    with engine.connect() as conn:
+        return [
+            (row.step, row.agree, row.probe_suspects, row.probes)
+            for row in conn.execute(select(m.replica_results).order_by(r.step))
+        ]
+
+
+def test_a_rank_that_computes_differently_is_named_though_its_parameters_agree(
+    engine,
+) -> None:
+    for rank in range(4):
+        steps = [checked(5, GOOD)]  # a checked step without a probe
+        steps += [probed(s, BAD if rank == 1 and s >= 20 else GOOD, SUMS) for s in (10, 20, 30)]
+        send(engine, rank, steps, T0 + 1)
+    evaluated(engine, T0 + 2)
+    assert probe_results(engine) == [
+        (5, True, None, None),
+        (10, True, [], 4),
+        (20, True, [1], 4),
+        (30, True, [1], 4),
+    ]
+    e = m.events.c
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(e.rank, e.step, e.data).where(e.kind == "replica_divergence").order_by(e.id)
+        ).all()
+    assert [(r.rank, r.step, r.data["check"], r.data["clean_through"]) for r in rows] == [
+        (1, 20, "probe", 10),
+        (1, 30, "probe", 10),
+    ]
+    assert rows[0].data["reason"] == (
+        "rank 1 computes a different output from its replicas on the same input and "
+        "parameters (3 of 4 ranks of 0-3 agree bit-exactly) at step 20: wrong arithmetic; "
+        "its probe last agreed at step 10: it went wrong in steps 11-20"
+    )
+
+
+def test_within_probe_rtol_replicas_agree_and_beyond_it_they_do_not(engine) -> None:
+    near = [SUMS[0] + 40.0 * 1e-7, SUMS[1], SUMS[2] - 40.0 * 1e-7]  # 1e-7 of the L1 norm
+    far = [SUMS[0] + 40.0 * 1e-5, SUMS[1], SUMS[2]]
+    for rank in range(4):
+        send(
+            engine,
+            rank,
+            [
+                probed(10, BAD if rank == 3 else GOOD, near if rank == 3 else SUMS, 1e-6),
+                probed(20, BAD if rank == 3 else GOOD, far if rank == 3 else SUMS, 1e-6),
+            ],
+            T0 + 1,
+        )
+    evaluated(engine, T0 + 2)
+    assert probe_results(engine) == [(10, True, [], 4), (20, True, [3], 4)]
+
+
+def test_probe_suspects_by_majority_two_that_disagree_are_both_suspects() -> None:
+    from trainwarden.collector.health.replicas import Probe, probe_suspects
+
+    a, b = Probe(GOOD, SUMS, 0.0), Probe(BAD, SUMS, 0.0)
+    assert probe_suspects({0: a, 1: a, 2: b}) == ([2], 2)
+    assert probe_suspects({0: a, 1: b}) == ([0, 1], 0)
+    assert probe_suspects({0: a, 1: b, 2: a, 3: b}) == ([0, 1, 2, 3], 0)
+    assert probe_suspects({0: a}) == ([], 1)
+    # With a tolerance, bits alone do not decide; without sums they must match.
+    loose = Probe(BAD, [x * (1 + 1e-9) for x in SUMS], 1e-6)
+    assert probe_suspects({0: a, 1: loose}) == ([], 2)
+    assert probe_suspects({0: a, 1: Probe(BAD, None, 1e-6), 2: a}) == ([1], 2)
+
+
+def test_a_malformed_probe_is_refused_naming_the_field(engine) -> None:
+    bad = [
+        ("probe", "nothex", "steps[0].probe"),
+        ("probe_sums", [1.0, 2.0], "steps[0].probe_sums"),
+        (
+            "probe_sums",
+            [1.0, "nan", 2.0],
+            "steps[0].probe_sums[1]: Input should be a finite number",
+        ),
+        ("probe_rtol", 0.5, "steps[0].probe_rtol"),
+    ]
+    with TestClient(create_app(engine, ui=False, health=None, rollups=False)) as client:
+        for field, value, where in bad:
+            s = probed(10, GOOD, SUMS)
+            s[field] = value
+            response = client.post("/api/v1/ingest", json=batch(rank=0, world_size=4, steps=[s]))
+            assert response.status_code == 422, response.text
+            assert where in response.text, (field, response.text)
+        s = probed(10, GOOD, SUMS)
+        del s["fingerprint"]
+        for body in (
+            batch(rank=0, world_size=4, steps=[s]),
+            {
+                "run": "r",
+                "world_size": 4,
+                "agents": [batch(rank=0, world_size=4)["agent"]],
+                "steps": {
+                    "rank": [0],
+                    **{k: [v] for k, v in s.items()},
+                },
+            },
+        ):
+            path = "/api/v1/ingest" if "agent" in body else "/api/v1/ingest/columns"
+            response = client.post(path, json=body)
+            assert response.status_code == 422, response.text
+            assert "sent without the step's fingerprint" in response.text
+        with engine.connect() as conn:
+            assert conn.execute(select(m.replica_checks.c.rank)).all() == []
+            assert conn.execute(select(m.rank_steps.c.rank)).all() == []

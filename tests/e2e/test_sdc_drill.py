@@ -98,3 +98,62 @@ def test_a_flipped_bit_is_found_at_the_next_check_and_rolled_back_to_a_clean_che
         f"{first['data']['last_agreed_step']}), alert {fired_after:.1f} s after the "
         f"comparison, restored checkpoint {restored.pop()}"
     )
+
+
+PROBE_RULES = RULES.replace("action: rollback", "action: none")
+
+
+def test_wrong_arithmetic_is_found_by_the_determinism_probe_on_that_rank_only(
+    tmp_path: Path,
+) -> None:
+    """``sdc=arith@rank=1,step=20`` with probes every 10 steps: the parameters of the 4
+    replicas stay equal (DDP averages the slightly wrong gradient into all of them); the
+    probe names rank 1 at step 20 or 30, and SilentDataCorruption fires for rank 1."""
+    rules = tmp_path / "rules.yaml"
+    rules.write_text(PROBE_RULES)
+    server = start_serve(
+        f"sqlite:///{tmp_path / 'arith.db'}",
+        tmp_path / "serve.log",
+        env={"TRAINWARDEN_RULES": str(rules), "TRAINWARDEN_DEFAULT_RULES": "0"},
+    )
+    run, world = "arith4", 4
+    procs = launch(
+        server,
+        run,
+        world,
+        tmp_path / "ckpt",
+        tmp_path,
+        drill="sdc=arith@rank=1,step=20",
+        steps=45,
+        work_ms=20,
+        trainer_args=("--replica-check-every", "10", "--determinism-probe-every", "10"),
+    )
+    try:
+        codes = [p.wait(300) for p in procs]
+        logs = {r: (tmp_path / f"{run}-rank{r}.log").read_text() for r in range(world)}
+        assert codes == [0] * world, logs
+        alerts = wait_for(
+            lambda: [
+                a
+                for a in server.get("/api/v1/alerts", run=run).json()
+                if a["rule"] == "SilentDataCorruption"
+            ],
+            30,
+            "the alert",
+        )
+        events = server.get(f"/api/v1/runs/{run}/events", kind="replica_divergence").json()
+        results = server.get(f"/api/v1/runs/{run}/replicas").json()
+    finally:
+        stop(procs)
+        stop_serve(server)
+    first = events[0]
+    assert first["rank"] == 1 and first["step"] in (20, 30), events
+    assert first["data"]["check"] == "probe" and first["data"]["clean_through"] in (10, 20)
+    assert {(e["rank"], e["data"]["check"]) for e in events} == {(1, "probe")}
+    assert {a["rank"] for a in alerts} == {1}
+    by_step = {r["step"]: r for r in results}
+    assert sorted(by_step) == [0, 10, 20, 30, 40]
+    assert all(r["agree"] for r in results), results  # the parameters never differ
+    assert [by_step[s]["probe_suspects"] for s in (0, 10)] == [[], []]
+    assert by_step[30]["probe_suspects"] == [1] and by_step[40]["probe_suspects"] == [1]
+    print(f"\nrank 1's arithmetic off from step 20: its probe named at step {first['step']}")

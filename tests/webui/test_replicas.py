@@ -44,6 +44,21 @@ def test_a_suspect_stands_out_with_the_step_it_was_first_found_at() -> None:
     assert said.children == "suspects: rank 2 (from step 30)" and "rep-suspect" in said.className
 
 
+def test_a_probe_suspect_stands_out_though_the_parameters_agree() -> None:
+    rows = [result(10, "0,2"), {**result(20, "0,2"), "probe_suspects": [2], "probes": 2}]
+    rows += [result(10, "1,3"), {**result(20, "1,3"), "probe_suspects": [], "probes": 2}]
+    section = strips(rows)
+    assert section is not None
+    found = [c for c in section.children if getattr(c, "className", "") == "rep-row"]
+    assert [r.children[0].children for r in found] == ["ranks 0,2", "ranks 1,3"]
+    assert cells(found[0])[1] == (
+        "rep-bad",
+        "step 20: parameters agree; probe suspects [2] (compute differently)",
+    )
+    assert found[0].children[2].children == "suspects: rank 2 (its probe, from step 20)"
+    assert cells(found[1])[1] == ("rep-ok", "step 20: 4 replicas agree")
+
+
 def test_groups_with_suspects_come_first_and_strips_keep_the_newest_checks() -> None:
     rows = [result(s, "0-2:2") for s in range(0, 1000, 10)]
     rows += [result(s, "1-3:2", suspects=[3] if s == 500 else []) for s in range(0, 1000, 10)]
