@@ -5,6 +5,14 @@ delays the completion of the last gradient bucket by X ms on odd steps only. The
 exposed communication the agent measures must grow by X on odd steps, and compute
 must not: with the always-on comm hook, and with the sampled torch.profiler window
 (here on every step).
+
+The profiler's CPU view is looser by construction: the delay is a sleep in the hook's
+``then`` callback, which runs after gloo's own op ended, sometimes on the training
+thread's wait; the trace then shows it as a gap with no op (``idle``) rather than inside
+``gloo:all_reduce``. On this 2-vCPU host up to 11 ms of a 20 ms delay went to idle
+(seen in 2 of 8 runs). So for the profiler the delay must show as not-compute
+(exposed + idle) within 10 ms, and at least half of it as exposed; on a GPU the wait is
+inside the NCCL kernel, which the profiler sees whole.
 """
 
 from __future__ import annotations
@@ -85,6 +93,7 @@ def run_ranks(out: Path, delays_ms: list[int], profile_every: int) -> list[list[
         }
         for s in steps:
             s["slept_s"] = slept.get(s["step"], 0.0)
+            s["waited_s"] = s["exposed_comm_s"] + s["idle_s"]  # not compute
         ranks.append(steps)
     return ranks
 
@@ -114,8 +123,11 @@ def test_exposed_comm_tracks_an_injected_delay(
             )
             # Step by step: what the agent measured beyond its neighbours, less what that
             # very step slept.
-            error = paired_delta_ms(block, "exposed_comm_s", less="slept_s")
+            waited = "exposed_comm_s" if source == "hook" else "waited_s"
+            error = paired_delta_ms(block, waited, less="slept_s")
             assert abs(error) <= 10, (rank, delay, slept, d_exposed, error)
+            if source == "profiler":
+                assert d_exposed >= slept / 2, (rank, delay, slept, d_exposed)
             assert abs(d_compute) <= 10, (rank, delay, d_compute)
             for s in block:
                 # Phases cover the step, and so does the split (the profiler's is scaled
