@@ -76,7 +76,18 @@ RANK_STATES = ("healthy", "slow", "hung", "dead", "failed", "finished")
 THROTTLES = tuple(THROTTLE_REASONS.values())
 XidAction = Literal["ignore", "restart_app", "reset_gpu", "reboot_node", "drain"]
 Severity = Literal["critical", "warning", "info"]
-Action = Literal["none", "rollback", "evict", "stop"]
+Action = Literal["none", "rollback", "evict", "stop", "evict+rollback"]
+"""What a firing alert makes the action engine do. ``evict+rollback``: evict the alert's
+node, then, once the job is back without it, roll every rank back to the newest clean
+checkpoint (a restarted job resumes from its newest one, which may hold what the alert
+found: silent data corruption)."""
+
+
+def action_kinds(action: str) -> tuple[str, ...]:
+    """The actions (``actions.kind``) a rule's ``action`` takes, in order."""
+    return () if action == "none" else tuple(action.split("+"))
+
+
 EventName = Annotated[str, Field(pattern=r"^[a-z][a-z0-9_]*$", max_length=64)]
 
 _LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -395,7 +406,7 @@ class _Rule(_Strict):
         for field, span in (("for", self.for_), ("keep_firing_for", self.keep_firing_for)):
             if span.unit not in units:
                 raise _FieldError(field, "this rule counts time, not steps: use a duration ('5m')")
-        if self.action == "evict" and not self.per_rank:
+        if "evict" in action_kinds(self.action) and not self.per_rank:
             raise _FieldError("action", "evict needs a rule whose alerts name a rank")
         return self
 

@@ -48,7 +48,7 @@ from typing import Any
 
 from sqlalchemy import Engine, or_, select, update
 
-from trainwarden.alerts.rules import Rule
+from trainwarden.alerts.rules import Rule, action_kinds
 from trainwarden.collector.actions.commands import CommandBoard
 from trainwarden.collector.actions.evict import load_backend
 from trainwarden.collector.actions.evict_steps import EvictSteps
@@ -171,47 +171,49 @@ class ActionEngine(RollbackSteps, EvictSteps):
         ).all()
         for alert in firing:
             key = f"{alert.fingerprint}:{alert.id}"  # one action per episode of the alert
-            seen = ctx.conn.execute(
-                select(m.actions.c.id).where(
-                    m.actions.c.fingerprint == key, m.actions.c.kind == alert.action
+            evicting: int | None = None  # evict+rollback: the rollback waits for it
+            for kind in action_kinds(alert.action):
+                seen = ctx.conn.execute(
+                    select(m.actions.c.id).where(
+                        m.actions.c.fingerprint == key, m.actions.c.kind == kind
+                    )
+                ).scalar()
+                covering = seen if seen is not None else self._covering(ctx, alert, kind)
+                if covering is not None:
+                    evicting = covering if kind == "evict" else evicting
+                    continue
+                made = create_action(
+                    ctx.conn,
+                    self.policy,
+                    run_id=alert.run_id,
+                    kind=kind,
+                    now=ctx.now,
+                    trigger=f"rule:{alert.rule}",
+                    alert_id=alert.id,
+                    fingerprint=key,
+                    rank=alert.rank,
+                    node=alert.node,
+                    detail=(alert.annotations or {}).get("description"),
+                    plan={"after_evict": evicting} if kind == "rollback" and evicting else None,
                 )
-            ).first()
-            if seen is not None or self._covered(ctx, alert):
-                continue
-            create_action(
-                ctx.conn,
-                self.policy,
-                run_id=alert.run_id,
-                kind=alert.action,
-                now=ctx.now,
-                trigger=f"rule:{alert.rule}",
-                alert_id=alert.id,
-                fingerprint=key,
-                rank=alert.rank,
-                node=alert.node,
-                detail=(alert.annotations or {}).get("description"),
-            )
+                evicting = made if kind == "evict" else evicting
 
-    def _covered(self, ctx: _Ctx, alert: Any) -> bool:
-        """Whether an action of the run (for an eviction: of the node) already answers this
-        alert: one rollback for a spike that every rank flags, one eviction per node. A dry
-        run stands only for dry runs: it never holds back a real action, and it records
-        one plan where the real thing would act once, not one per rank."""
+    def _covering(self, ctx: _Ctx, alert: Any, kind: str) -> int | None:
+        """The action of the run (for an eviction: of the node) that already answers this
+        alert, if any: one rollback for a spike that every rank flags, one eviction per
+        node. A dry run stands only for dry runs: it never holds back a real action, and it
+        records one plan where the real thing would act once, not one per rank."""
         a = m.actions.c
-        dry = (
-            a.mode == "dry-run"
-            if self.policy.of(alert.action).mode == "dry-run"
-            else a.mode != "dry-run"
-        )
+        dry = a.mode == "dry-run" if self.policy.of(kind).mode == "dry-run" else a.mode != "dry-run"
         query = select(a.id).where(
             a.run_id == alert.run_id,
-            a.kind == alert.action,
+            a.kind == kind,
             dry,
             or_(a.state.in_(ACTIVE), a.created_at >= alert.active_since - 60),
         )
-        if alert.action == "evict":
+        if kind == "evict":
             query = query.where(a.node == alert.node)
-        return ctx.conn.execute(query.limit(1)).first() is not None
+        return ctx.conn.execute(query.order_by(a.id.desc()).limit(1)).scalar()
 
     # -- moving them along ----------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
+from trainwarden.alerts.rules import action_kinds
 from trainwarden.collector.actions.policy import RollbackPolicy
 from trainwarden.collector.store import models as m
 
@@ -121,7 +122,7 @@ def clean_limit(onset_step: int, margin_steps: int) -> int:
 def _carried(plan: dict[str, Any] | None) -> dict[str, Any]:
     """What a rollback's next attempt keeps of the plan: the attempt count, an operator's
     checkpoint, and the restores that did not fix the anomaly (with the bound they set)."""
-    keys = ("attempt", "checkpoint_step", "below_step", "restores", "round_start")
+    keys = ("attempt", "checkpoint_step", "below_step", "restores", "round_start", "after_evict")
     return {k: v for k, v in (plan or {}).items() if k in keys}
 
 
@@ -159,7 +160,11 @@ def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dic
     ).all()
     # Those that roll back, and those whose data proves where the clean checkpoints end
     # (SilentDataCorruption), whatever their action.
-    anomalies = [al for al in anomalies if al.action == "rollback" or clean_through(al) is not None]
+    anomalies = [
+        al
+        for al in anomalies
+        if "rollback" in action_kinds(al.action) or clean_through(al) is not None
+    ]
     e = m.events.c
     out = []
     for step, ts, rank, data in conn.execute(

@@ -11,6 +11,7 @@ from sqlalchemy import select, update
 
 from trainwarden.alerts.rules import Rule
 from trainwarden.collector.actions.records import (
+    LIVE_RANKS,
     _acks,
     _commands,
     _gone,
@@ -29,6 +30,10 @@ from trainwarden.collector.actions.rollback_check import (
 )
 from trainwarden.collector.actions.steps import Steps, _Ctx
 from trainwarden.collector.store import models as m
+
+AFTER_EVICT_TIMEOUT_S = 900.0
+"""How long an ``evict+rollback`` rollback waits for the job to come back after the
+eviction (a scheduler's requeue, a launcher's restart) before it fails and pages."""
 
 
 class RollbackSteps(Steps):
@@ -76,6 +81,9 @@ class RollbackSteps(Steps):
                 approver="policy",
             )
             return
+        back, ranks_back = self._back_after_eviction(ctx, row)
+        if back == "wait":
+            return  # stays approved: looked at again next pass
         plan, problem = rollback_plan(ctx.conn, row, pol)
         if plan is None:
             if before:
@@ -100,7 +108,7 @@ class RollbackSteps(Steps):
         plan.update(
             _carried(row.plan), attempt=attempt
         )  # an operator's checkpoint, earlier restores
-        ranks = _live_ranks(ctx.conn, row.run_id)
+        ranks = ranks_back or _live_ranks(ctx.conn, row.run_id)
         if not ranks:
             self._finish(ctx, row, "failed", reason="no live rank to roll back")
             return
@@ -126,6 +134,59 @@ class RollbackSteps(Steps):
             detail=f"prepare: every rank holds at its next step (attempt {attempt})",
             plan=plan,
         )
+
+    def _back_after_eviction(self, ctx: _Ctx, row: Any) -> tuple[str, list[int] | None]:
+        """For the rollback of an ``evict+rollback`` rule: ``("wait", None)`` while its
+        eviction runs and until the job is back without the node (a new attempt started
+        after the eviction, each of its ranks live and past its first step), then
+        ``("go", that attempt's ranks)``. ``("go", None)``: no eviction to wait for (none,
+        or it failed or was cancelled: roll back the job as it is). After
+        :data:`AFTER_EVICT_TIMEOUT_S` without the job back, the rollback fails."""
+        evict_id = (row.plan or {}).get("after_evict")
+        if evict_id is None:
+            return "go", None
+        a = m.actions.c
+        evict = ctx.conn.execute(
+            select(a.state, a.plan, a.finished_at, a.node).where(a.id == evict_id)
+        ).first()
+        if evict is None or evict.state in ("failed", "cancelled"):
+            return "go", None
+        if evict.state != "done":
+            return "wait", None
+        evicted_at = (evict.plan or {}).get("evicted_at") or evict.finished_at
+        t, s, k = m.attempts.c, m.attempt_sessions.c, m.ranks.c
+        attempt = ctx.conn.execute(
+            select(t.number, t.world_size)
+            .where(t.run_id == row.run_id, t.started_at > evicted_at)
+            .order_by(t.number.desc())
+            .limit(1)
+        ).first()
+        if attempt is not None:
+            back = ctx.conn.execute(
+                select(s.rank)
+                .join(m.ranks, (k.run_id == s.run_id) & (k.session == s.session))
+                .where(
+                    s.run_id == row.run_id,
+                    s.attempt == attempt.number,
+                    s.ended_at.is_(None),
+                    s.first_step.is_not(None),
+                    k.state.in_(LIVE_RANKS),
+                )
+            ).scalars()
+            ranks = sorted(set(back))
+            if ranks and len(ranks) >= (attempt.world_size or 0):
+                return "go", ranks
+        if ctx.now - (evict.finished_at or evicted_at) > AFTER_EVICT_TIMEOUT_S:
+            self._finish(
+                ctx,
+                row,
+                "failed",
+                reason=f"the job did not come back within {AFTER_EVICT_TIMEOUT_S:.0f} s of "
+                f"evicting {evict.node}: restore a clean checkpoint by hand "
+                "(GET /api/v1/runs/{run}/checkpoints marks them)",
+            )
+            return "wait", None
+        return "wait", None
 
     def _executing_rollback(self, ctx: _Ctx, row: Any) -> None:
         pol = self.policy.rollback

@@ -57,6 +57,7 @@ from trainwarden.alerts.rules import (
     EventRule,
     RateRule,
     ThresholdRule,
+    action_kinds,
 )
 from trainwarden.alerts.silences import silence_matches
 from trainwarden.collector.alerting.snapshot import (
@@ -543,7 +544,7 @@ class AlertEngine:
         for r in rows:
             if r.state != "firing":
                 continue
-            if r.action == "evict" and r.node:
+            if "evict" in action_kinds(r.action) and r.node:
                 evicting.setdefault((r.run_id, r.node), r.id)
             if (r.labels or {}).get("category") == "liveness" and r.rank is not None:
                 liveness.setdefault((r.run_id, r.rank), r.id)
@@ -552,7 +553,7 @@ class AlertEngine:
             labels = self._full_labels(r)
             silenced = next((s.id for s in silences if silence_matches(s.matchers, labels)), None)
             inhibited = None
-            if r.action != "evict" and r.node:
+            if "evict" not in action_kinds(r.action) and r.node:
                 inhibited = evicting.get((r.run_id, r.node))
             if inhibited is None and r.rank is not None and labels.get("category") != "liveness":
                 inhibited = liveness.get((r.run_id, r.rank))

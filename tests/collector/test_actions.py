@@ -74,6 +74,7 @@ class Rank:
         self._decided: set[tuple[int, int]] = set()  # (action, attempt): commit or abort came
         self._held: int | None = None  # the step it holds after
         self._n = 0
+        self.process: dict[str, Any] = {}  # a restarted process's session and started_at
         if handler is not None:
             self.commands.on_rollback(self._on_rollback)
 
@@ -176,6 +177,7 @@ class Rank:
             events=self.events,
         )
         body["agent"].update(
+            **self.process,
             node=self.node,
             heartbeat_s=2.0,
             sent_at=self.run.now,
@@ -1358,3 +1360,48 @@ def test_operator_actions_through_the_api(cluster: Any) -> None:
         assert listed(run="other") == []
         assert client.get("/api/v1/actions", params={"state": "lost"}).status_code == 422
         assert client.get("/api/v1/actions/999999").status_code == 404
+
+
+def test_evict_and_rollback_evicts_then_rolls_back_the_job_that_came_back_without_the_node(
+    cluster: Any, script: Script
+) -> None:
+    """One rule, ``action: evict+rollback``: the node goes first; the rollback waits (no
+    command sent) until the job is back without it (a new attempt, its ranks live and
+    stepping), then restores the clean checkpoint on that attempt's ranks only."""
+    policy = {**evict_policy(script.argv(), max_nodes_fraction_per_hour=0.5), **AUTO_ROLLBACK}
+    run = cluster(policy, world=4, per_node=2, rules=("FatalXid",))
+    both = RULES["FatalXid"].model_copy(update={"action": "evict+rollback"})
+    run.alerts = AlertEngine(run.engine, [both])
+    for r in run.ranks:
+        r.event("attempt_start")
+    run.second(25)  # checkpoints at 10 and 20 (rank 0)
+    xid(run, 2)
+    evict, rollback = run.second()
+    assert (evict["kind"], evict["node"], evict["state"]) == ("evict", "node1", "executing")
+    assert (rollback["kind"], rollback["state"]) == ("rollback", "approved")
+    assert rollback["plan"] == {"after_evict": evict["id"]}
+    evicting(run, evict["id"])
+    for _ in range(3):
+        run.second()
+    assert action(run, evict["id"])["state"] == "done"
+    # The job is down (a scheduler requeues it): the rollback waits, sending nothing.
+    for _ in range(3):
+        run.tick()
+        run.act()
+    assert action(run, rollback["id"])["state"] == "approved"
+    assert commands(run, rollback["id"]) == []
+    # Back on node0 alone: 2 new processes, a new attempt, resumed after step 20.
+    run.ranks = [Rank(run, r, "node0", "restore") for r in (0, 1)]
+    for r in run.ranks:
+        r.process = {"session": f"again-{r.rank}", "started_at": run.now}
+        r.next_step = 21
+        r._n = 1000  # its events' ids must not repeat the first process's
+        r.event("attempt_start")
+    run.second(2)
+    row = action(run, rollback["id"])
+    assert row["state"] == "executing" and row["plan"]["ranks"] == [0, 1], row["history"]
+    assert row["plan"]["after_evict"] == evict["id"]
+    assert {c["rank"] for c in commands(run, rollback["id"])} == {0, 1}  # not the evicted 2, 3
+    done = settle(run, rollback["id"])
+    assert done["state"] == "done", done["history"]
+    assert [[p.checkpoint_step for p in r.restored] for r in run.ranks] == [[20], [20]]

@@ -283,6 +283,11 @@ def test_a_rank_that_computes_differently_is_named_though_its_parameters_agree(
         "parameters (3 of 4 ranks of 0-3 agree bit-exactly) at step 20: wrong arithmetic; "
         "its probe last agreed at step 10: it went wrong in steps 11-20"
     )
+    from trainwarden.collector.incidents.timeline import timeline
+
+    with engine.connect() as conn:  # the timeline (and so the post-mortem) says it
+        said = [e["text"] for e in timeline(conn, run="r1", now=T0 + 3)["entries"]]
+    assert f"replicas disagree (probe): {rows[0].data['reason']}" in said
 
 
 def test_within_probe_rtol_replicas_agree_and_beyond_it_they_do_not(engine) -> None:
