@@ -157,3 +157,73 @@ def test_wrong_arithmetic_is_found_by_the_determinism_probe_on_that_rank_only(
     assert [by_step[s]["probe_suspects"] for s in (0, 10)] == [[], []]
     assert by_step[30]["probe_suspects"] == [1] and by_step[40]["probe_suspects"] == [1]
     print(f"\nrank 1's arithmetic off from step 20: its probe named at step {first['step']}")
+
+
+def test_an_hsdp_job_is_checked_per_shard_and_a_flip_is_found_in_its_own_group(
+    tmp_path: Path,
+) -> None:
+    """FSDP2 with a replicate dimension (HSDP) on 4 gloo ranks, a 2 x 2 mesh: ranks 0 and 2
+    hold one shard, 1 and 3 the other (``tests/e2e/hsdp_worker.py``). Rank 3 flips a bit
+    of its shard at step 12: the check of step 15 finds group 1,3 in disagreement (two
+    replicas: both suspects, as the design says, until the next checks decide), and
+    group 0,2 agrees at every check."""
+    import os
+    import subprocess
+    import sys
+
+    from ..conftest import ROOT, free_port
+
+    server = start_serve(f"sqlite:///{tmp_path / 'hsdp.db'}", tmp_path / "serve.log")
+    run, port = "hsdp4", free_port()
+    procs = []
+    for rank in range(4):
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "4",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "TRAINWARDEN_URL": server.url,
+            "TRAINWARDEN_DRILL": "sdc=bitflip@rank=3,step=12",
+        }
+        with open(tmp_path / f"rank{rank}.log", "wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests.e2e.hsdp_worker", run, "20"],
+                    cwd=ROOT,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+    try:
+        codes = [p.wait(180) for p in procs]
+        logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(4)]
+        assert codes == [0] * 4, logs
+        results = wait_for(
+            lambda: (
+                (got := server.get(f"/api/v1/runs/{run}/replicas").json()) and len(got) == 8 and got
+            ),
+            30,
+            "4 checks of 2 groups compared",
+        )
+        events = server.get(f"/api/v1/runs/{run}/events", kind="replica_divergence").json()
+    finally:
+        stop(procs)
+        stop_serve(server)
+    for r, group in enumerate(["0,2", "1,3", "0,2", "1,3"]):  # the mesh's replicate dim
+        assert f"rank {r}: replica group {group}" in logs[r], logs[r]
+    by_group: dict[str, list[tuple[int, list[int]]]] = {}
+    for r in results:
+        by_group.setdefault(r["replica_group"], []).append((r["step"], r["suspects"]))
+    assert by_group == {
+        "0,2": [(0, []), (5, []), (10, []), (15, [])],
+        "1,3": [(0, []), (5, []), (10, []), (15, [1, 3])],
+    }
+    assert sorted((e["rank"], e["step"], e["data"]["replica_group"]) for e in events) == [
+        (1, 15, "1,3"),
+        (3, 15, "1,3"),
+    ]
+    assert {e["data"]["last_agreed_step"] for e in events} == {10}
