@@ -55,7 +55,8 @@ class RollbackPlan:
     checkpoint_path: str
     skip_from: int
     """Skip the data batches with indices ``skip_from`` .. ``skip_to`` (inclusive):
-    those consumed between the checkpoint and the anomaly, plus a margin."""
+    those consumed between the checkpoint and the anomaly, plus a margin. None when
+    ``skip_to < skip_from`` (silent data corruption: the data was not the cause)."""
     skip_to: int
     lr_scale: float | None
     reason: str

@@ -240,9 +240,14 @@ def main(argv: list[str] | None = None) -> None:
         if plan.lr_scale:
             for group in opt.param_groups:
                 group["lr"] *= plan.lr_scale
+        skipping = (
+            f"skipping batches {plan.skip_from}-{plan.skip_to}"
+            if plan.skip_to >= plan.skip_from
+            else "replaying the same batches"
+        )
         print(
             f"rolled back to step {plan.checkpoint_step} after step {plan.barrier_step}; "
-            f"skipping batches {plan.skip_from}-{plan.skip_to}",
+            f"{skipping}",
             flush=True,
         )
 

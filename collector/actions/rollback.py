@@ -75,15 +75,20 @@ def rollback_plan(
         ),
         default=run.last_step or 0,
     )
+    # An alert whose data proves where clean checkpoints end (silent data corruption: the
+    # parameters went wrong, not the data) replays the same batches at the same learning
+    # rate: no data window is skipped (an empty one: skip_to < skip_from), no lr scale.
+    keep_data = exact is not None
     plan = {
         "issued_at_step": newest,
         "onset_step": onset_step,
+        "keep_data": keep_data,
         "rollback": {
             "checkpoint_step": step,
             "checkpoint_path": path or "",
             "skip_from": step + 1,
-            "skip_to": newest + pol.skip_margin_steps,
-            "lr_scale": pol.lr_scale,
+            "skip_to": step if keep_data else newest + pol.skip_margin_steps,
+            "lr_scale": None if keep_data else pol.lr_scale,
             "reason": f"{row.trigger}: onset at step {onset_step}",
         },
     }

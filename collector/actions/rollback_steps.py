@@ -254,7 +254,11 @@ class RollbackSteps(Steps):
                 # be past the newest + 1, and in lockstep none is more than one step short.
                 answered = {r: int(a.get("step") or 0) for r, a in prepared.items()}
                 barrier = max(answered.values()) + 1
-                skip_to = barrier + pol.skip_margin_steps
+                skip_to = (
+                    plan["rollback"]["skip_to"]  # the data is replayed as it was
+                    if plan.get("keep_data")
+                    else barrier + pol.skip_margin_steps
+                )
                 commit = {
                     "type": "rollback",
                     "phase": "commit",

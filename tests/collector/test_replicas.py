@@ -190,6 +190,9 @@ def test_the_alert_pages_and_a_rollback_restores_the_last_checkpoint_proven_clea
         plan, why = rollback_plan(conn, row, RollbackPolicy())
         marks = {c["step"]: c["good"] for c in checkpoints(conn, alert.run_id, margin_steps=3)}
     assert why is None and plan["rollback"]["checkpoint_step"] == 30  # not 20 (margin), not 40
+    # The parameters went wrong, not the data: the same batches, at the same rate.
+    assert plan["keep_data"] and plan["rollback"]["skip_from"] == 31
+    assert plan["rollback"]["skip_to"] == 30 and plan["rollback"]["lr_scale"] is None
     assert marks == {20: True, 30: True, 40: False}
 
 

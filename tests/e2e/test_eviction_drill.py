@@ -282,6 +282,8 @@ def test_a_corrupted_replica_s_node_is_drained_and_the_job_back_without_it_resto
     assert rollback["plan"]["ranks"] == [0, 1, 2, 3]  # the attempt that came back
     restored = {r["checkpoint_step"] for r in rollback["result"]["ranks"].values()}
     assert restored == {30}, rollback["result"]
+    assert out.count("rolled back to step 30 after step") == 4, out
+    assert out.count("replaying the same batches") == 4, out  # no data window skipped
     # The job came back from its newest checkpoint, saved after the divergence (suspect).
     resumed = re.search(r"resumed from \S*/step-(\d+)\.pt at step (\d+)", out)
     assert resumed and int(resumed[1]) >= 40, out
