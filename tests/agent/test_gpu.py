@@ -254,3 +254,56 @@ def test_manual_phases_are_timed_on_the_gpus_clock() -> None:
         assert s["bwd_s"] == pytest.approx(bwd, rel=0.05, abs=2e-4), s
     # The host only queued the work: its own time for a step is far below the GPU's.
     assert min(host.values()) < 0.5 * min(s["duration_s"] for s in steps[1:]), host
+
+
+def test_the_determinism_probe_on_the_gpu_never_syncs_and_fingerprints_the_output() -> None:
+    """A probed step's forward, fingerprint and sums are queued on the device and read
+    back as the loss is: no host sync (``set_sync_debug_mode("error")``), and the probe
+    sent for the last step is the fingerprint of the model's eval output on the input."""
+    from trainwarden.agent.replica import fingerprint, hex_words
+
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(1024, 1024), nn.GELU(), nn.Linear(1024, 256))
+    model = model.to(device, torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, foreach=True)
+    x = torch.randn(512, 1024, device=device, dtype=torch.bfloat16)
+    fixed = torch.randn(4, 1024, device=device, dtype=torch.bfloat16)
+    transport = RecordingTransport()
+    tw.init(run="gpu-probe", transport=transport, profile_every=0)
+    tw.watch(
+        model,
+        opt,
+        count_flops=False,
+        replica_group=[0],
+        replica_check_every=3,
+        determinism_probe_every=3,
+        probe_input=fixed,
+    )
+
+    def step(i: int) -> None:
+        with tw.step(i) as s:
+            loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            s.loss(loss)
+
+    for i in range(3):  # warm-up outside the sync check (the probe's first run included)
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(3, 10):
+            step(i)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    tw.shutdown()
+    steps = {s["step"]: s for s in transport.steps()}
+    assert sorted(s for s in steps if "probe" in s) == [0, 3, 6, 9]
+    model.eval()
+    with torch.no_grad():
+        want = hex_words(fingerprint([model(fixed)]).tolist())
+    assert steps[9]["probe"] == want
+    assert len(steps[9]["probe_sums"]) == 3 and len(steps[9]["fingerprint"]) == 32
