@@ -50,11 +50,14 @@ class MarkovData:
         self.vocab = vocab
         self.context = context
 
-    def batch(self, size: int, index: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def batch(
+        self, size: int, index: int | None = None, *, seed: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """A batch; with ``index``, always the same batch for that index (so that a
-        rollback can go back in the data and skip a window of it)."""
+        rollback can go back in the data and skip a window of it). ``seed``: another
+        rank's sample seed (the ``data=same_batch`` drill draws rank 0's batch)."""
         if index is not None:
-            self.rng.manual_seed(self.sample_seed * 1_000_003 + index)
+            self.rng.manual_seed((seed or self.sample_seed) * 1_000_003 + index)
         seq = torch.empty(size, self.context + 1, dtype=torch.long)
         seq[:, 0] = torch.randint(self.vocab, (size,), generator=self.rng)
         for i in range(1, self.context + 1):
@@ -62,6 +65,17 @@ class MarkovData:
                 self.transitions[seq[:, i - 1]], 1, generator=self.rng
             ).squeeze(1)
         return seq[:, :-1], seq[:, -1]
+
+
+def _same_batch_from() -> int | None:
+    """The step from which the ``data=same_batch`` drill (``TRAINWARDEN_DRILL``) gives every
+    rank rank 0's batch, if one is set: a data fault the trainer itself makes (the agent
+    only records it)."""
+    from trainwarden.agent.drills import parse
+
+    spec = os.environ.get("TRAINWARDEN_DRILL") or ""
+    found = [f.first for f in parse(spec) if f.kind == "data" and f.form == "same_batch"]
+    return min(found) if found else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -252,13 +266,20 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     tw.on_rollback(rollback)
+    same_batch = _same_batch_from()
     while state["step"] < end:
         step = state["step"]
         if args.data_delay:
             time.sleep(args.data_delay)  # shows up as data wait: the gap between steps
         while tw.should_skip_batch(state["cursor"]):
             state["cursor"] += 1  # data a rollback told us to leave out
-        x, y = data.batch(args.batch_size, index=state["cursor"])
+        # The batch's sample ids: a virtual dataset in which batch c of rank r holds ids
+        # (c * world + r) * B ... + B - 1. Under the data=same_batch drill, from its step
+        # on every rank draws rank 0's batch (a sampler that ignores the rank).
+        source = 0 if same_batch is not None and step >= same_batch else rank
+        x, y = data.batch(args.batch_size, index=state["cursor"], seed=args.seed + 1 + source)
+        first_id = (state["cursor"] * world + source) * args.batch_size
+        ids = torch.arange(first_id, first_id + args.batch_size)
         state["cursor"] += 1
         state["step"] += 1  # before the step ends: a rollback at its end sets the next one
         with tw.step(step, tokens=x.numel()) as s:
@@ -274,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
             opt.step()
             opt.zero_grad(set_to_none=True)
             s.loss(loss)
+            s.samples(ids)  # which samples: the collector finds one batch on several ranks
             # The trainer's own metrics (s.metric): per rank, rolled up across ranks, and a
             # rank x step heatmap on the Ranks page. A tensor is read off this thread, later.
             s.metrics(

@@ -17,6 +17,10 @@
     sdc=bitflip@rank=1,step=35       silent data corruption: right after its optimizer
                                      step at 35, the rank flips one bit of one parameter
                                      element; needs tw.watch(model, opt)
+    data=same_batch@step=20          from step 20 on, every rank trains on rank 0's batch
+                                     (a sampler that ignores the rank): the trainer
+                                     makes it (the demo trainer does); the agent records
+                                     the drill event; needs s.samples(ids) to be found
     sdc=arith@rank=1,step=20         wrong arithmetic: from step 20 on, the rank's
                                      forward output is one unit in the last place off
                                      (what the determinism probe finds); needs tw.watch
@@ -73,8 +77,10 @@ log = logging.getLogger(__name__)
 DIE_EXIT_CODE = 75
 DESYNC_FOR_S = 60.0
 """How long a ``desync`` rank waits in the mismatched collective before it exits."""
-KINDS = ("xid", "thermal", "slow", "hang", "die", "desync", "loss_spike", "sdc")
+KINDS = ("xid", "thermal", "slow", "hang", "die", "desync", "loss_spike", "sdc", "data")
 SDC_FORMS = ("bitflip", "arith")
+DATA_FORMS = ("same_batch",)
+"""What ``data=`` takes: every rank on rank 0's batch (made by the trainer)."""
 """What ``sdc=`` takes: a flipped parameter bit, or a perturbed forward output."""
 _VALUE = {
     "xid": (re.compile(r"^\d+$"), "an XID code, e.g. xid=79"),
@@ -133,6 +139,10 @@ def _parse_one(text: str) -> Fault:
         form = value.strip()
         if form not in SDC_FORMS:
             raise fail(f"sdc needs its form: sdc=bitflip or sdc=arith, got {form!r}")
+    elif kind == "data":
+        form = value.strip()
+        if form not in DATA_FORMS:
+            raise fail(f"data needs its form: data=same_batch, got {form!r}")
     elif kind in _VALUE:
         pattern, example = _VALUE[kind]
         if not pattern.match(value.strip()):
@@ -186,7 +196,9 @@ def _parse_one(text: str) -> Fault:
         seconds = DESYNC_FOR_S if seconds is None else seconds
     if kind == "thermal" and last is None:
         last = 2**62  # stays hot from that step on
-    if form == "arith":
+    if form in ("arith", "same_batch"):
+        if last is not None:
+            raise fail(f"{kind}={form} lasts from step=S on, not steps=A-B")
         last = 2**62  # wrong from that step on
     return Fault(kind, text, number, rank, first, last, seconds, form)
 

@@ -19,6 +19,7 @@ from .mfu import Peak, mfu
 from .probe import decode
 from .profiler import split_from_profile
 from .replica import hex_words
+from .samples import summarize as summarize_samples
 from .spikes import SpikeDetector
 from .timing import phase_durations, split_from_hook
 from .values import NOT_READY, issue_of, json_number, resolve, resolve_ints
@@ -124,6 +125,17 @@ class StepEncoder:
                 probe = probe_fields(words, rtol, issues)
             elif captured.issue is not None:
                 issues["probe"] = captured.issue
+        samples = None
+        if record.samples is not None:  # s.samples(ids): samples.py
+            try:
+                samples = summarize_samples(record.samples)
+            except OverflowError:
+                issues["samples"] = "an id outside int64"
+            else:
+                if samples is None:
+                    if not force:
+                        return None
+                    issues["samples"] = "device copy did not complete"
         user = None
         if record.metrics is not None:
             user = self._user_metrics(record.metrics, issues, force=force)
@@ -209,6 +221,9 @@ class StepEncoder:
             out["fingerprint"], out["replica_group"] = replica
             if probe is not None:
                 out.update(probe)
+
+        if samples is not None:
+            out["samples_digest"], out["samples_count"] = samples
 
         if record.memory is not None:
             out["mem_allocated_bytes"], out["mem_reserved_bytes"] = record.memory

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .samples import take as take_samples
 from .spikes import SpikeDetector
 from .values import Captured, capture, check_metric_name, resolve_now
 
@@ -53,6 +54,7 @@ class StepRecord:
         "metrics",
         "replica",
         "probe",
+        "samples",
         "queued_at",
         "gpu",
     )
@@ -80,6 +82,8 @@ class StepRecord:
         self.replica: tuple[Captured, str] | None = None
         # A probed step (tw.watch, probe.py): (the probe's words, probe_rtol)
         self.probe: tuple[Captured, float] | None = None
+        # s.samples(ids): the step's sample ids, read off this thread (samples.py)
+        self.samples: Captured | None = None
         self.queued_at = 0.0
         self.gpu: DeviceClock | None = None  # the step's CUDA events, once the trainer uses CUDA
 
@@ -233,6 +237,15 @@ class Step:
         """Several user metrics at once: ``s.metrics(lr=lr, aux_loss=aux)`` (see :meth:`metric`)."""
         for name, value in values.items():
             self.metric(name, value)
+
+    def samples(self, ids: Any) -> None:
+        """Record the ids of the samples this rank trained on in this step: an integer
+        tensor, a numpy array or a list / tuple / range of ints (dataset indices, or any
+        stable id), in the order trained. Only a reference is kept here (a short copy for a
+        list); the exporter thread digests them. The collector finds a batch that two ranks
+        both trained on. A float tensor, anything but ints, or over 65,536 ids raises
+        ``ValueError`` here (:mod:`trainwarden.agent.samples`)."""
+        self._record.samples = take_samples(ids)
 
     def phase(self, name: str) -> None:
         """Mark the start of a phase: ``forward``, ``backward``, ``optimizer`` or ``other``.

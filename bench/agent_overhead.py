@@ -91,12 +91,26 @@ def thread_costs(n: int) -> dict[str, float]:
         with tw.step(i, tokens=4096) as s:
             s.loss(loss)
 
+    ids = torch.randperm(100_000)[:512]  # a batch's sample ids, as a loader's sampler gives
+
+    def agent_step_with_ids(i: int) -> None:
+        with tw.step(i, tokens=4096) as s:
+            s.loss(loss)
+            s.samples(ids)
+
     results = {"bare": per_call_us(bare, n)}
     agent = tw.init(run="bench-overhead", transport=NullTransport(), queue_size=1_000_000)
     # The exporter runs meanwhile (woken every 512 records), as it does in training.
     results["tw.step + s.loss"] = per_call_us(agent_step, n) - results["bare"]
     tw.shutdown(timeout_s=60)
     results["exporter CPU per record"] = agent.stats.exporter_cpu_ns / agent.stats.sent / 1000
+    agent = tw.init(run="bench-overhead", transport=NullTransport(), queue_size=1_000_000)
+    with_ids = per_call_us(agent_step_with_ids, n) - results["bare"]
+    results["s.samples (512 ids, extra)"] = with_ids - results["tw.step + s.loss"]
+    tw.shutdown(timeout_s=60)
+    results["exporter CPU per record with ids"] = (
+        agent.stats.exporter_cpu_ns / agent.stats.sent / 1000
+    )
     tw.init(run="bench-overhead", transport=NullTransport(), queue_size=1_000_000)
 
     # tw.watch: forward pre/post and optimizer pre/post hooks fire in each step.
@@ -532,12 +546,14 @@ def main() -> None:
     agent_us = costs["tw.step + s.loss"]
     print("\n1. training-thread cost per step (median, bare loop subtracted)")
     for name, us in costs.items():
-        if name not in ("bare", "exporter CPU per record"):
+        if name not in ("bare", "exporter CPU per record", "exporter CPU per record with ids"):
             print(f"   {name:<26} {us:8.2f} us")
     print(f"   {'bare loop iteration':<26} {costs['bare']:8.2f} us")
     print(
         f"   exporter thread CPU per record: {costs['exporter CPU per record']:.2f} us "
-        "(off the training thread; it releases the GIL every 8 records)"
+        "(off the training thread; it releases the GIL every 8 records); with 512 sample "
+        f"ids a step: {costs['exporter CPU per record with ids']:.2f} us (target for "
+        "s.samples on the training thread: <= 5 us)"
     )
     wandb_us = costs["wandb.log (offline)"]
     if wandb_us == wandb_us:  # not NaN

@@ -42,7 +42,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, func, or_, select, text, update
 
 from trainwarden.alerts.evaluate import LIVE_STATES, median_without
-from trainwarden.collector.health import hang, replicas
+from trainwarden.collector.health import hang, replicas, samples
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.read.queries import arrival_lateness
@@ -426,6 +426,13 @@ def evaluate(
                     steps, z=settings.divergence_z, window=settings.divergence_window
                 ).items()
             ],
+        )
+        # One batch on several ranks of a data-parallel group (samples.py).
+        _events(
+            conn,
+            run_id=run_id,
+            now=now,
+            events=samples.duplicates(conn, run_id=run_id, world=world, now=now),
         )
         # Replicas that disagree: silent data corruption (replicas.py).
         _events(

@@ -23,7 +23,7 @@ from sqlalchemy import (
     update,
 )
 
-from trainwarden.collector.ingest import attempts, replicas
+from trainwarden.collector.ingest import attempts, replicas, samples
 from trainwarden.collector.ingest.ranks import (
     _HEAD_COLUMNS,
     _newest,
@@ -176,6 +176,7 @@ def store_many(
     merged: dict[str, list[Any]] = {name: [] for name in _STEP_ROW}
     accepted_steps = []
     checks: list[dict[str, Any]] = []  # replica fingerprints, on checked steps
+    digests: list[dict[str, Any]] = []  # sample digests, on steps that sent ids
     for req in requests:
         if not req.steps:
             accepted_steps.append(0)
@@ -184,6 +185,7 @@ def store_many(
         for name, values in _step_columns(run_ids[req.run], req.steps, now).items():
             merged[name] += values
         checks += replicas.checks_of(run_ids[req.run], req.steps, now)
+        digests += samples.digests_of(run_ids[req.run], req.steps, now)
     keys = list(zip(merged["run_id"], merged["rank"], merged["step"], strict=True))
     if len(set(keys)) < len(keys):
         latest: dict[tuple[int, int, int], int] = {}
@@ -211,6 +213,7 @@ def store_many(
         merged = _take(merged, keep)
     stored = _write_steps(conn, merged, high_steps)
     replicas.write_checks(conn, checks)
+    samples.write_digests(conn, digests)
     _queue_rollups(conn, Counter(zip(stored["run_id"], stored["step"], strict=True)), now)
 
     accepted_events = _store_events(conn, requests, run_ids, now)

@@ -170,6 +170,16 @@ class StepIn(BaseModel):
         "L1 norm; absent or 0: the probes must be bit-identical",
     )
 
+    samples_digest: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{16}$",
+        description="s.samples(ids): an order-sensitive 64-bit digest of the step's sample "
+        "ids on this rank, 16 lowercase hex digits (agent/samples.py)",
+    )
+    samples_count: int | None = Field(
+        default=None, ge=0, le=65_536, description="How many sample ids the digest covers"
+    )
+
     _ts_now = field_validator("ts")(_not_in_the_future)
 
     @model_validator(mode="after")

@@ -239,6 +239,24 @@ replica_results = Table(
 )
 
 
+# Sample ids (migration 0027): on a step where the trainer called s.samples(ids), the
+# rank's order-sensitive digest of them and their count. A later execution (a replay, a
+# restart) replaces digest and count; first_digest keeps the first execution's.
+sample_digests = Table(
+    "sample_digests",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", BigInteger, primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("ts", Float, nullable=False),  # the step's start (which execution)
+    Column("recv_ts", Float, nullable=False),
+    Column("digest", String(16), nullable=False),
+    Column("count", Integer, nullable=False),
+    Column("first_digest", String(16), nullable=False),
+    Index("ix_sample_digests_run_id_recv_ts", "run_id", "recv_ts"),
+)
+
+
 gpu_samples = Table(
     "gpu_samples",
     metadata,

@@ -49,6 +49,7 @@ PACK = [
     "ActionFailed",  # trainwarden's own: an action it took failed (issue 7)
     "CheckpointCadence",  # the cadence advisor's (issue 11)
     "SilentDataCorruption",  # replica fingerprints that disagree (issue 34)
+    "DuplicateBatchAcrossRanks",  # one batch on several ranks of a data-parallel group (issue 35)
 ]
 HEADINGS = [
     "## What it means",
