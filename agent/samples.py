@@ -42,13 +42,14 @@ def take(ids: Any) -> Captured:
     :data:`MAX_IDS` ids."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(ids, torch.Tensor):
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        if ids.dtype not in (_INT_DTYPES or _int_dtypes(torch)):
             raise SamplesError(f"s.samples: ids must be integers, got a {ids.dtype} tensor")
         n = ids.numel()
         if n > MAX_IDS:
             raise SamplesError(f"s.samples: {n} ids in one step, over {MAX_IDS}")
-        ids = ids.detach()
-        if ids.device.type == "cuda":
+        # Kept as it is: an integer tensor tracks no gradient, and it is read (not
+        # copied) later, as a loss is: do not change it in place after the step.
+        if ids.is_cuda:
             host = ids.to("cpu", non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -81,6 +82,14 @@ def take(ids: Any) -> Captured:
 
 
 _INT = {int}
+_INT_DTYPES: frozenset[Any] = frozenset()
+
+
+def _int_dtypes(torch: Any) -> frozenset[Any]:
+    global _INT_DTYPES
+    names = ("int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64")
+    _INT_DTYPES = frozenset(getattr(torch, n) for n in names if hasattr(torch, n))
+    return _INT_DTYPES
 
 
 def summarize(captured: Captured) -> tuple[str, int] | None:
