@@ -67,14 +67,13 @@ class MarkovData:
         return seq[:, :-1], seq[:, -1]
 
 
-def _same_batch_from() -> int | None:
-    """The step from which the ``data=same_batch`` drill (``TRAINWARDEN_DRILL``) gives every
-    rank rank 0's batch, if one is set: a data fault the trainer itself makes (the agent
-    only records it)."""
+def _data_drill(form: str) -> int | None:
+    """The step from which a ``data=<form>`` drill (``TRAINWARDEN_DRILL``) is in force, if
+    one is set: a data fault the trainer itself makes (the agent only records it)."""
     from trainwarden.agent.drills import parse
 
     spec = os.environ.get("TRAINWARDEN_DRILL") or ""
-    found = [f.first for f in parse(spec) if f.kind == "data" and f.form == "same_batch"]
+    found = [f.first for f in parse(spec) if f.kind == "data" and f.form == form]
     return min(found) if found else None
 
 
@@ -246,6 +245,10 @@ def main(argv: list[str] | None = None) -> None:
     ckpt_dir = Path(args.checkpoint_dir) if args.checkpoint_dir else None
     if ckpt_dir is not None and (newest := _newest_checkpoint(ckpt_dir)) is not None:
         state.update(_restore(newest, model, opt))  # a restarted job resumes (Slurm requeue)
+        if _data_drill("forget_sampler_state") is not None:
+            # The data=forget_sampler_state drill: a trainer that does not checkpoint its
+            # sampler starts it again from its seed (batch 0) on resume.
+            state["cursor"] = 0
         print(f"resumed from {newest} at step {state['step']}", flush=True)
 
     def rollback(plan: tw.RollbackPlan) -> None:
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         )
 
     tw.on_rollback(rollback)
-    same_batch = _same_batch_from()
+    same_batch = _data_drill("same_batch")
     while state["step"] < end:
         step = state["step"]
         if args.data_delay:

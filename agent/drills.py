@@ -21,6 +21,8 @@
                                      (a sampler that ignores the rank): the trainer
                                      makes it (the demo trainer does); the agent records
                                      the drill event; needs s.samples(ids) to be found
+    data=forget_sampler_state@step=0 a resume restarts the sampler from its seed (the
+                                     demo trainer's data cursor goes back to batch 0)
     sdc=arith@rank=1,step=20         wrong arithmetic: from step 20 on, the rank's
                                      forward output is one unit in the last place off
                                      (what the determinism probe finds); needs tw.watch
@@ -79,8 +81,9 @@ DESYNC_FOR_S = 60.0
 """How long a ``desync`` rank waits in the mismatched collective before it exits."""
 KINDS = ("xid", "thermal", "slow", "hang", "die", "desync", "loss_spike", "sdc", "data")
 SDC_FORMS = ("bitflip", "arith")
-DATA_FORMS = ("same_batch",)
-"""What ``data=`` takes: every rank on rank 0's batch (made by the trainer)."""
+DATA_FORMS = ("same_batch", "forget_sampler_state")
+"""What ``data=`` takes (made by the trainer): every rank on rank 0's batch; a resume that
+restarts the sampler from its seed."""
 """What ``sdc=`` takes: a flipped parameter bit, or a perturbed forward output."""
 _VALUE = {
     "xid": (re.compile(r"^\d+$"), "an XID code, e.g. xid=79"),
@@ -142,7 +145,9 @@ def _parse_one(text: str) -> Fault:
     elif kind == "data":
         form = value.strip()
         if form not in DATA_FORMS:
-            raise fail(f"data needs its form: data=same_batch, got {form!r}")
+            raise fail(
+                f"data needs its form: data=same_batch or data=forget_sampler_state, got {form!r}"
+            )
     elif kind in _VALUE:
         pattern, example = _VALUE[kind]
         if not pattern.match(value.strip()):

@@ -372,6 +372,10 @@ def evaluate(
     for run_id, world in replicas.ended_runs(conn, now=now):  # their last checks
         events = replicas.compare(conn, run_id=run_id, world=world, now=now, ended=True)
         _events(conn, run_id=run_id, now=now, events=events)
+    for run_id, world in samples.ended_runs(conn, now=now):  # their last sample digests
+        events = samples.duplicates(conn, run_id=run_id, world=world, now=now, ended=True)
+        events += samples.drift(conn, run_id=run_id, world=world, now=now, ended=True)
+        _events(conn, run_id=run_id, now=now, events=events)
     for run_id, name, world in runs:
         window = max(settings.straggler_window, settings.divergence_window)
         steps = _recent_views(conn, run_id, world, window)
@@ -427,12 +431,14 @@ def evaluate(
                 ).items()
             ],
         )
-        # One batch on several ranks of a data-parallel group (samples.py).
+        # One batch on several ranks of a data-parallel group; a replayed step on other
+        # samples than its first execution (samples.py).
         _events(
             conn,
             run_id=run_id,
             now=now,
-            events=samples.duplicates(conn, run_id=run_id, world=world, now=now),
+            events=samples.duplicates(conn, run_id=run_id, world=world, now=now)
+            + samples.drift(conn, run_id=run_id, world=world, now=now),
         )
         # Replicas that disagree: silent data corruption (replicas.py).
         _events(

@@ -35,8 +35,27 @@ GRACE_S = 10.0
 the first did (a rank that sent none is left out)."""
 
 
-def duplicates(conn: Connection, *, run_id: int, world: int, now: float) -> list[dict[str, Any]]:
-    """The ``duplicate_batch`` events of the run's recent steps."""
+def ended_runs(conn: Connection, *, now: float) -> list[tuple[int, int]]:
+    """Runs no longer running whose digests arrived within :data:`WINDOW_S`, (id, world
+    size): a short run, or a resumed attempt's last steps, can end before an evaluation
+    (which reads running runs) saw them."""
+    d, ru = m.sample_digests.c, m.runs.c
+    return [
+        (run_id, world)
+        for run_id, world in conn.execute(
+            select(ru.id, ru.world_size).where(
+                ru.status != "running",
+                select(d.run_id).where(d.run_id == ru.id, d.recv_ts >= now - WINDOW_S).exists(),
+            )
+        )
+    ]
+
+
+def duplicates(
+    conn: Connection, *, run_id: int, world: int, now: float, ended: bool = False
+) -> list[dict[str, Any]]:
+    """The ``duplicate_batch`` events of the run's recent steps. ``ended``: the run is
+    over, no digest is still to come: every step is due."""
     d = m.sample_digests.c
     rows = conn.execute(
         select(d.step, d.rank, d.digest, d.recv_ts).where(
@@ -55,7 +74,7 @@ def duplicates(conn: Connection, *, run_id: int, world: int, now: float) -> list
     first: dict[tuple[int, ...], tuple[int, str]] = {}  # ranks -> (first step, its group)
     for (group, step), digests in sorted(seen.items(), key=lambda kv: kv[0][1]):
         members = _members(group, world)
-        if not (members <= set(digests) or now - arrived[(group, step)] >= GRACE_S):
+        if not (ended or members <= set(digests) or now - arrived[(group, step)] >= GRACE_S):
             continue  # decided once the whole group's digests of the step are in
         by_digest: dict[str, list[int]] = defaultdict(list)
         for rank, digest in digests.items():
@@ -114,3 +133,136 @@ def _event(run_id: int, ranks: tuple[int, ...], step: int, group: str) -> dict[s
             f"at step {step}: the effective batch is smaller than it should be",
         },
     }
+
+
+def drift(
+    conn: Connection, *, run_id: int, world: int, now: float, ended: bool = False
+) -> list[dict[str, Any]]:
+    """``data_order_drift`` events: a step run again (after a restart, or a rollback's
+    replay) whose digest differs from its first execution's, where nothing declared a
+    difference: not after a rollback that skipped data (its replayed steps train on
+    later batches on purpose), not in an attempt whose world size differs from the one
+    before it (a declared data-parallel size change: each rank's share of the data
+    changes). Named once per first step and attempt, with the ranks that left the path;
+    a replayed batch that a rank already trained on at an earlier step is called
+    **re-fed** (naming that step), any other one **out of order**."""
+    d = m.sample_digests.c
+    rows = conn.execute(
+        select(d.step, d.rank, d.digest, d.ts, d.recv_ts).where(
+            d.run_id == run_id, d.recv_ts >= now - WINDOW_S, d.digest != d.first_digest
+        )
+    ).all()
+    if not rows:
+        return []
+    skipped = _skipping_rollbacks(conn, run_id)
+    tries = _attempts(conn, run_id)
+    left = [
+        r
+        for r in rows
+        if not any(r.step > ckpt and r.ts >= at for ckpt, at in skipped)
+        and not _resized(tries, r.ts)
+    ]
+    if not left:
+        return []
+    first = min(r.step for r in left)
+    at_first = [r for r in left if r.step == first]
+    present = set(
+        conn.execute(
+            select(d.rank).where(
+                d.run_id == run_id, d.step == first, d.ts >= min(r.ts for r in at_first)
+            )
+        ).scalars()
+    )
+    waited = now - min(r.recv_ts for r in at_first)
+    if not ended and len(present) < world and waited < GRACE_S:
+        return []  # the step's other ranks may still be on their way
+    ranks = sorted({r.rank for r in at_first})
+    refed = _refed(conn, run_id, first, {r.rank: r.digest for r in at_first})
+    attempt = _attempt_of(tries, min(r.ts for r in at_first))
+    named = compact(ranks)
+    how = (
+        "re-fed (batches they had trained on at earlier steps: "
+        + ", ".join(f"rank {k} the batch of step {v}" for k, v in sorted(refed.items())[:8])
+        + ")"
+        if refed
+        else "out of order (batches not trained on before at earlier steps: skipped ahead, or new)"
+    )
+    return [
+        {
+            "rank": None,
+            "kind": "data_order_drift",
+            "severity": "warning",
+            "step": first,
+            "uid": f"drift:{run_id}:{first}:{attempt}",
+            "data": {
+                "ranks": ranks,
+                "first_step": first,
+                "refed": {str(k): v for k, v in refed.items()},
+                "attempt": attempt,
+                "reason": f"step {first} ran again on ranks {named} with other samples than "
+                f"its first execution: {how}; the data left its path at step {first}",
+            },
+        }
+    ]
+
+
+def _skipping_rollbacks(conn: Connection, run_id: int) -> list[tuple[int, float]]:
+    """(checkpoint step, when committed) of the run's rollbacks that skipped data."""
+    a = m.actions.c
+    out = []
+    for plan in conn.execute(
+        select(a.plan).where(
+            a.run_id == run_id, a.kind == "rollback", a.state.in_(("executing", "done"))
+        )
+    ).scalars():
+        plan = plan or {}
+        restore = plan.get("rollback") or {}
+        if plan.get("committed_at") is None or plan.get("keep_data"):
+            continue
+        if restore.get("skip_to", -1) >= restore.get("skip_from", 0):
+            out.append((int(restore["checkpoint_step"]), float(plan["committed_at"])))
+    return out
+
+
+def _attempts(conn: Connection, run_id: int) -> list[tuple[int, float, int | None]]:
+    t = m.attempts.c
+    return [
+        (n, at, size)
+        for n, at, size in conn.execute(
+            select(t.number, t.started_at, t.world_size)
+            .where(t.run_id == run_id)
+            .order_by(t.number)
+        )
+    ]
+
+
+def _attempt_of(tries: list[tuple[int, float, int | None]], ts: float) -> int:
+    found = [n for n, at, _ in tries if at <= ts]
+    return found[-1] if found else 0
+
+
+def _resized(tries: list[tuple[int, float, int | None]], ts: float) -> bool:
+    """Whether the attempt that ran at ``ts`` has another world size than the one before."""
+    number = _attempt_of(tries, ts)
+    sizes = {n: size for n, _, size in tries}
+    before = sizes.get(number - 1)
+    return before is not None and sizes.get(number) is not None and sizes[number] != before
+
+
+def _refed(conn: Connection, run_id: int, step: int, digests: dict[int, str]) -> dict[int, int]:
+    """For each rank, the earlier step whose first batch its replay of ``step`` is."""
+    d = m.sample_digests.c
+    found: dict[int, int] = {}
+    for rank, earlier, digest in conn.execute(
+        select(d.rank, d.step, d.first_digest)
+        .where(
+            d.run_id == run_id,
+            d.rank.in_(list(digests)),
+            d.step < step,
+            d.first_digest.in_(list(set(digests.values()))),
+        )
+        .order_by(d.step)
+    ):
+        if rank not in found and digest == digests[rank]:
+            found[rank] = int(earlier)
+    return found

@@ -238,6 +238,8 @@ def _event_text(kind: str, data: dict[str, Any]) -> str:
         return f"rank state {data.get('from')} -> {data.get('to')}{why}"
     if kind == "hang_verdict":
         return f"hung collective: {data.get('summary')}"
+    if kind == "data_order_drift":
+        return f"data left its path: {data.get('reason')}"
     if kind == "duplicate_batch":
         return f"same batch on several ranks: {data.get('reason')}"
     if kind == "replica_divergence":  # the evaluator's reason says what, where and since when

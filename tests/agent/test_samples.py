@@ -94,7 +94,9 @@ def test_the_data_drill_parses_and_refuses_a_form_it_does_not_know() -> None:
     (fault,) = parse("data=same_batch@step=20")
     assert (fault.kind, fault.form, fault.rank) == ("data", "same_batch", None)
     assert fault.covers(20) and fault.covers(5000) and not fault.covers(19)
-    with pytest.raises(DrillError, match="data=same_batch, got 'shuffle'"):
+    with pytest.raises(
+        DrillError, match="data=same_batch or data=forget_sampler_state, got 'shuffle'"
+    ):
         parse("data=shuffle@step=2")
     with pytest.raises(DrillError, match="from step=S on"):
         parse("data=same_batch@steps=2-5")

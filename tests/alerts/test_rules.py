@@ -50,6 +50,7 @@ PACK = [
     "CheckpointCadence",  # the cadence advisor's (issue 11)
     "SilentDataCorruption",  # replica fingerprints that disagree (issue 34)
     "DuplicateBatchAcrossRanks",  # one batch on several ranks of a data-parallel group (issue 35)
+    "DataOrderDrift",  # a replayed step on other samples than its first execution (issue 35)
 ]
 HEADINGS = [
     "## What it means",

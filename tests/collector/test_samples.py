@@ -127,3 +127,162 @@ def test_a_step_is_decided_once_its_whole_group_is_in_or_after_the_grace(engine)
     send(engine, 3, [sampled(30, own(0, 30))], T0 + 5)
     evaluated(engine, T0 + 5 + GRACE_S)
     assert [(s, r) for s, r, _, _ in dup_events(engine)] == [(20, [0, 1, 2, 3]), (30, [1, 3])]
+
+
+# -- resume drift ----------------------------------------------------------------------------
+
+
+def drift_events(engine) -> list[tuple]:
+    e = m.events.c
+    with engine.connect() as conn:
+        rows = conn.execute(
+            select(e.step, e.data).where(e.kind == "data_order_drift").order_by(e.id)
+        ).all()
+    return [(r.step, r.data["ranks"], r.data["refed"], r.data["reason"]) for r in rows]
+
+
+def first_run(engine, world: int = 2, steps: int = 10) -> None:
+    """Steps 0..steps-1 of ``world`` ranks, each batch its own digest; attempt 1."""
+    for rank in range(world):
+        send(
+            engine,
+            rank,
+            [sampled(n, own(rank, n), ts=T0 + n) for n in range(steps)],
+            T0 + 20,
+            world=world,
+        )
+    with write_engine(engine) as conn:
+        run_id = conn.execute(select(m.runs.c.id)).scalar_one()
+        conn.execute(
+            m.attempts.insert(),
+            [{"run_id": run_id, "number": 1, "started_at": T0, "world_size": world, "nodes": []}],
+        )
+
+
+def second_attempt(engine, world: int = 2) -> None:
+    with write_engine(engine) as conn:
+        run_id = conn.execute(select(m.runs.c.id)).scalar_one()
+        conn.execute(
+            m.attempts.insert(),
+            [
+                {
+                    "run_id": run_id,
+                    "number": 2,
+                    "started_at": T0 + 50,
+                    "world_size": world,
+                    "nodes": [],
+                }
+            ],
+        )
+
+
+def replay(
+    engine,
+    ranks: range,
+    steps: range,
+    batch_of: Any,
+    at: float = T0 + 60,
+    world: int | None = None,
+) -> None:
+    for rank in ranks:
+        send(
+            engine,
+            rank,
+            [sampled(n, own(rank, batch_of(n)), ts=at + n) for n in steps],
+            at + 20,
+            world=world or len(ranks),
+        )
+
+
+def write_engine(engine):  # type: ignore[no-untyped-def]
+    from trainwarden.collector.store.db import write
+
+    return write(engine)
+
+
+def test_a_resume_that_restarts_the_sampler_is_named_at_its_first_step_as_re_fed(engine) -> None:
+    first_run(engine)
+    second_attempt(engine)
+    replay(engine, range(2), range(6, 10), lambda n: n - 6)  # the sampler back at batch 0
+    evaluated(engine, T0 + 81)
+    evaluated(engine, T0 + 82)
+    assert drift_events(engine) == [
+        (
+            6,
+            [0, 1],
+            {"0": 0, "1": 0},
+            "step 6 ran again on ranks 0,1 with other samples than its first execution: "
+            "re-fed (batches they had trained on at earlier steps: rank 0 the batch of step "
+            "0, rank 1 the batch of step 0); the data left its path at step 6",
+        )
+    ]
+    from trainwarden.collector.incidents.timeline import timeline
+
+    with engine.connect() as conn:
+        said = [e["text"] for e in timeline(conn, run="r1", now=T0 + 83)["entries"]]
+    assert f"data left its path: {drift_events(engine)[0][3]}" in said
+
+
+def test_a_resume_on_its_path_and_a_new_order_are_told_apart(engine) -> None:
+    first_run(engine)
+    second_attempt(engine)
+    replay(engine, range(2), range(6, 8), lambda n: n)  # restored exactly: no drift
+    evaluated(engine, T0 + 81)
+    assert drift_events(engine) == []
+    replay(engine, range(2), range(8, 10), lambda n: n + 100, at=T0 + 90)  # skipped ahead
+    evaluated(engine, T0 + 111)
+    ((step, ranks, refed, reason),) = drift_events(engine)
+    assert (step, ranks, refed) == (8, [0, 1], {})
+    assert "out of order (batches not trained on before" in reason
+
+
+def test_declared_differences_are_not_drift(engine) -> None:
+    # A rollback that skipped data: its replays train on later batches on purpose.
+    first_run(engine)
+    with write_engine(engine) as conn:
+        run_id = conn.execute(select(m.runs.c.id)).scalar_one()
+        plan = {
+            "committed_at": T0 + 55,
+            "rollback": {"checkpoint_step": 5, "skip_from": 6, "skip_to": 12},
+        }
+        conn.execute(
+            m.actions.insert(),
+            [
+                {
+                    "run_id": run_id,
+                    "kind": "rollback",
+                    "state": "done",
+                    "mode": "auto",
+                    "trigger": "rule:LossSpike",
+                    "plan": plan,
+                    "history": [],
+                    "created_at": T0 + 50,
+                    "updated_at": T0 + 60,
+                }
+            ],
+        )
+    replay(engine, range(2), range(6, 10), lambda n: n + 7)
+    evaluated(engine, T0 + 81)
+    assert drift_events(engine) == []
+
+
+def test_a_new_world_size_is_a_declared_re_shard(engine) -> None:
+    first_run(engine, world=2)
+    second_attempt(engine, world=1)  # one rank left: it takes the whole data
+    replay(engine, range(1), range(6, 10), lambda n: 2 * n)
+    evaluated(engine, T0 + 81)
+    assert drift_events(engine) == []
+
+
+def test_a_run_that_ended_before_an_evaluation_is_still_checked(engine) -> None:
+    from sqlalchemy import update
+
+    first_run(engine)
+    second_attempt(engine)
+    replay(engine, range(1), range(6, 8), lambda n: n - 6, world=2)  # rank 1's never came
+    evaluated(engine, T0 + 81)
+    assert drift_events(engine) == []  # running: waits for rank 1's digest of step 6
+    with write_engine(engine) as conn:
+        conn.execute(update(m.runs).values(status="finished"))
+    evaluated(engine, T0 + 82)
+    assert [(s, r, f) for s, r, f, _ in drift_events(engine)] == [(6, [0], {"0": 0})]
