@@ -124,8 +124,8 @@ def test_wrong_arithmetic_is_found_by_the_determinism_probe_on_that_rank_only(
         tmp_path / "ckpt",
         tmp_path,
         drill="sdc=arith@rank=1,step=20",
-        steps=45,
-        work_ms=20,
+        steps=150,  # on long enough for the evaluator and the alert engine's passes
+        work_ms=10,
         trainer_args=("--replica-check-every", "10", "--determinism-probe-every", "10"),
     )
     try:
@@ -152,10 +152,10 @@ def test_wrong_arithmetic_is_found_by_the_determinism_probe_on_that_rank_only(
     assert {(e["rank"], e["data"]["check"]) for e in events} == {(1, "probe")}
     assert {a["rank"] for a in alerts} == {1}
     by_step = {r["step"]: r for r in results}
-    assert sorted(by_step) == [0, 10, 20, 30, 40]
+    assert sorted(by_step) == list(range(0, 150, 10))
     assert all(r["agree"] for r in results), results  # the parameters never differ
     assert [by_step[s]["probe_suspects"] for s in (0, 10)] == [[], []]
-    assert by_step[30]["probe_suspects"] == [1] and by_step[40]["probe_suspects"] == [1]
+    assert all(by_step[s]["probe_suspects"] == [1] for s in range(30, 150, 10)), results
     print(f"\nrank 1's arithmetic off from step 20: its probe named at step {first['step']}")
 
 
