@@ -42,6 +42,7 @@ __all__ = [
     "checkpoint_drained",
     "checkpoint_saved",
     "checkpointing",
+    "end_epoch",
     "event",
     "init",
     "on_rollback",
@@ -51,6 +52,7 @@ __all__ = [
     "stats",
     "step",
     "watch",
+    "watch_loader",
 ]
 
 
@@ -84,6 +86,8 @@ def init(
     tags: Any = None,
     data_snapshot: Any = None,
     flight_recorder_entries: int | None = None,
+    dataset_size: int | None = None,
+    data_mixture: Any = None,
 ) -> Agent:
     """Start the agent for this process.
 
@@ -139,6 +143,13 @@ def init(
     threshold, the exporter thread sends the newest collectives of each process group
     (a ``collectives`` event), and the collector names the rank that never arrived.
 
+    Data: ``dataset_size`` (``TRAINWARDEN_DATASET_SIZE``): the samples an epoch holds;
+    with it the sample ids the steps give (``s.samples``, or :func:`watch_loader`) are
+    checked for repeats and gaps at each epoch's end (exactly up to 1,048,576 samples, on
+    a fixed sample of the dataset beyond). ``data_mixture``: the share of tokens each
+    source should give, e.g. ``{"web": 0.7, "code": 0.2, "math": 0.1}`` (weights >= 0
+    summing to 1), compared with what ``s.data_source(name, tokens)`` reports.
+
     Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
     shuts the previous agent down first.
     """
@@ -170,6 +181,8 @@ def init(
         tags=tags,
         data_snapshot=data_snapshot,
         flight_recorder_entries=flight_recorder_entries,
+        dataset_size=dataset_size,
+        data_mixture=data_mixture,
     )
     if _core._agent is not None:
         _core._agent.shutdown()
@@ -312,6 +325,28 @@ def should_skip_batch(index: int) -> bool:
     """True for the data batches a rollback asked to skip (the window that led up to the
     anomaly, see ``RollbackPlan.skip_from`` / ``skip_to``): ask it in your loader loop."""
     return _core.current().commands.should_skip_batch(index)
+
+
+def watch_loader(loader: Any) -> Any:
+    """Record the sample ids of each batch a map-style ``torch.utils.data.DataLoader``
+    yields, without passing them: ``loader = tw.watch_loader(loader)``. Each step takes
+    the ids of the batches fetched since the last step; an iteration that runs out ends
+    its epoch (the sampler's ``epoch``, else the count of iterations); the dataset's
+    length is the coverage check's size unless ``tw.init(dataset_size=...)`` gave one.
+    A loader it cannot watch (an iterable-style dataset: no indices) is given back as
+    it is, with a warning saying why (see :mod:`trainwarden.agent.loader`)."""
+    from .loader import watch_loader as _watch_loader
+
+    agent = _core.current()
+    return _watch_loader(loader, agent.recorder.data, agent.use_dataset_size)
+
+
+def end_epoch() -> None:
+    """The current epoch is over (after its last step): the collector counts its
+    repeated and missing samples once every rank ended it. A step given a new epoch
+    (``s.samples(ids, epoch=e)``) ends the one before by itself, and so does a watched
+    loader running out: call this for an epoch nothing follows."""
+    _core.current().end_epoch()
 
 
 def stats() -> dict[str, int]:

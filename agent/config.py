@@ -16,6 +16,8 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from .mfu import dtype_name
+from .mixture import check_mixture
+from .samples import SamplesError, Universe
 
 EXPORTERS = ("http", "otlp")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -34,6 +36,32 @@ class ConfigError(ValueError):
 def _env(name: str) -> str | None:
     value = os.environ.get(name)
     return value if value not in (None, "") else None
+
+
+def _dataset_size(value: Any) -> int | None:
+    """``tw.init(dataset_size=N)`` or ``TRAINWARDEN_DATASET_SIZE``, checked."""
+    value = _pick(value, "TRAINWARDEN_DATASET_SIZE")
+    if value is None or value == "":
+        return None
+    if isinstance(value, str):
+        try:
+            value = int(value)
+        except ValueError:
+            raise ConfigError(
+                f"dataset_size (TRAINWARDEN_DATASET_SIZE) must be a whole number, got {value!r}"
+            ) from None
+    try:
+        Universe(value)
+    except SamplesError as exc:
+        raise ConfigError(str(exc)) from None
+    return int(value)
+
+
+def _data_mixture(value: Any) -> dict[str, float] | None:
+    try:
+        return check_mixture(value)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def _pick(explicit: Any, env_name: str, default: Any = None) -> Any:
@@ -280,6 +308,12 @@ class AgentConfig:
     """Labels of the run (``TRAINWARDEN_TAGS``, comma-separated)."""
     data_snapshot: str | None = None
     """The data version the run trains on (``TRAINWARDEN_DATA_SNAPSHOT``)."""
+    dataset_size: int | None = None
+    """How many samples an epoch holds (``TRAINWARDEN_DATASET_SIZE``): with it, the steps'
+    sample ids (``s.samples``) are checked for repeats and gaps at each epoch's end."""
+    data_mixture: dict[str, float] | None = None
+    """The share of tokens each data source should give (``tw.init(data_mixture=...)``),
+    compared with what ``s.data_source`` reports."""
     flight_recorder_entries: int = 2000
     """PyTorch Flight Recorder ring size that ``tw.init`` asks for (``TORCH_FR_BUFFER_SIZE``,
     never over the user's own value); the ring is read when a rank may be hung. 0: off."""
@@ -316,6 +350,8 @@ class AgentConfig:
         tags: Any = None,
         data_snapshot: Any = None,
         flight_recorder_entries: int | None = None,
+        dataset_size: int | None = None,
+        data_mixture: Any = None,
     ) -> AgentConfig:
         run = _pick(run, "TRAINWARDEN_RUN")
         if run is None:
@@ -387,6 +423,8 @@ class AgentConfig:
             run_config=run_config(config),
             tags=run_tags(tags),
             data_snapshot=data_snapshot_name(data_snapshot),
+            dataset_size=_dataset_size(dataset_size),
+            data_mixture=_data_mixture(data_mixture),
             peak_flops=None
             if peak_flops is None
             else _as_float(peak_flops, "peak_flops (TRAINWARDEN_PEAK_FLOPS)", minimum=0.0),

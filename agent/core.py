@@ -35,6 +35,7 @@ from . import flight, identity
 from .checkpoints import Checkpointing, Checkpoints
 from .commands import Commands
 from .config import AgentConfig, ConfigError
+from .datafeed import DataFeed
 from .drills import Drill, DrillError, parse
 from .exporter import Exporter, HttpTransport, Transport
 from .flight import Flight
@@ -42,6 +43,7 @@ from .gpu import XID_SEVERITY, GpuMonitor, describe_xid, open_device
 from .mfu import Peak
 from .rare import RareWork
 from .report import FlopModel, StepEncoder
+from .samples import Universe
 from .sink import EventRecord, GpuRecord, RecordQueue
 from .spikes import SpikeDetector
 from .spool import DiskSpool, MemorySpool, Spool, default_spool_dir
@@ -110,6 +112,11 @@ class Agent:
         self.commands.on_collectives = self.flight.answer
         # What a step touches (step.py); the rare work keeps its flag (rare.py).
         self.recorder = Recorder(self._records.put, self.commands)
+        # Epochs and a watched loader's ids (datafeed.py); the exporter reads its sample.
+        self.recorder.data = DataFeed(self._epoch_end)
+        if config.dataset_size is not None:
+            self.recorder.data.universe = Universe(config.dataset_size)
+        self._encode.data = self.recorder.data
         self.skip_spikes = self.recorder.skip_spikes  # training thread: s.should_skip_step()
         self.rare = RareWork(self.recorder, config=config, encoder=self._encode, drill_host=self)
         self.checkpoints = Checkpoints(self)
@@ -385,6 +392,17 @@ class Agent:
             "severity": severity,
             "data": data,
         }
+
+    def _epoch_end(self, epoch: int, last_step: int, facts: dict[str, Any]) -> None:
+        self.event("epoch_end", step=last_step, epoch=epoch, last_step=last_step, **facts)
+
+    def end_epoch(self) -> None:
+        self.recorder.data.end()
+
+    def use_dataset_size(self, size: int) -> None:
+        """A watched loader's dataset length, unless ``dataset_size`` was given."""
+        if self.recorder.data.universe is None:
+            self.recorder.data.universe = Universe(size)
 
     def checkpoint_saved(
         self,

@@ -6,7 +6,9 @@
     thermal=92C@rank=0,step=20       the GPU heats to 92 C and throttles its clocks
     slow=1.5x@rank=1,steps=10-60     the rank's steps really take 1.5x as long
     hang@rank=1,step=50,for=30s      the training thread stops; heartbeats go on
-    die@rank=1,step=70               the process exits (code 75) without a goodbye
+    die@rank=1,step=70               the process exits (code 75) without a goodbye; on
+                                     the job's first attempt only (a launcher's restart,
+                                     torchrun's or Slurm's, resumes past it)
     desync@rank=1,step=60,for=60s    the rank issues an extra, empty all_reduce: its
                                      collectives are one sequence id ahead of its
                                      peers', so every rank blocks on gloo (for= 60s
@@ -73,6 +75,8 @@ import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+from .identity import attempt_key
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +255,9 @@ class Drill:
                 or not self._once(fault, step)
             ):
                 continue
+            if fault.kind == "die" and restarted():
+                log.warning("trainwarden drill: %s skipped: the job was restarted", fault.text)
+                continue
             dist, skipped = _peers() if fault.kind == "desync" else (None, None)
             extra = {"skipped": skipped} if skipped else {}
             agent.event(
@@ -423,3 +430,9 @@ def _desync_timed_out(agent: DrillHost, fault: Fault, step: int, seconds: float)
     )
     agent.flush(timeout_s=2.0)
     os._exit(DIE_EXIT_CODE)
+
+
+def restarted() -> bool:
+    """Whether the launcher restarted this job (torchrun's or Slurm's restart count > 0):
+    a ``die`` drill then does not fire again, as a transient fault would not."""
+    return bool(attempt_key()[1])

@@ -203,6 +203,8 @@ def skeleton(config: AgentConfig) -> dict[str, Any]:
         "config": config.run_config,
         "tags": list(config.tags),
         "data_snapshot": config.data_snapshot,
+        "data_mixture": config.data_mixture,
+        "dataset_size": config.dataset_size,
         "code": {"commit": None, "dirty": None, "branch": None, "root": None},
         "env": {
             "python": platform.python_version(),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import device_clock
+from .datafeed import DataFeed
 from .mfu import Peak, mfu
 from .probe import decode
 from .profiler import split_from_profile
@@ -58,6 +59,7 @@ class StepEncoder:
         self.spikes = spikes
         self.flop_model = flop_model
         self.peak = peak
+        self.data: DataFeed | None = None  # the dataset's sample for coverage (datafeed.py)
         self._rss_at = 0.0
         self._rss_value = 0
         self._previous_gpu_end: Any = None  # the last step's end event on the GPU's clock
@@ -127,8 +129,9 @@ class StepEncoder:
                 issues["probe"] = captured.issue
         samples = None
         if record.samples is not None:  # s.samples(ids): samples.py
+            data = self.data
             try:
-                samples = summarize_samples(record.samples)
+                samples = summarize_samples(record.samples, None if data is None else data.universe)
             except OverflowError:
                 issues["samples"] = "an id outside int64"
             else:
@@ -223,7 +226,13 @@ class StepEncoder:
                 out.update(probe)
 
         if samples is not None:
-            out["samples_digest"], out["samples_count"] = samples
+            out["samples_digest"], out["samples_count"], kept = samples
+            if record.epoch is not None:
+                out["samples_epoch"] = record.epoch
+            if kept is not None:
+                out["samples_kept"] = kept
+        if record.sources:
+            out["data_sources"] = record.sources
 
         if record.memory is not None:
             out["mem_allocated_bytes"], out["mem_reserved_bytes"] = record.memory

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .datafeed import DataFeed
+from .mixture import check_source, check_tokens
 from .samples import take as take_samples
 from .spikes import SpikeDetector
 from .values import Captured, capture, check_metric_name, resolve_now
@@ -55,6 +57,8 @@ class StepRecord:
         "replica",
         "probe",
         "samples",
+        "epoch",
+        "sources",
         "queued_at",
         "gpu",
     )
@@ -84,6 +88,9 @@ class StepRecord:
         self.probe: tuple[Captured, float] | None = None
         # s.samples(ids): the step's sample ids, read off this thread (samples.py)
         self.samples: Captured | None = None
+        self.epoch: int | None = None  # their epoch (datafeed.py)
+        # s.data_source(name, tokens): a dict only once a step uses it (mixture.py)
+        self.sources: dict[str, int] | None = None
         self.queued_at = 0.0
         self.gpu: DeviceClock | None = None  # the step's CUDA events, once the trainer uses CUDA
 
@@ -141,6 +148,7 @@ class Recorder:
         "last_step",
         "last_step_wall",
         "last_error",
+        "data",
     )
 
     def __init__(self, enqueue: Callable[[Any], None], boundary: Boundary) -> None:
@@ -155,6 +163,7 @@ class Recorder:
         self.last_step: int | None = None
         self.last_step_wall: float | None = None  # its end, on the wall clock
         self.last_error: str | None = None  # the exception that ended the last step, if any
+        self.data = DataFeed(lambda epoch, step, facts: None)  # the agent sets its own
 
 
 class Step:
@@ -204,6 +213,8 @@ class Step:
         else:
             recorder.last_error = None
         recorder.last_end_ns = settled
+        if recorder.data.fed is not None:  # a watched loader's batches (loader.py)
+            _take_fed(recorder.data, record)
         recorder.last_step = record.step
         recorder.last_step_wall = (record.wall_start_ns + record.duration_ns) / 1e9
         recorder.enqueue(record)
@@ -238,14 +249,34 @@ class Step:
         for name, value in values.items():
             self.metric(name, value)
 
-    def samples(self, ids: Any) -> None:
+    def samples(self, ids: Any, *, epoch: int | None = None) -> None:
         """Record the ids of the samples this rank trained on in this step: an integer
         tensor, a numpy array or a list / tuple / range of ints (dataset indices, or any
         stable id), in the order trained. Only a reference is kept here (a short copy for a
         list); the exporter thread digests them. The collector finds a batch that two ranks
-        both trained on. A float tensor, anything but ints, or over 65,536 ids raises
-        ``ValueError`` here (:mod:`trainwarden.agent.samples`)."""
-        self._record.samples = take_samples(ids)
+        both trained on, and a step run again on other samples. A float tensor, anything
+        but ints, or over 65,536 ids raises ``ValueError`` here
+        (:mod:`trainwarden.agent.samples`).
+
+        ``epoch``: the epoch these samples belong to (the last one given when omitted,
+        first 0). A step in a new epoch ends the one before, as :func:`end_epoch` does:
+        with a dataset size (``tw.init(dataset_size=N)``) the collector then counts the
+        epoch's repeated and missing samples."""
+        record = self._record
+        record.samples = take_samples(ids)
+        record.epoch = self._recorder.data.at(record.step, epoch)
+
+    def data_source(self, name: str, tokens: Any) -> None:
+        """Record that ``tokens`` of this step's tokens came from data source ``name``
+        (one call per source the step drew from). With ``tw.init(data_mixture=...)`` the
+        collector compares the realized shares with the declared ones. A bad name or a
+        count that is not a whole number >= 0 raises ``ValueError`` here."""
+        sources = self._record.sources
+        if sources is None:
+            sources = self._record.sources = {}
+        if name not in sources:
+            check_source(name, len(sources))
+        sources[name] = sources.get(name, 0) + check_tokens(name, tokens)
 
     def phase(self, name: str) -> None:
         """Mark the start of a phase: ``forward``, ``backward``, ``optimizer`` or ``other``.
@@ -274,3 +305,12 @@ class Step:
     @property
     def step(self) -> int:
         return self._record.step
+
+
+def _take_fed(data: DataFeed, record: StepRecord) -> None:
+    """At a step's end: the batches a watched loader fed since the last step are its
+    samples, unless the step gave its own (``s.samples``)."""
+    captured, epoch = data.take_fed()
+    if record.samples is None:
+        record.samples = captured
+        record.epoch = data.at(record.step, epoch)

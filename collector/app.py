@@ -26,6 +26,7 @@ from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.api.routes import actions as actions_api
 from trainwarden.collector.api.routes import alerts as alerts_api
 from trainwarden.collector.api.routes import collectives as collectives_api
+from trainwarden.collector.api.routes import data as data_api
 from trainwarden.collector.api.routes import economics as economics_api
 from trainwarden.collector.api.routes import incidents as incidents_api
 from trainwarden.collector.api.routes import ingest as ingest_api
@@ -212,6 +213,7 @@ def create_app(
     app.include_router(economics_api.router)
     app.include_router(collectives_api.router)
     app.include_router(replicas_api.router)
+    app.include_router(data_api.router)
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
     app.state.alert_engine = None

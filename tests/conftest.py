@@ -199,8 +199,11 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 @pytest.fixture
 def engine(db_url: str):  # type: ignore[no-untyped-def]
+    from trainwarden.collector.read import mixture
+
     engine = make_engine(db_url)
     upgrade(engine)
+    mixture.forget()  # declared mixtures are cached by run id; a fresh database reuses ids
     yield engine
     engine.dispose()
 

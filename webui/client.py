@@ -30,6 +30,7 @@ from trainwarden.collector.incidents import notes
 from trainwarden.collector.incidents import store as incidents
 from trainwarden.collector.incidents.schemas import CloseIn, IncidentOut, NoteIn, NoteOut, RetitleIn
 from trainwarden.collector.incidents.timeline import timeline
+from trainwarden.collector.read import data as data_view
 from trainwarden.collector.read import economics, identity, queries, replicas, series
 from trainwarden.collector.read.schemas import (
     EventOut,
@@ -160,6 +161,8 @@ class Client(Protocol):
     def request_collectives(self, run: str, *, by: str) -> dict[str, Any]: ...
 
     def replicas(self, run: str) -> list[dict[str, Any]]: ...
+
+    def data(self, run: str) -> dict[str, Any]: ...
 
 
 def may_change() -> bool:
@@ -504,3 +507,12 @@ class LocalClient:
         Raises ``NotFound`` for an unknown run."""
         with self._engine.connect() as conn:
             return replicas.results(conn, run=run)
+
+    # -- data integrity (epoch coverage, mixture, data events) -------------------------
+
+    def data(self, run: str) -> dict[str, Any]:
+        """The run's judged epochs, its realized against its declared data mixture and its
+        newest data events (``GET /api/v1/runs/{run}/data``). Raises ``NotFound`` for an
+        unknown run."""
+        with self._engine.connect() as conn:
+            return data_view.view(conn, run=run).model_dump()

@@ -1,8 +1,9 @@
 """The run page, ``/runs/<name>/info``: what the run is (config, tags, data snapshot,
 code version, environment), its attempts, its goodput (ETTR and where the rest of the
-allocation went), its checkpoints and the cadence advisor, and a diff against another
-run. What it draws comes from :mod:`.run_info`; the data from the collector's run
-identity and economics routes, called in-process through the client.
+allocation went), its checkpoints and the cadence advisor, what it trained on (epoch
+coverage, the data mixture, data events) and a diff against another run. What it draws
+comes from :mod:`.run_info` and :mod:`.data_panel`; the data from the collector's run
+identity, economics and data routes, called in-process through the client.
 
 A live refresh redraws only the parts whose content changed, so a scrolled config table
 or a chosen comparison stays as the user left it.
@@ -21,12 +22,13 @@ from plotly.io.json import to_json_plotly
 
 from trainwarden.collector.read.queries import NotFound
 
+from . import data_panel
 from . import run_info as view
 from .client import Client
 from .components import notice, run_tabs
 
 log = logging.getLogger(__name__)
-PARTS = ("ri-notice", "ri-identity", "ri-attempts", "ri-goodput", "ri-checkpoints")
+PARTS = ("ri-notice", "ri-identity", "ri-attempts", "ri-goodput", "ri-checkpoints", "ri-data")
 REFRESH_S = 5.0  # economics change slowly; each refresh reads the run's step rollups
 
 
@@ -46,6 +48,8 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             ),
             html.H3("Checkpoints and cadence"),
             html.Div(id="ri-checkpoints"),
+            html.H3("Data"),
+            html.Div(id="ri-data"),
             html.H3("Attempts"),
             html.Div(id="ri-attempts"),
             html.H3("Identity"),
@@ -78,6 +82,7 @@ def page_parts(client: Client, name: str, theme: str | None, *, now: float) -> d
         "ri-attempts": view.attempts_table(tries, now=now),
         "ri-goodput": view.goodput_section(econ["goodput"]),
         "ri-checkpoints": view.checkpoints_section(econ["checkpoints"], econ["advisor"]),
+        "ri-data": data_panel.section(client.data(name), theme=theme, revision=name),
         "ri-breakdown.figure": view.breakdown_figure(econ["goodput"], theme=theme, revision=name),
         "ri-compare.options": others,
     }

@@ -399,6 +399,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="each rank sends its own request (POST /api/v1/ingest), as agents with no node "
         "relay do; default: one columnar request a node, as its relay sends",
     )
+    load.add_argument(
+        "--sample-ids",
+        type=int,
+        default=0,
+        metavar="N",
+        help="sample ids a row (digest, count, epoch and the ids, as agents send them with a "
+        "dataset size); default 0: none",
+    )
     load.set_defaults(func=_cmd_loadgen)
 
     # deferred: see collector/cli/__init__.py

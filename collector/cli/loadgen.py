@@ -7,14 +7,20 @@ relay. Values are
 plausible: step times around the step period with jitter and a slow rank now and
 then, a falling loss, MFU, the communication split, memory; and ``user_metrics`` of
 the trainer's own (``s.metric``: a learning-rate schedule, MoE aux and z losses, ...).
+With ``sample_ids`` (``--sample-ids N``) every row also carries the step's sample ids as
+an agent sends them with a dataset size (``s.samples(ids)``, agent/samples.py): their
+digest, count and epoch, and the ids themselves (``samples_kept``): a shuffling
+sampler's batches of a dataset of 2**20 samples (:func:`sample_columns`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import os
 import random
+import struct
 import sys
 import time
 import uuid
@@ -49,6 +55,7 @@ METRIC_COLUMNS = (
 )
 USER_METRICS = 6  # default: 19 built-in + 6 = the 25 metrics a row of issue 5's benchmark
 MAX_USER_METRICS = 32
+MAX_SAMPLE_IDS = 65_536  # what the collector takes a row (agent/samples.py's MAX_IDS)
 
 
 def _lr(step: int) -> float:
@@ -105,6 +112,74 @@ def user_metrics(
     return values
 
 
+DATASET = 1_048_576
+"""The simulated dataset's size with ``sample_ids``: the largest an agent sends every id
+of (agent/samples.py's ``EXACT_MAX``); larger where a step's ids would not fit in it."""
+
+
+def sample_columns(*, world: int, ranks: range, step: int, count: int) -> dict[str, list[Any]]:
+    """The samples columns of one node's rows at ``step``, ``count`` ids a rank, as an
+    agent sends them with a dataset size: the digest (BLAKE2b-8 of the ids as
+    little-endian int64, agent/samples.py), the count, the epoch and the ids themselves
+    (``samples_kept``: all of them, the dataset being at most ``EXACT_MAX``).
+
+    A shuffling sampler's batches: rank ``r`` takes the positions ``(step * world + r) *
+    count`` to ``... + count - 1`` of the epoch's order of the :func:`dataset`, a fixed
+    affine shuffle ``i -> (a * i + b_epoch) mod size`` redrawn each epoch: distinct ids
+    on the ranks of a step (no two share a digest), each id once an epoch, spread over
+    the dataset as a shuffled order spreads them (which matters to what PostgreSQL's
+    compression of the stored ids costs: consecutive ids compress better)."""
+    size = dataset(world, count)
+    mask, a, spread = size - 1, _multiplier(size), _spreads(size, count)
+    pack = _id_packer(count)
+    kept, epochs = [], []
+    first = (step * world + ranks.start) * count
+    for position in range(first, first + len(ranks) * count, count):
+        epoch = position // size
+        start = a * (position & mask) + epoch * 0x9E3779B1  # b_epoch: a shift an epoch
+        kept.append([(start + x) & mask for x in spread])
+        epochs.append(epoch)
+    return {
+        "samples_digest": [hashlib.blake2b(pack(*ids), digest_size=8).hexdigest() for ids in kept],
+        "samples_count": [count] * len(ranks),
+        "samples_epoch": epochs,
+        "samples_kept": kept,
+    }
+
+
+def dataset(world: int, count: int) -> int:
+    """The simulated dataset's size: :data:`DATASET`, or the power of two that holds a
+    whole step's ids (``world * count``)."""
+    return max(DATASET, 1 << (world * count - 1).bit_length())
+
+
+def _multiplier(size: int) -> int:
+    """The shuffle's ``a``: odd, so a permutation modulo a power of two."""
+    return int(size * 0.6180339887498949) | 1
+
+
+_SPREADS: dict[tuple[int, int], list[int]] = {}
+
+
+def _spreads(size: int, count: int) -> list[int]:
+    """``a * j`` for the ``count`` positions ``j`` of a batch (computed once)."""
+    if (spread := _SPREADS.get((size, count))) is None:
+        a = _multiplier(size)
+        spread = _SPREADS[(size, count)] = [a * j for j in range(count)]
+    return spread
+
+
+_PACKERS: dict[int, Callable[..., bytes]] = {}
+
+
+def _id_packer(count: int) -> Callable[..., bytes]:
+    """``pack(*ids)``: ``count`` ids as little-endian int64 (one compiled struct a count:
+    a third of what ``array("q", ids)`` costs)."""
+    if (pack := _PACKERS.get(count)) is None:
+        pack = _PACKERS[count] = struct.Struct(f"<{count}q").pack
+    return pack
+
+
 @dataclass
 class LoadgenResult:
     ranks: int
@@ -117,6 +192,7 @@ class LoadgenResult:
     latencies_s: list[float] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     user_metrics: int = 0
+    sample_ids: int = 0
 
     @property
     def metrics_per_row(self) -> int:
@@ -131,7 +207,8 @@ class LoadgenResult:
         p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000  # noqa: E731
         return (
             f"{self.ranks} ranks on {self.nodes} nodes, {self.steps} steps in {self.seconds:.1f}s, "
-            f"{self.metrics_per_row} metrics a row: "
+            f"{self.metrics_per_row} metrics a row"
+            f"{f' and {self.sample_ids} sample ids' if self.sample_ids else ''}: "
             f"{self.rows / self.seconds:,.0f} rows/s = {self.points / self.seconds:,.0f} points/s; "
             f"requests {self.requests_ok} ok, {self.requests_failed} failed; "
             f"latency p50 {p(0.5):.0f} ms, p95 {p(0.95):.0f} ms, max {lat[-1] * 1000:.0f} ms"
@@ -149,8 +226,10 @@ def node_body(
     rng: random.Random,
     slow_rank: int | None,
     user: int = 0,
+    sample_ids: int = 0,
 ) -> dict[str, Any]:
-    """One node's columnar body; ``user``: user metrics per row (the ``metrics`` column).
+    """One node's columnar body; ``user``: user metrics per row (the ``metrics`` column);
+    ``sample_ids``: sample ids per row (:func:`sample_columns`; 0: no samples columns).
 
     Built column by column, with no dict a row: the load generator shares the machine
     with the collector it measures, so its CPU a row is kept small."""
@@ -196,6 +275,8 @@ def node_body(
             user_metrics(user, step=step, rng=rng, z=z[at + i * u : at + (i + 1) * u])
             for i in range(n)
         ]
+    if sample_ids:
+        cols |= sample_columns(world=world, ranks=ranks, step=step, count=sample_ids)
     # The ranks' headers column-wise too (agent_columns): what a node's relay sends.
     heads = {
         "rank": list(ranks),
@@ -310,6 +391,7 @@ async def _node(
     on_sent: Callable[[int, float], None] | None,
     user: int,
     per_rank: bool = False,
+    sample_ids: int = 0,
 ) -> None:
     import orjson
 
@@ -334,6 +416,7 @@ async def _node(
             rng=rng,
             slow_rank=slow_rank,
             user=user,
+            sample_ids=sample_ids,
         )
         if per_rank:
             body = rank_body(body)
@@ -370,21 +453,27 @@ async def run_loadgen_async(
     connections: int | None = None,
     user_metrics: int = USER_METRICS,
     per_rank: bool = False,
+    sample_ids: int = 0,
 ) -> LoadgenResult:
     """``connections``: keep-alive connections, shared in turn by the nodes; default one
     per node, as each node's relay has its own. ``user_metrics``: per row, besides
     the built-in ones (0 to 32). ``per_rank``: every rank sends its own request to
     ``/api/v1/ingest``, on its own connection, as agents with no node relay do
-    (``ranks_per_node`` is then 1)."""
+    (``ranks_per_node`` is then 1). ``sample_ids``: sample ids per row with their digest,
+    count and epoch (:func:`sample_columns`; 0 to 65,536; 0, the default: none)."""
     if not 0 <= user_metrics <= MAX_USER_METRICS:
         raise ValueError(f"user_metrics={user_metrics}: from 0 to {MAX_USER_METRICS}")
+    if not 0 <= sample_ids <= MAX_SAMPLE_IDS:
+        raise ValueError(f"sample_ids={sample_ids}: from 0 to {MAX_SAMPLE_IDS}")
     if per_rank:
         ranks_per_node = 1
     nodes = math.ceil(ranks / ranks_per_node)
     period = 1.0 / steps_per_s
     steps = max(1, int(duration_s * steps_per_s))
     run = run or time.strftime("loadgen-%Y%m%d-%H%M%S")
-    result = LoadgenResult(ranks=ranks, nodes=nodes, steps=steps, user_metrics=user_metrics)
+    result = LoadgenResult(
+        ranks=ranks, nodes=nodes, steps=steps, user_metrics=user_metrics, sample_ids=sample_ids
+    )
     parts = urlsplit(url)
     pool = [
         _Connection(parts.hostname or "127.0.0.1", parts.port or 80)
@@ -408,6 +497,7 @@ async def run_loadgen_async(
                     on_sent=on_sent,
                     user=user_metrics,
                     per_rank=per_rank,
+                    sample_ids=sample_ids,
                 )
                 for n in range(nodes)
             ]
@@ -449,6 +539,8 @@ def cmd_loadgen(args: Any) -> None:
         slow_rank=args.slow_rank,
         user_metrics=args.user_metrics,
         per_rank=args.no_relay,
+        # --sample-ids N: the parser's (collector/cli/__init__.py); absent there: none
+        sample_ids=getattr(args, "sample_ids", 0) or 0,
     )
     print(f"trainwarden loadgen: {result.summary()}")
     for error in result.errors:

@@ -42,7 +42,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, bindparam, func, or_, select, text, update
 
 from trainwarden.alerts.evaluate import LIVE_STATES, median_without
-from trainwarden.collector.health import hang, replicas, samples
+from trainwarden.collector.health import coverage, hang, mixture, replicas, samples
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.read.queries import arrival_lateness
@@ -376,6 +376,9 @@ def evaluate(
         events = samples.duplicates(conn, run_id=run_id, world=world, now=now, ended=True)
         events += samples.drift(conn, run_id=run_id, world=world, now=now, ended=True)
         _events(conn, run_id=run_id, now=now, events=events)
+    for run_id, world in coverage.ended_runs(conn, now=now):  # their last epochs
+        events = coverage.judge(conn, run_id=run_id, world=world, now=now, ended=True)
+        _events(conn, run_id=run_id, now=now, events=events)
     for run_id, name, world in runs:
         window = max(settings.straggler_window, settings.divergence_window)
         steps = _recent_views(conn, run_id, world, window)
@@ -438,7 +441,10 @@ def evaluate(
             run_id=run_id,
             now=now,
             events=samples.duplicates(conn, run_id=run_id, world=world, now=now)
-            + samples.drift(conn, run_id=run_id, world=world, now=now),
+            + samples.drift(conn, run_id=run_id, world=world, now=now)
+            # An epoch's repeated and missing samples; the data mixture's shares.
+            + coverage.judge(conn, run_id=run_id, world=world, now=now)
+            + mixture.drift(conn, run_id=run_id, now=now),
         )
         # Replicas that disagree: silent data corruption (replicas.py).
         _events(

@@ -154,12 +154,12 @@ def drift(
     ).all()
     if not rows:
         return []
-    skipped = _skipping_rollbacks(conn, run_id)
+    skipped = skipping_rollbacks(conn, run_id)
     tries = _attempts(conn, run_id)
     left = [
         r
         for r in rows
-        if not any(r.step > ckpt and r.ts >= at for ckpt, at in skipped)
+        if not any(r.step > ckpt and r.ts >= at for ckpt, at, _ in skipped)
         and not _resized(tries, r.ts)
     ]
     if not left:
@@ -206,8 +206,9 @@ def drift(
     ]
 
 
-def _skipping_rollbacks(conn: Connection, run_id: int) -> list[tuple[int, float]]:
-    """(checkpoint step, when committed) of the run's rollbacks that skipped data."""
+def skipping_rollbacks(conn: Connection, run_id: int) -> list[tuple[int, float, int]]:
+    """(checkpoint step, when committed, batches skipped) of the run's rollbacks that
+    skipped data on purpose (a non-empty skip window; SDC rollbacks keep their data)."""
     a = m.actions.c
     out = []
     for plan in conn.execute(
@@ -219,8 +220,12 @@ def _skipping_rollbacks(conn: Connection, run_id: int) -> list[tuple[int, float]
         restore = plan.get("rollback") or {}
         if plan.get("committed_at") is None or plan.get("keep_data"):
             continue
-        if restore.get("skip_to", -1) >= restore.get("skip_from", 0):
-            out.append((int(restore["checkpoint_step"]), float(plan["committed_at"])))
+        try:
+            at, low, high = (int(restore[k]) for k in ("checkpoint_step", "skip_from", "skip_to"))
+        except (KeyError, TypeError, ValueError):
+            continue
+        if high >= low:
+            out.append((at, float(plan["committed_at"]), high - low + 1))
     return out
 
 

@@ -177,6 +177,7 @@ def store_many(
     accepted_steps = []
     checks: list[dict[str, Any]] = []  # replica fingerprints, on checked steps
     digests: list[dict[str, Any]] = []  # sample digests, on steps that sent ids
+    sources: list[dict[str, Any]] = []  # tokens by data source, on steps that sent them
     for req in requests:
         if not req.steps:
             accepted_steps.append(0)
@@ -186,6 +187,7 @@ def store_many(
             merged[name] += values
         checks += replicas.checks_of(run_ids[req.run], req.steps, now)
         digests += samples.digests_of(run_ids[req.run], req.steps, now)
+        sources += samples.sources_of(run_ids[req.run], req.steps)
     keys = list(zip(merged["run_id"], merged["rank"], merged["step"], strict=True))
     if len(set(keys)) < len(keys):
         latest: dict[tuple[int, int, int], int] = {}
@@ -214,6 +216,7 @@ def store_many(
     stored = _write_steps(conn, merged, high_steps)
     replicas.write_checks(conn, checks)
     samples.write_digests(conn, digests)
+    samples.write_sources(conn, sources)
     _queue_rollups(conn, Counter(zip(stored["run_id"], stored["step"], strict=True)), now)
 
     accepted_events = _store_events(conn, requests, run_ids, now)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import time
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
@@ -15,6 +16,7 @@ from typing import Annotated, Any, Literal
 from fastapi import Path as FastApiPath
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     PrivateAttr,
     ValidationError,
@@ -38,6 +40,44 @@ MAX_FUTURE_S = 24 * 3600.0  # a timestamp further ahead than this is a broken cl
 MIN_TS = 0.0  # epoch seconds: a negative one is no time at all
 FINGERPRINT_PATTERN = r"^[0-9a-f]{32}$"
 PROBE_WITHOUT_CHECK = "probe: sent without the step's fingerprint (a probed step is a checked step)"
+SAMPLES_WITHOUT_DIGEST = "samples_kept / samples_epoch: sent without the step's samples_digest"
+SOURCE_NAME = r"^[a-z][a-z0-9_.-]{0,31}$"  # as the agent's (agent/mixture.py)
+MAX_SOURCES = 32
+_source_name = re.compile(SOURCE_NAME).match
+
+
+def check_int64(ids: list[int]) -> None:
+    """Ids that fit int64, checked once a list (its least and greatest), not id by id."""
+    if min(ids) < -INT64_MAX - 1 or max(ids) > INT64_MAX:
+        raise ValueError("samples_kept: an id outside int64")
+
+
+def check_sources(sources: dict[str, Any]) -> None:
+    """A step's ``data_sources``: at most :data:`MAX_SOURCES` names of the agent's form."""
+    if len(sources) > MAX_SOURCES:
+        raise ValueError(f"data_sources: {len(sources)} sources, at most {MAX_SOURCES}")
+    for name in sources:
+        if not _source_name(name):
+            raise ValueError(f"data_sources: source name {name[:40]!r} must match {SOURCE_NAME}")
+
+
+def check_mixture(mixture: Any) -> dict[str, float]:
+    """A declared data mixture (``tw.init(data_mixture=...)``): source names of the agent's
+    form, weights >= 0 that sum to 1 (within 1e-6). Raises ``ValueError`` saying what."""
+    if not isinstance(mixture, dict) or not mixture:
+        raise ValueError("must be a mapping of source names to weights")
+    check_sources(mixture)
+    for name, weight in mixture.items():
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ValueError(f"{name!r}: a weight must be a number, got {weight!r:.40}")
+        if not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"{name!r}: a weight must be >= 0, got {weight!r}")
+    total = sum(mixture.values())
+    if abs(total - 1) > 1e-6:
+        raise ValueError(f"the weights must sum to 1, they sum to {total:.6g}")
+    return {name: float(w) for name, w in mixture.items()}
+
+
 REPLICA_GROUP_PATTERN = r"^[0-9]+(-[0-9]+(:[0-9]+)?)?(,[0-9]+(-[0-9]+(:[0-9]+)?)?)*$"
 
 
@@ -179,6 +219,25 @@ class StepIn(BaseModel):
     samples_count: int | None = Field(
         default=None, ge=0, le=65_536, description="How many sample ids the digest covers"
     )
+    samples_epoch: int | None = Field(
+        default=None,
+        ge=0,
+        le=2**31,
+        description="The epoch of the step's sample ids (s.samples(ids, epoch=e)); sent "
+        "with samples_digest",
+    )
+    samples_kept: list[int] | None = Field(
+        default=None,
+        max_length=65_536,
+        description="With a dataset size: the step's sample ids for the epoch coverage check "
+        "(all of them, or those of the dataset's fixed sample: agent/samples.py); sent with "
+        "samples_digest",
+    )
+    data_sources: dict[str, Annotated[int, Field(ge=0, le=INT64_MAX)]] | None = Field(
+        default=None,
+        description="s.data_source(name, tokens): the step's tokens from each data source; "
+        f"names match {SOURCE_NAME}, at most {MAX_SOURCES}",
+    )
 
     _ts_now = field_validator("ts")(_not_in_the_future)
 
@@ -186,7 +245,25 @@ class StepIn(BaseModel):
     def _probe_with_its_check(self) -> StepIn:
         if self.probe is not None and self.fingerprint is None:
             raise ValueError(PROBE_WITHOUT_CHECK)
+        if self.samples_digest is None and (
+            self.samples_kept is not None or self.samples_epoch is not None
+        ):
+            raise ValueError(SAMPLES_WITHOUT_DIGEST)
         return self
+
+    @field_validator("samples_kept")
+    @classmethod
+    def _ids_in_int64(cls, ids: list[int] | None) -> list[int] | None:
+        if ids:
+            check_int64(ids)
+        return ids
+
+    @field_validator("data_sources")
+    @classmethod
+    def _source_names(cls, sources: dict[str, int] | None) -> dict[str, int] | None:
+        if sources is not None:
+            check_sources(sources)
+        return sources
 
     @field_validator("metrics")
     @classmethod
@@ -268,7 +345,50 @@ class CollectivesIn(BaseModel):
     groups: list[CollectiveGroupIn] = Field(default_factory=list, max_length=256)
 
 
-EVENT_DATA: dict[str, type[BaseModel]] = {"collectives": CollectivesIn}
+class EpochEndIn(BaseModel):
+    """An ``epoch_end`` event's data (agent/datafeed.py): a rank ended an epoch."""
+
+    epoch: int = Field(ge=0, le=2**31)
+    last_step: int = Field(ge=0, le=MAX_STEP)
+    dataset_size: int | None = Field(default=None, ge=1, le=2**31)
+    kept: int | None = Field(default=None, ge=1, le=2**31)
+    exact: bool | None = None
+    dropped: int | None = Field(
+        default=None, ge=0, le=2**31, description="Samples the loader leaves out by design"
+    )
+
+    @model_validator(mode="after")
+    def _kept_within(self) -> EpochEndIn:
+        if (self.kept is None) != (self.dataset_size is None):
+            raise ValueError("dataset_size and kept come together")
+        if (
+            self.kept is not None
+            and self.dataset_size is not None
+            and self.kept > self.dataset_size
+        ):
+            raise ValueError(f"kept {self.kept} is over dataset_size {self.dataset_size}")
+        return self
+
+
+class AttemptStartIn(BaseModel):
+    """What an ``attempt_start`` event's data must hold in a form of its own (the rest is
+    the process's identity, kept as it comes): a declared ``data_mixture``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    data_mixture: dict[str, Any] | None = None
+
+    @field_validator("data_mixture")
+    @classmethod
+    def _mixture(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if value is None else check_mixture(value)
+
+
+EVENT_DATA: dict[str, type[BaseModel]] = {
+    "collectives": CollectivesIn,
+    "epoch_end": EpochEndIn,
+    "attempt_start": AttemptStartIn,
+}
 """Event kinds whose data has a form of its own, checked at the edge."""
 
 
@@ -295,7 +415,8 @@ class EventIn(BaseModel):
                 first = exc.errors()[0]
                 where = ".".join(str(part) for part in ("data", *first["loc"]))
                 raise ValueError(
-                    f"a {self.kind} event's {where}: {first['msg']} "
+                    f"{'an' if self.kind[0] in 'aeiou' else 'a'} {self.kind} event's {where}: "
+                    f"{first['msg']} "
                     f"(got {str(first.get('input'))[:80]!r})"
                 ) from None
         return self
@@ -556,6 +677,28 @@ def _validate_columns(steps: dict[str, list[Any]]) -> dict[str, list[Any]]:
                 for i, value in enumerate(values):
                     if value is not None and not math.isfinite(value):
                         raise ValueError(f"steps row {i}: {name}: must be a finite number")
+    kept, epochs = columns.get("samples_kept"), columns.get("samples_epoch")
+    if kept or epochs:
+        digests = columns.get("samples_digest") or [None] * len(columns["ts"])
+        for i, digest in enumerate(digests):
+            if digest is None and (
+                (kept is not None and kept[i] is not None)
+                or (epochs is not None and epochs[i] is not None)
+            ):
+                raise ValueError(f"steps row {i}: {SAMPLES_WITHOUT_DIGEST}")
+    for i, ids in enumerate(kept or ()):
+        if ids:
+            try:
+                check_int64(ids)
+            except ValueError as exc:
+                raise ValueError(f"steps row {i}: {exc}") from None
+    if columns.get("data_sources"):
+        for i, sources in enumerate(columns["data_sources"]):
+            if sources:
+                try:
+                    check_sources(sources)
+                except ValueError as exc:
+                    raise ValueError(f"steps row {i}: {exc}") from None
     if columns.get("probe"):
         prints = columns.get("fingerprint") or [None] * len(columns["probe"])
         for i, (probe, fp) in enumerate(zip(columns["probe"], prints, strict=True)):

@@ -16,6 +16,7 @@ from sqlalchemy import (
     Connection,
     Float,
     Integer,
+    LargeBinary,
     select,
 )
 from sqlalchemy import column as sql_column
@@ -55,6 +56,8 @@ def _pg_type(column: Any, dialect: Any) -> str:
         return "float8"
     if isinstance(kind, JSON):
         return "jsonb" if isinstance(kind, postgresql.JSONB) else "json"
+    if isinstance(kind, LargeBinary):
+        return "bytea"
     return "text"
 
 
@@ -73,8 +76,16 @@ def _stage(
     """Binary-COPY ``rows`` (values in ``columns`` order) into this session's temporary
     staging copy of ``table`` (emptied at commit); returns its name."""
     name = f"tw_stage_{table.name}"
+    # With its columns' compression (PostgreSQL 14+): a value compressed in the stage is
+    # moved to the table as it is, so the stage must compress as the table does (lz4 for
+    # sample_digests.kept, migration 0028), or it is pglz's cost that is paid.
+    like = (
+        f"{table.name} INCLUDING COMPRESSION"
+        if (conn.dialect.server_version_info or (0,)) >= (14,)
+        else table.name
+    )
     conn.exec_driver_sql(
-        f"CREATE TEMP TABLE IF NOT EXISTS {name} (LIKE {table.name}) ON COMMIT DELETE ROWS"
+        f"CREATE TEMP TABLE IF NOT EXISTS {name} (LIKE {like}) ON COMMIT DELETE ROWS"
     )
     _copy(conn, table, name, columns, rows)
     return name

@@ -20,6 +20,7 @@ from sqlalchemy import (
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Table,
@@ -253,7 +254,26 @@ sample_digests = Table(
     Column("digest", String(16), nullable=False),
     Column("count", Integer, nullable=False),
     Column("first_digest", String(16), nullable=False),
+    # With a dataset size (migration 0028): the step's epoch, and its ids (all of them, or
+    # those of the dataset's fixed sample) as little-endian int64 (agent/samples.py).
+    Column("epoch", Integer),
+    Column("kept", LargeBinary),
     Index("ix_sample_digests_run_id_recv_ts", "run_id", "recv_ts"),
+    Index("ix_sample_digests_run_id_epoch", "run_id", "epoch"),
+)
+
+
+# s.data_source(name, tokens) (migration 0028): the tokens a rank's step drew from each
+# source of the run's mixture. A later execution of the step replaces them.
+source_tokens = Table(
+    "source_tokens",
+    metadata,
+    Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
+    Column("step", BigInteger, primary_key=True),
+    Column("rank", Integer, primary_key=True),
+    Column("source", String(32), primary_key=True),
+    Column("ts", Float, nullable=False),
+    Column("tokens", BigInteger, nullable=False),
 )
 
 

@@ -91,6 +91,8 @@ def test_attempt_start_is_the_first_event_with_the_whole_identity() -> None:
         "config",
         "tags",
         "data_snapshot",
+        "data_mixture",
+        "dataset_size",
         "code",
         "env",
         "packages",
@@ -99,6 +101,7 @@ def test_attempt_start_is_the_first_event_with_the_whole_identity() -> None:
     assert data["config"] == {"lr": 3e-4, "batch_size": 64}
     assert data["tags"] == ["baseline", "sweep"]
     assert data["data_snapshot"] == "s3://data/v7"
+    assert (data["data_mixture"], data["dataset_size"]) == (None, None)  # none declared
     assert set(data["code"]) == {"commit", "dirty", "branch", "root"}
     env = data["env"]
     assert set(env) == {

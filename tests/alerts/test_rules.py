@@ -51,6 +51,10 @@ PACK = [
     "SilentDataCorruption",  # replica fingerprints that disagree (issue 34)
     "DuplicateBatchAcrossRanks",  # one batch on several ranks of a data-parallel group (issue 35)
     "DataOrderDrift",  # a replayed step on other samples than its first execution (issue 35)
+    "EpochCoverage",  # an epoch's samples counted (issue 35)
+    "DataDuplicated",  # an epoch's samples repeated past the allowance (issue 35)
+    "DataSkipped",  # an epoch's samples never seen past the allowance (issue 35)
+    "DataMixtureDrift",  # a source's share off the declared mixture (issue 35)
 ]
 HEADINGS = [
     "## What it means",

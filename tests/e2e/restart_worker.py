@@ -15,7 +15,6 @@ import argparse
 import gc
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import trainwarden.agent as tw
+from trainwarden.agent.demo_trainer import init_process_group
 
 
 def main() -> None:
@@ -37,20 +37,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     a = p.parse_args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    # The launcher's store outlives a restart: a prefix per attempt keeps the new ranks
-    # from reading the previous attempt's gloo addresses (and timing out on them).
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=60),
-    )
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"restart-{restart}", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-    )
+    init_process_group()  # under torchrun: a store prefix per restart (demo_trainer.py)
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(32, 32))

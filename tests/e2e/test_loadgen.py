@@ -95,3 +95,84 @@ def test_the_load_generators_client_reads_chunked_and_sized_answers_on_one_conne
         answers = pool.submit(asyncio.run, main()).result(30)
     assert answers == [(503, b'{"error": 1}'), (200, b"{}")]
     assert all(b"X-Trainwarden-Sender: r/0-7\r\n" in head for head in seen)
+
+
+def test_loadgen_sample_ids_arrive_with_their_digest_count_and_epoch(
+    live_server: Server, db_url: str
+) -> None:
+    import concurrent.futures
+
+    from sqlalchemy import text
+
+    from trainwarden.agent.samples import summarize
+    from trainwarden.agent.values import Captured
+    from trainwarden.collector.cli.loadgen import DATASET, run_loadgen, sample_columns
+    from trainwarden.collector.ingest.samples import unpack
+    from trainwarden.collector.store.db import make_engine
+
+    # In a thread of its own: see the test above (asyncio.run and Playwright's loop).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        result = pool.submit(
+            run_loadgen,
+            url=live_server.url,
+            ranks=16,
+            ranks_per_node=8,
+            steps_per_s=4,
+            duration_s=1,
+            run="lg-ids",
+            sample_ids=32,
+        ).result(120)
+    assert result.requests_failed == 0, result.errors
+    assert "25 metrics a row and 32 sample ids" in result.summary()
+    engine = make_engine(db_url)
+    query = text(
+        "SELECT d.step, d.rank, d.digest, d.count, d.epoch, d.kept FROM sample_digests d "
+        "JOIN runs r ON r.id = d.run_id WHERE r.name = 'lg-ids' ORDER BY d.step, d.rank"
+    )
+    try:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            with engine.connect() as conn:
+                rows = conn.execute(query).all()
+            if len(rows) == 16 * 4:
+                break
+            time.sleep(0.3)
+    finally:
+        engine.dispose()
+    assert [(r.step, r.rank) for r in rows] == [(s, k) for s in range(4) for k in range(16)]
+    sent = {}
+    for r in rows:
+        ids = list(unpack(r.kept))
+        assert (
+            ids
+            == sample_columns(world=16, ranks=range(r.rank, r.rank + 1), step=r.step, count=32)[
+                "samples_kept"
+            ][0]
+        )
+        assert r.digest == summarize(Captured(tuple(ids)))[0]  # as agents send it
+        assert (r.count, r.epoch) == (32, 0)
+        sent[r.step, r.rank] = ids
+    # A shuffling sampler's batches: each id of the dataset once in its epoch (the 4 x 16
+    # x 32 ids are the first of the first epoch), spread over the dataset.
+    ids = [i for batch in sent.values() for i in batch]
+    assert len(set(ids)) == len(ids) and all(0 <= i < DATASET for i in ids)
+    assert max(ids) > DATASET // 2
+
+
+def test_loadgen_sends_no_samples_columns_by_default() -> None:
+    import random
+
+    from trainwarden.collector.cli.loadgen import node_body
+
+    body = node_body(
+        run="r",
+        world=16,
+        ranks=range(8, 16),
+        step=2,
+        period_s=1.0,
+        sessions={r: "s" for r in range(8, 16)},
+        rng=random.Random(0),
+        slow_rank=None,
+        user=6,
+    )
+    assert not [name for name in body["steps"] if name.startswith("samples")]
