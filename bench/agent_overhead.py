@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 import trainwarden.agent as tw
 from trainwarden.agent.wire import dumps
@@ -119,6 +120,45 @@ def thread_costs(n: int) -> dict[str, float]:
     results["exporter CPU per record with ids"] = (
         agent.stats.exporter_cpu_ns / agent.stats.sent / 1000
     )
+    # With a dataset size the exporter also sends the ids for the epoch coverage check:
+    # all of them up to 1,048,576 samples (exact), a fixed sample beyond (sampled).
+    for kind, size in (("exact", 100_000), ("sampled", 100_000_000)):
+        agent = tw.init(
+            run="bench-overhead",
+            transport=NullTransport(),
+            queue_size=1_000_000,
+            dataset_size=size,
+        )
+        per_call_us(agent_step_with_ids, n // 4)
+        tw.shutdown(timeout_s=60)
+        results[f"exporter CPU per record with ids, {kind}"] = (
+            agent.stats.exporter_cpu_ns / agent.stats.sent / 1000
+        )
+    # tw.watch_loader: what a watched DataLoader adds to each batch it yields on the
+    # training thread (its sampler's indices queued and handed over, the step taking them
+    # at its end). No exporter here: its digest work (above) would compete for the GIL in
+    # this loop of empty steps.
+    loader = DataLoader(TensorDataset(torch.arange(512 * 64)), batch_size=512)
+    tw.init(run="bench-overhead", queue_size=1_000_000, gpu_interval_s=0)
+
+    def epoch_us(batches: Any) -> float:
+        t0 = time.perf_counter_ns()
+        for i, _batch in enumerate(batches):
+            with tw.step(i):
+                pass
+        return (time.perf_counter_ns() - t0) / 64 / 1000
+
+    watched_loader = tw.watch_loader(
+        DataLoader(TensorDataset(torch.arange(512 * 64)), batch_size=512)
+    )
+    plain, watched = [], []
+    for _ in range(15):  # alternating
+        plain.append(epoch_us(loader))
+        watched.append(epoch_us(watched_loader))
+    results["tw.watch_loader per batch (512 ids)"] = statistics.median(
+        w - p for w, p in zip(watched, plain, strict=True)
+    )
+    tw.shutdown()
     tw.init(run="bench-overhead", transport=NullTransport(), queue_size=1_000_000)
 
     # tw.watch: forward pre/post and optimizer pre/post hooks fire in each step.
@@ -554,14 +594,17 @@ def main() -> None:
     agent_us = costs["tw.step + s.loss"]
     print("\n1. training-thread cost per step (median, bare loop subtracted)")
     for name, us in costs.items():
-        if name not in ("bare", "exporter CPU per record", "exporter CPU per record with ids"):
+        if name not in ("bare",) and not name.startswith("exporter CPU per record"):
             print(f"   {name:<26} {us:8.2f} us")
     print(f"   {'bare loop iteration':<26} {costs['bare']:8.2f} us")
     print(
         f"   exporter thread CPU per record: {costs['exporter CPU per record']:.2f} us "
         "(off the training thread; it releases the GIL every 8 records); with 512 sample "
         f"ids a step: {costs['exporter CPU per record with ids']:.2f} us (target for "
-        "s.samples on the training thread: <= 5 us)"
+        "s.samples on the training thread: <= 5 us); and with a dataset size, sending the "
+        f"ids too: {costs['exporter CPU per record with ids, exact']:.2f} us (exact, 100,000 "
+        f"samples), {costs['exporter CPU per record with ids, sampled']:.2f} us (sampled, "
+        "100,000,000)"
     )
     wandb_us = costs["wandb.log (offline)"]
     if wandb_us == wandb_us:  # not NaN

@@ -3,6 +3,7 @@
     python bench/ingest.py [--db postgresql+psycopg://postgres@127.0.0.1:5432/test]
                            [--ranks 1024] [--ranks-per-node 8] [--duration 30]
                            [--user-metrics 6] [--after-crash] [--no-relay]
+                           [--sample-ids 512 [--rounds 1]]
 
 (a) raw binary COPY of the same wide rows into a table with rank_steps' key: the limit
     (the user metrics as one JSONB object a row, as rank_steps keeps them);
@@ -19,11 +20,31 @@ Prints points/s for each and the ratios.
 with no goodbye (a job that crashed whole: a RankDead alert a rank, one incident), waits
 75 s, and measures a second run (its restart under a new name) beside it: what a crashed
 job costs the collector while the runs still sending are ingested.
+
+``--sample-ids N``: what sample ids cost the collector (issue 35). (b) runs twice in the
+same invocation, back to back: without ids, and with N ids a row (each rank's step
+carrying ``samples_digest``, ``samples_count``, ``samples_epoch`` and the ids in
+``samples_kept``, as an agent sends them with a dataset size: collector/cli/loadgen.py's
+``sample_columns``). Each phase has a scratch database and a ``trainwarden serve`` of its
+own on the same PostgreSQL (on one, the first phase's ranks would go dead 4.5 s after it
+stops, and their alerts would be billed to the second). ``--rounds K`` repeats the pair,
+in the order without/with, with/without, ... (drift on a shared machine falls on both).
+Prints each phase's lines, then the collector's and PostgreSQL's CPU a stored row with
+vs without ids (and the difference a row), rows/s, p95 step -> queryable, the
+group-commit writer's flushes (the collector's ``/metrics``) and what ``sample_digests``
+holds. A row's CPU includes its share of the collector's work a second (alert passes,
+rollups), smaller the more rows a second: compare with vs without at one ``--ranks``.
+(c) MLflow is left out under ``--sample-ids``. PostgreSQL's CPU is given twice: that of
+the phase's database (its backends and autovacuum) and the server's shared processes
+(WAL writer, checkpointer, ...), and that of all the machine's PostgreSQL processes
+(other work on the same server adds to it, and a backend of other work that exits
+during a phase takes its CPU away from it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import resource
@@ -31,6 +52,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psycopg
@@ -105,7 +127,11 @@ def end_to_end(
     user: int,
     after_crash: bool = False,
     per_rank: bool = False,
-) -> dict[str, float]:
+    sample_ids: int = 0,
+    pg_dsn: str | None = None,
+) -> dict[str, Any]:
+    """``pg_dsn``: the database's libpq DSN, to measure also the CPU of its own PostgreSQL
+    backends and of the server's shared background processes (``pg_cpu_us_per_row``)."""
     with serving_process(db_url, log_name="bench-ingest") as (url, serve):
         run = f"bench-{uuid.uuid4().hex[:6]}"
         if after_crash:
@@ -172,6 +198,8 @@ def end_to_end(
         poller.start()
         # CPU a stored row of each part, over the load: they share the machine's cores.
         cpu = (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds())
+        pg_before = _postgres_cpu_by_pid(pg_dsn) if pg_dsn else {}
+        flushes_before = _writer_sums(url)
         result = run_loadgen(
             url=url,
             ranks=ranks,
@@ -182,6 +210,7 @@ def end_to_end(
             on_sent=on_sent,
             user_metrics=user,
             per_rank=per_rank,
+            sample_ids=sample_ids,
         )
         used = [
             b - a
@@ -191,6 +220,8 @@ def end_to_end(
                 strict=True,
             )
         ]
+        pg_after = _postgres_cpu_by_pid(pg_dsn) if pg_dsn else {}
+        flushes = {k: v - flushes_before.get(k, 0.0) for k, v in _writer_sums(url).items()}
         time.sleep(3)
         stop.set()
         poller.join()
@@ -207,15 +238,188 @@ def end_to_end(
             "p95_queryable_s": p95,
             "steps_measured": float(len(delays)),
             "request_p95_s": sorted(result.latencies_s)[int(0.95 * len(result.latencies_s))],
+            "request_p50_s": sorted(result.latencies_s)[len(result.latencies_s) // 2],
+            "writer": flushes,
             "cpu_us_per_row": [u / max(1, result.rows) * 1e6 for u in used],
+            "pg_cpu_us_per_row": sum(t - pg_before.get(pid, 0.0) for pid, t in pg_after.items())
+            / max(1, result.rows)
+            * 1e6,
             "seconds": result.seconds,
         }
+
+
+def _postgres_cpu_by_pid(dsn: str) -> dict[int, float]:
+    """CPU seconds so far of each PostgreSQL process of the database of ``dsn`` (its
+    backends, its autovacuum workers) and of the server's shared ones (checkpointer, WAL
+    writer, ...), by pid: unlike :func:`postgres_cpu_seconds`, blind to other databases'
+    backends, and a process that exits between two readings takes nothing away."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        pids = conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+            "AND (datname = current_database() OR datname IS NULL)"
+        ).fetchall()
+    cpu = {}
+    for (pid,) in pids:
+        with contextlib.suppress(OSError):  # gone meanwhile
+            cpu[pid] = cpu_seconds(pid)
+    return cpu
+
+
+_WRITER_SUMS = (
+    "trainwarden_ingest_flush_seconds_count",
+    "trainwarden_ingest_flush_seconds_sum",
+    "trainwarden_ingest_flush_requests_sum",
+    "trainwarden_ingest_seconds_sum",
+    "trainwarden_ingest_seconds_count",
+)
+
+
+def _writer_sums(url: str) -> dict[str, float]:
+    """The group-commit writer's counters from the collector's ``/metrics``: flushes, their
+    seconds and requests, and the seconds from a request queued to its commit."""
+    try:
+        page = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    sums = {}
+    for line in page.splitlines():
+        name, _, value = line.partition(" ")
+        if name in _WRITER_SUMS:
+            sums[name] = float(value)
+    return sums
 
 
 def _own_cpu_seconds() -> float:
     """This process's CPU seconds: the load generator, and the latency probe's thread."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def print_end_to_end(args: argparse.Namespace, e2e: dict[str, Any], label: str) -> None:
+    """(b)'s lines: rows/s, p95 step -> queryable, CPU a stored row."""
+    shape = (
+        "a request a rank: no relay"
+        if args.no_relay
+        else f"a request of {args.ranks_per_node} ranks, as a relay sends"
+    )
+    print(
+        f"{label}{e2e['rows_per_s']:>12,.0f} rows/s = "
+        f"{e2e['points_per_s']:>13,.0f} points/s "
+        f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s, {shape}; "
+        f"{e2e['failed']:.0f} failed requests)"
+    )
+    if e2e["steps_measured"]:
+        print(
+            f"    p95 step complete -> queryable: {e2e['p95_queryable_s']:.2f} s "
+            f"over {e2e['steps_measured']:.0f} steps "
+            f"(target <= 2 s); request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
+        )
+    else:  # past saturation: the load generator does not send a refused request again
+        print(
+            f"    p95 step complete -> queryable: not measured, no step had every rank's row "
+            f"(the collector did not take {e2e['failed']:.0f} requests (503 when busy), "
+            f"which agents send again and the load generator does not); "
+            f"request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
+        )
+    serve_us, pg_us, load_us = e2e["cpu_us_per_row"]
+    cores = (serve_us + pg_us + load_us) * e2e["rows_per_s"] / 1e6
+    print(
+        f"    CPU a stored row: collector {serve_us:.0f} us, PostgreSQL {pg_us:.0f} us, "
+        f"load generator (and the latency probe) {load_us:.0f} us: "
+        f"{cores:.2f} of {os.cpu_count()} cores busy; "
+        f"the collector's Python runs on one core at a time (its interpreter lock)"
+    )
+
+
+def with_and_without_ids(args: argparse.Namespace, copy_points_per_s: float) -> None:
+    """--sample-ids: (b) without and with ids, each phase on a scratch database and a
+    serve of its own; prints each phase, then with vs without."""
+    n = args.sample_ids
+    arms: dict[int, list[dict[str, Any]]] = {0: [], n: []}
+    for r in range(args.rounds):
+        for ids in (0, n) if r % 2 == 0 else (n, 0):
+            with scratch_database(args.db) as (sa_url, dsn):
+                e2e = end_to_end(
+                    sa_url,
+                    ranks=args.ranks,
+                    ranks_per_node=args.ranks_per_node,
+                    duration=args.duration,
+                    user=args.user_metrics,
+                    per_rank=args.no_relay,
+                    sample_ids=ids,
+                    pg_dsn=dsn,
+                )
+                stored = _sample_digests(dsn)
+            arms[ids].append(e2e)
+            label = f"(b) {f'with {n}' if ids else 'without'} ids, round {r + 1}:"
+            print_end_to_end(args, e2e, f"{label:<28}")
+            print(
+                f"    sample_digests: {stored['rows']:,.0f} rows, kept {stored['kept_bytes']:,.0f} "
+                f"bytes a row as stored (of {8 * ids:,} packed); the table with its TOAST and "
+                f"indexes {stored['table_bytes'] / 2**20:,.1f} MiB; "
+                f"(b)/(a) = {e2e['points_per_s'] / copy_points_per_s:.4f}"
+            )
+
+    def mean(arm: int, key: str, i: int | None = None) -> float:
+        values = [e[key] if i is None else e[key][i] for e in arms[arm]]
+        return sum(values) / len(values)
+
+    rounds = f"means of {args.rounds} rounds" if args.rounds > 1 else "one round"
+    print(f"(b) with {n} sample ids a row vs without ({rounds}, same invocation):")
+    parts = [
+        ("collector", "cpu_us_per_row", 0),
+        ("PostgreSQL, this database + shared", "pg_cpu_us_per_row", None),
+        ("PostgreSQL, all of the machine's", "cpu_us_per_row", 1),
+        ("load generator (and probe)", "cpu_us_per_row", 2),
+    ]
+    for part, key, i in parts:
+        off, on = mean(0, key, i), mean(n, key, i)
+        ratio = on / off if off > 0 else float("nan")
+        print(
+            f"    {part + ' CPU a row:':<48}{off:8.1f} us without, {on:8.1f} us with: "
+            f"{on - off:+7.1f} us a row ({ratio:.2f}x)"
+        )
+    off, on = mean(0, "rows_per_s"), mean(n, "rows_per_s")
+    print(f"    {'rows/s:':<48}{off:8,.0f} without, {on:8,.0f} with ({on / off:.3f}x)")
+    off, on = mean(0, "p95_queryable_s"), mean(n, "p95_queryable_s")
+    print(f"    {'p95 step -> queryable:':<48}{off:8.2f} s without, {on:8.2f} s with")
+
+    def writer(arm: int) -> tuple[float, float, float, float]:
+        """Flushes a second, their mean ms and requests, mean ms from queued to commit."""
+        w = [e["writer"] for e in arms[arm]]
+        flushes = sum(x.get("trainwarden_ingest_flush_seconds_count", 0) for x in w)
+        queued = sum(x.get("trainwarden_ingest_seconds_count", 0) for x in w)
+        seconds = sum(e["seconds"] for e in arms[arm])
+        per = lambda k, d: sum(x.get(k, 0) for x in w) / d if d else float("nan")  # noqa: E731
+        return (
+            flushes / seconds,
+            per("trainwarden_ingest_flush_seconds_sum", flushes) * 1000,
+            per("trainwarden_ingest_flush_requests_sum", flushes),
+            per("trainwarden_ingest_seconds_sum", queued) * 1000,
+        )
+
+    for arm in (0, n):
+        rate, ms, reqs, wait = writer(arm)
+        print(
+            f"    {'group commit, ' + ('with ids:' if arm else 'without ids:'):<48}"
+            f"{rate:8.1f} flushes/s of {reqs:.1f} requests, {ms:.1f} ms each; "
+            f"a request queued to committed {wait:.1f} ms on average"
+        )
+    for q in ("p50", "p95"):
+        off, on = mean(0, f"request_{q}_s"), mean(n, f"request_{q}_s")
+        print(f"    {f'request {q}:':<48}{off * 1000:8.0f} ms without, {on * 1000:8.0f} ms with")
+
+
+def _sample_digests(dsn: str) -> dict[str, float]:
+    """What ``sample_digests`` holds after a phase: its rows, the stored size of ``kept`` a
+    row (after PostgreSQL's compression), the table's size with its TOAST and indexes."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*), coalesce(avg(pg_column_size(kept)), 0), "
+            "pg_total_relation_size('sample_digests') FROM sample_digests"
+        ).fetchone()
+    rows, kept, size = row if row else (0, 0, 0)
+    return {"rows": float(rows), "kept_bytes": float(kept), "table_bytes": float(size)}
 
 
 def main() -> None:
@@ -242,6 +446,21 @@ def main() -> None:
         help="(b) with each rank sending its own request, as agents with no node relay do "
         "(default: one request a node of --ranks-per-node ranks, as its relay sends)",
     )
+    p.add_argument(
+        "--sample-ids",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run (b) twice, without and with N sample ids a row (digest, count, epoch and "
+        "the ids), and print the collector's and PostgreSQL's CPU a row with vs without; "
+        "(c) MLflow is left out",
+    )
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="with --sample-ids: pairs of phases, in the order without/with, with/without, ...",
+    )
     p.add_argument("--mlflow-duration", type=float, default=30)
     p.add_argument(
         "--mlflow-ranks",
@@ -265,6 +484,9 @@ def main() -> None:
             f"(a) raw binary COPY:        {copy_rows:>12,.0f} rows/s = "
             f"{copy_rows * metrics:>13,.0f} points/s"
         )
+        if args.sample_ids:
+            with_and_without_ids(args, copy_rows * metrics)
+            return
         e2e = end_to_end(
             sa_url,
             ranks=args.ranks,
@@ -274,38 +496,7 @@ def main() -> None:
             after_crash=args.after_crash,
             per_rank=args.no_relay,
         )
-        shape = (
-            "a request a rank: no relay"
-            if args.no_relay
-            else f"a request of {args.ranks_per_node} ranks, as a relay sends"
-        )
-        print(
-            f"(b) trainwarden over HTTP:  {e2e['rows_per_s']:>12,.0f} rows/s = "
-            f"{e2e['points_per_s']:>13,.0f} points/s "
-            f"({args.ranks} ranks x 1 step/s offered = {args.ranks:,} rows/s, {shape}; "
-            f"{e2e['failed']:.0f} failed requests)"
-        )
-        if e2e["steps_measured"]:
-            print(
-                f"    p95 step complete -> queryable: {e2e['p95_queryable_s']:.2f} s "
-                f"over {e2e['steps_measured']:.0f} steps "
-                f"(target <= 2 s); request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
-            )
-        else:  # past saturation: the load generator does not send a refused request again
-            print(
-                f"    p95 step complete -> queryable: not measured, no step had every rank's row "
-                f"(the collector did not take {e2e['failed']:.0f} requests (503 when busy), "
-                f"which agents send again and the load generator does not); "
-                f"request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
-            )
-        serve_us, pg_us, load_us = e2e["cpu_us_per_row"]
-        cores = (serve_us + pg_us + load_us) * e2e["rows_per_s"] / 1e6
-        print(
-            f"    CPU a stored row: collector {serve_us:.0f} us, PostgreSQL {pg_us:.0f} us, "
-            f"load generator (and the latency probe) {load_us:.0f} us: "
-            f"{cores:.2f} of {os.cpu_count()} cores busy; "
-            f"the collector's Python runs on one core at a time (its interpreter lock)"
-        )
+        print_end_to_end(args, e2e, "(b) trainwarden over HTTP:  ")
         print(f"    (b)/(a) = {e2e['points_per_s'] / (copy_rows * metrics):.4f}")
         peer = mlflow_points_per_s(
             args.db, ranks=args.mlflow_ranks, duration_s=args.mlflow_duration
