@@ -16,7 +16,6 @@ import argparse
 import gc
 import os
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import trainwarden.agent as tw
+from trainwarden.agent.integrations.common import init_process_group
 
 
 class TinyLM(nn.Module):
@@ -66,28 +66,6 @@ class MarkovData:
                 self.transitions[seq[:, i - 1]], 1, generator=self.rng
             ).squeeze(1)
         return seq[:, :-1], seq[:, -1]
-
-
-def init_process_group() -> None:
-    """gloo, from the launcher's environment. Under torchrun the launcher's store outlives
-    a restart: the restarted ranks meet under a prefix of their own (the restart count),
-    or they would read the previous attempt's gloo addresses and time out on them."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if not os.environ.get("TORCHELASTIC_RUN_ID") or restart is None:
-        dist.init_process_group("gloo")
-        return
-    store = dist.TCPStore(
-        os.environ["MASTER_ADDR"],
-        int(os.environ["MASTER_PORT"]),
-        is_master=False,
-        timeout=timedelta(seconds=60),
-    )
-    dist.init_process_group(
-        "gloo",
-        store=dist.PrefixStore(f"attempt-{restart}", store),
-        rank=int(os.environ["RANK"]),
-        world_size=int(os.environ["WORLD_SIZE"]),
-    )
 
 
 def _data_drill(form: str) -> int | None:
@@ -237,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
         data_snapshot=f"markov:seed={args.seed}",
     )
     if world > 1:
-        init_process_group()
+        init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     extra = None  # the second group, on the ranks in it
     if args.extra_group:

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import trainwarden.agent as tw
-from trainwarden.agent.demo_trainer import init_process_group
+from trainwarden.agent.integrations.common import init_process_group
 
 
 def main() -> None:
@@ -37,7 +37,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=0.05)
     a = p.parse_args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    init_process_group()  # under torchrun: a store prefix per restart (demo_trainer.py)
+    init_process_group("gloo")  # under torchrun: a store prefix per restart
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = nn.parallel.DistributedDataParallel(nn.Linear(32, 32))

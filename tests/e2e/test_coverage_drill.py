@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from ..conftest import start_serve, stop_serve
+from .launch import torchrun
 from .test_drills import wait_for
 
 WORKER = Path(__file__).with_name("coverage_worker.py")
@@ -30,13 +30,8 @@ def buggy_epoch_0() -> tuple[set[int], set[int]]:
 def test_an_epoch_with_a_buggy_sampler_is_counted_exactly(tmp_path: Path) -> None:
     server = start_serve(f"sqlite:///{tmp_path / 'cov.db'}", tmp_path / "serve.log")
     run = "coverage4"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
+    cmd = torchrun(
+        4,
         str(WORKER),
         "--run-name",
         run,
@@ -46,7 +41,7 @@ def test_an_epoch_with_a_buggy_sampler_is_counted_exactly(tmp_path: Path) -> Non
         "3",  # on long enough after epoch 0 for the evaluator's and alert engine's passes
         "--work-ms",
         "15",
-    ]
+    )
     log = tmp_path / "torchrun.log"
     try:
         with log.open("w") as out:

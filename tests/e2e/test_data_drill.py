@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ..conftest import Server, start_serve, stop_serve
+from .launch import torchrun as torchrun_cmd
 from .test_drills import stop, wait_for
 from .test_rollback_drill import launch
 
@@ -64,17 +64,8 @@ def test_every_rank_on_rank_0_s_batch_is_flagged_on_the_first_step(tmp_path: Pat
 def torchrun(server: Server, run: str, ckpt: Path, log: Path, drill: str) -> int:
     """The demo trainer on 2 gloo ranks under ``torchrun --max-restarts=1``: checkpoints
     every 10 steps, ~10 ms steps; returns torchrun's exit code."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "--monitor-interval",
-        "0.2",
+    cmd = torchrun_cmd(
+        2,
         "-m",
         "trainwarden.agent.demo_trainer",
         "--run-name",
@@ -91,7 +82,8 @@ def torchrun(server: Server, run: str, ckpt: Path, log: Path, drill: str) -> int
         str(ckpt),
         "--checkpoint-every",
         "10",
-    ]
+        restarts=1,
+    )
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +13,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from ..conftest import Server, free_port, start_serve, stop_serve
+from .launch import torchrun
 
 WORKER = Path(__file__).with_name("restart_worker.py")
 STEPS, EVERY, DIE_AT = 50, 10, 35
@@ -30,17 +30,8 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
     server: Server, pg_url: str, tmp_path: Path
 ) -> None:
     run = f"restart-{free_port()}"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--max-restarts",
-        "1",
-        "--monitor-interval",
-        "0.2",
+    cmd = torchrun(
+        2,
         str(WORKER),
         "--run-name",
         run,
@@ -54,7 +45,8 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
         str(EVERY),
         "--die-at",
         str(DIE_AT),
-    ]
+        restarts=1,
+    )
     log = tmp_path / "torchrun.log"
     done = subprocess.run(
         cmd,
