@@ -126,6 +126,11 @@ class Commands:
     def on_rollback(self, handler: Callable[[RollbackPlan], Any]) -> None:
         self._handlers.append(handler)
 
+    def off_rollback(self, handler: Callable[[RollbackPlan], Any]) -> None:
+        """Forget ``handler`` (a framework callback whose training ended)."""
+        if handler in self._handlers:
+            self._handlers.remove(handler)
+
     def should_skip_batch(self, index: int) -> bool:
         return any(lo <= index <= hi for lo, hi in self._skip)
 

@@ -3,8 +3,9 @@
     python bench/agent_overhead.py [--step-ms 50] [--blocks 10] [--steps-per-block 20]
     python bench/agent_overhead.py --flight-recorder     # only measurement 4
     python bench/agent_overhead.py --replica-check       # only measurement 5
+    python bench/agent_overhead.py --integrations        # only measurement 6
 
-Five measurements; all but the fourth in this process:
+Six measurements; all but the fourth in this process:
 
 1. Training-thread cost per step (microseconds): the same tiny step body timed bare,
    under ``tw.step`` + ``s.loss``, under ``tw.watch`` hooks on a model (forward and
@@ -32,6 +33,13 @@ Five measurements; all but the fourth in this process:
    interval (100) as a share of the measured step; and a probed step's hook (the
    determinism probe: one eval forward of the step's input more) against that forward
    alone.
+
+6. The framework integrations (agent/integrations): each framework's own loop on a tiny
+   model, in alternating blocks with and without trainwarden's callback (the agent
+   started once, sending to the discarding transport); each block a fresh trainer of
+   ``--steps-per-block`` steps; the step period (one step's start to the next's, so
+   the callback's work at both ends counts) and the ratio of the arms' medians. A
+   framework that is not installed is said and left out.
 
 The agent sends to a transport that encodes and discards, so the exporter thread
 does all its real work (reading tensors, computing splits and flags) but no network.
@@ -554,6 +562,88 @@ def print_replica_check(r: dict[str, float]) -> None:
     )
 
 
+def hf_trainer_periods(blocks: int, steps: int) -> dict[str, float]:
+    """Part 6, Hugging Face: median step period (ms) of a tiny GPT-2 Trainer, with and
+    without ``TrainwardenCallback``, in alternating blocks."""
+    import logging
+
+    from transformers import (
+        GPT2Config,
+        GPT2LMHeadModel,
+        Trainer,
+        TrainerCallback,
+        TrainingArguments,
+    )
+    from transformers.utils import logging as hf_logging
+
+    from trainwarden.agent.integrations.hf import TrainwardenCallback
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    logging.getLogger("trainwarden").setLevel(logging.ERROR)
+
+    class Periods(TrainerCallback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
+            self.starts.append(time.perf_counter())
+
+    class Tokens(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 100_000
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            ids = torch.arange(i, i + 64) % 256
+            return {"input_ids": ids, "labels": ids}
+
+    tw.init(run="bench-hf", transport=NullTransport(), queue_size=1_000_000, gpu_interval_s=0)
+    arms: dict[str, list[float]] = {"without": [], "with": []}
+    with tempfile.TemporaryDirectory() as out:
+        for block in range(2 * blocks):
+            arm = ("without", "with", "with", "without")[block % 4]
+            torch.manual_seed(0)
+            model = GPT2LMHeadModel(
+                GPT2Config(vocab_size=256, n_positions=64, n_embd=128, n_layer=2, n_head=4)
+            )
+            periods = Periods()
+            callbacks: list[Any] = [periods] + ([TrainwardenCallback()] if arm == "with" else [])
+            args = TrainingArguments(
+                output_dir=out,
+                max_steps=steps + 1,
+                per_device_train_batch_size=8,
+                save_strategy="no",
+                logging_strategy="no",
+                report_to=[],
+                use_cpu=True,
+                disable_tqdm=True,
+            )
+            Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks).train()
+            gaps = [b - a for a, b in zip(periods.starts, periods.starts[1:], strict=False)]
+            arms[arm].append(statistics.median(gaps) * 1000)
+    tw.shutdown()
+    without, with_ = statistics.median(arms["without"]), statistics.median(arms["with"])
+    return {"without_ms": without, "with_ms": with_, "ratio": with_ / without}
+
+
+def print_integrations(blocks: int, steps: int) -> None:
+    print(
+        f"\n6. framework loops with vs without trainwarden's callback ({blocks} blocks each "
+        f"of {steps} steps, alternating; median step period)"
+    )
+    try:
+        import transformers
+    except ImportError:
+        print("   Hugging Face Trainer: transformers not installed (pip install 'trainwarden[hf]')")
+    else:
+        r = hf_trainer_periods(blocks, steps)
+        print(
+            f"   Hugging Face Trainer (transformers {transformers.__version__}, tiny GPT-2): "
+            f"without {r['without_ms']:.2f} ms ; with TrainwardenCallback {r['with_ms']:.2f} ms "
+            f"; ratio {r['ratio']:.4f}"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step-ms", type=float, default=50.0)
@@ -569,6 +659,11 @@ def main() -> None:
         "--replica-check",
         action="store_true",
         help="run only measurement 5 (the replica check's cost on the sized MLP)",
+    )
+    p.add_argument(
+        "--integrations",
+        action="store_true",
+        help="run only measurement 6 (framework loops with vs without the callbacks)",
     )
     p.add_argument("--fr-blocks", type=int, default=16, help="blocks per arm in part 4")
     p.add_argument("--fr-steps-per-block", type=int, default=10, help="steps per block in part 4")
@@ -589,6 +684,9 @@ def main() -> None:
         return
     if args.replica_check:
         print_replica_check(replica_check_costs(args.step_ms, args.calls))
+        return
+    if args.integrations:
+        print_integrations(args.blocks, max(args.steps_per_block, 20))
         return
     costs = thread_costs(args.calls)
     agent_us = costs["tw.step + s.loss"]
@@ -634,6 +732,8 @@ def main() -> None:
     print_flight_recorder(loop_fr, args.fr_blocks, args.fr_steps_per_block)
 
     print_replica_check(replica_check_costs(args.step_ms, args.calls))
+
+    print_integrations(args.blocks, max(args.steps_per_block, 20))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import transformers
 from transformers import TrainerCallback
 
 from .. import checkpoint_saved, on_rollback, watch
+from .. import core as _core
 from ..commands import RollbackPlan
 from ..values import capture
 from . import common
@@ -143,6 +144,9 @@ class TrainwardenCallback(TrainerCallback):
         if self._tap is not None:
             self._tap.remove()
             self._tap = None
+        agent = _core._agent
+        if agent is not None:  # a later train() of this process attaches again
+            agent.commands.off_rollback(self._rollback)
 
     def _guard(self, fn: Any, *args: Any) -> None:
         try:
@@ -208,7 +212,6 @@ def _report_unclipped_norm(trainer: Any) -> None:
     if get is None:
         log.info("trainwarden: the Trainer's gradient norm is not reachable: the clipped one")
         return
-    from .. import core as _core
 
     def _get_grad_norm(*args: Any, **kwargs: Any) -> Any:
         norm = get(*args, **kwargs)
