@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -187,6 +188,16 @@ def run_steps(n: int, *, work_s: float = 0.01, watch: bool = False) -> dict[int,
     return losses
 
 
+def until(found: Any, what: str, timeout_s: float = 10.0) -> Any:
+    """Poll ``found()`` until it is truthy; fail saying ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if value := found():
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"no {what} within {timeout_s:.0f}s")
+
+
 def test_xid_travels_the_nvml_event_path_with_its_catalog_meaning() -> None:
     transport = RecordingTransport()
     tw.init(
@@ -198,7 +209,8 @@ def test_xid_travels_the_nvml_event_path_with_its_catalog_meaning() -> None:
         flush_interval_s=0.05,
     )
     run_steps(6)
-    time.sleep(0.7)  # the watcher waits on the device's event queue
+    # the watcher waits on the device's event queue: until its event is out
+    until(lambda: [e for e in transport.events() if e["kind"] == "xid"], "the xid event")
     tw.shutdown()
     xids = [e for e in transport.events() if e["kind"] == "xid"]
     assert len(xids) == 1
@@ -225,7 +237,10 @@ def test_thermal_drill_shows_in_the_gpu_samples_with_throttle_reasons() -> None:
         gpu_interval_s=0.05,
     )
     run_steps(5)
-    time.sleep(0.2)
+    until(
+        lambda: [g for b in transport.bodies for g in b["gpu"] if g["temp_c"] == 92],
+        "a hot GPU sample",
+    )
     tw.shutdown()
     gpu = [g for b in transport.bodies for g in b["gpu"]]
     assert gpu[0]["temp_c"] == 45 and gpu[0]["throttle"] == []

@@ -248,7 +248,8 @@ GOOD = [
 def test_each_kind_accepts_its_parameters(fields: dict[str, Any]) -> None:
     rule = parse_rule(_rule(**fields))
     assert isinstance(rule, KINDS[fields["kind"]])
-    assert rule.params.model_dump(exclude_defaults=True, mode="json")  # typed, not a raw dict
+    # typed, not a raw dict, and holding exactly what was given (defaults left out)
+    assert rule.params.model_dump(exclude_defaults=True, mode="json") == fields["params"]
 
 
 def test_a_run_metric_defaults_to_its_run_level_total() -> None:

@@ -206,18 +206,35 @@ def test_an_ingest_token_sends_only_the_runs_its_pattern_matches(
     other = client.post("/api/v1/ingest", json=batch("gpt-1", steps=[step(0)]), headers=llama)
     assert other.status_code == 403
     assert "'gpt-1'" in other.json()["detail"] and "llama-*" in other.json()["detail"]
+    # A well-formed columnar body (a relay's) for a run the pattern does not match: refused
+    # by the token check itself, not as malformed.
     columns = {
         "run": "gpt-1",
+        "world_size": 1,
         "agents": [batch("gpt-1")["agent"]],
         "steps": {"rank": [0], "step": [0], "ts": [1.7e9], "duration_s": [0.1]},
     }
-    assert client.post("/api/v1/ingest/columns", json=columns, headers=llama).status_code in (
-        403,
-        422,
+    refused = client.post("/api/v1/ingest/columns", json=columns, headers=llama)
+    assert refused.status_code == 403, refused.text
+    assert "'gpt-1'" in refused.json()["detail"] and "llama-*" in refused.json()["detail"]
+    allowed = client.post(
+        "/api/v1/ingest/columns", json={**columns, "run": "llama-13b"}, headers=llama
     )
+    assert allowed.status_code == 200, allowed.text  # the same body is valid
+    # OTLP/HTTP, the same token: refused for gpt-1, with nothing stored.
+    from .test_otlp import PROTOBUF, steps_request
+
+    otlp = client.post(
+        "/v1/metrics",
+        content=steps_request(0, [1.0], run="gpt-1").SerializeToString(),
+        headers={**PROTOBUF, **llama},
+    )
+    assert otlp.status_code == 403, otlp.text
     with engine.connect() as conn:
-        names = [r.name for r in conn.execute(select(models.runs.c.name))]
-    assert names == ["llama-7b"]
+        names = sorted(r.name for r in conn.execute(select(models.runs.c.name)))
+        rows = conn.execute(select(models.rank_steps.c.run_id)).all()
+    assert names == ["llama-13b", "llama-7b"]
+    assert len(rows) == 2  # llama-7b's step and llama-13b's: none of gpt-1
 
 
 def test_the_database_keeps_no_secret(engine: Engine) -> None:

@@ -187,8 +187,11 @@ def test_one_slow_rank_among_eight_is_the_only_one_flagged(tmp_path: Path) -> No
             logs=tmp_path,
         )
         assert [p.wait(timeout=240) for p in procs] == [0] * 8
-        time.sleep(1.5)  # one more evaluation
-        changes = [e for e in events(server, run, "rank_state") if e["data"]["to"] == "slow"]
+        changes = wait_for(  # the evaluator's verdicts (a pass a second) on the last steps
+            lambda: [e for e in events(server, run, "rank_state") if e["data"]["to"] == "slow"],
+            10,
+            "a slow verdict",
+        )
     except (httpx.HTTPError, subprocess.TimeoutExpired):
         stop(procs)
         raise
