@@ -16,7 +16,9 @@ class Settings(BaseSettings):
 
     db: str = Field(default_factory=default_db_url, description="SQLAlchemy URL (TRAINWARDEN_DB)")
     host: str = Field(default="127.0.0.1", description="Address to listen on (TRAINWARDEN_HOST)")
-    port: int = Field(default=8000, ge=1, le=65535, description="Port (TRAINWARDEN_PORT)")
+    port: int = Field(
+        default=8000, ge=0, le=65535, description="Port (TRAINWARDEN_PORT); 0: a free one, said"
+    )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024,
         ge=1024,

@@ -9,6 +9,7 @@ The same holds for Chromium. Only GPU tests may skip.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -259,7 +260,6 @@ def start_serve(
     Tests that are not about access run it with ``--auth off`` (they send and read as
     anyone may then); ``auth=True`` runs it as shipped (auth required) with an admin
     token made first by ``trainwarden token create``: ``Server.get`` sends it."""
-    port = port or free_port()
     token = create_token(db_url, f"test-admin-{uuid.uuid4().hex[:6]}", "admin") if auth else None
     cmd = [
         sys.executable,
@@ -269,7 +269,7 @@ def start_serve(
         "--db",
         db_url,
         "--port",
-        str(port),
+        str(port or 0),  # 0: the system picks a free port, and serve says which
         "--log-level",
         log_level,
         "--auth",
@@ -278,17 +278,23 @@ def start_serve(
     proc = subprocess.Popen(
         cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
     )
-    url = f"http://127.0.0.1:{port}"
+    # The address this process listens on, from its own output: never another worker's
+    # collector that happens to answer on a port chosen and released before.
+    url = ""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"serve exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return Server(url, proc, log, token)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+        if not url:
+            said = re.search(r"listening on (http://127\.0\.0\.1:\d+)", log.read_text())
+            url = said.group(1) if said else ""
+        if url:
+            try:
+                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                    return Server(url, proc, log, token)
+            except httpx.HTTPError:
+                pass
+        time.sleep(0.1)
     proc.kill()
     raise RuntimeError(f"serve did not answer on {url}:\n{log.read_text()}")
 

@@ -116,7 +116,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         f"trainwarden collector: dashboard {base}/  API {base}/api/v1  docs {base}/docs", flush=True
     )
     print(f"trainwarden collector: database {masked(settings.db)}", flush=True)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -125,6 +125,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
         ssl_keyfile=settings.ssl_keyfile,
         access_log=access_log(args.log_level),
     )
+    _run_listening(config, scheme=base.split(":", 1)[0])
+
+
+def _run_listening(config: Any, *, scheme: str) -> None:
+    """uvicorn's server, saying the address it listens on once it does (with ``--port
+    0``, the port the system chose): ``trainwarden collector: listening on
+    http://127.0.0.1:PORT``."""
+    # deferred: see collector/cli/__init__.py
+    import uvicorn
+
+    class Listening(uvicorn.Server):
+        async def startup(self, sockets: Any = None) -> None:
+            await super().startup(sockets=sockets)
+            for server in self.servers:
+                for sock in server.sockets:
+                    host, port = sock.getsockname()[:2]
+                    print(
+                        f"trainwarden collector: listening on {scheme}://{host}:{port}", flush=True
+                    )
+
+    Listening(config).run()
 
 
 def access_log(log_level: str) -> bool:
@@ -246,7 +267,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--db", help=db_help)
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
-    serve.add_argument("--port", type=int, help="port (default 8000)")
+    serve.add_argument(
+        "--port", type=int, help="port (default 8000; 0: a free one, said in the output)"
+    )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument(
         "--rules",
