@@ -58,17 +58,28 @@ def _clean_agent(monkeypatch: pytest.MonkeyPatch):
 def test_steps_are_timed_and_sent_off_the_training_thread() -> None:
     transport = RecordingTransport()
     tw.init(run="unit", transport=transport, flush_interval_s=0.05)
+    inner, outer, bodies = [], [], []  # the test's own clock: inside and around each step
     for i in range(5):
         time.sleep(0.01)  # the "data loader": shows as data wait of the next step
+        entering = time.perf_counter()
         with tw.step(i, tokens=128) as s:
+            began = time.perf_counter()
             time.sleep(0.02)
             s.loss(torch.tensor(2.0 - i * 0.1))
+            ended = time.perf_counter()
+        outer.append(time.perf_counter() - entering)
+        inner.append(ended - began)
+        bodies.append((began, ended))
     tw.shutdown()
     steps = transport.steps()
     assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
-    assert all(0.02 <= s["duration_s"] < 0.5 for s in steps)
+    # Each duration lies between the body's own time and the time around the with.
+    assert all(i <= s["duration_s"] <= o for s, i, o in zip(steps, inner, outer, strict=True))
     assert steps[0]["data_wait_s"] is None  # nothing before the first step
-    assert all(0.01 <= s["data_wait_s"] < 0.5 for s in steps[1:])
+    # Each wait: at least the loader's 10 ms, at most from the last step's body's end to
+    # this one's body's start as the test saw them (the agent's stamps are inside those).
+    for s, (_, last_end), (start, _) in zip(steps[1:], bodies, bodies[1:], strict=False):
+        assert 0.01 <= s["data_wait_s"] <= start - last_end, (s, start - last_end)
     assert [round(s["loss"], 3) for s in steps] == [2.0, 1.9, 1.8, 1.7, 1.6]
     assert all(s["tokens"] == 128 for s in steps)
     assert transport.threads == {"trainwarden-exporter"}
@@ -265,20 +276,32 @@ def test_an_unwritable_spool_directory_falls_back_to_memory(tmp_path: Path, capl
     assert any("cannot use the spool directory" in r.getMessage() for r in caplog.records)
 
 
+class BlockedTransport(RecordingTransport):
+    """A collector that takes a request and never answers until released."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sending, self.release = threading.Event(), threading.Event()
+
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        self.sending.set()
+        self.release.wait(30)
+        return super().send(path, body)
+
+
 def test_a_slow_collector_never_blocks_the_training_thread() -> None:
-    transport = RecordingTransport(delay_s=3.0)
-    # No sampled profiler window (its first start in a process takes ~1.5 s on a CPU,
-    # at step 20): this is about the sender alone.
+    transport = BlockedTransport()
     tw.init(run="unit", transport=transport, flush_interval_s=0.01, batch_size=1, profile_every=0)
-    started = time.perf_counter()
-    for i in range(200):
+    with tw.step(0):
+        pass
+    assert transport.sending.wait(10)  # a send is under way, and held
+    for i in range(1, 200):
         with tw.step(i):
             pass
-    elapsed = time.perf_counter() - started
-    # 200 steps while every send takes 3 s: the trainer went on regardless (waiting on
-    # even one send would take 3 s; the margin is for a loaded machine).
-    assert elapsed < 1.0
-    tw.shutdown(timeout_s=0.1)
+    # 199 more steps ran while that send was still held: the trainer never waited on it.
+    assert transport.sending.is_set() and not transport.release.is_set()
+    transport.release.set()
+    tw.shutdown(timeout_s=5)
 
 
 def test_full_queue_drops_the_oldest_and_counts_it() -> None:
@@ -312,15 +335,15 @@ def test_step_before_init_says_what_to_do() -> None:
 
 
 def test_shutdown_is_bounded_by_its_timeout() -> None:
-    transport = RecordingTransport(delay_s=5)
+    transport = BlockedTransport()
     tw.init(run="unit", transport=transport, flush_interval_s=0.01)
     with tw.step(0):
         pass
-    time.sleep(0.05)
-    started = time.monotonic()
+    assert transport.sending.wait(10)  # the send that will not return
     tw.shutdown(timeout_s=0.5)
-    assert time.monotonic() - started < 1.5
-    assert core._agent is None
+    # shutdown returned while the send is still held: bounded by its timeout, not by it
+    assert not transport.release.is_set() and core._agent is None
+    transport.release.set()
 
 
 def test_json_numbers_survive_the_wire() -> None:

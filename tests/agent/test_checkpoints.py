@@ -79,20 +79,22 @@ def test_the_size_is_measured_off_the_training_thread(
     threads: list[str] = []
     original = checkpoints.size_of
 
-    def spy(path: str) -> int | None:
+    sizing, release = threading.Event(), threading.Event()
+
+    def spy(path: str) -> int | None:  # a slow shared file system, held until released
         threads.append(threading.current_thread().name)
-        time.sleep(0.6)  # a slow shared file system (shutdown waits up to 1 s for it)
+        sizing.set()
+        release.wait(10)
         return original(path)
 
     monkeypatch.setattr(checkpoints, "size_of", spy)
     path = tmp_path / "ckpt.pt"
     path.write_bytes(b"x" * 10)
-    started = time.perf_counter()
     with tw.checkpointing(1, path):
         pass
-    # The training thread went on at once (had it waited for the size, 0.6 s; the margin
-    # is for a loaded machine).
-    assert time.perf_counter() - started < 0.4
+    # The training thread is past the block while the size is still being read.
+    assert sizing.wait(10) and not release.is_set()
+    release.set()
     (event,) = _events(transport, "checkpoint")  # shutdown waits for the size
     assert threads == ["trainwarden-checkpoint-size"] and event["data"]["bytes"] == 10
 
