@@ -97,7 +97,15 @@ def test_the_run_page_shows_identity_attempts_goodput_and_the_advice(
     diff = page.locator("#ri-diff-result")
     diff.wait_for(timeout=10_000)
     assert "lr\t0.0003\t0.001" in diff.inner_text()
-    page.wait_for_timeout(6_000)  # one live refresh (every 5 s)
+    # One live refresh (every 5 s), observed: the page's refresh callback answered.
+    with page.expect_response(
+        lambda r: "_dash-update-component" in r.url
+        and "ri-interval.n_intervals" in (r.request.post_data or ""),
+        timeout=20_000,
+    ) as refresh:
+        pass
+    assert refresh.value.ok
+    page.wait_for_timeout(300)  # Dash applies the answer to the page
     assert "0.001" in page.locator("#ri-diff-result").inner_text()
     screenshot(page, "run_info.png")
     # The dark theme redraws the bar in its colours, with no error.
