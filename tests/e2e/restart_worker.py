@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ def main() -> None:
     p.add_argument("--die-at", type=int, default=35)
     p.add_argument("--work-ms", type=float, default=40)
     p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--facts", help="a folder: each process writes its own clock's facts there")
     a = p.parse_args()
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     init_process_group("gloo")  # under torchrun: a store prefix per restart
@@ -50,6 +52,8 @@ def main() -> None:
         model.module.load_state_dict(state["model"])
         opt.load_state_dict(state["opt"])
         start = state["step"] + 1
+    facts = _Facts(a.facts, rank, restart)
+    facts.say("init", t=time.time())
     tw.init(
         run=a.run_name,
         url=a.url,
@@ -62,14 +66,18 @@ def main() -> None:
         drill=f"die@rank=1,step={a.die_at}" if restart == 0 else None,
     )
     for step in range(start, a.steps):
-        with tw.step(step, tokens=64) as s:
-            x = torch.randn(64, 32)
-            loss = (model(x) - x).pow(2).mean()
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            time.sleep(a.work_ms / 1000)
-            s.loss(loss.detach())
+        began = time.time()
+        try:
+            with tw.step(step, tokens=64) as s:
+                x = torch.randn(64, 32)
+                loss = (model(x) - x).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                time.sleep(a.work_ms / 1000)
+                s.loss(loss.detach())
+        finally:  # a step that failed (a peer died in its all-reduce) ran too
+            facts.say("step", step=step, t0=began, t1=time.time())
         if step % a.every == 0 and step > 0:
             path = ckpts / f"step-{step}.pt"
             with tw.checkpointing(step, path):
@@ -81,10 +89,29 @@ def main() -> None:
                     )
                 time.sleep(0.05)  # the save's cost, the same on every rank
             dist.barrier()  # every rank sees the file before anyone can die after it
+    facts.say("end", t=time.time())
     tw.shutdown()
     del model, opt  # DDP holds the process group: free it first (see comm_worker.py)
     gc.collect()
     dist.destroy_process_group()
+
+
+class _Facts:
+    """The trainer's own log (its clock, its restart count), one JSON line a fact, for the
+    test to check the collector's figures against facts it did not compute."""
+
+    def __init__(self, folder: str | None, rank: int, restart: int) -> None:
+        self._file = (
+            None
+            if folder is None
+            else open(Path(folder) / f"rank{rank}-restart{restart}.jsonl", "a")  # noqa: SIM115
+        )
+        self._base = {"rank": rank, "restart": restart}
+
+    def say(self, what: str, **facts: float) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps({**self._base, "what": what, **facts}) + "\n")
+            self._file.flush()
 
 
 if __name__ == "__main__":

@@ -4,10 +4,12 @@ by hand from the stored timestamps."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -45,9 +47,12 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
         str(EVERY),
         "--die-at",
         str(DIE_AT),
+        "--facts",
+        str(tmp_path / "facts"),
         restarts=1,
     )
     log = tmp_path / "torchrun.log"
+    (tmp_path / "facts").mkdir()
     done = subprocess.run(
         cmd,
         stdout=log.open("w"),
@@ -109,54 +114,46 @@ def test_die_under_torchrun_makes_two_attempts_and_a_goodput_that_adds_up(
     assert ident["config"] == {"lr": 0.05, "every": EVERY, "model": {"dim": 32}}
     assert ident["tags"] == ["restart-drill"] and ident["env"]["torch"].startswith("2.")
 
-    # By hand, from the stored rows.
-    with engine.connect() as conn:
-        run_id = conn.execute(text("SELECT id FROM runs WHERE name = :n"), {"n": run}).scalar_one()
-        sessions = (
-            conn.execute(
-                text(
-                    "SELECT attempt, rank, started_at, first_step_at, last_step, last_step_end, "
-                    "ended_at "
-                    "FROM attempt_sessions WHERE run_id = :r ORDER BY attempt, rank"
-                ),
-                {"r": run_id},
-            )
-            .mappings()
-            .all()
-        )
-        starts = dict(
-            conn.execute(
-                text("SELECT number, started_at FROM attempts WHERE run_id = :r"), {"r": run_id}
-            ).all()
-        )
-        kept = conn.execute(
-            text("SELECT sum(duration_s) FROM rank_steps WHERE run_id = :r"), {"r": run_id}
-        ).scalar_one()
-        kept_end = {
-            rank: ts + d
-            for rank, ts, d in conn.execute(
-                text("SELECT rank, ts, duration_s FROM rank_steps WHERE run_id = :r AND step = :s"),
-                {"r": run_id, "s": resume - 1},
-            )
-        }
-    engine.dispose()
-    one = [s for s in sessions if s["attempt"] == 1]
-    two = [s for s in sessions if s["attempt"] == 2]
-    end = max(s["ended_at"] for s in two)
-    allocation = 2 * (starts[2] - starts[1]) + 2 * (end - starts[2])
-    replayed = sum(s["last_step_end"] - kept_end[s["rank"]] for s in one)
-    recovery = 2 * (min(s["first_step_at"] for s in two) - max(s["last_step_end"] for s in one))
+    # From the trainer's own log (its clock, torchrun's restart count: facts the collector
+    # never computed): the allocation from each attempt's first start to the job's end,
+    # kept = each step's last execution, replayed = attempt 1's steps after the checkpoint,
+    # recovery = the gap between the attempts; 2 GPUs throughout.
+    facts = [
+        json.loads(line)
+        for f in sorted((tmp_path / "facts").glob("*.jsonl"))
+        for line in f.read_text().splitlines()
+    ]
+    assert sorted({(f["rank"], f["restart"]) for f in facts}) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    inits = {
+        k: min(f["t"] for f in facts if f["what"] == "init" and f["restart"] == k) for k in (0, 1)
+    }
+    end = max(f["t"] for f in facts if f["what"] == "end")
+    steps = [f for f in facts if f["what"] == "step"]
+    last: dict[tuple[int, int], dict[str, Any]] = {}
+    for f in sorted(steps, key=lambda f: f["t0"]):
+        last[(f["rank"], f["step"])] = f
+    kept = sum(f["t1"] - f["t0"] for f in last.values())
+    allocation = 2 * (inits[1] - inits[0]) + 2 * (end - inits[1])
+    replayed = 0.0
+    for rank in (0, 1):
+        mine = {f["step"]: f for f in steps if f["rank"] == rank and f["restart"] == 0}
+        replayed += mine[max(mine)]["t1"] - mine[resume - 1]["t1"]
+    recovery = 2 * (
+        min(f["t0"] for f in steps if f["restart"] == 1)
+        - max(f["t1"] for f in steps if f["restart"] == 0)
+    )
     g = econ["goodput"]
     print(
         f"\nrestart drill: allocation {allocation:.2f} GPU-s, kept {kept:.2f}, "
         f"replayed {replayed:.2f}, "
         f"recovery {recovery:.2f}, ETTR {kept / allocation:.3f}; API: {g['breakdown_gpu_s']}"
     )
-    assert g["allocation_gpu_s"] == pytest.approx(allocation, rel=1e-6)
-    assert g["breakdown_gpu_s"]["kept"] == pytest.approx(kept, rel=1e-6)
-    assert g["breakdown_gpu_s"]["replayed"] == pytest.approx(replayed, rel=1e-6)
-    assert g["breakdown_gpu_s"]["recovery"] == pytest.approx(recovery, rel=1e-6)
-    assert g["ettr"] == pytest.approx(kept / allocation, rel=1e-6)
+    # The agent's stamps sit a few milliseconds inside the trainer's own, at each boundary.
+    assert g["allocation_gpu_s"] == pytest.approx(allocation, abs=0.1)
+    assert g["breakdown_gpu_s"]["kept"] == pytest.approx(kept, abs=0.1)
+    assert g["breakdown_gpu_s"]["replayed"] == pytest.approx(replayed, abs=0.05)
+    assert g["breakdown_gpu_s"]["recovery"] == pytest.approx(recovery, abs=0.05)
+    assert g["ettr"] == pytest.approx(kept / allocation, abs=0.01)
     assert g["replayed_steps"] == first["last_step"] - resume + 1 and g["interruptions"] == 1
     assert 0 < g["ettr"] < 1 and replayed > 0 and recovery > 0
     # Checkpoints: timed by tw.checkpointing on both ranks (at least the 0.05 s sleep).
