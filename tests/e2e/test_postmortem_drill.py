@@ -213,6 +213,15 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
     assert f["fault_at"] == pytest.approx(fault)
     assert f["detect_s"] == pytest.approx(pending - fault)
     assert f["page_s"] == pytest.approx(paged - firing)
+    # ... and against the receiver's own clock: the firing page arrived there before its
+    # delivery was done, and within the delivery's time of it.
+    pages = [r for r in recv.got("/page") if '"firing"' in json.dumps(r.body)]
+    arrived = min(r.at for r in pages)
+    delivery = min(
+        d["duration_s"] for a in all_alerts for d in a["deliveries"] if d["status"] == "firing"
+    )
+    assert arrived - firing <= f["page_s"] + 0.01  # arrival before the answer came back
+    assert f["page_s"] - delivery - 0.05 <= arrived - firing, (arrived - firing, f, delivery)
     assert f["act_s"] == pytest.approx(executing - firing)
     assert f["recover_s"] == pytest.approx(recovered - fault)
     ranks = action["result"]["ranks"].values()
