@@ -99,8 +99,10 @@ def test_the_run_page_shows_identity_attempts_goodput_and_the_advice(
     assert "lr\t0.0003\t0.001" in diff.inner_text()
     # One live refresh (every 5 s), observed: the page's refresh callback answered.
     with page.expect_response(
-        lambda r: "_dash-update-component" in r.url
-        and "ri-interval.n_intervals" in (r.request.post_data or ""),
+        lambda r: (
+            "_dash-update-component" in r.url
+            and "ri-interval.n_intervals" in (r.request.post_data or "")
+        ),
         timeout=20_000,
     ) as refresh:
         pass
