@@ -56,6 +56,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -626,6 +627,59 @@ def hf_trainer_periods(blocks: int, steps: int) -> dict[str, float]:
     return {"without_ms": without, "with_ms": with_, "ratio": with_ / without}
 
 
+def lightning_periods(blocks: int, steps: int) -> dict[str, float]:
+    """Part 6, Lightning: median step period (ms) of examples/lightning_trainer.py's tiny
+    transformer, with and without ``TrainwardenCallback``, in alternating blocks."""
+    import logging
+    import warnings
+
+    import lightning as L
+
+    from trainwarden.agent.integrations.lightning import TrainwardenCallback
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from lightning_trainer import Synthetic, TinyLM
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    logging.getLogger("trainwarden").setLevel(logging.ERROR)
+
+    class Periods(L.Callback):
+        def __init__(self) -> None:
+            self.starts: list[float] = []
+
+        def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
+            self.starts.append(time.perf_counter())
+
+    tw.init(
+        run="bench-lightning", transport=NullTransport(), queue_size=1_000_000, gpu_interval_s=0
+    )
+    arms: dict[str, list[float]] = {"without": [], "with": []}
+    for block in range(2 * blocks):
+        arm = ("without", "with", "with", "without")[block % 4]
+        torch.manual_seed(0)
+        periods = Periods()
+        callbacks: list[Any] = [periods] + ([TrainwardenCallback()] if arm == "with" else [])
+        trainer = L.Trainer(
+            max_steps=steps + 1,
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            callbacks=callbacks,
+        )
+        loader = torch.utils.data.DataLoader(Synthetic(4096), batch_size=8)
+        trainer.fit(TinyLM(width=128), loader)
+        gaps = [b - a for a, b in zip(periods.starts, periods.starts[1:], strict=False)]
+        arms[arm].append(statistics.median(gaps) * 1000)
+    tw.shutdown()
+    without, with_ = statistics.median(arms["without"]), statistics.median(arms["with"])
+    return {"without_ms": without, "with_ms": with_, "ratio": with_ / without}
+
+
 def print_integrations(blocks: int, steps: int) -> None:
     print(
         f"\n6. framework loops with vs without trainwarden's callback ({blocks} blocks each "
@@ -639,6 +693,17 @@ def print_integrations(blocks: int, steps: int) -> None:
         r = hf_trainer_periods(blocks, steps)
         print(
             f"   Hugging Face Trainer (transformers {transformers.__version__}, tiny GPT-2): "
+            f"without {r['without_ms']:.2f} ms ; with TrainwardenCallback {r['with_ms']:.2f} ms "
+            f"; ratio {r['ratio']:.4f}"
+        )
+    try:
+        import lightning
+    except ImportError:
+        print("   Lightning: not installed (pip install 'trainwarden[lightning]')")
+    else:
+        r = lightning_periods(blocks, steps)
+        print(
+            f"   Lightning Trainer (lightning {lightning.__version__}, tiny transformer): "
             f"without {r['without_ms']:.2f} ms ; with TrainwardenCallback {r['with_ms']:.2f} ms "
             f"; ratio {r['ratio']:.4f}"
         )

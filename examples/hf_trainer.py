@@ -59,6 +59,7 @@ def main() -> None:
         "--work-ms", type=float, default=0, help="extra time a forward takes (a bigger model)"
     )
     a = p.parse_args()
+    callback = TrainwardenCallback()  # trainwarden: before the process group (Flight Recorder)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Before the Trainer: a process group that survives torchrun's restarts.
         init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -88,7 +89,7 @@ def main() -> None:
         model=model,
         args=args,
         train_dataset=Synthetic(4096),
-        callbacks=[TrainwardenCallback()],  # trainwarden
+        callbacks=[callback],
     )
     newest = get_last_checkpoint(a.output_dir) if os.path.isdir(a.output_dir) else None
     trainer.train(resume_from_checkpoint=newest)  # a restarted job resumes

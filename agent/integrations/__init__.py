@@ -3,6 +3,8 @@ framework's own convention, running in the trainer's process.
 
 - :mod:`.hf`: Hugging Face Transformers, ``Trainer(..., callbacks=[TrainwardenCallback()])``
   (``pip install 'trainwarden[hf]'``).
+- :mod:`.lightning`: PyTorch Lightning, ``Trainer(..., callbacks=[TrainwardenCallback()])``
+  (``pip install 'trainwarden[lightning]'``).
 
 Each module imports its framework; ``import trainwarden.agent`` imports none of them. What
 they share (starting the agent from the framework's facts, the per-step loss read off

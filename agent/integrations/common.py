@@ -42,6 +42,25 @@ def version_tuple(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+def ask_flight_recorder(init: dict[str, Any]) -> None:
+    """Turn PyTorch's Flight Recorder on now (``TORCH_FR_BUFFER_SIZE``), as ``tw.init``
+    would: a framework makes its process group before it calls its callbacks' hooks, and
+    NCCL reads the variable when the group is made. Called when the callback is built;
+    ``init={"flight_recorder_entries": 0}`` (or ``TRAINWARDEN_FLIGHT_RECORDER_ENTRIES=0``)
+    leaves it off; a value the user set wins."""
+    from .. import flight
+
+    try:
+        entries = init.get("flight_recorder_entries")
+        if entries is None:
+            entries = int(os.environ.get("TRAINWARDEN_FLIGHT_RECORDER_ENTRIES") or 2000)
+        late = flight.enable(int(entries))
+    except (TypeError, ValueError):
+        return  # tw.init says what is wrong with it
+    if late:
+        log.warning(late)
+
+
 def check_version(framework: str, version: str, low: str, high: str) -> str | None:
     """A line saying ``version`` is outside the tested ``[low, high)``, or None."""
     v = version_tuple(version)

@@ -77,6 +77,7 @@ class TrainwardenCallback(TrainerCallback):
         self._trainer_refs: dict[str, Any] = {}
         self._args: Any = None
         self._state: Any = None
+        common.ask_flight_recorder(self._init)  # before the process group is made
 
     # -- start --------------------------------------------------------------------------
 

@@ -1,0 +1,156 @@
+"""Issue 36's proof for PyTorch Lightning: ``examples/lightning_trainer.py`` (a tiny
+language model built in code, synthetic data) under ``torchrun --nproc-per-node 2`` on
+CPU with gloo (``strategy="ddp"``), against a real ``trainwarden serve``, with
+``TrainwardenCallback`` as its only trainwarden line.
+
+- Both ranks' steps arrive with the per-rank loss on every optimizer step, the gradient
+  norm, phases, tokens and DDP's comm split; checkpoints appear; ``attempt_start``
+  carries the module's hyperparameters and the Trainer's facts.
+- ``loss_spike=50x@step=35``: LossSpike fires, every rank restores the same checkpoint in
+  process at the same step, and the run finishes with its loss back on trend.
+- ``die@rank=1,step=25`` under ``--max-restarts 1``: the job resumes from its newest
+  checkpoint (``ckpt_path="last"``) as a second attempt and finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+
+from ..conftest import Server, start_serve, stop_serve
+from .launch import torchrun as torchrun_cmd
+from .test_drills import wait_for
+from .test_rollback_drill import serve_with_rollback
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_trainer.py"
+
+
+def torchrun(
+    server: Server, run: str, out: Path, log: Path, *, drill: str, steps: int, restarts: int = 0
+) -> int:
+    cmd = torchrun_cmd(
+        2,
+        str(EXAMPLE),
+        "--output-dir",
+        str(out),
+        "--steps",
+        str(steps),
+        "--save-steps",
+        "10",
+        "--work-ms",
+        "15",  # ~40 ms steps: time for the collector's rollback round trips
+        restarts=restarts,
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TRAINWARDEN_URL": server.url,
+        "TRAINWARDEN_RUN": run,
+        "TRAINWARDEN_DRILL": drill,
+        "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
+        "TRAINWARDEN_PROFILE_EVERY": "0",
+    }
+    with log.open("w") as out_file:
+        return subprocess.run(
+            cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, timeout=420
+        ).returncode
+
+
+def test_a_trainer_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_path: Path) -> None:
+    server = serve_with_rollback(f"sqlite:///{tmp_path / 'pl.db'}", tmp_path)
+    run, log, out = "pl-rollback", tmp_path / "torchrun.log", tmp_path / "out"
+    try:
+        code = torchrun(server, run, out, log, drill="loss_spike=50x@step=35", steps=120)
+        assert code == 0, log.read_text()[-5000:]
+        (action,) = wait_for(
+            lambda: [
+                a
+                for a in server.get("/api/v1/actions", run=run).json()
+                if a["state"] in ("done", "failed")
+            ],
+            30,
+            "the rollback done",
+        )
+        series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
+        replaced = server.get(f"/api/v1/runs/{run}/replaced", metric="loss").json()
+        checkpoints = server.get(f"/api/v1/runs/{run}/checkpoints").json()
+        identity = server.get(f"/api/v1/runs/{run}/identity").json()
+    finally:
+        stop_serve(server)
+    assert action["state"] == "done", action
+    restored = {r["checkpoint_step"] for r in action["result"]["ranks"].values()}
+    barriers = {r["barrier_step"] for r in action["result"]["ranks"].values()}
+    assert sorted(action["result"]["ranks"]) == ["0", "1"] and len(restored) == len(barriers) == 1
+    (ckpt,), (barrier,) = restored, barriers
+    assert ckpt in (19, 29), action  # step=20 or step=30: before the spike at 35
+    said = log.read_text()
+    path = out / "checkpoints" / f"epoch=0-step={ckpt + 1}.ckpt"
+    assert said.count(f"rolled back to {path} (step {ckpt})") == 2, said[-3000:]
+
+    engine = create_engine(f"sqlite:///{tmp_path / 'pl.db'}")
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT s.step, s.rank, s.loss, s.grad_norm, s.tokens, s.fwd_s, s.bwd_s, s.opt_s,"
+                " s.comm_source, s.exposed_comm_s FROM rank_steps s JOIN runs r ON r.id = s.run_id"
+                " WHERE r.name = :n AND s.step < 30"
+            ),
+            {"n": run},
+        ).all()
+    assert {(r.step, r.rank) for r in rows} == {(n, k) for n in range(30) for k in (0, 1)}
+    for r in rows:  # every optimizer step of each rank, its own loss
+        assert r.loss is not None and r.grad_norm is not None, r
+        assert r.tokens == 2 * 8 * 32, r  # two micro-batches of 8 sequences of 32 tokens
+        assert r.fwd_s > 0 and r.bwd_s > 0 and r.opt_s > 0, r
+        assert r.comm_source == "hook" and r.exposed_comm_s is not None, r
+    assert len({r.loss for r in rows if r.step == 10}) == 2  # per rank, not synced
+    assert [c["step"] for c in checkpoints][:3] == [9, 19, 29], checkpoints
+    assert checkpoints[0]["path"] == str(out / "checkpoints" / "epoch=0-step=10.ckpt")
+    config = identity["config"]
+    assert (config["accumulate_grad_batches"], config["max_steps"]) == (2, 120), config
+    assert (config["strategy"], config["world_size"], config["lr"]) == ("DDPStrategy", 2, 3e-3)
+    assert config["framework"].startswith("lightning 2.")
+
+    # The rollback set global_step back: the steps after the checkpoint ran again on
+    # every rank (their first runs, the spike among them, kept as replaced), and the
+    # run went on to max_steps with its loss back on trend.
+    assert replaced["step"] == list(range(ckpt + 1, barrier + 1)), replaced
+    assert set(replaced["n"]) == {2}, replaced
+    loss = dict(zip(series["step"], series["median"], strict=True))
+    assert max(loss) == 119
+    before = statistics.median(loss[s] for s in range(25, 35))
+    after = statistics.median(loss[s] for s in range(110, 120))
+    assert after < 1.1 * before, (before, after)
+
+
+def test_a_rank_that_dies_resumes_as_a_second_attempt(tmp_path: Path) -> None:
+    server = start_serve(f"sqlite:///{tmp_path / 'pl.db'}", tmp_path / "serve.log")
+    run, log = "pl-restart", tmp_path / "torchrun.log"
+    try:
+        code = torchrun(
+            server, run, tmp_path / "out", log, drill="die@rank=1,step=25", steps=40, restarts=1
+        )
+        assert code == 0, log.read_text()[-5000:]
+        attempts = wait_for(
+            lambda: len(a := server.get(f"/api/v1/runs/{run}/attempts").json()) == 2 and a,
+            30,
+            "two attempts",
+        )
+        series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
+        replaced = server.get(f"/api/v1/runs/{run}/replaced", metric="loss").json()
+        second = server.get(f"/api/v1/runs/{run}/identity", attempt=2).json()
+    finally:
+        stop_serve(server)
+    assert [a["number"] for a in attempts] == [1, 2], attempts
+    assert second["config"]["framework"].startswith("lightning "), second
+    assert max(series["step"]) == 39  # the second attempt went on to the end
+    # It resumed from last.ckpt, then step=20.ckpt (the weights after step 19): steps 20
+    # to 24 ran again on both ranks (rank 1 died as step 25 began).
+    assert replaced["step"][:5] == [20, 21, 22, 23, 24], replaced
+    assert replaced["n"][:5] == [2] * 5, replaced
+    said = log.read_text()
+    assert "Restored all states from the checkpoint at" in said and "last.ckpt" in said
