@@ -11,6 +11,7 @@ report opened from disk in headless Chromium draws its charts with no console er
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -226,6 +227,16 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
     assert f["recover_s"] == pytest.approx(recovered - fault)
     ranks = action["result"]["ranks"].values()
     assert f["steps_lost"] == max(r["barrier_step"] for r in ranks) - 30  # restored step 30
+    # ... which the trainers' own logs say too: each rank printed where it rolled back.
+    said = {
+        int(m[1])
+        for r in range(2)
+        for m in re.finditer(
+            r"rolled back to step 30 after step (\d+)",
+            (tmp_path / f"{run}-rank{r}.log").read_text(),
+        )
+    }
+    assert said == {30 + f["steps_lost"]}, (said, f["steps_lost"])
     assert f["gpu_hours_lost"] == pytest.approx(2 * f["time_lost_s"] / 3600)
     assert f["cost"] == pytest.approx(4 * f["gpu_hours_lost"])  # serve's price per GPU-hour
     for key in ("detect_s", "page_s", "act_s", "recover_s"):
