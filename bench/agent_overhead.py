@@ -680,6 +680,57 @@ def lightning_periods(blocks: int, steps: int) -> dict[str, float]:
     return {"without_ms": without, "with_ms": with_, "ratio": with_ / without}
 
 
+def accelerate_periods(blocks: int, steps: int) -> dict[str, float]:
+    """Part 6, Accelerate: median step period (ms) of a hand-written Accelerate loop over
+    examples/accelerate_trainer.py's tiny model, with and without ``TrainwardenTracker``
+    (``tracker.watch``), in alternating blocks."""
+    import logging
+
+    from accelerate import Accelerator
+    from torch.nn import functional as F
+
+    from trainwarden.agent.integrations.accelerate import TrainwardenTracker
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    from accelerate_trainer import VOCAB, Synthetic, TinyLM
+
+    logging.getLogger("trainwarden").setLevel(logging.ERROR)
+    tw.init(
+        run="bench-accelerate", transport=NullTransport(), queue_size=1_000_000, gpu_interval_s=0
+    )
+    arms: dict[str, list[float]] = {"without": [], "with": []}
+    for block in range(2 * blocks):
+        arm = ("without", "with", "with", "without")[block % 4]
+        tracker = TrainwardenTracker("bench-accelerate") if arm == "with" else None
+        accelerator = Accelerator(log_with=[tracker] if tracker else None, cpu=True)
+        if tracker is not None:
+            accelerator.init_trackers("bench")
+        torch.manual_seed(0)
+        model = TinyLM()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loader = torch.utils.data.DataLoader(Synthetic(512), batch_size=8)
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+        if tracker is not None:
+            tracker.watch(accelerator, model, opt)
+        starts = []
+        for i, batch in enumerate(loader):
+            if i > steps:
+                break
+            starts.append(time.perf_counter())
+            ids = batch["input_ids"]
+            logits = model(ids)
+            loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+            accelerator.backward(loss)
+            opt.step()
+            opt.zero_grad()
+        accelerator.end_training()
+        gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+        arms[arm].append(statistics.median(gaps) * 1000)
+    tw.shutdown()
+    without, with_ = statistics.median(arms["without"]), statistics.median(arms["with"])
+    return {"without_ms": without, "with_ms": with_, "ratio": with_ / without}
+
+
 def print_integrations(blocks: int, steps: int) -> None:
     print(
         f"\n6. framework loops with vs without trainwarden's callback ({blocks} blocks each "
@@ -694,6 +745,17 @@ def print_integrations(blocks: int, steps: int) -> None:
         print(
             f"   Hugging Face Trainer (transformers {transformers.__version__}, tiny GPT-2): "
             f"without {r['without_ms']:.2f} ms ; with TrainwardenCallback {r['with_ms']:.2f} ms "
+            f"; ratio {r['ratio']:.4f}"
+        )
+    try:
+        import accelerate
+    except ImportError:
+        print("   Accelerate: not installed (pip install 'trainwarden[accelerate]')")
+    else:
+        r = accelerate_periods(blocks, steps)
+        print(
+            f"   Accelerate loop (accelerate {accelerate.__version__}, tiny model): "
+            f"without {r['without_ms']:.2f} ms ; with TrainwardenTracker {r['with_ms']:.2f} ms "
             f"; ratio {r['ratio']:.4f}"
         )
     try:

@@ -5,6 +5,11 @@ framework's own convention, running in the trainer's process.
   (``pip install 'trainwarden[hf]'``).
 - :mod:`.lightning`: PyTorch Lightning, ``Trainer(..., callbacks=[TrainwardenCallback()])``
   (``pip install 'trainwarden[lightning]'``).
+- :mod:`.accelerate`: Accelerate, ``Accelerator(log_with=[TrainwardenTracker(...)])`` and
+  ``tracker.watch(accelerator, model, optimizer)`` (``pip install 'trainwarden[accelerate]'``).
+
+An FSDP2 (``fully_shard``) loop needs no integration: ``examples/fsdp2_trainer.py`` shows
+``tw.step`` with the sampled profiler window and the replica groups of its mesh.
 
 Each module imports its framework; ``import trainwarden.agent`` imports none of them. What
 they share (starting the agent from the framework's facts, the per-step loss read off

@@ -197,6 +197,11 @@ class Span:
     def open(self) -> bool:
         return self._step is not None
 
+    @property
+    def step(self) -> Any:
+        """The open step (``tw.step``'s ``Step``: ``s.metric``...), or None."""
+        return self._step
+
     def begin(self, step: int) -> None:
         from .. import step as tw_step
 

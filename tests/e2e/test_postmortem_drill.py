@@ -222,6 +222,8 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
         d["duration_s"] for a in all_alerts for d in a["deliveries"] if d["status"] == "firing"
     )
     assert arrived - firing <= f["page_s"] + 0.01  # arrival before the answer came back
+    # The alert went pending after the fault and before the page reached the receiver.
+    assert f["fault_at"] <= f["fault_at"] + f["detect_s"] <= arrived, (f, arrived)
     assert f["page_s"] - delivery - 0.05 <= arrived - firing, (arrived - firing, f, delivery)
     assert f["act_s"] == pytest.approx(executing - firing)
     assert f["recover_s"] == pytest.approx(recovered - fault)

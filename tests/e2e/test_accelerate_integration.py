@@ -1,0 +1,182 @@
+"""Issue 36's proof for Accelerate: ``examples/accelerate_trainer.py`` (a tiny causal
+transformer built in code, synthetic data, ``accelerator.accumulate`` with 2
+micro-batches) under ``torchrun --nproc-per-node 2`` on CPU with gloo, against a real
+``trainwarden serve``, with ``TrainwardenTracker`` and ``tracker.watch`` as its
+trainwarden lines.
+
+- Both ranks' steps arrive with the per-rank loss on every optimizer step, the gradient
+  norm, phases, tokens and DDP's comm split; checkpoints (``accelerator.save_state``)
+  appear; ``attempt_start`` carries the ``init_trackers`` config and the framework.
+- ``loss_spike=50x@step=35``: LossSpike fires, every rank restores the same checkpoint in
+  process (``accelerator.load_state``) at the same step, and the run finishes with its
+  loss back on trend.
+- ``die@rank=1,step=25`` under ``--max-restarts 1``: the job resumes from its newest
+  checkpoint as a second attempt, its steps numbered on from that checkpoint's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+
+from ..conftest import Server, start_serve, stop_serve
+from .launch import torchrun as torchrun_cmd
+from .test_drills import wait_for
+from .test_rollback_drill import serve_with_rollback
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_trainer.py"
+
+
+def torchrun(
+    server: Server, run: str, out: Path, log: Path, *, drill: str, steps: int, restarts: int = 0
+) -> int:
+    cmd = torchrun_cmd(
+        2,
+        str(EXAMPLE),
+        "--output-dir",
+        str(out),
+        "--steps",
+        str(steps),
+        "--save-steps",
+        "10",
+        "--work-ms",
+        "15",  # ~50 ms steps: time for the collector's rollback round trips
+        restarts=restarts,
+    )
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "TRAINWARDEN_URL": server.url,
+        "TRAINWARDEN_RUN": run,
+        "TRAINWARDEN_DRILL": drill,
+        "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
+        "TRAINWARDEN_PROFILE_EVERY": "0",
+    }
+    started = time.monotonic()
+    with log.open("w") as out_file:
+        code = subprocess.run(
+            cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, timeout=300
+        ).returncode
+    print(f"torchrun {run}: {time.monotonic() - started:.1f} s")
+    return code
+
+
+def rank_steps(db: Path, run: str, below: int) -> list:
+    engine = create_engine(f"sqlite:///{db}")
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT s.step, s.rank, s.loss, s.grad_norm, s.tokens, s.fwd_s, s.bwd_s,"
+                    " s.opt_s, s.comm_source, s.exposed_comm_s, s.metrics FROM rank_steps s"
+                    " JOIN runs r ON r.id = s.run_id WHERE r.name = :n AND s.step < :below"
+                ),
+                {"n": run, "below": below},
+            ).all()
+        )
+
+
+def test_an_accelerate_loop_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_path: Path) -> None:
+    db = tmp_path / "acc.db"
+    server = serve_with_rollback(f"sqlite:///{db}", tmp_path)
+    run, log, out = "acc-rollback", tmp_path / "torchrun.log", tmp_path / "out"
+    try:
+        code = torchrun(server, run, out, log, drill="loss_spike=50x@step=35", steps=120)
+        assert code == 0, log.read_text()[-5000:]
+        (action,) = wait_for(
+            lambda: [
+                a
+                for a in server.get("/api/v1/actions", run=run).json()
+                if a["state"] in ("done", "failed")
+            ],
+            30,
+            "the rollback done",
+        )
+        series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
+        checkpoints = server.get(f"/api/v1/runs/{run}/checkpoints").json()
+        identity = server.get(f"/api/v1/runs/{run}/identity").json()
+    finally:
+        stop_serve(server)
+    assert action["state"] == "done", action
+    ranks = action["result"]["ranks"]
+    restored = {r["checkpoint_step"] for r in ranks.values()}
+    barriers = {r["barrier_step"] for r in ranks.values()}
+    assert sorted(ranks) == ["0", "1"] and len(restored) == len(barriers) == 1, action
+    (ckpt,) = restored
+    assert ckpt in (19, 29), action  # step_20 or step_30: before the spike at 35
+    folders = {c["step"]: c["path"] for c in checkpoints}
+    said = log.read_text()
+    assert said.count(f"rolled back to {folders[ckpt]} (step {ckpt})") == 2, said[-3000:]
+    print(f"both ranks restored {folders[ckpt]} after step {barriers.pop()}")
+
+    rows = rank_steps(db, run, 30)
+    assert {(r.step, r.rank) for r in rows} == {(n, k) for n in range(30) for k in (0, 1)}
+    for r in rows:  # every optimizer step of each rank, its own loss
+        assert r.loss is not None and r.grad_norm is not None, r
+        assert r.tokens == 2 * 8 * 32, r  # two micro-batches of 8 sequences of 32 tokens
+        assert r.fwd_s > 0 and r.bwd_s > 0 and r.opt_s > 0, r
+        assert r.comm_source == "hook" and r.exposed_comm_s is not None, r
+    assert len({r.loss for r in rows if r.step == 10}) == 2  # per rank: each its own batches
+    metrics = {(r.step, r.rank): json.loads(r.metrics) for r in rows}
+    assert all("lr" in m for m in metrics.values()), metrics
+    # accelerator.log every 10 updates reaches the tracker on rank 1 too (Accelerate calls
+    # trackers on the main process only): steps 9 and 19, never run again
+    for key in [(9, 0), (9, 1), (19, 0), (19, 1)]:
+        assert "train.loss" in metrics[key], (key, metrics[key])
+    # save_state every 10 optimizer steps: step_N holds the weights after step N - 1
+    assert [c["step"] for c in checkpoints][:3] == [9, 19, 29], checkpoints
+    assert folders[9] == str(out / "step_10"), checkpoints
+    config = identity["config"]
+    assert config["accumulation"] == 2 and config["steps"] == 120, config
+    assert config["framework"].startswith("accelerate "), config
+    assert config["accelerate"]["num_processes"] == 2, config
+
+    loss = dict(zip(series["step"], series["median"], strict=True))
+    before = statistics.median(loss[s] for s in range(25, 35))
+    after = statistics.median(loss[s] for s in sorted(loss)[-10:])
+    assert after < 1.1 * before, (before, after)
+
+
+def test_a_rank_that_dies_resumes_as_a_second_attempt(tmp_path: Path) -> None:
+    server = start_serve(f"sqlite:///{tmp_path / 'acc.db'}", tmp_path / "serve.log")
+    run, log = "acc-restart", tmp_path / "torchrun.log"
+    try:
+        code = torchrun(
+            server, run, tmp_path / "out", log, drill="die@rank=1,step=25", steps=40, restarts=1
+        )
+        assert code == 0, log.read_text()[-5000:]
+        attempts = wait_for(
+            lambda: len(a := server.get(f"/api/v1/runs/{run}/attempts").json()) == 2 and a,
+            30,
+            "two attempts",
+        )
+    finally:
+        stop_serve(server)
+    assert [a["number"] for a in attempts] == [1, 2], attempts
+    said = log.read_text()
+    assert said.count(f"resumed from {tmp_path / 'out' / 'step_20'}") == 1, said[-3000:]
+    engine = create_engine(f"sqlite:///{tmp_path / 'acc.db'}")
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT a.attempt, a.rank, a.first_step, a.last_step FROM attempt_sessions a"
+                " JOIN runs r ON r.id = a.run_id WHERE r.name = :n ORDER BY a.attempt, a.rank"
+            ),
+            {"n": run},
+        ).all()
+    print(f"(attempt, rank, first step, last step): {[tuple(r) for r in rows]}")
+    assert [(r.attempt, r.rank, r.first_step) for r in rows] == [
+        (1, 0, 0),
+        (1, 1, 0),
+        # step_20 holds the weights after step 19 (its trainwarden.json): attempt 2
+        # numbers on from step 20, to the end
+        (2, 0, 20),
+        (2, 1, 20),
+    ], rows
+    assert [r.last_step for r in rows if r.attempt == 2] == [39, 39], rows
