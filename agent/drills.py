@@ -8,7 +8,8 @@
     hang@rank=1,step=50,for=30s      the training thread stops; heartbeats go on
     die@rank=1,step=70               the process exits (code 75) without a goodbye; on
                                      the job's first attempt only (a launcher's restart,
-                                     torchrun's or Slurm's, resumes past it)
+                                     torchrun's or Slurm's, resumes past it; sdc= too:
+                                     the faulty GPU stays behind)
     desync@rank=1,step=60,for=60s    the rank issues an extra, empty all_reduce: its
                                      collectives are one sequence id ahead of its
                                      peers', so every rank blocks on gloo (for= 60s
@@ -291,17 +292,19 @@ class Drill:
         return None
 
     def bitflip(self, step: int) -> Fault | None:
-        """The ``sdc=bitflip`` fault due after this step's optimizer step, once."""
+        """The ``sdc=bitflip`` fault due after this step's optimizer step, once; on the
+        job's first attempt only (the faulty GPU stays behind when the job restarts)."""
         for fault in self.faults:
             if fault.form == "bitflip" and fault.covers(step) and self._once(fault, step):
-                return fault
+                return None if restarted() else fault
         return None
 
     def arith(self, step: int) -> Fault | None:
-        """The ``sdc=arith`` fault in force at this step (every forward from S on)."""
+        """The ``sdc=arith`` fault in force at this step (every forward from S on), on the
+        job's first attempt only."""
         for fault in self.faults:
             if fault.form == "arith" and fault.covers(step):
-                return fault
+                return None if restarted() else fault
         return None
 
     def first_time(self, fault: Fault) -> bool:

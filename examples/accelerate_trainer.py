@@ -89,10 +89,10 @@ def main() -> None:
     )
     a = p.parse_args()
     out = Path(a.output_dir)
+    tracker = TrainwardenTracker(a.run_name or out.name)  # trainwarden: before the group
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # Before the Accelerator: a process group that survives torchrun's restarts.
         init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    tracker = TrainwardenTracker(a.run_name or out.name)  # trainwarden
     accelerator = Accelerator(
         log_with=[tracker],  # trainwarden
         gradient_accumulation_steps=a.accumulation,

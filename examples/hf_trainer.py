@@ -65,7 +65,15 @@ def main() -> None:
         init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=2, n_head=4)
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=LENGTH,
+            n_embd=64,
+            n_layer=2,
+            n_head=4,
+            bos_token_id=0,
+            eos_token_id=0,  # within the tiny vocabulary
+        )
     )
     if a.work_ms:
         model.register_forward_pre_hook(lambda *_: time.sleep(a.work_ms / 1000))

@@ -137,6 +137,7 @@ class TrainwardenTracker(GeneralTracker):
         self._patched: list[str] = []
         self._said_metrics = False
         self._broken = False  # failed: the hooks are to come off
+        common.ask_flight_recorder(self._init)  # before the process group, if built first
 
     # -- Accelerate's tracker interface --------------------------------------------------
 

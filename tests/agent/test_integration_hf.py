@@ -36,7 +36,15 @@ def trainer(
 ) -> Trainer:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=1, n_head=2)
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=32,
+            n_embd=32,
+            n_layer=1,
+            n_head=2,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
     )
     args = TrainingArguments(
         output_dir=str(out),
