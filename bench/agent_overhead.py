@@ -724,7 +724,8 @@ def accelerate_periods(blocks: int, steps: int) -> dict[str, float]:
         model, opt, loader = accelerator.prepare(model, opt, loader)
         if tracker is not None:
             tracker.watch(accelerator, model, opt)
-        handle = tw.watch(model, opt, grad_norm=True) if arm == "hand" else None
+        inner = getattr(opt, "optimizer", opt)  # Accelerate's wrapper holds the torch one
+        handle = tw.watch(model, inner, grad_norm=True) if arm == "hand" else None
         starts = []
         for i, batch in enumerate(loader):
             if i > steps:
