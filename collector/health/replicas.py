@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from typing import Any, NamedTuple
 
-from sqlalchemy import Connection, and_, exists, insert, select
+from sqlalchemy import Connection, and_, exists, func, insert, select
 
 from trainwarden.agent.replica import expand
 from trainwarden.collector.store import models as m
@@ -84,10 +84,17 @@ def compare(
             c.probe,
             c.probe_sums,
             c.probe_rtol,
+            c.ts,
         ).where(c.run_id == run_id, c.recv_ts >= now - WINDOW_S, ~decided)
     ).all()
     if not rows:
         return []
+    # A step an earlier attempt ran, decided only now: its result is kept, but it names no
+    # rank (the job restarted since; the rank may be on another node, and the attempt's
+    # own divergences were named while it ran).
+    t = m.attempts.c
+    restarted_at = conn.execute(select(func.max(t.started_at)).where(t.run_id == run_id)).scalar()
+    stale: set[tuple[str, int]] = set()
     k = m.ranks.c
     at: dict[int, int | None] = {
         rank: last
@@ -97,13 +104,15 @@ def compare(
     probes: dict[tuple[str, int], dict[int, Probe]] = defaultdict(dict)
     first_seen: dict[tuple[str, int], float] = {}
     newest: dict[str, int] = {}
-    for step, rank, group, fp, recv, probe, sums, rtol in rows:
+    for step, rank, group, fp, recv, probe, sums, rtol, ts in rows:
         last = at.get(rank)
         if last is not None and last < step:
             # The rank went back (a rollback, a restart) and has not run this step again
             # yet: what it sent is the earlier execution's, not comparable with a replay.
             continue
         pending[(group, step)][rank] = fp
+        if restarted_at is not None and ts < restarted_at:
+            stale.add((group, step))
         if probe is not None:
             probes[(group, step)][rank] = Probe(probe, sums, rtol or 0.0)
         first_seen[(group, step)] = min(first_seen.get((group, step), recv), recv)
@@ -147,6 +156,8 @@ def compare(
                 probes=len(probed) if probed else None,
             )
         )
+        if (group, step) in stale:
+            continue  # kept in replica_results; no event for an earlier attempt's step
         for rank in suspects:
             since = _last_agreed(conn, run_id=run_id, group=group, rank=rank, before=step)
             events.append(
