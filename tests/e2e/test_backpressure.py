@@ -9,16 +9,7 @@ from pathlib import Path
 import httpx
 
 from ..collector.helpers import batch, step
-from ..conftest import Server, start_serve, stop_serve
-from .test_drills import wait_for
-
-
-def queued_rows(server: Server) -> float:
-    """The collector's ``trainwarden_ingest_queue_rows`` gauge."""
-    for line in server.get("/metrics").text.splitlines():
-        if line.startswith("trainwarden_ingest_queue_rows "):
-            return float(line.split()[1])
-    raise AssertionError("no trainwarden_ingest_queue_rows in /metrics")
+from ..conftest import start_serve, stop_serve
 
 
 def test_a_blocked_database_gets_503_with_retry_after_and_nothing_is_lost(tmp_path: Path) -> None:
@@ -40,8 +31,9 @@ def test_a_blocked_database_gets_503_with_retry_after_and_nothing_is_lost(tmp_pa
         first = [threading.Thread(target=post, args=(r,)) for r in (0, 1)]
         for t in first:
             t.start()
-        # Both are in: their rows wait for the writer, which waits on the database.
-        wait_for(lambda: queued_rows(server) >= 2, 10, "both requests queued")
+        # Both are in flight (their rows may already be with the writer, which waits on
+        # the database: the queue gauge is no sure sign, seen in CI); a second is ample.
+        threading.Event().wait(1.0)
         response = httpx.post(
             server.url + "/api/v1/ingest", json=batch(rank=2, world_size=8, steps=[step(0)])
         )
