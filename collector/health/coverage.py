@@ -36,6 +36,7 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from trainwarden.agent.replica import compact
+from trainwarden.agent.samples import Universe
 from trainwarden.collector.health.samples import skipping_rollbacks
 from trainwarden.collector.ingest.samples import unpack
 from trainwarden.collector.store import models as m
@@ -131,11 +132,10 @@ def _rows_in(conn: Connection, run_id: int, epoch: int, last_steps: dict[int, in
 
 
 def _permutation(size: int) -> tuple[int, int]:
-    """``(a, b)`` of the agent's sample of a dataset of ``size`` (agent/samples.py)."""
-    a = int(size * 0.6180339887498949) | 1
-    while math.gcd(a, size) != 1:
-        a += 2
-    return a % size or 1, size // 3
+    """``(a, b)`` of the agent's sample of a dataset of ``size``: the agent's own
+    (agent/samples.py's Universe), so the two cannot drift apart."""
+    universe = Universe(size)
+    return universe.a, universe.b
 
 
 def in_sample(size: int, kept: int) -> Any:
