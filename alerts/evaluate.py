@@ -89,6 +89,7 @@ class Snapshot:
     last_step: int | None = None
     first_step: int | None = None  # the run's first rolled-up step (for warm-up)
     started_at: float | None = None
+    attempt_started_at: float | None = None  # the current attempt's (a restart's) start
     ranks: dict[int, RankInfo] = field(default_factory=dict)
     stats: dict[str, list[StatRow]] = field(default_factory=dict)
     steps: list[Row] = field(default_factory=list)  # recent rank_steps rows
@@ -231,7 +232,14 @@ def _fmt(value: float) -> str:
 
 
 def _fresh(row: Row, snap: Snapshot) -> bool:
-    """An instant that arrived recently enough to count as happening now."""
+    """An instant that arrived recently enough to count as happening now, and happened in
+    the run's current attempt: one of an attempt that ended (the job restarted since) spoke
+    of processes that are gone, and a rank of the new attempt may run on another node; its
+    alert, if it fired, was dealt with in its time (it must not open a second episode, and
+    act again, once the job is back: seen in the Slurm SDC drill, which evicted the rank's
+    new node)."""
+    if snap.attempt_started_at is not None and row.get("ts", snap.now) < snap.attempt_started_at:
+        return False
     return row["recv_ts"] > snap.now - snap.hold_s
 
 

@@ -258,8 +258,17 @@ def snapshot(
     if pressed:
         lag_s = max(lag_s, arrival_lateness(conn, run_id))
     heard = heard or {}
+    t = m.attempts.c
     snap = Snapshot(
-        run=run.name, now=now, last_step=last, started_at=run.created_at, lag_s=lag_s, hold_s=hold_s
+        run=run.name,
+        now=now,
+        last_step=last,
+        started_at=run.created_at,
+        attempt_started_at=conn.execute(
+            select(func.max(t.started_at)).where(t.run_id == run_id)
+        ).scalar(),
+        lag_s=lag_s,
+        hold_s=hold_s,
     )
     k = m.ranks.c
     # Every rank, every pass: the two JSON fields are read in SQL (not parsed a row here),

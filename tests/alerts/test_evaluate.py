@@ -699,6 +699,19 @@ def test_event_kind_is_a_run_alert_that_names_the_rank() -> None:
     assert evaluate(rule, replace(snap, events=stale)) == []
 
 
+def test_an_event_of_an_attempt_that_ended_opens_no_alert_once_the_job_is_back() -> None:
+    """The job restarted 3 s ago: an event sent 5 s ago (by a process of the attempt that
+    ended, still within the hold) speaks of a rank that may be on another node now."""
+    rule = custom("event", {"match": "event", "events": ["replica_divergence"], "per_rank": True})
+    snap = run(first=390)
+    old = [event("replica_divergence", 2, at=snap.now - 5)]
+    assert only(evaluate(rule, replace(snap, events=old))).rank == 2
+    back = replace(snap, attempt_started_at=snap.now - 3)
+    assert evaluate(rule, replace(back, events=old)) == []
+    new = [*old, event("replica_divergence", 2, at=snap.now - 1)]
+    assert only(evaluate(rule, replace(back, events=new))).rank == 2
+
+
 def test_absence_of_progress_in_median_step_times() -> None:
     rule = custom("absence", {"signal": "progress", "after": "10 steps"})
     snap = run(first=390, median_step_s=2.0)  # 10 steps: 20 s

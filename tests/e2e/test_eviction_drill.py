@@ -275,6 +275,12 @@ def test_a_corrupted_replica_s_node_is_drained_and_the_job_back_without_it_resto
     finally:
         stop_serve(server)
         cluster.reset()
+    # One eviction (node2) and one rollback: the alert must not fire again for its old
+    # event once the job is back on node1 (it did, and evicted node1: refused by the guard).
+    assert [(a["node"], a["state"]) for a in done if a["kind"] == "evict"] == [("node2", "done")], (
+        done
+    )
+    assert len(done) == 2, done
     evict, rollback = sorted(done, key=lambda a: a["id"])
     assert (evict["kind"], evict["state"], evict["node"]) == ("evict", "done", "node2"), evict
     assert (rollback["kind"], rollback["state"]) == ("rollback", "done"), rollback
