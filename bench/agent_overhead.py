@@ -34,12 +34,11 @@ Six measurements; all but the fourth in this process:
    determinism probe: one eval forward of the step's input more) against that forward
    alone.
 
-6. The framework integrations (agent/integrations): each framework's own loop on a tiny
-   model, in alternating blocks with and without trainwarden's callback (the agent
-   started once, sending to the discarding transport); each block a fresh trainer of
-   ``--steps-per-block`` steps; the step period (one step's start to the next's, so
-   the callback's work at both ends counts) and the ratio of the arms' medians. A
-   framework that is not installed is said and left out.
+6. The framework integrations (agent/integrations), from bench/integration_overhead.py:
+   each framework's own loop on a tiny model with and without trainwarden's callback,
+   against a plain loop over the same model bare and with ``tw.step`` written in by
+   hand, in rotating blocks; the callback's extra cost a step must not exceed the
+   hand-written one's. A framework that is not installed is said and left out.
 
 The agent sends to a transport that encodes and discards, so the exporter thread
 does all its real work (reading tensors, computing splits and flags) but no network.
@@ -48,7 +47,6 @@ does all its real work (reading tensors, computing splits and flags) but no netw
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import socket
@@ -66,6 +64,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import trainwarden.agent as tw
 from trainwarden.agent.wire import dumps
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from integration_overhead import print_integrations  # noqa: E402  (part 6: its own script)
 
 
 class NullTransport:
@@ -564,241 +565,6 @@ def print_replica_check(r: dict[str, float]) -> None:
     )
 
 
-def hf_trainer_periods(blocks: int, steps: int) -> dict[str, float]:
-    """Part 6, Hugging Face: median step period (ms) of a tiny GPT-2 Trainer, with and
-    without ``TrainwardenCallback``, in alternating blocks."""
-    import logging
-
-    from transformers import (
-        GPT2Config,
-        GPT2LMHeadModel,
-        Trainer,
-        TrainerCallback,
-        TrainingArguments,
-    )
-    from transformers.utils import logging as hf_logging
-
-    from trainwarden.agent.integrations.hf import TrainwardenCallback
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    logging.getLogger("trainwarden").setLevel(logging.ERROR)
-
-    class Periods(TrainerCallback):
-        def __init__(self) -> None:
-            self.starts: list[float] = []
-
-        def on_step_begin(self, *args: Any, **kwargs: Any) -> None:
-            self.starts.append(time.perf_counter())
-
-    class Tokens(torch.utils.data.Dataset):
-        def __len__(self) -> int:
-            return 100_000
-
-        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-            ids = torch.arange(i, i + 64) % 256
-            return {"input_ids": ids, "labels": ids}
-
-    tw.init(run="bench-hf", transport=NullTransport(), queue_size=1_000_000, gpu_interval_s=0)
-    arms: dict[str, list[float]] = {"without": [], "with": []}
-    with tempfile.TemporaryDirectory() as out:
-        for block in range(2 * blocks):
-            arm = ("without", "with", "with", "without")[block % 4]
-            torch.manual_seed(0)
-            model = GPT2LMHeadModel(
-                GPT2Config(
-                    vocab_size=256,
-                    n_positions=64,
-                    n_embd=128,
-                    n_layer=2,
-                    n_head=4,
-                    bos_token_id=0,
-                    eos_token_id=0,
-                )
-            )
-            periods = Periods()
-            callbacks: list[Any] = [periods] + ([TrainwardenCallback()] if arm == "with" else [])
-            args = TrainingArguments(
-                output_dir=out,
-                max_steps=steps + 1,
-                per_device_train_batch_size=8,
-                save_strategy="no",
-                logging_strategy="no",
-                report_to=[],
-                use_cpu=True,
-                disable_tqdm=True,
-            )
-            Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=callbacks).train()
-            gaps = [b - a for a, b in zip(periods.starts, periods.starts[1:], strict=False)]
-            arms[arm].append(statistics.median(gaps) * 1000)
-    tw.shutdown()
-    without, with_ = statistics.median(arms["without"]), statistics.median(arms["with"])
-    return {"without_ms": without, "with_ms": with_, "ratio": with_ / without}
-
-
-def lightning_periods(blocks: int, steps: int) -> dict[str, float]:
-    """Part 6, Lightning: median step period (ms) of examples/lightning_trainer.py's tiny
-    transformer, with and without ``TrainwardenCallback``, in alternating blocks."""
-    import logging
-    import warnings
-
-    import lightning as L
-
-    from trainwarden.agent.integrations.lightning import TrainwardenCallback
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from lightning_trainer import Synthetic, TinyLM
-
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning").setLevel(logging.ERROR)
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    logging.getLogger("trainwarden").setLevel(logging.ERROR)
-
-    class Periods(L.Callback):
-        def __init__(self) -> None:
-            self.starts: list[float] = []
-
-        def on_train_batch_start(self, *args: Any, **kwargs: Any) -> None:
-            self.starts.append(time.perf_counter())
-
-    tw.init(
-        run="bench-lightning", transport=NullTransport(), queue_size=1_000_000, gpu_interval_s=0
-    )
-    arms: dict[str, list[float]] = {"without": [], "with": []}
-    for block in range(2 * blocks):
-        arm = ("without", "with", "with", "without")[block % 4]
-        torch.manual_seed(0)
-        periods = Periods()
-        callbacks: list[Any] = [periods] + ([TrainwardenCallback()] if arm == "with" else [])
-        trainer = L.Trainer(
-            max_steps=steps + 1,
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            callbacks=callbacks,
-        )
-        loader = torch.utils.data.DataLoader(Synthetic(4096), batch_size=8)
-        trainer.fit(TinyLM(width=128), loader)
-        gaps = [b - a for a, b in zip(periods.starts, periods.starts[1:], strict=False)]
-        arms[arm].append(statistics.median(gaps) * 1000)
-    tw.shutdown()
-    without, with_ = statistics.median(arms["without"]), statistics.median(arms["with"])
-    return {"without_ms": without, "with_ms": with_, "ratio": with_ / without}
-
-
-def accelerate_periods(blocks: int, steps: int) -> dict[str, float]:
-    """Part 6, Accelerate: median step period (ms) of a hand-written Accelerate loop over
-    examples/accelerate_trainer.py's tiny model, in rotating blocks: without trainwarden,
-    with ``TrainwardenTracker`` (``tracker.watch``), and with trainwarden written into the
-    loop by hand (``with tw.step(...)``, ``s.loss``, ``tw.watch(..., grad_norm=True)``:
-    what the tracker does for you, the baseline it must not exceed)."""
-    import logging
-
-    from accelerate import Accelerator
-    from torch.nn import functional as F
-
-    from trainwarden.agent.integrations.accelerate import TrainwardenTracker
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-    from accelerate_trainer import VOCAB, Synthetic, TinyLM
-
-    logging.getLogger("trainwarden").setLevel(logging.ERROR)
-    tw.init(
-        run="bench-accelerate", transport=NullTransport(), queue_size=1_000_000, gpu_interval_s=0
-    )
-    arms: dict[str, list[float]] = {"without": [], "with": [], "hand": []}
-    order = ("without", "with", "hand", "hand", "with", "without")
-    for block in range(3 * blocks):
-        arm = order[block % len(order)]
-        tracker = TrainwardenTracker("bench-accelerate") if arm == "with" else None
-        accelerator = Accelerator(log_with=[tracker] if tracker else None, cpu=True)
-        if tracker is not None:
-            accelerator.init_trackers("bench")
-        torch.manual_seed(0)
-        model = TinyLM()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loader = torch.utils.data.DataLoader(Synthetic(512), batch_size=8)
-        model, opt, loader = accelerator.prepare(model, opt, loader)
-        if tracker is not None:
-            tracker.watch(accelerator, model, opt)
-        inner = getattr(opt, "optimizer", opt)  # Accelerate's wrapper holds the torch one
-        handle = tw.watch(model, inner, grad_norm=True) if arm == "hand" else None
-        starts = []
-        for i, batch in enumerate(loader):
-            if i > steps:
-                break
-            starts.append(time.perf_counter())
-            ids = batch["input_ids"]
-            step = tw.step(i, tokens=ids.numel()) if arm == "hand" else contextlib.nullcontext()
-            with step as s:
-                logits = model(ids)
-                loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
-                accelerator.backward(loss)
-                opt.step()
-                opt.zero_grad()
-                if s is not None:
-                    s.loss(loss.detach())
-        if handle is not None:
-            handle.remove()
-        accelerator.end_training()
-        gaps = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-        arms[arm].append(statistics.median(gaps) * 1000)
-    tw.shutdown()
-    without, with_ = statistics.median(arms["without"]), statistics.median(arms["with"])
-    hand = statistics.median(arms["hand"])
-    return {
-        "without_ms": without,
-        "with_ms": with_,
-        "ratio": with_ / without,
-        "hand_ms": hand,
-        "vs_hand": with_ / hand,
-    }
-
-
-def print_integrations(blocks: int, steps: int) -> None:
-    print(
-        f"\n6. framework loops with vs without trainwarden's callback ({blocks} blocks each "
-        f"of {steps} steps, alternating; median step period)"
-    )
-    try:
-        import transformers
-    except ImportError:
-        print("   Hugging Face Trainer: transformers not installed (pip install 'trainwarden[hf]')")
-    else:
-        r = hf_trainer_periods(blocks, steps)
-        print(
-            f"   Hugging Face Trainer (transformers {transformers.__version__}, tiny GPT-2): "
-            f"without {r['without_ms']:.2f} ms ; with TrainwardenCallback {r['with_ms']:.2f} ms "
-            f"; ratio {r['ratio']:.4f}"
-        )
-    try:
-        import accelerate
-    except ImportError:
-        print("   Accelerate: not installed (pip install 'trainwarden[accelerate]')")
-    else:
-        r = accelerate_periods(blocks, steps)
-        print(
-            f"   Accelerate loop (accelerate {accelerate.__version__}, tiny model): "
-            f"without {r['without_ms']:.2f} ms ; with TrainwardenTracker {r['with_ms']:.2f} ms "
-            f"; ratio {r['ratio']:.4f} ; tw.step + tw.watch(grad_norm=True) by hand "
-            f"{r['hand_ms']:.2f} ms: the tracker / by hand {r['vs_hand']:.4f}"
-        )
-    try:
-        import lightning
-    except ImportError:
-        print("   Lightning: not installed (pip install 'trainwarden[lightning]')")
-    else:
-        r = lightning_periods(blocks, steps)
-        print(
-            f"   Lightning Trainer (lightning {lightning.__version__}, tiny transformer): "
-            f"without {r['without_ms']:.2f} ms ; with TrainwardenCallback {r['with_ms']:.2f} ms "
-            f"; ratio {r['ratio']:.4f}"
-        )
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--step-ms", type=float, default=50.0)
@@ -841,7 +607,7 @@ def main() -> None:
         print_replica_check(replica_check_costs(args.step_ms, args.calls))
         return
     if args.integrations:
-        print_integrations(args.blocks, max(args.steps_per_block, 20))
+        print_integrations(min(args.blocks, 12), max(args.steps_per_block, 30))
         return
     costs = thread_costs(args.calls)
     agent_us = costs["tw.step + s.loss"]
@@ -888,7 +654,7 @@ def main() -> None:
 
     print_replica_check(replica_check_costs(args.step_ms, args.calls))
 
-    print_integrations(args.blocks, max(args.steps_per_block, 20))
+    print_integrations(min(args.blocks, 12), max(args.steps_per_block, 30))
 
 
 if __name__ == "__main__":
