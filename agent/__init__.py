@@ -113,9 +113,12 @@ def init(
     ``exporter``: ``"http"`` (default) posts to the collector's JSON API; ``"otlp"``
     sends OTLP/HTTP metrics to ``<url>/v1/metrics`` (a trainwarden collector, or an
     OpenTelemetry Collector in between); it needs ``pip install 'trainwarden[otlp]'``.
-    ``relay`` (``TRAINWARDEN_RELAY``): the node relay's URL (``trainwarden relay`` on this
-    node, :mod:`trainwarden.agent.relay`), which sends the node's ranks' batches to the
-    collector in one request; while it is down the agent sends to ``url`` itself.
+    ``relay`` (``TRAINWARDEN_RELAY``): the node relay, which sends the node's ranks'
+    batches to the collector in one request: ``"auto"`` (local rank 0's agent runs the
+    job's relay: the default where the launcher says a node runs several of the job's
+    ranks, :mod:`trainwarden.agent.node_relay`), ``"off"``, or the URL of a relay you run
+    (``trainwarden relay``, :mod:`trainwarden.agent.relay`); while it is down the agent
+    sends to ``url`` itself.
 
     Collector away: batches wait in a spool on disk (``spool_dir``, default
     ``$TMPDIR/trainwarden-spool-<uid>``, at most ``spool_max_mb``, 256 MB; ``"none"``:

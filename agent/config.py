@@ -17,6 +17,7 @@ from typing import Any
 
 from .mfu import dtype_name
 from .mixture import check_mixture
+from .node_relay import local_world_size
 from .samples import SamplesError, Universe
 
 EXPORTERS = ("http", "otlp")
@@ -289,12 +290,16 @@ class AgentConfig:
     """How often the NVML sampler reads this rank's GPU."""
     exporter: str = "http"
     """How batches go out: ``http`` (the native JSON API) or ``otlp`` (OTLP/HTTP metrics)."""
-    relay_port: int = 8470
-    """``relay="auto"``: the port the node's relay listens on (``TRAINWARDEN_RELAY_PORT``)."""
+    relay_port: int | None = None
+    """``relay="auto"``: the port the node's relay listens on (``TRAINWARDEN_RELAY_PORT``);
+    None: one of eight picked from the job's identity (:mod:`.node_relay`)."""
     relay: str | None = None
     """The node relay's URL (``trainwarden relay``), or ``auto`` (local rank 0's agent runs
-    it, on ``TRAINWARDEN_RELAY_PORT``, 8470): batches go there, to be sent on with the node's
-    other ranks' in one request, and straight to ``url`` while the relay is down."""
+    the job's relay on the node): batches go there, to be sent on with the node's other
+    ranks' in one request, and straight to ``url`` while the relay is down. Default:
+    ``auto`` where the launcher says a node runs several of the job's ranks
+    (``LOCAL_WORLD_SIZE``, Slurm's tasks per node) and the exporter is ``http``; ``off``:
+    none."""
     spool_dir: str | None = None
     """Batches the collector cannot take wait in ``<spool_dir>/<run>/rank-<rank>`` (default:
     ``$TMPDIR/trainwarden-spool-<uid>``; ``"none"``: in memory only, lost at exit)."""
@@ -372,23 +377,6 @@ class AgentConfig:
                     f"collector url {url!r} is not valid: use http://host:port or https://host"
                 )
             url = url.rstrip("/")
-        relay = _pick(relay, "TRAINWARDEN_RELAY")
-        if relay is not None:
-            if relay != "auto" and (
-                not isinstance(relay, str) or not re.match(r"^https?://[^/\s]+", relay)
-            ):
-                raise ConfigError(
-                    f"relay {relay!r} is not valid: use 'auto' (local rank 0 runs the node's "
-                    "relay) or the URL where this node's `trainwarden relay` listens, e.g. "
-                    "http://127.0.0.1:8470"
-                )
-            relay = relay.rstrip("/")
-            if url is None:
-                raise ConfigError(
-                    "a relay needs the collector's url too (TRAINWARDEN_URL): the agent "
-                    "sends there while the relay is down"
-                )
-
         rank_v = _as_int(_pick(rank, "RANK", 0), "rank (RANK)", minimum=0)
         world_v = _as_int(_pick(world_size, "WORLD_SIZE", 1), "world_size (WORLD_SIZE)", minimum=1)
         if rank_v >= world_v:
@@ -416,6 +404,26 @@ class AgentConfig:
                 f"exporter {exporter_v!r} is not known: use one of {', '.join(EXPORTERS)} "
                 "(tw.init(exporter=...) or TRAINWARDEN_EXPORTER)"
             )
+        relay = _pick(relay, "TRAINWARDEN_RELAY")
+        if relay is not None and str(relay).strip().lower() in ("off", "none", "0", "false"):
+            relay = None
+        elif relay is not None:
+            if relay != "auto" and (
+                not isinstance(relay, str) or not re.match(r"^https?://[^/\s]+", relay)
+            ):
+                raise ConfigError(
+                    f"relay {relay!r} is not valid: use 'auto' (local rank 0 runs the job's "
+                    "relay on the node), 'off', or the URL where this node's "
+                    "`trainwarden relay` listens, e.g. http://127.0.0.1:8470"
+                )
+            relay = relay.rstrip("/")
+            if url is None:
+                raise ConfigError(
+                    "a relay needs the collector's url too (TRAINWARDEN_URL): the agent "
+                    "sends there while the relay is down"
+                )
+        elif url is not None and exporter_v == "http" and (local_world_size() or 1) > 1:
+            relay = "auto"  # the node runs several of the job's ranks: one request for them
         host = socket.gethostname()
         node = _env("SLURMD_NODENAME") or _env("NODE_NAME") or host
 
@@ -463,11 +471,9 @@ class AgentConfig:
             ),
             exporter=exporter_v,
             relay=relay,
-            relay_port=_as_int(
-                _pick(None, "TRAINWARDEN_RELAY_PORT", cls.relay_port),
-                "relay port (TRAINWARDEN_RELAY_PORT)",
-                minimum=1,
-            ),
+            relay_port=_as_int(port, "relay port (TRAINWARDEN_RELAY_PORT)", minimum=1)
+            if (port := _pick(None, "TRAINWARDEN_RELAY_PORT", None)) is not None
+            else None,
             spool_dir=_pick(spool_dir, "TRAINWARDEN_SPOOL_DIR"),
             flush_on_sigterm=str(_pick(None, "TRAINWARDEN_FLUSH_ON_SIGTERM", "1")).strip().lower()
             not in ("0", "false", "no", "off"),

@@ -29,9 +29,8 @@ import threading
 import time
 import uuid
 from typing import Any
-from urllib.parse import urlsplit
 
-from . import flight, identity
+from . import flight, identity, node_relay
 from .checkpoints import Checkpointing, Checkpoints
 from .commands import Commands
 from .config import AgentConfig, ConfigError
@@ -130,11 +129,19 @@ class Agent:
                 config.url, token=config.token, timeout_s=config.request_timeout_s
             )
         elif transport is None and config.url is not None:
-            relay = config.relay
-            if relay == "auto":
-                relay, self._relay = _node_relay(config)
+            relays: list[str] | None = None
+            job: str | None = None
+            if config.relay == "auto":
+                self._relay = node_relay.start(config)
+                relays, job = node_relay.urls(config), node_relay.job_key(config.run)
+            elif config.relay is not None:
+                relays = [config.relay]
             transport = HttpTransport(
-                config.url, token=config.token, timeout_s=config.request_timeout_s, relay=relay
+                config.url,
+                token=config.token,
+                timeout_s=config.request_timeout_s,
+                relays=relays,
+                job=job,
             )
         if transport is not None:
             self._exporter = Exporter(
@@ -151,7 +158,7 @@ class Agent:
                 on_tick=self.flight.tick,
                 spool=self._open_spool(),
                 # With a relay, the node's ranks send together: it merges them.
-                phase_of=None if config.relay is None else _relay_group(config),
+                phase_of=None if config.relay is None else node_relay.group(config),
             )
             # Until attempt_start is queued, records are held back (sink.py).
             self._records.connect(self._exporter.wake, hold_s=_FIRST_EVENT_WAIT_S)
@@ -162,6 +169,8 @@ class Agent:
                 config.queue_size,
             )
         self._closed = False
+        self._flushed = threading.Event()  # set once shutdown() has sent what it could
+        self._sigterm_pending = False  # a SIGTERM came during shutdown(): die of it after
         self._identity_thread: threading.Thread | None = None
         self._identity = identity.skeleton(config)
         self._attempt_started = False
@@ -432,6 +441,15 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        try:
+            self._shutdown(timeout_s)
+        finally:
+            self._flushed.set()
+        if self._sigterm_pending and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)  # die of it, now that the flush is done
+
+    def _shutdown(self, timeout_s: float) -> None:
         started = time.monotonic()
         if self._identity_thread is not None:
             # attempt_start goes out before the goodbye: with what is known by now.
@@ -464,35 +482,6 @@ class Agent:
             self._exporter.shutdown(max(0.1, timeout_s - (time.monotonic() - started)))
         if self._relay is not None:  # what it holds goes on; the node's others go direct
             self._relay.stop()
-
-
-def _relay_group(config: AgentConfig) -> str:
-    """Who sends through the same relay, whose agents share a flush phase: the node, for
-    a relay on it (``auto``, loopback); for one that serves several nodes, its URL."""
-    host = urlsplit(config.relay).hostname if config.relay not in (None, "auto") else None
-    if host is None or host == "localhost" or host.startswith("127.") or host == "::1":
-        return config.node
-    return str(config.relay)
-
-
-def _node_relay(config: AgentConfig) -> tuple[str, Any]:
-    """``relay="auto"``: the node relay's URL, on ``relay_port`` (8470), and
-    the relay itself where this agent runs it: local rank 0's does, waiting for
-    ``LOCAL_WORLD_SIZE`` ranks. A port already taken (another job's relay: the agents
-    check whom a relay sends to) leaves it to that one."""
-    from .relay import Relay  # an HTTP server: loaded only by an agent that runs one
-
-    port = config.relay_port
-    url = f"http://127.0.0.1:{port}"
-    if config.local_rank != 0 or config.url is None:
-        return url, None
-    local = os.environ.get("LOCAL_WORLD_SIZE", "")
-    try:
-        relay = Relay(config.url, port=port, expect=int(local) if local.isdigit() else None)
-    except OSError as exc:
-        log.info("trainwarden: no node relay started on port %d (%s)", port, exc)
-        return url, None
-    return url, relay.start()
 
 
 _agent: Agent | None = None
@@ -551,6 +540,12 @@ def install_sigterm_flush() -> bool:
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     agent = _agent
+    if agent is not None and agent._closed and not agent._flushed.is_set():
+        # The flush is under way (at exit after an exception, say: a launcher stops the
+        # other ranks when one fails, often while this one is flushing); this handler
+        # interrupted it. Let it finish (within its own deadline), then die of SIGTERM.
+        agent._sigterm_pending = True
+        return
     if agent is not None and not agent._closed:
         log.warning(
             "trainwarden: SIGTERM; flushing (at most %.0fs) before exiting", _SHUTDOWN_TIMEOUT_S

@@ -74,12 +74,20 @@ RELAY_FIRST_RETRY_S = 2.0  # ... or this, if never seen yet (local rank 0 may be
 
 
 class HttpTransport:
-    """The real transport: one keep-alive httpx client. With ``relay`` (the node relay's
-    URL) batches go there, and straight to ``url`` while the relay cannot be reached
-    (tried again every ``RELAY_RETRY_S``)."""
+    """The real transport: one keep-alive httpx client. With ``relays`` (where the node
+    relay may listen: one URL, or ``relay="auto"``'s candidates, of which the one that
+    names ``job`` and this agent's collector is taken) batches go there, and straight to
+    ``url`` while no relay can be reached (tried again every ``RELAY_RETRY_S``)."""
 
     def __init__(
-        self, url: str, *, token: str | None, timeout_s: float, relay: str | None = None
+        self,
+        url: str,
+        *,
+        token: str | None,
+        timeout_s: float,
+        relay: str | None = None,
+        relays: list[str] | None = None,
+        job: str | None = None,
     ) -> None:
         import httpx  # imported here so that `import trainwarden.agent` stays light
 
@@ -88,11 +96,12 @@ class HttpTransport:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._client = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
-        self._relay = (
-            None
-            if relay is None
-            else httpx.Client(base_url=relay, headers=headers, timeout=timeout_s)
-        )
+        candidates = relays if relays is not None else ([relay] if relay is not None else [])
+        self._candidates = [
+            httpx.Client(base_url=u, headers=headers, timeout=timeout_s) for u in candidates
+        ]
+        self._relay = self._candidates[0] if len(self._candidates) == 1 else None
+        self._job = job
         self._url = url.rstrip("/")
         self._relay_down_until = 0.0
         self._relay_checked = False
@@ -100,35 +109,57 @@ class HttpTransport:
         self.via_relay = 0  # requests the relay answered
         self.around_relay = 0  # ... and sent straight to the collector, the relay down
 
-    def _relay_usable(self) -> bool:
-        """Whether the relay is up and is a trainwarden relay sending to this agent's
-        collector (a node may run jobs that send elsewhere); asked once, and again each
-        time it was found down."""
-        if self._relay is None or time.monotonic() < self._relay_down_until:
-            return False
-        if self._relay_checked:
-            return True
+    @property
+    def relay_url(self) -> str | None:
+        """The relay this agent sends through (None: none found yet, or none asked for)."""
+        return str(self._relay.base_url).rstrip("/") if self._relay is not None else None
+
+    def _ask(self, client: Any) -> str | None:
+        """Why the relay at ``client`` is not this agent's, or None when it is."""
         try:
-            about = self._relay.get(RELAY_HEALTH_PATH).json()
-            upstream = about.get("upstream") if isinstance(about, dict) else None
+            about = client.get(RELAY_HEALTH_PATH, timeout=2.0).json()
         except (self._httpx.HTTPError, ValueError) as exc:
-            upstream, why = None, f"no relay answers there ({exc})"
-        else:
-            why = f"it sends to {upstream!r}, not to {self._url!r}"
+            return f"no relay answers there ({exc})"
+        upstream = about.get("upstream") if isinstance(about, dict) else None
         if upstream != self._url:
-            wait = RELAY_RETRY_S if self._relay_seen else RELAY_FIRST_RETRY_S
-            self._relay_down_until = time.monotonic() + wait
-            log.log(
-                logging.WARNING if self._relay_seen or upstream else logging.INFO,
-                "trainwarden: not sending through the relay at %s: %s; sending to the "
-                "collector directly for %.0f s",
-                self._relay.base_url,
-                why,
-                wait,
-            )
+            return f"it sends to {upstream!r}, not to {self._url!r}"
+        if self._job is not None and about.get("job") != self._job:
+            return "it is another job's"
+        return None
+
+    def _relay_usable(self) -> bool:
+        """Whether a relay is up and is a trainwarden relay sending to this agent's
+        collector (a node may run jobs that send elsewhere), and, under ``auto``, this
+        job's; asked once, and again each time it was found down."""
+        if not self._candidates or time.monotonic() < self._relay_down_until:
             return False
-        self._relay_checked = self._relay_seen = True
-        return True
+        if self._relay_checked and self._relay is not None:
+            return True
+        why = "none"
+        for client in self._candidates:
+            why = self._ask(client) or ""
+            if not why:
+                self._relay = client
+                self._relay_checked = self._relay_seen = True
+                return True
+        wait = RELAY_RETRY_S if self._relay_seen else RELAY_FIRST_RETRY_S
+        self._relay_down_until = time.monotonic() + wait
+        where = (
+            str(self._candidates[0].base_url)
+            if len(self._candidates) == 1
+            else f"any of {len(self._candidates)} ports from "
+            f"{self._candidates[0].base_url.port} on (the job's)"
+        )
+        misrouted = len(self._candidates) == 1 and why.startswith("it sends to")
+        log.log(
+            logging.WARNING if self._relay_seen or misrouted else logging.INFO,
+            "trainwarden: not sending through the relay at %s: %s; sending to the "
+            "collector directly for %.0f s",
+            where,
+            why,
+            wait,
+        )
+        return False
 
     def _post(self, path: str, content: bytes, headers: dict[str, str]) -> Any:
         if self._relay_usable():
@@ -148,7 +179,7 @@ class HttpTransport:
                     exc,
                     RELAY_RETRY_S,
                 )
-        if self._relay is not None:
+        if self._candidates:
             self.around_relay += 1
         return self._client.post(path, content=content, headers=headers)
 
@@ -166,8 +197,8 @@ class HttpTransport:
 
     def close(self) -> None:
         self._client.close()
-        if self._relay is not None:
-            self._relay.close()
+        for client in self._candidates:
+            client.close()
 
 
 # A refused token (missing, revoked, or not allowed this run) is an operator's mistake

@@ -212,7 +212,8 @@ def _unreachable(exc: BaseException) -> Answer:
 
 class Relay:
     """The relay's server and its forwarding thread. ``expect``: how many ranks send here
-    (the node's GPUs); once that many have sent, the window closes early."""
+    (the node's GPUs); once that many have sent, the window closes early. ``job``: the key
+    of the job it serves, which its health answer names (``relay="auto"``)."""
 
     def __init__(
         self,
@@ -223,6 +224,7 @@ class Relay:
         window_s: float = DEFAULT_WINDOW_S,
         expect: int | None = None,
         timeout_s: float = 30.0,
+        job: str | None = None,
     ) -> None:
         if not 0 < window_s <= 10:
             raise ValueError(f"window {window_s} s: from 0 to 10 seconds")
@@ -232,6 +234,7 @@ class Relay:
         self._upstream = _Upstream(self.upstream_url, timeout_s)  # checks the URL
         self.window_s = window_s
         self.expect = expect
+        self.job = job  # relay="auto": the job whose ranks send here (agent/node_relay.py)
         self.timeout_s = timeout_s
         self.stats = {
             "held": 0,
@@ -446,7 +449,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802
         if self.path == RELAY_HEALTH_PATH:
-            stats = {"status": "ok", "upstream": self.owner.upstream_url, **self.owner.stats}
+            stats = {
+                "status": "ok",
+                "upstream": self.owner.upstream_url,
+                "job": self.owner.job,
+                **self.owner.stats,
+            }
             self._send(Answer(200, dumps(stats), {"Content-Type": "application/json"}))
             return
         self._send(self.owner.pass_through("GET", self.path, None, self._headers()))

@@ -109,3 +109,39 @@ def test_a_trainers_own_sigterm_handler_is_left_alone(monkeypatch: pytest.Monkey
         assert signal.getsignal(signal.SIGTERM).__name__ == "<lambda>"  # type: ignore[union-attr]
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_sigterm_during_the_flush_at_exit_lets_it_finish_then_kills(tmp_path: Path) -> None:
+    """The trainer dies of an exception; while its flush at exit is on the wire, the
+    launcher (which stops the other ranks when one fails) sends SIGTERM: the goodbye still
+    goes out, and the process then dies of the signal (as torchrun's rank 0 did when rank 1
+    died: its goodbye, held by its own node relay for the relay's window, was lost)."""
+    out = tmp_path / "sent.json"
+    trainer = textwrap.dedent(f"""
+        import json, os, signal, time
+        import trainwarden.agent as tw
+
+        class Slow:
+            def send(self, path, body):
+                kinds = [e["kind"] for e in body.get("events", [])]
+                if "shutdown" in kinds:
+                    os.kill(os.getpid(), signal.SIGTERM)  # the launcher, mid-request
+                    time.sleep(0.5)
+                    with open({str(out)!r}, "w") as f:
+                        json.dump(kinds, f)
+                return {{}}
+
+            def close(self):
+                pass
+
+        tw.init(run="term", transport=Slow(), flush_interval_s=0.05, profile_every=0)
+        for step in range(5):
+            with tw.step(step):
+                time.sleep(0.002)
+        raise RuntimeError("a collective's peer went away")
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", trainer], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
+    assert "shutdown" in json.loads(out.read_text()), proc.stderr[-2000:]

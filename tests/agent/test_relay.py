@@ -69,12 +69,12 @@ def test_sender_header_names_ranks_in_ranges() -> None:
 
 def test_ranks_sharing_a_relay_share_a_flush_phase() -> None:
     from trainwarden.agent.config import AgentConfig
-    from trainwarden.agent.core import _relay_group
     from trainwarden.agent.exporter import flush_phase
+    from trainwarden.agent.node_relay import group as relay_group
 
     def group(relay: str, node: str) -> str:
         config = AgentConfig.resolve(run="r", url="http://collector:8000", relay=relay)
-        return _relay_group(replace(config, node=node))
+        return relay_group(replace(config, node=node))
 
     # A relay on the node (auto, loopback): the node's ranks; one for a rack: its URL.
     assert group("auto", "n1") == "n1" and group("http://127.0.0.1:8470", "n2") == "n2"

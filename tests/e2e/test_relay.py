@@ -234,7 +234,8 @@ import torch.distributed as dist
 import trainwarden.agent as tw
 from trainwarden.agent import core
 
-agent = tw.init(run=sys.argv[2], url=sys.argv[1], relay="auto", flush_interval_s=0.2)
+relay = None if len(sys.argv) > 4 and sys.argv[4] == "default" else "auto"
+agent = tw.init(run=sys.argv[2], url=sys.argv[1], relay=relay, flush_interval_s=0.2)
 dist.init_process_group("gloo")
 dist.barrier()  # local rank 0's relay listens by now
 for step in range(80):
@@ -246,21 +247,17 @@ dist.barrier()  # every rank has sent before rank 0's relay stops
 transport = agent._exporter._transport
 with open(os.path.join(sys.argv[3], f"rank{dist.get_rank()}.json"), "w") as f:  # not stdout:
     json.dump({"rank": dist.get_rank(), "via_relay": transport.via_relay,  # torchrun mixes it
-               "around_relay": transport.around_relay,
+               "around_relay": transport.around_relay, "relay_url": transport.relay_url,
+               "mode": agent.config.relay,
+               "runs": None if agent._relay is None else agent._relay.url,
                "relay": None if agent._relay is None else dict(agent._relay.stats)}, f)
 dist.destroy_process_group()
 """
 
 
-def test_relay_auto_runs_the_nodes_relay_in_local_rank_0(
-    live_server: Server, tmp_path: Path
-) -> None:
-    """``relay="auto"`` under torchrun: local rank 0's agent runs the node's relay and both
-    ranks send through it, with no process to start."""
-    script = tmp_path / "trainer.py"
-    script.write_text(AUTO_TRAINER)
-    run = f"auto-{uuid.uuid4().hex[:6]}"
-    cmd = [
+def _auto_job(script: Path, url: str, run: str, out: Path, *more: str) -> list[str]:
+    """AUTO_TRAINER as a torchrun job of 2 ranks (``default``: it leaves ``relay`` unset)."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -271,10 +268,22 @@ def test_relay_auto_runs_the_nodes_relay_in_local_rank_0(
         "--master-port",
         str(free_port()),
         str(script),
-        live_server.url,
+        url,
         run,
-        str(tmp_path),
+        str(out),
+        *more,
     ]
+
+
+def test_relay_auto_runs_the_nodes_relay_in_local_rank_0(
+    live_server: Server, tmp_path: Path
+) -> None:
+    """``relay="auto"`` under torchrun: local rank 0's agent runs the node's relay and both
+    ranks send through it, with no process to start."""
+    script = tmp_path / "trainer.py"
+    script.write_text(AUTO_TRAINER)
+    run = f"auto-{uuid.uuid4().hex[:6]}"
+    cmd = _auto_job(script, live_server.url, run, tmp_path)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -298,3 +307,43 @@ def test_relay_auto_runs_the_nodes_relay_in_local_rank_0(
         "finished"
     ] * 2
     assert steps["step"][:1] == [0]
+
+
+def test_two_jobs_on_a_node_each_get_their_own_relay_by_default(
+    live_server: Server, tmp_path: Path
+) -> None:
+    """Two torchrun jobs of 2 ranks on this machine at once, nothing set but the
+    collector's URL: each job's local rank 0 runs a relay (``relay="auto"`` is the
+    default under a launcher that says a node runs several ranks), on a port of its own
+    job's, and each job's ranks send through their own job's relay only."""
+    script = tmp_path / "trainer.py"
+    script.write_text(AUTO_TRAINER)
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TRAINWARDEN_RELAY")},
+        "OMP_NUM_THREADS": "1",
+        "TRAINWARDEN_PROFILE_EVERY": "0",
+    }
+    jobs = []
+    for job in ("a", "b"):
+        out = tmp_path / job
+        out.mkdir()
+        cmd = _auto_job(
+            script, live_server.url, f"two-{job}-{uuid.uuid4().hex[:6]}", out, "default"
+        )
+        jobs.append(
+            (out, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        )
+    relays = []
+    for out, proc in jobs:
+        printed, _ = proc.communicate(timeout=240)
+        assert proc.returncode == 0, printed.decode()[-3000:]
+        seen = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+        assert [r["mode"] for r in seen] == ["auto", "auto"], seen
+        assert seen[0]["runs"] is not None and seen[1]["runs"] is None, seen
+        # Both ranks of the job send through the relay its rank 0 runs, and only it.
+        assert [r["relay_url"] for r in seen] == [seen[0]["runs"]] * 2, seen
+        assert all(r["via_relay"] >= 5 for r in seen), seen
+        stats = seen[0]["relay"]
+        assert stats["merged_requests"] < stats["held"] and stats["one_by_one"] == 0, stats
+        relays.append(seen[0]["runs"])
+    assert relays[0] != relays[1], relays

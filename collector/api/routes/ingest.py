@@ -110,7 +110,8 @@ def _hint_relay(request: Request, batch: IngestBatch) -> None:
         log.warning(
             "run %s: %d ranks, each sending its own requests; one collector takes about "
             "3,500 of those a second on two cores. Run a relay on each node "
-            "(TRAINWARDEN_RELAY=auto on the agents, or `trainwarden relay`): one request a node",
+            "(TRAINWARDEN_RELAY=auto on the agents, the default where the launcher sets "
+            "LOCAL_WORLD_SIZE, or `trainwarden relay`): one request a node",
             batch.run,
             batch.agent.world_size,
         )
