@@ -254,8 +254,10 @@ def start_serve(
     port: int | None = None,
     auth: bool = False,
     log_level: str = "warning",
+    args: tuple[str, ...] = (),
 ) -> Server:
-    """``trainwarden serve`` as a user runs it: a real process on loopback.
+    """``trainwarden serve`` as a user runs it: a real process on loopback (``args``: more
+    of its options).
 
     Tests that are not about access run it with ``--auth off`` (they send and read as
     anyone may then); ``auth=True`` runs it as shipped (auth required) with an admin
@@ -274,6 +276,7 @@ def start_serve(
         log_level,
         "--auth",
         "required" if auth else "off",
+        *args,
     ]
     proc = subprocess.Popen(
         cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}

@@ -57,13 +57,17 @@ def test_default_database_is_an_sqlite_file_in_the_user_data_dir(
     assert (tmp_path / "trainwarden" / "trainwarden.db").exists()
 
 
-def test_serve_logs_each_request_at_info_and_none_at_warning(tmp_path: Path) -> None:
-    # Above info uvicorn's access log is off (it would print nothing, yet format a line
-    # a request); at info, as shipped, every request is still logged.
+def test_serve_logs_each_request_only_with_access_log_at_info(tmp_path: Path) -> None:
+    # uvicorn's access log is off unless asked for (a line for every rank's request each
+    # second), and above info it stays off (it would format a line a request it drops).
     db = f"sqlite:///{tmp_path / 'tw.db'}"
-    for level, logged in (("info", True), ("warning", False)):
-        log = tmp_path / f"serve-{level}.log"
-        server = start_serve(db, log, log_level=level)
+    for level, args, logged in (
+        ("info", (), False),
+        ("info", ("--access-log",), True),
+        ("warning", ("--access-log",), False),
+    ):
+        log = tmp_path / f"serve-{level}-{len(args)}.log"
+        server = start_serve(db, log, log_level=level, args=args)
         try:
             assert httpx.get(server.url + "/api/v1/runs", timeout=10).status_code == 200
         finally:
