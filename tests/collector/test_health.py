@@ -468,3 +468,24 @@ def test_stragglers_and_diverging_are_the_ranks_over_the_line_on_every_step() ->
         }
         assert stragglers(views, ratio=1.2, window=window) == want_slow
         assert diverging(views, z=6.0, window=window) == want_div
+
+
+def test_a_goodbye_stored_during_a_pass_is_not_overwritten_by_its_verdict(engine) -> None:
+    """A pass read rank 1 as healthy and judges it slow; meanwhile its goodbye was stored
+    (finished): the verdict is not written over it, nor told as a state change (seen under
+    load in the OTLP test: the slow rank ended "slow"). Rank 0's own change is written."""
+    from trainwarden.collector.health.evaluator import _write_states
+
+    for rank in (0, 1):
+        send(engine, rank=rank, steps=[step(i) for i in range(3)], at=T0 + 3)
+    with write(engine) as conn:
+        read = conn.execute(select(m.ranks).order_by(m.ranks.c.rank)).mappings().all()
+        assert [r["state"] for r in read] == ["healthy", "healthy"]
+        conn.execute(m.ranks.update().where(m.ranks.c.rank == 1).values(state="finished"))
+        verdicts = {0: ("slow", {"compute_ratio": 1.3}), 1: ("slow", {"compute_ratio": 1.4})}
+        moved, events = _write_states(
+            conn, run_id=read[0]["run_id"], ranks=read, states=verdicts, events=[], now=T0 + 4
+        )
+        after = dict(conn.execute(select(m.ranks.c.rank, m.ranks.c.state)).all())
+    assert after == {0: "slow", 1: "finished"}
+    assert moved == 1 and [(e["rank"], e["data"]["to"]) for e in events] == [(0, "slow")]
