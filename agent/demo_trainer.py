@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         print(
             f"rolled back to step {plan.checkpoint_step} after step {plan.barrier_step}; "
-            f"{skipping}",
+            f"{skipping} (at {time.time():.3f})",  # this process's clock, for a post-mortem's
             flush=True,
         )
 

@@ -239,6 +239,19 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
         )
     }
     assert said == {30 + f["steps_lost"]}, (said, f["steps_lost"])
+    # ... and when, by their own clock: every rank restored after the action started
+    # executing (act), and before the first step after it (recover).
+    restored = [
+        float(m[1])
+        for r in range(2)
+        for m in re.finditer(
+            r"rolled back to step 30 after step \d+; .* \(at ([\d.]+)\)",
+            (tmp_path / f"{run}-rank{r}.log").read_text(),
+        )
+    ]
+    assert len(restored) == 2, restored
+    assert firing + f["act_s"] <= min(restored), (firing, f, restored)
+    assert max(restored) <= f["fault_at"] + f["recover_s"], (f, restored)
     assert f["gpu_hours_lost"] == pytest.approx(2 * f["time_lost_s"] / 3600)
     assert f["cost"] == pytest.approx(4 * f["gpu_hours_lost"])  # serve's price per GPU-hour
     for key in ("detect_s", "page_s", "act_s", "recover_s"):
