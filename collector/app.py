@@ -36,7 +36,7 @@ from trainwarden.collector.api.routes.ingest import EXTRA_SCHEMAS, DirectIngest
 from trainwarden.collector.health.evaluator import HealthSettings, health_loop
 from trainwarden.collector.incidents.engine import IncidentEngine
 from trainwarden.collector.incidents.store import IncidentSettings
-from trainwarden.collector.ingest.limits import BodyLimit, IngestBackpressure, Pressure
+from trainwarden.collector.ingest.limits import BodyLimit, InFlight, IngestBackpressure, Pressure
 from trainwarden.collector.ingest.writer import IngestWriter
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.read import economics, runbooks
@@ -226,10 +226,13 @@ def create_app(
     }
     app.add_middleware(DirectIngest, routes=direct)
     app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
+    inflight = InFlight()
+    metrics.ingest_in_flight.set_function(lambda: inflight.n)
     app.add_middleware(
         IngestBackpressure,
         limit=settings.max_inflight_ingest,
         on_reject=lambda sender: app.state.metrics.busy(auth.vouched(sender)),
+        inflight=inflight,
     )
     app.state.authenticator = None
     if auth_settings is not None:  # added last: the outermost, so a stranger gets nothing else

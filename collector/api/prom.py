@@ -52,6 +52,12 @@ class CollectorMetrics:
             "Records waiting for the group-commit writer.",
             registry=self.registry,
         )
+        self.ingest_in_flight = Gauge(
+            "trainwarden_ingest_in_flight",
+            "Ingest requests in progress (past this many, TRAINWARDEN_MAX_INFLIGHT_INGEST, "
+            "new ones are answered 503).",
+            registry=self.registry,
+        )
         self.ingest_lag_seconds = Gauge(
             "trainwarden_ingest_lag_seconds",
             "Age of the oldest ingest request not yet committed, plus the event loop's "

@@ -165,17 +165,29 @@ class BodyLimit:
 INGEST_PATHS = ("/api/v1/ingest", "/v1/metrics")  # native and OTLP
 
 
+class InFlight:
+    """How many ingest requests are past the gate and not yet answered."""
+
+    n = 0
+
+
 class IngestBackpressure:
     """Pure ASGI middleware: at most ``limit`` ingest requests in progress. Past that a
     request is answered 503 with Retry-After at once, before its body is read, so a
     slow database slows agents down instead of growing the collector's memory."""
 
     def __init__(
-        self, app: Any, *, limit: int, on_reject: Any = None, retry_after_s: int = 2
+        self,
+        app: Any,
+        *,
+        limit: int,
+        on_reject: Any = None,
+        retry_after_s: int = 2,
+        inflight: InFlight | None = None,
     ) -> None:
         self.app = app
         self.limit = limit
-        self.inflight = 0
+        self.count = inflight if inflight is not None else InFlight()  # /metrics reads it
         self.on_reject = on_reject
         self.retry_after = str(retry_after_s).encode()
 
@@ -183,7 +195,8 @@ class IngestBackpressure:
         if scope["type"] != "http" or not scope["path"].startswith(INGEST_PATHS):
             await self.app(scope, receive, send)
             return
-        if self.inflight >= self.limit:
+        count = self.count
+        if count.n >= self.limit:
             if self.on_reject is not None:
                 sender = next((v for k, v in scope["headers"] if k == SENDER_HEADER), None)
                 self.on_reject(sender.decode("latin-1") if sender is not None else None)
@@ -192,8 +205,8 @@ class IngestBackpressure:
             )
             await json_response(send, 503, body.encode(), [(b"retry-after", self.retry_after)])
             return
-        self.inflight += 1  # the event loop is single-threaded: no lock needed
+        count.n += 1  # the event loop is single-threaded: no lock needed
         try:
             await self.app(scope, receive, send)
         finally:
-            self.inflight -= 1
+            count.n -= 1

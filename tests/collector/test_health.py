@@ -402,7 +402,7 @@ def test_the_backpressure_gate_hands_on_who_it_refused() -> None:
 
     pressure = Pressure(lambda: 0.0)
     gate = IngestBackpressure(app, limit=1, on_reject=pressure.refused)
-    gate.inflight = 1
+    gate.count.n = 1
     answers: list[dict] = []
 
     async def collect(message: dict) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sqlite3
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -31,9 +32,12 @@ def test_a_blocked_database_gets_503_with_retry_after_and_nothing_is_lost(tmp_pa
         first = [threading.Thread(target=post, args=(r,)) for r in (0, 1)]
         for t in first:
             t.start()
-        # Both are in flight (their rows may already be with the writer, which waits on
-        # the database: the queue gauge is no sure sign, seen in CI); a second is ample.
-        threading.Event().wait(1.0)
+        # Both are past the gate and unanswered (the in-flight gauge; the writer's queue
+        # gauge was no sure sign: their rows may already be with the writer, seen in CI).
+        deadline = time.monotonic() + 30
+        while "trainwarden_ingest_in_flight 2.0" not in server.get("/metrics").text:
+            assert time.monotonic() < deadline, "the two requests never were in flight"
+            time.sleep(0.05)
         response = httpx.post(
             server.url + "/api/v1/ingest", json=batch(rank=2, world_size=8, steps=[step(0)])
         )
