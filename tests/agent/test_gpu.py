@@ -6,6 +6,7 @@ Run on a machine with a GPU: ``./scripts/test.sh tests/agent/test_gpu.py -s``.
 from __future__ import annotations
 
 import statistics
+import subprocess
 import time
 
 import pytest
@@ -149,6 +150,22 @@ def test_real_nvml_sampler_and_xid_listener() -> None:
         assert field in sample, field
     assert 0 < sample["temp_c"] < 120
     assert isinstance(sample.get("throttle", []), list)
+    # The same GPU as nvidia-smi reads it in the same second (its own NVML session).
+    fields = "temperature.gpu,enforced.power.limit,clocks.max.sm,memory.total,memory.used"
+    smi = subprocess.run(
+        ["nvidia-smi", f"--query-gpu={fields}", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert smi.returncode == 0, smi.stderr
+    temp, limit, max_sm, total_mib, used_mib = (float(v) for v in smi.stdout.split(","))
+    assert abs(sample["temp_c"] - temp) <= 3, (sample, smi.stdout)
+    assert sample["power_limit_w"] == pytest.approx(limit, abs=1), (sample, smi.stdout)
+    assert sample["sm_clock_max_mhz"] == max_sm, (sample, smi.stdout)
+    # (nvidia-smi may count the driver's reserved memory apart from "used": 1 GiB of slack)
+    assert sample["mem_total_bytes"] / 2**20 == pytest.approx(total_mib, rel=0.02)
+    assert abs(sample["mem_used_bytes"] / 2**20 - used_mib) <= 1024, (sample, smi.stdout)
     assert device.wait_xid(200) is None  # the listener registers and waits without error
     device.close()
 
