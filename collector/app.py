@@ -184,7 +184,10 @@ def create_app(
     app.state.runbook_dirs = list(runbook_dirs or [])
     app.state.metrics = metrics = CollectorMetrics(engine)
     app.state.writer = writer = IngestWriter(
-        engine, max_pending_rows=settings.max_pending_rows, on_flush=metrics.on_flush
+        engine,
+        max_pending_rows=settings.max_pending_rows,
+        max_queue_wait_s=settings.max_queue_wait_s,
+        on_flush=metrics.on_flush,
     )
     metrics.ingest_queue_rows.set_function(lambda: writer.pending_rows)
     metrics.ingest_lag_seconds.set_function(lambda: writer.lag_s() + loop_lag())

@@ -35,6 +35,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Records waiting for the writer at most; past it ingest gets 503 + Retry-After",
     )
+    max_queue_wait_s: float = Field(
+        default=1.0,
+        gt=0,
+        description="How long the oldest request waiting for the writer may wait "
+        "(TRAINWARDEN_MAX_QUEUE_WAIT_S); past it new ingest requests get 503 + Retry-After, "
+        "so that past capacity what is accepted stays fresh",
+    )
     external_url: str | None = Field(
         default=None,
         description="The URL people reach this collector at (TRAINWARDEN_EXTERNAL_URL): "

@@ -9,7 +9,9 @@ lets one collector process take thousands of ranks (see bench/ingest.py).
 
 The queue is bounded in rows: past ``max_pending_rows`` a request is refused at once
 (``Busy`` → 503 + Retry-After), so a slow database slows the agents down instead of
-growing the collector's memory.
+growing the collector's memory; and in time: once the oldest queued request has waited
+``max_queue_wait_s`` for its flush, new ones are refused too, so that past capacity what
+is accepted stays fresh (the refused wait in the agents' spools).
 """
 
 from __future__ import annotations
@@ -109,10 +111,14 @@ class IngestWriter:
         *,
         max_pending_rows: int = 100_000,
         max_flush_rows: int = 50_000,
+        max_queue_wait_s: float | None = None,
         on_flush: Any = None,
     ) -> None:
         self.engine = engine
         self.max_pending_rows = max_pending_rows
+        # Past capacity, what is accepted must stay fresh: a request is refused once the
+        # oldest one queued has waited this long for its flush (None: no bound).
+        self.max_queue_wait_s = max_queue_wait_s
         self.max_flush_rows = max_flush_rows
         self.on_flush = on_flush  # (requests, rows, seconds) after each committed flush
         self._cond = threading.Condition()
@@ -161,7 +167,14 @@ class IngestWriter:
                 raise Busy("collector is shutting down")
             if self._queue and self._rows + rows > self.max_pending_rows:
                 raise Busy(f"{self._rows:,} rows are waiting to be written")
-            self._queue.append(_Pending(batch, rows, future, time.time(), loop))
+            now = time.time()
+            wait = self.max_queue_wait_s
+            if wait is not None and self._queue and now - self._queue[0].arrived > wait:
+                raise Busy(
+                    f"the oldest request has waited {now - self._queue[0].arrived:.1f} s "
+                    "to be written"
+                )
+            self._queue.append(_Pending(batch, rows, future, now, loop))
             self._rows += rows
             if self._thread is None:
                 self._thread = threading.Thread(

@@ -95,6 +95,29 @@ def test_a_full_queue_refuses_new_requests(engine) -> None:  # type: ignore[no-u
     assert rows(engine) == 8 + 16 + 8
 
 
+def test_a_queue_whose_oldest_request_waited_too_long_refuses_new_ones(engine) -> None:  # type: ignore[no-untyped-def]
+    """Past capacity what is accepted stays fresh: once the oldest queued request has
+    waited ``max_queue_wait_s``, new ones are refused (the agents keep and resend them);
+    the queued ones are still stored."""
+    writer = IngestWriter(engine, max_queue_wait_s=1.0)
+    gate = threading.Event()
+    writer.on_flush = lambda *_: gate.wait(10)
+    writer.submit(node(0, range(1)))  # taken by the writer at once, then held
+    while writer.pending_rows:
+        pass
+    queued = [writer.submit(node(8, range(1)))]
+    queued.append(writer.submit(node(16, range(1))))  # the oldest has waited < 1 s: taken
+    writer._queue[0].arrived -= 1.5  # as if the writer had been busy for 1.5 s
+    with pytest.raises(Busy, match=r"the oldest request has waited 1\.\d s"):
+        writer.submit(node(24, range(1)))
+    gate.set()
+    for f in queued:
+        f.result(30)
+    assert writer.submit(node(24, range(1))).result(30).accepted_steps == 8  # fresh again
+    writer.stop()
+    assert rows(engine) == 8 * 4
+
+
 def test_one_agents_batch_and_a_node_batch_in_one_flush(engine) -> None:  # type: ignore[no-untyped-def]
     writer = IngestWriter(engine)
     agent = IngestBatch.model_validate(
