@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null && sudo -n true 2>/dev/null; then sudo "$@"; else return 1; fi; }
 apt_missing=()
 [ -x /usr/bin/chromium ] || apt_missing+=(chromium chromium-driver)
+[ -x /usr/sbin/haproxy ] || apt_missing+=(haproxy)  # two collectors behind it: tests/e2e/test_scale_out.py
 if ! command -v pg_ctlcluster >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   apt_missing+=(postgresql)
 fi
