@@ -103,16 +103,6 @@ def to_query(view: dict[str, Any]) -> str:
 _RANGE_KEY = re.compile(r"xaxis\d*\.range(?:\[(\d)\])?$")
 
 
-def _to_view(want: dict[str, Any], view: dict[str, Any], search: str | None) -> tuple[Any, Any]:
-    """The URL's search and the view store's data for the view ``want`` (``no_update``
-    for what does not change)."""
-    if want == view:
-        return dash.no_update, dash.no_update
-    # "?" for the default view: an empty search would leave the old one in the address bar.
-    query = to_query(want) or "?"
-    return (query if query != (search or "?") else dash.no_update), want
-
-
 def range_from_relayout(
     relayout: dict[str, Any] | None, *, axis: str, xmap: dict[str, list[Any]] | None
 ) -> tuple[int, int] | None | Literal[False]:
@@ -685,54 +675,31 @@ def register(app: dash.Dash, client: Client) -> None:
             return dash.no_update
 
     @app.callback(
-        Output("run-url", "search", allow_duplicate=True),
-        Output("run-view", "data", allow_duplicate=True),
-        Input("run-overview", "relayoutData"),
-        State("run-url", "search"),
-        State("run-view", "data"),
-        State("run-xmap", "data"),
-        prevent_initial_call=True,
-    )
-    def zoom(
-        relayout: dict[str, Any] | None,
-        search: str | None,
-        view: dict[str, Any],
-        xmap: dict[str, list[Any]] | None,
-    ) -> Any:
-        """A drag (or a double click) on the chart: its range into the view and the URL.
-        A callback of its own, not one more input of ``sync``: a call of ``sync`` made for
-        another input (the first draw setting the metric picker) while a drag's was in
-        flight made Dash drop the drag's answer (a newer call of one callback supersedes
-        an older one), and the drag was lost."""
-        picked = range_from_relayout(relayout, axis=view.get("axis", "step"), xmap=xmap)
-        if picked is False:
-            return dash.no_update, dash.no_update
-        want = dict(view)
-        want["from"], want["to"] = picked if picked is not None else (None, None)
-        return _to_view(want, view, search)
-
-    @app.callback(
         Output("run-url", "search"),
         Output("run-view", "data"),
         Output("run-axis", "value"),
         Output("run-rank", "value"),
         Input("run-url", "search"),
+        Input("run-overview", "relayoutData"),
         Input("run-axis", "value"),
         Input("run-rank", "value"),
         Input("run-reset", "n_clicks"),
         Input("run-user-metric", "value"),
         State("run-user-metric", "options"),
         State("run-view", "data"),
+        State("run-xmap", "data"),
         prevent_initial_call=True,
     )
     def sync(
         search: str | None,
+        relayout: dict[str, Any] | None,
         axis: str | None,
         rank: Any,
         _reset: int | None,
         user: str | None,
         options: list[dict[str, str]] | None,
         view: dict[str, Any],
+        xmap: dict[str, list[Any]] | None,
     ) -> Any:
         keep = dash.no_update
         # Every input that fired: Dash sends those that changed together in one call, in
@@ -748,7 +715,11 @@ def register(app: dash.Dash, client: Client) -> None:
             )
         want = dict(view)
         for trigger in fired:
-            if trigger == "run-axis":
+            if trigger == "run-overview":
+                picked = range_from_relayout(relayout, axis=view.get("axis", "step"), xmap=xmap)
+                if picked is not False:
+                    want["from"], want["to"] = picked if picked is not None else (None, None)
+            elif trigger == "run-axis":
                 want["axis"] = axis if axis in AXES else "step"
             elif trigger == "run-rank":
                 want["rank"] = int(rank) if isinstance(rank, (int, float)) and rank >= 0 else None
@@ -760,4 +731,8 @@ def register(app: dash.Dash, client: Client) -> None:
                 and not is_default_pick(user, options, view.get("user"))
             ):  # a pick (a refresh setting the default is none)
                 want["user"] = user
-        return (*_to_view(want, view, search), keep, keep)
+        if want == view:
+            return keep, keep, keep, keep
+        # "?" for the default view: an empty search would leave the old one in the address bar.
+        query = to_query(want) or "?"
+        return (query if query != (search or "?") else keep), want, keep, keep
