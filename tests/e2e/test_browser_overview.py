@@ -189,10 +189,12 @@ def test_a_range_selection_zooms_every_row_and_goes_into_the_url(seeded: Server,
     page.wait_for_function(f"{MEDIAN_POINTS} >= 60", timeout=15_000)
     # What a drag across the loss row does: a relayout of its x-axis. KNOWN DEFECT (issue
     # 39, open): in a loaded CI run a single drag made right after the first draw was lost
-    # (the URL never took the range), so this test still drags up to three times. The
-    # likely cause: the first draw's user-metric answer sets the picker, which calls the
-    # URL callback again while the drag's call is in flight, and Dash drops the drag's
-    # answer. The drag in the middle of a refresh (the next test) holds.
+    # (the URL never took the range), so this test still drags up to three times. Not the
+    # cause: Dash dropping the drag's answer of the URL callback for a newer call (the
+    # picker's): a drag given a callback of its own was still lost once in CI (tried and
+    # reverted, 2026-11-27). Next suspect: an API relayout made while a refresh's
+    # Plotly.react is still drawing. The drag in the middle of a refresh (the next test)
+    # holds.
     for attempt in range(3):
         page.evaluate(
             f"Plotly.relayout({PLOT}, {{'xaxis4.range[0]': 10.2, 'xaxis4.range[1]': 29.7}})"
