@@ -7,7 +7,6 @@ back with a new process session is recorded as a ``restart`` event.
 
 from __future__ import annotations
 
-import itertools
 import time
 import weakref
 from collections import Counter, defaultdict
@@ -81,16 +80,11 @@ _STEP_FIELDS = tuple(StepIn.model_fields)
 def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
     if isinstance(batch, IngestBatch):
         a = batch.agent
-        # The validated fields as they are (plain values: a model's __dict__ is what
-        # model_dump would copy); a one-step batch, the usual, without a loop a field.
-        if len(batch.steps) == 1:
-            steps = {"rank": [a.rank], **{k: [v] for k, v in batch.steps[0].__dict__.items()}}
-        else:
-            dumped = [s.__dict__ for s in batch.steps]
-            steps = {
-                "rank": [a.rank] * len(dumped),
-                **{name: [d[name] for d in dumped] for name in _STEP_FIELDS},
-            }
+        dumped = [s.model_dump() for s in batch.steps]
+        steps = {
+            "rank": [a.rank] * len(dumped),
+            **{name: [d[name] for d in dumped] for name in _STEP_FIELDS},
+        }
         numbers = steps["step"]
         return _Request(
             batch.run,
@@ -98,7 +92,7 @@ def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
             {name: [getattr(a, name)] for name in AGENT_FIELDS},
             [max(numbers, default=None)],
             [min(numbers, default=None)],
-            steps if batch.steps else {},
+            steps if dumped else {},
             a,
             batch.events,
             batch.gpu,
@@ -184,22 +178,16 @@ def store_many(
     checks: list[dict[str, Any]] = []  # replica fingerprints, on checked steps
     digests: list[dict[str, Any]] = []  # sample digests, on steps that sent ids
     sources: list[dict[str, Any]] = []  # tokens by data source, on steps that sent them
-    of_run: dict[int, list[dict[str, list[Any]]]] = defaultdict(list)
     for req in requests:
         if not req.steps:
             accepted_steps.append(0)
             continue
         accepted_steps.append(len(set(zip(req.steps["rank"], req.steps["step"], strict=True))))
-        of_run[run_ids[req.run]].append(req.steps)
-    # One set of columns a run, in the requests' order: a flush of a thousand one-row
-    # requests (agents with no relay) is a pass a column, not a thousand.
-    for run_id, parts in of_run.items():
-        cols = parts[0] if len(parts) == 1 else _concat(parts)
-        for name, values in _step_columns(run_id, cols, now).items():
+        for name, values in _step_columns(run_ids[req.run], req.steps, now).items():
             merged[name] += values
-        checks += replicas.checks_of(run_id, cols, now)
-        digests += samples.digests_of(run_id, cols, now)
-        sources += samples.sources_of(run_id, cols)
+        checks += replicas.checks_of(run_ids[req.run], req.steps, now)
+        digests += samples.digests_of(run_ids[req.run], req.steps, now)
+        sources += samples.sources_of(run_ids[req.run], req.steps)
     keys = list(zip(merged["run_id"], merged["rank"], merged["step"], strict=True))
     if len(set(keys)) < len(keys):
         latest: dict[tuple[int, int, int], int] = {}
@@ -274,20 +262,6 @@ def store_many(
         totals[i][0] += n
         totals[i][1] += e
     return [IngestResult(accepted_steps=n, accepted_events=e) for n, e in totals]
-
-
-def _concat(parts: list[dict[str, list[Any]]]) -> dict[str, list[Any]]:
-    """Requests' step columns end to end; a column a request did not send is NULL there."""
-    names = dict.fromkeys(name for part in parts for name in part)
-    sizes = [len(part["step"]) for part in parts]
-    return {
-        name: list(
-            itertools.chain.from_iterable(
-                part.get(name) or [None] * n for part, n in zip(parts, sizes, strict=True)
-            )
-        )
-        for name in names
-    }
 
 
 def _started_at(req: _Request, rank: int, step: int) -> float:
