@@ -424,3 +424,37 @@ def test_steps_run_again_after_midnight_replace_those_of_the_day_before(engine) 
         (5, 9.0),
     ]
     assert [tuple(x) for x in replaced] == [(s, 9.0) for s in range(1, 5)]
+
+
+def test_one_row_requests_of_a_run_in_one_flush_keep_each_rows_own_values(engine) -> None:  # type: ignore[no-untyped-def]
+    """A flush's requests of one run are stored as one set of columns (agents with no
+    relay send a row a request): a column one request sent and another did not is NULL
+    for the other's row, and a non-finite value is named on its own row only."""
+    from trainwarden.collector.ingest import batches as ingest
+    from trainwarden.collector.store.db import write
+
+    def one(rank: int, **values: object) -> IngestBatch:
+        row = {**step(7), "loss": None, **values}
+        return IngestBatch.model_validate(batch(run="w", rank=rank, world_size=64, steps=[row]))
+
+    requests = [
+        one(0, loss=2.0, metrics={"lr": 0.1}),
+        one(1, loss=float("nan")),
+        node(2, range(7, 8)),  # ranks 2-9: no loss column at all
+        one(10, grad_norm=float("inf"), metrics={"lr": 0.3}),
+    ]
+    with write(engine) as conn:
+        results = ingest.store_many(conn, requests, now=100.0)
+    assert [r.accepted_steps for r in results] == [1, 1, 8, 1]
+    with engine.connect() as conn:
+        c = m.rank_steps.c
+        got = conn.execute(
+            select(c.rank, c.loss, c.grad_norm, c.metrics, c.issues).order_by(c.rank)
+        ).all()
+    by_rank = {row.rank: row for row in got}
+    assert len(by_rank) == 11
+    assert (by_rank[0].loss, by_rank[0].metrics, by_rank[0].issues) == (2.0, {"lr": 0.1}, None)
+    assert (by_rank[1].loss, by_rank[1].issues) == (None, {"loss": "nan"})
+    assert all(by_rank[r].loss is None and by_rank[r].issues is None for r in range(2, 10))
+    assert (by_rank[10].grad_norm, by_rank[10].metrics) == (None, {"lr": 0.3})
+    assert by_rank[10].issues == {"grad_norm": "inf"}
