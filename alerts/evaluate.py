@@ -238,8 +238,14 @@ def _fresh(row: Row, snap: Snapshot) -> bool:
     alert, if it fired, was dealt with in its time (it must not open a second episode, and
     act again, once the job is back: seen in the Slurm SDC drill, which evicted the rank's
     new node)."""
-    if snap.attempt_started_at is not None and row.get("ts", snap.now) < snap.attempt_started_at:
-        return False
+    if snap.attempt_started_at is not None:
+        # When it happened: an event may say (a replica check decided late: its step's time)
+        data = row.get("data")
+        at = data.get("ran_at") if isinstance(data, dict) else None
+        if (at if isinstance(at, (int, float)) else row.get("ts", snap.now)) < (
+            snap.attempt_started_at
+        ):
+            return False
     return row["recv_ts"] > snap.now - snap.hold_s
 
 

@@ -103,6 +103,7 @@ def compare(
     pending: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
     probes: dict[tuple[str, int], dict[int, Probe]] = defaultdict(dict)
     first_seen: dict[tuple[str, int], float] = {}
+    ran_at: dict[tuple[str, int], float] = {}  # when the step ran (its ranks' clocks)
     newest: dict[str, int] = {}
     for step, rank, group, fp, recv, probe, sums, rtol, ts in rows:
         last = at.get(rank)
@@ -116,6 +117,7 @@ def compare(
         if probe is not None:
             probes[(group, step)][rank] = Probe(probe, sums, rtol or 0.0)
         first_seen[(group, step)] = min(first_seen.get((group, step), recv), recv)
+        ran_at[(group, step)] = max(ran_at.get((group, step), ts), ts)
         newest[group] = max(newest.get(group, step), step)
     events: list[dict[str, Any]] = []
     for (group, step), prints in sorted(pending.items(), key=lambda kv: kv[0][1]):
@@ -158,18 +160,24 @@ def compare(
         )
         if (group, step) in stale:
             continue  # kept in replica_results; no event for an earlier attempt's step
+        # Each event says when its step ran (``ran_at``, its ranks' clocks): a check that an
+        # attempt ran and the collector decided only after the job restarted (its last rows
+        # came late) is then known as the ended attempt's, and opens no alert of the new
+        # one (alerts/evaluate.py, _fresh).
         for rank in suspects:
             since = _last_agreed(conn, run_id=run_id, group=group, rank=rank, before=step)
-            events.append(
-                _divergence(run_id, rank, step, group, present, missing, majority, agreeing, since)
+            event = _divergence(
+                run_id, rank, step, group, present, missing, majority, agreeing, since
             )
+            event["data"]["ran_at"] = ran_at[(group, step)]
+            events.append(event)
         for rank in odd:
             since = _last_agreed(
                 conn, run_id=run_id, group=group, rank=rank, before=step, probe=True
             )
-            events.append(
-                _probe_divergence(run_id, rank, step, group, probed, probe_agreeing, since)
-            )
+            event = _probe_divergence(run_id, rank, step, group, probed, probe_agreeing, since)
+            event["data"]["ran_at"] = ran_at[(group, step)]
+            events.append(event)
     return events
 
 

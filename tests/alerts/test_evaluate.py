@@ -710,6 +710,10 @@ def test_an_event_of_an_attempt_that_ended_opens_no_alert_once_the_job_is_back()
     assert evaluate(rule, replace(back, events=old)) == []
     new = [*old, event("replica_divergence", 2, at=snap.now - 1)]
     assert only(evaluate(rule, replace(back, events=new))).rank == 2
+    # A check of the ended attempt's step decided only after the restart: stored now, but
+    # it says when its step ran.
+    late = [event("replica_divergence", 2, at=snap.now - 1, ran_at=snap.now - 6)]
+    assert evaluate(rule, replace(back, events=late)) == []
 
 
 def test_absence_of_progress_in_median_step_times() -> None:
