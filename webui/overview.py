@@ -530,6 +530,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             dcc.Store(id="run-name", data=name),
             dcc.Store(id="run-view", data=view),
             dcc.Store(id="run-xmap"),
+            dcc.Store(id="run-drag"),  # the newest drag (x range) on the chart: see sync
             html.Div(id="run-header", children=html.H2(name)),
             run_tabs(name, "Overview"),
             html.Div(id="run-notice"),
@@ -674,13 +675,32 @@ def register(app: dash.Dash, client: Client) -> None:
             log.exception("run page user metric %s", name)
             return dash.no_update
 
+    # A drag (or a double click) on the chart, numbered, into a store, in the browser:
+    # only relayouts that set an x range, so that a refresh's redraw (its relayout holds
+    # none) never calls sync. sync applies the newest drag whatever input fired it: when
+    # Dash drops an answer of sync for a newer call (it does, for the same callback), the
+    # newer call still applies the drag (a single drag right after the first draw was
+    # lost that way in loaded CI runs).
+    app.clientside_callback(
+        """function(relayout) {
+            const ranged = relayout && Object.keys(relayout).some(
+                k => /^xaxis\\d*\\.(range(\\[\\d\\])?|autorange)$/.test(k));
+            if (!ranged) { return window.dash_clientside.no_update; }
+            window._twDrags = (window._twDrags || 0) + 1;
+            return {n: window._twDrags, relayout: relayout};
+        }""",
+        Output("run-drag", "data"),
+        Input("run-overview", "relayoutData"),
+        prevent_initial_call=True,
+    )
+
     @app.callback(
         Output("run-url", "search"),
         Output("run-view", "data"),
         Output("run-axis", "value"),
         Output("run-rank", "value"),
         Input("run-url", "search"),
-        Input("run-overview", "relayoutData"),
+        Input("run-drag", "data"),
         Input("run-axis", "value"),
         Input("run-rank", "value"),
         Input("run-reset", "n_clicks"),
@@ -692,7 +712,7 @@ def register(app: dash.Dash, client: Client) -> None:
     )
     def sync(
         search: str | None,
-        relayout: dict[str, Any] | None,
+        drag: dict[str, Any] | None,
         axis: str | None,
         rank: Any,
         _reset: int | None,
@@ -707,6 +727,8 @@ def register(app: dash.Dash, client: Client) -> None:
         fired = [t["prop_id"].rpartition(".")[0] for t in dash.ctx.triggered]
         if "run-url" in fired:  # opened, or back / forward in the browser
             want = parse_query(search)
+            if drag:  # a drag made before is the page's past, not a new one
+                want["drag"] = drag.get("n")
             return (
                 keep,
                 want if want != view else keep,
@@ -714,12 +736,15 @@ def register(app: dash.Dash, client: Client) -> None:
                 want["rank"] if want["rank"] != rank else keep,
             )
         want = dict(view)
+        if drag and drag.get("n") != view.get("drag"):  # a drag not applied yet
+            want["drag"] = drag.get("n")
+            picked = range_from_relayout(
+                drag.get("relayout"), axis=view.get("axis", "step"), xmap=xmap
+            )
+            if picked is not False:
+                want["from"], want["to"] = picked if picked is not None else (None, None)
         for trigger in fired:
-            if trigger == "run-overview":
-                picked = range_from_relayout(relayout, axis=view.get("axis", "step"), xmap=xmap)
-                if picked is not False:
-                    want["from"], want["to"] = picked if picked is not None else (None, None)
-            elif trigger == "run-axis":
+            if trigger == "run-axis":
                 want["axis"] = axis if axis in AXES else "step"
             elif trigger == "run-rank":
                 want["rank"] = int(rank) if isinstance(rank, (int, float)) and rank >= 0 else None

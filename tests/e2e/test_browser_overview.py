@@ -187,24 +187,12 @@ def test_overview_draws_every_row_with_markers_and_updates_live(seeded: Server, 
 def test_a_range_selection_zooms_every_row_and_goes_into_the_url(seeded: Server, page: Any) -> None:
     open_overview(page, f"{seeded.url}/runs/{RUN}")
     page.wait_for_function(f"{MEDIAN_POINTS} >= 60", timeout=15_000)
-    # What a drag across the loss row does: a relayout of its x-axis. KNOWN DEFECT (issue
-    # 39, open): in a loaded CI run a single drag made right after the first draw was lost
-    # (the URL never took the range), so this test still drags up to three times. Not the
-    # cause: Dash dropping the drag's answer of the URL callback for a newer call (the
-    # picker's): a drag given a callback of its own was still lost once in CI (tried and
-    # reverted, 2026-11-27). Next suspect: an API relayout made while a refresh's
-    # Plotly.react is still drawing. The drag in the middle of a refresh (the next test)
-    # holds.
-    for attempt in range(3):
-        page.evaluate(
-            f"Plotly.relayout({PLOT}, {{'xaxis4.range[0]': 10.2, 'xaxis4.range[1]': 29.7}})"
-        )
-        try:
-            page.wait_for_function("location.search.includes('from=10')", timeout=20_000)
-            break
-        except Exception:
-            if attempt == 2:
-                raise
+    # What a drag across the loss row does: a relayout of its x-axis, once, right after the
+    # first draw, while refreshes redraw the chart and the metric picker's first answer
+    # may still call the URL callback (such a call once made Dash drop the drag's answer,
+    # and the drag was lost in loaded CI runs: the newest drag is now applied by any call).
+    page.evaluate(f"Plotly.relayout({PLOT}, {{'xaxis4.range[0]': 10.2, 'xaxis4.range[1]': 29.7}})")
+    page.wait_for_function("location.search.includes('from=10')", timeout=20_000)
     query = parse_qs(page.evaluate("location.search").lstrip("?"))
     assert query["from"] == ["10"] and query["to"] == ["30"]
     # The range is read again at full detail: the median holds exactly steps 10..30.

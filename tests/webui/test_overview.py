@@ -350,9 +350,11 @@ def test_range_from_a_zoom_on_any_row() -> None:
     )
 
 
-def test_a_pick_that_fires_with_the_charts_relayout_still_goes_to_the_url() -> None:
-    """Dash sends inputs that changed together in one call, in no set order: every one
-    is applied (a pick's redraw relayout first used to hide the pick)."""
+def test_a_drag_is_applied_by_whichever_call_of_sync_comes_after_it() -> None:
+    """Dash sends inputs that changed together in one call, in no set order, and drops an
+    answer of a callback for a newer call of it: the newest drag (the ``run-drag`` store,
+    numbered in the browser) is applied by any call that finds it not yet applied, and
+    once only (a reset or back / forward is not undone by it)."""
     from sqlalchemy import create_engine
 
     from trainwarden.webui.app import create_dash
@@ -363,6 +365,7 @@ def test_a_pick_that_fires_with_the_charts_relayout_still_goes_to_the_url() -> N
     app = create_dash(LocalClient(create_engine("sqlite://")))
     view = overview.parse_query("?rank=3")
     options = [{"label": m, "value": f"user.{m}"} for m in ("lr", "moe.aux")]
+    drag = {"n": 1, "relayout": {"xaxis.range[0]": 10, "xaxis.range[1]": 20}}
     values = {
         "run-url.search": "?rank=3",
         "run-view.data": view,
@@ -370,24 +373,33 @@ def test_a_pick_that_fires_with_the_charts_relayout_still_goes_to_the_url() -> N
         "run-rank.value": 3,
         "run-user-metric.value": "user.moe.aux",
         "run-user-metric.options": options,
-        "run-overview.relayoutData": {"autosize": True},
+        "run-drag.data": drag,
     }
+    # The drag and a pick together, in either order: both applied.
     for changed in (
-        ["run-overview.relayoutData", "run-user-metric.value"],
-        ["run-user-metric.value", "run-overview.relayoutData"],
+        ["run-drag.data", "run-user-metric.value"],
+        ["run-user-metric.value", "run-drag.data"],
     ):
         found = dash_call(app, "run-url.search", values, changed)
-        assert found["run-url"] == {"search": "?rank=3&user=moe.aux"}, changed
-        assert found["run-view"]["data"]["user"] == "user.moe.aux"
-    zoom = {**values, "run-overview.relayoutData": {"xaxis.range[0]": 10, "xaxis.range[1]": 20}}
-    found = dash_call(
-        app, "run-url.search", zoom, ["run-overview.relayoutData", "run-user-metric.value"]
-    )
+        assert found["run-url"] == {"search": "?from=10&to=20&rank=3&user=moe.aux"}, changed
+        assert found["run-view"]["data"]["drag"] == 1
+    # The drag's own call was dropped: the picker's call, which came after, applies it.
+    found = dash_call(app, "run-url.search", values, ["run-user-metric.value"])
     assert found["run-url"] == {"search": "?from=10&to=20&rank=3&user=moe.aux"}
-    # Back / forward in the browser: the address wins over what fired with it.
-    back = {**zoom, "run-url.search": "?rank=1"}
-    found = dash_call(app, "run-url.search", back, ["run-overview.relayoutData", "run-url.search"])
-    assert "run-url" not in found and found["run-view"]["data"] == overview.parse_query("?rank=1")
+    applied = found["run-view"]["data"]
+    # Applied once: "Whole run" clears the range, and the same drag does not come back.
+    done = {**values, "run-view.data": applied, "run-url.search": "?from=10&to=20&rank=3"}
+    found = dash_call(app, "run-url.search", done, ["run-reset.n_clicks"])
+    assert found["run-url"] == {"search": "?rank=3&user=moe.aux"}
+    # A double click (autorange) is a drag to the whole run.
+    whole = {**done, "run-drag.data": {"n": 2, "relayout": {"xaxis.autorange": True}}}
+    found = dash_call(app, "run-url.search", whole, ["run-drag.data"])
+    assert found["run-url"] == {"search": "?rank=3&user=moe.aux"}
+    # Back / forward in the browser: the address wins, and the drag before it is spent.
+    back = {**values, "run-url.search": "?rank=1"}
+    found = dash_call(app, "run-url.search", back, ["run-drag.data", "run-url.search"])
+    assert "run-url" not in found
+    assert found["run-view"]["data"] == {**overview.parse_query("?rank=1"), "drag": 1}
 
 
 def test_a_refresh_sets_the_user_metric_picker_only_when_it_changed() -> None:
