@@ -17,16 +17,14 @@ trainwarden lines.
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
 from ..conftest import Server, start_serve, stop_serve
-from .launch import torchrun as torchrun_cmd
+from .launch import run_example
 from .test_drills import wait_for
 from .test_rollback_drill import serve_with_rollback
 
@@ -36,33 +34,18 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_trainer
 def torchrun(
     server: Server, run: str, out: Path, log: Path, *, drill: str, steps: int, restarts: int = 0
 ) -> int:
-    cmd = torchrun_cmd(
-        2,
-        str(EXAMPLE),
-        "--output-dir",
-        str(out),
-        "--steps",
-        str(steps),
-        "--save-steps",
-        "10",
-        "--work-ms",
-        "15",  # ~50 ms steps: time for the collector's rollback round trips
-        restarts=restarts,
-    )
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TRAINWARDEN_URL": server.url,
-        "TRAINWARDEN_RUN": run,
-        "TRAINWARDEN_DRILL": drill,
-        "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
-        "TRAINWARDEN_PROFILE_EVERY": "0",
-    }
     started = time.monotonic()
-    with log.open("w") as out_file:
-        code = subprocess.run(
-            cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, timeout=300
-        ).returncode
+    code = run_example(
+        EXAMPLE,
+        server.url,
+        run,
+        out,
+        log,
+        drill=drill,
+        steps=steps,
+        restarts=restarts,
+        timeout_s=300,
+    )
     print(f"torchrun {run}: {time.monotonic() - started:.1f} s")
     return code
 

@@ -14,15 +14,13 @@ trainwarden line.
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
 from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
 from ..conftest import Server, start_serve, stop_serve
-from .launch import torchrun as torchrun_cmd
+from .launch import run_example
 from .test_drills import wait_for
 from .test_rollback_drill import serve_with_rollback
 
@@ -32,33 +30,17 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "hf_trainer.py"
 def torchrun(
     server: Server, run: str, out: Path, log: Path, *, drill: str, steps: int, restarts: int = 0
 ) -> int:
-    cmd = torchrun_cmd(
-        2,
-        str(EXAMPLE),
-        "--output-dir",
-        str(out),
-        "--steps",
-        str(steps),
-        "--save-steps",
-        "10",
-        "--work-ms",
-        "15",  # ~50 ms steps: time for the collector's rollback round trips
+    return run_example(
+        EXAMPLE,
+        server.url,
+        run,
+        out,
+        log,
+        drill=drill,
+        steps=steps,
         restarts=restarts,
+        env={"TOKENIZERS_PARALLELISM": "false"},
     )
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "TRAINWARDEN_URL": server.url,
-        "TRAINWARDEN_RUN": run,
-        "TRAINWARDEN_DRILL": drill,
-        "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
-        "TRAINWARDEN_PROFILE_EVERY": "0",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    with log.open("w") as out_file:
-        return subprocess.run(
-            cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, timeout=420
-        ).returncode
 
 
 def test_a_trainer_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_path: Path) -> None:
