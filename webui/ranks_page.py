@@ -311,6 +311,9 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             dcc.Store(id="ranks-coll-scrolled"),  # the address #ranks-collectives was scrolled to
             dcc.Store(id="ranks-heat-drawn"),  # the first heatmap is drawn: draw the others
             dcc.Store(id="ranks-heat-done"),  # and the last: draw the user metric's
+            dcc.Store(id="ranks-gestures"),  # clicks and zooms on the heatmaps: see follow
+            dcc.Store(id="ranks-user-gestures"),  # and on the user metric's
+            dcc.Store(id="ranks-gesture-applied"),  # the newest gesture in the URL
             # Heatmaps of a big run are large: they refresh less often than the states.
             dcc.Interval(id="ranks-interval", interval=int(refresh_s * 1000)),
             dcc.Interval(id="ranks-heat-interval", interval=int(max(refresh_s * 2.5, 5) * 1000)),
@@ -575,27 +578,40 @@ def register(app: dash.Dash, client: Client) -> None:
         Input(coll.ANCHOR, "children"),
     )
 
-    @app.callback(
-        Output("ranks-url", "search"),
-        *[Input(f"ranks-{key}", "clickData") for key in HEATMAPS],
-        *[Input(f"ranks-{key}", "relayoutData") for key in STEP_HEATMAPS],
-        State("ranks-url", "search"),
-        prevent_initial_call=True,
-    )
-    def follow(*args: Any) -> Any:
-        """A click picks a rank, a zoom picks a step range: both go to the URL."""
-        return _follow(args[-1], None)
+    # A click or a drag on a heatmap goes, numbered, into a store in the browser (only
+    # clicks on a cell and relayouts that set an x range: a live refresh's redraw holds
+    # neither, so it never calls follow). follow applies every gesture it has not applied
+    # yet: when Dash drops an answer of follow for a newer call (it does, for the same
+    # callback), the newer call still applies the older gesture (a single click was lost
+    # that way in a loaded CI run).
+    for store, graphs, ranged in (
+        ("ranks-gestures", [f"ranks-{key}" for key in HEATMAPS], STEP_HEATMAPS),
+        ("ranks-user-gestures", ["ranks-user"], ("user",)),
+    ):
+        app.clientside_callback(
+            GESTURES_JS,
+            Output(store, "data"),
+            *[Input(graph, "clickData") for graph in graphs],
+            *[Input(f"ranks-{key}", "relayoutData") for key in ranged],
+            State(store, "data"),
+            prevent_initial_call=True,
+        )
 
     @app.callback(
-        Output("ranks-url", "search", allow_duplicate=True),
-        Input("ranks-user", "clickData"),
-        Input("ranks-user", "relayoutData"),
+        Output("ranks-url", "search"),
+        Output("ranks-gesture-applied", "data"),
+        Input("ranks-gestures", "data"),
+        Input("ranks-user-gestures", "data"),
+        State("ranks-gesture-applied", "data"),
         State("ranks-url", "search"),
         prevent_initial_call=True,
     )
-    def follow_user(_click: Any, _zoom: Any, search: str | None) -> Any:
-        """The same on the user metric's heatmap."""
-        return _follow(search, None)
+    def follow(heat: Any, user: Any, applied: int | None, search: str | None) -> Any:
+        """A click picks a rank, a zoom picks a step range: both go to the URL."""
+        wanted, last = apply_gestures(search, [heat, user], applied)
+        if last == applied:
+            return dash.no_update, dash.no_update
+        return (dash.no_update if wanted == (search or "") else wanted), last
 
     @app.callback(
         Output("ranks-url", "search", allow_duplicate=True),
@@ -604,12 +620,66 @@ def register(app: dash.Dash, client: Client) -> None:
         State("ranks-url", "search"),
         prevent_initial_call=True,
     )
-    def follow_pick(_value: Any, options: Any, search: str | None) -> Any:
+    def follow_pick(value: Any, options: Any, search: str | None) -> Any:
         """The user metric's picker: the metric goes to the URL. A callback of its own:
         dash-renderer drops an executing call when the same callback is requested again
-        (its duplicate pruning), and a pick redraws the heatmap, whose relayout would
-        request it again before the pick's answer came."""
-        return _follow(search, options)
+        (its duplicate pruning), and a pick redraws the heatmap."""
+        if not value or is_default_pick(value, options, parse_user(search)):
+            return dash.no_update  # set by a refresh, not picked
+        rank, lo, hi = parse_query(search)
+        wanted = query_string(rank, lo, hi, user=value)
+        return dash.no_update if wanted == (search or "") else wanted
+
+
+# The gestures on a store's heatmaps (its clickData inputs, then its relayoutData ones,
+# then the store as its state), each numbered across the page's stores; the newest 16.
+GESTURES_JS = """function() {
+    const cc = window.dash_clientside.callback_context;
+    const kept = arguments[arguments.length - 1];
+    const list = kept && Array.isArray(kept.list) ? kept.list.slice(-15) : [];
+    const before = list.length;
+    for (const t of cc.triggered || []) {
+        const prop = t.prop_id.slice(t.prop_id.lastIndexOf(".") + 1), v = t.value;
+        if (prop === "clickData") {
+            const p = v && v.points && v.points[0];
+            if (!p || p.y === undefined || p.y === null) { continue; }
+            window._twGestures = (window._twGestures || 0) + 1;
+            list.push({n: window._twGestures, rank: p.y});
+        } else if (prop === "relayoutData") {
+            const ranged = v && Object.keys(v).some(
+                k => /^xaxis\\d*\\.(range(\\[\\d\\])?|autorange)$/.test(k));
+            if (!ranged) { continue; }
+            window._twGestures = (window._twGestures || 0) + 1;
+            list.push({n: window._twGestures, relayout: v});
+        }
+    }
+    return list.length > before ? {list: list} : window.dash_clientside.no_update;
+}"""
+
+
+def apply_gestures(
+    search: str | None, stores: list[Any], applied: int | None
+) -> tuple[str, int | None]:
+    """The URL after the gestures in ``stores`` numbered above ``applied``, oldest first
+    (a click sets the rank, a zoom the step range, a double-click drops it), and the
+    number of the newest gesture applied."""
+    rank, lo, hi = parse_query(search)
+    last = applied
+    gestures = [g for store in stores if store for g in store.get("list") or []]
+    for gesture in sorted(gestures, key=lambda g: g.get("n", 0)):
+        n = gesture.get("n")
+        if not isinstance(n, int) or (applied is not None and n <= applied):
+            continue
+        last = n if last is None else max(last, n)
+        if "rank" in gesture:
+            picked = clicked_rank({"points": [{"y": gesture["rank"]}]})
+            if picked is not None:
+                rank = picked
+        else:
+            chosen = range_from_relayout(gesture.get("relayout"))
+            if chosen is not None:
+                lo, hi = chosen
+    return query_string(rank, lo, hi, user=parse_user(search)), last
 
 
 def _has_picker(children: Any) -> bool:
@@ -617,28 +687,4 @@ def _has_picker(children: Any) -> bool:
     return "ranks-user-metric" in str(children)
 
 
-def _follow(search: str | None, options: list[dict[str, str]] | None) -> Any:
-    """The URL after what triggered the callback: a click (a rank), a zoom (a step range)
-    or the user metric's picker (``options``: its options). Every triggered input is
-    applied: Dash sends inputs that changed together in one call, in no set order (a
-    pick redraws the heatmap, whose autosize relayout can come first)."""
-    rank, lo, hi = parse_query(search)
-    user = parse_user(search)
-    for fired in dash.ctx.triggered:
-        prop, value = fired["prop_id"], fired["value"]
-        if prop == "ranks-user-metric.value":
-            if value and not is_default_pick(value, options, user):  # else set by a refresh
-                user = value
-        elif prop.endswith(".clickData"):
-            picked = clicked_rank(value)
-            if picked is not None:
-                rank = picked
-        elif prop.endswith(".relayoutData"):
-            chosen = range_from_relayout(value)
-            if chosen is not None:
-                lo, hi = chosen
-    wanted = query_string(rank, lo, hi, user=user)
-    return dash.no_update if wanted == (search or "") else wanted
-
-
-__all__ = ["layout", "parse_query", "parse_user", "query_string", "register"]
+__all__ = ["apply_gestures", "layout", "parse_query", "parse_user", "query_string", "register"]
