@@ -129,9 +129,11 @@ def end_to_end(
     per_rank: bool = False,
     sample_ids: int = 0,
     pg_dsn: str | None = None,
+    statements: bool = False,
 ) -> dict[str, Any]:
     """``pg_dsn``: the database's libpq DSN, to measure also the CPU of its own PostgreSQL
-    backends and of the server's shared background processes (``pg_cpu_us_per_row``)."""
+    backends and of the server's shared background processes (``pg_cpu_us_per_row``);
+    with ``statements``, also where its time went, by statement (``pg_stat_statements``)."""
     with serving_process(db_url, log_name="bench-ingest") as (url, serve):
         run = f"bench-{uuid.uuid4().hex[:6]}"
         if after_crash:
@@ -199,6 +201,8 @@ def end_to_end(
         # CPU a stored row of each part, over the load: they share the machine's cores.
         cpu = (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds())
         pg_before = _postgres_cpu_by_pid(pg_dsn) if pg_dsn else {}
+        if statements and pg_dsn:
+            _reset_statements(pg_dsn)
         flushes_before = _writer_sums(url)
         result = run_loadgen(
             url=url,
@@ -221,6 +225,7 @@ def end_to_end(
             )
         ]
         pg_after = _postgres_cpu_by_pid(pg_dsn) if pg_dsn else {}
+        by_statement = _statements(pg_dsn) if statements and pg_dsn else []
         flushes = {k: v - flushes_before.get(k, 0.0) for k, v in _writer_sums(url).items()}
         time.sleep(3)
         stop.set()
@@ -245,7 +250,57 @@ def end_to_end(
             / max(1, result.rows)
             * 1e6,
             "seconds": result.seconds,
+            "rows": result.rows,
+            "statements": by_statement,
         }
+
+
+def _reset_statements(dsn: str) -> None:
+    """Start ``pg_stat_statements`` afresh for this database (the server must preload it:
+    ``shared_preload_libraries = 'pg_stat_statements'``; a clear error otherwise)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        try:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            conn.execute("SELECT pg_stat_statements_reset()")
+        except psycopg.Error as exc:
+            raise SystemExit(
+                f"--statements needs pg_stat_statements on the server of {dsn}: add "
+                "shared_preload_libraries = 'pg_stat_statements' to its postgresql.conf "
+                f"and restart it ({str(exc).splitlines()[0]})"
+            ) from None
+
+
+def _statements(dsn: str) -> list[tuple[float, int, int, str]]:
+    """This database's statements since the reset, the costliest first: (execution ms,
+    calls, rows, the statement's text)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [
+            (float(ms), int(calls), int(rows), " ".join(str(query).split()))
+            for ms, calls, rows, query in conn.execute(
+                "SELECT total_exec_time, calls, rows, query FROM pg_stat_statements "
+                "WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database()) "
+                "ORDER BY total_exec_time DESC"
+            ).fetchall()
+        ]
+
+
+def print_statements(e2e: dict[str, Any], top: int = 15) -> None:
+    """Where PostgreSQL's execution time went, a stored row's share of each statement."""
+    found = e2e.get("statements") or []
+    if not found:
+        return
+    rows = max(1, e2e["rows"])
+    total = sum(ms for ms, *_ in found)
+    calls = sum(n for _, n, _, _ in found)
+    print(
+        f"    PostgreSQL execution time by statement (pg_stat_statements): "
+        f"{total * 1e3 / rows:.0f} us a stored row in all, over {calls:,} statements"
+    )
+    for ms, calls, n, query in found[:top]:
+        print(
+            f"    {ms * 1e3 / rows:7.1f} us/row {ms / max(1, calls) * 1e3:8.0f} us/call "
+            f"{calls:>8,} calls {n:>10,} rows  {query[:110]}"
+        )
 
 
 def _postgres_cpu_by_pid(dsn: str) -> dict[int, float]:
@@ -461,6 +516,12 @@ def main() -> None:
         default=1,
         help="with --sample-ids: pairs of phases, in the order without/with, with/without, ...",
     )
+    p.add_argument(
+        "--statements",
+        action="store_true",
+        help="print where PostgreSQL's time went during (b), by statement (needs the server "
+        "to preload pg_stat_statements)",
+    )
     p.add_argument("--mlflow-duration", type=float, default=30)
     p.add_argument(
         "--mlflow-ranks",
@@ -495,8 +556,11 @@ def main() -> None:
             user=args.user_metrics,
             after_crash=args.after_crash,
             per_rank=args.no_relay,
+            pg_dsn=dsn,
+            statements=args.statements,
         )
         print_end_to_end(args, e2e, "(b) trainwarden over HTTP:  ")
+        print_statements(e2e)
         print(f"    (b)/(a) = {e2e['points_per_s'] / (copy_rows * metrics):.4f}")
         peer = mlflow_points_per_s(
             args.db, ranks=args.mlflow_ranks, duration_s=args.mlflow_duration
