@@ -13,6 +13,7 @@ collectors can run against one database without double work.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -37,6 +38,8 @@ from sqlalchemy.dialects.postgresql import ARRAY
 
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.rollups.aggregate import (
+    USER_CHUNK,
+    USER_KEYS_SQL,
     aggregate,
     aggregate_sql,
     aggregate_user_sql,
@@ -195,9 +198,12 @@ def _aggregate_here(
 
 
 _AGGREGATE_SQL = text(aggregate_sql()).bindparams(bindparam("steps", type_=ARRAY(BigInteger)))
-_AGGREGATE_USER_SQL = text(aggregate_user_sql()).bindparams(
-    bindparam("steps", type_=ARRAY(BigInteger))
-)
+_USER_KEYS_SQL = text(USER_KEYS_SQL).bindparams(bindparam("steps", type_=ARRAY(BigInteger)))
+
+
+@functools.lru_cache(maxsize=USER_CHUNK)
+def _user_sql(n: int) -> Any:
+    return text(aggregate_user_sql(n)).bindparams(bindparam("steps", type_=ARRAY(BigInteger)))
 
 
 def _aggregate_in_db(
@@ -217,10 +223,13 @@ def _aggregate_in_db(
             if row["user_n"]:
                 ts[row["step"]] = row["ts"]
         if ts:  # a second pass over the rows, only where a rank sent user metrics
-            params = {"run": run_id, "steps": list(ts)}
-            for row in conn.execute(_AGGREGATE_USER_SQL, params).mappings():
-                if (stat := user_stats_from_sql(run_id, row, ts[row["step"]])) is not None:
-                    stats.append(stat)
+            params: dict[str, Any] = {"run": run_id, "steps": list(ts)}
+            names = sorted(conn.execute(_USER_KEYS_SQL, params).scalars())
+            for at in range(0, len(names), USER_CHUNK):
+                chunk = names[at : at + USER_CHUNK]
+                bound = {**params, **{f"k{i}": name for i, name in enumerate(chunk)}}
+                for row in conn.execute(_user_sql(len(chunk)), bound).mappings():
+                    stats += user_stats_from_sql(run_id, row, chunk, ts[row["step"]])
     return stats, seen
 
 

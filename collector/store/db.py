@@ -94,12 +94,12 @@ def _postgres_setup(engine: Engine) -> None:
     """Each connection runs without PostgreSQL's JIT compiler (on by default since 12).
 
     The planner compiles a query whose estimated cost passes ``jit_above_cost``, and it
-    cannot estimate set-returning functions: the user-metric rollup (``jsonb_each_text``
-    over the steps' rows) is estimated at 100 rows a rank. Rolling up one step stays
-    under the threshold; a pass that rolls up several (a collector catching up) compiles,
-    inlines and optimizes its plan first: at 16,384 ranks, 0.2-0.4 s of compiling in a
-    0.4-0.55 s query (pg_stat_statements: 809 of 1,618 ms over 4 calls). None of the
-    collector's queries runs long enough to earn a compile."""
+    cannot estimate set-returning functions: the user-metric rollup (until 2026-11-27
+    ``jsonb_each_text`` over the steps' rows) was estimated at 100 rows a rank. Rolling
+    up one step stays under the threshold; a pass that rolls up several (a collector
+    catching up) compiles, inlines and optimizes its plan first: at 16,384 ranks,
+    0.2-0.4 s of compiling in a 0.4-0.55 s query (pg_stat_statements: 809 of 1,618 ms
+    over 4 calls). None of the collector's queries runs long enough to earn a compile."""
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection, _record):  # type: ignore[no-untyped-def]

@@ -126,7 +126,7 @@ rank_steps = Table(
     Column("rss_bytes", BigInteger),
     Column("flags", JSON(none_as_null=True)),
     # User metrics (migration 0012): {name: value} from s.metric(); JSONB on PostgreSQL,
-    # so that the rollup can take it apart (jsonb_each_text) next to the data.
+    # so that the rollup can take each value out (metrics->>name) next to the data.
     Column("metrics", USER_METRICS_TYPE),
     # Spike flags and issues (a non-finite value) are rare: a partial index finds a run's
     # notable rows without a scan (the alert engine asks for either, every pass; the

@@ -134,6 +134,14 @@ def test_postgres_rolls_up_in_sql_exactly_as_python_does(pg_url: str) -> None:
                         if col != "rss_bytes"
                         else rng.randrange(1 << 30)
                     )
+            # User metrics: some ranks send some names, a value may be null or non-finite.
+            user = {
+                name: rng.choice([1.0, 0.25, rng.random(), None, "nan", "-inf"])
+                for name in ("lr", "moe.aux", "eval.acc")
+                if rng.random() < 0.6
+            }
+            if user and rank != 3:  # rank 3 sends none
+                row["metrics"] = user
             steps.append(row)
         with write(engine) as conn:
             ingest(
@@ -149,6 +157,11 @@ def test_postgres_rolls_up_in_sql_exactly_as_python_does(pg_url: str) -> None:
     key = lambda s: (s["step"], s["metric"])  # noqa: E731
     assert seen_here == seen_there
     assert len(here) == len(there) > 12 * 10
+    assert {s["metric"] for s in there if s["metric"].startswith("user.")} == {
+        "user.lr",
+        "user.moe.aux",
+        "user.eval.acc",
+    }
     for a, b in zip(sorted(here, key=key), sorted(there, key=key), strict=True):
         assert a.keys() == b.keys()
         for name in a:

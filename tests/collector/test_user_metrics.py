@@ -223,7 +223,7 @@ def test_otlp_user_metrics_are_stored_as_the_native_ones(client: TestClient) -> 
 
 
 def test_user_metric_rollups_in_sql_equal_the_python_ones(engine) -> None:  # type: ignore[no-untyped-def]
-    """jsonb_each_text in the GROUP BY (PostgreSQL) and the Python rollup (SQLite) agree
+    """The SQL rollup (PostgreSQL: a column a metric) and the Python one (SQLite) agree
     on awkward data: metrics some ranks lack, nulls, NaN / Inf, ties, steps without any."""
     import random
 
