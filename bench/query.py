@@ -114,10 +114,10 @@ def seed(sa_url: str, pg_dsn: str, *, ranks: int, steps: int) -> None:
             )
         for level in LEVELS:  # the per-rank bucket maxima the worker keeps for heatmaps
             conn.execute(
-                f"INSERT INTO rank_buckets (run_id, metric, level, bucket, rank, max) "
-                f"SELECT 1, 'step_time', {level}, step / {level}, rank, max(duration_s) "
-                f"FROM rank_steps "
-                f"GROUP BY step / {level}, rank"
+                "INSERT INTO bucket_maxima (run_id, metric, level, bucket, ranks, maxima) "
+                f"SELECT 1, 'step_time', {level}, b, array_agg(rank ORDER BY rank), "
+                f"array_agg(m ORDER BY rank) FROM (SELECT step / {level} AS b, rank, "
+                "max(duration_s) AS m FROM rank_steps GROUP BY 1, 2) AS t GROUP BY b"
             )
         conn.execute("ANALYZE")
     print(

@@ -85,9 +85,11 @@ def seed_more(dsn: str) -> None:
         for metric, column in BUCKETED:
             for level in LEVELS:
                 conn.execute(
-                    f"INSERT INTO rank_buckets (run_id, metric, level, bucket, rank, max) "
-                    f"SELECT 1, %s, {level}, step / {level}, rank, max({column}) FROM rank_steps "
-                    f"GROUP BY step / {level}, rank",
+                    "INSERT INTO bucket_maxima (run_id, metric, level, bucket, ranks, maxima) "
+                    f"SELECT 1, %s, {level}, b, array_agg(rank ORDER BY rank), "
+                    f"array_agg(m ORDER BY rank) FROM (SELECT step / {level} AS b, rank, "
+                    f"max({column}) AS m FROM rank_steps GROUP BY 1, 2) AS t "
+                    "WHERE m IS NOT NULL GROUP BY b",
                     (metric,),
                 )
         conn.execute("ANALYZE")

@@ -265,7 +265,10 @@ def _bucket_maxima(conn: Connection, groups: list[tuple[int, int]]) -> None:
         if not todo:
             continue
         for lo, hi in _spans(sorted(todo)):
-            conn.execute(_FROM_RAW, {"run": run_id, "lo": lo * small, "hi": hi * small + small - 1})
+            conn.execute(
+                _FROM_RAW[_dialect(conn)],
+                {"run": run_id, "lo": lo * small, "hi": hi * small + small - 1},
+            )
         closed = max(todo | {closed if closed is not None else -1})
         # Each level from the one below: what changed there, and what closed.
         for child, parent in itertools.pairwise(LEVELS):
@@ -280,14 +283,15 @@ def _bucket_maxima(conn: Connection, groups: list[tuple[int, int]]) -> None:
                 break  # nothing changed at this level: nothing above it either
             for lo, hi in _spans(sorted(todo)):
                 conn.execute(
-                    _FROM_CHILD[child], {"run": run_id, "lo": lo * per, "hi": hi * per + per - 1}
+                    _FROM_CHILD[_dialect(conn), child],
+                    {"run": run_id, "lo": lo * per, "hi": hi * per + per - 1},
                 )
             closed = max(todo | {up if up is not None else -1})
 
 
 def _last_bucket(conn: Connection, run_id: int, level: int) -> int | None:
     """The newest closed bucket of this level (buckets close in order)."""
-    k = m.rank_buckets.c
+    k = m.bucket_maxima.c
     return conn.execute(
         select(func.max(k.bucket)).where(
             k.run_id == run_id, k.metric == "step_time", k.level == level
@@ -306,12 +310,51 @@ def _spans(values: list[int]) -> list[tuple[int, int]]:
     return spans
 
 
-def _upsert_buckets(select_sql: str) -> Any:
+def _dialect(conn: Connection) -> str:
+    return "sqlite" if is_sqlite(conn) else "postgresql"
+
+
+def _upsert_buckets(per_rank_sql: str, dialect: str) -> Any:
+    """Store the buckets of ``per_rank_sql``'s rows (run_id, metric, level, bucket, rank,
+    max: one a rank and bucket) as one row a bucket, its ranks and their maxima in rank
+    order; a bucket stored before is replaced (its maxima taken again from all its rows)."""
+    if dialect == "postgresql":
+        grouped = (
+            "SELECT run_id, metric, level, bucket, array_agg(rank ORDER BY rank), "
+            f"array_agg(max ORDER BY rank) FROM ({per_rank_sql}) AS b "
+            "GROUP BY run_id, metric, level, bucket"
+        )
+    else:  # json_group_array takes the rows in the order the subquery gives them; a
+        # maximum as 17 digits (SQLite writes a REAL in JSON with 15: not the same double)
+        grouped = (
+            "SELECT run_id, metric, level, bucket, json_group_array(rank), "
+            "json_group_array(json(printf('%!.17g', max))) "
+            f"FROM (SELECT * FROM ({per_rank_sql}) ORDER BY run_id, metric, level, bucket, rank) "
+            "GROUP BY run_id, metric, level, bucket"
+        )
     # `WHERE true` and the subquery: SQLite's parser needs them before ON CONFLICT.
     return text(
-        "INSERT INTO rank_buckets (run_id, metric, level, bucket, rank, max) "
-        f"SELECT * FROM ({select_sql}) AS b WHERE true "
-        "ON CONFLICT (run_id, metric, level, bucket, rank) DO UPDATE SET max = excluded.max"
+        "INSERT INTO bucket_maxima (run_id, metric, level, bucket, ranks, maxima) "
+        f"SELECT * FROM ({grouped}) AS g WHERE true "
+        "ON CONFLICT (run_id, metric, level, bucket) "
+        "DO UPDATE SET ranks = excluded.ranks, maxima = excluded.maxima"
+    )
+
+
+def _from_child_sql(child: int, parent: int, dialect: str) -> str:
+    """Each rank's maxima of a level's buckets, from the closed buckets of the level below."""
+    per = parent // child
+    if dialect == "postgresql":
+        each = "CROSS JOIN LATERAL unnest(c.ranks, c.maxima) AS u(rank, max)"
+        rank, value = "u.rank", "u.max"
+    else:
+        each = "JOIN json_each(c.ranks) AS r JOIN json_each(c.maxima) AS x ON x.key = r.key"
+        rank, value = "r.value", "x.value"
+    return (
+        f"SELECT c.run_id, c.metric, {parent} AS level, c.bucket / {per} AS bucket, "
+        f"{rank} AS rank, max({value}) AS max FROM bucket_maxima AS c {each} "
+        f"WHERE c.run_id = :run AND c.level = {child} AND c.bucket BETWEEN :lo AND :hi "
+        f"GROUP BY c.run_id, c.metric, c.bucket / {per}, {rank}"
     )
 
 
@@ -337,13 +380,11 @@ def _from_raw_sql() -> str:
     )
 
 
-_FROM_RAW = _upsert_buckets(_from_raw_sql())
+_DIALECTS = ("postgresql", "sqlite")
+_FROM_RAW = {dialect: _upsert_buckets(_from_raw_sql(), dialect) for dialect in _DIALECTS}
 _FROM_CHILD = {  # a level's buckets from the closed buckets of the level below
-    child: _upsert_buckets(
-        f"SELECT run_id, metric, {parent} AS level, bucket / {parent // child} AS bucket, rank, "
-        f"max(max) AS max FROM rank_buckets WHERE run_id = :run AND level = {child} "
-        f"AND bucket BETWEEN :lo AND :hi GROUP BY run_id, metric, bucket / {parent // child}, rank"
-    )
+    (dialect, child): _upsert_buckets(_from_child_sql(child, parent, dialect), dialect)
+    for dialect in _DIALECTS
     for child, parent in itertools.pairwise(LEVELS)
 }
 

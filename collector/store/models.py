@@ -27,7 +27,7 @@ from sqlalchemy import (
     UniqueConstraint,
     text,
 )
-from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 
 USER_METRICS_TYPE = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
 
@@ -325,17 +325,22 @@ rollup_queue = Table(
     Column("rolled_at", Float),  # newest receive time the last rollup saw
 )
 
-# Per-rank maxima over buckets of 16 and 256 steps, for rank x step heatmaps of long
-# runs (migration 0005); written by the rollup worker.
-rank_buckets = Table(
-    "rank_buckets",
+# Per-rank maxima over buckets of 16, 64 and 256 steps, for rank x step heatmaps of long
+# runs; written by the rollup worker. One row a bucket with every rank's maximum, ranks[i]'s
+# in maxima[i], in rank order (migration 0029; migration 0005 kept a row a rank and bucket:
+# a heatmap of 1,024 ranks x 156 cells read 159,744 rows, now 156). Arrays on PostgreSQL,
+# JSON lists on SQLite.
+RANKS_TYPE = JSON().with_variant(ARRAY(Integer), "postgresql")
+MAXIMA_TYPE = JSON().with_variant(ARRAY(Float), "postgresql")
+bucket_maxima = Table(
+    "bucket_maxima",
     metadata,
     Column("run_id", Integer, ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True),
     Column("metric", String(32), primary_key=True),
     Column("level", Integer, primary_key=True),
     Column("bucket", BigInteger, primary_key=True),
-    Column("rank", Integer, primary_key=True),
-    Column("max", Float, nullable=False),
+    Column("ranks", RANKS_TYPE, nullable=False),
+    Column("maxima", MAXIMA_TYPE, nullable=False),
 )
 
 # -- alerts (migration 0007) ---------------------------------------------------------

@@ -66,3 +66,54 @@ def test_0022_keeps_one_of_each_replaced_execution(db_url: str) -> None:
     finally:
         upgrade(engine)
         engine.dispose()
+
+
+def test_0029_carries_each_buckets_maxima_over_in_rank_order(db_url: str) -> None:
+    # rank_buckets (a row a rank and bucket) becomes bucket_maxima (a row a bucket, its
+    # ranks in order): every stored maximum is carried over, to the last bit.
+    from sqlalchemy import select, text
+
+    from trainwarden.collector.store import models as m
+    from trainwarden.collector.store.db import make_engine, upgrade
+
+    engine = make_engine(db_url)
+    try:
+        upgrade(engine, "0028")
+        _downgrade(engine, "0028")
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO runs (id, name, created_at, updated_at, world_size) "
+                    "VALUES (1, 'r', 0, 0, 4)"
+                )
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO rank_buckets (run_id, metric, level, bucket, rank, max) "
+                    "VALUES (1, :metric, :level, :bucket, :rank, :max)"
+                ),
+                [
+                    {"metric": "loss", "level": 16, "bucket": 0, "rank": 2, "max": 0.1 + 0.2},
+                    {"metric": "loss", "level": 16, "bucket": 0, "rank": 0, "max": 1e-300},
+                    {"metric": "loss", "level": 16, "bucket": 1, "rank": 3, "max": 2.0},
+                    {"metric": "step_time", "level": 64, "bucket": 0, "rank": 1, "max": 7.5},
+                ],
+            )
+        upgrade(engine)
+        with engine.connect() as conn:
+            k = m.bucket_maxima.c
+            found = conn.execute(
+                select(k.metric, k.level, k.bucket, k.ranks, k.maxima).order_by(
+                    k.metric, k.level, k.bucket
+                )
+            ).all()
+            conn.execute(text("DELETE FROM runs WHERE id = 1"))
+            conn.commit()
+        assert [tuple(row) for row in found] == [
+            ("loss", 16, 0, [0, 2], [1e-300, 0.1 + 0.2]),
+            ("loss", 16, 1, [3], [2.0]),
+            ("step_time", 64, 0, [1], [7.5]),
+        ]
+    finally:
+        upgrade(engine)
+        engine.dispose()

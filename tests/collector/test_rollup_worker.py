@@ -108,7 +108,7 @@ def test_heatmap_from_bucket_maxima_equals_the_one_from_raw_rows(engine) -> None
         fast = heatmap(conn, run="r1", metric="step_time", buckets=10)
         slow = heatmap(conn, run="r1", metric="step_time", buckets=10, use_rollups=False)
         wide = heatmap(conn, run="r1", metric="step_time", buckets=2)  # 320 steps: the 256 level
-        stored = conn.execute(select(m.rank_buckets.c.level).distinct()).scalars().all()
+        stored = conn.execute(select(m.bucket_maxima.c.level).distinct()).scalars().all()
     assert sorted(stored) == [16, 64, 256]  # 640 steps close 40, 10 and 2 buckets
     assert fast.bucket == slow.bucket == 64 and fast.step_start == slow.step_start
     assert fast.ranks == slow.ranks == [0, 1, 2, 3]
@@ -286,11 +286,18 @@ def test_bucket_maxima_of_every_heatmap_metric_are_each_ranks_maxima(engine) -> 
                 now=T0,
             )
     flush(engine, now=T0 + 1)
-    k = m.rank_buckets.c
+    k = m.bucket_maxima.c
     with engine.connect() as conn:
-        stored = conn.execute(select(k.metric, k.rank, k.bucket, k.max).where(k.level == 16)).all()
+        stored = conn.execute(
+            select(k.metric, k.bucket, k.ranks, k.maxima).where(k.level == 16)
+        ).all()
     expected = {key: max(values) for key, values in sent.items()}
-    assert {(metric, rank, bucket): top for metric, rank, bucket, top in stored} == expected
+    assert all(ranks == sorted(ranks) for _, _, ranks, _ in stored)  # in rank order
+    assert {
+        (metric, rank, bucket): top
+        for metric, bucket, ranks, maxima in stored
+        for rank, top in zip(ranks, maxima, strict=True)
+    } == expected
     assert ("compute", 1, 0) not in expected and ("loss", 2, 0) not in expected  # not vacuous
     # 2 buckets of: step time and data wait of 3 ranks, loss, compute and exposed comm of 2
     assert len(expected) == 2 * (3 + 3 + 2 + 2 + 2)
@@ -319,7 +326,7 @@ def test_a_steps_rollup_is_queryable_before_its_heatmap_bucket_is_written(
     assert flush(engine, now=T0 + 100) == 17
     assert seen_then == [17]  # every step's rollup already visible
     with engine.connect() as conn:  # and the bucket was written after them
-        k = m.rank_buckets.c
+        k = m.bucket_maxima.c
         assert (
             conn.execute(select(func.count()).where(k.level == 16, k.bucket == 0)).scalar_one() > 0
         )
