@@ -20,8 +20,18 @@ from pathlib import Path
 import pytest
 
 from ..conftest import free_port, start_serve, stop_serve
+from ..net import attempt_ports
 from ..slurm import SlurmCluster, slurm_cluster
 from .test_drills import wait_for
+
+
+def attempt_port() -> str:
+    """The rendezvous port of each attempt of a requeued job, in its task script: one of
+    its own for each attempt, out of the range outgoing connections take theirs from
+    (tests/net.py)."""
+    ports = " ".join(map(str, attempt_ports(4)))
+    return f"$(ports=({ports}); echo ${{ports[${{SLURM_RESTART_COUNT:-0}}]}})"
+
 
 STEPS = 60
 
@@ -77,7 +87,7 @@ def test_fatal_xid_drains_the_node_and_the_job_resumes_without_it(
         textwrap.dedent(f"""\
         #!/bin/bash
         export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=0 OMP_NUM_THREADS=1
-        export MASTER_ADDR=127.0.0.1 MASTER_PORT=$(( {free_port()} + ${{SLURM_RESTART_COUNT:-0}} ))
+        export MASTER_ADDR=127.0.0.1 MASTER_PORT={attempt_port()}
         export TRAINWARDEN_FLUSH_INTERVAL=0.5 TRAINWARDEN_PROFILE_EVERY=0
         export TRAINWARDEN_GPU_INTERVAL=1
         if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
@@ -228,7 +238,7 @@ def test_a_corrupted_replica_s_node_is_drained_and_the_job_back_without_it_resto
         #!/bin/bash
         export RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS LOCAL_RANK=$SLURM_LOCALID
         export OMP_NUM_THREADS=1 MASTER_ADDR=127.0.0.1
-        export MASTER_PORT=$(( {free_port()} + ${{SLURM_RESTART_COUNT:-0}} ))
+        export MASTER_PORT={attempt_port()}
         export TRAINWARDEN_FLUSH_INTERVAL=0.5 TRAINWARDEN_PROFILE_EVERY=0
         if [ "${{SLURM_RESTART_COUNT:-0}}" = 0 ]; then
             export TRAINWARDEN_DRILL="sdc=bitflip@rank=2,step=35"
