@@ -61,8 +61,16 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
         "every rank (2) restored the checkpoint of step 250 after step"
     )
     assert rolled_back in result.stdout, result.stdout
-    # Nothing the demo did not inject: its input pipeline is healthy (it was not).
-    assert "DataLoaderStall" not in result.stdout, result.stdout
+    # Nothing the demo did not inject pages: its input pipeline is healthy. On a loaded
+    # host (a CI run's other worker) the gap between steps can pass a fifth of a step for
+    # a while: DataLoaderStall may then be pending, and its 5 minutes' `for` keeps it from
+    # firing in the demo's minute. Only the injected alerts fire.
+    listed = [line.split() for line in result.stdout.splitlines() if line.startswith("  ")]
+    alerts = [(words[0], words[2].rstrip(":")) for words in listed if len(words) > 2]
+    firing = {name for state, name in alerts if state == "firing"}
+    assert firing <= {"FatalXid", "LossSpike", "GradNormSpikeBurst"}, result.stdout
+    stalls = [state for state, name in alerts if name == "DataLoaderStall"]
+    assert set(stalls) <= {"pending"}, result.stdout
 
     db = tmp_path / "trainwarden" / "trainwarden.db"
     assert db.exists()
