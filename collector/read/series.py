@@ -227,7 +227,7 @@ def heatmap(
                 k.bucket >= edge // lv,
                 k.bucket <= min(hi // lv, closed),
             )
-            found = fetch_rows(conn, query) if not is_sqlite(conn) else conn.execute(query).all()
+            found = fetch_rows(conn, query)
             cells = [
                 ((bucket * lv - lo) // width, ranks, maxima) for bucket, ranks, maxima in found
             ]
