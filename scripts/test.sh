@@ -53,13 +53,14 @@ fi
 # processes, so it runs on TRAINWARDEN_TEST_WORKERS pytest-xdist workers (2 by default; a
 # test file stays on one worker, with its module fixtures). The tests marked `serial`
 # measure timings that a second worker's load would distort (the comm split): they run
-# afterwards, alone. Both parts always run; the exit status is the first failure's.
+# afterwards, alone. Both parts always run; the exit status is the first failure's. The
+# slowest 30 tests are listed after each run's summary (keep the suite well under 15 minutes).
 workers="${TRAINWARDEN_TEST_WORKERS:-2}"
 rc=0
 if [ "$workers" -gt 1 ]; then
-  .venv/bin/python -m pytest -n "$workers" --dist loadfile -m "not serial" || rc=$?
+  .venv/bin/python -m pytest -n "$workers" --dist loadfile -m "not serial" --durations=30 || rc=$?
 else
-  .venv/bin/python -m pytest -m "not serial" || rc=$?
+  .venv/bin/python -m pytest -m "not serial" --durations=30 || rc=$?
 fi
 echo "trainwarden: the serial tests (timing-sensitive), alone"
 .venv/bin/python -m pytest -m serial || { s=$?; [ "$rc" -ne 0 ] || rc=$s; }
