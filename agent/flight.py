@@ -5,9 +5,9 @@ process issued: sequence id per process group, op, sizes, dtypes and state. When
 hangs, every rank waits in some collective; lining the ranks' rings up by sequence id
 names the rank that never arrived (the collector does that: ``collector/health``).
 
-- :func:`enable` turns the recorder on before the process group exists:
-  ``TORCH_FR_BUFFER_SIZE`` (``flight_recorder_entries``, 2,000 entries by default), never
-  over a value the user set.
+- :func:`enable` sets the recorder's size before the process group exists:
+  ``TORCH_FR_BUFFER_SIZE`` (``flight_recorder_entries``, 2,000 entries by default; 0 sets
+  it to 0, which turns the recorder off), never over a value the user set.
 - :func:`dump` reads the ring through torch's API and keeps, per process group, the
   newest entries (:data:`KEEP_PER_GROUP`) in the ``collectives`` event's form. It never
   raises: a torch without the recorder, or a dump that fails, gives one unavailable
@@ -65,11 +65,13 @@ first step that compiles; on a GPU, the profiler window's start took over 5 s)."
 
 
 def enable(entries: int) -> str | None:
-    """Ask torch for a Flight Recorder ring of ``entries`` (0: leave it alone). Returns one
-    line to log when it comes too late to be sure of, else None. A value the user set in
-    ``TORCH_FR_BUFFER_SIZE`` wins."""
-    if entries <= 0 or os.environ.get(ENV, "").strip():
+    """Ask torch for a Flight Recorder ring of ``entries``; 0 turns it off (torch 2.13
+    records gloo collectives with ``TORCH_FR_BUFFER_SIZE`` unset, so leaving the variable
+    alone would not: only ``0`` does). Returns one line to log when it comes too late to
+    be sure of, else None. A value the user set in ``TORCH_FR_BUFFER_SIZE`` wins."""
+    if os.environ.get(ENV, "").strip():
         return None
+    entries = max(0, entries)
     os.environ[ENV] = str(entries)
     dist = sys.modules.get("torch.distributed")
     try:
@@ -79,7 +81,7 @@ def enable(entries: int) -> str | None:
     if late:
         return (
             f"trainwarden: the process group existed before tw.init, so {ENV}={entries} may "
-            "not apply to it (NCCL reads it when the group is made); call tw.init before "
+            "not apply to it (torch reads it when the group is made); call tw.init before "
             "torch.distributed.init_process_group for the Flight Recorder"
         )
     return None

@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -44,23 +43,83 @@ def test_enable_never_overrides_the_users_value(monkeypatch: pytest.MonkeyPatch)
     assert os.environ[ENV] == "0"
 
 
-def test_enable_zero_leaves_the_environment_alone() -> None:
+def test_enable_zero_turns_the_recorder_off() -> None:
+    # torch 2.13 records gloo collectives with the variable unset: only 0 turns it off.
     assert enable(0) is None
-    assert ENV not in os.environ
+    assert os.environ[ENV] == "0"
+
+
+ONE_RANK = """
+import json, os, sys, tempfile
+import torch
+import torch.distributed as dist
+import trainwarden.agent as tw
+from trainwarden.agent import flight
+
+setup = sys.argv[1]
+if setup.startswith("init:"):
+    tw.init(run="fr-init", flight_recorder_entries=int(setup[5:]), gpu_interval_s=0)
+with tempfile.TemporaryDirectory() as tmp:
+    store = dist.FileStore(os.path.join(tmp, "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    late = flight.enable(2000) if setup == "late" else None
+    t = torch.ones(4)
+    for _ in range(3):
+        dist.all_reduce(t)
+    raw = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False))
+    dump = flight.dump(trigger="command")
+    dist.destroy_process_group()
+print(json.dumps({"env": os.environ.get(flight.ENV), "recorded": len(raw.get("entries") or []),
+                  "dump": dump, "late": late}))
+"""
+
+
+def one_rank(setup: str) -> dict[str, Any]:
+    """A 1-rank gloo group in a process of its own (this one may have a group, or torch's
+    recorder already read its variable): ``setup`` is ``none`` (no trainwarden),
+    ``init:N`` (``tw.init`` with ``flight_recorder_entries=N`` first, no collector) or
+    ``late`` (``enable`` after the group exists)."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k != ENV and not k.startswith("TRAINWARDEN_") and k not in ("RANK", "WORLD_SIZE")
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_RANK, setup],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_without_trainwarden_torch_records_gloo_collectives() -> None:
+    # Why 0 has to be written: with the variable unset, the ring is on.
+    out = one_rank("none")
+    assert (out["env"], out["recorded"]) == (None, 3)
+
+
+def test_tw_init_turns_the_recorder_on_with_2000_entries() -> None:
+    out = one_rank("init:2000")
+    assert (out["env"], out["recorded"]) == ("2000", 3)
+    (group,) = out["dump"]["groups"]
+    assert [e["seq"] for e in group["entries"]] == [1, 2, 3]
+
+
+def test_tw_init_with_zero_entries_leaves_the_ring_empty() -> None:
+    out = one_rank("init:0")
+    assert (out["env"], out["recorded"]) == ("0", 0)
+    assert out["dump"]["available"] is False
+    assert "off in this process (TORCH_FR_BUFFER_SIZE=0)" in out["dump"]["reason"]
 
 
 def test_enable_after_the_process_group_says_it_may_come_too_late() -> None:
-    if dist.is_initialized():
-        pytest.skip("this test process already has a process group")
-    with tempfile.TemporaryDirectory() as tmp:
-        store = dist.FileStore(os.path.join(tmp, "store"), 1)
-        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-        try:
-            late = enable(2000)
-        finally:
-            dist.destroy_process_group()
-    assert late is not None and "before torch.distributed.init_process_group" in late
-    assert os.environ[ENV] == "2000"
+    out = one_rank("late")
+    assert out["late"] is not None
+    assert "before torch.distributed.init_process_group" in out["late"]
+    assert out["env"] == "2000"
 
 
 # -- parse ---------------------------------------------------------------------------------
@@ -433,3 +492,93 @@ def test_the_desync_drill_shows_two_sizes_at_one_sequence_id(tmp_path: Path) -> 
         ("desync", None, None),
         ("desync", True, None),
     ]
+
+
+# -- a torch whose recorder is missing or fails ----------------------------------------------
+
+
+class Collector:
+    """The agent's transport seam: answers the first batch with a ``collectives``
+    command (as the collector does when a rank is hung) and keeps what it was sent."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        first = not self.bodies
+        self.bodies.append(body)
+        return {"commands": [{"id": 1, "type": "collectives"}]} if first else {}
+
+    def close(self) -> None:
+        pass
+
+    def events(self) -> list[dict[str, Any]]:
+        return [e for b in self.bodies for e in b["events"]]
+
+
+def run_agent(monkeypatch: pytest.MonkeyPatch) -> Collector:
+    """A real agent, asked for its collectives while its trainer steps; what it sent."""
+    import trainwarden.agent as tw
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRAINWARDEN_URL", "TRAINWARDEN_RUN"):
+        monkeypatch.delenv(name, raising=False)
+    collector = Collector()
+    tw.init(run="fr-broken", transport=collector, flush_interval_s=0.02, gpu_interval_s=0)
+    try:
+        step = 0
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any(
+            e["kind"] == "collectives" for e in collector.events()
+        ):
+            with tw.step(step):
+                time.sleep(0.005)
+            step += 1
+        for extra in range(step, step + 5):
+            with tw.step(extra):
+                pass
+    finally:
+        tw.shutdown(timeout_s=5)
+    return collector
+
+
+def kinds(events: list[dict[str, Any]]) -> set[str]:
+    return {e["kind"] for e in events}
+
+
+@pytest.mark.parametrize("broken", ["missing", "raises"])
+def test_a_missing_or_failing_reader_gives_one_event_saying_why(
+    monkeypatch: pytest.MonkeyPatch, broken: str
+) -> None:
+    import torch
+
+    c10d = torch._C._distributed_c10d
+    working = run_agent(monkeypatch)  # the same agent, torch's recorder as it is
+    # Stand-ins for a torch this environment does not have: one without the recorder
+    # (before 2.5), one whose dump fails.
+    if broken == "missing":
+        for name in ("_dump_fr_trace_json", "_dump_nccl_trace_json"):
+            monkeypatch.delattr(c10d, name, raising=False)
+    else:
+
+        def fails(*args: Any) -> str:
+            raise RuntimeError("the ring is corrupt")
+
+        monkeypatch.setattr(c10d, "_dump_fr_trace_json", fails)
+    collector = run_agent(monkeypatch)
+
+    (answer,) = [e for e in collector.events() if e["kind"] == "collectives"]
+    data = answer["data"]
+    assert (data["available"], data["trigger"], data["request"], data["groups"]) == (
+        False,
+        "command",
+        1,
+        [],
+    )
+    if broken == "missing":
+        assert "has no Flight Recorder" in data["reason"], data["reason"]
+    else:
+        assert "dump failed: RuntimeError: the ring is corrupt" in data["reason"], data["reason"]
+    # Nothing else changes: the same kinds of events, every step sent, in order.
+    assert kinds(collector.events()) == kinds(working.events())
+    steps = [s["step"] for b in collector.bodies for s in b["steps"]]
+    assert steps == list(range(len(steps))) and len(steps) >= 6
