@@ -277,15 +277,19 @@ def test_an_unwritable_spool_directory_falls_back_to_memory(tmp_path: Path, capl
 
 
 class BlockedTransport(RecordingTransport):
-    """A collector that takes a request and never answers until released."""
+    """A collector that takes a request and never answers until released. ``returned``
+    says that a send got past the hold (released, or after 30 s without): a call that
+    returned while it is unset did not wait for the send."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, delay_s: float = 0.0) -> None:
+        super().__init__(delay_s=delay_s)
         self.sending, self.release = threading.Event(), threading.Event()
+        self.returned = threading.Event()
 
     def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         self.sending.set()
         self.release.wait(30)
+        self.returned.set()
         return super().send(path, body)
 
 
@@ -300,6 +304,7 @@ def test_a_slow_collector_never_blocks_the_training_thread() -> None:
             pass
     # 199 more steps ran while that send was still held: the trainer never waited on it.
     assert transport.sending.is_set() and not transport.release.is_set()
+    assert not transport.returned.is_set()
     transport.release.set()
     tw.shutdown(timeout_s=5)
 
@@ -343,6 +348,7 @@ def test_shutdown_is_bounded_by_its_timeout() -> None:
     tw.shutdown(timeout_s=0.5)
     # shutdown returned while the send is still held: bounded by its timeout, not by it
     assert not transport.release.is_set() and core._agent is None
+    assert not transport.returned.is_set()
     transport.release.set()
 
 
@@ -482,7 +488,8 @@ def test_the_http_transport_names_its_sender_so_a_refusal_still_counts_as_a_beat
 
 
 def test_flush_returns_once_the_batch_is_sent_not_while_it_is_in_flight() -> None:
-    transport = RecordingTransport(delay_s=0.3)  # each request takes 300 ms
+    transport = BlockedTransport(delay_s=0.3)  # each request takes 300 ms
+    transport.release.set()  # not held, for now
     agent = tw.init(
         run="unit", transport=transport, flush_interval_s=30, heartbeat_s=30, gpu_interval_s=0
     )
@@ -492,17 +499,25 @@ def test_flush_returns_once_the_batch_is_sent_not_while_it_is_in_flight() -> Non
     agent.flush(timeout_s=10)
     assert [s["step"] for s in transport.steps()] == [0, 1, 2, 3, 4]
 
-    transport.delay_s = 3.0
+    # The collector holds the next request for longer than the flush may wait.
+    for event in (transport.release, transport.sending, transport.returned):
+        event.clear()  # (every send so far has returned: the flush above waited for them)
     with tw.step(5):
         pass
     t0 = time.monotonic()
-    agent.flush(timeout_s=0.3)  # the collector is slower than the flush may wait
-    assert 0.25 < time.monotonic() - t0 < 2.0
-    transport.delay_s = 0.0
+    agent.flush(timeout_s=0.3)
+    assert time.monotonic() - t0 > 0.25  # it waited its time
+    # and returned while the send is still held: it did not wait for that.
+    assert transport.sending.wait(10) and not transport.returned.is_set()
+    transport.release.set()
     tw.shutdown(timeout_s=10)
-    t0 = time.monotonic()
-    agent.flush(timeout_s=5)  # the exporter has stopped: nothing to wait for
-    assert time.monotonic() - t0 < 0.5
+    assert [s["step"] for s in transport.steps()] == [0, 1, 2, 3, 4, 5]
+    # The exporter has stopped: nothing to wait for. A flush that waited would take its
+    # whole hour.
+    after = threading.Thread(target=agent.flush, kwargs={"timeout_s": 3600}, daemon=True)
+    after.start()
+    after.join(60)
+    assert not after.is_alive(), "a flush after shutdown waited for its timeout"
 
 
 def test_stats_are_typed_and_keep_their_names() -> None:
