@@ -45,12 +45,16 @@ def train(
     scale_at: int | None = None,
     tokens: int | None = BATCH,
     batch: int = BATCH,
+    inside: dict[int, float] | None = None,
 ) -> dict[int, float]:
+    """Each step's time as the loop measured it around the step; ``inside``, if given,
+    gets the time of each step's body, as measured within it."""
     x, y = torch.randn(batch, D_IN), torch.randn(batch, D_OUT)
     outside: dict[int, float] = {}
     for i in steps:
         t0 = time.perf_counter()
         with tw.step(i, tokens=tokens) as s:
+            began = time.perf_counter()
             loss = (model(x) - y).square().mean()
             if i == scale_at:
                 loss = loss * 1000  # a real gradient spike: 1000x the gradients
@@ -58,7 +62,10 @@ def train(
             opt.step()
             opt.zero_grad()
             s.loss(loss)
+            ended = time.perf_counter()
         outside[i] = time.perf_counter() - t0
+        if inside is not None:
+            inside[i] = ended - began
     return outside
 
 
@@ -68,22 +75,21 @@ def test_mfu_with_given_flops_and_peak_matches_the_hand_formula() -> None:
     flops = hand_flops(batch)
     tw.init(run="mfu", transport=transport, flops_per_step=flops, peak_flops=peak, profile_every=0)
     model = mlp()
-    wall = train(model, torch.optim.SGD(model.parameters(), lr=1e-3), range(20), batch=batch)
+    body: dict[int, float] = {}
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    wall = train(model, opt, range(20), batch=batch, inside=body)
     tw.shutdown()
     steps = transport.steps()
     assert len(steps) == 20
     for s in steps:
         # The hand formula on the step time the agent reports...
         assert s["mfu"] == pytest.approx(flops / (s["duration_s"] * peak), rel=1e-9)
-        # ... which is the step's: inside what the loop measured around it, all of it
-        # but the agent's own microseconds. (Per step that is a timing, and a loaded
-        # machine can preempt the loop between its clock and the step's: one step came
-        # out 14 % short beside a parallel test worker. The median is not moved.)
-        assert 0 < s["duration_s"] <= wall[s["step"]]
+        # ... which is the step's: inside what the loop measured around it, and all of
+        # its body as measured within it (the test's own clocks, not a ratio: a loaded
+        # machine can preempt the loop anywhere).
+        assert 0 < body[s["step"]] <= s["duration_s"] <= wall[s["step"]]
         assert (s["flops"], s["peak_flops"]) == (flops, peak)
         assert s["peak_source"] == "given" and s["flops_source"] == "given: flops_per_step"
-    ratios = sorted(s["duration_s"] / wall[s["step"]] for s in steps)
-    assert ratios[len(ratios) // 2] > 0.9, ratios
 
 
 def test_watch_counts_flops_once_then_reports_mfu_on_a_measured_cpu_peak() -> None:
