@@ -28,7 +28,6 @@ def _clean_agent(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-de
     tw.shutdown(timeout_s=1)
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="no fork on this platform")
 def test_a_forked_child_never_reports_and_its_exit_is_not_the_ranks_shutdown() -> None:
     transport = RecordingTransport()
     tw.init(run="unit", transport=transport, flush_interval_s=0.02)
