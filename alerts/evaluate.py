@@ -137,9 +137,10 @@ class Verdict:
     rule): where the anomaly began, not when a pass noticed it. ``None``: not known."""
     annotations: dict[str, str] | None = None
     """Annotations of this verdict's own, beside summary / description / runbook_url
-    (``RankHung``: ``collective``, the verdict on the ranks' Flight Recorder rings; an
-    event rule whose events say ``clean_through`` (``replica_divergence``): the newest
-    step whose checkpoint is known clean, which a rollback restores exactly)."""
+    (``RankHung``, and ``RankDead`` for a dead culprit: ``collective``, the verdict on the
+    ranks' Flight Recorder rings; an event rule whose events say ``clean_through``
+    (``replica_divergence``): the newest step whose checkpoint is known clean, which a
+    rollback restores exactly)."""
 
 
 # -- helpers ----------------------------------------------------------------------
@@ -602,13 +603,16 @@ def _absence(rule: AbsenceRule, snap: Snapshot) -> list[Verdict]:
         quiet = snap.now - seen
         if quiet > after + snap.lag_s:
             what = "heartbeat" if p.signal == "heartbeat" else "completed step"
+            # A dead rank the survivors' rings name the culprit (``RankDead``): the verdict.
+            coll = info.collective if p.signal == "heartbeat" else None
             out.append(
                 Verdict(
                     info.rank,
                     quiet,
                     f"{_rank_detail(snap, info.rank)}: no {what} for {_ago(quiet)} "
-                    f"(allowed {p.after}, {after:.1f}s)",
+                    f"(allowed {p.after}, {after:.1f}s)" + (f": {coll}" if coll else ""),
                     info.last_step,
+                    annotations={"collective": coll} if coll else None,
                 )
             )
     return out

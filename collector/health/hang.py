@@ -10,7 +10,7 @@ decide who never arrived (:mod:`.collectives`), and keep the verdict.
   since shortly before the hang began) and, when the verdict changed, stores it as a
   ``hang_verdict`` event (the timeline and the post-mortem show it) and names it in the
   hung ranks' state details (``collective``), which the ``RankHung`` alert carries in its
-  description and annotations.
+  description and annotations; a dead culprit's details too, which ``RankDead`` carries.
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ def refine(
         verdict["hang_started"] = start
         decided[run_id] = (key, verdict)
     _apply(verdict, states)
+    _blame_unread_dead(conn, run_id, verdict, states)
     stored = _stored.setdefault(conn.engine, {})
     if stored.get(run_id) == (start, verdict["summary"]):
         return []
@@ -197,6 +198,9 @@ def _apply(verdict: dict[str, Any], states: dict[int, tuple[str, dict[str, Any]]
         else "a collective"
     )
     for rank, (state, detail) in states.items():
+        if state == "dead" and rank in culprits:  # RankDead's alert carries it (no ring)
+            detail.update(role="culprit", collective=verdict["summary"])
+            continue
         if state != "hung":
             continue
         detail["collective"] = verdict["summary"]
@@ -209,6 +213,38 @@ def _apply(verdict: dict[str, Any], states: dict[int, tuple[str, dict[str, Any]]
                 waiting_on=culprits,
                 reason=f"waits in {where} on rank(s) {culprits}",
             )
+
+
+def _blame_unread_dead(
+    conn: Connection,
+    run_id: int,
+    verdict: dict[str, Any],
+    states: dict[int, tuple[str, dict[str, Any]]],
+) -> None:
+    """A dead culprit the evaluator no longer reads (silent since it was found dead: not
+    in ``states``) gets the verdict in its details too, written here: the ``RankDead``
+    alert carries it, as ``RankHung`` does a hung culprit's."""
+    if verdict["kind"] not in ("culprit", "desync"):
+        return
+    unread = sorted(set(verdict["culprits"]) & set(verdict.get("dead") or ()) - set(states))
+    if not unread:
+        return
+    k = m.ranks.c
+    rows = conn.execute(
+        select(k.rank, k.state_detail).where(
+            k.run_id == run_id, k.rank.in_(unread), k.state == "dead"
+        )
+    ).all()
+    for rank, detail in rows:
+        detail = dict(detail or {})
+        if detail.get("collective") == verdict["summary"]:
+            continue
+        detail.update(role="culprit", collective=verdict["summary"])
+        conn.execute(
+            update(m.ranks)
+            .where(k.run_id == run_id, k.rank == rank, k.state == "dead")
+            .values(state_detail=detail)
+        )
 
 
 def view(conn: Connection, *, run: str, now: float) -> dict[str, Any]:

@@ -597,6 +597,25 @@ def test_rank_dead_after_two_and_a_quarter_heartbeats() -> None:
     assert evaluate(PACK["RankDead"], replace(snap, lag_s=1.0)) == []
 
 
+def test_rank_dead_carries_the_hung_collective_verdict_of_a_dead_culprit() -> None:
+    # The survivors wait in a collective the dead rank never entered: they are victims (no
+    # RankHung), so the page that says so is RankDead's.
+    snap = run(first=390)
+    verdict = "rank 1 (node node0) is dead (no heartbeats) and never entered all_reduce #40"
+    dead = with_ranks(
+        snap,
+        r0={"state": "hung", "role": "victim", "collective": verdict},
+        r1={"state": "dead", "role": "culprit", "collective": verdict, "last_seen": snap.now - 9},
+    )
+    v = only(evaluate(PACK["RankDead"], dead))
+    assert v.rank == 1 and v.annotations == {"collective": verdict}
+    assert v.detail.endswith(f"(allowed 2.25 beats, 4.5s): {verdict}")
+    assert evaluate(PACK["RankHung"], dead) == []
+    # Without a verdict: no annotation of its own.
+    plain = only(evaluate(PACK["RankDead"], with_ranks(dead, r1={"collective": None})))
+    assert plain.annotations is None and plain.detail.endswith("4.5s)")
+
+
 # -- users' own rules: the other options of each kind -------------------------------------
 
 

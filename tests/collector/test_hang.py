@@ -11,7 +11,9 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
+from trainwarden.alerts import load_rule_packs
 from trainwarden.collector.actions.commands import CommandBoard
+from trainwarden.collector.alerting.engine import AlertEngine
 from trainwarden.collector.app import create_app
 from trainwarden.collector.health import hang
 from trainwarden.collector.health.evaluator import HealthSettings, evaluate
@@ -240,3 +242,19 @@ def test_a_dead_rank_is_named_the_culprit_from_the_survivors_rings(engine) -> No
         "(default_pg, 4 ranks); 3 ranks wait in it since "
     )
     assert all(states[r][1]["waiting_on"] == [2] for r in (0, 1, 3))
+    # The dead rank is no longer read (silent since it was found dead), yet its details
+    # name the verdict, and the RankDead alert carries it to the page (no RankHung fires:
+    # the hung ranks are victims).
+    assert states[2] == ("dead", {**states[2][1], "role": "culprit", "collective": summary})
+    alerts = AlertEngine(
+        engine,
+        [r for r in load_rule_packs() if r.name in ("RankDead", "RankHung")],
+        external_url="https://tw.example.org",
+        submit=lambda _: None,
+    )
+    alerts.run_once(now=T0 + 17.5)
+    with engine.connect() as conn:
+        rows = conn.execute(select(m.alerts.c.rule, m.alerts.c.rank, m.alerts.c.annotations)).all()
+    ((rule, rank, annotations),) = rows
+    assert (rule, rank, annotations["collective"]) == ("RankDead", 2, summary)
+    assert annotations["description"].endswith(f": {summary}")
