@@ -15,8 +15,11 @@ collective; :func:`analyze` lines the ranks of each group up by sequence id:
 - ranks that issued different ops, sizes or dtypes under one sequence id of a group
   are a **desync**: both (all) sides are named; the fewer side is the culprit.
 
-Rings that cannot be used are left out and said: a rank outside the run's world,
-sequence ids that go backwards, a ring the agent could not read (and why).
+Rings that cannot be used are left out and said (``unusable``, rank -> why): a rank
+outside the run's world, sequence ids that go backwards (within the ring, or a group's
+highest sequence id lower than in the ring the same rank sent before it in the same
+attempt: a restart's process starts again from 1, which is not backwards), a ring the
+agent could not read (and why).
 """
 
 from __future__ import annotations
@@ -70,8 +73,18 @@ def _lane(group: Mapping[str, Any]) -> _Lane:
     return _Lane(last=last, wait=wait, entries=entries, since=since)
 
 
-def _problem(rank: int, data: Mapping[str, Any], world: int) -> str | None:
-    """Why this rank's ring cannot be used, if it cannot."""
+def _last(group: Mapping[str, Any]) -> int:
+    """The highest sequence id a ring says its rank issued on a group (0: none)."""
+    seqs = [int(e["seq"]) for e in group.get("entries") or ()]
+    return max([0, *seqs, int(group.get("last_enqueued") or 0)])
+
+
+def _problem(
+    rank: int, data: Mapping[str, Any], world: int, before: Mapping[str, Any] | None = None
+) -> str | None:
+    """Why this rank's ring cannot be used, if it cannot. ``before``: the ring this rank
+    sent before it (in the same attempt), whose sequence ids this one may not go back
+    from."""
     if not 0 <= rank < world:
         return f"rank {rank} is outside the run's world ({world} ranks)"
     for g in data.get("groups") or ():
@@ -85,6 +98,16 @@ def _problem(rank: int, data: Mapping[str, Any], world: int) -> str | None:
         for a, b in zip(seqs, seqs[1:], strict=False):
             if b <= a:
                 return f"its sequence ids go backwards on pg {g.get('pg')} ({b} after {a})"
+    if before is None or not before.get("available"):
+        return None
+    was = {str(g.get("pg")): _last(g) for g in before.get("groups") or ()}
+    for g in data.get("groups") or ():
+        pg, last = str(g.get("pg")), _last(g)
+        if last < was.get(pg, 0):
+            return (
+                f"its sequence ids go backwards on pg {pg}: its newest ring ends at #{last}, "
+                f"the one it sent before at #{was[pg]}"
+            )
     return None
 
 
@@ -118,17 +141,21 @@ def analyze(
     world: int,
     nodes: Mapping[int, str | None] | None = None,
     dead: Iterable[int] = (),
+    earlier: Mapping[int, Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The verdict on a run's rings (rank -> its newest ``collectives`` event data).
-    ``dead``: ranks the health evaluator holds dead (no heartbeats)."""
+    ``dead``: ranks the health evaluator holds dead (no heartbeats). ``earlier``: rank ->
+    the ring it sent before its newest, in the same attempt (a ring whose sequence ids
+    on a group end before the earlier one's did went backwards: left out)."""
     nodes = nodes or {}
+    earlier = earlier or {}
     dead = set(dead)
     unusable: dict[str, str] = {}
     no_ring: dict[int, str] = {}
     groups: dict[str, _Group] = {}
     usable: set[int] = set()
     for rank, data in sorted(rings.items()):
-        why = _problem(rank, data, world)
+        why = _problem(rank, data, world, earlier.get(rank))
         if why:
             unusable[str(rank)] = why
             continue
@@ -353,6 +380,7 @@ def table(
     """Per process group, each rank's last collective and its role: the UI's table."""
     culprits = set((verdict or {}).get("culprits") or ())
     victims = set((verdict or {}).get("victims") or ())
+    unusable = (verdict or {}).get("unusable") or {}
     out: dict[str, dict[str, Any]] = {}
     for rank, data in sorted(rings.items()):
         if not 0 <= rank < world or not data.get("available"):
@@ -384,7 +412,7 @@ def table(
                     if rank in victims
                     else None,
                     "dumped_at": data.get("dumped_at"),
-                    "note": None,
+                    "note": f"left out: {unusable[str(rank)]}" if str(rank) in unusable else None,
                 }
             )
     for rank in sorted(set((verdict or {}).get("no_ring") or ())):

@@ -109,6 +109,30 @@ def rings(conn: Connection, run_id: int, since: float) -> dict[int, tuple[float,
     return {int(r.rank): (float(r.ts), dict(r.data or {})) for r in rows}
 
 
+def earlier_rings(conn: Connection, run_id: int) -> dict[int, dict[str, Any]]:
+    """Each rank's ``collectives`` event before its newest, sent since the run's current
+    attempt began (a restarted process numbers its collectives from 1 again): rank ->
+    data. What a newer ring's sequence ids may not go back from."""
+    e, a = m.events.c, m.attempts.c
+    began = select(func.max(a.started_at)).where(a.run_id == run_id).scalar_subquery()
+    numbered = (
+        select(
+            e.rank,
+            e.data,
+            func.row_number().over(partition_by=e.rank, order_by=e.id.desc()).label("nth"),
+        )
+        .where(
+            e.run_id == run_id,
+            e.kind == "collectives",
+            e.rank.is_not(None),
+            e.ts >= func.coalesce(began, 0.0),
+        )
+        .subquery()
+    )
+    rows = conn.execute(select(numbered.c.rank, numbered.c.data).where(numbered.c.nth == 2))
+    return {int(r.rank): dict(r.data or {}) for r in rows}
+
+
 def _nodes(conn: Connection, run_id: int) -> dict[int, str | None]:
     k = m.ranks.c
     return {
@@ -159,7 +183,11 @@ def refine(
         got = rings(conn, run_id, start - RING_LEAD_S)
         nodes = _nodes(conn, run_id)
         verdict = analyze(
-            {r: data for r, (_, data) in got.items()}, world=world, nodes=nodes, dead=dead
+            {r: data for r, (_, data) in got.items()},
+            world=world,
+            nodes=nodes,
+            dead=dead,
+            earlier=earlier_rings(conn, run_id),
         )
         verdict["hang_started"] = start
         decided[run_id] = (key, verdict)
@@ -269,7 +297,8 @@ def view(conn: Connection, *, run: str, now: float) -> dict[str, Any]:
     data = {r: d for r, (_, d) in got.items()}
     verdict = None
     if data:
-        verdict = analyze(data, world=row.world_size, nodes=nodes, dead=dead)
+        earlier = earlier_rings(conn, row.id)
+        verdict = analyze(data, world=row.world_size, nodes=nodes, dead=dead, earlier=earlier)
         verdict["at"] = now
     stored = conn.execute(
         select(e.ts)

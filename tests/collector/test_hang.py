@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import insert, select
 
 from trainwarden.alerts import load_rule_packs
 from trainwarden.collector.actions.commands import CommandBoard
@@ -157,6 +157,16 @@ def test_a_hung_run_is_asked_for_rings_and_the_verdict_names_the_culprit(engine)
     assert board.runs == set()
 
 
+def view_and_rings(engine, now: float) -> tuple[dict[str, Any], list[int]]:
+    """The API's view, and the ranks of every ``collectives`` event stored (sorted)."""
+    with engine.connect() as conn:
+        view = hang.view(conn, run="r1", now=now)
+        stored = conn.execute(
+            select(m.events.c.rank).where(m.events.c.kind == "collectives")
+        ).scalars()
+        return view, sorted(stored)
+
+
 def test_a_ring_naming_ranks_outside_the_world_is_stored_but_left_out(engine) -> None:
     hang_at_step_10(engine)
     evaluated(engine, T0 + 15.6)
@@ -170,18 +180,58 @@ def test_a_ring_naming_ranks_outside_the_world_is_stored_but_left_out(engine) ->
         )
         beat(engine, rank, T0 + 16.5, last_step=9, events=events)
     evaluated(engine, T0 + 17)
-    with engine.connect() as conn:
-        view = hang.view(conn, run="r1", now=T0 + 17)
-        stored = (
-            conn.execute(select(m.events.c.rank).where(m.events.c.kind == "collectives"))
-            .scalars()
-            .all()
-        )
-    assert sorted(stored) == [0, 1, 2, 3]
+    view, stored = view_and_rings(engine, T0 + 17)
+    assert stored == [0, 1, 2, 3]
     assert view["verdict"]["unusable"] == {
         "1": "its pg 0 names rank 7, outside the run's world (4 ranks)"
     }
     assert view["verdict"]["culprits"] == [2] and view["verdict"]["victims"] == [0, 3]
+
+
+def test_a_ring_going_back_from_the_ranks_earlier_one_is_stored_but_left_out(engine) -> None:
+    hang_at_step_10(engine)
+    evaluated(engine, T0 + 15.6)
+    for rank in range(WORLD):
+        last = 39 if rank == 2 else 40
+        beat(
+            engine,
+            rank,
+            T0 + 16.2,
+            last_step=9,
+            events=[ring(rank, last, waiting=True, at=T0 + 16.1)],
+        )
+    # Rank 1's next ring ends at #35, its earlier one at #40: its sequence ids went back.
+    beat(engine, 1, T0 + 16.5, last_step=9, events=[ring(1, 35, waiting=True, at=T0 + 16.4)])
+    states = evaluated(engine, T0 + 17)
+    view, stored = view_and_rings(engine, T0 + 17)
+    with engine.connect() as conn:
+        (verdict,) = (
+            conn.execute(select(m.events.c.data).where(m.events.c.kind == "hang_verdict"))
+            .scalars()
+            .all()
+        )
+    assert stored == [0, 1, 1, 2, 3]
+    why = (
+        "its sequence ids go backwards on pg 0: its newest ring ends at #35, the one it "
+        "sent before at #40"
+    )
+    for said in (verdict, view["verdict"]):  # the stored verdict and the API's
+        assert said["unusable"] == {"1": why}
+        assert said["culprits"] == [2] and said["victims"] == [0, 3]
+    assert states[1][1]["role"] == "victim"  # the hung rank's own state, not its ring's
+    rows = {r["rank"]: r for r in view["groups"][0]["rows"]}
+    assert rows[1]["note"] == f"left out: {why}" and rows[1]["role"] is None
+    assert rows[0]["note"] is None
+    # A restart (a new attempt) between the two rings numbers its collectives from 1
+    # again: not backwards.
+    with write(engine) as conn:
+        run_id = conn.execute(select(m.runs.c.id).where(m.runs.c.name == "r1")).scalar_one()
+        conn.execute(
+            insert(m.attempts).values(run_id=run_id, number=2, started_at=T0 + 16.3, nodes=[])
+        )
+    with engine.connect() as conn:
+        view = hang.view(conn, run="r1", now=T0 + 17)
+    assert view["verdict"]["unusable"] == {}
 
 
 @pytest.fixture

@@ -145,6 +145,24 @@ def test_rings_that_cannot_be_used_are_left_out_and_said() -> None:
     assert v["culprits"] == [2] and v["victims"] == [0]
 
 
+def test_a_ring_going_back_from_the_same_ranks_earlier_ring_is_left_out() -> None:
+    world = [0, 1, 2]
+    rings = {r: ring(group("0", world, 5, waiting=True)) for r in (0, 1)}
+    rings[2] = ring(group("0", world, 4, waiting=False))
+    earlier = {
+        0: ring(group("0", world, 5, waiting=True)),  # the same: fine
+        1: ring(group("0", world, 9, waiting=False)),  # #9 before, #5 now: backwards
+        2: {"available": False, "reason": "no torch", "groups": []},  # nothing to go back from
+    }
+    v = analyze(rings, world=3, earlier=earlier)
+    assert v["unusable"] == {
+        "1": "its sequence ids go backwards on pg 0: its newest ring ends at #5, the one it "
+        "sent before at #9"
+    }
+    assert v["culprits"] == [2] and v["victims"] == [0]
+    assert analyze(rings, world=3)["unusable"] == {}
+
+
 def test_no_usable_ring_says_why() -> None:
     v = analyze({0: {"available": False, "reason": "torch is not loaded", "groups": []}}, world=2)
     assert v["kind"] == "no_data"
