@@ -124,7 +124,15 @@ def create_app(
         app.state.pressure = pressure = Pressure(lambda: writer.lag_s() + loop_lag())
         metrics.on_busy = pressure.refused
         if health is not None:
-            loops.append(health_loop(engine, health, pressure=pressure, board=app.state.commands))
+            loops.append(
+                health_loop(
+                    engine,
+                    health,
+                    pressure=pressure,
+                    board=app.state.commands,
+                    observe=metrics.health_pass_seconds.observe,
+                )
+            )
         for loop in loops:
             loop.start()
         if ui:

@@ -88,6 +88,13 @@ class CollectorMetrics:
             "when a pass costs over its share of a core (very large runs).",
             registry=self.registry,
         )
+        self.health_pass_seconds = Histogram(
+            "trainwarden_health_evaluation_seconds",
+            "Duration of one pass of the rank-health evaluator (every live run's ranks); its "
+            "count is the passes done.",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            registry=self.registry,
+        )
         self.alert_notifications = Counter(
             "trainwarden_alert_notifications",
             "Notifications handed to the notifiers, by status (firing, resolved).",

@@ -595,13 +595,19 @@ def health_loop(
     settings: HealthSettings | None = None,
     pressure: Pressure | None = None,
     board: Any = None,
+    observe: Callable[[float], object] | None = None,
 ) -> Loop:
     """The evaluator's thread inside ``serve``; ``pressure``: the collector's delay and
-    whether it fell behind lately; ``board``: the commands board (collectives requests)."""
+    whether it fell behind lately; ``board``: the commands board (collectives requests);
+    ``observe``: told the seconds of each pass done (``/metrics``)."""
     settings = settings or HealthSettings()
+
+    def work() -> None:
+        started = time.perf_counter()
+        evaluate_once(engine, settings, pressure, board)
+        if observe is not None:
+            observe(time.perf_counter() - started)
+
     return Loop(
-        "trainwarden-health",
-        settings.interval_s,
-        lambda: evaluate_once(engine, settings, pressure, board),
-        max_cpu_share=settings.max_cpu_share,
+        "trainwarden-health", settings.interval_s, work, max_cpu_share=settings.max_cpu_share
     )

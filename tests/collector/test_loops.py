@@ -12,6 +12,7 @@ from trainwarden.alerts import load_rule_packs
 from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings
 from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.app import _stop_together, create_app
+from trainwarden.collector.health.evaluator import HealthSettings
 from trainwarden.collector.loops import Loop, spaced
 
 
@@ -76,6 +77,29 @@ def test_metrics_show_the_alert_interval(engine) -> None:  # type: ignore[no-unt
     with TestClient(create_app(engine, ui=False)) as client:
         text = client.get("/metrics").text
     assert "trainwarden_alert_interval_seconds 2.0" in text
+
+
+def test_metrics_count_the_health_passes_done(engine) -> None:  # type: ignore[no-untyped-def]
+    def passes(client: TestClient) -> tuple[float, float]:
+        text = client.get("/metrics").text
+        found = dict(
+            line.rsplit(" ", 1)
+            for line in text.splitlines()
+            if line.startswith("trainwarden_health_evaluation_seconds_")
+        )
+        return (
+            float(found["trainwarden_health_evaluation_seconds_count"]),
+            float(found["trainwarden_health_evaluation_seconds_sum"]),
+        )
+
+    app = create_app(engine, ui=False, health=HealthSettings(interval_s=0.01), alerting=None)
+    with TestClient(app) as client:
+        first, _ = passes(client)
+        deadline = time.monotonic() + 10
+        while passes(client)[0] < first + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        count, seconds = passes(client)
+    assert count >= first + 3 and seconds > 0  # each pass done, with its time
 
 
 def test_serve_leaves_no_background_thread_running(engine) -> None:  # type: ignore[no-untyped-def]
