@@ -1,6 +1,7 @@
 """A hung run's collectives: the ranks are asked for their Flight Recorder rings, the
-verdict names the culprit in the rank states, the alert, the timeline and the API; bad
-rings are refused (malformed) or left out and said (on SQLite and PostgreSQL)."""
+verdict names the culprit in the rank states, the alert (RankHung, or RankDead for a dead
+culprit), the timeline, the post-mortem and the API; bad rings are refused (malformed) or
+left out and said (on SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from trainwarden.collector.alerting.engine import AlertEngine
 from trainwarden.collector.app import create_app
 from trainwarden.collector.health import hang
 from trainwarden.collector.health.evaluator import HealthSettings, evaluate
+from trainwarden.collector.incidents.grouping import group
+from trainwarden.collector.incidents.postmortem import report_of
+from trainwarden.collector.incidents.report_format import render_markdown
 from trainwarden.collector.incidents.timeline import timeline
 from trainwarden.collector.ingest.batches import ingest
 from trainwarden.collector.ingest.schemas import IngestBatch
@@ -308,3 +312,12 @@ def test_a_dead_rank_is_named_the_culprit_from_the_survivors_rings(engine) -> No
     ((rule, rank, annotations),) = rows
     assert (rule, rank, annotations["collective"]) == ("RankDead", 2, summary)
     assert annotations["description"].endswith(f": {summary}")
+    # The page opens an incident; its post-mortem tells the verdict.
+    with write(engine) as conn:
+        assert len(group(conn, now=T0 + 18, cooldown_s=60).opened) == 1
+    with engine.connect() as conn:
+        report = report_of(conn, run="r1", now=T0 + 18, charts=False)
+    (incident,) = report["incidents"]
+    said = [(e["kind"], e["rank"], e["text"]) for e in incident["entries"]]
+    assert ("hang_verdict", 2, f"hung collective: {summary}") in said
+    assert f"hung collective: {summary}" in render_markdown(report)
