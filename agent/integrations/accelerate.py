@@ -1,6 +1,7 @@
 """Accelerate: ``Accelerator(log_with=[tracker])``, ``tracker.watch(accelerator, model, opt)``.
 
-Install with ``pip install 'trainwarden[accelerate]'`` (accelerate, tested :data:`TESTED`).
+Install with ``pip install 'trainwarden[accelerate]'`` (accelerate, in the range tested:
+:data:`.common.TESTED`).
 
     tracker = TrainwardenTracker("my-run")                      # trainwarden
     accelerator = Accelerator(log_with=[tracker], gradient_accumulation_steps=2)
@@ -60,7 +61,8 @@ reach this tracker on every rank too.
   ends the process with ``tw.STOPPED_EXIT_CODE`` at the step boundary, after flushing.
 
 Nothing here fails the training: no collector URL, no run name, an accelerate outside the
-tested range, or an error of the tracker: one line in the log, training goes on.
+tested range, or an error of the tracker: one line in the log, training goes on
+unobserved.
 """
 
 from __future__ import annotations
@@ -84,9 +86,6 @@ from ..values import capture
 from . import common
 
 log = logging.getLogger("trainwarden")
-
-TESTED = ("1.0", "2")
-"""accelerate versions tested: 1.x (1.15.0 in CI)."""
 
 STEP_FILE = "trainwarden.json"
 """Written by the main process into each ``save_state`` folder: the checkpoint's step."""
@@ -121,6 +120,7 @@ class TrainwardenTracker(GeneralTracker):
         self._watch = dict(watch or {})
         self._config: dict[str, Any] | None = None
         self._started = False  # the start was tried (and said so, if it failed)
+        self._observed = False  # it started the agent, or found the script's
         self._on = False  # watching: the hooks are in
         self._accelerator: Any = None
         self._optimizer: Any = None
@@ -216,18 +216,18 @@ class TrainwardenTracker(GeneralTracker):
 
     def _start(self) -> bool:
         if self._started:
-            return _core._agent is not None
+            return self._observed and _core._agent is not None
         self._started = True
-        said = common.check_version("accelerate", accelerate.__version__, *TESTED)
-        if said:
-            log.warning(said)
-        return common.start(
+        self._observed = common.start(
             framework="Accelerate",
+            package="accelerate",
+            version=accelerate.__version__,
             run=self.run_name,
             url=self._url,
             config=self._facts(),
             init=self._init,
         )
+        return self._observed
 
     def _facts(self) -> dict[str, Any]:
         facts = dict(self._config or {})

@@ -1,9 +1,11 @@
 """What the framework integrations share.
 
+- :data:`TESTED`: the framework versions the integrations were tested with, the ranges
+  of the extras in ``pyproject.toml`` (a test keeps the two the same); :func:`check_version`
+  says when the installed one is outside its range.
 - :func:`start`: ``tw.init`` from the framework's facts (a run name, its config), unless
-  the trainer started the agent itself; no collector URL, or a framework outside the
-  tested range: one line at start and training goes on (unobserved, or observed with a
-  warning).
+  the trainer started the agent itself; no collector URL, no run name, or a framework
+  outside the tested range: one line at start and training goes on unobserved.
 - :class:`LossTap`: each training forward's ``loss`` (a model output's ``.loss``, or a
   scalar tensor), detached and kept on its device; a step's loss is their mean, computed
   on the device (no host sync). Its forward pre-hook also counts the tokens of
@@ -61,26 +63,50 @@ def ask_flight_recorder(init: dict[str, Any]) -> None:
         log.warning(late)
 
 
-def check_version(framework: str, version: str, low: str, high: str) -> str | None:
-    """A line saying ``version`` is outside the tested ``[low, high)``, or None."""
+TESTED = {
+    "transformers": ("5.24", "6"),
+    "lightning": ("2.6", "2.7"),
+    "accelerate": ("1.15", "2"),
+}
+"""Each framework's tested range ``>=low,<high``, as the extras in ``pyproject.toml`` pin
+it (CI runs transformers 5.24.0, lightning 2.6.6, accelerate 1.15.0). The integrations
+hook into parts of the frameworks that are not public API (Lightning's loop counters,
+the Trainer's gradient-norm method): a version outside its range is not observed."""
+
+
+def check_version(framework: str, version: str) -> str | None:
+    """A line saying ``version`` of ``framework`` is outside :data:`TESTED`, or None."""
+    low, high = TESTED[framework]
     v = version_tuple(version)
     if version_tuple(low) <= v < version_tuple(high):
         return None
     return (
         f"trainwarden: {framework} {version} is outside the tested range >={low},<{high}: "
-        "training goes on, observed as far as this version allows"
+        "training goes on unobserved"
     )
 
 
 def start(
-    *, framework: str, run: str | None, url: str | None, config: Any, init: dict[str, Any]
+    *,
+    framework: str,
+    package: str,
+    version: str,
+    run: str | None,
+    url: str | None,
+    config: Any,
+    init: dict[str, Any],
 ) -> bool:
     """Start the agent (``tw.init``) unless the trainer did; False: unobserved (said once).
 
+    ``package`` / ``version``: the framework's, checked against :data:`TESTED` first;
     ``run``: the run name (``TRAINWARDEN_RUN`` wins); ``url``: the collector
     (``TRAINWARDEN_URL`` when None); ``config``: the framework's hyperparameters."""
     from .. import init as tw_init
 
+    untested = check_version(package, version)
+    if untested:
+        log.warning(untested)
+        return False
     if _core._agent is not None:
         return True
     url = url or os.environ.get("TRAINWARDEN_URL")

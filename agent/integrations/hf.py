@@ -1,6 +1,7 @@
 """Hugging Face Transformers: ``Trainer(..., callbacks=[TrainwardenCallback()])``.
 
-Install with ``pip install 'trainwarden[hf]'`` (transformers, tested :data:`TESTED`).
+Install with ``pip install 'trainwarden[hf]'`` (transformers, in the range tested:
+:data:`.common.TESTED`).
 
 What the callback does, in the Trainer's own callbacks:
 
@@ -16,6 +17,9 @@ What the callback does, in the Trainer's own callbacks:
   before the update (0 first). The loss is the mean of the step's micro-batch losses on
   this rank, on every step, computed on the device: no host sync (the Trainer's own
   logged loss is an average over ``logging_steps`` and across ranks).
+- ``on_optimizer_step``: the learning rate the update used (the first parameter group's,
+  a Python float: no host sync), read before the scheduler steps, as the Trainer logs
+  its ``learning_rate``: the user metric ``lr``.
 - ``on_save``: ``tw.checkpoint_saved`` for ``checkpoint-N`` (the weights after update
   ``N - 1``).
 - A **rollback** runs in-process at the step boundary: the checkpoint's weights,
@@ -28,7 +32,8 @@ What the callback does, in the Trainer's own callbacks:
   step boundary, after flushing.
 
 Nothing here fails the training: no collector URL, no run name, a transformers outside
-the tested range, or an error of the callback: one line in the log, training goes on.
+the tested range, or an error of the callback: one line in the log, training goes on
+unobserved.
 """
 
 from __future__ import annotations
@@ -47,9 +52,6 @@ from ..values import capture
 from . import common
 
 log = logging.getLogger("trainwarden")
-
-TESTED = ("5", "6")
-"""transformers versions tested: 5.x (5.24.0 in CI)."""
 
 
 class TrainwardenCallback(TrainerCallback):
@@ -82,12 +84,11 @@ class TrainwardenCallback(TrainerCallback):
     # -- start --------------------------------------------------------------------------
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        said = common.check_version("transformers", transformers.__version__, *TESTED)
-        if said:
-            log.warning(said)
         run = self._run or _run_name(args)
         self._on = common.start(
             framework="transformers Trainer",
+            package="transformers",
+            version=transformers.__version__,
             run=run,
             url=self._url,
             config=_config(args),
@@ -123,6 +124,18 @@ class TrainwardenCallback(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._on:
             self._guard(self._span.begin, state.global_step)
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._on and self._span.open:
+            self._guard(self._record_lr)
+
+    def _record_lr(self) -> None:
+        optimizer = self._trainer_refs.get("optimizer")
+        lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
+        if isinstance(lr, (int, float)):
+            self._span.step.metric("lr", float(lr))
+        elif lr is not None and hasattr(lr, "detach"):
+            self._span.step.metric("lr", lr.detach().clone())  # a tensor: read later
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._on or not self._span.open:

@@ -1,7 +1,7 @@
 """PyTorch Lightning: ``Trainer(..., callbacks=[TrainwardenCallback()])``.
 
-Install with ``pip install 'trainwarden[lightning]'`` (the ``lightning`` package, tested
-:data:`TESTED`).
+Install with ``pip install 'trainwarden[lightning]'`` (the ``lightning`` package, in the
+range tested: :data:`.common.TESTED`).
 
 What the callback does, in the Trainer's own hooks:
 
@@ -40,7 +40,8 @@ What the callback does, in the Trainer's own hooks:
   and raises it on: ``trainer.fit`` ends with it and the process exits with that status.
 
 Nothing here fails the training: no collector URL, no run name, a lightning outside the
-tested range, or an error of the callback: one line in the log, training goes on.
+tested range, or an error of the callback: one line in the log, training goes on
+unobserved.
 """
 
 from __future__ import annotations
@@ -61,9 +62,6 @@ from ..values import capture
 from . import common
 
 log = logging.getLogger("trainwarden")
-
-TESTED = ("2.4", "3")
-"""The lightning range of the ``trainwarden[lightning]`` extra (>=2.4,<3); CI runs 2.6.6."""
 
 DEFAULT_LOGGER_NAME = "lightning_logs"
 """The name Lightning gives its loggers when the user names none: not a run's name."""
@@ -106,11 +104,10 @@ class TrainwardenCallback(Callback):
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         if stage != "fit":
             return
-        said = common.check_version("lightning", lightning.__version__, *TESTED)
-        if said:
-            log.warning(said)
         self._on = common.start(
             framework="Lightning Trainer",
+            package="lightning",
+            version=lightning.__version__,
             run=self._run or run_name(trainer),
             url=self._url,
             config=_config(trainer, pl_module),

@@ -1,22 +1,30 @@
 import ast
+import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
+
+import tomllib
 
 import trainwarden.agent as tw
 
 AGENT = Path(tw.__file__).parent
 
 
-def test_importing_the_agent_pulls_in_no_server_or_ui_library() -> None:
+def imported(modules: tuple[str, ...], *also: str) -> list[str]:
+    """Which of ``modules`` a fresh interpreter holds after ``import trainwarden.agent``
+    (and the modules ``also``)."""
     code = (
-        "import sys, trainwarden.agent as tw\n"
-        "heavy = [m for m in ('fastapi', 'sqlalchemy', 'dash', 'plotly', 'starlette', 'alembic', "
-        "'flask') if m in sys.modules]\n"
-        "print(','.join(heavy))\n"
+        f"import sys, trainwarden.agent, {', '.join(('sys', *also))}\n"
+        f"print(','.join(m for m in {modules!r} if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == ""
+    return [m for m in out.stdout.strip().split(",") if m]
+
+
+def test_importing_the_agent_pulls_in_no_server_or_ui_library() -> None:
+    heavy = ("fastapi", "sqlalchemy", "dash", "plotly", "starlette", "alembic", "flask")
+    assert imported(heavy) == []
 
 
 def _imports(path: Path, modules: set[str]) -> set[str]:
@@ -68,3 +76,26 @@ def test_no_agent_module_imports_one_that_imports_it_back() -> None:
     cycles = sorted((a, b) for a in graph for b in graph[a] if reaches(b, a))
     assert cycles == []
     assert {"exporter", "relay", "spool"} <= {m for m in graph if "wire" in graph[m]}
+
+
+def test_importing_the_agent_pulls_in_no_training_framework() -> None:
+    frameworks = ("transformers", "lightning", "pytorch_lightning", "accelerate")
+    assert imported(frameworks) == []
+    # nor what the integrations share: each framework's module imports its own
+    assert imported(frameworks, "trainwarden.agent.integrations.common") == []
+
+
+def test_the_extras_pin_the_tested_framework_ranges() -> None:
+    """``pyproject.toml``'s extras and the version check at start say the same ranges."""
+    from trainwarden.agent.integrations.common import TESTED, check_version
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())[
+        "project"
+    ]
+    extras = project["optional-dependencies"]
+    pins = {name: f"{name}>={low},<{high}" for name, (low, high) in TESTED.items()}
+    assert pins["transformers"] in extras["hf"] and pins["accelerate"] in extras["hf"]
+    assert extras["lightning"] == [pins["lightning"]]
+    assert extras["accelerate"] == [pins["accelerate"]]
+    for name in TESTED:  # what CI installed is in the range
+        assert check_version(name, importlib.metadata.version(name)) is None, name

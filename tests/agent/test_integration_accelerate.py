@@ -2,8 +2,8 @@
 step of an ``accelerator.accumulate`` loop is a step with this rank's loss, grad norm,
 phases, tokens and the logged values; ``save_state`` is a reported checkpoint whose step
 ``load_state`` reads back; a rollback restores the checkpoint in process and a stop ends
-the process, both at a step boundary; without a URL or a run name training goes on
-unobserved, said once."""
+the process, both at a step boundary; without a URL or a run name, or with an
+accelerate outside the tested range, training goes on unobserved, said once."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import trainwarden.agent as tw
 from trainwarden.agent import core
 from trainwarden.agent.integrations.accelerate import TrainwardenTracker
 
+from .integration_drills import applied, rollback, said_untested
 from .test_agent import RecordingTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -198,18 +199,7 @@ def test_a_rollback_restores_the_checkpoint_in_process(
 
     tw.on_rollback(snapshot)
     path = tmp_path / "step_4"  # the weights after update 3
-    plan = {
-        "checkpoint_step": 3,
-        "checkpoint_path": str(path),
-        "skip_from": 4,
-        "skip_to": 12,
-        "lr_scale": 0.5,
-        "reason": "test",
-    }
-    commands = [
-        {"id": 1, "type": "rollback", "phase": "prepare", "action": 7, "plan": plan},
-        {"id": 2, "type": "rollback", "phase": "commit", "action": 7, "barrier_step": 5},
-    ]
+    commands = rollback(path, 3, 5, lr_scale=0.5)
     with caplog.at_level(logging.WARNING, logger="trainwarden"):
         train(
             accelerator, model, optimizer, loader, tmp_path, save_every=2, at=5, commands=commands
@@ -223,11 +213,7 @@ def test_a_rollback_restores_the_checkpoint_in_process(
     assert restored["adam_steps"] == {4.0}  # the optimizer's state, as saved
     assert restored["lr"] == pytest.approx(LR * 0.5)  # the plan's lr_scale
     assert restored["micro"] == 12  # its place in the gradient accumulation kept
-    (ack,) = [
-        e["data"]
-        for e in transport.events()
-        if e["kind"] == "command_ack" and e["data"].get("applied") is not None
-    ]
+    ack = applied(transport)
     assert (ack["applied"], ack["barrier_step"], ack["checkpoint_step"]) == (True, 5, 3), ack
     assert f"rolled back to {path} (step 3) after step 5" in caplog.text
     checkpoints = [
@@ -275,21 +261,24 @@ def test_without_a_run_name_training_goes_on_unobserved(
     assert caplog.text.count("no run name") == 1
 
 
-def test_an_accelerate_outside_the_tested_range_is_said_once(
+def test_an_accelerate_outside_the_tested_range_is_said_once_and_not_observed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import accelerate
 
+    from trainwarden.agent.integrations.common import check_version
+
+    assert check_version("accelerate", accelerate.__version__) is None  # the one installed
+    assert check_version("accelerate", "1.14.0") is not None
     monkeypatch.setattr(accelerate, "__version__", "2.0.0")
     transport, tracker = recording()
     with caplog.at_level(logging.WARNING, logger="trainwarden"):
         accelerator, model, optimizer, loader = prepared(tracker, samples=16)
         tracker.watch(accelerator, model, optimizer)
-        train(accelerator, model, optimizer, loader, tmp_path)
-    tw.shutdown()
-    said = "trainwarden: accelerate 2.0.0 is outside the tested range >=1.0,<2"
-    assert caplog.text.count(said) == 1
-    assert [s["step"] for s in transport.steps()] == [0, 1]  # observed all the same
+        facts = train(accelerator, model, optimizer, loader, tmp_path)
+    assert len(facts["losses"]) == 2
+    said_untested(caplog.text, transport, "accelerate", "2.0.0")
+    assert not model._forward_pre_hooks and "backward" not in vars(accelerator)  # no hooks
 
 
 def test_a_failure_of_the_tracker_leaves_the_training_going_unobserved(

@@ -1,7 +1,9 @@
 """The Hugging Face Trainer callback in one process (agent/integrations/hf.py): each
-optimizer step is a step with this rank's loss, grad norm, phases and tokens; checkpoints
-are reported as the weights after update N - 1; without a URL or a run name training
-goes on unobserved, said once."""
+optimizer step is a step with this rank's loss, grad norm, learning rate, phases and
+tokens; checkpoints are reported as the weights after update N - 1; a rollback restores a
+checkpoint in process and the Trainer goes on from its step; a stop ends ``train`` with
+``SystemExit(76)``; without a URL or a run name, or with a transformers outside the
+tested range, training goes on unobserved, said once."""
 
 from __future__ import annotations
 
@@ -9,18 +11,30 @@ import logging
 import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import trainwarden.agent as tw
+from trainwarden.agent import core
+from trainwarden.agent.integrations import hf as hf_integration
 from trainwarden.agent.integrations.hf import TrainwardenCallback
 
+from .integration_drills import applied, rollback, said_untested
 from .test_agent import RecordingTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import transformers  # noqa: E402
 from hf_trainer import VOCAB, Synthetic  # noqa: E402
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -32,7 +46,13 @@ def _clean(monkeypatch: pytest.MonkeyPatch):
 
 
 def trainer(
-    out: Path, callback: TrainwardenCallback, steps: int = 6, logging_steps: int = 100
+    out: Path,
+    callback: TrainwardenCallback,
+    steps: int = 6,
+    logging_steps: int = 100,
+    *,
+    more: list[TrainerCallback] | None = None,
+    **extra: Any,
 ) -> Trainer:
     torch.manual_seed(0)
     model = GPT2LMHeadModel(
@@ -56,17 +76,59 @@ def trainer(
         report_to=[],
         use_cpu=True,
         seed=0,
+        **extra,
     )
-    return Trainer(model=model, args=args, train_dataset=Synthetic(256), callbacks=[callback])
+    return Trainer(
+        model=model,
+        args=args,
+        train_dataset=Synthetic(256),
+        callbacks=[callback, *(more or [])],
+    )
+
+
+def recording() -> tuple[RecordingTransport, TrainwardenCallback]:
+    transport = RecordingTransport()
+    return transport, TrainwardenCallback(init={"transport": transport, "gpu_interval_s": 0})
+
+
+class Inject(TrainerCallback):
+    """Hands the agent commands as step ``at`` starts, as the exporter would; keeps what
+    a rollback restored (its ``tw.on_rollback`` handler runs after the callback's)."""
+
+    def __init__(self, at: int, commands: list[dict[str, Any]]) -> None:
+        self.at, self.commands, self.sent = at, commands, False
+        self.restored: dict[str, Any] = {}
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        model, optimizer = kwargs["model"], kwargs["optimizer"]
+
+        def snapshot(plan: tw.RollbackPlan) -> None:
+            saved = optimizer.state_dict()["state"]
+            self.restored = {
+                "weights": {k: v.clone() for k, v in model.state_dict().items()},
+                "adam_steps": {float(s["step"]) for s in saved.values()},
+                "global_step": state.global_step,
+            }
+
+        tw.on_rollback(snapshot)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.at and not self.sent:
+            self.sent = True
+            assert core._agent is not None
+            core._agent.commands.receive(self.commands)
 
 
 def test_each_optimizer_step_is_a_step_with_its_loss_tokens_and_checkpoints(tmp_path: Path) -> None:
-    transport = RecordingTransport()
-    callback = TrainwardenCallback(init={"transport": transport, "gpu_interval_s": 0})
+    transport, callback = recording()
     hf = trainer(tmp_path / "run-a", callback, logging_steps=1)
     hf.train()
     tw.shutdown()
     steps = transport.steps()
+    # the learning rate each update used (the linear schedule's), as the Trainer logs it
+    rates = [h["learning_rate"] for h in hf.state.log_history if "learning_rate" in h]
+    assert len(rates) == 6 and rates[0] > rates[-1] > 0, rates
+    assert [s["metrics"]["lr"] for s in steps] == [pytest.approx(v, rel=1e-9) for v in rates]
     assert [s["step"] for s in steps] == list(range(6))
     # One process: the Trainer's own loss of each step (logged every step here, rounded
     # to 4 digits) is this rank's loss: the micro-batches' token-weighted mean.
@@ -92,21 +154,80 @@ def test_each_optimizer_step_is_a_step_with_its_loss_tokens_and_checkpoints(tmp_
     assert transport.bodies[0]["run"] == "run-a"  # the output directory's name
 
 
+def test_a_rollback_restores_the_checkpoint_in_process_and_goes_on_from_its_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    transport, callback = recording()
+    out = tmp_path / "run-r"
+    folder = out / "checkpoint-3"  # the weights after update 2
+    inject = Inject(5, rollback(folder, 2, 5, lr_scale=0.5))
+    with caplog.at_level(logging.WARNING, logger="trainwarden"):
+        hf = trainer(out, callback, steps=9, more=[inject], save_total_limit=None)
+        hf.train()
+    tw.shutdown()
+    steps = transport.steps()
+    # After step 5 the model holds update 2 again; the Trainer goes on to max_steps.
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8]
+    assert hf.state.global_step == 9
+    assert inject.restored["global_step"] == 3
+    saved = load_file(folder / "model.safetensors")
+    for name, value in saved.items():
+        assert torch.equal(inject.restored["weights"][name], value), name
+    assert inject.restored["adam_steps"] == {3.0}  # the optimizer's state, as saved
+    # the step after the checkpoint, run again, at half the learning rate it had
+    first, again = steps[3], steps[6]
+    assert again["metrics"]["lr"] == pytest.approx(0.5 * first["metrics"]["lr"], rel=1e-9)
+    ack = applied(transport)
+    assert (ack["applied"], ack["barrier_step"], ack["checkpoint_step"]) == (True, 5, 2), ack
+    assert f"rolled back to {folder} (step 2) after step 5" in caplog.text
+
+
+def test_a_stop_ends_train_with_the_stopped_exit_code(tmp_path: Path) -> None:
+    transport, callback = recording()
+    inject = Inject(2, [{"id": 1, "type": "stop", "reason": "node evicted"}])
+    with pytest.raises(SystemExit) as stopped:
+        trainer(tmp_path / "run-s", callback, more=[inject]).train()
+    assert stopped.value.code == tw.STOPPED_EXIT_CODE
+    assert [s["step"] for s in transport.steps()] == [0, 1, 2]  # stopped at step 2's end
+    (end,) = [e for e in transport.events() if e["kind"] == "attempt_end"]
+    assert (end["data"]["reason"], end["data"]["exit_code"]) == ("stopped", 76)
+
+
 def test_without_a_collector_url_training_goes_on_unobserved(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="trainwarden"):
         result = trainer(tmp_path / "run-b", TrainwardenCallback(), steps=2).train()
-    assert result.global_step == 2
+    assert result.global_step == 2 and core._agent is None
     assert caplog.text.count("no collector URL (TRAINWARDEN_URL, or url=): training goes on") == 1
 
 
-def test_a_version_outside_the_tested_range_is_said_once() -> None:
+def test_without_a_run_name_or_facts_to_derive_one_training_goes_on_unobserved(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    _, callback = recording()
+    # no run_name, and an output directory with no name: "/" (nothing is saved there)
+    hf = trainer(Path("/"), callback, steps=2, save_strategy="no")
+    with caplog.at_level(logging.WARNING, logger="trainwarden"):
+        result = hf.train()
+    assert result.global_step == 2 and core._agent is None
+    said = "no run name (TRAINWARDEN_RUN, run=, or the framework's own) and none to derive"
+    assert caplog.text.count(said) == 1
+    assert len([r for r in caplog.records if r.name == "trainwarden"]) == 1  # that line only
+
+
+def test_a_transformers_outside_the_tested_range_is_said_once_and_not_observed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from trainwarden.agent.integrations.common import check_version
 
-    assert check_version("transformers", "5.24.0", "5", "6") is None
-    assert check_version("transformers", "6.0.0.dev0", "5", "6") == (
-        "trainwarden: transformers 6.0.0.dev0 is outside the tested range >=5,<6: "
-        "training goes on, observed as far as this version allows"
-    )
-    assert check_version("transformers", "4.57.1", "5", "6") is not None
+    assert check_version("transformers", transformers.__version__) is None  # the one installed
+    assert check_version("transformers", "4.57.1") is not None
+    # the module the callback reads (importing the Trainer makes transformers put another
+    # module object in sys.modules: the name ``transformers`` here may not be it)
+    monkeypatch.setattr(hf_integration.transformers, "__version__", "6.0.0.dev0")
+    transport, callback = recording()
+    with caplog.at_level(logging.WARNING, logger="trainwarden"):
+        result = trainer(tmp_path / "run-v", callback, steps=2).train()
+    assert result.global_step == 2
+    said_untested(caplog.text, transport, "transformers", "6.0.0.dev0")

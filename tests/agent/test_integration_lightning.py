@@ -3,7 +3,8 @@ step is a step (accumulated micro-batches are one) with this rank's loss, the gr
 norm, phases and tokens; checkpoints are reported as the weights after update N - 1
 (the moving ``last.ckpt`` never); a rollback restores a checkpoint in-process and the
 loop goes on from its step; a stop ends ``fit`` with ``SystemExit(76)``; without a URL
-or a run name training goes on unobserved, said once."""
+or a run name, or with a lightning outside the tested range, training goes on
+unobserved, said once."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ import torch
 
 import trainwarden.agent as tw
 from trainwarden.agent import core
-from trainwarden.agent.integrations.lightning import TESTED, TrainwardenCallback, run_name
+from trainwarden.agent.integrations.lightning import TrainwardenCallback, run_name
 
+from .integration_drills import applied, rollback, said_untested
 from .test_agent import RecordingTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -169,21 +171,7 @@ def test_a_rollback_restores_the_checkpoint_in_process_and_goes_on_from_its_step
     transport, callback = recording()
     root = tmp_path / "run-r"
     path = root / "ckpt" / "epoch=0-step=4.ckpt"  # the weights after update 3
-    plan = {
-        "checkpoint_step": 3,
-        "checkpoint_path": str(path),
-        "skip_from": 4,
-        "skip_to": 12,
-        "lr_scale": 0.5,
-        "reason": "test",
-    }
-    inject = Inject(
-        6,
-        [
-            {"id": 1, "type": "rollback", "phase": "prepare", "action": 7, "plan": plan},
-            {"id": 2, "type": "rollback", "phase": "commit", "action": 7, "barrier_step": 6},
-        ],
-    )
+    inject = Inject(6, rollback(path, 3, 6, lr_scale=0.5))
     with caplog.at_level(logging.WARNING, logger="trainwarden"):
         pl, _ = fit(
             root,
@@ -205,11 +193,7 @@ def test_a_rollback_restores_the_checkpoint_in_process_and_goes_on_from_its_step
     assert any(not torch.equal(later[n], v) for n, v in saved["state_dict"].items())
     assert inject.restored["adam_steps"] == {4.0}  # the optimizer's state, as saved
     assert inject.restored["lr"] == pytest.approx(3e-3 * 0.5)  # the plan's lr_scale
-    (ack,) = [
-        e["data"]
-        for e in transport.events()
-        if e["kind"] == "command_ack" and e["data"].get("applied") is not None
-    ]
+    ack = applied(transport)
     assert (ack["applied"], ack["barrier_step"], ack["checkpoint_step"]) == (True, 6, 3), ack
     assert f"rolled back to {path} (step 3) after step 6" in caplog.text
     # The checkpoints saved after the rollback are new files (ModelCheckpoint versions
@@ -233,29 +217,13 @@ def test_a_rollback_restores_the_checkpoint_in_process_and_goes_on_from_its_step
 def test_a_checkpoint_that_holds_another_step_fails_the_rollback(tmp_path: Path) -> None:
     transport, callback = recording()
     root = tmp_path / "run-o"
-    plan = {  # reported as step 3, but the file holds global step 6 (overwritten)
-        "checkpoint_step": 3,
-        "checkpoint_path": str(root / "ckpt" / "epoch=0-step=6.ckpt"),
-        "skip_from": 4,
-        "skip_to": 12,
-        "lr_scale": None,
-        "reason": "test",
-    }
-    inject = Inject(
-        6,
-        [
-            {"id": 1, "type": "rollback", "phase": "prepare", "action": 7, "plan": plan},
-            {"id": 2, "type": "rollback", "phase": "commit", "action": 7, "barrier_step": 6},
-        ],
-    )
+    # reported as step 3, but the file holds global step 6 (overwritten)
+    overwritten = root / "ckpt" / "epoch=0-step=6.ckpt"
+    inject = Inject(6, rollback(overwritten, 3, 6, lr_scale=None))
     fit(root, [callback, inject], steps=8, accumulation=1, save_every=2, default_root_dir=root)
     tw.shutdown()
     assert [s["step"] for s in transport.steps()] == list(range(8))  # trained on, unrestored
-    (ack,) = [
-        e["data"]
-        for e in transport.events()
-        if e["kind"] == "command_ack" and e["data"].get("applied") is not None
-    ]
+    ack = applied(transport)
     assert ack["applied"] is False and "holds global step 6, not 4" in ack["error"], ack
     assert inject.restored == {}
 
@@ -300,24 +268,19 @@ def test_the_run_name_comes_from_a_named_logger_or_the_root_dir(
     assert run_name(L.Trainer(logger=False)) is None
 
 
-def test_a_version_outside_the_tested_range_is_said_and_training_is_observed(
+def test_a_version_outside_the_tested_range_is_said_once_and_not_observed(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from trainwarden.agent.integrations.common import check_version
 
-    assert TESTED == ("2.4", "3")
-    assert check_version("lightning", "2.6.6", *TESTED) is None
-    assert check_version("lightning", "2.3.3", *TESTED) is not None
-    monkeypatch.setattr(L, "__version__", "3.0.0")
+    assert check_version("lightning", L.__version__) is None  # the one installed
+    assert check_version("lightning", "2.5.5") is not None
+    monkeypatch.setattr(L, "__version__", "2.7.0")
     transport, callback = recording()
     with caplog.at_level(logging.WARNING, logger="trainwarden"):
-        fit(tmp_path / "run-v", [callback], steps=2, default_root_dir=tmp_path / "run-v")
-    assert (
-        caplog.text.count("lightning 3.0.0 is outside the tested range >=2.4,<3: training goes on")
-        == 1
-    )
-    tw.shutdown()
-    assert [s["step"] for s in transport.steps()] == [0, 1]
+        pl, _ = fit(tmp_path / "run-v", [callback], steps=2, default_root_dir=tmp_path / "run-v")
+    assert pl.global_step == 2
+    said_untested(caplog.text, transport, "lightning", "2.7.0")
 
 
 class Sharded(TinyLM):
@@ -369,21 +332,7 @@ def test_fsdp2_steps_checkpoints_and_an_in_process_rollback_in_one_process(
     transport, callback = recording()
     root = tmp_path / "run-f"
     path = root / "ckpt" / "epoch=0-step=4.ckpt"
-    plan = {
-        "checkpoint_step": 3,
-        "checkpoint_path": str(path),
-        "skip_from": 4,
-        "skip_to": 12,
-        "lr_scale": None,
-        "reason": "test",
-    }
-    inject = Inject(
-        6,
-        [
-            {"id": 1, "type": "rollback", "phase": "prepare", "action": 7, "plan": plan},
-            {"id": 2, "type": "rollback", "phase": "commit", "action": 7, "barrier_step": 6},
-        ],
-    )
+    inject = Inject(6, rollback(path, 3, 6, lr_scale=None))
     model = Sharded()
     fit(
         root,
