@@ -24,8 +24,9 @@
                                      (a sampler that ignores the rank): the trainer
                                      makes it (the demo trainer does); the agent records
                                      the drill event; needs s.samples(ids) to be found
-    data=forget_sampler_state@step=0 a resume restarts the sampler from its seed (the
-                                     demo trainer's data cursor goes back to batch 0)
+    data=forget_sampler_state        a resume restarts the sampler from its seed (the
+                                     demo trainer's data cursor goes back to batch 0);
+                                     @step=0 is accepted too (no other step means more)
     sdc=arith@rank=1,step=20         wrong arithmetic: from step 20 on, the rank's
                                      forward output is one unit in the last place off
                                      (what the determinism probe finds); needs tw.watch
@@ -135,7 +136,9 @@ def _parse_one(text: str) -> Fault:
         )
 
     head, at, tail = text.partition("@")
-    if not at:
+    if not at and head.replace(" ", "") == "data=forget_sampler_state":
+        tail = "step=0"  # it acts on the next resume, whatever the step: no step to give
+    elif not at:
         raise fail("missing '@' before the rank / step")
     kind, _, value = head.partition("=")
     kind = kind.strip()

@@ -100,3 +100,14 @@ def test_the_data_drill_parses_and_refuses_a_form_it_does_not_know() -> None:
         parse("data=shuffle@step=2")
     with pytest.raises(DrillError, match="from step=S on"):
         parse("data=same_batch@steps=2-5")
+    # forget_sampler_state acts on the next resume: no step needed, @step=0 still taken
+    for spec in ("data=forget_sampler_state", "data=forget_sampler_state@step=0"):
+        (fault,) = parse(spec)
+        assert (fault.kind, fault.form, fault.first, fault.rank) == (
+            "data",
+            "forget_sampler_state",
+            0,
+            None,
+        )
+    with pytest.raises(DrillError, match="missing '@'"):
+        parse("data=same_batch")

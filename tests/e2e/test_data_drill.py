@@ -109,7 +109,7 @@ def test_a_resume_that_forgets_the_sampler_is_named_at_its_first_step_as_re_fed(
     batches re-fed from step 0, within 5 s of the step arriving."""
     server = start_serve(f"sqlite:///{tmp_path / 'resume.db'}", tmp_path / "serve.log")
     run = f"resume-{int(forget)}"
-    drill = "die@rank=1,step=70" + ("; data=forget_sampler_state@step=0" if forget else "")
+    drill = "die@rank=1,step=70" + ("; data=forget_sampler_state" if forget else "")
     log = tmp_path / "torchrun.log"
     try:
         code = torchrun(server, run, tmp_path / "ckpt", log, drill)
