@@ -238,7 +238,15 @@ def test_the_mixture_realized_against_the_declared(engine) -> None:
 def test_bad_data_fields_are_refused_naming_them_and_nothing_is_stored(
     engine, mutate: Any, where: str
 ) -> None:
-    s = ids_step(0, [1, 2], 0)
+    # Stored before: the same step with other ids and tokens, its epoch's end. A refused
+    # request of a later execution of the step (which would replace them) leaves them be.
+    seeded = ids_step(0, [7, 8, 9], 0, ts=T0)
+    seeded["data_sources"] = {"web": 5}
+    send(engine, 0, T0 + 1, [seeded], [epoch_end(0, 0, 100)])
+    before = stored(engine)
+    s = ids_step(0, [1, 2], 0, ts=T0 + 10)
+    s["samples_digest"] = "00000000000000ff"
+    s["data_sources"] = {"web": 9}
     e = epoch_end(0, 0, 100)
     mutate(s, e)
     with TestClient(create_app(engine, ui=False, health=None, rollups=False)) as client:
@@ -255,6 +263,27 @@ def test_bad_data_fields_are_refused_naming_them_and_nothing_is_stored(
         if "data" not in where and "kept 200" not in where and "'a'" not in where:
             refused = client.post("/api/v1/ingest/columns", json=columns)  # the relay's form
             assert refused.status_code == 422, refused.text
+    assert stored(engine) == before
+    assert before["digests"] == [(0, 0, "0000000000000000", 3, 0, [7, 8, 9])]
+    assert before["tokens"] == [(0, 0, "web", 5)] and len(before["events"]) == 1
+
+
+def stored(engine) -> dict[str, list]:
+    """What the data tables hold, in order."""
+    from trainwarden.collector.ingest.samples import unpack
+
+    d, t, e = m.sample_digests.c, m.source_tokens.c, m.events.c
     with engine.connect() as conn:
-        assert conn.execute(select(m.sample_digests.c.rank)).all() == []
-        assert conn.execute(select(m.events.c.id)).all() == []
+        return {
+            "digests": [
+                (r.step, r.rank, r.digest, r.count, r.epoch, list(unpack(r.kept)))
+                for r in conn.execute(select(m.sample_digests).order_by(d.step, d.rank))
+            ],
+            "tokens": [
+                (r.step, r.rank, r.source, r.tokens)
+                for r in conn.execute(select(m.source_tokens).order_by(t.step, t.source))
+            ],
+            "events": [
+                (r.kind, r.step, r.data) for r in conn.execute(select(m.events).order_by(e.id))
+            ],
+        }
