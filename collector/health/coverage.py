@@ -25,6 +25,12 @@ the loaders declared they drop (``drop_last``'s incomplete batch: ``dropped`` in
 ``epoch_end``) and the batches a rollback restored into the epoch skipped on purpose (its
 skip window, at the epoch's samples a step). A sampled count is past it only when its
 estimate less two standard errors is.
+
+Where a resume or a replay left the data's path at a step of the epoch (a
+``data_order_drift`` event), the event lists it (``order_drift``): the epoch's missing
+samples then include the ones it skipped (never seen by the epoch's end), its repeats the
+ones it re-fed. This is where the skipped samples are classified: the drift event is
+written before the epoch ends, and a replay replaces its step's ids.
 """
 
 from __future__ import annotations
@@ -210,6 +216,7 @@ def _count(
     steps = [int(rows[0].step), int(rows[-1].step)] if rows else None
     per_step = seen * scale / max(1, len({int(r.step) for r in rows}))
     skipped = _skipped_batches(conn, run_id, steps) if steps else 0
+    drifts = _drifts(conn, run_id, steps) if steps else []
     found: dict[str, Any] = {
         "epoch": epoch,
         "dataset_size": size,
@@ -233,6 +240,9 @@ def _count(
         "dropped": dropped,
         "skipped_by_rollback": round(skipped * per_step),
         "missing_allowance": world - 1 + TOLERANCE * size + dropped + round(skipped * per_step),
+        # where a resume or a replay left the data's path in this epoch (data_order_drift):
+        # the missing samples include the ones it skipped, the repeats the ones it re-fed
+        "order_drift": drifts,
     }
     how = "" if exact else f" (estimated from 1 in {scale:.3g} samples)"
     found["reason"] = (
@@ -242,6 +252,12 @@ def _count(
         + (
             f" ({found['skipped_by_rollback']:,} in a rollback's skip window)"
             if found["skipped_by_rollback"]
+            else ""
+        )
+        + (
+            f"; the data left its path at step {drifts[0]['step']} (data_order_drift): the "
+            "samples never seen include the ones it skipped, the repeated ones the re-fed"
+            if drifts and (missing or duplicated)
             else ""
         )
     )
@@ -286,6 +302,24 @@ def _skipped_batches(conn: Connection, run_id: int, steps: list[int]) -> int:
     return sum(
         batches for at, _, batches in skipping_rollbacks(conn, run_id) if steps[0] <= at <= steps[1]
     )
+
+
+def _drifts(conn: Connection, run_id: int, steps: list[int]) -> list[dict[str, Any]]:
+    """The ``data_order_drift`` events of the run at steps ``[first, last]``."""
+    e = m.events.c
+    return [
+        {"step": int(step), "attempt": (data or {}).get("attempt")}
+        for step, data in conn.execute(
+            select(e.step, e.data)
+            .where(
+                e.run_id == run_id,
+                e.kind == "data_order_drift",
+                e.step >= steps[0],
+                e.step <= steps[1],
+            )
+            .order_by(e.step)
+        )
+    ]
 
 
 def _event(

@@ -20,12 +20,15 @@ keeps it one for as long as they go on).
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, func, select
 
 from trainwarden.agent.replica import compact, expand
+from trainwarden.collector.ingest.samples import unpack
 from trainwarden.collector.store import models as m
 
 WINDOW_S = 60.0
@@ -140,12 +143,16 @@ def drift(
 ) -> list[dict[str, Any]]:
     """``data_order_drift`` events: a step run again (after a restart, or a rollback's
     replay) whose digest differs from its first execution's, where nothing declared a
-    difference: not after a rollback that skipped data (its replayed steps train on
-    later batches on purpose), not in an attempt whose world size differs from the one
-    before it (a declared data-parallel size change: each rank's share of the data
-    changes). Named once per first step and attempt, with the ranks that left the path;
-    a replayed batch that a rank already trained on at an earlier step is called
-    **re-fed** (naming that step), any other one **out of order**."""
+    difference (:func:`_exempt`, :func:`_resized`).
+
+    One event per **episode**: an attempt, or a rollback's replay within it (from its
+    commit to the next rollback's or the next attempt's start). Its first step is the
+    first drifted step seen; once the event is written, later passes leave the episode
+    alone (its first step's rows may have aged out of :data:`WINDOW_S` while the replay
+    goes on). A replayed batch that a rank already trained on at an earlier step of the
+    same epoch is called **re-fed** (naming that step), any other one **out of order**;
+    with kept ids (a dataset size), the event also counts, per rank, the replayed step's
+    ids that earlier steps of its epoch had trained on."""
     d = m.sample_digests.c
     rows = conn.execute(
         select(d.step, d.rank, d.digest, d.ts, d.recv_ts).where(
@@ -154,79 +161,236 @@ def drift(
     ).all()
     if not rows:
         return []
-    skipped = skipping_rollbacks(conn, run_id)
     tries = _attempts(conn, run_id)
-    left = [
-        r
-        for r in rows
-        if not any(r.step > ckpt and r.ts >= at for ckpt, at, _ in skipped)
-        and not _resized(tries, r.ts)
-    ]
-    if not left:
-        return []
+    episodes = _episodes(tries, _rollbacks(conn, run_id))
+    left: dict[Episode, list[Any]] = defaultdict(list)
+    resized: dict[int, bool] = {}
+    for r in rows:
+        episode = _episode_of(episodes, r.ts)
+        if _exempt(episode, r.step):
+            continue
+        if episode.attempt not in resized:
+            resized[episode.attempt] = _resized(conn, run_id, tries, episode.attempt)
+        if not resized[episode.attempt]:
+            left[episode].append(r)
+    uids = {episode: f"drift:{run_id}:{episode.key}" for episode in left}
+    named = _named(conn, list(uids.values()))
+    out = []
+    for episode, drifted in left.items():
+        if uids[episode] not in named:
+            found = _drift_event(conn, run_id, world, now, ended, episode, drifted)
+            if found is not None:
+                out.append({**found, "uid": uids[episode]})
+    return out
+
+
+def _drift_event(
+    conn: Connection,
+    run_id: int,
+    world: int,
+    now: float,
+    ended: bool,
+    episode: Episode,
+    left: list[Any],
+) -> dict[str, Any] | None:
+    d = m.sample_digests.c
     first = min(r.step for r in left)
     at_first = [r for r in left if r.step == first]
+    since = min(r.ts for r in at_first)
     present = set(
         conn.execute(
-            select(d.rank).where(
-                d.run_id == run_id, d.step == first, d.ts >= min(r.ts for r in at_first)
-            )
+            select(d.rank).where(d.run_id == run_id, d.step == first, d.ts >= since)
         ).scalars()
     )
     waited = now - min(r.recv_ts for r in at_first)
     if not ended and len(present) < world and waited < GRACE_S:
-        return []  # the step's other ranks may still be on their way
+        return None  # the step's other ranks may still be on their way
     ranks = sorted({r.rank for r in at_first})
-    refed = _refed(conn, run_id, first, {r.rank: r.digest for r in at_first})
-    attempt = _attempt_of(tries, min(r.ts for r in at_first))
+    replayed = {
+        rank: (epoch, kept)
+        for rank, epoch, kept in conn.execute(
+            select(d.rank, d.epoch, d.kept).where(
+                d.run_id == run_id, d.step == first, d.rank.in_(ranks)
+            )
+        )
+    }
+    epochs = {e for e, _ in replayed.values() if e is not None}
+    epoch = min(epochs) if len(epochs) == 1 else None
+    refed = _refed(conn, run_id, first, {r.rank: r.digest for r in at_first}, epoch)
+    ids = _refed_ids(conn, run_id, first, epoch, replayed)
     named = compact(ranks)
-    how = (
-        "re-fed (batches they had trained on at earlier steps: "
-        + ", ".join(f"rank {k} the batch of step {v}" for k, v in sorted(refed.items())[:8])
-        + ")"
-        if refed
-        else "out of order (batches not trained on before at earlier steps: skipped ahead, or new)"
-    )
-    return [
-        {
-            "rank": None,
-            "kind": "data_order_drift",
-            "severity": "warning",
-            "step": first,
-            "uid": f"drift:{run_id}:{first}:{attempt}",
-            "data": {
-                "ranks": ranks,
-                "first_step": first,
-                "refed": {str(k): v for k, v in refed.items()},
-                "attempt": attempt,
-                "reason": f"step {first} ran again on ranks {named} with other samples than "
-                f"its first execution: {how}; the data left its path at step {first}",
-            },
-        }
-    ]
+    in_epoch = f" of epoch {epoch}" if epoch is not None else ""
+    if refed:
+        how = (
+            f"re-fed (batches they had trained on at earlier steps{in_epoch}: "
+            + ", ".join(f"rank {k} the batch of step {v}" for k, v in sorted(refed.items())[:8])
+            + ")"
+        )
+    elif any(ids.values()):
+        how = (
+            f"re-fed ({sum(ids.values())} of their {sum(_counts(replayed)[k] for k in ids)} "
+            f"samples had been trained on at earlier steps{in_epoch})"
+        )
+    else:
+        how = (
+            "out of order (batches not trained on before at earlier steps"
+            f"{in_epoch}: skipped ahead, or new)"
+        )
+    data: dict[str, Any] = {
+        "ranks": ranks,
+        "first_step": first,
+        "refed": {str(k): v for k, v in refed.items()},
+        "attempt": episode.attempt,
+        "episode": episode.what,
+        "epoch": epoch,
+        "reason": f"step {first} ran again on ranks {named} with other samples than "
+        f"its first execution: {how}; the data left its path at step {first}",
+    }
+    if ids:
+        counts = _counts(replayed)
+        data["refed_samples"] = {str(k): v for k, v in sorted(ids.items())}
+        data["samples"] = {str(k): counts[k] for k in sorted(ids)}
+    return {
+        "rank": None,
+        "kind": "data_order_drift",
+        "severity": "warning",
+        "step": first,
+        "data": data,
+    }
 
 
-def skipping_rollbacks(conn: Connection, run_id: int) -> list[tuple[int, float, int]]:
-    """(checkpoint step, when committed, batches skipped) of the run's rollbacks that
-    skipped data on purpose (a non-empty skip window; SDC rollbacks keep their data)."""
+def _counts(replayed: dict[int, tuple[int | None, bytes | None]]) -> dict[int, int]:
+    return {rank: len(kept) // 8 for rank, (_, kept) in replayed.items() if kept is not None}
+
+
+def _refed_ids(
+    conn: Connection,
+    run_id: int,
+    step: int,
+    epoch: int | None,
+    replayed: dict[int, tuple[int | None, bytes | None]],
+) -> dict[int, int]:
+    """For each rank whose replay of ``step`` kept its ids, how many of them earlier steps
+    of ``epoch`` (any rank, as each step's last execution) had trained on."""
+    if epoch is None or not any(kept is not None for _, kept in replayed.values()):
+        return {}
+    d = m.sample_digests.c
+    earlier: set[int] = set()
+    for (kept,) in conn.execute(
+        select(d.kept).where(
+            d.run_id == run_id, d.epoch == epoch, d.step < step, d.kept.is_not(None)
+        )
+    ):
+        earlier.update(unpack(kept))
+    return {
+        rank: sum(1 for i in unpack(kept) if i in earlier)
+        for rank, (e, kept) in replayed.items()
+        if kept is not None and e == epoch
+    }
+
+
+@dataclass(frozen=True)
+class Episode:
+    """An attempt, or a rollback's replay within it: executions of steps that ran before
+    are compared with their first executions, one drift event an episode."""
+
+    start: float
+    attempt: int
+    key: str  # the event's uid: drift:{run}:{key}
+    what: str  # "attempt 2", "rollback 7 of attempt 1"
+    checkpoint: int | None = None  # a skipping rollback's: it restored this step ...
+    barrier: int | None = None  # ... after this one (replays ckpt+1..barrier), if known
+
+
+def _episodes(
+    tries: list[tuple[int, float, int | None]], rollbacks: list[Rollback]
+) -> list[Episode]:
+    out = [Episode(float("-inf"), 0, "0", "the run")]
+    out += [Episode(at, n, str(n), f"attempt {n}") for n, at, _ in tries]
+    for r in rollbacks:
+        attempt = _attempt_of(tries, r.committed_at)
+        out.append(
+            Episode(
+                r.committed_at,
+                attempt,
+                f"{attempt}:rollback:{r.action}",
+                f"rollback {r.action} of attempt {attempt}",
+                r.checkpoint if r.skipped else None,
+                r.barrier,
+            )
+        )
+    return sorted(out, key=lambda e: e.start)
+
+
+def _episode_of(episodes: list[Episode], ts: float) -> Episode:
+    return [e for e in episodes if e.start <= ts][-1]
+
+
+def _exempt(episode: Episode, step: int) -> bool:
+    """Whether a skipping rollback's replay declared the step's difference: a step after
+    its checkpoint, up to the step it was restored after, within its episode (a later
+    attempt, or a later rollback, must replay its steps as they last ran)."""
+    if episode.checkpoint is None:
+        return False
+    return step > episode.checkpoint and (episode.barrier is None or step <= episode.barrier)
+
+
+def _named(conn: Connection, uids: list[str]) -> set[str]:
+    """The drift uids of episodes already named (an event stored under each)."""
+    if not uids:
+        return set()
+    hashed = {uuid.uuid5(uuid.NAMESPACE_OID, u).hex: u for u in uids}
+    e = m.events.c
+    return {hashed[h] for h in conn.execute(select(e.uid).where(e.uid.in_(list(hashed)))).scalars()}
+
+
+@dataclass(frozen=True)
+class Rollback:
+    action: int
+    checkpoint: int
+    committed_at: float
+    skipped: int  # batches skipped on purpose (0: a rollback that keeps its data)
+    barrier: int | None
+
+
+def _rollbacks(conn: Connection, run_id: int) -> list[Rollback]:
+    """The run's committed rollbacks, each with what it skipped on purpose (a non-empty
+    skip window; an SDC rollback keeps its data: its replays must match)."""
     a = m.actions.c
     out = []
-    for plan in conn.execute(
-        select(a.plan).where(
+    for action, plan in conn.execute(
+        select(a.id, a.plan).where(
             a.run_id == run_id, a.kind == "rollback", a.state.in_(("executing", "done"))
         )
-    ).scalars():
+    ):
         plan = plan or {}
         restore = plan.get("rollback") or {}
-        if plan.get("committed_at") is None or plan.get("keep_data"):
+        if plan.get("committed_at") is None:
             continue
         try:
             at, low, high = (int(restore[k]) for k in ("checkpoint_step", "skip_from", "skip_to"))
         except (KeyError, TypeError, ValueError):
             continue
-        if high >= low:
-            out.append((at, float(plan["committed_at"]), high - low + 1))
+        barrier = plan.get("barrier_step")
+        skipped = 0 if plan.get("keep_data") else max(0, high - low + 1)
+        out.append(
+            Rollback(
+                int(action),
+                at,
+                float(plan["committed_at"]),
+                skipped,
+                int(barrier) if barrier is not None else None,
+            )
+        )
     return out
+
+
+def skipping_rollbacks(conn: Connection, run_id: int) -> list[tuple[int, float, int]]:
+    """(checkpoint step, when committed, batches skipped) of the run's rollbacks that
+    skipped data on purpose (a non-empty skip window; SDC rollbacks keep their data)."""
+    return [
+        (r.checkpoint, r.committed_at, r.skipped) for r in _rollbacks(conn, run_id) if r.skipped
+    ]
 
 
 def _attempts(conn: Connection, run_id: int) -> list[tuple[int, float, int | None]]:
@@ -246,28 +410,61 @@ def _attempt_of(tries: list[tuple[int, float, int | None]], ts: float) -> int:
     return found[-1] if found else 0
 
 
-def _resized(tries: list[tuple[int, float, int | None]], ts: float) -> bool:
-    """Whether the attempt that ran at ``ts`` has another world size than the one before."""
-    number = _attempt_of(tries, ts)
+def _resized(
+    conn: Connection, run_id: int, tries: list[tuple[int, float, int | None]], number: int
+) -> bool:
+    """Whether attempt ``number`` declared a data-parallel size change: its data-parallel
+    size differs from the attempt before it's. The data-parallel size is the size of the
+    replica group the attempt's ranks sent with their replica checks (tensor- or
+    pipeline-parallel peers are in other groups) when both attempts sent one; else the
+    attempts' world sizes."""
+    starts = {n: at for n, at, _ in tries}
     sizes = {n: size for n, _, size in tries}
-    before = sizes.get(number - 1)
-    return before is not None and sizes.get(number) is not None and sizes[number] != before
+    if number - 1 not in starts or number not in starts:
+        return False
+    ends = {n: starts.get(n + 1, float("inf")) for n in starts}
+    before, now = (_data_parallel(conn, run_id, starts[n], ends[n]) for n in (number - 1, number))
+    if before is not None and now is not None:
+        return before != now
+    old, new = sizes.get(number - 1), sizes.get(number)
+    return old is not None and new is not None and old != new
 
 
-def _refed(conn: Connection, run_id: int, step: int, digests: dict[int, str]) -> dict[int, int]:
-    """For each rank, the earlier step whose first batch its replay of ``step`` is."""
+def _data_parallel(conn: Connection, run_id: int, start: float, end: float) -> int | None:
+    """The size of the replica group of the first replica check of a step that started in
+    ``[start, end)``, if one arrived (read from the arrival index: checks arrive after
+    their steps start)."""
+    c = m.replica_checks.c
+    group = conn.execute(
+        select(c.replica_group)
+        .where(c.run_id == run_id, c.recv_ts >= start, c.ts >= start, c.ts < end)
+        .order_by(c.recv_ts)
+        .limit(1)
+    ).scalar()
+    if not group:
+        return None
+    try:
+        return len(expand(group))
+    except ValueError:
+        return None
+
+
+def _refed(
+    conn: Connection, run_id: int, step: int, digests: dict[int, str], epoch: int | None
+) -> dict[int, int]:
+    """For each rank, the earlier step (of ``epoch``, when the replay has one) whose first
+    batch its replay of ``step`` is."""
     d = m.sample_digests.c
     found: dict[int, int] = {}
-    for rank, earlier, digest in conn.execute(
-        select(d.rank, d.step, d.first_digest)
-        .where(
-            d.run_id == run_id,
-            d.rank.in_(list(digests)),
-            d.step < step,
-            d.first_digest.in_(list(set(digests.values()))),
-        )
-        .order_by(d.step)
-    ):
+    query = select(d.rank, d.step, d.first_digest).where(
+        d.run_id == run_id,
+        d.rank.in_(list(digests)),
+        d.step < step,
+        d.first_digest.in_(list(set(digests.values()))),
+    )
+    if epoch is not None:
+        query = query.where(d.epoch == epoch)
+    for rank, earlier, digest in conn.execute(query.order_by(d.step)):
         if rank not in found and digest == digests[rank]:
             found[rank] = int(earlier)
     return found

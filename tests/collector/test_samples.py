@@ -7,10 +7,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from trainwarden.collector.app import create_app
+from trainwarden.collector.ingest.batches import ingest
+from trainwarden.collector.ingest.schemas import IngestBatch
 from trainwarden.collector.store import models as m
 
 from .helpers import batch, step
@@ -151,15 +154,11 @@ def first_run(engine, world: int = 2, steps: int = 10) -> None:
             T0 + 20,
             world=world,
         )
-    with write_engine(engine) as conn:
-        run_id = conn.execute(select(m.runs.c.id)).scalar_one()
-        conn.execute(
-            m.attempts.insert(),
-            [{"run_id": run_id, "number": 1, "started_at": T0, "world_size": world, "nodes": []}],
-        )
+    new_attempt(engine, world=world, number=1, at=T0)
 
 
-def second_attempt(engine, world: int = 2) -> None:
+def new_attempt(engine, world: int = 2, number: int = 2, at: float = T0 + 50) -> None:
+    """Attempt ``number`` started ``at`` on ``world`` ranks (by default the second)."""
     with write_engine(engine) as conn:
         run_id = conn.execute(select(m.runs.c.id)).scalar_one()
         conn.execute(
@@ -167,10 +166,32 @@ def second_attempt(engine, world: int = 2) -> None:
             [
                 {
                     "run_id": run_id,
-                    "number": 2,
-                    "started_at": T0 + 50,
+                    "number": number,
+                    "started_at": at,
                     "world_size": world,
                     "nodes": [],
+                }
+            ],
+        )
+
+
+def rolled_back(engine, plan: dict[str, Any]) -> None:
+    """A loss-spike rollback, done, with ``plan``."""
+    with write_engine(engine) as conn:
+        run_id = conn.execute(select(m.runs.c.id)).scalar_one()
+        conn.execute(
+            m.actions.insert(),
+            [
+                {
+                    "run_id": run_id,
+                    "kind": "rollback",
+                    "state": "done",
+                    "mode": "auto",
+                    "trigger": "rule:LossSpike",
+                    "plan": plan,
+                    "history": [],
+                    "created_at": T0 + 50,
+                    "updated_at": T0 + 60,
                 }
             ],
         )
@@ -202,7 +223,7 @@ def write_engine(engine):  # type: ignore[no-untyped-def]
 
 def test_a_resume_that_restarts_the_sampler_is_named_at_its_first_step_as_re_fed(engine) -> None:
     first_run(engine)
-    second_attempt(engine)
+    new_attempt(engine)
     replay(engine, range(2), range(6, 10), lambda n: n - 6)  # the sampler back at batch 0
     evaluated(engine, T0 + 81)
     evaluated(engine, T0 + 82)
@@ -225,7 +246,7 @@ def test_a_resume_that_restarts_the_sampler_is_named_at_its_first_step_as_re_fed
 
 def test_a_resume_on_its_path_and_a_new_order_are_told_apart(engine) -> None:
     first_run(engine)
-    second_attempt(engine)
+    new_attempt(engine)
     replay(engine, range(2), range(6, 8), lambda n: n)  # restored exactly: no drift
     evaluated(engine, T0 + 81)
     assert drift_events(engine) == []
@@ -239,28 +260,11 @@ def test_a_resume_on_its_path_and_a_new_order_are_told_apart(engine) -> None:
 def test_declared_differences_are_not_drift(engine) -> None:
     # A rollback that skipped data: its replays train on later batches on purpose.
     first_run(engine)
-    with write_engine(engine) as conn:
-        run_id = conn.execute(select(m.runs.c.id)).scalar_one()
-        plan = {
-            "committed_at": T0 + 55,
-            "rollback": {"checkpoint_step": 5, "skip_from": 6, "skip_to": 12},
-        }
-        conn.execute(
-            m.actions.insert(),
-            [
-                {
-                    "run_id": run_id,
-                    "kind": "rollback",
-                    "state": "done",
-                    "mode": "auto",
-                    "trigger": "rule:LossSpike",
-                    "plan": plan,
-                    "history": [],
-                    "created_at": T0 + 50,
-                    "updated_at": T0 + 60,
-                }
-            ],
-        )
+    plan = {
+        "committed_at": T0 + 55,
+        "rollback": {"checkpoint_step": 5, "skip_from": 6, "skip_to": 12},
+    }
+    rolled_back(engine, plan)
     replay(engine, range(2), range(6, 10), lambda n: n + 7)
     evaluated(engine, T0 + 81)
     assert drift_events(engine) == []
@@ -268,7 +272,7 @@ def test_declared_differences_are_not_drift(engine) -> None:
 
 def test_a_new_world_size_is_a_declared_re_shard(engine) -> None:
     first_run(engine, world=2)
-    second_attempt(engine, world=1)  # one rank left: it takes the whole data
+    new_attempt(engine, world=1)  # one rank left: it takes the whole data
     replay(engine, range(1), range(6, 10), lambda n: 2 * n)
     evaluated(engine, T0 + 81)
     assert drift_events(engine) == []
@@ -278,7 +282,7 @@ def test_a_run_that_ended_before_an_evaluation_is_still_checked(engine) -> None:
     from sqlalchemy import update
 
     first_run(engine)
-    second_attempt(engine)
+    new_attempt(engine)
     replay(engine, range(1), range(6, 8), lambda n: n - 6, world=2)  # rank 1's never came
     evaluated(engine, T0 + 81)
     assert drift_events(engine) == []  # running: waits for rank 1's digest of step 6
@@ -286,3 +290,202 @@ def test_a_run_that_ended_before_an_evaluation_is_still_checked(engine) -> None:
         conn.execute(update(m.runs).values(status="finished"))
     evaluated(engine, T0 + 82)
     assert [(s, r, f) for s, r, f, _ in drift_events(engine)] == [(6, [0], {"0": 0})]
+
+
+def test_a_replay_longer_than_the_window_is_one_event_at_its_first_step(engine) -> None:
+    from trainwarden.collector.health.samples import WINDOW_S
+
+    first_run(engine)
+    new_attempt(engine)
+    replay(engine, range(2), range(6, 7), lambda n: n - 6)  # arrives at T0 + 80
+    evaluated(engine, T0 + 81)
+    # The replay goes on; its step 6 rows leave the evaluator's window.
+    later = T0 + 80 + WINDOW_S + 40
+    replay(engine, range(2), range(7, 10), lambda n: n - 6, at=later - 20)
+    evaluated(engine, later + 1)
+    evaluated(engine, later + 2)
+    assert [(s, r, f) for s, r, f, _ in drift_events(engine)] == [(6, [0, 1], {"0": 0, "1": 0})]
+
+
+@pytest.mark.parametrize("restored", [False, True])
+def test_a_rollback_s_exemption_ends_with_its_replay(engine, restored: bool) -> None:
+    first_run(engine)  # steps 0-9, attempt 1
+    # A loss-spike rollback restored step 5 after step 9, skipping batches 6-12: its
+    # replay of 6-9 trains on batches 13-16 on purpose, then it goes on to step 15.
+    rolled_back(
+        engine,
+        {
+            "committed_at": T0 + 55,
+            "barrier_step": 9,
+            "rollback": {"checkpoint_step": 5, "skip_from": 6, "skip_to": 12},
+        },
+    )
+    replay(engine, range(2), range(6, 16), lambda n: n + 7)
+    evaluated(engine, T0 + 81)
+    assert drift_events(engine) == []
+    # Attempt 2 resumes from the checkpoint of step 12: with the sampler's position
+    # restored (batches 20-22 again), or with a sampler back at its seed.
+    new_attempt(engine, at=T0 + 100)
+    batch_of = (lambda n: n + 7) if restored else (lambda n: n - 13)
+    replay(engine, range(2), range(13, 16), batch_of, at=T0 + 110)
+    evaluated(engine, T0 + 131)
+    assert [(s, r, f) for s, r, f, _ in drift_events(engine)] == (
+        [] if restored else [(13, [0, 1], {"0": 0, "1": 0})]
+    )
+
+
+def tensor_parallel_run(engine) -> None:
+    """4 ranks, 2-way tensor parallel x 2-way data parallel (replica groups 0,2 and 1,3)."""
+    for rank in range(4):
+        group = "0,2" if rank % 2 == 0 else "1,3"
+        steps = [
+            sampled(n, own(rank // 2, n), ts=T0 + n, fingerprint="0" * 32, replica_group=group)
+            for n in range(10)
+        ]
+        send(engine, rank, steps, T0 + 20, world=4)
+    new_attempt(engine, world=4, number=1, at=T0)
+
+
+def resumed_with_groups(engine, world: int, group: str, batch_of: Any) -> None:
+    """Attempt 2 on ``world`` ranks of replica group ``group`` replays steps 6-9."""
+    new_attempt(engine, world=world)
+    for rank in range(world):
+        steps = [
+            sampled(
+                n, own(rank, batch_of(n)), ts=T0 + 60 + n, fingerprint="0" * 32, replica_group=group
+            )
+            for n in range(6, 10)
+        ]
+        send(engine, rank, steps, T0 + 80, world=world)
+    evaluated(engine, T0 + 81)
+
+
+def test_the_data_parallel_size_not_the_world_size_declares_a_re_shard(engine) -> None:
+    tensor_parallel_run(engine)
+    # Attempt 2 drops tensor parallelism: 2 ranks, still 2 replicas (one group 0,1). The
+    # world size changed, the data-parallel size did not: each replica's data must match.
+    resumed_with_groups(engine, 2, "0,1", lambda n: n - 6)
+    assert [(s, r) for s, r, _, _ in drift_events(engine)] == [(6, [0, 1])]
+
+
+def test_a_new_data_parallel_size_under_one_world_size_is_a_re_shard(engine) -> None:
+    tensor_parallel_run(engine)
+    resumed_with_groups(engine, 4, "0-3", lambda n: 2 * n)  # no tensor parallel: 4 replicas
+    assert drift_events(engine) == []
+
+
+# -- re-fed within the epoch -----------------------------------------------------------------
+
+
+def epoch_step(rank: int, n: int, position: int, digest_step: int, ts: float) -> dict[str, Any]:
+    """Step ``n`` of epoch ``n // 5`` training the batch at ``position`` of the epoch (the
+    same 4 ids every epoch, ``(position * 2 + rank) * 4`` on), its digest ``digest_step``'s."""
+    ids = [(position * 2 + rank) * 4 + k for k in range(4)]
+    s = sampled(n, own(rank, digest_step), ts=ts)
+    s.update(samples_count=4, samples_epoch=n // 5, samples_kept=ids)
+    return s
+
+
+def two_epochs_then(engine, batch_of: Any) -> None:
+    """Epochs 0 (steps 0-4) and 1 (5-9) of 2 ranks; attempt 2 resumes from step 6 and runs
+    7-9 on ``batch_of(n)``: (position, digest step)."""
+    for rank in range(2):
+        steps = [epoch_step(rank, n, n % 5, n, T0 + n) for n in range(10)]
+        send(engine, rank, steps, T0 + 20, world=2)
+    new_attempt(engine, world=2, number=1, at=T0)
+    new_attempt(engine)
+    for rank in range(2):
+        steps = [epoch_step(rank, n, *batch_of(n), T0 + 60 + n) for n in range(7, 10)]
+        send(engine, rank, steps, T0 + 80, world=2)
+
+
+def test_a_batch_of_an_earlier_epoch_is_not_re_fed_in_this_one(engine) -> None:
+    # Step 7 (epoch 1) trains the batch epoch 0 trained at step 3, which epoch 1 had not
+    # reached: skipped ahead in this epoch, not re-fed.
+    two_epochs_then(engine, lambda n: (n - 4, n - 4))
+    evaluated(engine, T0 + 81)
+    ((step, ranks, refed, reason),) = drift_events(engine)
+    assert (step, ranks, refed) == (7, [0, 1], {})
+    assert "out of order (batches not trained on before at earlier steps of epoch 1" in reason
+    e = m.events.c
+    with engine.connect() as conn:
+        data = conn.execute(select(e.data).where(e.kind == "data_order_drift")).scalar_one()
+    assert (data["epoch"], data["refed_samples"], data["samples"]) == (
+        1,
+        {"0": 0, "1": 0},
+        {"0": 4, "1": 4},
+    )
+
+
+def test_a_sampler_back_at_the_epoch_s_start_re_feeds_and_its_end_names_the_skipped(
+    engine,
+) -> None:
+    from .test_coverage import epoch_end
+
+    # The sampler restarts epoch 1: steps 7-9 train its positions 0-2 again (step 5's,
+    # 6's batches, then position 2's): re-fed from step 5; positions 3 and 4 are skipped.
+    two_epochs_then(engine, lambda n: (n - 7, n - 2))
+    evaluated(engine, T0 + 81)
+    ((step, ranks, refed, _),) = drift_events(engine)
+    assert (step, ranks, refed) == (7, [0, 1], {"0": 5, "1": 5})
+    e = m.events.c
+    with engine.connect() as conn:
+        data = conn.execute(select(e.data).where(e.kind == "data_order_drift")).scalar_one()
+    assert data["refed_samples"] == {"0": 4, "1": 4}
+    for rank in range(2):
+        end = epoch_end(1, 9, 40)
+        end["ts"] = T0 + 82
+        with write_engine(engine) as conn:
+            body = batch(rank=rank, world_size=2, steps=[], events=[end])
+            ingest(conn, batch=IngestBatch.model_validate(body), now=T0 + 82)
+    evaluated(engine, T0 + 90)
+    with engine.connect() as conn:
+        cover = conn.execute(select(e.data).where(e.kind == "epoch_coverage")).scalar_one()
+    # Epoch 1 as last executed: positions 0, 1 (steps 5, 6), 0, 1, 2 (steps 7-9).
+    assert (cover["duplicated"], cover["missing"]) == (16, 16)
+    assert cover["order_drift"] == [{"step": 7, "attempt": 2}]
+    assert (
+        "the data left its path at step 7 (data_order_drift): the samples never seen"
+        in (cover["reason"])
+    )
+
+
+def test_the_data_events_fire_their_alerts_and_are_in_the_post_mortem(engine) -> None:
+    from trainwarden.alerts import load_rule_packs
+    from trainwarden.collector.alerting.engine import AlertEngine
+    from trainwarden.collector.incidents.grouping import group
+    from trainwarden.collector.incidents.postmortem import report_of
+    from trainwarden.collector.incidents.report_format import render_markdown
+
+    first_run(engine)
+    new_attempt(engine)
+    # The resumed attempt restarts the sampler, and from its seed both ranks draw rank 0's
+    # batches: re-fed at step 6, and one batch on both ranks.
+    for rank in range(2):
+        steps = [sampled(n, own(0, n - 6), ts=T0 + 60 + n) for n in range(6, 10)]
+        send(engine, rank, steps, T0 + 80, world=2)
+    evaluated(engine, T0 + 81)
+    ((_, _, _, drifted),) = drift_events(engine)
+    ((_, _, _, duplicated),) = dup_events(engine)
+    rules = ("DataOrderDrift", "DuplicateBatchAcrossRanks")
+    alerts = AlertEngine(
+        engine,
+        [r for r in load_rule_packs() if r.name in rules],
+        external_url="https://tw.example.org",
+        submit=lambda _: None,
+    )
+    alerts.run_once(now=T0 + 82)
+    with engine.connect() as conn:
+        fired = conn.execute(select(m.alerts.c.rule, m.alerts.c.state)).all()
+    assert sorted(fired) == [("DataOrderDrift", "firing"), ("DuplicateBatchAcrossRanks", "firing")]
+    with write_engine(engine) as conn:
+        (incident,) = group(conn, now=T0 + 83, cooldown_s=60.0).opened
+    with engine.connect() as conn:
+        report = report_of(conn, run="r1", now=T0 + 84)
+    (told,) = report["incidents"]
+    assert told["incident"]["id"] == incident
+    said = [e["text"] for e in told["entries"]]
+    assert f"data left its path: {drifted}" in said
+    assert f"same batch on several ranks: {duplicated}" in said
+    page = render_markdown(report)
+    assert drifted in page and duplicated in page
