@@ -358,7 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--db", help=db_help)
     demo.add_argument("--host", help="address to listen on (default 127.0.0.1)")
-    demo.add_argument("--port", type=int, help="port (default 8000; a free one if that is taken)")
+    demo.add_argument(
+        "--port", type=int, help="port (default 8000; a free one if that is taken, or if 0)"
+    )
     demo.add_argument(
         "--ranks", type=int, default=2, help="number of training processes (default 2)"
     )

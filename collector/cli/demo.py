@@ -55,17 +55,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
-def _port_free(host: str, port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-        return True
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on ``host:port`` (``port`` 0: one the system picks), held from
+    here on: the demo's URLs name the port it holds, not one found free and bound later."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
-def start_server(engine: Engine, settings: Settings, actions: ActionPolicy | None = None):  # type: ignore[no-untyped-def]
-    """Start uvicorn on a thread; returns the server once it accepts connections."""
+def start_server(  # type: ignore[no-untyped-def]
+    engine: Engine, settings: Settings, sock: socket.socket, actions: ActionPolicy | None = None
+):
+    """Start uvicorn on a thread, serving on ``sock``; returns the server once it accepts
+    connections."""
     # deferred: see collector/cli/__init__.py
     import uvicorn
 
@@ -76,7 +84,9 @@ def start_server(engine: Engine, settings: Settings, actions: ActionPolicy | Non
     server = uvicorn.Server(
         uvicorn.Config(app, host=settings.host, port=settings.port, log_level="warning")
     )
-    thread = threading.Thread(target=server.run, name="trainwarden-serve", daemon=True)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="trainwarden-serve", daemon=True
+    )
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -206,17 +216,22 @@ def run_demo(
 ) -> None:
     """``actions``: the action policy (default :func:`demo_policy`)."""
     actions = actions or demo_policy()
-    if not _port_free(settings.host, settings.port):
-        port = free_port(settings.host)
-        print(f"trainwarden demo: port {settings.port} is taken; using {port}", flush=True)
-        settings = settings.model_copy(update={"port": port})
+    try:
+        sock = listen(settings.host, settings.port)
+    except OSError:
+        if not settings.port:
+            raise
+        sock = listen(settings.host, 0)
+        taken = settings.port
+        print(f"trainwarden demo: port {taken} is taken; using {sock.getsockname()[1]}", flush=True)
+    settings = settings.model_copy(update={"port": sock.getsockname()[1]})
     base = f"http://{settings.host}:{settings.port}"
     if settings.external_url is None:  # runbook links in alerts: absolute, clickable
         settings = settings.model_copy(update={"external_url": base})
     admin = ingest = None
     if settings.auth != "off":
         admin, ingest = demo_tokens(engine)
-    server = start_server(engine, settings, actions)
+    server = start_server(engine, settings, sock, actions)
     run = time.strftime("demo-%Y%m%d-%H%M%S")
     print(f"trainwarden demo: dashboard {base}/runs/{run}", flush=True)
     if admin:

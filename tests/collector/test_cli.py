@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import create_engine, inspect
 
 from ..conftest import free_port, start_serve, stop_serve
@@ -92,6 +94,20 @@ def test_demo_refuses_a_bad_actions_file_before_it_starts_anything(tmp_path: Pat
     assert str(bad) in result.stderr and "rollback.mode" in result.stderr, result.stderr
     assert "dashboard" not in result.stdout  # nothing was started
     assert not (tmp_path / "tw.db").exists()
+
+
+def test_the_demo_holds_the_port_it_names() -> None:
+    """``demo --port 0``, or a taken port: the demo listens on a port the system picks
+    and holds it from then on (its URLs name it); a taken port is refused, not shared."""
+    from trainwarden.collector.cli.demo import listen
+
+    with listen("127.0.0.1", 0) as held:
+        port = held.getsockname()[1]
+        assert port > 0
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            pass  # it accepts already
+        with pytest.raises(OSError):
+            listen("127.0.0.1", port)
 
 
 def test_the_demo_policy_runs_a_rollback_and_keeps_evictions_and_stops_dry() -> None:

@@ -4,6 +4,7 @@ and its own action policy rolls the loss spike back on every rank."""
 from __future__ import annotations
 
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -13,8 +14,6 @@ from pathlib import Path
 from trainwarden.collector.read.queries import events, list_runs
 from trainwarden.collector.read.series import series
 from trainwarden.collector.store.db import make_engine
-
-from ..conftest import free_port
 
 # LossSpike (the default pack's) compares the loss with its median over 200 steps after a
 # 50-step warm-up: the spike comes just after that and after the checkpoint at step 250.
@@ -26,7 +25,6 @@ SPIKE, STEPS = 258, 420
 def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path) -> None:
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path)}
     env.pop("TRAINWARDEN_DB", None)
-    port = free_port()
     result = subprocess.run(
         [
             sys.executable,
@@ -36,7 +34,7 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
             "--steps",
             str(STEPS),
             "--port",
-            str(port),
+            "0",  # a free one, which the demo holds from then on and names
             "--exit-when-done",
             "--drill",
             f"xid=79@rank=1,step=10; loss_spike=1000x@step={SPIKE}",
@@ -47,7 +45,10 @@ def test_demo_serves_and_trains_two_ranks_on_the_embedded_default(tmp_path: Path
         timeout=240,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"dashboard http://127.0.0.1:{port}/runs/demo-" in result.stdout
+    said = re.search(r"dashboard http://127\.0\.0\.1:(\d+)/runs/demo-", result.stdout)
+    assert said, result.stdout
+    port = int(said.group(1))
+    assert port > 0 and "is taken" not in result.stdout, result.stdout
     assert "training finished" in result.stdout
     assert "actions: rollback auto, evict dry-run, stop dry-run" in result.stdout
     # The XID drill raised FatalXid, listed at the end with its runbook; its eviction is a
