@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -27,7 +28,9 @@ from .test_drills import stop, wait_for
 from .test_rollback_drill import STEPS, launch, rolled_back, serve_with_rollback
 
 
-def _relay_process(upstream: str, port: int, expect: int, log: Path) -> subprocess.Popen:
+def _relay_process(upstream: str, expect: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """``trainwarden relay --port 0`` and the address it says it listens on (its own, never
+    another worker's relay on a port chosen and released before)."""
     cmd = [
         sys.executable,
         "-m",
@@ -36,18 +39,26 @@ def _relay_process(upstream: str, port: int, expect: int, log: Path) -> subproce
         "--upstream",
         upstream,
         "--port",
-        str(port),
+        "0",
         "--expect",
         str(expect),
     ]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    wait_for(lambda: _stats(port), 30, "the relay to listen")
-    return proc
+
+    def said() -> str | None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"relay exited with {proc.returncode}:\n{log.read_text()}")
+        found = re.search(r"trainwarden relay: (http://127\.0\.0\.1:\d+) -> ", log.read_text())
+        return found.group(1) if found else None
+
+    url = wait_for(said, 30, "the relay to say where it listens")
+    wait_for(lambda: _stats(url), 30, "the relay to listen")
+    return proc, url
 
 
-def _stats(port: int) -> dict[str, Any] | None:
+def _stats(url: str) -> dict[str, Any] | None:
     try:
-        return httpx.get(f"http://127.0.0.1:{port}/relay/healthz", timeout=2).json()
+        return httpx.get(f"{url}/relay/healthz", timeout=2).json()
     except httpx.HTTPError:
         return None
 
@@ -59,8 +70,7 @@ def test_a_rollback_reaches_every_rank_through_the_node_relay(db_url: str, tmp_p
     returns for it (prepare, then commit), within the drill's 2-step bound."""
     world = 4
     server = serve_with_rollback(db_url, tmp_path)
-    port = free_port()
-    relay = _relay_process(server.url, port, world, tmp_path / "relay.log")
+    relay, relay_url = _relay_process(server.url, world, tmp_path / "relay.log")
     run = "relayed"
     procs = launch(
         server,
@@ -68,7 +78,7 @@ def test_a_rollback_reaches_every_rank_through_the_node_relay(db_url: str, tmp_p
         world,
         tmp_path / "ckpt",
         tmp_path,
-        env={"TRAINWARDEN_RELAY": f"http://127.0.0.1:{port}"},
+        env={"TRAINWARDEN_RELAY": relay_url},
     )
     try:
         rolled_back(server, run, world, procs, tmp_path)
@@ -81,7 +91,7 @@ def test_a_rollback_reaches_every_rank_through_the_node_relay(db_url: str, tmp_p
         assert [r["state"] for r in ranks] == ["finished"] * world
         assert all(r["gpu"] and r["gpu"]["state"] for r in ranks), ranks
 
-        stats = _stats(port)
+        stats = _stats(relay_url)
         assert stats is not None
         # Merged: far fewer requests to the collector than the agents sent the relay, and
         # none passed through one by one.
