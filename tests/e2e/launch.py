@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+from ..conftest import Server
 
 
 def torchrun(nproc: int, *target: str, restarts: int = 0) -> list[str]:
@@ -69,3 +72,37 @@ def run_example(
         return subprocess.run(
             cmd, stdout=out_file, stderr=subprocess.STDOUT, env=environ, timeout=timeout_s
         ).returncode
+
+
+def assert_resumed(db: Path, run: str, *, at: int, last: int) -> None:
+    """A two-rank job's second attempt resumed from a checkpoint: each rank's first
+    attempt numbered its steps from 0, the second from ``at`` (the step after the
+    checkpoint's) to ``last`` (read from the collector's SQLite database ``db``)."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(f"sqlite:///{db}")
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT a.attempt, a.rank, a.first_step, a.last_step FROM attempt_sessions a"
+                " JOIN runs r ON r.id = a.run_id WHERE r.name = :n ORDER BY a.attempt, a.rank"
+            ),
+            {"n": run},
+        ).all()
+    print(f"(attempt, rank, first step, last step): {[tuple(r) for r in rows]}")
+    firsts = [(r.attempt, r.rank, r.first_step) for r in rows]
+    assert firsts == [(1, 0, 0), (1, 1, 0), (2, 0, at), (2, 1, at)], rows
+    assert [r.last_step for r in rows if r.attempt == 2] == [last, last], rows
+
+
+def two_attempts(server: Server, run: str) -> list[dict[str, Any]]:
+    """The run's attempts once the collector knows two (within 30 s): numbered 1 and 2."""
+    from .test_drills import wait_for
+
+    attempts = wait_for(
+        lambda: len(a := server.get(f"/api/v1/runs/{run}/attempts").json()) == 2 and a,
+        30,
+        "two attempts",
+    )
+    assert [a["number"] for a in attempts] == [1, 2], attempts
+    return attempts

@@ -24,7 +24,7 @@ from pathlib import Path
 from sqlalchemy import create_engine, text
 
 from ..conftest import Server, start_serve, stop_serve
-from .launch import run_example
+from .launch import assert_resumed, run_example, two_attempts
 from .test_drills import wait_for
 from .test_rollback_drill import serve_with_rollback
 
@@ -134,32 +134,11 @@ def test_a_rank_that_dies_resumes_as_a_second_attempt(tmp_path: Path) -> None:
             server, run, tmp_path / "out", log, drill="die@rank=1,step=25", steps=40, restarts=1
         )
         assert code == 0, log.read_text()[-5000:]
-        attempts = wait_for(
-            lambda: len(a := server.get(f"/api/v1/runs/{run}/attempts").json()) == 2 and a,
-            30,
-            "two attempts",
-        )
+        two_attempts(server, run)
     finally:
         stop_serve(server)
-    assert [a["number"] for a in attempts] == [1, 2], attempts
     said = log.read_text()
     assert said.count(f"resumed from {tmp_path / 'out' / 'step_20'}") == 1, said[-3000:]
-    engine = create_engine(f"sqlite:///{tmp_path / 'acc.db'}")
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT a.attempt, a.rank, a.first_step, a.last_step FROM attempt_sessions a"
-                " JOIN runs r ON r.id = a.run_id WHERE r.name = :n ORDER BY a.attempt, a.rank"
-            ),
-            {"n": run},
-        ).all()
-    print(f"(attempt, rank, first step, last step): {[tuple(r) for r in rows]}")
-    assert [(r.attempt, r.rank, r.first_step) for r in rows] == [
-        (1, 0, 0),
-        (1, 1, 0),
-        # step_20 holds the weights after step 19 (its trainwarden.json): attempt 2
-        # numbers on from step 20, to the end
-        (2, 0, 20),
-        (2, 1, 20),
-    ], rows
-    assert [r.last_step for r in rows if r.attempt == 2] == [39, 39], rows
+    # step_20 holds the weights after step 19 (its trainwarden.json): attempt 2
+    # numbers on from step 20, to the end
+    assert_resumed(tmp_path / "acc.db", run, at=20, last=39)

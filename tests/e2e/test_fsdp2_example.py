@@ -10,6 +10,8 @@ against a real ``trainwarden serve``.
 - ``loss_spike=50x@step=35``: LossSpike fires, the example's own ``tw.on_rollback``
   handler restores the same checkpoint on every rank at the same step, and the run
   finishes with its loss back on trend.
+- ``die@rank=1,step=25`` under ``--max-restarts 1``: the job resumes from its newest
+  checkpoint (``step-19``) as a second attempt, numbered on from step 20, and finishes.
 """
 
 from __future__ import annotations
@@ -22,47 +24,57 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
-from ..conftest import stop_serve
-from .launch import torchrun
+from ..conftest import Server, start_serve, stop_serve
+from .launch import assert_resumed, torchrun, two_attempts
 from .test_drills import wait_for
 from .test_rollback_drill import serve_with_rollback
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_trainer.py"
 
 
-def test_fsdp2_steps_with_the_profiler_s_comm_split_and_a_rollback(tmp_path: Path) -> None:
-    db = tmp_path / "fsdp2.db"
-    server = serve_with_rollback(f"sqlite:///{db}", tmp_path)
-    run, log, out = "fsdp2-rollback", tmp_path / "torchrun.log", tmp_path / "out"
+def launch(
+    server: Server, run: str, out: Path, log: Path, *, drill: str, steps: int, restarts: int = 0
+) -> int:
+    """The example under torchrun with 2 ranks (checkpoints every 10 steps, the
+    profiler's window every 10), as a user runs it; its output in ``log``."""
     cmd = torchrun(
         2,
         str(EXAMPLE),
         "--output-dir",
         str(out),
         "--steps",
-        "110",
+        str(steps),
         "--save-every",
         "10",
         "--profile-every",
         "10",
         "--work-ms",
         "15",  # time for the collector's rollback round trips
+        restarts=restarts,
     )
     env = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
         "TRAINWARDEN_URL": server.url,
         "TRAINWARDEN_RUN": run,
-        "TRAINWARDEN_DRILL": "loss_spike=50x@step=35",
+        "TRAINWARDEN_DRILL": drill,
         "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
     }
+    started = time.monotonic()
+    with log.open("w") as out_file:
+        code = subprocess.run(
+            cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, timeout=300
+        ).returncode
+    print(f"torchrun {run}: {time.monotonic() - started:.1f} s")
+    return code
+
+
+def test_fsdp2_steps_with_the_profiler_s_comm_split_and_a_rollback(tmp_path: Path) -> None:
+    db = tmp_path / "fsdp2.db"
+    server = serve_with_rollback(f"sqlite:///{db}", tmp_path)
+    run, log, out = "fsdp2-rollback", tmp_path / "torchrun.log", tmp_path / "out"
     try:
-        started = time.monotonic()
-        with log.open("w") as out_file:
-            code = subprocess.run(
-                cmd, stdout=out_file, stderr=subprocess.STDOUT, env=env, timeout=300
-            ).returncode
-        print(f"torchrun {run}: {time.monotonic() - started:.1f} s")
+        code = launch(server, run, out, log, drill="loss_spike=50x@step=35", steps=110)
         assert code == 0, log.read_text()[-5000:]
         (action,) = wait_for(
             lambda: [
@@ -131,3 +143,28 @@ def test_fsdp2_steps_with_the_profiler_s_comm_split_and_a_rollback(tmp_path: Pat
     before = statistics.median(loss[s] for s in range(25, 35))
     after = statistics.median(loss[s] for s in sorted(loss)[-10:])
     assert after < 1.1 * before, (before, after)
+
+
+def test_a_rank_that_dies_resumes_from_the_newest_checkpoint_as_a_second_attempt(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "fsdp2.db"
+    server = start_serve(f"sqlite:///{db}", tmp_path / "serve.log")
+    run, log, out = "fsdp2-restart", tmp_path / "torchrun.log", tmp_path / "out"
+    try:
+        code = launch(server, run, out, log, drill="die@rank=1,step=25", steps=40, restarts=1)
+        assert code == 0, log.read_text()[-5000:]
+        two_attempts(server, run)
+        replaced = server.get(f"/api/v1/runs/{run}/replaced", metric="loss").json()
+        second = server.get(f"/api/v1/runs/{run}/identity", attempt=2).json()
+    finally:
+        stop_serve(server)
+    assert second["config"]["framework"].endswith(" fully_shard"), second
+    said = log.read_text()
+    # both ranks of the restarted job loaded step-19 (the weights after step 19)
+    for rank in (0, 1):
+        line = f"rank {rank}: resumed from {out / 'step-19'} at step 20"
+        assert said.count(line) == 1, said[-3000:]
+    assert_resumed(db, run, at=20, last=39)
+    # steps 20 to 24 ran again (rank 1 died as step 25 began): their first runs replaced
+    assert replaced["step"][:5] == [20, 21, 22, 23, 24], replaced

@@ -4,23 +4,26 @@ gloo, against a real ``trainwarden serve``, with ``TrainwardenCallback`` as its 
 trainwarden line.
 
 - Both ranks' steps arrive with the per-rank loss on every optimizer step, the gradient
-  norm, phases, tokens and DDP's comm split; checkpoints appear; ``attempt_start``
-  carries the Trainer's arguments.
-- ``loss_spike=200x@step=35``: LossSpike fires, every rank restores the same checkpoint in
+  norm, the learning rate (the one the Trainer logs), phases, tokens and DDP's comm
+  split; checkpoints appear; ``attempt_start`` carries the Trainer's arguments.
+- ``loss_spike=50x@step=35``: LossSpike fires, every rank restores the same checkpoint in
   process at the same step, and the run finishes with its loss back on trend.
 - ``die@rank=1,step=25`` under ``--max-restarts 1``: the job resumes from its newest
-  checkpoint as a second attempt and finishes.
+  checkpoint (``checkpoint-20``) as a second attempt, numbered on from step 20, and
+  finishes.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
+import pytest
 from sqlalchemy import create_engine, text
 
 from ..conftest import Server, start_serve, stop_serve
-from .launch import run_example
+from .launch import assert_resumed, run_example, two_attempts
 from .test_drills import wait_for
 from .test_rollback_drill import serve_with_rollback
 
@@ -79,12 +82,21 @@ def test_a_trainer_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_path: Path
         rows = conn.execute(
             text(
                 "SELECT s.step, s.rank, s.loss, s.grad_norm, s.tokens, s.fwd_s, s.bwd_s, s.opt_s,"
-                " s.comm_source, s.exposed_comm_s FROM rank_steps s JOIN runs r ON r.id = s.run_id"
-                " WHERE r.name = :n AND s.step < 30"
+                " s.comm_source, s.exposed_comm_s, s.metrics FROM rank_steps s"
+                " JOIN runs r ON r.id = s.run_id WHERE r.name = :n"
             ),
             {"n": run},
         ).all()
+    lr = {(r.step, r.rank): json.loads(r.metrics)["lr"] for r in rows}
+    rows = [r for r in rows if r.step < 30]
     assert {(r.step, r.rank) for r in rows} == {(n, k) for n in range(30) for k in (0, 1)}
+    # The learning rate each update used, as the Trainer logs it (every 10 updates: its
+    # step N is trainwarden's N - 1); steps 9 and 19 never ran again, 159 is the last.
+    history = json.loads((tmp_path / "out" / "checkpoint-160" / "trainer_state.json").read_text())
+    logged = {h["step"] - 1: h["learning_rate"] for h in history["log_history"] if "loss" in h}
+    for step in (9, 19, 159):
+        assert lr[step, 0] == lr[step, 1] == pytest.approx(logged[step], rel=1e-9), step
+    assert {lr[r.step, r.rank] for r in rows} == {3e-3}  # constant until the rollback
     for r in rows:  # every optimizer step of each rank, its own loss
         assert r.loss is not None and r.grad_norm is not None, r
         assert r.tokens == 2 * 8 * 32, r  # two micro-batches of 8 sequences of 32 tokens
@@ -110,15 +122,12 @@ def test_a_rank_that_dies_resumes_as_a_second_attempt(tmp_path: Path) -> None:
             server, run, tmp_path / "out", log, drill="die@rank=1,step=25", steps=40, restarts=1
         )
         assert code == 0, log.read_text()[-5000:]
-        attempts = wait_for(
-            lambda: len(a := server.get(f"/api/v1/runs/{run}/attempts").json()) == 2 and a,
-            30,
-            "two attempts",
-        )
-        series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
+        two_attempts(server, run)
+        replaced = server.get(f"/api/v1/runs/{run}/replaced", metric="loss").json()
     finally:
         stop_serve(server)
-    assert [a["number"] for a in attempts] == [1, 2], attempts
-    assert max(series["step"]) == 39  # the second attempt went on to the end
-    # it resumed from checkpoint-20 (the weights after step 19): step 20 ran twice
-    assert min(s for s in series["step"] if s >= 20) == 20
+    # The second attempt resumed from checkpoint-20 (the weights after step 19): its
+    # steps are numbered on from 20, to the end, and steps 20 to 24 ran again (rank 1
+    # died as step 25 began): their first runs are kept as replaced.
+    assert_resumed(tmp_path / "hf.db", run, at=20, last=39)
+    assert replaced["step"][:5] == [20, 21, 22, 23, 24], replaced
