@@ -19,6 +19,7 @@ from . import hardware_figures as hf
 from .client import Client
 from .components import notice, run_tabs
 from .figures import empty_figure, themed
+from .gestures import hold_while_pointing
 from .ranks_page import parse_query
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             html.Div(id="hw-xids"),
             *[dcc.Graph(id=f"hw-{key}", **graph) for key in GRAPHS],
             dcc.Interval(id="hw-interval", interval=int(max(refresh_s, 2.0) * 1000)),
+            dcc.Store(id="hw-tick"),  # its ticks, held while a pointer is down on a graph
         ]
     )
 
@@ -75,13 +77,14 @@ def page_parts(client: Client, name: str, search: str | None, theme: str | None)
 
 def register(app: dash.Dash, client: Client) -> None:
     """The page's callbacks (component ids start with ``hw-``)."""
+    hold_while_pointing(app, "hw-interval", "hw-tick")
 
     @app.callback(
         Output("hw-notice", "children"),
         Output("hw-gpus", "children"),
         Output("hw-xids", "children"),
         *[Output(f"hw-{key}", "figure") for key in GRAPHS],
-        Input("hw-interval", "n_intervals"),
+        Input("hw-tick", "data"),  # the interval's, held while a pointer is down on a graph
         Input("hw-url", "search"),
         Input("theme", "data"),
         State("hw-run", "data"),

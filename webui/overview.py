@@ -30,6 +30,7 @@ from . import alerts, figures
 from . import collectives as coll
 from .client import Client
 from .components import ago, is_default_pick, notice, parse_user, run_tabs, user_choices
+from .gestures import hold_while_pointing
 from .hardware_figures import ACTION_TEXT, xid_rows
 from .overview_figures import (
     REPLACED,
@@ -531,6 +532,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             dcc.Store(id="run-view", data=view),
             dcc.Store(id="run-xmap"),
             dcc.Store(id="run-drag"),  # the newest drag (x range) on the chart: see sync
+            dcc.Store(id="run-tick"),  # the refresh ticks the charts take: see gestures
             html.Div(id="run-header", children=html.H2(name)),
             run_tabs(name, "Overview"),
             html.Div(id="run-notice"),
@@ -596,7 +598,7 @@ def register(app: dash.Dash, client: Client) -> None:
         Output("run-overview", "figure"),
         Output("run-xmap", "data"),
         Output("run-range", "children"),
-        Input("run-interval", "n_intervals"),
+        Input("run-tick", "data"),  # the interval's, held while a pointer is down on a chart
         Input("run-view", "data"),
         Input("theme", "data"),
         State("run-name", "data"),
@@ -674,6 +676,8 @@ def register(app: dash.Dash, client: Client) -> None:
         except Exception:  # the last drawn figure stays
             log.exception("run page user metric %s", name)
             return dash.no_update
+
+    hold_while_pointing(app, "run-interval", "run-tick")
 
     # A drag (or a double click) on the chart, numbered, into a store, in the browser:
     # only relayouts that set an x range, so that a refresh's redraw (its relayout holds

@@ -36,6 +36,7 @@ from . import ranks_figures as rf
 from .client import Client, Refused, may_change
 from .components import is_default_pick, notice, parse_user, run_tabs
 from .figures import empty_figure, themed
+from .gestures import hold_while_pointing
 from .replicas import strips as replica_strips
 
 log = logging.getLogger(__name__)
@@ -314,6 +315,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             dcc.Store(id="ranks-gestures"),  # clicks and zooms on the heatmaps: see follow
             dcc.Store(id="ranks-user-gestures"),  # and on the user metric's
             dcc.Store(id="ranks-gesture-applied"),  # the newest gesture in the URL
+            dcc.Store(id="ranks-heat-tick"),  # the heatmaps' refresh ticks: see gestures
             # Heatmaps of a big run are large: they refresh less often than the states.
             dcc.Interval(id="ranks-interval", interval=int(refresh_s * 1000)),
             dcc.Interval(id="ranks-heat-interval", interval=int(max(refresh_s * 2.5, 5) * 1000)),
@@ -346,11 +348,12 @@ def register(app: dash.Dash, client: Client) -> None:
         )
 
     first, *others = HEATMAPS
+    hold_while_pointing(app, "ranks-heat-interval", "ranks-heat-tick")
 
     @app.callback(
         Output(f"ranks-{first}", "figure"),
         Output("ranks-heat-drawn", "data"),
-        Input("ranks-heat-interval", "n_intervals"),
+        Input("ranks-heat-tick", "data"),  # held while a pointer is down on a heatmap
         Input("ranks-url", "search"),
         Input("theme", "data"),
         State("ranks-run", "data"),

@@ -25,6 +25,7 @@ from . import timeline as view
 from .client import Client, Refused
 from .components import notice, run_tabs
 from .figures import empty_figure, themed
+from .gestures import hold_while_pointing
 
 log = logging.getLogger(__name__)
 PARTS = ("tl-notice", "tl-incidents", "tl-header", "tl-downloads", "tl-figures", "tl-entries")
@@ -116,6 +117,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             dcc.Store(id="tl-changed", data=0),
             dcc.Store(id="tl-digest"),
             dcc.Interval(id="tl-interval", interval=int(max(refresh_s, 2.0) * 1000)),
+            dcc.Store(id="tl-tick"),  # its ticks, held while a pointer is down on the chart
         ]
     )
 
@@ -208,6 +210,7 @@ def perform(
 def register(app: dash.Dash, client: Client) -> None:
     """The page's callbacks (component ids start with ``tl-``): a live refresh, redrawn
     only when something changed; the buttons."""
+    hold_while_pointing(app, "tl-interval", "tl-tick")
 
     @app.callback(
         *[Output(part, "children") for part in PARTS],
@@ -215,7 +218,7 @@ def register(app: dash.Dash, client: Client) -> None:
         Output("tl-tools", "style"),
         Output("tl-close-tools", "style"),
         Output("tl-digest", "data"),
-        Input("tl-interval", "n_intervals"),
+        Input("tl-tick", "data"),  # the interval's, held while a pointer is down on the chart
         Input("tl-url", "search"),
         Input("theme", "data"),
         Input("tl-changed", "data"),
