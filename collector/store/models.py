@@ -196,6 +196,8 @@ events = Table(
     Column("severity", String(16), nullable=False),
     Column("data", JSON),
     Index("ix_events_run_id_ts", "run_id", "ts"),
+    # The evaluators read a run's events of one kind every pass (migration 0030).
+    Index("ix_events_run_id_kind_ts", "run_id", "kind", "ts"),
 )
 
 

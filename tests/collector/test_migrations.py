@@ -117,3 +117,46 @@ def test_0029_carries_each_buckets_maxima_over_in_rank_order(db_url: str) -> Non
     finally:
         upgrade(engine)
         engine.dispose()
+
+
+def test_0030_a_runs_events_of_one_kind_are_found_by_their_index(pg_url: str) -> None:
+    """The evaluators' reads of one kind of a run's events (here the newest ``collectives``
+    ring's time, as the hang check asks every pass) go through (run_id, kind, ts): among
+    20,000 ``rank_state`` events, the plan reads the three rings' entries, not the run."""
+    from sqlalchemy import func, select, text
+
+    from trainwarden.collector.store import models as m
+    from trainwarden.collector.store.db import make_engine
+
+    engine = make_engine(pg_url)
+    e = m.events.c
+    try:
+        with engine.begin() as conn:
+            run_id = conn.execute(
+                text(
+                    "INSERT INTO runs (name, created_at, updated_at, world_size) "
+                    "VALUES ('events-by-kind', 0, 0, 8) RETURNING id"
+                )
+            ).scalar_one()
+            conn.execute(
+                text(
+                    "INSERT INTO events (uid, run_id, rank, ts, recv_ts, kind, severity) "
+                    "SELECT 'ek-' || g, :r, g % 8, g, g, "
+                    "CASE WHEN g IN (5000, 12000, 17000) THEN 'collectives' ELSE 'rank_state' END,"
+                    " 'info' FROM generate_series(1, 20000) g"
+                ),
+                {"r": run_id},
+            )
+            conn.execute(text("ANALYZE events"))
+            newest = select(func.max(e.ts)).where(e.run_id == run_id, e.kind == "collectives")
+            compiled = newest.compile(dialect=conn.dialect, compile_kwargs={"literal_binds": True})
+            plan = "\n".join(
+                conn.execute(text(f"EXPLAIN (ANALYZE, COSTS OFF) {compiled}")).scalars()
+            )
+            found = conn.execute(newest).scalar()
+            conn.rollback()
+    finally:
+        engine.dispose()
+    assert "ix_events_run_id_kind_ts" in plan, plan
+    assert "Rows Removed by Filter" not in plan, plan
+    assert found == 17000.0
