@@ -60,8 +60,17 @@ def json_loads(data: str | bytes) -> Any:
         return json.loads(data)
 
 
-def make_engine(url: str) -> Engine:
-    """An engine for ``url``; for SQLite, creates the file's folder and sets WAL mode."""
+IDLE_IN_TRANSACTION_S = 120.0
+"""PostgreSQL ends a collector's session that sits this long inside a transaction without
+a statement (``idle_in_transaction_session_timeout``): a collector hung in the middle of a
+pass (stopped, deadlocked) would otherwise hold its rows' locks and the pass's advisory
+lock, and no other collector could take over the rollups, health or alerts. No pass
+waits that long between two statements."""
+
+
+def make_engine(url: str, *, idle_in_transaction_s: float = IDLE_IN_TRANSACTION_S) -> Engine:
+    """An engine for ``url``; for SQLite, creates the file's folder and sets WAL mode; for
+    PostgreSQL, each session ends after ``idle_in_transaction_s`` idle in a transaction."""
     try:
         parsed = make_url(url)
     except ArgumentError:
@@ -86,12 +95,13 @@ def make_engine(url: str) -> Engine:
     engine = create_engine(
         parsed, pool_pre_ping=True, pool_size=10, max_overflow=10, json_deserializer=json_loads
     )
-    _postgres_setup(engine)
+    _postgres_setup(engine, idle_in_transaction_s)
     return engine
 
 
-def _postgres_setup(engine: Engine) -> None:
-    """Each connection runs without PostgreSQL's JIT compiler (on by default since 12).
+def _postgres_setup(engine: Engine, idle_in_transaction_s: float) -> None:
+    """Each connection runs without PostgreSQL's JIT compiler (on by default since 12),
+    and ends after ``idle_in_transaction_s`` idle inside a transaction.
 
     The planner compiles a query whose estimated cost passes ``jit_above_cost``, and it
     cannot estimate set-returning functions: the user-metric rollup (until 2026-11-27
@@ -108,6 +118,8 @@ def _postgres_setup(engine: Engine) -> None:
         try:
             with dbapi_connection.cursor() as cursor:
                 cursor.execute("SET jit = off")
+                ms = max(1, round(idle_in_transaction_s * 1000))
+                cursor.execute(f"SET idle_in_transaction_session_timeout = {ms}")
         finally:
             dbapi_connection.autocommit = autocommit
 

@@ -1,4 +1,5 @@
-"""db.fetch_rows: the hot reads' rows, the same as SQLAlchemy's on SQLite and PostgreSQL."""
+"""db: the hot reads' rows (fetch_rows, the same as SQLAlchemy's on SQLite and PostgreSQL), and a
+PostgreSQL session hung inside a transaction ended by the server."""
 
 from __future__ import annotations
 
@@ -65,3 +66,37 @@ def test_json_columns_parse_with_orjson_and_what_it_refuses_with_the_standard_li
     assert math.isnan(value["loss"]) and value["big"] == 123456789012345678901234567890
     with pytest.raises(ValueError):
         json_loads(b"{not json")
+
+
+def test_a_collector_hung_inside_a_pass_loses_its_lock_to_the_others(pg_url: str) -> None:
+    """A collector stopped in the middle of a pass (between two statements of its
+    transaction) holds the pass's advisory lock until PostgreSQL ends its session, after
+    ``idle_in_transaction_s``; then another collector takes the lock and the pass. The
+    hung one's next statement fails (its pool replaces the connection)."""
+    import time
+
+    from sqlalchemy import text
+    from sqlalchemy.exc import DBAPIError
+
+    from trainwarden.collector.rollups.worker import ADVISORY_LOCK_KEY
+    from trainwarden.collector.store.db import make_engine
+
+    hung, other = make_engine(pg_url, idle_in_transaction_s=1.0), make_engine(pg_url)
+    take = text("SELECT pg_try_advisory_xact_lock(:k)").bindparams(k=ADVISORY_LOCK_KEY)
+    try:
+        with hung.connect() as stuck:
+            stuck.begin()
+            assert stuck.execute(take).scalar() is True
+            with other.begin() as conn:
+                assert conn.execute(take).scalar() is False  # held: this pass is skipped
+            deadline, taken = time.monotonic() + 30, False
+            while not taken and time.monotonic() < deadline:
+                with other.begin() as conn:
+                    taken = bool(conn.execute(take).scalar())
+                time.sleep(0.2)
+            assert taken, "the hung session kept the lock"
+            with pytest.raises(DBAPIError):
+                stuck.execute(text("SELECT 1"))
+    finally:
+        hung.dispose()
+        other.dispose()
