@@ -9,7 +9,9 @@ with a fixed table, plus noise), on CPU or GPU, one process or many under torchr
 
 The two lines that matter are marked ``# trainwarden``. A restarted job (torchrun
 ``--max-restarts``, a Slurm requeue) resumes from the newest checkpoint
-(``ckpt_path="last"``, which ``save_last`` keeps pointing at it).
+(``ckpt_path="last"``, which ``save_last`` keeps pointing at it). ``--strategy fsdp2``
+shards the model with ``fully_shard`` (Lightning's ``ModelParallelStrategy``) instead of
+DDP: its checkpoints are distributed-checkpoint folders.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from typing import Any
 
 import lightning as L
 import torch
@@ -60,10 +63,11 @@ class TinyLM(L.LightningModule):
         layers: int = 2,
         lr: float = 3e-3,
         work_ms: float = 0.0,
+        shard: bool = False,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.lr, self.work_ms = lr, work_ms
+        self.lr, self.work_ms, self.shard = lr, work_ms, shard
         self.embed = nn.Embedding(vocab, width)
         self.pos = nn.Parameter(torch.zeros(LENGTH, width))
         block = nn.TransformerEncoderLayer(
@@ -84,6 +88,18 @@ class TinyLM(L.LightningModule):
         causal = nn.Transformer.generate_square_subsequent_mask(n, device=ids.device)
         return self.head(self.blocks(self.embed(ids) + self.pos[:n], mask=causal, is_causal=True))
 
+    def configure_model(self) -> None:
+        """FSDP2 (``--strategy fsdp2``): each block, then the root, sharded over the data
+        parallel dimension of the mesh ``ModelParallelStrategy`` made."""
+        if not self.shard:
+            return
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.blocks.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self, mesh=mesh)
+
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         ids = batch["input_ids"]
         logits = self(ids[:, :-1])
@@ -102,6 +118,7 @@ def main() -> None:
     p.add_argument("--save-steps", type=int, default=20)
     p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--strategy", choices=("ddp", "fsdp2"), default="ddp")
     p.add_argument(
         "--work-ms", type=float, default=0, help="extra time a forward takes (a bigger model)"
     )
@@ -111,6 +128,13 @@ def main() -> None:
         # Before the Trainer (which then uses it): a process group that survives
         # torchrun's restarts.
         init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    strategy: Any = "ddp" if world > 1 else "auto"
+    if a.strategy == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        # every rank a data-parallel shard (its default puts a node's devices in the
+        # tensor-parallel dimension: the ranks would share their batches)
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     torch.manual_seed(0)
     loader = torch.utils.data.DataLoader(
         Synthetic(8192), batch_size=a.batch_size, shuffle=True, num_workers=0
@@ -120,7 +144,7 @@ def main() -> None:
         accelerator="gpu" if torch.cuda.is_available() else "cpu",
         devices=int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
         num_nodes=max(1, world // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))),
-        strategy="ddp" if world > 1 else "auto",
+        strategy=strategy,
         max_steps=a.steps,
         accumulate_grad_batches=a.accumulation,
         logger=False,
@@ -136,7 +160,8 @@ def main() -> None:
             TrainwardenCallback(),  # trainwarden
         ],
     )
-    trainer.fit(TinyLM(work_ms=a.work_ms), loader, ckpt_path="last")  # a restarted job resumes
+    model = TinyLM(work_ms=a.work_ms, shard=a.strategy == "fsdp2")
+    trainer.fit(model, loader, ckpt_path="last")  # a restarted job resumes
 
 
 if __name__ == "__main__":

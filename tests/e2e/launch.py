@@ -41,10 +41,11 @@ def run_example(
     restarts: int = 0,
     env: dict[str, str] | None = None,
     timeout_s: float = 420,
+    args: tuple[str, ...] = (),
 ) -> int:
     """One of ``examples/``'s trainers under torchrun with 2 ranks, as a user runs it (the
     collector's URL and the run's name in the environment), with a fault ``drill``; its
-    output in ``log``; returns torchrun's exit code."""
+    output in ``log``; returns torchrun's exit code. ``args``: more of the example's own."""
     cmd = torchrun(
         2,
         str(example),
@@ -56,6 +57,7 @@ def run_example(
         "10",
         "--work-ms",
         "15",  # 40-50 ms steps: time for the collector's rollback round trips
+        *args,
         restarts=restarts,
     )
     environ = {
