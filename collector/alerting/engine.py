@@ -257,12 +257,24 @@ class AlertEngine:
     def _needs_of_due(self, rules: list[Rule]) -> Needs:
         """What this pass's rules need: a slow rule's window (DataLoaderStall's 20 steps
         of every rank) is read only on the passes that evaluate it. The columns stay
-        those of all rules, so the settled steps kept between passes stay usable."""
+        those of all rules, so the settled steps kept between passes stay usable.
+
+        The rows of steps still arriving (not rolled up yet) are read only for a
+        rank-scoped rule evaluated every pass: one evaluated every 15 s (a ``for`` of
+        minutes) gains nothing from rows a few seconds fresher, and they are read again
+        on every evaluation (once rolled up, a step is read once and kept). Past
+        capacity, with many steps arriving at once, DataLoaderStall's read of them took
+        1.4-1.9 s of PostgreSQL a call at 40,960 ranks (bench/results/ingest-cpu-2vcpu.txt)."""
         key = tuple(r.name for r in rules)
         needs = self._due_needs.get(key)
         if needs is None:
             needs = needs_of(rules, self.settings.hold_s)
             needs.step_cols = set(self.needs.step_cols) if needs.step_cols else set()
+            needs.steps_arriving = needs.steps_arriving and any(
+                self.period_s(r) <= self.settings.interval_s
+                for r in rules
+                if isinstance(r, (ThresholdRule, BaselineRule)) and r.params.scope == "rank"
+            )
             self._due_needs[key] = needs
         return needs
 

@@ -586,8 +586,30 @@ def test_a_rank_rule_that_must_hold_for_minutes_is_evaluated_every_for_over_20_s
     both = engine_._needs_of_due([RULES["DataLoaderStall"], RULES["Straggler"]])
     peer = engine_._needs_of_due([RULES["Straggler"]])
     assert (both.steps_back, peer.steps_back) == (20, 8)
-    assert both.steps_arriving and not peer.steps_arriving  # peers: rolled-up steps only
+    # Rolled-up steps only, for both: the peer rule's way, and a rule evaluated every 15 s
+    # gains nothing from steps still arriving (read again on every evaluation).
+    assert not both.steps_arriving and not peer.steps_arriving
     assert peer.step_cols == both.step_cols >= {"data_wait_s", "compute_s"}
+    # A rank rule evaluated every pass (a `for` of steps) reads the steps still arriving.
+    quick = parse_rule(
+        {
+            "name": "QuickStall",
+            "kind": "threshold",
+            "summary": "A rank waits for its input.",
+            "severity": "warning",
+            "runbook": "DataLoaderStall.md",
+            "params": {
+                "scope": "rank",
+                "metric": "data_wait",
+                "fraction_of_step": True,
+                "window": "5 steps",
+                "above": 0.2,
+            },
+            "for": "5 steps",
+        }
+    )
+    assert engine_.period_s(quick) == engine_.settings.interval_s
+    assert engine_._needs_of_due([quick, RULES["DataLoaderStall"]]).steps_arriving
 
 
 def test_a_run_rule_on_p99_sees_the_tail_the_median_hides(engine) -> None:
