@@ -12,9 +12,10 @@ from __future__ import annotations
 import logging
 import os
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import quote, unquote, urlsplit
 
 import dash
+import flask
 from dash import Input, Output, State, dcc, html
 
 from trainwarden.collector.read.queries import RUN_STATUS_HELP
@@ -97,6 +98,20 @@ def runs_table(client: Client) -> Any:
     return html.Table([html.Thead(header), html.Tbody(rows)], className="runs-table")
 
 
+def asked_page() -> tuple[str | None, str]:
+    """The path and query string (``"?..."`` or ``""``), as the browser's location has
+    them, of the page whose layout the browser asks for: Dash's ``_dash-layout`` request
+    is made by that page, which its Referer names (a same-origin request carries the whole
+    address by default). ``(None, "")`` outside a request, with no Referer, or with one
+    from another site (a proxy that rewrites the Host header, say)."""
+    if not flask.has_request_context() or not flask.request.referrer:
+        return None, ""
+    asked = urlsplit(flask.request.referrer)
+    if asked.netloc != flask.request.host or not asked.path.startswith("/"):
+        return None, ""
+    return asked.path, (f"?{asked.query}" if asked.query else "")
+
+
 def _run_names(client: Client) -> list[str]:
     try:
         return [r.name for r in client.list_runs()]
@@ -119,36 +134,75 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
     )
     install_partial_plotly(app)  # plotly.js: a custom bundle, preloaded (webui/plotly_js.py)
     replace_babel_polyfill(app)  # regenerator-runtime alone, not core-js too (webui/polyfill.py)
-    app.layout = html.Div(
-        [
-            dcc.Location(id="url"),
-            # "light" or "dark", kept in the browser; figures take it as an Input.
-            dcc.Store(id="theme", storage_type="local", data="light"),
-            html.Header(
-                [
-                    dcc.Link("trainwarden", href="/", className="brand"),
-                    dcc.Link("Runs", href="/", className="nav"),
-                    dcc.Link("Alerts", href="/alerts", className="nav"),
-                    html.A("Runbooks", href="/runbooks", className="nav"),
-                    html.Button(
-                        "◐ Theme", id="theme-toggle", className="theme-toggle", title="Light / dark"
-                    ),
-                ],
-                className="topbar",
-            ),
-            html.Main(id="page", className="page"),
-            dcc.Store(id="page-path"),
-        ]
+
+    def layout() -> html.Div:
+        # The page the browser is opening is in the layout already (see asked_page): its
+        # callbacks fire at load, not after a routing callback's round trip (whose pending
+        # ``children`` output would also hold every other callback back).
+        asked, search = asked_page()
+        path = shown = None
+        if asked is not None:
+            try:
+                path = (asked.rstrip("/") or "/") if asked else "/"
+                shown = page(path, search)
+            except Exception:  # the routing callback makes it, and says what is wrong
+                log.exception("page %s", asked)
+                path = shown = None
+        # With the page in the layout, the address is too: the Location reports no change
+        # when it mounts, so the routing callback does not fire (refresh=False: no value
+        # here ever sends the browser anywhere).
+        address = {"pathname": asked, "search": search} if path is not None else {}
+        return html.Div(
+            [
+                dcc.Location(id="url", refresh=False, **address),
+                # "light" or "dark", kept in the browser; figures take it as an Input.
+                dcc.Store(id="theme", storage_type="local", data="light"),
+                html.Header(
+                    [
+                        dcc.Link("trainwarden", href="/", className="brand"),
+                        dcc.Link("Runs", href="/", className="nav"),
+                        dcc.Link("Alerts", href="/alerts", className="nav"),
+                        html.A("Runbooks", href="/runbooks", className="nav"),
+                        html.Button(
+                            "◐ Theme",
+                            id="theme-toggle",
+                            className="theme-toggle",
+                            title="Light / dark",
+                        ),
+                    ],
+                    className="topbar",
+                ),
+                html.Main(id="page", className="page", children=shown),
+                dcc.Store(id="page-path", data=path),
+                dcc.Store(id="page-kick"),  # routes at load when the layout has no page
+            ]
+        )
+
+    app.layout = layout
+
+    # At load, the routing callback runs only when the layout came without the page (no
+    # Referer): a clientside callback starts it then.
+    app.clientside_callback(
+        """function(pathname, shown) {
+            return shown ? window.dash_clientside.no_update : (pathname || "/");
+        }""",
+        Output("page-kick", "data"),
+        Input("url", "pathname"),
+        State("page-path", "data"),
     )
 
     @app.callback(
         Output("page", "children"),
         Output("page-path", "data"),
         Input("url", "pathname"),
+        Input("page-kick", "data"),
         State("url", "search"),
         State("page-path", "data"),
+        prevent_initial_call=True,  # the layout has the first page (see layout)
     )
-    def route(pathname: str | None, search: str | None, shown: str | None) -> Any:
+    def route(
+        pathname: str | None, _kick: str | None, search: str | None, shown: str | None
+    ) -> Any:
         path = (pathname or "/").rstrip("/") or "/"
         if path == shown:  # only the query string changed: the page keeps what was typed
             return dash.no_update, dash.no_update

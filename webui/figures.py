@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import plotly.graph_objects as go
 
 from trainwarden.collector.read.schemas import Series
@@ -78,6 +80,25 @@ def empty_figure(message: str) -> go.Figure:
         ],
     )
     return fig
+
+
+def placeholder(message: str) -> dict[str, Any]:
+    """A graph's figure in a page's layout until its callback draws one: ``message`` on a
+    transparent card, as Plotly's JSON. Built as a go.Figure (:func:`empty_figure`), two of
+    them cost the overview's layout request ~0.15 s on 2 vCPU (their template serialized)."""
+    return {
+        "data": [],
+        "layout": {
+            "height": 260,
+            "xaxis": {"visible": False},
+            "yaxis": {"visible": False},
+            "paper_bgcolor": "rgba(0,0,0,0)",
+            "plot_bgcolor": "rgba(0,0,0,0)",
+            "annotations": [
+                {"text": message, "showarrow": False, "font": {"size": 14, "color": "#6b7280"}}
+            ],
+        },
+    }
 
 
 def band_figure(

@@ -30,6 +30,7 @@ from . import alerts, figures
 from . import collectives as coll
 from .client import Client
 from .components import ago, is_default_pick, notice, parse_user, run_tabs, user_choices
+from .first_graph import after_first
 from .gestures import hold_while_pointing
 from .hardware_figures import ACTION_TEXT, xid_rows
 from .overview_figures import (
@@ -533,6 +534,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             dcc.Store(id="run-xmap"),
             dcc.Store(id="run-drag"),  # the newest drag (x range) on the chart: see sync
             dcc.Store(id="run-tick"),  # the refresh ticks the charts take: see gestures
+            dcc.Store(id="run-drawn"),  # set once the chart's first figure is back
             html.Div(id="run-header", children=html.H2(name)),
             run_tabs(name, "Overview"),
             html.Div(id="run-notice"),
@@ -540,7 +542,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             toolbar,
             dcc.Graph(
                 id="run-overview",
-                figure=figures.empty_figure("Loading…"),
+                figure=figures.placeholder("Loading…"),
                 config={"displaylogo": False, "doubleClick": "autosize"},
             ),
             html.Div(
@@ -557,7 +559,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             ),
             dcc.Graph(
                 id="run-user",
-                figure=figures.empty_figure("Loading…"),
+                figure=figures.placeholder("Loading…"),
                 config={"displaylogo": False},
             ),
             html.Div(id="run-ranks"),
@@ -576,9 +578,11 @@ def register(app: dash.Dash, client: Client) -> None:
         Output("run-alerts", "children"),
         Output("run-ranks", "children"),
         Input("run-interval", "n_intervals"),
+        Input("run-drawn", "data"),  # the first call, once the chart's figure is back
         State("run-name", "data"),
+        prevent_initial_call=True,  # (see first_graph)
     )
-    def refresh_run(_n: int | None, name: str) -> Any:
+    def refresh_run(_n: int | None, _drawn: bool | None, name: str) -> Any:
         try:
             run = client.get_run(name)
             panel = ranks_panel(run, client.gpu(name, since=time.time() - 120), client.events(name))
@@ -678,6 +682,7 @@ def register(app: dash.Dash, client: Client) -> None:
             return dash.no_update
 
     hold_while_pointing(app, "run-interval", "run-tick")
+    after_first(app, ("run-range", "children"), "run-drawn")  # set by every draw()
 
     # A drag (or a double click) on the chart, numbered, into a store, in the browser:
     # only relayouts that set an x range, so that a refresh's redraw (its relayout holds

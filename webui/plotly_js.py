@@ -39,7 +39,14 @@ _HEAD = """
                         s.src = "{url}";
                         s.onload = function () { done(window.Plotly); };
                         s.onerror = function () { failed(new Error("cannot load " + s.src)); };
-                        document.head.appendChild(s);
+                        // At the first idle moment: after Dash has sent the callbacks that
+                        // asked for a graph (their figures are made while this runs).
+                        var run = function () { document.head.appendChild(s); };
+                        if (window.requestIdleCallback) {
+                            window.requestIdleCallback(run, {timeout: 500});
+                        } else {
+                            window.setTimeout(run, 0);
+                        }
                     });
                     return loading.then(ok, fail);
                 }};

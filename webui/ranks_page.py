@@ -35,7 +35,8 @@ from . import components
 from . import ranks_figures as rf
 from .client import Client, Refused, may_change
 from .components import is_default_pick, notice, parse_user, run_tabs
-from .figures import empty_figure, themed
+from .figures import empty_figure, placeholder, themed
+from .first_graph import after_first
 from .gestures import hold_while_pointing
 from .replicas import strips as replica_strips
 
@@ -287,11 +288,13 @@ def read_collectives(client: Client, name: str) -> tuple[str, str]:
 
 
 def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
-    graph = {"config": {"displaylogo": False}, "figure": empty_figure("Loading…")}
+    graph: dict[str, Any] = {"config": {"displaylogo": False}, "figure": placeholder("Loading…")}
     return html.Div(
         [
             # The page's own view of the URL: writing ?rank= / from / to does not reload.
-            dcc.Location(id="ranks-url", refresh=False),
+            # With the query string the page was opened with, it reports no change when it
+            # mounts: the rank states wait for the first heatmap (see first_graph).
+            dcc.Location(id="ranks-url", refresh=False, search=search or ""),
             dcc.Store(id="ranks-run", data=name),
             html.H2(name),
             run_tabs(name, "Ranks"),
@@ -312,6 +315,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             dcc.Store(id="ranks-coll-scrolled"),  # the address #ranks-collectives was scrolled to
             dcc.Store(id="ranks-heat-drawn"),  # the first heatmap is drawn: draw the others
             dcc.Store(id="ranks-heat-done"),  # and the last: draw the user metric's
+            dcc.Store(id="ranks-first"),  # set once the first heatmap is back
             dcc.Store(id="ranks-gestures"),  # clicks and zooms on the heatmaps: see follow
             dcc.Store(id="ranks-user-gestures"),  # and on the user metric's
             dcc.Store(id="ranks-gesture-applied"),  # the newest gesture in the URL
@@ -467,12 +471,17 @@ def register(app: dash.Dash, client: Client) -> None:
         )
         return options, figure
 
+    # The page's first call of the callbacks below waits for the first heatmap.
+    after_first(app, ("ranks-heat-drawn", "data"), "ranks-first")
+
     @app.callback(
         Output("ranks-replicas", "children"),
         Input("ranks-heat-interval", "n_intervals"),
+        Input("ranks-first", "data"),
         State("ranks-run", "data"),
+        prevent_initial_call=True,
     )
-    def draw_replicas(_n: int | None, name: str) -> Any:
+    def draw_replicas(_n: int | None, _first: bool | None, name: str) -> Any:
         return _guarded(
             "replica checks",
             name,
@@ -491,14 +500,17 @@ def register(app: dash.Dash, client: Client) -> None:
         Input("ranks-url", "search"),
         Input("theme", "data"),
         Input("ranks-coll-changed", "data"),
+        Input("ranks-first", "data"),
         State("ranks-run", "data"),
         State("ranks-coll-digest", "data"),
+        prevent_initial_call=True,
     )
     def refresh(
         _n: int | None,
         search: str | None,
         theme: str | None,
         _asked: int | None,
+        _first: bool | None,
         name: str,
         seen: str | None,
     ) -> Any:

@@ -24,7 +24,7 @@ from trainwarden.collector.read.queries import NotFound
 from . import timeline as view
 from .client import Client, Refused
 from .components import notice, run_tabs
-from .figures import empty_figure, themed
+from .figures import empty_figure, placeholder, themed
 from .gestures import hold_while_pointing
 
 log = logging.getLogger(__name__)
@@ -110,9 +110,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             html.Div(tools, id="tl-tools", className="toolbar", style=HIDDEN),
             html.Div(id="tl-feedback", role="status"),
             html.H3("Timeline"),
-            dcc.Graph(
-                id="tl-chart", config={"displaylogo": False}, figure=empty_figure("Loading…")
-            ),
+            dcc.Graph(id="tl-chart", config={"displaylogo": False}, figure=placeholder("Loading…")),
             html.Div(id="tl-entries"),
             dcc.Store(id="tl-changed", data=0),
             dcc.Store(id="tl-digest"),

@@ -166,7 +166,7 @@ def test_overview_draws_every_row_with_markers_and_updates_live(seeded: Server, 
         ".flatMap(t => t.x.map((x, i) => [x, t.text[i]]))"
     )
     assert [50, "alert FatalXid rank 1 (critical, firing)"] in alerts, alerts
-    assert "3 / 3" in page.locator("#run-header").inner_text()
+    page.locator("#run-header", has_text="3 / 3").wait_for(timeout=10_000)  # after the chart
     assert "Whole run: steps 0–59" in page.locator("#run-range").inner_text()
     if os.environ.get("TRAINWARDEN_SCREENSHOTS"):
         page.wait_for_timeout(500)
@@ -234,6 +234,37 @@ def test_a_shared_link_opens_zoomed_on_the_time_axis_with_its_rank(
     page.wait_for_function(f"{X_RANGES}.every(r => r[0] === 35 && r[1] === 45)", timeout=10_000)
     search = page.evaluate("location.search")
     assert "from=35" in search and "rank=1" in search
+    assert page.errors == []
+
+
+def test_the_chart_is_asked_for_first_and_links_still_route(seeded: Server, page: Any) -> None:
+    """The page opened is in Dash's layout (no routing callback at load), its chart's
+    figure is the first callback sent, and the header's comes after the chart's answer;
+    a link to another page still routes without a reload, and back again."""
+    sent: list[tuple[str, str]] = []  # (what, the callback's outputs) in order
+
+    def log(kind: str, r: Any) -> None:
+        if "_dash-update-component" in r.url:
+            sent.append((kind, str((r.post_data_json or {}).get("output", ""))))
+
+    page.on("request", lambda r: log("sent", r))
+    page.on("requestfinished", lambda r: log("done", r))
+    open_overview(page, f"{seeded.url}/runs/{RUN}")
+    page.locator("#run-header", has_text="3 / 3").wait_for(timeout=10_000)
+    outputs = [out for kind, out in sent if kind == "sent"]
+    assert not any("page.children" in out for out in outputs), outputs
+    assert "run-overview.figure" in outputs[0], outputs
+    header_sent = sent.index(next(e for e in sent if e[0] == "sent" and "run-header" in e[1]))
+    chart_done = sent.index(next(e for e in sent if e[0] == "done" and "run-overview" in e[1]))
+    assert chart_done < header_sent, sent
+    # A tab is a dcc.Link: the routing callback draws the ranks page, in the same document.
+    page.evaluate("window._sameDocument = true")
+    page.get_by_role("link", name="Ranks").click()
+    page.wait_for_selector("#ranks-step_time .hm image", state="attached", timeout=20_000)
+    assert any("page.children" in out for kind, out in sent if kind == "sent")
+    page.go_back()
+    page.wait_for_selector("#run-overview .scatterlayer .trace path", state="attached")
+    assert page.evaluate("window._sameDocument") is True
     assert page.errors == []
 
 
