@@ -15,9 +15,12 @@ draw: add it to ``webui/plotly_bundle.js`` and rebuild.
 The page's head preloads the bundle (it downloads alongside Dash's own scripts), and
 ``window.Plotly`` starts as a promise of it: dcc.Graph draws with ``window.Plotly`` when it
 is set (``Promise.resolve(window.Plotly || <fetch the full bundle>)``, and Promise.resolve
-waits on a thenable), so the full bundle is never fetched. The bundle runs when the first
-graph asks for it: while the server computes that graph's figure, not before Dash has asked
-for it (run at once, it held up the page's first callbacks by its 0.4 s).
+waits on a thenable), so the full bundle is never fetched. The bundle runs at the first idle
+moment after the first graph asks for it (``requestIdleCallback``, 500 ms at most): by then
+Dash has sent the page's first callbacks, and the server makes their figures while it runs.
+Run in the page's head, it held the page's first callbacks up by its 0.2-0.4 s; run the
+moment the graph asked, it still ran before Dash sent the figure's callback (Dash sends a
+callback whose output is a graph once the graph is ready).
 """
 
 from __future__ import annotations
