@@ -7,10 +7,12 @@ back with a new process session is recorded as a ``restart`` event.
 
 from __future__ import annotations
 
+import itertools
 import time
 import weakref
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import (
@@ -25,7 +27,6 @@ from sqlalchemy import (
 
 from trainwarden.collector.ingest import attempts, replicas, samples
 from trainwarden.collector.ingest.ranks import (
-    _HEAD_COLUMNS,
     _newest,
     _run_id,
     _track_ranks,
@@ -75,24 +76,48 @@ class _Request:
 
 
 _STEP_FIELDS = tuple(StepIn.model_fields)
+_step_values = itemgetter(*_STEP_FIELDS)
+
+
+def _one(value: Any) -> list[Any]:
+    return [value]
+
+
+def _merged_steps(group: list[_Request]) -> dict[str, list[Any]]:
+    """The step columns of several requests of one run as one set of columns, in the
+    requests' order (a column one of them did not send is NULL in its rows)."""
+    if len(group) == 1:
+        return group[0].steps
+    names = dict.fromkeys(itertools.chain.from_iterable(req.steps for req in group))
+    return {
+        name: list(
+            itertools.chain.from_iterable(
+                req.steps.get(name) or [None] * len(req.steps["step"]) for req in group
+            )
+        )
+        for name in names
+    }
 
 
 def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
     if isinstance(batch, IngestBatch):
         a = batch.agent
-        dumped = [s.model_dump() for s in batch.steps]
-        steps = {
-            "rank": [a.rank] * len(dumped),
-            **{name: [d[name] for d in dumped] for name in _STEP_FIELDS},
-        }
-        numbers = steps["step"]
+        # The fields' values as validated (a StepIn holds plain values: no model_dump copy).
+        rows = [_step_values(s.__dict__) for s in batch.steps]
+        steps = {"rank": [a.rank] * len(rows)}
+        if len(rows) == 1:  # one step a request: a rank's agent each second
+            steps.update(zip(_STEP_FIELDS, map(_one, rows[0]), strict=True))
+        elif rows:
+            steps.update(zip(_STEP_FIELDS, map(list, zip(*rows, strict=True)), strict=True))
+        numbers = steps.get("step", ())
+        held = a.__dict__
         return _Request(
             batch.run,
             a.world_size,
-            {name: [getattr(a, name)] for name in AGENT_FIELDS},
+            {name: [held[name]] for name in AGENT_FIELDS},
             [max(numbers, default=None)],
             [min(numbers, default=None)],
-            steps if dumped else {},
+            steps if rows else {},
             a,
             batch.events,
             batch.gpu,
@@ -156,15 +181,17 @@ def store_many(
             run_ids[req.run] = _run_id(conn, name=req.run, world_size=req.world_size, now=now)
 
     # Ranks: each run's headers column-wise (a list a field, not an object a rank).
-    by_run: dict[int, dict[str, list[Any]]] = {}
+    of_run: dict[int, list[tuple[_Request, float]]] = defaultdict(list)
     for req, at in zip(requests, when, strict=True):
-        heads = by_run.get(run_ids[req.run])
-        if heads is None:
-            heads = by_run[run_ids[req.run]] = {name: [] for name in _HEAD_COLUMNS}
-        for name in AGENT_FIELDS:
-            heads[name] += req.heads[name]
-        heads["top"] += req.top
-        heads["arrived"] += [at] * len(req.top)
+        of_run[run_ids[req.run]].append((req, at))
+    by_run: dict[int, dict[str, list[Any]]] = {}
+    for run_id, sent in of_run.items():
+        heads = by_run[run_id] = {
+            name: list(itertools.chain.from_iterable(req.heads[name] for req, _ in sent))
+            for name in AGENT_FIELDS
+        }
+        heads["top"] = list(itertools.chain.from_iterable(req.top for req, _ in sent))
+        heads["arrived"] = [at for req, at in sent for _ in req.top]
     high_steps: dict[tuple[int, int], int | None] = {}
     for run_id in sorted(by_run):
         known = _track_ranks(conn, run_id=run_id, heads=_newest(by_run[run_id]), now=now)
@@ -178,16 +205,20 @@ def store_many(
     checks: list[dict[str, Any]] = []  # replica fingerprints, on checked steps
     digests: list[dict[str, Any]] = []  # sample digests, on steps that sent ids
     sources: list[dict[str, Any]] = []  # tokens by data source, on steps that sent them
+    with_steps: dict[str, list[_Request]] = defaultdict(list)
     for req in requests:
         if not req.steps:
             accepted_steps.append(0)
             continue
         accepted_steps.append(len(set(zip(req.steps["rank"], req.steps["step"], strict=True))))
-        for name, values in _step_columns(run_ids[req.run], req.steps, now).items():
+        with_steps[req.run].append(req)
+    for run, group in with_steps.items():  # a run's requests' rows at once
+        steps, run_id = _merged_steps(group), run_ids[run]
+        for name, values in _step_columns(run_id, steps, now).items():
             merged[name] += values
-        checks += replicas.checks_of(run_ids[req.run], req.steps, now)
-        digests += samples.digests_of(run_ids[req.run], req.steps, now)
-        sources += samples.sources_of(run_ids[req.run], req.steps)
+        checks += replicas.checks_of(run_id, steps, now)
+        digests += samples.digests_of(run_id, steps, now)
+        sources += samples.sources_of(run_id, steps)
     keys = list(zip(merged["run_id"], merged["rank"], merged["step"], strict=True))
     if len(set(keys)) < len(keys):
         latest: dict[tuple[int, int, int], int] = {}
