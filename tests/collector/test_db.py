@@ -29,14 +29,16 @@ def test_fetch_rows_reads_what_sqlalchemy_reads(engine) -> None:  # type: ignore
     with write(engine) as conn:
         conn.execute(update(m.ranks).where(m.ranks.c.rank == 1).values(gpu={"uuid": "GPU-1"}))
     r, k = m.rank_steps.c, m.ranks.c
+    with engine.connect() as conn:  # the run's id: not assumed (another test's leftovers)
+        run_id = conn.execute(select(m.runs.c.id).where(m.runs.c.name == "r1")).scalar_one()
     queries = [
         select(r.rank, r.step, r.ts, r.loss, r.tokens, func.coalesce(r.loss, r.duration_s))
-        .where(r.run_id == 1, r.step.in_([1, 2, 3]), r.step.not_in([3]))
+        .where(r.run_id == run_id, r.step.in_([1, 2, 3]), r.step.not_in([3]))
         .order_by(r.step, r.rank),
         select(k.rank, k.host, k.gpu["uuid"].as_string(), k.session, k.last_step)
-        .where(k.run_id == 1)
+        .where(k.run_id == run_id)
         .order_by(k.rank),
-        select(r.rank, r.step).where(r.run_id == 2),  # nothing
+        select(r.rank, r.step).where(r.run_id == run_id + 1),  # nothing
     ]
     with engine.connect() as conn:
         for query in queries:
