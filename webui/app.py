@@ -98,6 +98,11 @@ def runs_table(client: Client) -> Any:
     return html.Table([html.Thead(header), html.Tbody(rows)], className="runs-table")
 
 
+def page_path(pathname: str | None) -> str:
+    """The page a location's path names, as the routing keeps it (no trailing slash)."""
+    return (pathname or "/").rstrip("/") or "/"
+
+
 def asked_page() -> tuple[str | None, str]:
     """The path and query string (``"?..."`` or ``""``), as the browser's location has
     them, of the page whose layout the browser asks for: Dash's ``_dash-layout`` request
@@ -143,7 +148,7 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         path = shown = None
         if asked is not None:
             try:
-                path = (asked.rstrip("/") or "/") if asked else "/"
+                path = page_path(asked)
                 shown = page(path, search)
             except Exception:  # the routing callback makes it, and says what is wrong
                 log.exception("page %s", asked)
@@ -203,7 +208,7 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
     def route(
         pathname: str | None, _kick: str | None, search: str | None, shown: str | None
     ) -> Any:
-        path = (pathname or "/").rstrip("/") or "/"
+        path = page_path(pathname)
         if path == shown:  # only the query string changed: the page keeps what was typed
             return dash.no_update, dash.no_update
         return page(path, search), path
