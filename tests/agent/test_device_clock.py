@@ -110,5 +110,9 @@ def test_marks_under_cuda_graph_capture_are_left_out(gpu_agent: Any) -> None:
     (step,) = gpu_agent.steps()
     assert "issues" not in step, step
     assert step["duration_s"] > 0.04 * SLOWER * 0.95  # the GPU's clock (3x), not the host's
-    assert step["fwd_s"] == pytest.approx(step["duration_s"], rel=0.01)  # no backward mark
+    # No backward mark: forward runs to the step's end, over both sleeps. The time
+    # before the forward mark is "other" (under a loaded worker it was 0.6 ms, 2 % of
+    # the GPU's 120 ms, in CI): the phases still add up to the step.
     assert step["bwd_s"] == 0
+    assert step["fwd_s"] > 0.04 * SLOWER * 0.95
+    assert step["fwd_s"] + step["other_s"] == pytest.approx(step["duration_s"], abs=1e-6)
