@@ -127,10 +127,38 @@ def seeded(dsn: str) -> bool:
             return False
 
 
-def first_graph(browser, url: str) -> float:  # type: ignore[no-untyped-def]
+# Where a visit's time went: each request's start and end, and the main thread's long tasks.
+TIMELINE = """() => ({
+    requests: performance.getEntriesByType('resource').map(e => ({
+        name: e.name.replace(/^https?:\\/\\/[^/]+/, '').split('?')[0],
+        start: e.startTime, end: e.responseEnd, size: e.encodedBodySize})),
+    longtasks: (window.__twLong || []),
+})"""
+OBSERVE_LONG = """window.__twLong = [];
+new PerformanceObserver(l => l.getEntries().forEach(e => window.__twLong.push(
+    {start: e.startTime, end: e.startTime + e.duration})))
+    .observe({type: 'longtask', buffered: true});"""
+
+
+def show_timeline(drawn_ms: float, timeline: dict) -> None:  # type: ignore[type-arg]
+    """One visit's requests (ms from navigation: start -> end, size) and long tasks."""
+    print(f"    drawn at {drawn_ms:.0f} ms")
+    for r in timeline["requests"]:
+        if r["start"] <= drawn_ms:
+            name = r["name"][-48:]
+            print(f"      {r['start']:6.0f} -> {r['end']:6.0f}  {r['size']:>9,} B  {name}")
+    busy = [t for t in timeline["longtasks"] if t["start"] <= drawn_ms]
+    total = sum(t["end"] - t["start"] for t in busy)
+    spans = ", ".join(f"{t['start']:.0f}-{t['end']:.0f}" for t in busy)
+    print(f"      long tasks before the draw: {total:.0f} ms ({spans})")
+
+
+def first_graph(browser, url: str, timeline: bool = False) -> float:  # type: ignore[no-untyped-def]
     """Seconds from navigation start to the first drawn graph, in a fresh page (a new
-    browser context: an empty cache)."""
+    browser context: an empty cache). ``timeline``: print where the time went."""
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    if timeline:
+        page.add_init_script(OBSERVE_LONG)
     errors: list[str] = []
     page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
     page.on("pageerror", lambda e: errors.append(str(e)))
@@ -138,6 +166,8 @@ def first_graph(browser, url: str) -> float:  # type: ignore[no-untyped-def]
         page.goto(url, wait_until="commit")
         page.wait_for_function(DRAWN, timeout=60_000, polling=20)
         elapsed_ms = page.evaluate("performance.now()")  # since this navigation started
+        if timeline:
+            show_timeline(elapsed_ms, page.evaluate(TIMELINE))
         if errors:
             raise RuntimeError(f"console errors on {url}: {errors[:3]}")
         # The page's other callbacks (the ranks page's three other heatmaps) finish before
@@ -157,6 +187,11 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--keep", default=None, help="seed a database of this name once and reuse it")
     p.add_argument("--seed-only", action="store_true", help="seed (with --keep) and stop")
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print each visit's requests and the browser's long tasks up to the first graph",
+    )
     args = p.parse_args()
     with (
         kept_database(args.db, args.keep) if args.keep else scratch_database(args.db) as (
@@ -179,8 +214,8 @@ def main() -> None:
             )
             worst = 0.0
             for name, path in PAGES:
-                cold = first_graph(browser, url + path)
-                warm = [first_graph(browser, url + path) for _ in range(args.repeat)]
+                cold = first_graph(browser, url + path, args.timeline)
+                warm = [first_graph(browser, url + path, args.timeline) for _ in range(args.repeat)]
                 worst = max(worst, cold, *warm)
                 print(
                     f"  {name:<14} first visit {cold:5.2f} s   "
