@@ -78,6 +78,8 @@ def test_one_figure_with_every_row_on_one_shared_x_axis() -> None:
     assert fig.layout.uirevision == "r|step"  # live refresh keeps hidden traces and zoom
     assert fig.layout.yaxis4.fixedrange  # a drag selects steps, not values
     assert fig.layout.xaxis6.title.text == "step"
+    # Fixed margins: Plotly draws once, without measuring every tick label for them.
+    assert not fig.layout.yaxis4.automargin and not fig.layout.xaxis6.automargin
 
 
 def test_breakdown_other_is_what_the_slowest_rank_holds_beyond_compute_and_exposed_comm() -> None:
@@ -139,6 +141,7 @@ def test_time_axis_places_everything_at_its_time() -> None:
     markers = [Marker("action", T0 + 9, None, "action stop done", "good")]
     fig = overview_figure(Overview(series=full(), markers=markers), axis="time")
     assert fig.layout.xaxis6.title.text == "time"
+    assert fig.layout.xaxis6.automargin  # a date's labels take two lines: room made below
     assert traces(fig, 2)[0].x[0] == dt.datetime.fromtimestamp(T0)
     assert list(traces(fig, 1)[0].x) == [dt.datetime.fromtimestamp(T0 + 9)]
 

@@ -95,6 +95,22 @@ def test_a_heatmap_of_zeros_is_pale_not_the_middle_of_a_scale() -> None:
     assert "zmin" not in rf.heatmap_figure(some, title="t", theme="light", revision="r")["data"][0]
 
 
+def test_the_margins_are_fixed_and_fit_the_widest_rank_number() -> None:
+    """Plotly is not asked to measure the labels (a second draw): the left margin is made
+    for the rank numbers' width, so a 5-digit rank is not cut off; a date axis, whose
+    labels take two lines, keeps its automatic margin below."""
+
+    def layout(ranks: list[int], x_title: str = "step") -> dict[str, Any]:
+        grid = rf.Grid(ranks=ranks, x=[0.0], width=16, values=[[1.0]] * len(ranks), unit="s")
+        fig = rf.heatmap_figure(grid, title="t", theme="light", revision="r", x_title=x_title)
+        return fig["layout"]
+
+    small, large = layout([0, 7]), layout([0, 16_383])
+    assert small["yaxis"]["automargin"] is False and small["xaxis"]["automargin"] is False
+    assert large["margin"]["l"] >= small["margin"]["l"] + 4 * 7  # four more digits
+    assert layout([3, 9], x_title="time")["xaxis"]["automargin"] is True
+
+
 def test_empty_heatmap_says_what_to_wait_for() -> None:
     for grid in (rf.grid_of(heatmap([])), rf.grid_of(heatmap([[None, None]]))):
         fig = rf.heatmap_figure(
