@@ -9,8 +9,12 @@ compares the steps not yet compared, within each group:
 - a strict majority: the ranks outside it are **suspects**; no strict majority (a group
   of two that disagrees, a tie): every rank is a suspect, and the next checks decide;
 - a member that sent no fingerprint is left out of that comparison (``missing``), not
-  called a suspect. A step is compared once every member's fingerprint came, or
-  :data:`GRACE_S` after its first did, or once a later check of the group arrived;
+  called a suspect. A step is compared once every member's fingerprint came, or once
+  every missing member has reported a later step (its fingerprint rides on the step's
+  record: it will not come), or :data:`GRACE_S` after the first fingerprint came. Ranks
+  send on their own schedules: a later check of the group from the ranks ahead is no
+  sign that the others' checks of this step are in (deciding on it named a correct rank
+  of a disagreeing pair, in CI);
 - a rank that went back (a rollback or restart: its last step is before this one) has
   sent the earlier execution's fingerprint: it is not compared with a replay's, but
   waited for (the replay's replaces it, and the step is compared again).
@@ -74,6 +78,13 @@ def compare(
     decided = exists().where(
         and_(r.run_id == c.run_id, r.step == c.step, r.replica_group == c.replica_group)
     )
+    # Each rank's last step, read before the checks: a check is stored in the transaction
+    # that stores its step, so every check of a rank up to this step is read below.
+    k = m.ranks.c
+    at: dict[int, int | None] = {
+        rank: last
+        for rank, last in conn.execute(select(k.rank, k.last_step).where(k.run_id == run_id))
+    }
     rows = conn.execute(
         select(
             c.step,
@@ -95,16 +106,10 @@ def compare(
     t = m.attempts.c
     restarted_at = conn.execute(select(func.max(t.started_at)).where(t.run_id == run_id)).scalar()
     stale: set[tuple[str, int]] = set()
-    k = m.ranks.c
-    at: dict[int, int | None] = {
-        rank: last
-        for rank, last in conn.execute(select(k.rank, k.last_step).where(k.run_id == run_id))
-    }
     pending: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
     probes: dict[tuple[str, int], dict[int, Probe]] = defaultdict(dict)
     first_seen: dict[tuple[str, int], float] = {}
     ran_at: dict[tuple[str, int], float] = {}  # when the step ran (its ranks' clocks)
-    newest: dict[str, int] = {}
     for step, rank, group, fp, recv, probe, sums, rtol, ts in rows:
         last = at.get(rank)
         if last is not None and last < step:
@@ -118,7 +123,6 @@ def compare(
             probes[(group, step)][rank] = Probe(probe, sums, rtol or 0.0)
         first_seen[(group, step)] = min(first_seen.get((group, step), recv), recv)
         ran_at[(group, step)] = max(ran_at.get((group, step), ts), ts)
-        newest[group] = max(newest.get(group, step), step)
     events: list[dict[str, Any]] = []
     for (group, step), prints in sorted(pending.items(), key=lambda kv: kv[0][1]):
         members = _members(group, world)
@@ -127,8 +131,8 @@ def compare(
         due = (
             ended
             or not missing
+            or all((at.get(rank) or -1) > step for rank in missing)  # past it, without one
             or now - first_seen[(group, step)] >= GRACE_S
-            or newest[group] > step
             or not members
         )
         if not due:

@@ -95,6 +95,34 @@ def test_a_rank_that_sent_none_is_left_out_not_a_suspect(engine) -> None:
     assert divergences(engine) == []
 
 
+def test_a_step_waits_for_the_ranks_behind_though_a_later_check_came(engine) -> None:
+    """Ranks send on their own schedules: ranks 1 and 2 have sent steps 10-30 while 0 and
+    3 have sent step 10 only. Step 20 waits for 0 and 3 (compared without them, the pair
+    of 1, which diverged, and 2 had no majority, and rank 2 was named too: in CI)."""
+    for rank in (1, 2):
+        fps = [GOOD, BAD if rank == 1 else GOOD, BAD if rank == 1 else GOOD]
+        send(
+            engine, rank, [checked(s, fp) for s, fp in zip((10, 20, 30), fps, strict=True)], T0 + 1
+        )
+    for rank in (0, 3):
+        send(engine, rank, [checked(10, GOOD)], T0 + 1)
+    evaluated(engine, T0 + 2)
+    assert results(engine) == [(10, True, [], [])]
+    for rank in (0, 3):
+        send(engine, rank, [checked(20, GOOD), checked(30, GOOD)], T0 + 3)
+    evaluated(engine, T0 + 4)
+    assert results(engine) == [(10, True, [], []), (20, False, [1], []), (30, False, [1], [])]
+    assert [(r, s) for r, s, _, _ in divergences(engine)] == [(1, 20), (1, 30)]
+
+
+def test_a_rank_past_the_step_without_its_check_is_not_waited_for(engine) -> None:
+    for rank in range(3):
+        send(engine, rank, [checked(10, GOOD)], T0 + 1)
+    send(engine, 3, [step(10), step(11)], T0 + 1)  # ran step 10, sent no fingerprint of it
+    evaluated(engine, T0 + 2)
+    assert results(engine) == [(10, True, [], [3])]  # not GRACE_S later
+
+
 def test_a_group_of_two_that_disagrees_makes_both_suspects(engine) -> None:
     send(engine, 0, [checked(10, GOOD, "0-1")], T0 + 1, world=2)
     send(engine, 1, [checked(10, BAD, "0-1")], T0 + 1, world=2)
