@@ -658,7 +658,8 @@ def overview_figure(
     for row in range(1, len(ROWS) + 1):
         x, y = _axes(row)
         yaxis, xaxis = layout[y.replace("y", "yaxis", 1)], layout[x.replace("x", "xaxis", 1)]
-        # The margins are fixed (their 64 px take a y tick label of eight characters), and
+        # The margins are fixed (64 px on the left: room for short tick labels such as
+        # "10M", "40%" or "0.25", as plotly formats them), and
         # tick labels are not tested for overflowing the page: plotly.js measures every
         # label again as each one is placed, then draws again for the margins it finds.
         # Both cost 70 ms of a 250 ms first draw in Chromium (2026-11-27). A date axis's

@@ -233,7 +233,7 @@ def heatmap_figure(
     # the right: plotly.js measured the labels and drew again for margins that fit them,
     # 60 of a 220 ms first draw of 1,024 ranks in Chromium (2026-11-27). A date axis's
     # labels take two lines: the margin below then grows to fit them.
-    digits = len(str(max((abs(r) for r in grid.ranks), default=0)))
+    digits = len(str(max(grid.ranks, default=0)))
     layout: dict[str, Any] = {
         "title": {"text": title, "x": 0.01, "font": {"size": 15}},
         "height": min(640, max(220, 90 + 14 * len(grid.ranks))),
