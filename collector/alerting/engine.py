@@ -628,8 +628,10 @@ class AlertEngine:
             e.changes.update(notified="firing", notified_as=e.row.fingerprint, last_sent_at=now)
         resolving = [e for e in entries if e.status == "resolved"]
         ended = [e for e in resolving if e.row.notified_as == gfp]
+        # The others (``e not in ended`` compared whole entries: quadratic in a storm's
+        # thousands of alerts, a fifth of the alert thread's time past capacity).
         for e in resolving:
-            if e not in ended:
+            if e.row.notified_as != gfp:
                 notes.append(self._notification(e.row, e.labels, "resolved"))
                 e.changes.update(notified="resolved", last_sent_at=now)
         # A group's members that end while it is still open wait, paged as firing, for

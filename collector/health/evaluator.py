@@ -35,11 +35,11 @@ import time
 import uuid
 import weakref
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, bindparam, func, or_, select, text, update
+from sqlalchemy import Connection, Engine, bindparam, false, func, or_, select, text, update
 
 from trainwarden.alerts.evaluate import LIVE_STATES, median_without
 from trainwarden.collector.health import coverage, hang, mixture, replicas, samples
@@ -335,6 +335,22 @@ _RANK_FIELDS = (
 )
 
 
+MAX_RANK_RUNS = 64  # runs of heard ranks a query names at most
+
+
+def rank_runs(ranks: Iterable[int]) -> list[tuple[int, int]]:
+    """Ranks as the fewest runs of consecutive ones, (first, last) each, in order: the
+    ranks refused past capacity (thousands) as a handful of ranges in SQL, not as a
+    bound value each to compile and send on every evaluation."""
+    runs: list[tuple[int, int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], rank)
+        else:
+            runs.append((rank, rank))
+    return runs
+
+
 def evaluate(
     conn: Connection,
     *,
@@ -394,8 +410,12 @@ def evaluate(
         # (a crashed run of 16,384 ranks would otherwise be read and decided again on every
         # evaluation, for as long as the run is watched). _states still blames it (still_dead).
         still_dead = (k.state == "dead") & silent
-        if heard_ranks:
-            still_dead = still_dead & k.rank.not_in(list(heard_ranks))
+        if heard_ranks:  # as runs of ranks: a refused node's are consecutive
+            spans = rank_runs(heard_ranks)
+            if len(spans) <= MAX_RANK_RUNS:
+                still_dead = still_dead & ~or_(*(k.rank.between(lo, hi) for lo, hi in spans))
+            else:  # scattered: read the silent dead ranks too (what this saves is not worth it)
+                still_dead = false()
         query = select(*(k[c] for c in _RANK_FIELDS)).where(
             k.run_id == run_id, k.state.in_(LIVE), ~still_dead
         )

@@ -7,6 +7,7 @@ import time
 import pytest
 from sqlalchemy import select
 
+from trainwarden.collector.health import evaluator as health
 from trainwarden.collector.health.evaluator import HealthSettings, evaluate
 from trainwarden.collector.ingest.batches import ingest
 from trainwarden.collector.ingest.schemas import IngestBatch
@@ -140,6 +141,29 @@ def test_a_silent_dead_run_is_not_read_again_and_a_rank_heard_again_comes_back(
     send(engine, rank=0, steps=[step(10)], at=T0 + 62)
     assert states(engine, T0 + 62)[0][0] == "healthy"
     assert decided == [[1], [0, 1]]
+
+
+def test_dead_ranks_heard_in_runs_or_scattered_come_back_and_the_others_stay_dead(engine) -> None:
+    """Past capacity thousands of ranks are heard (refused, alive): they are named to
+    the query as runs of ranks, or, scattered, not named at all (every silent dead rank
+    read); either way exactly the heard ones come back."""
+    world = 200
+    for rank in range(world):
+        send(engine, rank=rank, world=world, steps=[step(0)], at=T0 + 10)
+    assert {s for s, _ in states(engine, T0 + 20).values()} == {"dead"}
+    in_runs = {r: T0 + 30.0 for r in [*range(10, 60), *range(100, 150)]}
+    result = evaluated(engine, T0 + 31, heard=lambda run: in_runs)
+    assert {r for r, s in result.items() if s == "healthy"} == set(in_runs)
+    scattered = {r: T0 + 40.0 for r in range(1, world, 2)}  # 100 runs of one: past the cap
+    assert len(health.rank_runs(scattered)) > health.MAX_RANK_RUNS
+    result = evaluated(engine, T0 + 41, heard=lambda run: scattered)
+    assert {r for r, s in result.items() if s == "healthy"} == set(scattered)
+
+
+def test_rank_runs_are_the_fewest_ranges_in_order() -> None:
+    assert health.rank_runs([]) == []
+    assert health.rank_runs({7, 3, 4, 5, 9, 10, 0}) == [(0, 0), (3, 5), (7, 7), (9, 10)]
+    assert health.rank_runs(range(4096)) == [(0, 4095)]
 
 
 def test_a_hung_rank_is_the_culprit_and_its_peer_the_victim(engine) -> None:
