@@ -3,7 +3,7 @@
     python bench/ingest.py [--db postgresql+psycopg://postgres@127.0.0.1:5432/test]
                            [--ranks 1024] [--ranks-per-node 8] [--duration 30]
                            [--user-metrics 6] [--after-crash] [--no-relay]
-                           [--sample-ids 512 [--rounds 1]]
+                           [--sample-ids 512 [--rounds 1]] [--replay]
 
 (a) raw binary COPY of the same wide rows into a table with rank_steps' key: the limit
     (the user metrics as one JSONB object a row, as rank_steps keeps them);
@@ -20,6 +20,13 @@ Prints points/s for each and the ratios.
 with no goodbye (a job that crashed whole: a RankDead alert a rank, one incident), waits
 75 s, and measures a second run (its restart under a new name) beside it: what a crashed
 job costs the collector while the runs still sending are ingested.
+
+``--replay``: (b)'s load generator keeps a refused request (503 past capacity) and sends
+it again after the answer's Retry-After, with its node's newer ones after it, as agents'
+spools do, and drains what is left after the last step. (b) then prints the rows/s taken
+while the load was offered, p95 from a step's end to the collector's 200 for the requests
+taken at the first try (rows are queryable once answered: the answer follows the commit),
+how late the replayed ones were, and the run's rows in the database against those offered.
 
 ``--sample-ids N``: what sample ids cost the collector (issue 35). (b) runs twice in the
 same invocation, back to back: without ids, and with N ids a row (each rank's step
@@ -130,8 +137,12 @@ def end_to_end(
     sample_ids: int = 0,
     pg_dsn: str | None = None,
     statements: bool = False,
+    replay: bool = False,
 ) -> dict[str, Any]:
-    """``pg_dsn``: the database's libpq DSN, to measure also the CPU of its own PostgreSQL
+    """``replay``: the load generator sends a refused request again after Retry-After,
+    as agents' spools do (:func:`run_loadgen`); rows/s is then what was taken while the
+    load was offered, and the stored rows are counted in the database. ``pg_dsn``: the
+    database's libpq DSN, to measure also the CPU of its own PostgreSQL
     backends and of the server's shared background processes (``pg_cpu_us_per_row``);
     with ``statements``, also where its time went, by statement (``pg_stat_statements``)."""
     with serving_process(db_url, log_name="bench-ingest") as (url, serve):
@@ -215,6 +226,7 @@ def end_to_end(
             user_metrics=user,
             per_rank=per_rank,
             sample_ids=sample_ids,
+            replay=replay,
         )
         used = [
             b - a
@@ -235,9 +247,11 @@ def end_to_end(
             seen[s] - max(sent[s]) for s in seen if s in sent and len(sent[s]) == senders
         )
         p95 = delays[min(len(delays) - 1, int(0.95 * len(delays)))] if delays else float("nan")
+        seconds = result.seconds_offered if replay else result.seconds
+        rows = result.rows_in_window if replay else result.rows
         return {
-            "points_per_s": result.points / result.seconds,
-            "rows_per_s": result.rows / result.seconds,
+            "points_per_s": rows * result.metrics_per_row / seconds,
+            "rows_per_s": rows / seconds,
             "offered_rows_per_s": float(ranks),
             "failed": float(result.requests_failed),
             "p95_queryable_s": p95,
@@ -252,7 +266,43 @@ def end_to_end(
             "seconds": result.seconds,
             "rows": result.rows,
             "statements": by_statement,
+            "replay": _replay_outcome(db_url, run, result) if replay else None,
         }
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _replay_outcome(db_url: str, run: str, result: Any) -> dict[str, float]:
+    """With the load generator's replay: how fresh the rows taken at once were, how
+    late the replayed ones, and whether every row offered was stored once."""
+    engine = make_engine(db_url)
+    with engine.connect() as conn:
+        stored, distinct = conn.execute(
+            text(
+                "SELECT count(*), count(DISTINCT (s.rank, s.step)) FROM rank_steps s "
+                "JOIN runs r ON r.id = s.run_id WHERE r.name = :n"
+            ),
+            {"n": run},
+        ).one()
+    engine.dispose()
+    return {
+        "fresh_p95_s": _quantile(result.fresh_s, 0.95),
+        "fresh_p50_s": _quantile(result.fresh_s, 0.5),
+        "fresh_n": float(len(result.fresh_s)),
+        "replayed_n": float(result.requests_replayed),
+        "replayed_p95_s": _quantile(result.replayed_s, 0.95),
+        "offered_s": result.seconds_offered,
+        "last_taken_s": result.last_taken_s,
+        "unsent": float(result.rows_unsent),
+        "offered_rows": float(result.ranks * result.steps),
+        "stored": float(stored),
+        "duplicated": float(stored - distinct),
+        "own_lag_p95_s": _quantile(result.own_lag_s, 0.95),
+        "own_lag_max_s": max(result.own_lag_s, default=float("nan")),
+    }
 
 
 def _reset_statements(dsn: str) -> None:
@@ -369,12 +419,36 @@ def print_end_to_end(args: argparse.Namespace, e2e: dict[str, Any], label: str) 
             f"over {e2e['steps_measured']:.0f} steps "
             f"(target <= 2 s); request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
         )
+    elif e2e.get("replay") is not None:  # steps completed late, past the probe's window
+        print(
+            f"    p95 step complete -> queryable: not measured, no step had every rank's row "
+            f"while the probe watched (the last 20 steps, until 3 s after the last take); "
+            f"request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
+        )
     else:  # past saturation: the load generator does not send a refused request again
         print(
             f"    p95 step complete -> queryable: not measured, no step had every rank's row "
             f"(the collector did not take {e2e['failed']:.0f} requests (503 when busy), "
-            f"which agents send again and the load generator does not); "
+            f"which agents send again and the load generator does not without --replay); "
             f"request p95 {e2e['request_p95_s'] * 1000:.0f} ms"
+        )
+    if (rp := e2e.get("replay")) is not None:
+        print(
+            f"    replay (refused requests sent again after Retry-After, as agents' spools do): "
+            f"{rp['fresh_n']:,.0f} steps of a sender taken at the first try, step done -> "
+            f"stored (the collector's 200, after its commit) p50 {rp['fresh_p50_s']:.2f} s, "
+            f"p95 {rp['fresh_p95_s']:.2f} s (target <= 2 s); {rp['replayed_n']:,.0f} requests "
+            f"refused, or held back behind a refused one, then taken: their steps p95 "
+            f"{rp['replayed_p95_s']:.1f} s after done"
+        )
+        lost = rp["offered_rows"] - rp["stored"] + rp["duplicated"]
+        print(
+            f"    the last taken {rp['last_taken_s']:.1f} s after the start (load offered for "
+            f"{rp['offered_s']:.0f} s); stored {rp['stored']:,.0f} of {rp['offered_rows']:,.0f} "
+            f"rows offered, {rp['duplicated']:,.0f} duplicated, {rp['unsent']:,.0f} unsent"
+            f"{' (0 lost)' if lost == 0 and not rp['unsent'] else ''}; the load generator's "
+            f"own event loop ran late by p95 {rp['own_lag_p95_s']:.2f} s, at most "
+            f"{rp['own_lag_max_s']:.2f} s (its steps go out that much late)"
         )
     serve_us, pg_us, load_us = e2e["cpu_us_per_row"]
     cores = (serve_us + pg_us + load_us) * e2e["rows_per_s"] / 1e6
@@ -522,6 +596,13 @@ def main() -> None:
         help="print where PostgreSQL's time went during (b), by statement (needs the server "
         "to preload pg_stat_statements)",
     )
+    p.add_argument(
+        "--replay",
+        action="store_true",
+        help="(b)'s load generator sends a refused request again after Retry-After, oldest "
+        "first, as agents' spools do: prints the freshness of the rows taken at the first try "
+        "and checks every offered row was stored once (for loads past capacity)",
+    )
     p.add_argument("--mlflow-duration", type=float, default=30)
     p.add_argument(
         "--mlflow-ranks",
@@ -558,6 +639,7 @@ def main() -> None:
             per_rank=args.no_relay,
             pg_dsn=dsn,
             statements=args.statements,
+            replay=args.replay,
         )
         print_end_to_end(args, e2e, "(b) trainwarden over HTTP:  ")
         print_statements(e2e)

@@ -432,6 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="sample ids a row (digest, count, epoch and the ids, as agents send them with a "
         "dataset size); default 0: none",
     )
+    load.add_argument(
+        "--replay",
+        action="store_true",
+        help="send a refused request again after the collector's Retry-After, oldest first, "
+        "as agents' spools do (and drain them after the last step); default: count it and "
+        "drop it",
+    )
     load.set_defaults(func=_cmd_loadgen)
 
     # deferred: see collector/cli/__init__.py

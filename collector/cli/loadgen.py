@@ -190,6 +190,22 @@ class LoadgenResult:
     rows: int = 0
     seconds: float = 0.0
     latencies_s: list[float] = field(default_factory=list)
+    # With ``replay``: requests taken on a later try or held back behind a refused one,
+    # and rows still unsent when the drain time ran out (lost, were the load generator
+    # a node's agents).
+    requests_replayed: int = 0
+    rows_unsent: int = 0
+    # Step due (the trainer's step done) -> the collector's 200 (after its commit: the
+    # rows are queryable): for the requests taken at the first try, and for the others
+    # (refused, or held back behind a refused one).
+    fresh_s: list[float] = field(default_factory=list)
+    replayed_s: list[float] = field(default_factory=list)
+    # Rows taken by the end of the offered load (the last step's period); the last
+    # take, in seconds from the start (past ``seconds_offered`` while spools drain).
+    rows_in_window: int = 0
+    seconds_offered: float = 0.0
+    last_taken_s: float = 0.0
+    own_lag_s: list[float] = field(default_factory=list)  # its own event loop's lateness
     errors: list[str] = field(default_factory=list)
     user_metrics: int = 0
     sample_ids: int = 0
@@ -212,6 +228,12 @@ class LoadgenResult:
             f"{self.rows / self.seconds:,.0f} rows/s = {self.points / self.seconds:,.0f} points/s; "
             f"requests {self.requests_ok} ok, {self.requests_failed} failed; "
             f"latency p50 {p(0.5):.0f} ms, p95 {p(0.95):.0f} ms, max {lat[-1] * 1000:.0f} ms"
+            + (
+                f"; {self.requests_replayed} taken on a later try, {self.rows_unsent} rows "
+                f"unsent when the drain time ran out"
+                if self.requests_replayed or self.rows_unsent
+                else ""
+            )
         )
 
 
@@ -306,11 +328,13 @@ class _Connection:
         token = os.environ.get("TRAINWARDEN_TOKEN")  # an ingest token, as agents take it
         self.auth = f"Authorization: Bearer {token}\r\n" if token else ""
         self.lock = asyncio.Lock()
+        self.retry_after: float | None = None  # the last answer's Retry-After, in seconds
         # Opened on first use, again after the server closes it.
         self.conn: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
 
     async def post(self, path: str, body: bytes, headers: str = "") -> tuple[int, bytes]:
-        """``headers``: more header lines, each ending in CRLF."""
+        """``headers``: more header lines, each ending in CRLF. The answer's status and
+        body; its ``Retry-After`` (seconds), if any, is then ``retry_after``."""
         async with self.lock:
             try:
                 try:
@@ -341,6 +365,7 @@ class _Connection:
         head = await reader.readuntil(b"\r\n\r\n")
         status = int(head[9:12])
         length, chunked = 0, False
+        self.retry_after = None
         for line in head.split(b"\r\n")[1:]:
             name, _, value = line.partition(b":")
             name = name.strip().lower()
@@ -348,6 +373,8 @@ class _Connection:
                 length = int(value)
             elif name == b"transfer-encoding":
                 chunked = b"chunked" in value.lower()
+            elif name == b"retry-after" and value.strip().isdigit():
+                self.retry_after = float(value)
         if chunked:
             return status, await self._chunks(reader)
         return status, await reader.readexactly(length)
@@ -377,67 +404,187 @@ def rank_body(node: dict[str, Any]) -> dict[str, Any]:
     return {"run": node["run"], "agent": agent, "steps": [steps], "events": [], "gpu": []}
 
 
-async def _node(
-    client: _Connection,
-    result: LoadgenResult,
-    *,
-    run: str,
-    world: int,
-    ranks: range,
-    steps: int,
-    period_s: float,
-    start: float,
-    slow_rank: int | None,
-    on_sent: Callable[[int, float], None] | None,
-    user: int,
-    per_rank: bool = False,
-    sample_ids: int = 0,
-) -> None:
-    import orjson
+@dataclass
+class _Node:
+    """One simulated node: its ranks, the steps they do, and the connection it sends on."""
 
-    rng = random.Random(ranks.start)
-    sessions = {r: uuid.uuid4().hex for r in ranks}
-    # Who sends, readable without the body: a collector too busy to take the request
-    # still counts it as these ranks' heartbeat.
-    sender = f"{wire.SENDER_HEADER}: {run}/{ranks.start}-{ranks.stop - 1}\r\n"
-    path = wire.INGEST_PATH if per_rank else wire.COLUMNS_PATH
-    await asyncio.sleep(rng.random() * period_s)  # nodes are not in phase with each other
-    for step in range(steps):
-        due = start + step * period_s + rng.random() * period_s * 0.2
-        if (delay := due - time.monotonic()) > 0:
-            await asyncio.sleep(delay)
+    client: _Connection
+    result: LoadgenResult
+    run: str
+    world: int
+    ranks: range
+    steps: int
+    period_s: float
+    start: float
+    slow_rank: int | None
+    on_sent: Callable[[int, float], None] | None
+    user: int
+    per_rank: bool = False
+    sample_ids: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.ranks.start)
+        self.sessions = {r: uuid.uuid4().hex for r in self.ranks}
+        # Who sends, readable without the body: a collector too busy to take the
+        # request still counts it as these ranks' heartbeat.
+        first, last = self.ranks.start, self.ranks.stop - 1
+        self.sender = f"{wire.SENDER_HEADER}: {self.run}/{first}-{last}\r\n"
+        self.path = wire.INGEST_PATH if self.per_rank else wire.COLUMNS_PATH
+
+    def due(self, step: int) -> float:
+        """When ``step`` ends (call in step order: the jitter is drawn)."""
+        return self.start + step * self.period_s + self.rng.random() * self.period_s * 0.2
+
+    def body(self, step: int) -> dict[str, Any]:
         body = node_body(
-            run=run,
-            world=world,
-            ranks=ranks,
+            run=self.run,
+            world=self.world,
+            ranks=self.ranks,
             step=step,
-            period_s=period_s,
-            sessions=sessions,
-            rng=rng,
-            slow_rank=slow_rank,
-            user=user,
-            sample_ids=sample_ids,
+            period_s=self.period_s,
+            sessions=self.sessions,
+            rng=self.rng,
+            slow_rank=self.slow_rank,
+            user=self.user,
+            sample_ids=self.sample_ids,
         )
-        if per_rank:
-            body = rank_body(body)
-        sent = time.monotonic()
+        return rank_body(body) if self.per_rank else body
+
+    async def post(self, body: bytes) -> tuple[int, float]:
+        """Send ``body``: the answer's status (0: none came) and when it came."""
+        result, sent, status = self.result, time.monotonic(), 0
         try:
-            status, payload = await client.post(path, orjson.dumps(body), sender)
-            ok = status == 200
-            if not ok and len(result.errors) < 5:
+            status, payload = await self.client.post(self.path, body, self.sender)
+            if status != 200 and len(result.errors) < 5:
                 result.errors.append(f"{status}: {payload[:200].decode(errors='replace')}")
         except Exception as exc:
-            ok = False
             if len(result.errors) < 5:
                 result.errors.append(repr(exc))
-        result.latencies_s.append(time.monotonic() - sent)
-        if ok:
-            result.requests_ok += 1
-            result.rows += len(ranks)
-            if on_sent is not None:
-                on_sent(step, time.time())
+        answered = time.monotonic()
+        result.latencies_s.append(answered - sent)
+        return status, answered
+
+    def taken(self, steps: list[int]) -> None:
+        self.result.requests_ok += 1
+        self.result.rows += len(self.ranks) * len(steps)
+        if self.on_sent is not None:
+            for step in steps:
+                self.on_sent(step, time.time())
+
+
+async def _run_node(node: _Node) -> None:
+    """A request a step, in turn; a refused one is counted and dropped."""
+    import orjson
+
+    await asyncio.sleep(node.rng.random() * node.period_s)  # nodes are not all in phase
+    for step in range(node.steps):
+        due = node.due(step)
+        if (delay := due - time.monotonic()) > 0:
+            await asyncio.sleep(delay)
+        status, _ = await node.post(orjson.dumps(node.body(step)))
+        if status == 200:
+            node.taken([step])
         else:
-            result.requests_failed += 1
+            node.result.requests_failed += 1
+
+
+REPLAY_BACKOFF_S = 0.5  # the agents' first backoff where an answer names no Retry-After
+DRAIN_S = 120.0  # with ``replay``: how long after the last step a node goes on resending
+MAX_MERGED_STEPS = 64  # steps one request carries at most (an agent's batch, 512 records)
+
+
+@dataclass
+class _Batch:
+    """A request a node has made and the collector has not taken yet: its steps, when
+    each was done, its body."""
+
+    steps: list[int]
+    dues: list[float]
+    body: bytes
+    tries: int = 0
+    held: bool = False  # made while the spool waited: held back by an earlier refusal
+
+
+def _merged(bodies: list[dict[str, Any]], per_rank: bool) -> dict[str, Any]:
+    """Several steps' bodies of one node as one request (the newest headers)."""
+    if len(bodies) == 1:
+        return bodies[0]
+    merged = dict(bodies[-1])
+    if per_rank:
+        merged["steps"] = [row for body in bodies for row in body["steps"]]
+    else:
+        merged["steps"] = {
+            k: [v for body in bodies for v in body["steps"][k]] for k in merged["steps"]
+        }
+    return merged
+
+
+async def _run_agent_node(node: _Node) -> None:
+    """A node whose agents (and relay) keep what the collector does not take, as
+    agent/exporter.py does: the steps recorded while a request was out go in the next
+    request, together; a refused request (503, 429, 5xx, no answer) goes to the spool,
+    with every newer batch while it waits, and the spool is sent oldest first, a
+    request a batch, once the answer's Retry-After has passed; after the last step the
+    node goes on draining it for up to ``DRAIN_S``."""
+    import orjson
+
+    result = node.result
+    recorded: list[tuple[int, float, dict[str, Any]]] = []  # steps done, not yet sent
+    spool: list[_Batch] = []
+    retry_at = 0.0
+
+    def batch() -> _Batch:
+        taken = recorded[:MAX_MERGED_STEPS]
+        del recorded[:MAX_MERGED_STEPS]
+        body = _merged([b for _, _, b in taken], node.per_rank)
+        return _Batch([s for s, _, _ in taken], [d for _, d, _ in taken], orjson.dumps(body))
+
+    async def send(batch: _Batch) -> bool:
+        nonlocal retry_at
+        status, answered = await node.post(batch.body)
+        batch.tries += 1
+        rows = len(node.ranks) * len(batch.steps)
+        if status == 200:
+            node.taken(batch.steps)
+            result.requests_replayed += batch.tries > 1 or batch.held
+            if answered - node.start <= result.seconds_offered:
+                result.rows_in_window += rows
+            result.last_taken_s = max(result.last_taken_s, answered - node.start)
+            fresh = result.fresh_s if batch.tries == 1 and not batch.held else result.replayed_s
+            fresh.extend(answered - due for due in batch.dues)
+            return True
+        result.requests_failed += 1
+        if status and status not in wire.RETRYABLE:
+            result.rows_unsent += rows
+            return True  # a malformed request is never taken: agents drop it too
+        retry_at = answered + (node.client.retry_after or REPLAY_BACKOFF_S)
+        return False
+
+    dues = [node.due(k) for k in range(node.steps)]
+    deadline = dues[-1] + node.period_s + DRAIN_S
+    step = 0
+    while time.monotonic() < deadline:
+        now = time.monotonic()
+        while step < node.steps and dues[step] <= now:
+            recorded.append((step, dues[step], node.body(step)))
+            step += 1
+        if spool and now >= retry_at:
+            if await send(spool[0]):
+                spool.pop(0)
+            continue
+        if recorded:
+            if spool:  # the collector asked to wait: behind what waits
+                spool.append(held := batch())
+                held.held = True
+            elif not await send(pending := batch()):
+                spool.append(pending)
+            continue
+        if step >= node.steps and not spool:
+            break
+        wake = dues[step] if step < node.steps else deadline
+        await asyncio.sleep(max(0.0, min(wake, retry_at if spool else wake) - now))
+    left = sum(len(b.steps) for b in spool) + len(recorded)
+    result.rows_unsent += len(node.ranks) * left
 
 
 async def run_loadgen_async(
@@ -454,13 +601,20 @@ async def run_loadgen_async(
     user_metrics: int = USER_METRICS,
     per_rank: bool = False,
     sample_ids: int = 0,
+    replay: bool = False,
 ) -> LoadgenResult:
     """``connections``: keep-alive connections, shared in turn by the nodes; default one
     per node, as each node's relay has its own. ``user_metrics``: per row, besides
     the built-in ones (0 to 32). ``per_rank``: every rank sends its own request to
     ``/api/v1/ingest``, on its own connection, as agents with no node relay do
     (``ranks_per_node`` is then 1). ``sample_ids``: sample ids per row with their digest,
-    count and epoch (:func:`sample_columns`; 0 to 65,536; 0, the default: none)."""
+    count and epoch (:func:`sample_columns`; 0 to 65,536; 0, the default: none).
+    ``replay``: each node keeps what the collector does not take, as agents do
+    (:func:`_run_agent_node`: the steps done while a request was out go in the next one; a
+    refused request waits in a spool, with its node's newer ones, until the answer's
+    Retry-After; what is left after ``DRAIN_S`` past the last step is ``rows_unsent``).
+    Without, a node sends a request a step, in turn, and a refused one is counted in
+    ``requests_failed`` and dropped."""
     if not 0 <= user_metrics <= MAX_USER_METRICS:
         raise ValueError(f"user_metrics={user_metrics}: from 0 to {MAX_USER_METRICS}")
     if not 0 <= sample_ids <= MAX_SAMPLE_IDS:
@@ -479,34 +633,50 @@ async def run_loadgen_async(
         _Connection(parts.hostname or "127.0.0.1", parts.port or 80)
         for _ in range(min(connections or nodes, nodes))
     ]
+    result.seconds_offered = steps * period
+    lateness = asyncio.create_task(_own_lateness(result.own_lag_s))
     try:
         start = time.monotonic() + 0.5
         began = time.perf_counter()
+        run_node = _run_agent_node if replay else _run_node
         await asyncio.gather(
             *[
-                _node(
-                    pool[n % len(pool)],
-                    result,
-                    run=run,
-                    world=ranks,
-                    ranks=range(n * ranks_per_node, min(ranks, (n + 1) * ranks_per_node)),
-                    steps=steps,
-                    period_s=period,
-                    start=start,
-                    slow_rank=slow_rank,
-                    on_sent=on_sent,
-                    user=user_metrics,
-                    per_rank=per_rank,
-                    sample_ids=sample_ids,
+                run_node(
+                    _Node(
+                        pool[n % len(pool)],
+                        result,
+                        run=run,
+                        world=ranks,
+                        ranks=range(n * ranks_per_node, min(ranks, (n + 1) * ranks_per_node)),
+                        steps=steps,
+                        period_s=period,
+                        start=start,
+                        slow_rank=slow_rank,
+                        on_sent=on_sent,
+                        user=user_metrics,
+                        per_rank=per_rank,
+                        sample_ids=sample_ids,
+                    )
                 )
                 for n in range(nodes)
             ]
         )
         result.seconds = time.perf_counter() - began
     finally:
+        lateness.cancel()
         for conn in pool:
             conn.close()
     return result
+
+
+async def _own_lateness(lags: list[float], every_s: float = 0.1) -> None:
+    """How late the load generator's own event loop runs (a timer every ``every_s``):
+    on a machine it shares with the collector, its steps go out that much late too."""
+    loop = asyncio.get_running_loop()
+    while True:
+        due = loop.time() + every_s
+        await asyncio.sleep(every_s)
+        lags.append(max(0.0, loop.time() - due))
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -541,6 +711,7 @@ def cmd_loadgen(args: Any) -> None:
         per_rank=args.no_relay,
         # --sample-ids N: the parser's (collector/cli/__init__.py); absent there: none
         sample_ids=getattr(args, "sample_ids", 0) or 0,
+        replay=getattr(args, "replay", False),
     )
     print(f"trainwarden loadgen: {result.summary()}")
     for error in result.errors:

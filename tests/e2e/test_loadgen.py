@@ -176,3 +176,73 @@ def test_loadgen_sends_no_samples_columns_by_default() -> None:
         user=6,
     )
     assert not [name for name in body["steps"] if name.startswith("samples")]
+
+
+def test_replay_sends_what_was_refused_again_and_merges_what_waited_as_agents_do() -> None:
+    """``replay``: a node keeps a refused request (503 with Retry-After) and sends it
+    again, oldest first, with the steps done meanwhile behind it; the steps done while
+    a request was out go together in the next one. Each row is taken exactly once."""
+    import asyncio
+    import concurrent.futures
+
+    import orjson
+
+    from trainwarden.collector.cli.loadgen import run_loadgen_async
+
+    taken: list[tuple[int, int]] = []
+    tries: dict[str, int] = {}
+    steps_a_request: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except (asyncio.IncompleteReadError, ConnectionError):
+                break
+            length = next(
+                int(v)
+                for k, _, v in (line.partition(b": ") for line in head.split(b"\r\n"))
+                if k.lower() == b"content-length"
+            )
+            body = orjson.loads(await reader.readexactly(length))
+            sender = next(line for line in head.split(b"\r\n") if b"Sender" in line).decode()
+            tries[sender] = tries.get(sender, 0) + 1
+            if tries[sender] == 1:  # each node's first request: refused, come back in 1 s
+                writer.write(b"HTTP/1.1 503 Busy\r\nRetry-After: 1\r\nContent-Length: 2\r\n\r\n{}")
+            else:
+                if tries[sender] == 3:
+                    await asyncio.sleep(0.6)  # a slow answer: the next steps wait together
+                rows = body["steps"]
+                taken.extend(zip(rows["rank"], rows["step"], strict=True))
+                steps_a_request.append(len(set(rows["step"])))
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+            await writer.drain()
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await run_loadgen_async(
+                url=f"http://127.0.0.1:{port}",
+                ranks=16,
+                ranks_per_node=8,
+                steps_per_s=5,
+                duration_s=3,
+                user_metrics=0,
+                replay=True,
+            )
+        finally:
+            server.close()
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # see the test above
+        result = pool.submit(asyncio.run, main()).result(60)
+    assert sorted(taken) == [(rank, step) for rank in range(16) for step in range(15)]
+    assert result.rows == 16 * 15 and result.rows_unsent == 0
+    assert result.requests_failed == 2  # each node's first
+    # ... and the batches made while they waited, held back behind them
+    assert result.requests_replayed > 2
+    assert max(steps_a_request) > 1  # steps that waited went in one request
+    assert len(result.fresh_s) + len(result.replayed_s) == 2 * 15  # a node's step each
+    # Refused at once and resent after 1 s: the first steps are a second late or more.
+    assert max(result.replayed_s) >= 1.0 and result.last_taken_s < 3 + 2
