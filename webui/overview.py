@@ -648,7 +648,11 @@ def register(app: dash.Dash, client: Client) -> None:
         value: str | None,
     ) -> Any:
         """The run's own metrics, refreshed after each drawing of the overview (so that
-        they do not compete with it while the page loads); the pick is the URL's.
+        they do not compete with it while the page loads); the value is set only while
+        the picker has none the run offers (the URL's pick, else the first metric): a
+        refresh called between a click and ``sync``'s record of it in the view would
+        otherwise put the old pick back (a browser test lost the click that way). The
+        URL's pick on back / forward is ``sync``'s to set.
 
         Only what changed is set: setting the picker's value fires ``sync``, and a
         refresh that called it while a zoom's call was in flight made Dash drop the
@@ -657,9 +661,10 @@ def register(app: dash.Dash, client: Client) -> None:
             options, pick = user_choices(client, name, view.get("user"))
         except Exception:  # the page's notice says what is wrong
             return dash.no_update, dash.no_update
+        offered = {o["value"] for o in options}
         return (
             options if options != shown else dash.no_update,
-            pick if pick != value else dash.no_update,
+            pick if value not in offered and pick != value else dash.no_update,
         )
 
     @app.callback(
@@ -708,6 +713,7 @@ def register(app: dash.Dash, client: Client) -> None:
         Output("run-view", "data"),
         Output("run-axis", "value"),
         Output("run-rank", "value"),
+        Output("run-user-metric", "value", allow_duplicate=True),
         Input("run-url", "search"),
         Input("run-drag", "data"),
         Input("run-axis", "value"),
@@ -738,11 +744,15 @@ def register(app: dash.Dash, client: Client) -> None:
             want = parse_query(search)
             if drag:  # a drag made before is the page's past, not a new one
                 want["drag"] = drag.get("n")
+            offered = [o["value"] for o in options or ()]
+            shown = want.get("user") if want.get("user") in offered else None
+            shown = shown or (offered[0] if offered else None)  # no pick: the first
             return (
                 keep,
                 want if want != view else keep,
                 want["axis"] if want["axis"] != axis else keep,
                 want["rank"] if want["rank"] != rank else keep,
+                shown if shown is not None and shown != user else keep,
             )
         want = dict(view)
         if drag and drag.get("n") != view.get("drag"):  # a drag not applied yet
@@ -766,7 +776,7 @@ def register(app: dash.Dash, client: Client) -> None:
             ):  # a pick (a refresh setting the default is none)
                 want["user"] = user
         if want == view:
-            return keep, keep, keep, keep
+            return keep, keep, keep, keep, keep
         # "?" for the default view: an empty search would leave the old one in the address bar.
         query = to_query(want) or "?"
-        return (query if query != (search or "?") else keep), want, keep, keep
+        return (query if query != (search or "?") else keep), want, keep, keep, keep

@@ -446,6 +446,48 @@ def test_a_refresh_sets_the_user_metric_picker_only_when_it_changed() -> None:
     }
 
 
+def test_a_refresh_between_a_pick_and_its_record_keeps_the_pick_and_the_address_sets_it() -> None:
+    """A refresh called after a click on the picker but before ``sync`` has put the
+    pick in the view must not put the old pick back (a browser test lost its click so);
+    back / forward in the browser sets the picker from the address."""
+    from sqlalchemy import create_engine
+
+    from trainwarden.webui.app import create_dash
+    from trainwarden.webui.client import LocalClient
+
+    from .dash_call import dash_call
+
+    class Metrics(LocalClient):
+        def user_metrics(self, run: str) -> list[str]:
+            return ["user.aux", "user.lr"]
+
+    app = create_dash(Metrics(create_engine("sqlite://")))
+    options = [{"label": m, "value": f"user.{m}"} for m in ("aux", "lr")]
+    clicked = {
+        "run-name.data": "r",
+        "run-view.data": overview.parse_query(""),  # no pick recorded yet: the default
+        "run-xmap.data": {"step": [1], "ts": [1.0]},
+        "run-user-metric.options": options,
+        "run-user-metric.value": "user.lr",  # just clicked
+    }
+    assert dash_call(app, "run-user-metric.options", clicked, ["run-xmap.data"]) == {}
+    # A metric the run no longer has is replaced by the default.
+    gone = {**clicked, "run-user-metric.value": "user.old"}
+    found = dash_call(app, "run-user-metric.options", gone, ["run-xmap.data"])
+    assert found == {"run-user-metric": {"value": "user.aux"}}
+    values = {
+        "run-view.data": overview.parse_query("?user=lr"),
+        "run-axis.value": "step",
+        "run-user-metric.value": "user.lr",
+        "run-user-metric.options": options,
+    }
+    for search, shown in (("?", "user.aux"), ("?user=lr", None), ("?rank=2&user=aux", "user.aux")):
+        found = dash_call(
+            app, "run-url.search", {**values, "run-url.search": search}, ["run-url.search"]
+        )
+        assert found.get("run-user-metric", {}).get("value") == shown, search
+
+
 def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() -> None:
     from types import SimpleNamespace
 
