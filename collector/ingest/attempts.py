@@ -184,6 +184,12 @@ def record_lost(conn: Connection, gone: list[dict[str, Any]]) -> None:
 _started: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
 _misses: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
 _MISSES = 3  # flushes with steps and no attempt row: an agent that does not send one
+# The earliest step seen of each session still waiting for its attempt row: a process's
+# first steps can be stored a flush before its attempt_start (a relay's merged request,
+# a batch that overtook another), and the step then recorded must be that one.
+_early: weakref.WeakKeyDictionary[Engine, dict[str, tuple[int, float]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def sessions_started(engine: Engine) -> set[str]:
@@ -202,7 +208,10 @@ def record_first_steps(conn: Connection, firsts: dict[str, tuple[int, float]]) -
         row.session: row.first_step
         for row in conn.execute(select(s.session, s.first_step).where(s.session.in_(list(todo))))
     }
+    early = _early.setdefault(conn.engine, {})
     for session, (step, at) in todo.items():
+        if session in early:
+            step, at = min((step, at), early[session])
         if session in known and known[session] is None:
             conn.execute(
                 update(m.attempt_sessions)
@@ -215,8 +224,11 @@ def record_first_steps(conn: Connection, firsts: dict[str, tuple[int, float]]) -
         else:  # its attempt_start may still be on its way: ask again, a few times
             misses = _misses.setdefault(conn.engine, {})
             misses[session] = misses.get(session, 0) + 1
+            early[session] = (step, at)
             if misses[session] >= _MISSES:
                 done.add(session)
                 del misses[session]
+        if session in done:
+            early.pop(session, None)
     if len(done) > 1_000_000:
         done.clear()

@@ -399,3 +399,28 @@ def test_the_cadence_rule_fires_on_a_run_that_checkpoints_too_rarely(client: Tes
     ]
     assert fired[0]["value"] == pytest.approx(3600 / math.sqrt(2 * 20 * 7 * 3600))
     assert "save more often" in fired[0]["annotations"]["description"]
+
+
+def test_an_attempts_first_step_stored_before_its_start_event_is_still_its_first(
+    client: TestClient,
+) -> None:
+    """A resumed process's first steps can be stored a request before its attempt_start
+    (a relay's merged request, a batch that overtook another): the attempt's first step
+    is still the lowest it ran, not that of the first request after the event (CI saw
+    21 for 20 on a resumed Hugging Face job)."""
+    t0 = time.time() - 100
+    config = {"lr": 3e-4}
+    for rank in (0, 1):
+        s = f"a{rank}"
+        _post(client, _body("job", rank, s, t0, events=[_start(s, t0, config, rank=rank)]))
+        _post(client, _body("job", rank, s, t0, steps=_steps(0, 4, t0 + 10)))
+    for rank in (0, 1):
+        s = f"b{rank}"
+        _post(client, _body("job", rank, s, t0 + 40, steps=_steps(5, 6, t0 + 50)))  # first
+        _post(
+            client, _body("job", rank, s, t0 + 40, events=[_start(s, t0 + 40, config, rank=rank)])
+        )
+        _post(client, _body("job", rank, s, t0 + 40, steps=_steps(7, 9, t0 + 54)))
+    flush(client.app.state.engine, now=time.time(), grace_s=0)
+    tries = client.get("/api/v1/runs/job/attempts").json()
+    assert [(t["number"], t["first_step"], t["last_step"]) for t in tries] == [(1, 0, 4), (2, 5, 9)]
