@@ -451,6 +451,9 @@ class Agent:
 
     def _shutdown(self, timeout_s: float) -> None:
         started = time.monotonic()
+        # The attempt ended when the trainer said so: not after the waits below (the
+        # identity, the checkpoint sizes), which would add to its GPU-hours.
+        ended_at = time.time()
         if self._identity_thread is not None:
             # attempt_start goes out before the goodbye: with what is known by now.
             self._wait_for_identity(min(timeout_s / 2, _IDENTITY_WAIT_AT_EXIT_S))
@@ -468,13 +471,17 @@ class Agent:
             reason, detail, exit_code = self._end
             if reason == "completed" and last_error is not None:
                 reason, detail = "exception", last_error  # it left a step, and ends us
-            self.event(
+            self.event_at(
+                ended_at,
                 "attempt_end",
                 step=None,
-                reason=reason,
-                detail=detail,
-                exit_code=exit_code,
-                last_step=last_step,
+                severity="info",
+                data={
+                    "reason": reason,
+                    "detail": detail,
+                    "exit_code": exit_code,
+                    "last_step": last_step,
+                },
             )
         if self.gpu_monitor is not None:
             self.gpu_monitor.stop()

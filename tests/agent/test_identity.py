@@ -325,6 +325,29 @@ def test_attempt_end_completed_and_stopped() -> None:
     }
 
 
+def test_attempt_end_is_when_shutdown_was_called_not_after_its_waits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shutdown waits for the identity (up to 2 s) before the goodbye; the attempt's end,
+    which bounds its GPU-hours, is still the moment the trainer called it."""
+
+    def slow(config: Any, fields: Any, **kwargs: Any) -> None:
+        time.sleep(0.6)
+
+    monkeypatch.setattr(identity, "collect", slow)
+    transport = RecordingTransport()
+    tw.init(run="ident", transport=transport, flush_interval_s=0.05, profile_every=0)
+    with tw.step(0):
+        pass
+    called = time.time()
+    tw.shutdown(timeout_s=5)
+    returned = time.time()
+    (end,) = _events(transport, "attempt_end")
+    assert returned - called >= 0.4  # it did wait for the identity
+    assert called <= end["ts"] < called + 0.1, (end["ts"] - called, returned - called)
+    assert end["data"]["reason"] == "completed"
+
+
 def test_shutdown_in_a_finally_while_an_exception_propagates_is_an_exception_end() -> None:
     transport = RecordingTransport()
     tw.init(run="ident", transport=transport, flush_interval_s=0.05, profile_every=0)

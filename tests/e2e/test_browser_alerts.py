@@ -49,6 +49,22 @@ def wait_for(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
     raise AssertionError(f"no {label} within {timeout_s} s")
 
 
+def shown(page: Any, server: Server, calls: list[str], selector: str, text: str) -> None:
+    """Wait for ``selector`` with ``text``; if it never shows, say what the page sent, what
+    it logged and what the collector logged (CI once missed the notice with no trace)."""
+    try:
+        page.locator(selector, has_text=text).wait_for(timeout=20_000)
+    except Exception as exc:
+        sent = [c[:300] for c in calls if "alerts-feedback" in c]
+        raise AssertionError(
+            f"no {selector} with {text!r}: {exc}\n"
+            f"feedback now: {page.inner_html('#alerts-feedback')!r}\n"
+            f"callback requests for the feedback ({len(sent)}): {sent}\n"
+            f"console errors: {page.errors}\n"
+            f"collector log tail:\n{server.log.read_text(errors='replace')[-3000:]}"
+        ) from None
+
+
 def firing(server: Server, rule: str) -> dict[str, Any] | None:
     found = server.get("/api/v1/alerts", run=RUN, rule=rule, state="firing").json()
     return found[0] if found else None
@@ -70,8 +86,13 @@ def test_alerts_page_lists_acknowledges_and_silences(live_server: Server, page: 
     assert page.locator(f"#alert-{alert['id']} a.run-link").get_attribute("href") == f"/runs/{RUN}"
 
     # Acknowledge asks for a name first; once typed, it acts and the API says who.
+    calls: list[str] = []  # the page's callback requests that name a button: for a failure
+    page.on(
+        "request",
+        lambda r: calls.append(r.post_data or "") if "_dash-update-component" in r.url else None,
+    )
     row.get_by_role("button", name="Acknowledge").click()
-    page.locator("#alerts-feedback .notice-error", has_text="Your name").wait_for(timeout=10_000)
+    shown(page, server, calls, "#alerts-feedback .notice-error", "Your name")
     page.fill("#alerts-by", "ana")
     row.get_by_role("button", name="Acknowledge").click()
     acked = wait_for(lambda: firing(server, "FatalXid")["acked_by"], 10, "acknowledgement")
