@@ -15,7 +15,7 @@ from trainwarden.collector.actions.schemas import ActionOut
 from trainwarden.collector.alerting.schemas import AlertOut, Matcher, SilenceOut
 from trainwarden.collector.read.runbooks import runbook_url
 
-from .components import ago, clock, notice, until
+from .components import clock, live_ago, live_until, notice
 
 STATES = ("pending", "firing", "resolved")
 OPEN = ["pending", "firing"]  # what /alerts shows when its URL names no state
@@ -65,12 +65,12 @@ def where(alert: AlertOut) -> str:
     return " · ".join(p for p in parts if p) or "whole run"
 
 
-def since(alert: AlertOut, now: float) -> str:
+def since(alert: AlertOut, now: float) -> list[Any]:
     """When the alert entered its current state."""
     if alert.state == "resolved" and alert.resolved_at is not None:
-        return f"at {clock(alert.resolved_at, now)} ({ago(alert.resolved_at, now)})"
+        return [f"at {clock(alert.resolved_at, now)} (", live_ago(alert.resolved_at, now), ")"]
     ts = alert.fired_at if alert.state == "firing" and alert.fired_at else alert.active_since
-    return f"since {clock(ts, now)} ({ago(ts, now)})" + onset(alert)
+    return [f"since {clock(ts, now)} (", live_ago(ts, now), ")" + onset(alert)]
 
 
 def onset(alert: AlertOut) -> str:
@@ -89,10 +89,10 @@ def marks(alert: AlertOut, now: float) -> list[html.Span]:
         text = f"inhibited by alert #{alert.inhibited_by}"
         out.append(html.Span(text, className="mark mark-inhibited"))
     if alert.acked_by:
-        text = f"acked by {alert.acked_by}" + (
-            f" {ago(alert.acked_at, now)}" if alert.acked_at else ""
-        )
-        out.append(html.Span(text, className="mark mark-acked", title=alert.ack_comment or ""))
+        acked: list[Any] = [f"acked by {alert.acked_by}"]
+        if alert.acked_at:
+            acked += [" ", live_ago(alert.acked_at, now)]
+        out.append(html.Span(acked, className="mark mark-acked", title=alert.ack_comment or ""))
     return out
 
 
@@ -123,7 +123,7 @@ def _run_link(run: str) -> dcc.Link:
     return dcc.Link(run, href=f"/runs/{quote(run, safe='')}", className="run-link")
 
 
-def _two_lines(first: Any, second: str, first_class: str = "") -> list[Any]:
+def _two_lines(first: Any, second: Any, first_class: str = "") -> list[Any]:
     top = html.Div(first, className=first_class) if first_class else first
     return [top, html.Div(second, className="detail")]
 
@@ -234,8 +234,12 @@ def silences_table(silences: Sequence[SilenceOut], *, now: float) -> Any:
             [
                 html.Td(matchers_text(s.matchers), className="matchers"),
                 html.Td(
-                    ("until " if s.active else f"from {clock(s.starts_at, now)} until ")
-                    + f"{clock(s.ends_at, now)} ({until(s.ends_at, now)})"
+                    [
+                        ("until " if s.active else f"from {clock(s.starts_at, now)} until ")
+                        + f"{clock(s.ends_at, now)} (",
+                        live_until(s.ends_at, now),
+                        ")",
+                    ]
                 ),
                 html.Td(s.created_by),
                 html.Td(s.comment, className="detail"),
@@ -270,7 +274,7 @@ def action_row(action: ActionOut, *, now: float) -> html.Tr:
     target = action.node or (f"rank {action.rank}" if action.rank is not None else "")
     verbs = DECIDABLE.get(action.state, ())
     buttons = [_button(v.capitalize(), f"alerts-{v}", action.id, v == "approve") for v in verbs]
-    state = f"{action.mode} · {ago(action.updated_at, now)}"
+    state = [f"{action.mode} · ", live_ago(action.updated_at, now)]
     return html.Tr(
         [
             html.Td(_two_lines(action.kind, target, "alert-rule")),

@@ -8,7 +8,6 @@ who reaches it. The name field only records who did it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Sequence
@@ -17,11 +16,10 @@ from typing import Any
 
 import dash
 from dash import ALL, Input, Output, State, dcc, html
-from plotly.io.json import to_json_plotly
 
 from . import alerts as view
 from .client import Client, Refused
-from .components import clock, notice
+from .components import clock, notice, redraw
 
 log = logging.getLogger(__name__)
 DURATIONS = [
@@ -220,8 +218,9 @@ def _pressed() -> bool:
 
 def register(app: dash.Dash, client: Client) -> None:
     """The page's callbacks: the filters and the URL follow each other; the tables
-    refresh live, and only when something in them changed (a button is not redrawn
-    under the pointer, typed inputs are never touched); buttons act."""
+    refresh live, each only when something in it changed (a button is not redrawn under
+    the pointer, typed inputs are never touched; the ages count on in the browser, see
+    ``components.live_ago``); buttons act."""
 
     @app.callback(
         Output("alerts-url", "search"),
@@ -256,7 +255,11 @@ def register(app: dash.Dash, client: Client) -> None:
         State("alerts-digest", "data"),
     )
     def refresh(
-        _n: int | None, run: str | None, states: list[str] | None, _changed: int, seen: str | None
+        _n: int | None,
+        run: str | None,
+        states: list[str] | None,
+        _changed: int,
+        seen: list[str] | None,
     ) -> Any:
         try:
             parts = page_parts(client, run=run, states=list(states or []), now=time.time())
@@ -272,10 +275,8 @@ def register(app: dash.Dash, client: Client) -> None:
                 None,
                 None,
             )
-        digest = hashlib.sha1(to_json_plotly(parts).encode()).hexdigest()
-        if digest == seen:
-            return (dash.no_update,) * 4
-        return (*parts, digest)
+        shown, digests = redraw(parts, seen)
+        return (*shown, digests)
 
     @app.callback(
         Output("alerts-feedback", "children"),

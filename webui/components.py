@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
+import json
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, quote
 
+import dash
 from dash import dcc, html
+from plotly.io.json import to_json_plotly
 
 if TYPE_CHECKING:
     from .client import Client
@@ -35,6 +40,57 @@ def until(ts: float, now: float | None = None) -> str:
     """``"in 58 min"``, or ``"ended"``."""
     seconds = ts - (time.time() if now is None else now)
     return f"in {_span(seconds)}" if seconds > 0 else "ended"
+
+
+def live_ago(ts: float, now: float) -> html.Span:
+    """:func:`ago` that goes on counting in the browser (``assets/ages.js``) between
+    refreshes; :func:`digest` leaves its text out, so a table is not redrawn (its buttons
+    replaced under the pointer) only because a second passed."""
+    times: dict[str, Any] = {"data-ago": ts, "data-now": now}
+    return html.Span(ago(ts, now), className="ago", **times)
+
+
+def live_until(ts: float, now: float) -> html.Span:
+    """:func:`until`, counting down in the browser like :func:`live_ago`."""
+    times: dict[str, Any] = {"data-until": ts, "data-now": now}
+    return html.Span(until(ts, now), className="until", **times)
+
+
+_LIVE = ("data-ago", "data-until")
+
+
+def _still(node: Any) -> Any:
+    """``node`` (a component's JSON) less the texts and clocks of its live times."""
+    if isinstance(node, list):
+        return [_still(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    props = node.get("props")
+    if isinstance(props, dict) and any(k in props for k in _LIVE):
+        return {**node, "props": {k: v for k, v in props.items() if k in _LIVE}}
+    return {k: _still(v) for k, v in node.items()}
+
+
+def digest(part: Any) -> str:
+    """A hash of what a refresh would draw, equal when only the clock moved: the live
+    relative times (:func:`live_ago`, :func:`live_until`) count on in the browser."""
+    drawn = to_json_plotly(part)
+    if any(f'"{k}"' in drawn for k in _LIVE):
+        drawn = json.dumps(_still(json.loads(drawn)), sort_keys=True)
+    return hashlib.sha1(drawn.encode()).hexdigest()
+
+
+def redraw(parts: Sequence[Any], seen: Sequence[str] | None) -> tuple[list[Any], list[str]]:
+    """The parts to send, ``no_update`` for each drawn as it is already, and their digests
+    (a page's store keeps them for the next refresh)."""
+    digests = [digest(p) for p in parts]
+    before = list(seen or [])
+    same = len(before) == len(digests)
+    out = [
+        dash.no_update if same and before[i] == d else part
+        for i, (part, d) in enumerate(zip(parts, digests, strict=True))
+    ]
+    return out, digests
 
 
 def clock(ts: float, now: float | None = None) -> str:

@@ -16,7 +16,7 @@ from dash import dcc, html
 from trainwarden.collector.incidents.report_format import duration
 from trainwarden.collector.incidents.schemas import IncidentOut
 
-from .components import ago, clock, notice
+from .components import clock, live_ago, notice
 from .figures import empty_figure, themed
 
 SEVERITIES = ("info", "warning", "critical")
@@ -257,7 +257,7 @@ def incidents_list(
                     html.Span(incident_label(i), className="tl-inc-title"),
                     html.Span(i.state, className=f"status status-{i.state}"),
                     severity_badge(i.severity),
-                    html.Span(f"opened {ago(i.opened_at, now)}", className="hint"),
+                    html.Span(["opened ", live_ago(i.opened_at, now)], className="hint"),
                 ],
                 href=page_href(run, i.id),
                 id=f"tl-inc-{i.id}",

@@ -10,20 +10,18 @@ field only records who did it).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from typing import Any
 
 import dash
 from dash import Input, Output, State, dcc, html
-from plotly.io.json import to_json_plotly
 
 from trainwarden.collector.read.queries import NotFound
 
 from . import timeline as view
 from .client import Client, Refused
-from .components import notice, run_tabs
+from .components import digest, notice, run_tabs
 from .figures import empty_figure, placeholder, themed
 from .gestures import hold_while_pointing
 
@@ -246,10 +244,10 @@ def register(app: dash.Dash, client: Client) -> None:
                 f"{exc.__class__.__name__}. The page retries by itself.",
                 theme,
             )
-        digest = hashlib.sha1(to_json_plotly(parts).encode()).hexdigest()
-        if digest == seen:
+        drawn = digest(parts)  # the ages count on in the browser: not a change
+        if drawn == seen:
             return (dash.no_update,) * (len(parts) + 1)
-        return (*parts, digest)
+        return (*parts, drawn)
 
     @app.callback(
         Output("tl-feedback", "children"),

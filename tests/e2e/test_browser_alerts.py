@@ -49,6 +49,16 @@ def wait_for(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
     raise AssertionError(f"no {label} within {timeout_s} s")
 
 
+def drew_table(response: Any) -> bool:
+    """A refresh's answer that draws the alerts table anew."""
+    if "_dash-update-component" not in response.url:
+        return False
+    try:
+        return "alerts-table" in response.json().get("response", {})
+    except Exception:  # 204 (nothing to update) and the like
+        return False
+
+
 def shown(page: Any, server: Server, calls: list[str], selector: str, text: str) -> None:
     """Wait for ``selector`` with ``text``; if it never shows, say what the page sent, what
     it logged and what the collector logged (CI once missed the notice with no trace)."""
@@ -85,12 +95,23 @@ def test_alerts_page_lists_acknowledges_and_silences(live_server: Server, page: 
     assert (runbook.get_attribute("href") or "").endswith("/runbooks/FatalXid")
     assert page.locator(f"#alert-{alert['id']} a.run-link").get_attribute("href") == f"/runs/{RUN}"
 
-    # Acknowledge asks for a name first; once typed, it acts and the API says who.
-    calls: list[str] = []  # the page's callback requests that name a button: for a failure
+    # The age counts on in the browser, and the table is not redrawn for it (each redraw
+    # replaced the buttons under the pointer and sent the buttons' callback once more):
+    # a refresh every 2 s, and at most one redraw in 6 s (another alert may fire).
+    calls: list[str] = []  # the page's callback requests: to count, and for a failure
+    redraws: list[float] = []
     page.on(
         "request",
         lambda r: calls.append(r.post_data or "") if "_dash-update-component" in r.url else None,
     )
+    page.on("response", lambda r: redraws.append(time.time()) if drew_table(r) else None)
+    age = row.locator(".ago").first
+    first_age = age.inner_text()
+    page.wait_for_timeout(6_000)
+    assert age.inner_text() != first_age and age.inner_text().endswith("s ago")
+    assert len(redraws) <= 1, redraws
+
+    # Acknowledge asks for a name first; once typed, it acts and the API says who.
     row.get_by_role("button", name="Acknowledge").click()
     shown(page, server, calls, "#alerts-feedback .notice-error", "Your name")
     page.fill("#alerts-by", "ana")

@@ -7,15 +7,17 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import dash
 import pytest
 from sqlalchemy import insert
 
 from trainwarden.collector.actions.schemas import ActionOut
 from trainwarden.collector.alerting.schemas import AlertOut, Matcher, SilenceOut
 from trainwarden.collector.store import models as m
-from trainwarden.webui import alerts
+from trainwarden.webui import alerts, components
 from trainwarden.webui.alerts_page import SilenceForm, perform
 from trainwarden.webui.client import LocalClient, Refused
+from trainwarden.webui.components import notice
 
 NOW = 1_700_000_000.0
 
@@ -78,6 +80,20 @@ def action(**over: Any) -> ActionOut:
     return ActionOut(**{**base, **over})
 
 
+def silence(**over: Any) -> SilenceOut:
+    base: dict[str, Any] = dict(
+        id=3,
+        matchers=[Matcher(name="run", value="r1"), Matcher(name="rank", value="1|2", regex=True)],
+        starts_at=NOW - 10,
+        ends_at=NOW + 3600,
+        created_by="ana",
+        comment="node1 maintenance",
+        created_at=NOW - 10,
+        active=True,
+    )
+    return SilenceOut(**{**base, **over})
+
+
 def walk(component: Any) -> Iterator[Any]:
     """Every Dash component under ``component`` (itself included)."""
     if isinstance(component, (list, tuple)):
@@ -91,8 +107,10 @@ def walk(component: Any) -> Iterator[Any]:
 
 
 def text(component: Any) -> str:
+    """What a reader sees: cells and blocks apart, a line's words and spans as written."""
     if isinstance(component, (list, tuple)):
-        return " ".join(text(c) for c in component)
+        inline = any(isinstance(c, str) for c in component)
+        return ("" if inline else " ").join(text(c) for c in component)
     if isinstance(component, (str, int, float)):
         return str(component)
     return text(getattr(component, "children", None) or [])
@@ -134,11 +152,11 @@ def test_a_firing_alert_row_shows_severity_runbook_where_since_and_acts() -> Non
 def test_an_alert_seen_after_its_onset_says_where_the_anomaly_began() -> None:
     # Fast steps: the pass that fired LossSpike ran 19 steps after the loss left its trend.
     late = alert(rule="LossSpike", rank=None, onset_step=121, fired_at_step=140)
-    assert alerts.since(late, NOW).endswith("; began at step 121")
+    assert text(alerts.since(late, NOW)).endswith("; began at step 121")
     assert "began at step 121" in text(alerts.alert_row(late, now=NOW))
     # An event fires at its own step: nothing to add.
-    assert "began" not in alerts.since(alert(onset_step=10, fired_at_step=10), NOW)
-    assert "began" not in alerts.since(alert(), NOW)  # stored before onsets were kept
+    assert "began" not in text(alerts.since(alert(onset_step=10, fired_at_step=10), NOW))
+    assert "began" not in text(alerts.since(alert(), NOW))  # stored before onsets were kept
 
 
 def test_acknowledged_silenced_and_inhibited_alerts_say_so() -> None:
@@ -195,19 +213,42 @@ def test_alerts_table_lists_every_alert_newest_first_as_given() -> None:
 
 
 def test_silences_list_their_matchers_and_end() -> None:
-    silence = SilenceOut(
-        id=3,
-        matchers=[Matcher(name="run", value="r1"), Matcher(name="rank", value="1|2", regex=True)],
-        starts_at=NOW - 10,
-        ends_at=NOW + 3600,
-        created_by="ana",
-        comment="node1 maintenance",
-        created_at=NOW - 10,
-        active=True,
-    )
-    table = alerts.silences_table([silence], now=NOW)
+    table = alerts.silences_table([silence()], now=NOW)
     assert "run=r1, rank=~1|2" in text(table) and "(in 60 min)" in text(table)
     assert buttons(table) == {"End": {"type": "alerts-unsilence", "index": 3}}
+
+
+def test_a_table_whose_only_change_is_the_clock_is_not_redrawn() -> None:
+    """The ages count on in the browser (assets/ages.js): a refresh seconds later draws
+    the same digest, so the table and its buttons stay; a change in what it says is
+    drawn, and only in its own part."""
+
+    def parts(now: float, **over: Any) -> list[Any]:
+        return [
+            alerts.alerts_table([alert(**over)], now=now, run=None, states=alerts.OPEN),
+            alerts.silences_table([silence()], now=now),
+            alerts.actions_table([action()], now=now),
+        ]
+
+    first, later = parts(NOW), parts(NOW + 7)
+    assert "(60s ago)" in text(first[0]) and "(67s ago)" in text(later[0])  # drawn as of now
+    ages = [p for p in walk(first) if "ago" in classes_of(p) or "until" in classes_of(p)]
+    assert len(ages) == 3 and all(p.to_plotly_json()["props"]["data-now"] == NOW for p in ages)
+    assert [components.digest(p) for p in first] == [components.digest(p) for p in later]
+
+    shown, seen = components.redraw(first, None)  # a page's first refresh draws it all
+    assert shown == first
+    assert components.redraw(later, seen)[0] == [dash.no_update] * 3
+    acked = parts(NOW + 7, acked_by="ana", acked_at=NOW + 6)
+    assert components.redraw(acked, seen)[0] == [acked[0], dash.no_update, dash.no_update]
+    assert (
+        components.digest(
+            alerts.alerts_table([alert(state="pending")], now=NOW, run=None, states=alerts.OPEN)
+        )
+        != seen[0]
+    )
+    # A part with no live times is hashed as drawn: any change is one.
+    assert components.digest(notice("a")) != components.digest(notice("b"))
 
 
 def test_actions_offer_approve_and_cancel_only_while_undecided() -> None:
