@@ -34,6 +34,8 @@ from trainwarden.collector.store import models as m
 AFTER_EVICT_TIMEOUT_S = 900.0
 """How long an ``evict+rollback`` rollback waits for the job to come back after the
 eviction (a scheduler's requeue, a launcher's restart) before it fails and pages."""
+ENDED_BEFORE_HOLDING = "its process ended before it held (the job finished, or it died)"
+ENDED_BEFORE_RESTORING = "its process ended before it restored (the job finished, or it died)"
 
 
 class RollbackSteps(Steps):
@@ -206,13 +208,19 @@ class RollbackSteps(Steps):
                 for r, a in acks.items()
                 if r in ranks and a.get("phase") == "timeout"
             }
+            # A rank whose process ended (the job finished, it died) will never hold: say
+            # so now, not after the prepare's timeout and its retries.
+            ended = _gone(ctx.conn, row.run_id, [r for r in ranks if r not in prepared])
+            refused |= {r: {"error": ENDED_BEFORE_HOLDING} for r in ended}
             if refused or ctx.now - plan["prepared_at"] > pol.prepare_timeout.value:
                 why = (
                     "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items()))
                     or f"ranks {sorted(set(ranks) - set(prepared))} did not answer within "
                     f"{pol.prepare_timeout}"
                 )
-                fatal = any("on_rollback" in str(a.get("error")) for a in refused.values())
+                fatal = bool(ended) or any(
+                    "on_rollback" in str(a.get("error")) for a in refused.values()
+                )
                 tries = plan["attempt"] - plan.get("round_start", 1) + 1  # of this restore
                 if tries >= pol.attempts or fatal:
                     self._finish(ctx, row, "failed", reason=f"ranks not ready: {why}")
@@ -288,6 +296,9 @@ class RollbackSteps(Steps):
             if r in acks and acks[r].get("phase") in ("commit", "abort", "timeout")
         }
         failed = {r: a for r, a in done.items() if not a.get("applied")}
+        # A rank that ended before restoring never will (the job finished meanwhile).
+        ended = _gone(ctx.conn, row.run_id, [r for r in ranks if r not in done])
+        failed |= {r: {"error": ENDED_BEFORE_RESTORING} for r in ended}
         if failed:
             why = "; ".join(
                 f"rank {r}: {a.get('error') or a.get('decision')}"

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import select
+from sqlalchemy import select, update
 
 from trainwarden.agent.commands import STOPPED_EXIT_CODE, Commands, RollbackPlan
 from trainwarden.alerts import load_rule_packs
@@ -27,6 +27,10 @@ from trainwarden.collector.actions.commands import CommandBoard
 from trainwarden.collector.actions.engine import ActionEngine
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.records import summary
+from trainwarden.collector.actions.rollback_steps import (
+    ENDED_BEFORE_HOLDING,
+    ENDED_BEFORE_RESTORING,
+)
 from trainwarden.collector.alerting.engine import AlertEngine
 from trainwarden.collector.api.routes import actions as actions_api
 from trainwarden.collector.app import create_app
@@ -807,6 +811,52 @@ def test_a_rank_that_does_not_answer_the_prepare_times_it_out(cluster: Any) -> N
     run.second()
     assert run.ranks[0].last_step == 38  # ... and went on when it heard the abort
     assert run.ranks[0].acks[-1]["decision"] == "abort"
+
+
+def test_a_rank_that_ends_before_it_holds_fails_the_rollback_at_once(cluster: Any) -> None:
+    """The job finished (or a rank died) while the rollback was on its way: it fails at
+    the next pass naming the rank, not after the prepare's timeout and its retries (45 s by
+    default, CI's fast-step drill ended its wait first), and the others hear the abort."""
+    run = cluster(AUTO_ROLLBACK)
+    run.spike()
+    (rollback,) = run.act()
+    ended = run.ranks[1]
+    ended.event("shutdown", reason="finished")
+    ended.exit_code = 0
+    run.tick()
+    run.exchange()  # rank 0 hears the prepare and answers; rank 1 says goodbye
+    (failed,) = run.act()
+    assert (failed["state"], failed["plan"]["attempt"]) == ("failed", 1)
+    assert failed["reason"] == f"ranks not ready: rank 1: {ENDED_BEFORE_HOLDING}"
+    run.train(40)
+    run.exchange()
+    run.train(40)
+    assert run.ranks[0].last_step == 40  # it heard the abort and trains on
+    assert run.ranks[0].acks[-1]["decision"] == "abort"
+
+
+def test_a_rank_that_ends_before_it_restores_fails_the_rollback_at_once(cluster: Any) -> None:
+    run = cluster(AUTO_ROLLBACK)
+    run.spike()
+    (rollback,) = run.act()
+    run.tick()
+    run.exchange()
+    run.train(45)  # both hold after step 36
+    run.exchange()
+    (committed,) = run.act()
+    assert "committed_at" in committed["plan"]
+    run.ranks[1].silent = True  # killed while holding; the health check calls it dead
+    with write(run.engine) as conn:
+        conn.execute(
+            update(m.ranks).where(m.ranks.c.rank == 1).values(state="dead", state_since=run.now)
+        )
+    run.tick()
+    run.exchange()
+    run.train(45)  # rank 0 restores
+    run.exchange()
+    (failed,) = run.act()
+    assert failed["state"] == "failed"
+    assert failed["reason"] == f"rollback not applied: rank 1: {ENDED_BEFORE_RESTORING}"
 
 
 # -- the retry budget ------------------------------------------------------------------
