@@ -50,15 +50,16 @@ class Alert:
 
 
 def _held(alert: Alert, span: Interval, now: float, step: int | None) -> bool:
-    """Whether the condition has held for ``span`` (time or steps) by now."""
+    """Whether the condition has held for ``span`` (time or steps) by now. In steps, from
+    where the data says its streak began (``onset_step``) when that is earlier than the
+    pass that first saw it: with fast steps a pass sees a streak dozens of steps late,
+    and a loss spike that has held 20 steps by then must not wait for another pass, which
+    may come after it ended (issue 38's fast-step drill missed LossSpike so)."""
     if span.value == 0:
         return True
     if span.unit == "steps":
-        return (
-            step is not None
-            and alert.active_since_step is not None
-            and step - alert.active_since_step >= span.value
-        )
+        began = [s for s in (alert.active_since_step, alert.onset_step) if s is not None]
+        return step is not None and bool(began) and step - min(began) >= span.value
     return alert.active_since is not None and now - alert.active_since >= span.value
 
 

@@ -79,18 +79,39 @@ def test_an_alert_keeps_the_steps_it_went_pending_and_fired_at() -> None:
 
 def test_an_episode_keeps_the_earliest_onset_it_was_given() -> None:
     a = Alert("LossSpike", {"run": "r"})
-    a = advance(a, active=True, now=0, step=140, for_=STEPS5, keep_firing_for=ZERO, onset_step=121)
-    assert (a.state, a.active_since_step, a.onset_step) == ("pending", 140, 121)
-    # A later pass whose window no longer holds the start of the streak says 130: kept 121.
+    a = advance(a, active=True, now=0, step=140, for_=STEPS5, keep_firing_for=ZERO, onset_step=138)
+    assert (a.state, a.active_since_step, a.onset_step) == ("pending", 140, 138)
+    # A later pass whose window no longer holds the start of the streak says 139: kept 138.
+    a = advance(a, active=True, now=1, step=141, for_=STEPS5, keep_firing_for=ZERO, onset_step=139)
+    assert (a.state, a.onset_step) == ("pending", 138)
     a = advance(a, active=True, now=1, step=160, for_=STEPS5, keep_firing_for=ZERO, onset_step=130)
-    assert (a.state, a.onset_step) == ("firing", 121)
+    assert (a.state, a.onset_step) == ("firing", 130)
     a = advance(a, active=True, now=2, step=170, for_=STEPS5, keep_firing_for=ZERO, onset_step=119)
     assert a.onset_step == 119  # more of the data arrived: earlier
     a = advance(a, active=False, now=3, step=180, for_=STEPS5, keep_firing_for=ZERO)
-    a = advance(a, active=True, now=4, step=300, for_=STEPS5, keep_firing_for=ZERO, onset_step=290)
-    assert (a.state, a.onset_step) == ("pending", 290)  # a new episode, a new onset
+    a = advance(a, active=True, now=4, step=300, for_=STEPS5, keep_firing_for=ZERO, onset_step=298)
+    assert (a.state, a.onset_step) == ("pending", 298)  # a new episode, a new onset
     gone = advance(a, active=False, now=5, step=301, for_=STEPS5, keep_firing_for=ZERO)
     assert (gone.state, gone.onset_step) == ("inactive", None)
+
+
+def test_a_streak_that_held_for_its_steps_by_the_first_pass_fires_at_once() -> None:
+    """``for`` in steps counts from where the data says the streak began: fast steps put a
+    pass dozens of steps after the onset, and the spike may be over by the next pass."""
+    a = Alert("LossSpike", {"run": "r"})
+    late = advance(
+        a, active=True, now=0, step=140, for_=STEPS5, keep_firing_for=ZERO, onset_step=121
+    )
+    assert (late.state, late.fired_at_step, late.onset_step) == ("firing", 140, 121)
+    # No onset (a rule that gives none): from the pass that first saw it, as before.
+    seen = advance(a, active=True, now=0, step=140, for_=STEPS5, keep_firing_for=ZERO)
+    assert seen.state == "pending"
+    assert advance(seen, active=True, now=1, step=144, for_=STEPS5, keep_firing_for=ZERO).state == (
+        "pending"
+    )
+    assert advance(seen, active=True, now=1, step=145, for_=STEPS5, keep_firing_for=ZERO).state == (
+        "firing"
+    )
 
 
 def test_without_for_an_alert_fires_at_once_and_resolves_when_clear() -> None:

@@ -251,15 +251,22 @@ def fast_spike(
         codes = [p.wait(300) for p in procs]
         logs = {r: (tmp_path / f"{run}-rank{r}.log").read_text() for r in range(2)}
         assert codes == [0, 0], logs
-        (action,) = wait_for(
-            lambda: [
-                a
-                for a in server.get("/api/v1/actions", run=run).json()
-                if a["kind"] == "rollback" and a["state"] in ("done", "failed")
-            ],
-            30,
-            "the rollback done",
-        )
+        try:
+            (action,) = wait_for(
+                lambda: [
+                    a
+                    for a in server.get("/api/v1/actions", run=run).json()
+                    if a["kind"] == "rollback" and a["state"] in ("done", "failed")
+                ],
+                30,
+                "the rollback done",
+            )
+        except AssertionError as exc:  # say where it stopped (CI once saw no end, and no why)
+            raise AssertionError(
+                f"{exc}\nactions: {server.get('/api/v1/actions', run=run).json()}\n"
+                f"alerts: {server.get('/api/v1/alerts', run=run, state='resolved').json()}"
+                f"{server.get('/api/v1/alerts', run=run).json()}\nranks' logs: {logs}"
+            ) from None
         (alert,) = [
             a for a in server.get("/api/v1/alerts", run=run).json() if a["rule"] == "LossSpike"
         ]
