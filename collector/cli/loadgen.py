@@ -197,7 +197,8 @@ class LoadgenResult:
     rows_unsent: int = 0
     # Step due (the trainer's step done) -> the collector's 200 (after its commit: the
     # rows are queryable): for the requests taken at the first try, and for the others
-    # (refused, or held back behind a refused one).
+    # (refused, or held back behind a refused one: a step done while its node's spool
+    # waited or drained).
     fresh_s: list[float] = field(default_factory=list)
     replayed_s: list[float] = field(default_factory=list)
     # Rows taken by the end of the offered load (the last step's period); the last
@@ -529,15 +530,20 @@ async def _run_agent_node(node: _Node) -> None:
     import orjson
 
     result = node.result
-    recorded: list[tuple[int, float, dict[str, Any]]] = []  # steps done, not yet sent
+    # Steps done, not yet sent, each with whether the spool held something when it was
+    # done: such a step waits behind a refusal (while the spool waits and drains), and
+    # counts as held back, not as taken at the first try.
+    recorded: list[tuple[int, float, dict[str, Any], bool]] = []
     spool: list[_Batch] = []
     retry_at = 0.0
 
     def batch() -> _Batch:
         taken = recorded[:MAX_MERGED_STEPS]
         del recorded[:MAX_MERGED_STEPS]
-        body = _merged([b for _, _, b in taken], node.per_rank)
-        return _Batch([s for s, _, _ in taken], [d for _, d, _ in taken], orjson.dumps(body))
+        body = _merged([b for _, _, b, _ in taken], node.per_rank)
+        made = _Batch([s for s, *_ in taken], [d for _, d, *_ in taken], orjson.dumps(body))
+        made.held = any(behind for *_, behind in taken)
+        return made
 
     async def send(batch: _Batch) -> bool:
         nonlocal retry_at
@@ -566,7 +572,7 @@ async def _run_agent_node(node: _Node) -> None:
     while time.monotonic() < deadline:
         now = time.monotonic()
         while step < node.steps and dues[step] <= now:
-            recorded.append((step, dues[step], node.body(step)))
+            recorded.append((step, dues[step], node.body(step), bool(spool)))
             step += 1
         if spool and now >= retry_at:
             if await send(spool[0]):
