@@ -77,6 +77,14 @@ def _actions(args: argparse.Namespace) -> object:
         raise CliError(f"actions:\n{exc}") from None
 
 
+KEEP_ALIVE_S = 20
+"""How long an idle keep-alive connection stays open (uvicorn's default is 5 s): longer
+than the ``Retry-After`` a refused sender waits (5 s, api/routes/ingest.py), so that a
+relay or an agent coming back after it finds its connection still open. With both 5 s,
+the server closed connections just as nodes sent on them again; at 2x capacity 1 % of
+the requests taken then spent 5-23 s reconnecting (bench/request_stages.py)."""
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     # deferred: see collector/cli/__init__.py
     import uvicorn
@@ -120,6 +128,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         app,
         host=settings.host,
         port=settings.port,
+        timeout_keep_alive=KEEP_ALIVE_S,
         log_level=args.log_level,
         ssl_certfile=settings.ssl_certfile,
         ssl_keyfile=settings.ssl_keyfile,
