@@ -53,6 +53,20 @@ def serving(db_url: str, *, log_name: str, auth: bool = False) -> Iterator[str]:
         yield url
 
 
+def wait_healthy(url: str, log: str, timeout_s: float = 30.0) -> None:
+    """Until ``url``'s ``/healthz`` answers 200 (a ``serve`` starting); ``log``: where
+    it writes, for the error."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"trainwarden serve did not start; see {log}")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds process ``pid`` has used so far, all its threads (Linux)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -103,15 +117,7 @@ def serving_process(
     serve = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(150):
-            try:
-                if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        else:
-            raise RuntimeError(f"trainwarden serve did not start; see {log.name}")
+        wait_healthy(url, log.name)
         yield url, serve
     finally:
         serve.terminate()
