@@ -84,11 +84,12 @@ def redraw(parts: Sequence[Any], seen: Sequence[str] | None) -> tuple[list[Any],
     """The parts to send, ``no_update`` for each drawn as it is already, and their digests
     (a page's store keeps them for the next refresh)."""
     digests = [digest(p) for p in parts]
-    before = list(seen or [])
-    same = len(before) == len(digests)
+    before: list[str | None] = list(seen or [])
+    if len(before) != len(digests):  # a first refresh, or another page's store
+        before = [None] * len(digests)
     out = [
-        dash.no_update if same and before[i] == d else part
-        for i, (part, d) in enumerate(zip(parts, digests, strict=True))
+        dash.no_update if old == d else part
+        for part, d, old in zip(parts, digests, before, strict=True)
     ]
     return out, digests
 

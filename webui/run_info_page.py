@@ -11,21 +11,19 @@ or a chosen comparison stays as the user left it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from typing import Any
 
 import dash
 from dash import Input, Output, State, dcc, html
-from plotly.io.json import to_json_plotly
 
 from trainwarden.collector.read.queries import NotFound
 
 from . import data_panel
 from . import run_info as view
 from .client import Client
-from .components import notice, run_tabs
+from .components import digest, notice, run_tabs
 
 log = logging.getLogger(__name__)
 PARTS = ("ri-notice", "ri-identity", "ri-attempts", "ri-goodput", "ri-checkpoints", "ri-data")
@@ -102,7 +100,7 @@ KEYS = (*PARTS, "ri-breakdown.figure", "ri-compare.options")
 
 def changed(parts: dict[str, Any], seen: dict[str, str] | None) -> tuple[list[Any], dict[str, str]]:
     """The outputs in ``KEYS`` order, ``no_update`` for those drawn as they are already."""
-    digests = {k: hashlib.sha1(to_json_plotly(parts[k]).encode()).hexdigest() for k in KEYS}
+    digests = {k: digest(parts[k]) for k in KEYS}
     seen = seen or {}
     return [dash.no_update if seen.get(k) == digests[k] else parts[k] for k in KEYS], digests
 

@@ -196,6 +196,8 @@ def _live_ranks(conn: Connection, run_id: int) -> list[int]:
 
 
 def _gone(conn: Connection, run_id: int, ranks: Sequence[int]) -> set[int]:
+    if not ranks:  # every rank answered: nothing to ask the database
+        return set()
     k = m.ranks.c
     return set(
         conn.execute(
