@@ -744,9 +744,14 @@ def register(app: dash.Dash, client: Client) -> None:
             want = parse_query(search)
             if drag:  # a drag made before is the page's past, not a new one
                 want["drag"] = drag.get("n")
-            offered = [o["value"] for o in options or ()]
-            shown = want.get("user") if want.get("user") in offered else None
-            shown = shown or (offered[0] if offered else None)  # no pick: the first
+            shown = None
+            # The picker is set only by a navigation that changes the pick: a URL written
+            # by a drag (or the page's own) leaves it to pick_user, whose first answer may
+            # be on its way, and setting it here too made one more call race the drag's.
+            if want.get("user") != view.get("user"):
+                offered = [o["value"] for o in options or ()]
+                shown = want.get("user") if want.get("user") in offered else None
+                shown = shown or (offered[0] if offered else None)  # no pick: the first
             return (
                 keep,
                 want if want != view else keep,
