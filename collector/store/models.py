@@ -52,6 +52,9 @@ runs = Table(
     Column("status", String(16), nullable=False, server_default="running"),
 )
 
+# Every ingest flush updates each of its ranks' rows: on PostgreSQL half of each page is
+# left free (fillfactor 50, migration 0031) so that the new version of a row fits beside
+# the old one (a HOT update: no index entry, no growth of the table between vacuums).
 ranks = Table(
     "ranks",
     metadata,

@@ -18,7 +18,9 @@ from trainwarden.collector.store import models as m
 from .helpers import batch, step
 
 
-def node(rank0: int, steps: range, *, duration: float = 0.5) -> ColumnarBatch:
+def node(
+    rank0: int, steps: range, *, duration: float = 0.5, run: str = "w", world: int = 64
+) -> ColumnarBatch:
     ranks = range(rank0, rank0 + 8)
     cols: dict[str, list[object]] = {"rank": [], "step": [], "ts": [], "duration_s": []}
     for s in steps:
@@ -29,7 +31,7 @@ def node(rank0: int, steps: range, *, duration: float = 0.5) -> ColumnarBatch:
             cols["duration_s"].append(duration)
     agents = [{"rank": r, "host": f"n{rank0}", "session": f"s{r}"} for r in ranks]
     return ColumnarBatch.model_validate(
-        {"run": "w", "world_size": 64, "agents": agents, "steps": cols}
+        {"run": run, "world_size": world, "agents": agents, "steps": cols}
     )
 
 
@@ -507,3 +509,50 @@ def test_a_flush_reads_its_ranks_by_one_index_probe_each_whatever_the_statistics
     assert re.search(r"Index Cond: \(\(run_id = \S+\) AND \(rank = u\.rank\)\)", plan), plan
     assert [row[:2] for row in found] == [(r, f"s{r}") for r in range(0, 4096, 7)]
     assert [row[5] for row in found] == [r + 1 for r in range(0, 4096, 7)]
+
+
+def test_a_heartbeat_updates_its_ranks_row_on_its_own_page(pg_url: str) -> None:
+    """Every flush updates each of its ranks' rows. With room left on the page (migration
+    0031: fillfactor 50) the new version of a row goes beside the old one, with no new
+    index entry (a HOT update) and no growth of the table; at the default fillfactor
+    nearly every update moved its row to another page (measured: 0.6 % HOT) and the
+    table grew by a copy of its rows a flush until a vacuum."""
+    from sqlalchemy import text
+
+    from trainwarden.collector.ingest.batches import store_many
+    from trainwarden.collector.store.db import make_engine, write
+
+    engine = make_engine(pg_url)
+    counts = text(
+        "SELECT pg_stat_get_xact_tuples_updated('ranks'::regclass), "
+        "pg_stat_get_xact_tuples_hot_updated('ranks'::regclass)"
+    )
+    updated = hot = 0
+    sizes = []
+    try:
+        for step in range(6):
+            with write(engine) as conn:
+                # This backend's counts not yet reported (this transaction's and earlier
+                # ones'): the flush's own updates are the difference.
+                before = conn.execute(counts).one()
+                store_many(
+                    conn,
+                    [node(8 * n, range(step, step + 1), run="hot", world=512) for n in range(64)],
+                    now=1_700_000_100.0 + step,
+                )
+                after = conn.execute(counts).one()
+                if step:  # the first flush inserted the ranks
+                    updated += after[0] - before[0]
+                    hot += after[1] - before[1]
+            with engine.connect() as conn:
+                sizes.append(conn.execute(text("SELECT pg_relation_size('ranks')")).scalar_one())
+        with engine.connect() as conn:
+            options = conn.execute(
+                text("SELECT reloptions FROM pg_class WHERE relname = 'ranks'")
+            ).scalar_one()
+    finally:
+        engine.dispose()
+    assert updated == 5 * 512  # each flush after the first updated each of the 512 ranks
+    assert hot >= 0.95 * updated, (hot, updated)
+    assert sizes[-1] <= sizes[0] + 8192 * 4, sizes  # the table did not grow with the flushes
+    assert options == ["fillfactor=50"]
