@@ -182,12 +182,12 @@ def record_lost(conn: Connection, gone: list[dict[str, Any]]) -> None:
 
 # Sessions whose first step is stored (or that never sent attempt_start): per database.
 _started: weakref.WeakKeyDictionary[Engine, set[str]] = weakref.WeakKeyDictionary()
-_misses: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
 _MISSES = 3  # flushes with steps and no attempt row: an agent that does not send one
-# The earliest step seen of each session still waiting for its attempt row: a process's
-# first steps can be stored a flush before its attempt_start (a relay's merged request,
-# a batch that overtook another), and the step then recorded must be that one.
-_early: weakref.WeakKeyDictionary[Engine, dict[str, tuple[int, float]]] = (
+# Sessions with steps stored and no attempt row yet: the flushes that asked so far, and the
+# earliest step seen (number, start time). A process's first steps can be stored a flush
+# before its attempt_start (a relay's merged request, a batch that overtook another), and
+# the step then recorded must be that one.
+_waiting: weakref.WeakKeyDictionary[Engine, dict[str, tuple[int, tuple[int, float]]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -208,27 +208,21 @@ def record_first_steps(conn: Connection, firsts: dict[str, tuple[int, float]]) -
         row.session: row.first_step
         for row in conn.execute(select(s.session, s.first_step).where(s.session.in_(list(todo))))
     }
-    early = _early.setdefault(conn.engine, {})
-    for session, (step, at) in todo.items():
-        if session in early:
-            step, at = min((step, at), early[session])
-        if session in known and known[session] is None:
-            conn.execute(
-                update(m.attempt_sessions)
-                .where(s.session == session, s.first_step.is_(None))
-                .values(first_step=step, first_step_at=at)
-            )
+    waiting = _waiting.setdefault(conn.engine, {})
+    for session, first in todo.items():
+        misses, earliest = waiting.pop(session, (0, first))
+        step, at = min(first, earliest)
+        if session in known:
+            if known[session] is None:
+                conn.execute(
+                    update(m.attempt_sessions)
+                    .where(s.session == session, s.first_step.is_(None))
+                    .values(first_step=step, first_step_at=at)
+                )
             done.add(session)
-        elif session in known:
+        elif misses + 1 >= _MISSES:  # none in three flushes: an agent that sends none
             done.add(session)
         else:  # its attempt_start may still be on its way: ask again, a few times
-            misses = _misses.setdefault(conn.engine, {})
-            misses[session] = misses.get(session, 0) + 1
-            early[session] = (step, at)
-            if misses[session] >= _MISSES:
-                done.add(session)
-                del misses[session]
-        if session in done:
-            early.pop(session, None)
+            waiting[session] = (misses + 1, (step, at))
     if len(done) > 1_000_000:
         done.clear()

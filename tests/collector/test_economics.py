@@ -424,3 +424,8 @@ def test_an_attempts_first_step_stored_before_its_start_event_is_still_its_first
     flush(client.app.state.engine, now=time.time(), grace_s=0)
     tries = client.get("/api/v1/runs/job/attempts").json()
     assert [(t["number"], t["first_step"], t["last_step"]) for t in tries] == [(1, 0, 4), (2, 5, 9)]
+    # Each session was answered: none is kept waiting for its attempt row (a session
+    # found after a miss used to keep its count of misses for the collector's lifetime).
+    from trainwarden.collector.ingest import attempts
+
+    assert attempts._waiting.get(client.app.state.engine) == {}
