@@ -551,8 +551,15 @@ def test_a_heartbeat_updates_its_ranks_row_on_its_own_page(pg_url: str) -> None:
                 text("SELECT reloptions FROM pg_class WHERE relname = 'ranks'")
             ).scalar_one()
     finally:
+        with engine.begin() as conn:  # the tables empty again, as other tests expect them
+            tables = ", ".join(t.name for t in m.metadata.sorted_tables)
+            conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
         engine.dispose()
     assert updated == 5 * 512  # each flush after the first updated each of the 512 ranks
-    assert hot >= 0.95 * updated, (hot, updated)
-    assert sizes[-1] <= sizes[0] + 8192 * 4, sizes  # the table did not grow with the flushes
+    # Most updates HOT (alone here: 99 %, the table its size; at the default fillfactor
+    # 5 %, the table 5.6x its size after the first flush). A snapshot another connection
+    # holds meanwhile keeps a page from being pruned of the versions before it: then a
+    # flush's rows move once (seen in parallel test runs: 79 % HOT, the table 2.1x).
+    assert hot >= 0.5 * updated, (hot, updated)
+    assert sizes[-1] <= 3 * sizes[0], sizes  # the table did not grow a copy a flush
     assert options == ["fillfactor=50"]
