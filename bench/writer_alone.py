@@ -77,6 +77,11 @@ def main() -> None:
     parser.add_argument("--flushes", type=int, default=12)
     parser.add_argument("--statements", action="store_true")
     args = parser.parse_args()
+    if args.flushes <= WARM_FLUSHES or args.ranks < 8 or args.ranks % 8:
+        parser.error(
+            f"--flushes must be more than {WARM_FLUSHES} (the warm-up ones are not counted) "
+            "and --ranks a multiple of 8 (requests of 8 ranks)"
+        )
     rng = random.Random(1)
     sessions = {r: f"s{r:06d}" for r in range(args.ranks)}
     wall = cpu = pg = 0.0
