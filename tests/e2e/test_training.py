@@ -46,7 +46,11 @@ def rolled_up(server: Server, run: str, steps: int, *, within_s: float = 15.0) -
 
 
 def test_both_ranks_steps_arrive(live_server: Server) -> None:
-    torchrun(live_server, "--run-name", "e2e", "--steps", "30")
+    # --work-ms: each step also waits 20 ms as if on a device. The tiny model's compute is
+    # a few ms of CPU, and on a machine whose two cores run other tests too, one rank can
+    # get less CPU than the other for five steps running: a real straggler (compute 1.2x
+    # its peer's), which this healthy run must not have (CI saw one).
+    torchrun(live_server, "--run-name", "e2e", "--steps", "30", "--work-ms", "20")
 
     run = live_server.get("/api/v1/runs/e2e").json()
     assert run["world_size"] == 2 and run["ranks_seen"] == 2
@@ -98,11 +102,13 @@ def test_both_ranks_steps_arrive(live_server: Server) -> None:
     tokens = live_server.get("/api/v1/runs/e2e/series", metric="tokens").json()
     assert tokens["total"] == [2 * 64 * 8] * 30  # batch 64 x context 8 on each rank
 
-    # A healthy run: no rank was ever judged slow, hung or dead (in DDP lockstep the
-    # ranks' step times match: a busy core slows both).
+    # A healthy run: no rank was ever judged slow, hung or dead.
     every = live_server.get("/api/v1/runs/e2e/events").json()
     verdicts = [e for e in every if e["kind"] == "rank_state"]
-    assert not [v for v in verdicts if v["data"].get("to") in ("slow", "hung", "dead")], verdicts
+    bad = [
+        (v["rank"], v["data"]) for v in verdicts if v["data"].get("to") in ("slow", "hung", "dead")
+    ]
+    assert not bad, bad
     # The agents' own events.
     events = [e for e in every if e["kind"] != "rank_state"]
     assert sorted((e["kind"], e["rank"]) for e in events) == [
