@@ -73,6 +73,14 @@ RELAY_RETRY_S = 30.0  # a relay found down is tried again after this long, ...
 RELAY_FIRST_RETRY_S = 2.0  # ... or this, if never seen yet (local rank 0 may be starting it)
 
 
+KEEPALIVE_S = 15.0
+"""How long the agent keeps an idle connection to the collector or its relay (httpx's
+default is 5 s): longer than the ``Retry-After`` a refused request waits (5 s), so that
+the request sent again goes on the open connection instead of a new one to a collector
+that is busy, and shorter than ``trainwarden serve``'s own idle timeout (20 s), so that
+the agent, not the server, closes an idle connection (never one it is sending on)."""
+
+
 class HttpTransport:
     """The real transport: one keep-alive httpx client. With ``relays`` (where the node
     relay may listen: one URL, or ``relay="auto"``'s candidates, of which the one that
@@ -95,10 +103,12 @@ class HttpTransport:
         headers = {"User-Agent": USER_AGENT}
         if token:
             headers["Authorization"] = f"Bearer {token}"
-        self._client = httpx.Client(base_url=url, headers=headers, timeout=timeout_s)
+        limits = httpx.Limits(keepalive_expiry=KEEPALIVE_S)
+        self._client = httpx.Client(base_url=url, headers=headers, timeout=timeout_s, limits=limits)
         candidates = relays if relays is not None else ([relay] if relay is not None else [])
         self._candidates = [
-            httpx.Client(base_url=u, headers=headers, timeout=timeout_s) for u in candidates
+            httpx.Client(base_url=u, headers=headers, timeout=timeout_s, limits=limits)
+            for u in candidates
         ]
         self._relay = self._candidates[0] if len(self._candidates) == 1 else None
         self._job = job

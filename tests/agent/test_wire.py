@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.server
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,12 @@ import httpx
 import pytest
 
 from trainwarden.agent import wire
-from trainwarden.agent.exporter import HttpTransport
+from trainwarden.agent.exporter import KEEPALIVE_S, HttpTransport
 from trainwarden.agent.relay import Relay
 from trainwarden.agent.spool import DiskSpool
 from trainwarden.agent.stats import Stats
+from trainwarden.collector.api.routes.ingest import RETRY_AFTER_S
+from trainwarden.collector.cli import KEEP_ALIVE_S
 
 
 class Upstream:
@@ -25,12 +28,16 @@ class Upstream:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, dict[str, str], bytes]] = []
-        seen = self.seen
+        self.client_ports: list[int] = []  # each request's: one port, one connection
+        seen, ports = self.seen, self.client_ports
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keeps a connection open, as uvicorn does
+
             def _answer(self) -> None:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 seen.append((self.path, dict(self.headers), body))
+                ports.append(self.client_address[1])
                 reply = b'{"accepted_steps": 0, "accepted_events": 0}'
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -92,6 +99,24 @@ def test_an_agents_batch_through_the_relay_is_one_columnar_request(upstream: Ups
     assert path == wire.COLUMNS_PATH
     assert headers[wire.SENDER_HEADER] == "r1/3" == wire.sender(body)
     assert wire.loads(raw)["steps"]["step"] == [1]
+
+
+def test_an_agent_sends_again_after_retry_after_on_the_connection_it_had(
+    upstream: Upstream,
+) -> None:
+    # A refused request goes again after Retry-After (5 s); the connection must still be
+    # open then (httpx's default closes one idle 5 s), and closed by the agent before
+    # `trainwarden serve` closes it (20 s idle), never as the agent sends on it.
+    assert float(RETRY_AFTER_S) < KEEPALIVE_S < KEEP_ALIVE_S
+    body = {"run": "r1", "agent": {"rank": 0}, "steps": [], "events": [], "gpu": []}
+    transport = HttpTransport(upstream.url, token=None, timeout_s=5)
+    try:
+        transport.send(wire.INGEST_PATH, body)
+        time.sleep(float(RETRY_AFTER_S) + 0.5)
+        transport.send(wire.INGEST_PATH, body)
+    finally:
+        transport.close()
+    assert len(upstream.client_ports) == 2 and len(set(upstream.client_ports)) == 1
 
 
 def test_the_spool_keeps_batches_in_the_wire_encoding(tmp_path: Path) -> None:
