@@ -74,6 +74,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """:func:`cpu_seconds` of ``pid`` and of its living children (``serve --workers N``:
+    the parent and its N workers)."""
+    total = cpu_seconds(pid)
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(k) for k in f.read().split()]
+    except OSError:
+        kids = []
+    for kid in kids:
+        try:
+            total += cpu_seconds(kid)
+        except OSError:  # gone meanwhile
+            continue
+    return total
+
+
 def postgres_cpu_seconds() -> float:
     """CPU seconds used so far by the machine's PostgreSQL processes (its backends and
     background workers, whatever their database): the server is on this machine."""

@@ -63,7 +63,14 @@ from typing import Any
 
 import httpx
 import psycopg
-from common import DEFAULT_DB, cpu_seconds, postgres_cpu_seconds, scratch_database, serving_process
+from common import (
+    DEFAULT_DB,
+    cpu_seconds,
+    postgres_cpu_seconds,
+    scratch_database,
+    serving_process,
+    tree_cpu_seconds,
+)
 from peer_mlflow import describe, find_mlflow, mlflow_points_per_s
 from sqlalchemy import text
 
@@ -210,7 +217,7 @@ def end_to_end(
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         # CPU a stored row of each part, over the load: they share the machine's cores.
-        cpu = (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds())
+        cpu = (tree_cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds())
         pg_before = _postgres_cpu_by_pid(pg_dsn) if pg_dsn else {}
         if statements and pg_dsn:
             _reset_statements(pg_dsn)
@@ -232,7 +239,7 @@ def end_to_end(
             b - a
             for a, b in zip(
                 cpu,
-                (cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds()),
+                (tree_cpu_seconds(serve.pid), postgres_cpu_seconds(), _own_cpu_seconds()),
                 strict=True,
             )
         ]
@@ -559,6 +566,12 @@ def main() -> None:
     p.add_argument("--duration", type=float, default=30)
     p.add_argument("--copy-rows", type=int, default=200_000)
     p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="collector processes (serve --workers N); their CPU is added together",
+    )
+    p.add_argument(
         "--user-metrics",
         type=int,
         default=6,
@@ -612,12 +625,18 @@ def main() -> None:
         "points/s does not grow with them",
     )
     args = p.parse_args()
+    os.environ["TRAINWARDEN_WORKERS"] = str(args.workers)  # the serve processes started below
 
     with scratch_database(args.db) as (sa_url, dsn):
         copy_rows = raw_copy(dsn, args.copy_rows, args.user_metrics)
         metrics = len(METRIC_COLUMNS) + args.user_metrics
+        processes = (
+            "one collector process"
+            if args.workers == 1
+            else f"{args.workers} collector processes (serve --workers)"
+        )
         print(
-            f"trainwarden ingest benchmark ({os.cpu_count()} cpus; one collector process; "
+            f"trainwarden ingest benchmark ({os.cpu_count()} cpus; {processes}; "
             f"PostgreSQL on the same machine; {metrics} metrics per row = "
             f"{len(METRIC_COLUMNS)} built-in + "
             f"{args.user_metrics} user metrics)"

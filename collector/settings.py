@@ -19,6 +19,13 @@ class Settings(BaseSettings):
     port: int = Field(
         default=8000, ge=0, le=65535, description="Port (TRAINWARDEN_PORT); 0: a free one, said"
     )
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=256,
+        description="Collector processes on the one port (TRAINWARDEN_WORKERS); more than one "
+        "needs PostgreSQL",
+    )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024,
         ge=1024,

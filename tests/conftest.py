@@ -191,6 +191,12 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
         return
     url = request.getfixturevalue("pg_url")
     yield url
+    empty_tables(url)
+
+
+def empty_tables(url: str) -> None:
+    """Every table of the PostgreSQL database ``url`` emptied, as the next test of the
+    session expects it."""
     engine = create_engine(url)
     with engine.begin() as conn:
         tables = ", ".join(t.name for t in models.metadata.sorted_tables)

@@ -13,7 +13,7 @@ import argparse
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -96,20 +96,28 @@ def cmd_serve(args: argparse.Namespace) -> None:
     settings = settings_of(args)
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
         raise CliError("HTTPS needs both --ssl-certfile and --ssl-keyfile")
+    if settings.workers > 1 and settings.db.startswith("sqlite"):
+        raise CliError(
+            f"--workers {settings.workers} needs PostgreSQL (--db postgresql+psycopg://...): "
+            "SQLite takes one writer at a time, so one collector process is all it can use"
+        )
     rules, runbook_dirs = _rules(args)
     notify = _notify(args)
     actions = _actions(args)
-    engine = open_database(settings.db)
+    engine = open_database(settings.db)  # migrated once, before any worker starts
     auth_settings = settings.auth_settings()
-    app = create_app(
-        engine,
-        settings,
-        rules=rules,
-        runbook_dirs=runbook_dirs,
-        notify=notify,
-        actions=actions,  # type: ignore[arg-type]
-        auth_settings=auth_settings,
-    )
+
+    def app_of(engine: Any) -> Any:
+        return create_app(
+            engine,
+            settings,
+            rules=rules,
+            runbook_dirs=runbook_dirs,
+            notify=notify,
+            actions=actions,  # type: ignore[arg-type]
+            auth_settings=auth_settings,
+        )
+
     base = f"{'https' if settings.ssl_certfile else 'http'}://{settings.host}:{settings.port}"
     if auth_settings is None:
         logging.getLogger("trainwarden").warning(
@@ -124,23 +132,57 @@ def cmd_serve(args: argparse.Namespace) -> None:
         f"trainwarden collector: dashboard {base}/  API {base}/api/v1  docs {base}/docs", flush=True
     )
     print(f"trainwarden collector: database {masked(settings.db)}", flush=True)
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        timeout_keep_alive=KEEP_ALIVE_S,
-        log_level=args.log_level,
-        ssl_certfile=settings.ssl_certfile,
-        ssl_keyfile=settings.ssl_keyfile,
-        access_log=args.access_log and args.log_level in ("debug", "info"),
-    )
-    _run_listening(config, scheme=base.split(":", 1)[0])
+    scheme = base.split(":", 1)[0]
+
+    def config_of(app: Any) -> Any:
+        return uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            timeout_keep_alive=KEEP_ALIVE_S,
+            log_level=args.log_level,
+            ssl_certfile=settings.ssl_certfile,
+            ssl_keyfile=settings.ssl_keyfile,
+            access_log=args.access_log and args.log_level in ("debug", "info"),
+        )
+
+    def listening(host: str, port: int) -> None:
+        print(f"trainwarden collector: listening on {scheme}://{host}:{port}", flush=True)
+
+    if settings.workers == 1:
+        _run(config_of(app_of(engine)), said=listening)
+        return
+    # deferred: see collector/cli/__init__.py
+    from trainwarden.collector.cli.workers import serve_workers
+    from trainwarden.collector.store.db import make_engine
+
+    engine.dispose()  # each worker opens its own (a pool does not cross a fork)
+
+    def start(sock: Any, ready: Callable[[], None]) -> None:
+        _run(config_of(app_of(make_engine(settings.db))), sockets=[sock], started=ready)
+
+    def said(host: str, port: int) -> None:
+        listening(host, port)
+        print(f"trainwarden collector: {settings.workers} worker processes", flush=True)
+
+    try:
+        serve_workers(
+            workers=settings.workers, host=settings.host, port=settings.port, start=start, said=said
+        )
+    except OSError as exc:
+        raise CliError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
 
 
-def _run_listening(config: Any, *, scheme: str) -> None:
-    """uvicorn's server, saying the address it listens on once it does (with ``--port
-    0``, the port the system chose): ``trainwarden collector: listening on
-    http://127.0.0.1:PORT``."""
+def _run(
+    config: Any,
+    *,
+    sockets: list[Any] | None = None,
+    said: Callable[[str, int], None] | None = None,
+    started: Callable[[], None] | None = None,
+) -> None:
+    """uvicorn's server (on ``sockets`` if given), calling ``said`` with each address it
+    listens on once it does (with ``--port 0``, the port the system chose), and
+    ``started`` once it takes requests."""
     # deferred: see collector/cli/__init__.py
     import uvicorn
 
@@ -149,12 +191,12 @@ def _run_listening(config: Any, *, scheme: str) -> None:
             await super().startup(sockets=sockets)
             for server in self.servers:
                 for sock in server.sockets:
-                    host, port = sock.getsockname()[:2]
-                    print(
-                        f"trainwarden collector: listening on {scheme}://{host}:{port}", flush=True
-                    )
+                    if said is not None:
+                        said(*sock.getsockname()[:2])
+            if started is not None:
+                started()
 
-    Listening(config).run()
+    Listening(config).run(sockets=sockets)
 
 
 def _say_if_no_tokens(engine: Any) -> None:
@@ -271,6 +313,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", help="address to listen on (default 127.0.0.1; 0.0.0.0 for all)")
     serve.add_argument(
         "--port", type=int, help="port (default 8000; 0: a free one, said in the output)"
+    )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="collector processes on the one port (default 1; TRAINWARDEN_WORKERS): one process "
+        "uses about one core, so on a host of several cores, N of them take about N times the "
+        "ingest; needs PostgreSQL (see docs/scaling.md)",
     )
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     serve.add_argument(

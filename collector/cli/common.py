@@ -18,6 +18,7 @@ def settings_of(args: argparse.Namespace) -> Settings:
             ("db", args.db),
             ("host", getattr(args, "host", None)),
             ("port", getattr(args, "port", None)),
+            ("workers", getattr(args, "workers", None)),
             ("price_per_gpu_hour", getattr(args, "price_per_gpu_hour", None)),
             ("mtbf_hours", getattr(args, "mtbf_hours", None)),
             ("gpu_mtbf_hours", getattr(args, "gpu_mtbf_hours", None)),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 
 import pytest
@@ -224,7 +225,7 @@ def test_unknown_run_is_404_and_unknown_metric_is_422(client: TestClient) -> Non
 def test_healthz_metrics_and_openapi(client: TestClient) -> None:
     ingest(client, batch(steps=[step(0)]))
     client.post("/api/v1/ingest", json={"run": "x"})
-    assert client.get("/healthz").json() == {"status": "ok", "database": "ok"}
+    assert client.get("/healthz").json() == {"status": "ok", "database": "ok", "pid": os.getpid()}
     text = client.get("/metrics").text
     assert 'trainwarden_ingest_requests_total{outcome="ok"} 1.0' in text
     assert 'trainwarden_ingest_requests_total{outcome="invalid"} 1.0' in text

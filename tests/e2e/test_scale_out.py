@@ -52,9 +52,8 @@ from trainwarden.collector.alerting import engine as alerting_engine
 from trainwarden.collector.health import evaluator as health_evaluator
 from trainwarden.collector.incidents import store as incidents_store
 from trainwarden.collector.rollups import worker as rollups_worker
-from trainwarden.collector.store import models
 
-from ..conftest import Server, free_port, start_serve, stop_serve
+from ..conftest import Server, empty_tables, free_port, start_serve, stop_serve
 
 HAPROXY = Path("/usr/sbin/haproxy")  # Debian's package: apt-get install -y haproxy
 WORLD = 3
@@ -497,8 +496,4 @@ def test_two_collectors_behind_haproxy_store_once_lead_once_and_survive_a_kill(
         for server in servers.values():
             if server.proc.poll() is None:
                 stop_serve(server)
-        cleanup = create_engine(pg_url)
-        with cleanup.begin() as conn:
-            tables = ", ".join(t.name for t in models.metadata.sorted_tables)
-            conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
-        cleanup.dispose()
+        empty_tables(pg_url)

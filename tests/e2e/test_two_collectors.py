@@ -7,12 +7,9 @@ import time
 from pathlib import Path
 
 import httpx
-from sqlalchemy import create_engine, text
-
-from trainwarden.collector.store import models
 
 from ..collector.helpers import batch, step
-from ..conftest import start_serve, stop_serve
+from ..conftest import empty_tables, start_serve, stop_serve
 
 
 def test_two_collectors_share_one_database(pg_url: str, tmp_path: Path) -> None:
@@ -56,8 +53,4 @@ def test_two_collectors_share_one_database(pg_url: str, tmp_path: Path) -> None:
     finally:
         stop_serve(a)
         stop_serve(b)
-        engine = create_engine(pg_url)
-        with engine.begin() as conn:
-            tables = ", ".join(t.name for t in models.metadata.sorted_tables)
-            conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
-        engine.dispose()
+        empty_tables(pg_url)

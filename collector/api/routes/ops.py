@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 from fastapi import APIRouter, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
@@ -15,16 +17,17 @@ router = APIRouter(tags=["ops"])
 
 
 @router.get("/healthz")
-def healthz(engine: EngineDep, response: Response) -> dict[str, str]:
-    """Liveness and database reachability."""
+def healthz(engine: EngineDep, response: Response) -> dict[str, str | int]:
+    """Liveness and database reachability, and which collector process answered (``pid``:
+    with ``serve --workers N``, one of N)."""
     try:
         with engine.connect() as conn:
             conn.execute(text("SELECT 1"))
     except Exception:
         response.status_code = 503
         response.headers["Retry-After"] = RETRY_AFTER_S
-        return {"status": "degraded", "database": "unreachable"}
-    return {"status": "ok", "database": "ok"}
+        return {"status": "degraded", "database": "unreachable", "pid": os.getpid()}
+    return {"status": "ok", "database": "ok", "pid": os.getpid()}
 
 
 @router.get("/metrics", response_class=Response)
