@@ -463,7 +463,11 @@ def print_end_to_end(args: argparse.Namespace, e2e: dict[str, Any], label: str) 
         f"    CPU a stored row: collector {serve_us:.0f} us, PostgreSQL {pg_us:.0f} us, "
         f"load generator (and the latency probe) {load_us:.0f} us: "
         f"{cores:.2f} of {os.cpu_count()} cores busy; "
-        f"the collector's Python runs on one core at a time (its interpreter lock)"
+        + (
+            "the collector's Python runs on one core at a time (its interpreter lock)"
+            if os.environ.get("TRAINWARDEN_WORKERS", "1") == "1"
+            else "each collector process's Python on one core at a time"
+        )
     )
 
 
