@@ -171,6 +171,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         )
     except OSError as exc:
         raise CliError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
+    except RuntimeError as exc:
+        raise CliError(str(exc)) from None
 
 
 def _run(

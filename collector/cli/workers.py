@@ -63,12 +63,14 @@ def _die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def _worker(host: str, port: int, start: Start, ready_fd: int) -> int:
+def _worker(host: str, port: int, start: Start, ready_fd: int, parent: int) -> int:
     """The child's side: listen on the shared port and serve until stopped."""
     os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the parent, which stops the workers once
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     _die_with_parent()
+    if os.getppid() != parent:  # the parent died before this worker could ask to follow it
+        return 0
     try:
         sock = _bound(host, port)
         sock.listen(BACKLOG)
@@ -104,11 +106,12 @@ def serve_workers(
         read_fd, write_fd = os.pipe()
         sys.stdout.flush()
         sys.stderr.flush()
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:
             os.close(read_fd)
             holder.close()
-            os._exit(_worker(host, port, start, write_fd))
+            os._exit(_worker(host, port, start, write_fd, parent))
         os.close(write_fd)
         children[pid] = number
         return read_fd
@@ -127,7 +130,8 @@ def serve_workers(
             with os.fdopen(fd, "rb") as pipe:
                 if pipe.read(1) != b"1" and not stopping:
                     raise RuntimeError("a worker exited before it took requests (see above)")
-        said(host, port)
+        if not stopping:
+            said(host, port)
         while children:
             try:
                 pid, status = os.wait()
