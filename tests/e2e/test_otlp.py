@@ -21,7 +21,12 @@ for n in range({steps}):
         s.loss(5.0 - 0.25 * n + rank)
         s.grad_norm(1.0 + n)
 tw.shutdown()
-assert agent.stats["batches_failed"] == 0 and agent.stats["dropped_at_shutdown"] == 0, agent.stats
+# Every record taken by the collector, none dropped. A request it refused while busy (503
+# with Retry-After: a CI host's writer can lag past its 1 s rule) counts in batches_failed
+# and is sent again: that is the agent doing its job, not a loss.
+stats = agent.stats.as_dict()
+assert stats["sent"] == stats["recorded"] > 0, stats
+assert not [k for k, v in stats.items() if k.startswith("dropped") and v], stats
 """
 
 
