@@ -8,9 +8,10 @@ load balancer are (docs/scaling.md): the background work runs in one of them at 
 through PostgreSQL's advisory locks, and requests need no stickiness.
 
 Each worker listens on the same address with ``SO_REUSEPORT``: the kernel spreads new
-connections over the workers by a hash of their addresses, so thousands of relays'
-long-lived connections split evenly (on one shared socket an asyncio server accepts a
-burst of connections at once and keeps them). The parent holds the port bound but not
+connections over the workers by a hash of their addresses, so relays' long-lived
+connections are spread over the workers rather than left to whichever wakes first on one
+shared socket (an asyncio server accepts a burst of connections at once). The parent
+holds the port bound but not
 listening, so that it stays this collector's while a worker restarts; it starts another
 worker when one dies (a connection waiting in the dead one's queue is reset: agents and
 relays send it again) and stops them all on SIGTERM or SIGINT.
