@@ -38,6 +38,7 @@ from trainwarden.collector.health.evaluator import HealthSettings, health_loop
 from trainwarden.collector.incidents.engine import IncidentEngine
 from trainwarden.collector.incidents.store import IncidentSettings
 from trainwarden.collector.ingest.limits import BodyLimit, InFlight, IngestBackpressure, Pressure
+from trainwarden.collector.ingest.pressure_board import PressureBoard
 from trainwarden.collector.ingest.writer import IngestWriter
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.read import economics, runbooks
@@ -123,6 +124,11 @@ def create_app(
         # absence alerts allow for it (a busy collector is not a dead rank).
         app.state.pressure = pressure = Pressure(lambda: writer.lag_s() + loop_lag())
         metrics.on_busy = pressure.refused
+        # ... and what the other collectors on the database refused: any of them may lead
+        # the pass that asks (SQLite has one collector).
+        shared = None if engine.dialect.name == "sqlite" else PressureBoard(engine, pressure)
+        if shared is not None:
+            shared.start()
         if health is not None:
             loops.append(
                 health_loop(
@@ -180,7 +186,7 @@ def create_app(
         probe = asyncio.create_task(_probe_loop_lag(lags))
         yield
         probe.cancel()
-        engines = (incident_engine, action_engine, alert_engine, *loops)
+        engines = (incident_engine, action_engine, alert_engine, shared, *loops)
         _stop_together([e.stop for e in engines if e is not None])
         if notifier is not None:  # after the alert engine, which hands it notifications
             notifier.stop()

@@ -7,7 +7,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from trainwarden.agent import wire
@@ -35,6 +36,17 @@ def sender_ranks(value: str) -> tuple[str, list[int]] | None:
     return run, ranks
 
 
+@dataclass(frozen=True)
+class Elsewhere:
+    """What the other collectors on the database last said of their pressure
+    (``pressure_board``): the latest time one fell behind (epoch seconds), the largest
+    delay among those that said so lately, and the ranks they refused, when."""
+
+    behind_at: float = float("-inf")
+    lag_s: float = 0.0
+    heard: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+
+
 class Pressure:
     """When the collector last fell behind on its ingest (refused a request with 503, or
     let requests wait longer than ``behind_s``), and which ranks it turned away.
@@ -42,7 +54,11 @@ class Pressure:
     For ``memory_s`` after it fell behind, the health evaluator allows for ranks arriving
     later than their heartbeat; a collector that is keeping up and still hears late from
     a rank blames the rank. A refused request that names its sender (``SENDER_HEADER``)
-    is a heartbeat: its ranks are alive, whatever the collector could take."""
+    is a heartbeat: its ranks are alive, whatever the collector could take.
+
+    With several collectors on one database, ``elsewhere`` is what the others said
+    (``pressure_board`` replaces it about once a second): the answers below count their
+    refusals and delays too, since any collector may lead the pass that asks."""
 
     def __init__(
         self, lag: Callable[[], float], *, behind_s: float = 1.0, memory_s: float = 30.0
@@ -54,6 +70,7 @@ class Pressure:
         self._heard: dict[str, dict[int, float]] = {}  # run -> rank -> when refused (time.time())
         self._pairs = 0
         self._lock = threading.Lock()  # refused on the event loop, heard by the health thread
+        self.elsewhere = Elsewhere()
 
     def refused(self, sender: str | None = None) -> None:
         """An ingest request was answered 503; ``sender``: its header, if it had one."""
@@ -84,21 +101,53 @@ class Pressure:
             self._heard, self._pairs = {}, 0
 
     def heard(self, run: str) -> dict[int, float]:
-        """When each of the run's ranks last sent a request this collector refused."""
+        """When each of the run's ranks last sent a request this collector, or another on
+        its database, refused."""
         with self._lock:
-            return dict(self._heard.get(run, {}))
+            heard = dict(self._heard.get(run, {}))
+        for rank, at in self.elsewhere.heard.get(run, {}).items():
+            if at > heard.get(rank, float("-inf")):
+                heard[rank] = at
+        return heard
 
-    def lag_s(self) -> float:
-        """The collector's delay now (its ``lag``), noted when past ``behind_s``."""
+    def _own_lag(self) -> float:
+        """This collector's delay now (its ``lag``), noted when past ``behind_s``."""
         lag = self._lag()
         if lag > self.behind_s:
             self._at = time.monotonic()
         return lag
 
+    def lag_s(self) -> float:
+        """The collector's delay now; or another collector's, when it said lately that
+        it was later."""
+        return max(self._own_lag(), self.elsewhere.lag_s)
+
     def pressed(self) -> bool:
-        """Whether the collector fell behind in the last ``memory_s``."""
-        self.lag_s()
-        return time.monotonic() - self._at < self.memory_s
+        """Whether this collector, or another on its database, fell behind in the last
+        ``memory_s``."""
+        self._own_lag()
+        return (
+            time.monotonic() - self._at < self.memory_s
+            or time.time() - self.elsewhere.behind_at < self.memory_s
+        )
+
+    def own(self) -> tuple[float | None, float, dict[str, dict[int, float]]]:
+        """What this collector has to tell the others: when it last fell behind (epoch
+        seconds; None: not in the last ``memory_s``), its delay now, and the ranks it
+        refused in the last ``memory_s``, when."""
+        lag = self._own_lag()
+        now, since = time.time(), time.monotonic() - self._at
+        cutoff = now - self.memory_s
+        with self._lock:
+            heard = {
+                run: {rank: at for rank, at in ranks.items() if at >= cutoff}
+                for run, ranks in self._heard.items()
+            }
+        return (
+            now - since if since < self.memory_s else None,
+            lag,
+            {run: ranks for run, ranks in heard.items() if ranks},
+        )
 
 
 async def json_response(

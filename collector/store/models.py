@@ -599,3 +599,18 @@ attempt_sessions = Table(
     Column("exit_code", Integer),
     Index("ix_attempt_sessions_run_id_attempt", "run_id", "attempt"),
 )
+
+# What each collector process on the database last said of its ingest pressure: when it
+# fell behind and whose requests it refused (``ingest.pressure_board``). The leader of a
+# health or alert pass reads every collector's, so that a rank whose requests another
+# collector refused is not called dead. A row is replaced about once a second while its
+# collector is pressed and deleted when it stops; a crashed collector's row goes stale.
+collector_pressure = Table(
+    "collector_pressure",
+    metadata,
+    Column("collector", String(128), primary_key=True),  # host:pid:nonce of one process
+    Column("behind_at", Float),  # when it last fell behind (epoch seconds); None: not lately
+    Column("lag_s", Float, nullable=False),  # its delay then
+    Column("heard", JSON, nullable=False),  # {run: [[first rank, last rank, refused at], ...]}
+    Column("updated_at", Float, nullable=False),
+)
