@@ -156,7 +156,7 @@ def create_app(
                 settings=alerting,
                 external_url=settings.external_url,
                 submit=notifier.submit if notifier else None,
-                lag=lambda: writer.lag_s() + loop_lag(),
+                lag=pressure.lag_s,  # its own delay, or another collector's
                 metrics=metrics,
                 pressure=pressure,
             )

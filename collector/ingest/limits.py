@@ -40,11 +40,13 @@ def sender_ranks(value: str) -> tuple[str, list[int]] | None:
 class Elsewhere:
     """What the other collectors on the database last said of their pressure
     (``pressure_board``): the latest time one fell behind (epoch seconds), the largest
-    delay among those that said so lately, and the ranks they refused, when."""
+    delay among those that said so lately, the ranks they refused, when, and when the
+    oldest of what was read was said (``said_at``; inf: nothing was)."""
 
     behind_at: float = float("-inf")
     lag_s: float = 0.0
     heard: Mapping[str, Mapping[int, float]] = field(default_factory=dict)
+    said_at: float = float("inf")
 
 
 class Pressure:
@@ -118,9 +120,12 @@ class Pressure:
         return lag
 
     def lag_s(self) -> float:
-        """The collector's delay now; or another collector's, when it said lately that
-        it was later."""
-        return max(self._own_lag(), self.elsewhere.lag_s)
+        """The collector's delay now; or another collector's, when one has something to
+        say, plus how old what it said is: a rank it refused since may not be known here
+        yet."""
+        other = self.elsewhere
+        news = max(0.0, time.time() - other.said_at) if other.said_at != float("inf") else 0.0
+        return max(self._own_lag(), other.lag_s + news if news else other.lag_s)
 
     def pressed(self) -> bool:
         """Whether this collector, or another on its database, fell behind in the last

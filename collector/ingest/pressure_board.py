@@ -5,15 +5,17 @@ its own delay before it calls a rank dead (``limits.Pressure``). With several co
 on one PostgreSQL (``serve --workers N``, or collectors behind a load balancer) the
 health and alert passes are led by whichever collector takes the advisory lock first,
 while the requests of a node go to one of the others: each collector's pressure must be
-known to all. Each collector process writes its own to ``collector_pressure`` about once
-a second while it has something to say (it fell behind, or refused ranks, in the last
+known to all. Each collector process writes its own to ``collector_pressure`` twice a
+second while it has something to say (it fell behind, or refused ranks, in the last
 ``Pressure.memory_s``), deletes its row once it has not and when it stops, and reads the
-others' into ``Pressure.elsewhere``. A crashed collector's row is read until it is older
-than ``memory_s`` and deleted by the next collector to exchange a day later.
+others' into ``Pressure.elsewhere``; until a collector reads news again, what it read
+grows older, and its leader allows for that age as for a delay (``Pressure.lag_s``). A
+crashed collector's row is read until it is older than ``memory_s`` and deleted a day
+later by another collector.
 
-Refused ranks are written as runs of consecutive ranks refused in the same second (a
-node's ranks come in one request): ``[first, last, second]``, the second rounded down,
-so that a rank is never taken as heard from later than it was.
+Refused ranks are written as runs of consecutive ranks refused at the same time (a node's
+ranks come in one request): ``[first, last, at]``, ``at`` rounded down to 10 ms, so that
+a rank is never taken as heard from later than it was.
 """
 
 from __future__ import annotations
@@ -38,8 +40,8 @@ from trainwarden.collector.store.db import write
 
 log = logging.getLogger(__name__)
 
-INTERVAL_S = 1.0
-LAG_FRESH_S = 3.0  # another collector's delay counts while its row is this recent
+INTERVAL_S = 0.5
+LAG_FRESH_S = 3.0  # another collector's delay and news count while its row is this recent
 STALE_S = 86_400.0  # a row not replaced for this long (its collector crashed) is deleted
 
 
@@ -49,17 +51,17 @@ def collector_name() -> str:
     return f"{socket.gethostname()[:100]}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
-def encode(heard: Mapping[str, Mapping[int, float]]) -> dict[str, list[list[int]]]:
-    """``{run: {rank: refused at}}`` as ``{run: [[first, last, second], ...]}``."""
-    out: dict[str, list[list[int]]] = {}
+def encode(heard: Mapping[str, Mapping[int, float]]) -> dict[str, list[list[float]]]:
+    """``{run: {rank: refused at}}`` as ``{run: [[first, last, at], ...]}``."""
+    out: dict[str, list[list[float]]] = {}
     for run, ranks in heard.items():
-        spans: list[list[int]] = []
+        spans: list[list[float]] = []
         for rank in sorted(ranks):
-            second = math.floor(ranks[rank])
-            if spans and spans[-1][1] == rank - 1 and spans[-1][2] == second:
+            at = math.floor(ranks[rank] * 100) / 100
+            if spans and spans[-1][1] == rank - 1 and spans[-1][2] == at:
                 spans[-1][1] = rank
             else:
-                spans.append([rank, rank, second])
+                spans.append([rank, rank, at])
         out[run] = spans
     return out
 
@@ -78,20 +80,22 @@ def decode(spans: Iterable[Sequence[Any]], into: dict[int, float]) -> None:
 
 def gathered(rows: Iterable[Any], now: float) -> Elsewhere:
     """The other collectors' rows as one ``Elsewhere``: the latest time any fell behind,
-    the largest delay among rows of the last ``LAG_FRESH_S``, every refused rank at the
-    latest time any collector refused it."""
-    behind_at, lag = float("-inf"), 0.0
+    every refused rank at the latest time any collector refused it, and of the rows of
+    the last ``LAG_FRESH_S`` (their collectors still saying), the largest delay and when
+    the oldest was written."""
+    behind_at, lag, said_at = float("-inf"), 0.0, float("inf")
     heard: dict[str, dict[int, float]] = {}
     for row in rows:
         if row.behind_at is not None:
             behind_at = max(behind_at, row.behind_at)
-        if row.updated_at >= now - LAG_FRESH_S:
+        if row.updated_at >= now - LAG_FRESH_S:  # an older row's collector stopped saying
             lag = max(lag, row.lag_s)
+            said_at = min(said_at, row.updated_at)
         if isinstance(row.heard, dict):
             for run, spans in row.heard.items():
                 if isinstance(spans, list):
                     decode(spans, heard.setdefault(str(run), {}))
-    return Elsewhere(behind_at=behind_at, lag_s=lag, heard=heard)
+    return Elsewhere(behind_at=behind_at, lag_s=lag, heard=heard, said_at=said_at)
 
 
 class PressureBoard:
