@@ -59,7 +59,7 @@ class Pressure:
     is a heartbeat: its ranks are alive, whatever the collector could take.
 
     With several collectors on one database, ``elsewhere`` is what the others said
-    (``pressure_board`` replaces it about once a second): the answers below count their
+    (``pressure_board`` replaces it twice a second): the answers below count their
     refusals and delays too, since any collector may lead the pass that asks."""
 
     def __init__(
@@ -125,7 +125,7 @@ class Pressure:
         yet."""
         other = self.elsewhere
         news = max(0.0, time.time() - other.said_at) if other.said_at != float("inf") else 0.0
-        return max(self._own_lag(), other.lag_s + news if news else other.lag_s)
+        return max(self._own_lag(), other.lag_s + news)
 
     def pressed(self) -> bool:
         """Whether this collector, or another on its database, fell behind in the last

@@ -67,7 +67,7 @@ def encode(heard: Mapping[str, Mapping[int, float]]) -> dict[str, list[list[floa
 
 
 def decode(spans: Iterable[Sequence[Any]], into: dict[int, float]) -> None:
-    """Add ``[first, last, second]`` spans to ``into`` (rank -> the latest time heard);
+    """Add ``[first, last, at]`` spans to ``into`` (rank -> the latest time heard);
     anything malformed is skipped."""
     for span in spans:
         if len(span) != 3 or not all(isinstance(v, (int, float)) for v in span):

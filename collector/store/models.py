@@ -603,7 +603,7 @@ attempt_sessions = Table(
 # What each collector process on the database last said of its ingest pressure: when it
 # fell behind and whose requests it refused (``ingest.pressure_board``). The leader of a
 # health or alert pass reads every collector's, so that a rank whose requests another
-# collector refused is not called dead. A row is replaced about once a second while its
+# collector refused is not called dead. A row is replaced twice a second while its
 # collector is pressed and deleted when it stops; a crashed collector's row goes stale.
 collector_pressure = Table(
     "collector_pressure",

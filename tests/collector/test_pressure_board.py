@@ -34,7 +34,7 @@ def rows(engine: Engine) -> dict[str, dict]:
     return {r[t.collector.name]: dict(r) for r in found}
 
 
-def test_refused_ranks_travel_as_runs_of_ranks_refused_in_the_same_second() -> None:
+def test_refused_ranks_travel_as_runs_of_ranks_refused_at_the_same_time() -> None:
     t = 1_795_000_000.0
     node = t + 0.2468  # a node's request: its ranks refused together
     heard = {"run-a": {0: node, 1: node, 2: node, 3: t + 0.9, 7: node}, "run-b": {5: t}}
