@@ -21,6 +21,7 @@ import pytest
 
 from ..conftest import Server, free_port, start_serve, stop_serve
 from ..receivers import Receiver, running_alertmanager
+from . import warm
 from .test_drills import stop, wait_for
 
 # Quick versions of the pack's RankHung (for: 1m) and LossSpike (for: 20 steps over a
@@ -59,7 +60,7 @@ def notify_file(path: Path, am: str, recv: Receiver) -> Path:
     return path
 
 
-def launch(server: Server, run: str, drill: str, logs: Path) -> list[subprocess.Popen]:
+def launch(server: Server, run: str, drill: str, logs: Path) -> list[warm.Process]:
     port = free_port()
     procs = []
     for rank in range(2):  # each rank on its own (pretend) node: inhibition is per node
@@ -93,7 +94,7 @@ def launch(server: Server, run: str, drill: str, logs: Path) -> list[subprocess.
             "16",
         ]
         log = (logs / f"{run}-rank{rank}.log").open("w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(warm.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 

@@ -5,11 +5,11 @@ records in its spool and says so, and they arrive once it restarts with the toke
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 from ..conftest import Server, create_token, start_serve, stop_serve
+from . import warm
 
 
 def train(server: Server, run: str, *, token: str | None, start: int, steps: int) -> str:
@@ -35,7 +35,7 @@ def train(server: Server, run: str, *, token: str | None, start: int, steps: int
         env.pop(name, None)
     if token:
         env["TRAINWARDEN_TOKEN"] = token
-    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    result = warm.run(cmd, env=env, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr
 

@@ -18,13 +18,14 @@ import httpx
 import pytest
 
 from ..conftest import Server, free_port
+from . import warm
 
 HEARTBEAT_S = 2.0
 
 
 def launch(
     server: Server, run: str, *, world: int, drill: str, steps: int, work_ms: float, logs: Path
-) -> list[subprocess.Popen]:
+) -> list[warm.Process]:
     port = free_port()
     procs = []
     for rank in range(world):
@@ -57,7 +58,7 @@ def launch(
             "16",
         ]
         log = (logs / f"{run}-rank{rank}.log").open("w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(warm.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 
@@ -93,7 +94,7 @@ def state_changes(server: Server, run: str, rank: int, to: str) -> list[dict]:
     ]
 
 
-def stop(procs: list[subprocess.Popen]) -> list[int | None]:
+def stop(procs: list[warm.Process]) -> list[int | None]:
     for p in procs:
         if p.poll() is None:
             p.kill()

@@ -285,6 +285,9 @@ def _auto_job(script: Path, url: str, run: str, out: Path, *more: str) -> list[s
     ]
 
 
+# One database: what is tested is the agents' relay, not the store (the collector tests
+# run every query on both; the suite must stay well under 15 minutes).
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_relay_auto_runs_the_nodes_relay_in_local_rank_0(
     live_server: Server, tmp_path: Path
 ) -> None:
@@ -319,6 +322,9 @@ def test_relay_auto_runs_the_nodes_relay_in_local_rank_0(
     assert steps["step"][:1] == [0]
 
 
+# One database: what is tested is the agents' relay, not the store (the collector tests
+# run every query on both; the suite must stay well under 15 minutes).
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_two_jobs_on_a_node_each_get_their_own_relay_by_default(
     live_server: Server, tmp_path: Path
 ) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 
 from ..conftest import Server, free_port, start_serve, stop_serve
+from . import warm
 from .test_drills import stop, wait_for
 
 # LossSpike for a drill of a hundred steps: the pack's baseline rule needs hundreds of
@@ -59,7 +60,7 @@ def launch(
     work_ms: int = 80,
     checkpoint_every: int = 10,
     trainer_args: tuple[str, ...] = (),
-) -> list[subprocess.Popen]:
+) -> list[warm.Process]:
     port = free_port()
     procs = []
     extra = env or {}
@@ -98,7 +99,7 @@ def launch(
             *trainer_args,
         ]
         log = (logs / f"{run}-rank{rank}.log").open("w")
-        procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(warm.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
 
@@ -119,7 +120,7 @@ def serve_with_rollback(db_url: str, tmp_path: Path) -> Server:
 
 
 def rolled_back(
-    server: Server, run: str, world: int, procs: list[subprocess.Popen], logs_dir: Path
+    server: Server, run: str, world: int, procs: list[warm.Process], logs_dir: Path
 ) -> tuple[dict[str, Any], int, dict[int, str]]:
     """Once the ranks have exited 0: the done rollback, its barrier step and the ranks'
     logs; every rank restored the same checkpoint after the same step, at most 2 steps

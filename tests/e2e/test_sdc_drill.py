@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..conftest import start_serve, stop_serve
+from . import warm
 from .test_drills import stop, wait_for
 from .test_rollback_drill import launch
 
@@ -190,7 +191,7 @@ def test_an_hsdp_job_is_checked_per_shard_and_a_flip_is_found_in_its_own_group(
         }
         with open(tmp_path / f"rank{rank}.log", "wb") as log:
             procs.append(
-                subprocess.Popen(
+                warm.popen(
                     [sys.executable, "-m", "tests.e2e.hsdp_worker", run, "20"],
                     cwd=ROOT,
                     env=env,

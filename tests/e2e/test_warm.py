@@ -1,0 +1,111 @@
+"""The warm launcher (``tests/e2e/warm.py``) that the drills start their ranks with: a
+rank forked warm must run as ``python -m`` runs it: the caller's arguments, environment,
+working directory and output; the agent's last flush at exit; its exit code and signals
+as ``Popen`` reports them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..conftest import Server
+from . import warm
+
+
+def parent_pid(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def demo(server: Server, *args: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "trainwarden.agent.demo_trainer",
+        "--url",
+        server.url,
+        "--data-delay",
+        "0",
+        *args,
+    ]
+
+
+def one_rank_env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINWARDEN_FLUSH_INTERVAL": "60", **extra}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TRAINWARDEN_RUN"):
+        env.pop(name, None)
+    return {**env, **extra}
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_warm_rank_runs_as_python_m_would(live_server: Server, tmp_path: Path) -> None:
+    # The run's name only in the environment, a flush interval longer than the run: the
+    # steps can reach the collector only through the agent's flush at interpreter exit.
+    log = tmp_path / "rank.log"
+    with log.open("w") as out:
+        proc = warm.popen(
+            demo(live_server, "--steps", "6"),
+            env=one_rank_env(TRAINWARDEN_RUN="warm-env"),
+            cwd=tmp_path,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    assert isinstance(proc, warm.WarmProcess)  # forked by the warm process, not by this one
+    assert parent_pid(proc.pid) not in (os.getpid(), 1)
+    assert proc.wait(120) == 0, log.read_text()[-3000:]
+    assert proc.poll() == 0 and proc.returncode == 0
+    run = live_server.get("/api/v1/runs/warm-env").json()
+    assert run["last_step"] == 5 and run["status"] == "finished", run
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_warm_rank_reports_its_exit_code_signals_and_timeouts(
+    live_server: Server, tmp_path: Path
+) -> None:
+    # An argument the trainer refuses: argparse's usage on stderr, into the log; exit 2.
+    log = tmp_path / "bad.log"
+    with log.open("w") as out:
+        bad = warm.popen(
+            demo(live_server, "--steps", "many"),
+            env=one_rank_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    assert bad.wait(120) == 2
+    assert "argument --steps: invalid int value: 'many'" in log.read_text()
+
+    # A long run: wait(timeout) times out, kill() ends it, and the code is -SIGKILL.
+    with (tmp_path / "long.log").open("w") as out:
+        long = warm.popen(
+            demo(live_server, "--run-name", "warm-long", "--steps", "100000"),
+            env=one_rank_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    with pytest.raises(subprocess.TimeoutExpired):
+        long.wait(0.5)
+    assert long.poll() is None
+    long.kill()
+    assert long.wait(30) == -signal.SIGKILL
+    long.kill()  # already reaped: nothing is sent to a pid that may be another's now
+
+
+def test_a_command_that_is_not_a_warm_module_starts_fresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    proc = warm.popen([sys.executable, "-c", "print('fresh')"], stdout=subprocess.DEVNULL)
+    assert isinstance(proc, subprocess.Popen)
+    assert proc.wait(60) == 0
+    monkeypatch.setenv("TRAINWARDEN_TEST_WARM", "0")  # the whole suite can run this way
+    with (tmp_path / "off.log").open("w") as out:
+        cold = warm.popen(
+            [sys.executable, "-m", "trainwarden.agent.demo_trainer", "--help"], stdout=out
+        )
+    assert isinstance(cold, subprocess.Popen)
+    assert cold.wait(120) == 0
+    assert "--run-name" in (tmp_path / "off.log").read_text()
