@@ -50,12 +50,13 @@ if [ $# -gt 0 ]; then  # a selection of one's own: one pytest, as asked
   exec .venv/bin/python -m pytest "$@"
 fi
 # The whole suite: most of its time is end-to-end drills waiting on real timers and
-# processes, so it runs on TRAINWARDEN_TEST_WORKERS pytest-xdist workers (2 by default; a
+# processes, so it runs on TRAINWARDEN_TEST_WORKERS pytest-xdist workers (3 by default, on
+# 2 cores: with 2 the cores were idle a quarter of the time, waiting with the drills; a
 # test file stays on one worker, with its module fixtures). The tests marked `serial`
 # measure timings that a second worker's load would distort (the comm split): they run
 # afterwards, alone. Both parts always run; the exit status is the first failure's. The
 # slowest 30 tests are listed after each run's summary (keep the suite well under 15 minutes).
-workers="${TRAINWARDEN_TEST_WORKERS:-2}"
+workers="${TRAINWARDEN_TEST_WORKERS:-3}"
 rc=0
 if [ "$workers" -gt 1 ]; then
   .venv/bin/python -m pytest -n "$workers" --dist loadfile -m "not serial" --durations=30 || rc=$?
