@@ -2,26 +2,46 @@
 
 Each app has its own registry (as prometheus/client_python recommends for tests), so
 two apps in one process never share counters.
+
+``serve --workers N`` (:func:`share_between_processes`, in each worker before its app is
+built): every worker's counters, histograms and gauges go to files in one folder, and a
+scrape, whichever worker answers it, adds up all of them (prometheus_client's multiprocess
+mode): the request counters are the collector's, not the answering worker's.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import values as prom_values
 from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, func, select
 
 from trainwarden.collector.read.queries import LOST_AFTER_S
 from trainwarden.collector.store import models as m
 
+_shared_dir: str | None = None
+
+
+def share_between_processes(path: str) -> None:
+    """This process is one of ``serve --workers``: the metrics built from now on keep their
+    values in ``path``, shared by every worker (call before the app is built)."""
+    global _shared_dir
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    prom_values.ValueClass = prom_values.MultiProcessValue()
+    _shared_dir = path
+
 
 class CollectorMetrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.shared_dir = _shared_dir  # serve --workers: the folder every worker writes
         # Told of each ingest request refused 503, with its sender header (or None).
         self.on_busy: Callable[[str | None], None] | None = None
         self.ingest_requests = Counter(
@@ -50,18 +70,21 @@ class CollectorMetrics:
         self.ingest_queue_rows = Gauge(
             "trainwarden_ingest_queue_rows",
             "Records waiting for the group-commit writer.",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.ingest_in_flight = Gauge(
             "trainwarden_ingest_in_flight",
             "Ingest requests in progress (past this many, TRAINWARDEN_MAX_INFLIGHT_INGEST, "
             "new ones are answered 503).",
+            multiprocess_mode="livesum",
             registry=self.registry,
         )
         self.ingest_lag_seconds = Gauge(
             "trainwarden_ingest_lag_seconds",
             "Age of the oldest ingest request not yet committed, plus the event loop's "
             "lateness (added to the rank-health thresholds).",
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.ingest_flush_requests = Histogram(
@@ -86,6 +109,7 @@ class CollectorMetrics:
             "trainwarden_alert_interval_seconds",
             "Seconds between full passes of the alert engine: the configured interval, or more "
             "when a pass costs over its share of a core (very large runs).",
+            multiprocess_mode="livemax",
             registry=self.registry,
         )
         self.health_pass_seconds = Histogram(
@@ -101,7 +125,19 @@ class CollectorMetrics:
             ["status"],
             registry=self.registry,
         )
-        self.registry.register(_RunsCollector(engine))
+        self.runs = _RunsCollector(engine)
+        self.registry.register(self.runs)
+
+    def exposition(self) -> bytes:
+        """What ``GET /metrics`` answers: this app's registry, or with ``serve --workers``
+        every worker's values added up (gauges: the live workers' sum, or their largest
+        for the lag and the alert interval) and the runs' gauges read from the database."""
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry, path=self.shared_dir)
+        registry.register(self.runs)
+        return generate_latest(registry)
 
     def busy(self, sender: str | None = None) -> None:
         """An ingest request was refused (503): counted, and told to ``on_busy``."""

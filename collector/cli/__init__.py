@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -153,13 +155,21 @@ def cmd_serve(args: argparse.Namespace) -> None:
         _run(config_of(app_of(engine)), said=listening)
         return
     # deferred: see collector/cli/__init__.py
+    from prometheus_client.multiprocess import mark_process_dead
+
+    from trainwarden.collector.api.prom import share_between_processes
     from trainwarden.collector.cli.workers import serve_workers
     from trainwarden.collector.store.db import make_engine
 
     engine.dispose()  # each worker opens its own (a pool does not cross a fork)
+    shared = tempfile.mkdtemp(prefix="trainwarden-metrics-")  # every worker's /metrics values
 
     def start(sock: Any, ready: Callable[[], None]) -> None:
+        share_between_processes(shared)
         _run(config_of(app_of(make_engine(settings.db))), sockets=[sock], started=ready)
+
+    def gone(pid: int) -> None:  # its counters stay in the sums; its live gauges go
+        mark_process_dead(pid, shared)
 
     def said(host: str, port: int) -> None:
         listening(host, port)
@@ -167,12 +177,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     try:
         serve_workers(
-            workers=settings.workers, host=settings.host, port=settings.port, start=start, said=said
+            workers=settings.workers,
+            host=settings.host,
+            port=settings.port,
+            start=start,
+            said=said,
+            gone=gone,
         )
     except OSError as exc:
         raise CliError(f"cannot listen on {settings.host}:{settings.port}: {exc}") from None
     except RuntimeError as exc:
         raise CliError(str(exc)) from None
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
 
 
 def _run(

@@ -92,10 +92,17 @@ def _worker(host: str, port: int, start: Start, ready_fd: int, parent: int) -> i
 
 
 def serve_workers(
-    *, workers: int, host: str, port: int, start: Start, said: Callable[[str, int], None]
+    *,
+    workers: int,
+    host: str,
+    port: int,
+    start: Start,
+    said: Callable[[str, int], None],
+    gone: Callable[[int], None] = lambda _pid: None,
 ) -> None:
     """Run ``workers`` processes of ``start`` on ``host:port`` (0: a free port); ``said``
-    is called once with the host and port when every worker takes requests."""
+    is called once with the host and port when every worker takes requests, ``gone``
+    with the pid of each worker that has exited."""
     if not hasattr(socket, "SO_REUSEPORT"):
         raise OSError("--workers needs SO_REUSEPORT (Linux, the BSDs, macOS)")
     holder = _bound(host, port)  # reserves the port; never listens, so gets no connection
@@ -141,7 +148,10 @@ def serve_workers(
             except InterruptedError:
                 continue
             number = children.pop(pid, None)
-            if number is None or stopping:
+            if number is None:
+                continue
+            gone(pid)
+            if stopping:
                 continue
             log.error(
                 "trainwarden collector: worker %d (pid %d) exited (%s); starting another",

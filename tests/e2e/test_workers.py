@@ -34,6 +34,20 @@ def children(pid: int) -> set[int]:
         return {int(p) for p in f.read().split()}
 
 
+def scraped(server: Server) -> tuple[float, float]:
+    """From ``/metrics`` on a new connection: the step records stored and the ingest
+    requests answered ok."""
+    text_ = httpx.get(server.url + "/metrics", timeout=10).text
+    wanted = (
+        'trainwarden_ingest_records_total{kind="step"}',
+        'trainwarden_ingest_requests_total{outcome="ok"}',
+    )
+    assert 'trainwarden_runs{status="' in text_  # the database's gauges are there too
+    samples = [line.rsplit(" ", 1) for line in text_.splitlines() if not line.startswith("#")]
+    found = {name: float(value) for name, value in samples}
+    return found[wanted[0]], found[wanted[1]]
+
+
 def alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -113,6 +127,14 @@ def test_two_workers_share_the_port_and_a_killed_one_loses_nothing(
         finally:
             engine.dispose()
         assert tuple(stored) == (RANKS * STEPS, RANKS * STEPS), out
+
+        # /metrics is the collector's, whichever worker answers the scrape: the same sums
+        # on every new connection, counting both workers' (and the killed one's) rows.
+        scrapes = {scraped(server) for _ in range(12)}
+        assert len(scrapes) == 1, scrapes
+        ((step_records, ok_requests),) = scrapes
+        assert step_records >= RANKS * STEPS, scrapes  # replays may count again, never less
+        assert ok_requests >= RANKS * STEPS / 8, scrapes  # a request a node and step
 
         # The rollups went on (one worker at a time leads them): every step, every rank.
         deadline = time.monotonic() + 30

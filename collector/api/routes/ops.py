@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 
 from fastapi import APIRouter, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
 from trainwarden.collector.api.deps import EngineDep, MetricsDep
@@ -33,4 +33,4 @@ def healthz(engine: EngineDep, response: Response) -> dict[str, str | int]:
 @router.get("/metrics", response_class=Response)
 def metrics(collector: MetricsDep) -> Response:
     """Prometheus metrics."""
-    return Response(generate_latest(collector.registry), media_type=CONTENT_TYPE_LATEST)
+    return Response(collector.exposition(), media_type=CONTENT_TYPE_LATEST)
