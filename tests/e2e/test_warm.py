@@ -17,6 +17,13 @@ from ..conftest import Server
 from . import warm
 
 
+@pytest.fixture(autouse=True)
+def _warm_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the warm launcher: on even in a run with
+    TRAINWARDEN_TEST_WARM=0 (the last test turns it off itself)."""
+    monkeypatch.setenv("TRAINWARDEN_TEST_WARM", "1")
+
+
 def parent_pid(pid: int) -> int:
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat.rsplit(")", 1)[1].split()[1])
