@@ -43,7 +43,7 @@ def demo(server: Server, *args: str) -> list[str]:
 
 
 def one_rank_env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINWARDEN_FLUSH_INTERVAL": "60", **extra}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINWARDEN_FLUSH_INTERVAL": "60"}
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "TRAINWARDEN_RUN"):
         env.pop(name, None)
     return {**env, **extra}
@@ -52,7 +52,7 @@ def one_rank_env(**extra: str) -> dict[str, str]:
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_warm_rank_runs_as_python_m_would(live_server: Server, tmp_path: Path) -> None:
     # The run's name only in the environment, a flush interval longer than the run: the
-    # steps can reach the collector only through the agent's flush at interpreter exit.
+    # steps reach the collector through the agent's flush in tw.shutdown.
     log = tmp_path / "rank.log"
     with log.open("w") as out:
         proc = warm.popen(
@@ -68,6 +68,46 @@ def test_a_warm_rank_runs_as_python_m_would(live_server: Server, tmp_path: Path)
     assert proc.poll() == 0 and proc.returncode == 0
     run = live_server.get("/api/v1/runs/warm-env").json()
     assert run["last_step"] == 5 and run["status"] == "finished", run
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_warm_rank_that_crashes_reports_as_a_fresh_one_does(
+    live_server: Server, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An uncaught exception after tw.init, no tw.shutdown: what the collector learns goes
+    # through the agent's sys.excepthook and its flush at interpreter exit. The same
+    # trainer, warm and fresh, must end its attempt the same way.
+    not_a_folder = tmp_path / "not-a-folder"
+    not_a_folder.write_text("")
+    ended = {}
+    for how in ("1", "0"):
+        monkeypatch.setenv("TRAINWARDEN_TEST_WARM", how)
+        run = f"warm-crash-{how}"
+        log = tmp_path / f"{run}.log"
+        with log.open("w") as out:
+            proc = warm.popen(
+                demo(
+                    live_server,
+                    *("--steps", "6", "--checkpoint-every", "2"),
+                    *("--checkpoint-dir", str(not_a_folder)),
+                ),
+                env=one_rank_env(TRAINWARDEN_RUN=run),
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        assert isinstance(proc, warm.WarmProcess) == (how == "1")
+        assert proc.wait(120) == 1, log.read_text()[-3000:]
+        assert "FileExistsError" in log.read_text()  # the traceback, on stderr
+        (attempt,) = live_server.get(f"/api/v1/runs/{run}/attempts").json()
+        (process,) = attempt["processes"]
+        ended[how] = (
+            attempt["exit_reason"],
+            attempt["exit_detail"].split(" at step ")[1],
+            process["exit_code"],  # said by the agent's excepthook only
+        )
+    assert ended["1"] == ended["0"], ended
+    assert ended["1"][0] == "exception" and "FileExistsError" in ended["1"][1], ended
+    assert ended["1"][2] == 1, ended
 
 
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)

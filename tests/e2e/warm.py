@@ -10,8 +10,9 @@ So each test worker keeps one *warm* process (started on its first rank) that ha
 imported torch, torch._dynamo and torch.distributed and then waits. :func:`popen` asks it
 to fork: the child takes the caller's environment, working directory, stdout and stderr
 (passed as file descriptors), sets ``OMP_NUM_THREADS``' thread count, runs the module as
-``__main__`` with ``runpy``, and exits as the interpreter does (``atexit`` handlers, the
-agent's last flush, non-daemon threads joined). The warm process reaps it and sends its
+``__main__`` with ``runpy``, and exits as the interpreter does (an uncaught exception
+to ``sys.excepthook``, then ``atexit`` handlers, the agent's last flush, non-daemon
+threads joined). The warm process reaps it and sends its
 exit code back; :class:`WarmProcess` is the ``subprocess.Popen`` subset the drills use.
 The rank's own code is unchanged: what runs after the fork is what ``python -m`` runs.
 
@@ -274,7 +275,6 @@ def _serve(path: str) -> None:
 
 def _child(request: dict[str, Any], fds: list[int]) -> None:
     import runpy
-    import traceback
 
     import torch
 
@@ -300,8 +300,8 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = stop.code
-    except BaseException:
-        traceback.print_exc()
+    except BaseException:  # uncaught: sys.excepthook, as the interpreter calls it (the
+        sys.excepthook(*sys.exc_info())  # agent chains one to report the exception)
         code = 1
     raise SystemExit(code)
 
