@@ -1,7 +1,9 @@
 """The ingest writer alone: ``store_many`` on flushes of node-shaped requests, no HTTP.
 
 Each flush is one step of ``--ranks`` ranks in requests of 8 (a node relay's shape, built
-by the load generator's ``node_body`` and validated as the collector validates them),
+by the load generator's ``node_body`` and validated as the collector validates them), or
+with ``--per-rank`` a request a rank (an agent with no relay: the load generator's
+``rank_body``),
 written in one transaction as the collector's writer thread does. For each flush: wall
 time, the writer's own CPU (its Python, and psycopg's C) and PostgreSQL's CPU, per row;
 then the steady flushes' totals against raw binary COPY of as many rows, measured in the
@@ -9,6 +11,7 @@ same run (bench/ingest.py's baseline). The writer's Python and PostgreSQL's work
 turns, so its wall time a row is about the two added: what one writer can take at most.
 
     python bench/writer_alone.py --ranks 16384 --flushes 12
+    python bench/writer_alone.py --ranks 1024 --per-rank   # the direct path's flushes
     python bench/writer_alone.py --statements   # also where PostgreSQL's time went
 
 ``--statements`` needs a server that preloads pg_stat_statements (bench/results notes how
@@ -28,35 +31,37 @@ import psycopg
 from common import DEFAULT_DB, postgres_cpu_seconds, scratch_database
 from ingest import raw_copy
 
-from trainwarden.collector.cli.loadgen import node_body
+from trainwarden.collector.cli.loadgen import node_body, rank_body
 from trainwarden.collector.ingest.batches import store_many
-from trainwarden.collector.ingest.schemas import ColumnarBatch
+from trainwarden.collector.ingest.schemas import ColumnarBatch, IngestBatch
 from trainwarden.collector.store.db import make_engine, upgrade, write
 
 WARM_FLUSHES = 2  # the first flush inserts the ranks; the next warms the caches
 
 
-def _flush(ranks: int, step: int, sessions: dict[int, str], rng: random.Random) -> list[Any]:
-    return [
-        ColumnarBatch.model_validate(
-            orjson.loads(
-                orjson.dumps(
-                    node_body(
-                        run="writer-alone",
-                        world=ranks,
-                        ranks=range(8 * i, 8 * i + 8),
-                        step=step,
-                        period_s=1.0,
-                        sessions=sessions,
-                        rng=rng,
-                        slow_rank=None,
-                        user=6,
-                    )
-                )
-            )
+def _flush(
+    ranks: int, step: int, sessions: dict[int, str], rng: random.Random, *, per_rank: bool = False
+) -> list[Any]:
+    size = 1 if per_rank else 8
+    bodies = [
+        node_body(
+            run="writer-alone",
+            world=ranks,
+            ranks=range(size * i, size * i + size),
+            step=step,
+            period_s=1.0,
+            sessions=sessions,
+            rng=rng,
+            slow_rank=None,
+            user=6,
         )
-        for i in range(ranks // 8)
+        for i in range(ranks // size)
     ]
+    if per_rank:
+        return [
+            IngestBatch.model_validate(orjson.loads(orjson.dumps(rank_body(b)))) for b in bodies
+        ]
+    return [ColumnarBatch.model_validate(orjson.loads(orjson.dumps(b))) for b in bodies]
 
 
 def _statements(dsn: str, rows: int, top: int = 8) -> None:
@@ -76,6 +81,9 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=16384)
     parser.add_argument("--flushes", type=int, default=12)
     parser.add_argument("--statements", action="store_true")
+    parser.add_argument(
+        "--per-rank", action="store_true", help="a request a rank (no relay), not a node's 8"
+    )
     args = parser.parse_args()
     if args.flushes <= WARM_FLUSHES or args.ranks < 8 or args.ranks % 8:
         parser.error(
@@ -91,7 +99,7 @@ def main() -> None:
         engine = make_engine(url)
         upgrade(engine)
         for step in range(args.flushes):
-            batches = _flush(args.ranks, step, sessions, rng)
+            batches = _flush(args.ranks, step, sessions, rng, per_rank=args.per_rank)
             if step == WARM_FLUSHES and args.statements:
                 with psycopg.connect(dsn, autocommit=True) as conn:
                     conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")

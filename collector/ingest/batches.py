@@ -73,14 +73,13 @@ class _Request:
     agent: AgentInfo | None = None  # one agent's batch: its header (events and GPU samples)
     events: list[EventIn] = field(default_factory=list)
     gpu: list[GpuSampleIn] = field(default_factory=list)
+    arrived: list[float] = field(default_factory=list)  # when each header's request came
 
 
 _STEP_FIELDS = tuple(StepIn.model_fields)
 _step_values = itemgetter(*_STEP_FIELDS)
-
-
-def _one(value: Any) -> list[Any]:
-    return [value]
+_STEP_AT = _STEP_FIELDS.index("step")
+_agent_values = itemgetter(*AGENT_FIELDS)
 
 
 def _merged_steps(group: list[_Request]) -> dict[str, list[Any]]:
@@ -99,29 +98,49 @@ def _merged_steps(group: list[_Request]) -> dict[str, list[Any]]:
     }
 
 
-def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
-    if isinstance(batch, IngestBatch):
-        a = batch.agent
-        # The fields' values as validated (a StepIn holds plain values: no model_dump copy).
-        rows = [_step_values(s.__dict__) for s in batch.steps]
-        steps = {"rank": [a.rank] * len(rows)}
-        if len(rows) == 1:  # one step a request: a rank's agent each second
-            steps.update(zip(_STEP_FIELDS, map(_one, rows[0]), strict=True))
-        elif rows:
-            steps.update(zip(_STEP_FIELDS, map(list, zip(*rows, strict=True)), strict=True))
-        numbers = steps.get("step", ())
-        held = a.__dict__
-        return _Request(
-            batch.run,
-            a.world_size,
-            {name: [held[name]] for name in AGENT_FIELDS},
-            [max(numbers, default=None)],
-            [min(numbers, default=None)],
-            steps if rows else {},
-            a,
-            batch.events,
-            batch.gpu,
+def _agents(batches: list[IngestBatch], arrived: list[float]) -> _Request:
+    """Several agents' batches of one run (consecutive in a flush) as one request of
+    columns, as a node's relay would have sent them: their headers and steps transposed
+    at once, in order. On the direct path (a request a rank) a flush holds hundreds of
+    one-step batches; a request each cost the writer about as much as its rows did."""
+    heads = dict(
+        zip(
+            AGENT_FIELDS,
+            map(list, zip(*(_agent_values(b.agent.__dict__) for b in batches), strict=True)),
+            strict=True,
         )
+    )
+    steps: dict[str, list[Any]] = {}
+    # The fields' values as validated (a StepIn holds plain values: no model_dump copy).
+    if all(len(b.steps) == 1 for b in batches):  # a step a request: the usual
+        rows = [_step_values(b.steps[0].__dict__) for b in batches]
+        steps["rank"] = heads["rank"]
+        top = low = [row[_STEP_AT] for row in rows]
+    else:
+        rows = [_step_values(s.__dict__) for b in batches for s in b.steps]
+        steps["rank"] = [b.agent.rank for b in batches for _ in b.steps]
+        top = [max((s.step for s in b.steps), default=None) for b in batches]
+        low = [min((s.step for s in b.steps), default=None) for b in batches]
+    if rows:
+        steps.update(zip(_STEP_FIELDS, map(list, zip(*rows, strict=True)), strict=True))
+    else:
+        steps = {}
+    world = max(b.agent.world_size for b in batches)
+    return _Request(batches[0].run, world, heads, top, low, steps, arrived=arrived)
+
+
+def _agent_extras(batch: IngestBatch) -> _Request | None:
+    """An agent's events and GPU samples, apart from its steps (see :func:`_agents`)."""
+    if not batch.events and not batch.gpu:
+        return None
+    empty: list[Any] = []
+    heads = {name: empty for name in AGENT_FIELDS}
+    return _Request(
+        batch.run, batch.agent.world_size, heads, [], [], {}, batch.agent, batch.events, batch.gpu
+    )
+
+
+def _normalize(batch: ColumnarBatch, at: float) -> _Request:
     cols, heads = batch.columns(), batch.header_columns()
     if cols.get("rank") == heads["rank"]:  # a row a rank, in the headers' order: the usual
         top = low = cols["step"]
@@ -131,15 +150,50 @@ def _normalize(batch: IngestBatch | ColumnarBatch) -> _Request:
             by_rank[rank].append(step)
         top = [max(by_rank[r]) if r in by_rank else None for r in heads["rank"]]
         low = [min(by_rank[r]) if r in by_rank else None for r in heads["rank"]]
-    return _Request(batch.run, batch.world_size, heads, top, low, cols)
+    return _Request(batch.run, batch.world_size, heads, top, low, cols, arrived=[at] * len(top))
 
 
-def _requests(batch: IngestBatch | ColumnarBatch) -> list[_Request]:
-    """A batch as the writer takes it: one request, and one more for each of a columnar
-    batch's ``extras`` (a relay's per-rank events and GPU samples)."""
-    if isinstance(batch, IngestBatch) or not batch.extras:
-        return [_normalize(batch)]
-    return [_normalize(batch), *map(_normalize, batch.extras)]
+def _requests(
+    batches: list[IngestBatch | ColumnarBatch], when: list[float]
+) -> tuple[list[_Request], list[int | None]]:
+    """The flush's batches as the writer takes them, with each request's batch (None: a
+    request of several agents' batches). An agent's batch gives its steps and header to
+    :func:`_agents`, with the same run's agent batches around it that no node's columns
+    come between (within a run the order decides which header and which execution of a
+    step is the newest), and its events and GPU samples to a request of their own. A
+    node's columns are one request, and one more for each of its ``extras`` (a relay's
+    per-rank events and GPU samples)."""
+    requests: list[_Request] = []
+    owner: list[int | None] = []
+    gathered: dict[str, tuple[list[IngestBatch], list[float]]] = {}  # since the run's last node
+
+    def close(run: str) -> None:
+        if (got := gathered.pop(run, None)) is not None:
+            requests.append(_agents(*got))
+            owner.append(None)
+
+    for i, batch in enumerate(batches):
+        if isinstance(batch, IngestBatch):
+            agents, at = gathered.setdefault(batch.run, ([], []))
+            agents.append(batch)
+            at.append(when[i])
+            if (extras := _agent_extras(batch)) is not None:
+                requests.append(extras)
+                owner.append(i)
+            continue
+        if gathered:
+            close(batch.run)
+        requests.append(_normalize(batch, when[i]))
+        owner.append(i)
+        for extra in batch.extras:
+            requests.append(_agents([extra], [when[i]]))
+            owner.append(i)
+            if (extras := _agent_extras(extra)) is not None:
+                requests.append(extras)
+                owner.append(i)
+    for run in list(gathered):
+        close(run)
+    return requests, owner
 
 
 def batch_rows(batch: IngestBatch | ColumnarBatch) -> int:
@@ -164,13 +218,7 @@ def store_many(
     of statements per table whatever their number (the collector's group commit).
     ``arrived``: when each request reached the collector (default: ``now``)."""
     now = time.time() if now is None else now
-    requests: list[_Request] = []
-    owner: list[int] = []  # each request's batch
-    for i, batch in enumerate(batches):
-        got = _requests(batch)
-        requests += got
-        owner += [i] * len(got)
-    when = [arrived[i] for i in owner] if arrived else [now] * len(requests)
+    requests, owner = _requests(batches, arrived or [now] * len(batches))
     # First, before this transaction locks anything: a day partition a row needs.
     days = {day for req in requests if req.steps for day in _days(req.steps["ts"])}
     days |= {day_of(g.ts) for req in requests for g in req.gpu}
@@ -181,17 +229,21 @@ def store_many(
             run_ids[req.run] = _run_id(conn, name=req.run, world_size=req.world_size, now=now)
 
     # Ranks: each run's headers column-wise (a list a field, not an object a rank).
-    of_run: dict[int, list[tuple[_Request, float]]] = defaultdict(list)
-    for req, at in zip(requests, when, strict=True):
-        of_run[run_ids[req.run]].append((req, at))
+    of_run: dict[int, list[_Request]] = defaultdict(list)
+    for req in requests:
+        if req.top:  # a request of events and GPU samples alone has no header here
+            of_run[run_ids[req.run]].append(req)
     by_run: dict[int, dict[str, list[Any]]] = {}
     for run_id, sent in of_run.items():
-        heads = by_run[run_id] = {
-            name: list(itertools.chain.from_iterable(req.heads[name] for req, _ in sent))
-            for name in AGENT_FIELDS
-        }
-        heads["top"] = list(itertools.chain.from_iterable(req.top for req, _ in sent))
-        heads["arrived"] = [at for req, at in sent for _ in req.top]
+        if len(sent) == 1:  # one request of the run's headers: the direct path's usual
+            heads = by_run[run_id] = dict(sent[0].heads)
+        else:
+            heads = by_run[run_id] = {
+                name: list(itertools.chain.from_iterable(req.heads[name] for req in sent))
+                for name in AGENT_FIELDS
+            }
+        heads["top"] = list(itertools.chain.from_iterable(req.top for req in sent))
+        heads["arrived"] = list(itertools.chain.from_iterable(req.arrived for req in sent))
     high_steps: dict[tuple[int, int], int | None] = {}
     for run_id in sorted(by_run):
         known = _track_ranks(conn, run_id=run_id, heads=_newest(by_run[run_id]), now=now)
@@ -201,17 +253,13 @@ def store_many(
     # inside it, or a rollback's second execution queued behind its first): the later
     # execution wins, and an earlier one is kept as replaced.
     merged: dict[str, list[Any]] = {name: [] for name in _STEP_ROW}
-    accepted_steps = []
     checks: list[dict[str, Any]] = []  # replica fingerprints, on checked steps
     digests: list[dict[str, Any]] = []  # sample digests, on steps that sent ids
     sources: list[dict[str, Any]] = []  # tokens by data source, on steps that sent them
     with_steps: dict[str, list[_Request]] = defaultdict(list)
     for req in requests:
-        if not req.steps:
-            accepted_steps.append(0)
-            continue
-        accepted_steps.append(len(set(zip(req.steps["rank"], req.steps["step"], strict=True))))
-        with_steps[req.run].append(req)
+        if req.steps:
+            with_steps[req.run].append(req)
     for run, group in with_steps.items():  # a run's requests' rows at once
         steps, run_id = _merged_steps(group), run_ids[run]
         for name, values in _step_columns(run_id, steps, now).items():
@@ -283,15 +331,25 @@ def store_many(
             shutdown=False,
             now=now,
         )
-    if len(requests) == len(batches):
-        return [
-            IngestResult(accepted_steps=n, accepted_events=e)
-            for n, e in zip(accepted_steps, accepted_events, strict=True)
-        ]
-    totals = [[0, 0] for _ in batches]
-    for i, n, e in zip(owner, accepted_steps, accepted_events, strict=True):
-        totals[i][0] += n
-        totals[i][1] += e
+    return _results(batches, requests, owner, accepted_events)
+
+
+def _results(
+    batches: list[IngestBatch | ColumnarBatch],
+    requests: list[_Request],
+    owner: list[int | None],
+    accepted_events: list[int],
+) -> list[IngestResult]:
+    """Each batch's answer: its distinct (rank, step) pairs and its new events."""
+    totals = [
+        [len({s.step for s in b.steps}) if isinstance(b, IngestBatch) else 0, 0] for b in batches
+    ]
+    for req, i, events in zip(requests, owner, accepted_events, strict=True):
+        if i is None:  # agents' steps: counted from their batches above
+            continue
+        totals[i][1] += events
+        if req.steps and not isinstance(batches[i], IngestBatch):  # a node's, and its extras'
+            totals[i][0] += len(set(zip(req.steps["rank"], req.steps["step"], strict=True)))
     return [IngestResult(accepted_steps=n, accepted_events=e) for n, e in totals]
 
 

@@ -563,3 +563,95 @@ def test_a_heartbeat_updates_its_ranks_row_on_its_own_page(pg_url: str) -> None:
     assert hot >= 0.5 * updated, (hot, updated)
     assert sizes[-1] <= 3 * sizes[0], sizes  # the table did not grow a copy a flush
     assert options == ["fillfactor=50"]
+
+
+def test_a_flush_stores_agents_batches_as_each_alone_would_be(engine) -> None:  # type: ignore[no-untyped-def]
+    """A flush takes a run's agent batches (a request a rank: no relay) as one set of
+    columns. What it stores, and each batch's answer, must be what storing the batches one
+    flush each gives: the same flush's batches of run "one", one at a time as "alone"."""
+    from trainwarden.collector.ingest.batches import store_many
+    from trainwarden.collector.store.db import write
+
+    T = 1_700_000_000.0
+
+    def agent(
+        run: str,
+        rank: int,
+        *steps: dict[str, object],
+        events: tuple[dict[str, object], ...] = (),
+        gpu: tuple[dict[str, object], ...] = (),
+    ) -> IngestBatch:
+        body = batch(run=run, rank=rank, world_size=16, session=f"s{rank}", steps=list(steps))
+        body["events"] = [{**e, "id": f"{run}-{e['id']}"} for e in events]  # ids are unique
+        return IngestBatch.model_validate({**body, "gpu": list(gpu)})
+
+    def flush(run: str) -> list[IngestBatch | ColumnarBatch]:
+        again = {**step(5), "ts": T + 5.5, "loss": 0.5}  # rank 0 ran step 5 again, later
+        xid = {"id": "x", "kind": "xid", "step": 5, "ts": T + 5, "severity": "critical"}
+        return [
+            agent(run, 0, step(5)),
+            agent(run, 1, step(5), events=(xid,), gpu=({"ts": T + 5, "temp_c": 71.0},)),
+            agent(run, 9, step(4)),  # a node's rank alone, then its relay back
+            node(8, range(5, 7), run=run, world=16),  # a node's relay: ranks 8-15
+            agent(run, 0, again),
+            agent(run, 2, step(6), step(7)),  # two steps in one request
+            agent(run, 3),  # no step: a heartbeat
+            agent(f"{run}-other", 0, step(5)),
+            agent(run, 1, step(6, loss=float("nan"))),
+            agent(run, 8, step(7)),  # a node's rank, sending alone (its relay down)
+        ]
+
+    arrived = [T + 10 + i for i in range(10)]
+    with write(engine) as conn:
+        together = store_many(conn, flush("one"), now=T + 20, arrived=arrived)
+    alone = []
+    for i, one in enumerate(flush("alone")):
+        with write(engine) as conn:
+            alone += store_many(conn, [one], now=T + 20, arrived=[arrived[i]])
+    assert [(r.accepted_steps, r.accepted_events) for r in together] == [
+        (r.accepted_steps, r.accepted_events) for r in alone
+    ]
+    assert [r.accepted_steps for r in together] == [1, 1, 1, 16, 1, 2, 0, 1, 1, 1]
+
+    def stored(run: str) -> dict[str, list[tuple[object, ...]]]:
+        with engine.connect() as conn:
+            (rid,) = conn.execute(select(m.runs.c.id).where(m.runs.c.name == run)).one()
+            s, r, k, e, g = (
+                m.rank_steps.c,
+                m.replaced_steps.c,
+                m.ranks.c,
+                m.events.c,
+                m.gpu_samples.c,
+            )
+            return {
+                "steps": conn.execute(
+                    select(s.rank, s.step, s.ts, s.duration_s, s.loss, s.issues)
+                    .where(s.run_id == rid)
+                    .order_by(s.rank, s.step)
+                ).all(),
+                "replaced": conn.execute(
+                    select(r.rank, r.step, r.ts).where(r.run_id == rid).order_by(r.rank, r.step)
+                ).all(),
+                "ranks": conn.execute(
+                    select(k.rank, k.session, k.last_step, k.last_seen)
+                    .where(k.run_id == rid)
+                    .order_by(k.rank)
+                ).all(),
+                "events": conn.execute(
+                    select(e.rank, e.step, e.kind).where(e.run_id == rid).order_by(e.rank, e.kind)
+                ).all(),
+                "gpu": conn.execute(
+                    select(g.rank, g.ts, g.temp_c).where(g.run_id == rid).order_by(g.rank)
+                ).all(),
+            }
+
+    one, by_itself = stored("one"), stored("alone")
+    assert one == by_itself
+    assert stored("one-other")["steps"] == stored("alone-other")["steps"]
+    assert len(one["steps"]) == 1 + 2 + 1 + 16 + 2 + 1  # rank 0's step 5 once
+    assert one["replaced"] == [(0, 5, T + 5)]  # the earlier execution, kept apart
+    ranks = {row[0]: row for row in one["ranks"]}
+    assert ranks[0][2:] == (5, T + 14) and ranks[3][2:] == (None, T + 16)
+    assert ranks[8][2:] == (7, T + 19)  # its own request, after its node's
+    assert ranks[9][2:] == (6, T + 13)  # its node's request, after its own
+    assert one["events"] == [(1, 5, "xid")] and one["gpu"] == [(1, T + 5, 71.0)]
