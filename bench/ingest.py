@@ -266,6 +266,14 @@ def end_to_end(
             "request_p95_s": sorted(result.latencies_s)[int(0.95 * len(result.latencies_s))],
             "request_p50_s": sorted(result.latencies_s)[len(result.latencies_s) // 2],
             "writer": flushes,
+            "threads_us_per_row": {
+                k.removeprefix("thread:"): v / max(1, result.rows) * 1e6
+                for k, v in flushes.items()
+                if k.startswith("thread:")
+            },
+            "main_us_per_request": flushes.get("thread:main", 0.0)
+            / max(1.0, flushes.get("trainwarden_ingest_seconds_count", 0.0))
+            * 1e6,
             "cpu_us_per_row": [u / max(1, result.rows) * 1e6 for u in used],
             "pg_cpu_us_per_row": sum(t - pg_before.get(pid, 0.0) for pid, t in pg_after.items())
             / max(1, result.rows)
@@ -386,9 +394,13 @@ _WRITER_SUMS = (
 )
 
 
+_THREAD_CPU = 'trainwarden_collector_thread_cpu_seconds_total{thread="'
+
+
 def _writer_sums(url: str) -> dict[str, float]:
     """The group-commit writer's counters from the collector's ``/metrics``: flushes, their
-    seconds and requests, and the seconds from a request queued to its commit."""
+    seconds and requests, and the seconds from a request queued to its commit; and the
+    collector's CPU seconds by thread (``thread:<part>``; one collector process only)."""
     try:
         page = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
@@ -398,6 +410,8 @@ def _writer_sums(url: str) -> dict[str, float]:
         name, _, value = line.partition(" ")
         if name in _WRITER_SUMS:
             sums[name] = float(value)
+        elif name.startswith(_THREAD_CPU):
+            sums["thread:" + name[len(_THREAD_CPU) : -2]] = float(value)
     return sums
 
 
@@ -469,6 +483,13 @@ def print_end_to_end(args: argparse.Namespace, e2e: dict[str, Any], label: str) 
             else "each collector process's Python on one core at a time"
         )
     )
+    if threads := e2e.get("threads_us_per_row"):
+        parts = sorted(threads.items(), key=lambda kv: -kv[1])
+        print(
+            f"    the collector by thread (/metrics): main (the event loop: HTTP, parse, validate) "
+            f"{e2e['main_us_per_request']:.0f} us a request; a stored row: "
+            + ", ".join(f"{name} {us:.0f} us" for name, us in parts)
+        )
 
 
 def with_and_without_ids(args: argparse.Namespace, copy_points_per_s: float) -> None:

@@ -23,6 +23,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 from sqlalchemy import Engine, func, select
 
+from trainwarden.collector.api.thread_cpu import ThreadCpuCollector
 from trainwarden.collector.read.queries import LOST_AFTER_S
 from trainwarden.collector.store import models as m
 
@@ -127,6 +128,8 @@ class CollectorMetrics:
         )
         self.runs = _RunsCollector(engine)
         self.registry.register(self.runs)
+        if self.shared_dir is None:  # one process: its threads are the collector's
+            self.registry.register(ThreadCpuCollector())
 
     def exposition(self) -> bytes:
         """What ``GET /metrics`` answers: this app's registry, or with ``serve --workers``

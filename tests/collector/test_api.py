@@ -577,6 +577,8 @@ def test_metrics_pass_promtool_and_carry_per_run_gauges(client: TestClient) -> N
     ):
         assert line in text, line
     assert "trainwarden_ingest_flush_requests_count " in text
+    assert 'trainwarden_collector_thread_cpu_seconds_total{thread="main"} ' in text
+    assert 'trainwarden_collector_thread_cpu_seconds_total{thread="writer"} ' in text
     p99 = float(text.split('trainwarden_run_step_time_seconds{run="r1",stat="p99"} ')[1].split()[0])
     assert 0.0 < p99 <= 1.0  # at most the max
     lag = float(text.split("\ntrainwarden_ingest_lag_seconds ")[1].split()[0])

@@ -43,6 +43,8 @@ def scraped(server: Server) -> tuple[float, float]:
         'trainwarden_ingest_requests_total{outcome="ok"}',
     )
     assert 'trainwarden_runs{status="' in text_  # the database's gauges are there too
+    # A worker's threads are not the collector's: that family is one process's only.
+    assert "trainwarden_collector_thread_cpu_seconds" not in text_
     samples = [line.rsplit(" ", 1) for line in text_.splitlines() if not line.startswith("#")]
     found = {name: float(value) for name, value in samples}
     return found[wanted[0]], found[wanted[1]]
