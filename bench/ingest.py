@@ -487,8 +487,8 @@ def print_end_to_end(args: argparse.Namespace, e2e: dict[str, Any], label: str) 
         parts = sorted(threads.items(), key=lambda kv: -kv[1])
         print(
             f"    the collector by thread (/metrics): main (the event loop: HTTP, parse, validate) "
-            f"{e2e['main_us_per_request']:.0f} us a request; a stored row: "
-            + ", ".join(f"{name} {us:.0f} us" for name, us in parts)
+            f"{e2e['main_us_per_request']:.0f} us a request taken (refused ones included in its "
+            f"cost); a stored row: " + ", ".join(f"{name} {us:.0f} us" for name, us in parts)
         )
 
 
