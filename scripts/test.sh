@@ -53,8 +53,9 @@ fi
 # processes, so it runs on TRAINWARDEN_TEST_WORKERS pytest-xdist workers (3 by default, on
 # 2 cores: with 2 the cores were idle a quarter of the time, waiting with the drills; a
 # test file stays on one worker, with its module fixtures). The tests marked `serial`
-# measure timings that a second worker's load would distort (the comm split): they run
-# afterwards, alone. Both parts always run; the exit status is the first failure's. The
+# measure what a second worker would distort (the comm split's timings; the ranks table's
+# page use, which a CREATE DATABASE anywhere on the server changes): they run afterwards,
+# alone. Both parts always run; the exit status is the first failure's. The
 # slowest 30 tests are listed after each run's summary (keep the suite well under 15 minutes).
 workers="${TRAINWARDEN_TEST_WORKERS:-3}"
 rc=0
@@ -63,7 +64,7 @@ if [ "$workers" -gt 1 ]; then
 else
   .venv/bin/python -m pytest -m "not serial" --durations=30 || rc=$?
 fi
-echo "trainwarden: the serial tests (timing-sensitive), alone"
+echo "trainwarden: the serial tests, alone"
 .venv/bin/python -m pytest -m serial || { s=$?; [ "$rc" -ne 0 ] || rc=$s; }
 if [ "$rc" -ne 0 ]; then
   echo "trainwarden: TESTS FAILED (see both summaries above)" >&2

@@ -8,6 +8,7 @@ The same holds for Chromium. Only GPU tests may skip.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -166,21 +167,41 @@ def pg_server() -> Iterator[str]:
         stop()
 
 
+@contextlib.contextmanager
+def new_database(server: str, prefix: str, *, migrate: bool = True) -> Iterator[str]:
+    """A database created on ``server`` for the caller (at the latest schema unless
+    ``migrate`` is false), dropped afterwards."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = make_url(server).set(database=name).render_as_string(hide_password=False)
+    try:
+        if migrate:
+            engine = make_engine(url)
+            upgrade(engine)
+            engine.dispose()
+        yield url
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
 @pytest.fixture(scope="session")
 def pg_url(pg_server: str) -> Iterator[str]:
     """A fresh database for this test session, at the latest schema."""
-    name = f"tw_test_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(pg_server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = make_url(pg_server).set(database=name).render_as_string(hide_password=False)
-    engine = make_engine(url)
-    upgrade(engine)
-    engine.dispose()
-    yield url
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    with new_database(pg_server, "tw_test") as url:
+        yield url
+
+
+@pytest.fixture
+def pg_alone_url(pg_server: str) -> Iterator[str]:
+    """A database of this test's own, at the latest schema: for a test that measures what
+    PostgreSQL does with its rows, which another connection to the same database (an
+    earlier test's server still closing, its snapshot) would change."""
+    with new_database(pg_server, "tw_alone") as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgres"])

@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import uuid
 
 import pytest
-from sqlalchemy import create_engine, func, select, text
-from sqlalchemy.engine import make_url
+from sqlalchemy import func, select, text
 
 from trainwarden.collector.ingest.batches import ingest
 from trainwarden.collector.ingest.schemas import IngestBatch
@@ -18,6 +16,7 @@ from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import make_engine, upgrade, write
 from trainwarden.collector.store.partitions import DAY_S, day_of, list_partitions, parse_age, prune
 
+from ..conftest import new_database
 from .helpers import batch
 
 NOW = 1_763_700_000.0  # 2025-11-21 04:40 UTC
@@ -150,15 +149,8 @@ def fresh_url(request: pytest.FixtureRequest, tmp_path):  # type: ignore[no-unty
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'old.db'}"
         return
-    server = request.getfixturevalue("pg_server")
-    name = f"tw_mig_{uuid.uuid4().hex[:8]}"
-    admin = create_engine(server, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    yield make_url(server).set(database=name).render_as_string(hide_password=False)
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    with new_database(request.getfixturevalue("pg_server"), "tw_mig", migrate=False) as url:
+        yield url
 
 
 def test_migration_0006_keeps_existing_rows(fresh_url: str) -> None:

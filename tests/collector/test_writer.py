@@ -511,18 +511,41 @@ def test_a_flush_reads_its_ranks_by_one_index_probe_each_whatever_the_statistics
     assert [row[5] for row in found] == [r + 1 for r in range(0, 4096, 7)]
 
 
-def test_a_heartbeat_updates_its_ranks_row_on_its_own_page(pg_url: str) -> None:
+@pytest.mark.serial
+def test_a_heartbeat_updates_its_ranks_row_on_its_own_page(pg_alone_url: str) -> None:
     """Every flush updates each of its ranks' rows. With room left on the page (migration
     0031: fillfactor 50) the new version of a row goes beside the old one, with no new
     index entry (a HOT update) and no growth of the table; at the default fillfactor
     nearly every update moved its row to another page (measured: 0.6 % HOT) and the
-    table grew by a copy of its rows a flush until a vacuum."""
+    table grew by a copy of its rows a flush until a vacuum.
+
+    Alone (``serial``), on a database of its own, with autovacuum off: a snapshot that
+    another connection to the same database holds (an earlier test's server, an autovacuum
+    ANALYZE), or a CREATE DATABASE anywhere on the server (another test worker's), keeps
+    the versions before it from being pruned, and then the updates move their rows to
+    other pages. Checked: with one repeatable-read transaction open on the same database,
+    59 % HOT and the table grew by a copy of its rows a flush; with another connection
+    creating and dropping databases in a loop, 60 % HOT in 3 runs of 5; alone, 98 % HOT
+    and the table 1.13x its first size, every time."""
     from sqlalchemy import text
 
     from trainwarden.collector.ingest.batches import store_many
     from trainwarden.collector.store.db import make_engine, write
 
-    engine = make_engine(pg_url)
+    engine = make_engine(pg_alone_url)
+
+    def no_autovacuum() -> None:  # on every table, the partitions made so far too
+        with engine.begin() as conn:
+            tables = conn.execute(
+                text(
+                    "SELECT oid::regclass FROM pg_class WHERE relkind = 'r' AND relnamespace = "
+                    "'public'::regnamespace"
+                )
+            ).scalars()
+            for table in tables:
+                conn.execute(text(f"ALTER TABLE {table} SET (autovacuum_enabled = off)"))
+
+    no_autovacuum()
     counts = text(
         "SELECT pg_stat_get_xact_tuples_updated('ranks'::regclass), "
         "pg_stat_get_xact_tuples_hot_updated('ranks'::regclass)"
@@ -544,6 +567,8 @@ def test_a_heartbeat_updates_its_ranks_row_on_its_own_page(pg_url: str) -> None:
                 if step:  # the first flush inserted the ranks
                     updated += after[0] - before[0]
                     hot += after[1] - before[1]
+            if not step:
+                no_autovacuum()  # the day's partitions, made by the first flush
             with engine.connect() as conn:
                 sizes.append(conn.execute(text("SELECT pg_relation_size('ranks')")).scalar_one())
         with engine.connect() as conn:
@@ -551,18 +576,13 @@ def test_a_heartbeat_updates_its_ranks_row_on_its_own_page(pg_url: str) -> None:
                 text("SELECT reloptions FROM pg_class WHERE relname = 'ranks'")
             ).scalar_one()
     finally:
-        with engine.begin() as conn:  # the tables empty again, as other tests expect them
-            tables = ", ".join(t.name for t in m.metadata.sorted_tables)
-            conn.execute(text(f"TRUNCATE {tables} RESTART IDENTITY CASCADE"))
         engine.dispose()
     assert updated == 5 * 512  # each flush after the first updated each of the 512 ranks
-    # Most updates HOT (alone here: 99 %, the table its size; at the default fillfactor
-    # 5 %, the table 5.6x its size after the first flush). A snapshot another connection
-    # holds meanwhile keeps a page from being pruned of the versions before it: then a
-    # flush's rows move once (seen in parallel test runs: 79 % HOT, the table 2.1x).
-    assert hot >= 0.5 * updated, (hot, updated)
-    assert sizes[-1] <= 3 * sizes[0], sizes  # the table did not grow a copy a flush
-    assert options == ["fillfactor=50"]
+    # Most updates HOT (99 %, the table its size; at the default fillfactor 5 %, the table
+    # 5.6x its size after the first flush).
+    assert hot >= 0.9 * updated, (hot, updated)
+    assert sizes[-1] <= 1.5 * sizes[0], sizes  # the table did not grow a copy a flush
+    assert "fillfactor=50" in options
 
 
 def test_a_flush_stores_agents_batches_as_each_alone_would_be(engine) -> None:  # type: ignore[no-untyped-def]
