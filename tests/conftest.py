@@ -28,6 +28,7 @@ from sqlalchemy.engine import make_url
 from trainwarden.collector.store import models
 from trainwarden.collector.store.db import make_engine, upgrade
 
+from .e2e import warm
 from .net import free_port
 
 __all__ = ["free_port"]  # imported from here by many tests
@@ -237,9 +238,7 @@ def engine(db_url: str):  # type: ignore[no-untyped-def]
 
 
 class Server:
-    def __init__(
-        self, url: str, proc: subprocess.Popen, log: Path, token: str | None = None
-    ) -> None:
+    def __init__(self, url: str, proc: warm.Process, log: Path, token: str | None = None) -> None:
         self.url = url
         self.proc = proc
         self.log = log
@@ -254,7 +253,8 @@ class Server:
 
 
 def create_token(db_url: str, name: str, *scopes: str, runs: str = "*") -> str:
-    """``trainwarden token create`` as an operator runs it; returns the printed token."""
+    """``trainwarden token create`` as an operator runs it (forked warm: tests/e2e/warm.py);
+    returns the printed token."""
     cmd = [
         sys.executable,
         "-m",
@@ -268,7 +268,7 @@ def create_token(db_url: str, name: str, *scopes: str, runs: str = "*") -> str:
         runs,
         *(f"--scope={s}" for s in scopes),
     ]
-    result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    result = warm.run(cmd, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout.strip().splitlines()[-1]
 
@@ -284,7 +284,8 @@ def start_serve(
     args: tuple[str, ...] = (),
 ) -> Server:
     """``trainwarden serve`` as a user runs it: a real process on loopback (``args``: more
-    of its options).
+    of its options), forked from a process that has already imported the collector
+    (tests/e2e/warm.py; ``--workers``, or ``TRAINWARDEN_TEST_WARM=0``: started fresh).
 
     Tests that are not about access run it with ``--auth off`` (they send and read as
     anyone may then); ``auth=True`` runs it as shipped (auth required) with an admin
@@ -305,9 +306,10 @@ def start_serve(
         "required" if auth else "off",
         *args,
     ]
-    proc = subprocess.Popen(
-        cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
-    )
+    with log.open("w") as out:  # forked warm (tests/e2e/warm.py) unless --workers
+        proc = warm.popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+        )
     # The address this process listens on, from its own output: never another worker's
     # collector that happens to answer on a port chosen and released before.
     url = ""

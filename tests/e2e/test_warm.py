@@ -1,7 +1,7 @@
-"""The warm launcher (``tests/e2e/warm.py``) that the drills start their ranks with: a
-rank forked warm must run as ``python -m`` runs it: the caller's arguments, environment,
-working directory and output; the agent's last flush at exit; its exit code and signals
-as ``Popen`` reports them."""
+"""The warm launcher (``tests/e2e/warm.py``) that the drills start their ranks with, and
+``start_serve`` its collectors: a process forked warm must run as ``python -m`` runs it:
+the caller's arguments, environment, working directory and output; the agent's last
+flush at exit; its exit code and signals as ``Popen`` reports them."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import Server
+from ..conftest import Server, start_serve, stop_serve
 from . import warm
 
 
@@ -140,6 +140,49 @@ def test_a_warm_rank_reports_its_exit_code_signals_and_timeouts(
     long.kill()
     assert long.wait(30) == -signal.SIGKILL
     long.kill()  # already reaped: nothing is sent to a pid that may be another's now
+
+
+def test_a_warm_collector_serves_and_stops_as_a_fresh_one_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # start_serve forks serve warm: its environment (TRAINWARDEN_EXTERNAL_URL makes the
+    # rules' runbook links absolute), options, output, pid and exit must be a fresh one's.
+    seen = {}
+    for how in ("1", "0"):
+        monkeypatch.setenv("TRAINWARDEN_TEST_WARM", how)
+        log = tmp_path / f"serve-{how}.log"
+        server = start_serve(
+            f"sqlite:///{tmp_path / f'warm-{how}.db'}",
+            log,
+            env={"TRAINWARDEN_EXTERNAL_URL": f"https://tw{how}.example.org"},
+            log_level="info",
+        )
+        try:
+            assert isinstance(server.proc, warm.WarmProcess) == (how == "1")
+            if how == "1":
+                assert parent_pid(server.proc.pid) not in (os.getpid(), 1)
+            health = server.get("/healthz").json()
+            assert health["pid"] == server.proc.pid, health
+            rules = server.get("/api/v1/rules").json()
+            links = {r["runbook_url"].split("/runbooks/")[0] for r in rules}
+        finally:
+            stop_serve(server)
+        said = log.read_text()
+        seen[how] = (
+            links == {f"https://tw{how}.example.org"},
+            "trainwarden collector: dashboard http://127.0.0.1:" in said,
+            "Application startup complete" in said,  # --log-level info reached uvicorn
+            server.proc.returncode,
+        )
+    assert seen["1"] == seen["0"] == (True, True, True, -signal.SIGTERM), seen
+    # serve --workers forks its own workers: started as users start it
+    with (tmp_path / "workers.log").open("w") as out:
+        many = warm.popen(
+            [sys.executable, "-m", "trainwarden.collector.cli", "serve", "--workers", "2", "-h"],
+            stdout=out,
+        )
+    assert isinstance(many, subprocess.Popen)
+    assert many.wait(120) == 0
 
 
 def test_a_command_that_is_not_a_warm_module_starts_fresh(

@@ -1,4 +1,5 @@
-"""Rank processes started warm: forked from a process that has already imported torch.
+"""Rank and collector processes started warm: forked from a process that has already
+imported what they import.
 
 A drill's rank is ``python -m trainwarden.agent.demo_trainer ...`` with its own
 environment. Started fresh, each one spends ~5 s of CPU before its first step: ``import
@@ -16,12 +17,18 @@ threads joined). The warm process reaps it and sends its
 exit code back; :class:`WarmProcess` is the ``subprocess.Popen`` subset the drills use.
 The rank's own code is unchanged: what runs after the fork is what ``python -m`` runs.
 
-What stays fresh: anything but ``python -m <module>`` of :data:`MODULES`, a pipe for
-stdout, and every run with ``TRAINWARDEN_TEST_WARM=0`` (the whole suite as before, to
-check that a drill does not depend on this). Trainers launched by torchrun, srun or
-sbatch start as users start them.
+Likewise ``trainwarden serve`` (``python -m trainwarden.collector.cli``), which the tests
+start some 70 times (tests/conftest.py's ``start_serve``): its imports (FastAPI,
+SQLAlchemy, Dash, uvicorn and the collector, ~1.5-2 s of CPU) are most of its start. Its
+warm process imports those and not torch; each kind has its own (:data:`KINDS`).
 
-``python -m tests.e2e.warm SOCKET`` is the warm process itself.
+What stays fresh: anything but ``python -m <module>`` of :data:`KINDS`, ``serve
+--workers`` (a parent that forks its workers: started as users start it), a pipe for
+stdout, and every run with ``TRAINWARDEN_TEST_WARM=0`` (the whole suite as before, to
+check that a test does not depend on this). Trainers launched by torchrun, srun or
+sbatch, and the CLI calls that tests of the CLI make, start as users start them.
+
+``python -m tests.e2e.warm SOCKET KIND`` is the warm process itself.
 """
 
 from __future__ import annotations
@@ -42,7 +49,13 @@ import time
 from pathlib import Path
 from typing import IO, Any, Union
 
-MODULES = frozenset({"trainwarden.agent.demo_trainer", "tests.e2e.hsdp_worker"})
+KINDS = {
+    "trainwarden.agent.demo_trainer": "torch",
+    "tests.e2e.hsdp_worker": "torch",
+    "trainwarden.collector.cli": "collector",
+}
+"""The modules started warm, and the warm process each is forked from."""
+_FRESH_ARGS = frozenset({"--workers"})  # serve --workers forks its own workers
 _MAX_MESSAGE = 1 << 20
 
 
@@ -100,14 +113,14 @@ Process = Union["subprocess.Popen[bytes]", WarmProcess]
 class _Launcher:
     """The client side of one warm process (one per test worker)."""
 
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="trainwarden-warm-"))
+    def __init__(self, kind: str) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=f"trainwarden-warm-{kind}-"))
         self.socket = str(self.dir / "sock")
         self.log = self.dir / "warm.log"
         root = Path(__file__).resolve().parents[2]
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.e2e.warm", self.socket],
+                [sys.executable, "-m", "tests.e2e.warm", self.socket, kind],
                 cwd=root,
                 env={**os.environ, "OMP_NUM_THREADS": "1"},
                 stdin=subprocess.PIPE,  # its end of the pipe closes with this process
@@ -143,7 +156,7 @@ class _Launcher:
         return WarmProcess(cmd, int(reply.split()[1]), conn)
 
 
-_launcher: _Launcher | None = None
+_launchers: dict[str, _Launcher] = {}
 _lock = threading.Lock()
 
 
@@ -166,25 +179,25 @@ def popen(
     stderr: IO[Any] | int | None = None,
 ) -> Process:
     """``subprocess.Popen(cmd, env=..., cwd=..., stdout=..., stderr=...)``, forked warm
-    when ``cmd`` is ``[sys.executable, "-m", <one of MODULES>, ...]`` (see the module's
+    when ``cmd`` is ``[sys.executable, "-m", <one of KINDS>, ...]`` (see the module's
     docstring); a fresh process otherwise."""
     out = _fd(stdout, 1)
     err = out if stderr == subprocess.STDOUT else _fd(stderr, 2)
+    kind = KINDS.get(cmd[2]) if len(cmd) >= 3 and cmd[:2] == [sys.executable, "-m"] else None
     warm = (
         os.environ.get("TRAINWARDEN_TEST_WARM", "1") != "0"
-        and len(cmd) >= 3
-        and cmd[:2] == [sys.executable, "-m"]
-        and cmd[2] in MODULES
+        and kind is not None
+        and not _FRESH_ARGS.intersection(cmd)
         and out is not None
         and err is not None
     )
     if not warm:
         return subprocess.Popen(cmd, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
-    global _launcher
+    assert kind is not None
     with _lock:
-        if _launcher is None or _launcher.proc.poll() is not None:
-            _launcher = _Launcher()
-        launcher = _launcher
+        launcher = _launchers.get(kind)
+        if launcher is None or launcher.proc.poll() is not None:
+            launcher = _launchers[kind] = _Launcher(kind)
     assert out is not None and err is not None
     return launcher.spawn(
         cmd, dict(os.environ if env is None else env), os.fspath(cwd or os.getcwd()), [out, err]
@@ -213,14 +226,34 @@ def run(
 # The warm process ------------------------------------------------------------------------
 
 
-def _serve(path: str) -> None:
-    import torch
-    import torch._dynamo  # noqa: F401  (what the first Optimizer would import)
-    import torch.distributed  # noqa: F401
-    import torch.nn  # noqa: F401
-    import torch.optim  # noqa: F401
+def _import(kind: str) -> None:
+    """What a process of ``kind`` imports before its own work (and starts no thread)."""
+    if kind == "torch":
+        import torch._dynamo  # noqa: F401  (what the first Optimizer would import)
+        import torch.distributed  # noqa: F401
+        import torch.nn  # noqa: F401
+        import torch.optim  # noqa: F401
+    elif kind == "collector":  # serve's imports, its app's, and uvicorn's for serve's settings
+        import httptools  # noqa: F401
+        import psycopg  # noqa: F401
+        import uvicorn.lifespan.on  # noqa: F401
+        import uvicorn.loops.uvloop  # noqa: F401
+        import uvicorn.protocols.http.httptools_impl  # noqa: F401
+        import uvloop  # noqa: F401
+        from sqlalchemy.dialects import postgresql, sqlite  # noqa: F401
 
-    del torch
+        import trainwarden.collector.app  # noqa: F401
+        import trainwarden.collector.cli.common  # noqa: F401
+        import trainwarden.webui.app  # noqa: F401
+    else:
+        raise ValueError(f"no warm process of kind {kind!r}")
+
+
+def _serve(path: str, kind: str) -> None:
+    _import(kind)
+    if threading.active_count() > 1:  # a fork would copy a thread's locks, not the thread
+        names = [t.name for t in threading.enumerate()]
+        raise RuntimeError(f"the {kind} imports started threads, so it cannot fork: {names}")
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(path + ".tmp")
     listener.listen(64)
@@ -276,8 +309,7 @@ def _serve(path: str) -> None:
 def _child(request: dict[str, Any], fds: list[int]) -> None:
     import runpy
 
-    import torch
-
+    torch = sys.modules.get("torch")  # a rank's warm process
     sys.stdin.close()
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
@@ -292,7 +324,7 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
     os.chdir(request["cwd"])
     sys.path[0] = request["cwd"]  # python -m puts the working directory first
     threads = os.environ.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit() and int(threads) > 0:
+    if torch is not None and threads and threads.isdigit() and int(threads) > 0:
         torch.set_num_threads(int(threads))
     sys.argv = [request["module"], *request["argv"]]
     code: Any = 0
@@ -307,4 +339,4 @@ def _child(request: dict[str, Any], fds: list[int]) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "torch")
