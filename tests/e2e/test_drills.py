@@ -131,11 +131,15 @@ def test_two_rank_drills_show_the_right_states_events_and_flags(
     assert codes[1] == 75, "the die drill exits with its documented code"
     drills = {e["data"]["fault"]: e for e in events(live_server, run, "drill")}
 
-    # Straggler: rank 1 is the culprit, flagged within 20 steps; rank 0 never slow.
+    # Straggler: rank 1 is the culprit, flagged while it straggles (steps 10-40) and not
+    # before its 5-step streak (10-14) is complete; rank 0 never slow. How soon depends on
+    # how many steps run while the collector's 1 s health pass comes round: 6-11 steps
+    # after the onset on an idle machine, 21 in a CI run whose cores were busy (the ranks'
+    # steps here are mostly a sleep, so they keep their pace while the collector waits).
     slow = state_changes(live_server, run, 1, "slow")
     assert slow and slow[0]["data"]["role"] == "culprit"
-    flagged_after = slow[0]["step"] - 10
-    assert flagged_after <= 20
+    assert 14 <= slow[0]["step"] <= 40, slow[0]
+    assert 1.25 < slow[0]["data"]["compute_ratio"] < 1.9, slow[0]  # the drill's 1.5x
     assert state_changes(live_server, run, 0, "slow") == []
 
     # XID 79 from rank 1's (simulated) GPU, with the catalog's meaning and action.
@@ -177,7 +181,7 @@ def test_two_rank_drills_show_the_right_states_events_and_flags(
     ), reason
 
     print(
-        f"\nstraggler flagged {flagged_after} steps after the slowdown began; "
+        f"\nstraggler flagged {slow[0]['step'] - 10} steps after the slowdown began; "
         f"hung flagged {hung_latency:.1f} s after the last progress; "
         f"dead flagged {dead_latency:.1f} s after the process died"
     )
@@ -211,7 +215,9 @@ def test_one_slow_rank_among_eight_is_the_only_one_flagged(tmp_path: Path) -> No
     finally:
         stop_serve(server)
     assert {e["rank"] for e in changes} == {5}, changes
-    assert changes[0]["step"] - 10 <= 20
+    # After its 5-step streak, within 30 steps of the onset (~3 s at these steps: three
+    # health passes; see the two-rank drill)
+    assert 14 <= changes[0]["step"] <= 40, changes[0]
     print(
         f"\n8 ranks: rank 5 (1.3x) flagged {changes[0]['step'] - 10} steps "
         "after its slowdown began; "
