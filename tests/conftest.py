@@ -28,7 +28,7 @@ from sqlalchemy.engine import make_url
 from trainwarden.collector.store import models
 from trainwarden.collector.store.db import make_engine, upgrade
 
-from .e2e import warm
+from . import warm
 from .net import free_port
 
 __all__ = ["free_port"]  # imported from here by many tests
@@ -253,7 +253,7 @@ class Server:
 
 
 def create_token(db_url: str, name: str, *scopes: str, runs: str = "*") -> str:
-    """``trainwarden token create`` as an operator runs it (forked warm: tests/e2e/warm.py);
+    """``trainwarden token create`` as an operator runs it (forked warm: tests/warm.py);
     returns the printed token."""
     cmd = [
         sys.executable,
@@ -285,7 +285,7 @@ def start_serve(
 ) -> Server:
     """``trainwarden serve`` as a user runs it: a real process on loopback (``args``: more
     of its options), forked from a process that has already imported the collector
-    (tests/e2e/warm.py; ``--workers``, or ``TRAINWARDEN_TEST_WARM=0``: started fresh).
+    (tests/warm.py; ``--workers``, or ``TRAINWARDEN_TEST_WARM=0``: started fresh).
 
     Tests that are not about access run it with ``--auth off`` (they send and read as
     anyone may then); ``auth=True`` runs it as shipped (auth required) with an admin
@@ -306,7 +306,7 @@ def start_serve(
         "required" if auth else "off",
         *args,
     ]
-    with log.open("w") as out:  # forked warm (tests/e2e/warm.py) unless --workers
+    with log.open("w") as out:  # forked warm (tests/warm.py) unless --workers
         proc = warm.popen(
             cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
         )

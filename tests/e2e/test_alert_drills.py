@@ -19,9 +19,9 @@ from typing import Any
 import httpx
 import pytest
 
+from .. import warm
 from ..conftest import Server, free_port, start_serve, stop_serve
 from ..receivers import Receiver, running_alertmanager
-from . import warm
 from .test_drills import stop, wait_for
 
 # Quick versions of the pack's RankHung (for: 1m) and LossSpike (for: 20 steps over a

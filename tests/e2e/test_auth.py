@@ -8,8 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from .. import warm
 from ..conftest import Server, create_token, start_serve, stop_serve
-from . import warm
 
 
 def train(server: Server, run: str, *, token: str | None, start: int, steps: int) -> str:

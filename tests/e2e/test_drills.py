@@ -17,8 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from .. import warm
 from ..conftest import Server, free_port
-from . import warm
 
 HEARTBEAT_S = 2.0
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
+from .. import warm
 from ..conftest import Server, free_port, start_serve, stop_serve
-from . import warm
 from .test_drills import stop, wait_for
 
 # LossSpike for a drill of a hundred steps: the pack's baseline rule needs hundreds of

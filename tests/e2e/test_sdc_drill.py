@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .. import warm
 from ..conftest import start_serve, stop_serve
-from . import warm
 from .test_drills import stop, wait_for
 from .test_rollback_drill import launch
 

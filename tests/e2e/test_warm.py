@@ -1,4 +1,4 @@
-"""The warm launcher (``tests/e2e/warm.py``) that the drills start their ranks with, and
+"""The warm launcher (``tests/warm.py``) that the drills start their ranks with, and
 ``start_serve`` its collectors: a process forked warm must run as ``python -m`` runs it:
 the caller's arguments, environment, working directory and output; the agent's last
 flush at exit; its exit code and signals as ``Popen`` reports them."""
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from .. import warm
 from ..conftest import Server, start_serve, stop_serve
-from . import warm
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ stdout, and every run with ``TRAINWARDEN_TEST_WARM=0`` (the whole suite as befor
 check that a test does not depend on this). Trainers launched by torchrun, srun or
 sbatch, and the CLI calls that tests of the CLI make, start as users start them.
 
-``python -m tests.e2e.warm SOCKET KIND`` is the warm process itself.
+``python -m tests.warm SOCKET KIND`` is the warm process itself.
 """
 
 from __future__ import annotations
@@ -117,10 +117,10 @@ class _Launcher:
         self.dir = Path(tempfile.mkdtemp(prefix=f"trainwarden-warm-{kind}-"))
         self.socket = str(self.dir / "sock")
         self.log = self.dir / "warm.log"
-        root = Path(__file__).resolve().parents[2]
+        root = Path(__file__).resolve().parents[1]
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "tests.e2e.warm", self.socket, kind],
+                [sys.executable, "-m", "tests.warm", self.socket, kind],
                 cwd=root,
                 env={**os.environ, "OMP_NUM_THREADS": "1"},
                 stdin=subprocess.PIPE,  # its end of the pipe closes with this process
