@@ -30,7 +30,7 @@ import time
 import uuid
 from typing import Any
 
-from . import flight, identity, node_relay
+from . import flight, identity, last_words, node_relay
 from .checkpoints import Checkpointing, Checkpoints
 from .commands import Commands
 from .config import AgentConfig, ConfigError
@@ -39,6 +39,7 @@ from .drills import Drill, DrillError, parse
 from .exporter import Exporter, HttpTransport, Transport
 from .flight import Flight
 from .gpu import XID_SEVERITY, GpuMonitor, describe_xid, open_device
+from .last_words import LastWords
 from .mfu import Peak
 from .rare import RareWork
 from .report import FlopModel, StepEncoder
@@ -78,6 +79,8 @@ SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # what a shell, Slurm or Kubernetes re
 
 class Agent:
     """One per process. Created by ``tw.init``; the module functions delegate to it."""
+
+    crash_files: LastWords | None = None  # this rank's last words, once its rank is final
 
     def __init__(self, config: AgentConfig, *, transport: Transport | None = None) -> None:
         self.config = config
@@ -155,7 +158,7 @@ class Agent:
                 heartbeat_s=config.heartbeat_s,
                 stats=self.stats,
                 on_commands=self.commands.receive,
-                on_tick=self.flight.tick,
+                on_tick=self._tick,
                 spool=self._open_spool(),
                 # With a relay, the node's ranks send together: it merges them.
                 phase_of=None if config.relay is None else node_relay.group(config),
@@ -193,6 +196,14 @@ class Agent:
         self._identity_thread.start()
         # Opening NVML can take a while: the wait for attempt_start counts from here.
         self._records.hold(_FIRST_EVENT_WAIT_S)
+        # Now that the rank is final: files a crash leaves, a sibling's crash reported.
+        self.crash_files = last_words.arm(self)
+
+    def _tick(self) -> None:
+        """The exporter thread, at each wake-up."""
+        self.flight.tick()
+        if self.crash_files is not None:
+            self.crash_files.tick()
 
     # -- what the training thread last did (the heartbeat and the events say it) ----------
 
@@ -485,6 +496,9 @@ class Agent:
             )
         if self.gpu_monitor is not None:
             self.gpu_monitor.stop()
+        if self.crash_files is not None:  # a sibling died of a signal: said for it, now
+            self.crash_files.report(wait_s=last_words.DYING_WAIT_S)
+            self.crash_files.close()
         if self._exporter is not None:
             self._exporter.shutdown(max(0.1, timeout_s - (time.monotonic() - started)))
         if self._relay is not None:  # what it holds goes on; the node's others go direct

@@ -442,3 +442,33 @@ def table(
         group["rows"].sort(key=lambda r: (r["role"] != "culprit", r["rank"]))
         result.append(group)
     return result
+
+
+def with_crashes(
+    verdict: dict[str, Any] | None,
+    crashes: Mapping[int, Mapping[str, Any]],
+    *,
+    nodes: Mapping[int, str | None] | None = None,
+) -> dict[str, Any] | None:
+    """The verdict with what crashed ranks died of (``crashes``: rank -> its brief, from
+    ``ingest/crashes.py``). With no verdict, or one that names no culprit, the crashes are
+    the verdict (``kind: crashed``, the crashed ranks its culprits): a rank aborted by
+    gloo or NCCL leaves its peers erroring out, not hung, so no ring may come at all."""
+    if not crashes:
+        return verdict
+    nodes = nodes or {}
+    said = {str(r): dict(c) for r, c in sorted(crashes.items())}
+    culprits = set((verdict or {}).get("culprits") or ())
+    order = sorted(crashes, key=lambda r: (r not in culprits, r))
+    lines = [f"{_who([r], nodes)} {crashes[r]['summary']}" for r in order]
+    if verdict is not None and verdict.get("kind") in ("culprit", "desync"):
+        return {**verdict, "summary": f"{verdict['summary']}; " + "; ".join(lines), "crashes": said}
+    first = crashes[order[0]]
+    return {
+        **(verdict or {}),
+        **_empty("crashed", "; ".join(lines)),
+        "culprits": sorted(crashes),
+        "op": first.get("collective"),
+        "crashes": said,
+        "before": (verdict or {}).get("summary"),
+    }

@@ -4,6 +4,8 @@
 ranks and recent steps, and writes state changes (with an event each) back. Rules:
 
 - **dead**: no heartbeat for ``dead_after_beats`` (2.25) x the rank's heartbeat interval;
+  when the rank died of a signal and a survivor of its node sent its last words
+  (``rank_crashed``, :mod:`..ingest.crashes`), the detail's reason is what it died of;
 - **hung**: heartbeats arrive but no step has completed for ``max(hung_min_s,
   hung_steps x the run's median step time)``. When several ranks stall together the
   culprits are the ranks furthest behind (lowest last step, then earliest phase), or
@@ -43,6 +45,7 @@ from sqlalchemy import Connection, Engine, bindparam, false, func, or_, select, 
 
 from trainwarden.alerts.evaluate import LIVE_STATES, median_without
 from trainwarden.collector.health import coverage, hang, mixture, replicas, samples
+from trainwarden.collector.ingest import crashes
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.read.queries import arrival_lateness
@@ -491,6 +494,10 @@ def evaluate(
             heard=heard_ranks,
             still_dead=dead_unread,
         )
+        found_dead = [r for r, (state, _) in states.items() if state == "dead"]
+        if found_dead:  # what a rank found dead died of, if a survivor of its node said
+            for rank, data in crashes.current(conn, run_id, found_dead).items():
+                states[rank] = ("dead", crashes.amend(states[rank][1], rank, data))
         events = []
         if any(state == "hung" for state, _ in states.values()):
             dead = [r for r, (state, _) in states.items() if state == "dead"]

@@ -20,7 +20,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, and_, func, insert, select, update
 
-from trainwarden.collector.health.collectives import analyze, table
+from trainwarden.collector.health.collectives import analyze, table, with_crashes
+from trainwarden.collector.ingest import crashes
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.store import models as m
 
@@ -133,6 +134,16 @@ def earlier_rings(conn: Connection, run_id: int) -> dict[int, dict[str, Any]]:
     return {int(r.rank): dict(r.data or {}) for r in rows}
 
 
+def briefs(
+    conn: Connection, run_id: int, ranks: list[int] | None = None
+) -> dict[int, dict[str, Any]]:
+    """What the run's crashed ranks (of their current session) died of: rank -> brief."""
+    return {
+        rank: crashes.brief(rank, data, data.get("at"))
+        for rank, data in crashes.current(conn, run_id, ranks).items()
+    }
+
+
 def _nodes(conn: Connection, run_id: int) -> dict[int, str | None]:
     k = m.ranks.c
     return {
@@ -175,7 +186,8 @@ def refine(
     ).scalar()
     if newest is None:
         return []
-    key = (start, newest, tuple(sorted(dead)))
+    crashed = briefs(conn, run_id, dead) if dead else {}
+    key = (start, newest, tuple(sorted(dead)), tuple(sorted(crashed)))
     decided = _decided.setdefault(conn.engine, {})
     if run_id in decided and decided[run_id][0] == key:
         verdict = decided[run_id][1]
@@ -189,6 +201,7 @@ def refine(
             dead=dead,
             earlier=earlier_rings(conn, run_id),
         )
+        verdict = with_crashes(verdict, crashed, nodes=nodes) or verdict
         verdict["hang_started"] = start
         decided[run_id] = (key, verdict)
     _apply(verdict, states)
@@ -299,6 +312,10 @@ def view(conn: Connection, *, run: str, now: float) -> dict[str, Any]:
     if data:
         earlier = earlier_rings(conn, row.id)
         verdict = analyze(data, world=row.world_size, nodes=nodes, dead=dead, earlier=earlier)
+    # A rank that died of a signal (its last words, sent by a survivor of its node).
+    crashed = briefs(conn, row.id)
+    verdict = with_crashes(verdict, crashed, nodes=nodes)
+    if verdict is not None:
         verdict["at"] = now
     stored = conn.execute(
         select(e.ts)
@@ -312,6 +329,7 @@ def view(conn: Connection, *, run: str, now: float) -> dict[str, Any]:
         "stored_at": stored.ts if stored else None,
         "verdict": verdict,
         "groups": table(data, verdict, world=row.world_size, nodes=nodes),
+        "crashes": {str(r): c for r, c in sorted(crashed.items())},
         "rings": {
             str(r): {
                 "at": ts,

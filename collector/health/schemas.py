@@ -16,9 +16,11 @@ class CollectivesOut(BaseModel):
         description="When a verdict was last stored (a hang_verdict event)"
     )
     verdict: dict[str, Any] | None = Field(
-        description="kind (culprit, desync, none, no_data), summary, culprits, victims, dead, "
-        "no_ring, unusable (rank -> why its ring was left out), group, seq, op, desync "
-        "(pg, seq, sides); None when no rank sent a ring"
+        description="kind (culprit, desync, none, no_data, crashed), summary, culprits, "
+        "victims, dead, no_ring, unusable (rank -> why its ring was left out), group, seq, "
+        "op, desync (pg, seq, sides), crashes (as below, when a rank died of a signal: "
+        "``crashed`` when no ring names a culprit); None when no rank sent a ring and none "
+        "crashed"
     )
     groups: list[dict[str, Any]] = Field(
         description="Per process group: pg, desc, ranks, and rows (rank, node, last_seq, op, "
@@ -26,6 +28,13 @@ class CollectivesOut(BaseModel):
     )
     rings: dict[str, dict[str, Any]] = Field(
         description="Per rank: when its ring came (at), what asked (trigger), available, reason"
+    )
+    crashes: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per rank that died of a signal (its current session; its last words, "
+        "sent by a survivor of its node): rank, at, signal, collective, where, step, in_step, "
+        "cause (the C++ message, when its stderr was its own file), cause_note (else why "
+        "not), stack (innermost frames), summary",
     )
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
+from trainwarden.collector.ingest import crashes
 from trainwarden.collector.store import models as m
 
 END_SEVERITY = {
@@ -20,7 +21,7 @@ END_SEVERITY = {
 stopped) info."""
 
 
-FAULT_KINDS = ("drill", "xid", "loss_divergence")
+FAULT_KINDS = ("drill", "xid", "loss_divergence", crashes.KIND)
 
 
 BAD_STATES = ("slow", "hung", "dead", "failed")
@@ -238,6 +239,8 @@ def _event_text(kind: str, data: dict[str, Any]) -> str:
         return f"rank state {data.get('from')} -> {data.get('to')}{why}"
     if kind == "hang_verdict":
         return f"hung collective: {data.get('summary')}"
+    if kind == crashes.KIND:  # its last words, sent by a survivor of its node
+        return f"process {crashes.line(data)}"
     if kind == "data_order_drift":
         return f"data left its path: {data.get('reason')}"
     if kind == "duplicate_batch":
@@ -248,6 +251,8 @@ def _event_text(kind: str, data: dict[str, Any]) -> str:
         return f"checkpoint saved: {data.get('path') or '?'}"
     if kind == "restart":
         return "rank restarted (new process session)"
+    if kind == "rank_conflict":  # names both processes: pid, node, session
+        return str(data.get("reason") or "two live processes claim one rank")
     if kind == "shutdown":
         cause = data.get("error") or data.get("reason")
         return "rank shut down" + (f": {cause}" if cause else "")

@@ -19,17 +19,20 @@ from sqlalchemy import Connection, select
 from trainwarden.collector.incidents.report_format import (
     CHART_METRICS,
     GOODPUT_KEYS,
+    crash_report,
     render_json,
     render_markdown,
 )
 from trainwarden.collector.incidents.report_html import render_html
 from trainwarden.collector.incidents.store import list_incidents
 from trainwarden.collector.incidents.timeline import DEFINITIONS, timeline
+from trainwarden.collector.ingest import crashes
 from trainwarden.collector.read.economics import EconomicsSettings, goodput
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.store import models as m
 
 CHART_POINTS = 2000
+MAX_CRASHES = 100
 
 
 # -- gathering -------------------------------------------------------------------------------
@@ -75,10 +78,32 @@ def report_of(
                 ranks=t["incident"]["ranks"],
             )
         incidents.append(t)
+    nodes = {
+        r.rank: r.node
+        for r in conn.execute(
+            select(m.ranks.c.rank, m.ranks.c.node).where(m.ranks.c.run_id == ru.id)
+        )
+    }
     n = m.notes.c
     notes = [
         {"at": r.at, "author": r.author, "text": r.text, "step": r.step, "incident": r.incident_id}
         for r in conn.execute(select(m.notes).where(n.run_id == ru.id).order_by(n.at, n.id))
+    ]
+    e = m.events.c
+    crashed = [
+        {
+            "rank": r.rank,
+            "node": nodes.get(r.rank),
+            "at": r.ts,
+            "step": r.step,
+            **dict(r.data or {}),
+        }
+        for r in conn.execute(
+            select(e.rank, e.ts, e.step, e.data)
+            .where(e.run_id == ru.id, e.kind == crashes.KIND)
+            .order_by(e.ts, e.id)
+            .limit(MAX_CRASHES)
+        )
     ]
     good = goodput(
         conn, ru.id, settings=EconomicsSettings(price_per_gpu_hour=price_per_gpu_hour), now=now
@@ -100,6 +125,8 @@ def report_of(
         "price_per_gpu_hour": price_per_gpu_hour,
         "incidents": incidents,
         "notes": notes,
+        # Ranks that died of a signal: their last words, sent by survivors of their node.
+        "crashes": [crash_report(c) for c in crashed],
         "definitions": DEFINITIONS,
     }
 

@@ -7,6 +7,10 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+from trainwarden.collector.ingest import crashes
+
+CRASH_FRAMES = 8
+"""A crashed rank's innermost Python frames the report shows."""
 CHART_METRICS = (("loss", "Loss"), ("step_time", "Step time (s)"), ("mfu", "MFU"))
 
 
@@ -108,6 +112,41 @@ def _title(t: dict[str, Any]) -> str:
     return f"Incident {i['id']}: {i['title']} ({i['state']})"
 
 
+def crash_report(c: dict[str, Any]) -> dict[str, Any]:
+    """A ``rank_crashed`` event (with its rank, node, time and step) as the report keeps it:
+    the headline, the cause or why none, the stack's innermost frames."""
+    return {
+        "rank": c.get("rank"),
+        "node": c.get("node"),
+        "at": c.get("at"),
+        "step": c.get("step"),
+        "signal": c.get("signal"),
+        "collective": c.get("collective"),
+        "summary": f"rank {c.get('rank')} {crashes.line(c)}",
+        "cause": c.get("cause"),
+        "cause_note": c.get("cause_note"),
+        "stderr": c.get("stderr"),
+        "stack": [
+            f"{f.get('file')}:{f.get('line')} in {f.get('function')}"
+            for f in (c.get("stack") or [])[:CRASH_FRAMES]
+        ],
+        "reported_by": (c.get("reported_by") or {}).get("rank"),
+    }
+
+
+def crash_lines(c: dict[str, Any]) -> list[str]:
+    """A crash's lines under its headline: the cause or why none, the stack, the file."""
+    lines = []
+    if c.get("cause"):
+        lines.append(f"cause: {c['cause']}")
+    elif c.get("cause_note"):
+        lines.append(f"no C++ message: {c['cause_note']}")
+    if c.get("stderr"):
+        lines.append(f"stderr: {c['stderr']}")
+    lines += [f"at {frame}" for frame in c.get("stack") or ()]
+    return lines
+
+
 def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
     """GitHub-flavoured Markdown, or Slack's mrkdwn (``flavor="slack"``): headings as bold
     lines, ``<url|text>`` links, bullet lists rather than tables (Slack has none)."""
@@ -170,6 +209,15 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
             if e.get("runbook_url"):
                 text += " " + link("runbook", e["runbook_url"])
             lines.append(("• " if slack else "- ") + " · ".join(bits) + " — " + text)
+        lines.append("")
+    if report.get("crashes"):
+        lines += [heading("Ranks that died of a signal", 2), ""]
+        for c in report["crashes"]:
+            head = f"`{clock(c['at'])}` " + (
+                f"step {c['step']} · " if c["step"] is not None else ""
+            )
+            lines.append(("• " if slack else "- ") + head + c["summary"].replace("\n", " "))
+            lines += [f"  - {text}" for text in crash_lines(c)]
         lines.append("")
     if report["notes"]:
         lines += [heading("Logbook", 2), ""]

@@ -13,6 +13,7 @@ from trainwarden.collector.incidents.report_format import (
     _title,
     _where,
     clock,
+    crash_lines,
     figure_lines,
     goodput_line,
 )
@@ -204,6 +205,17 @@ def render_html(report: dict[str, Any]) -> str:
             "<th>Source</th><th>Rank / "
             "node</th><th>Severity</th><th>What</th><th>Links</th></tr></thead>"
             f"<tbody>{''.join(rows)}</tbody></table>"
+        )
+    if report.get("crashes"):
+        body.append(
+            "<h2 id='crashes'>Ranks that died of a signal</h2><ul>"
+            + "".join(
+                f"<li class='crash'><code>{clock(c['at'])}</code> {esc(c['summary'])}<pre>"
+                + esc("\n".join(crash_lines(c)))
+                + "</pre></li>"
+                for c in report["crashes"]
+            )
+            + "</ul>"
         )
     if report["notes"]:
         body.append(

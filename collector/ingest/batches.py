@@ -25,7 +25,7 @@ from sqlalchemy import (
     update,
 )
 
-from trainwarden.collector.ingest import attempts, replicas, samples
+from trainwarden.collector.ingest import attempts, crashes, replicas, samples
 from trainwarden.collector.ingest.ranks import (
     _newest,
     _run_id,
@@ -374,7 +374,8 @@ def _store_events(
             {
                 "uid": e.id,
                 "run_id": run_ids[req.run],
-                "rank": rank,
+                # A dead rank's last words come from a survivor: stored under the dead rank.
+                "rank": rank if e.rank is None else e.rank,
                 "step": e.step,
                 "ts": e.ts,
                 "recv_ts": now,
@@ -408,6 +409,8 @@ def _store_events(
                 attempts.record_start(conn, run_id, agent, e, now)
             elif e.kind == "attempt_end" and e.id in fresh_ids:
                 attempts.record_end(conn, agent, e)
+            elif e.kind == crashes.KIND and e.id in fresh_ids and e.rank is not None:
+                crashes.on_ingest(conn, run_id, e.rank, e.data)
             if e.kind == "gpu_telemetry":  # "ok" with the device, or "unavailable" and why
                 conn.execute(update(m.ranks).where(where).values(gpu=e.data))
             elif e.kind == "shutdown":  # failed: the process ended on an exception in a step

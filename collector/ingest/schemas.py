@@ -384,12 +384,45 @@ class AttemptStartIn(BaseModel):
         return None if value is None else check_mixture(value)
 
 
+class CrashFrameIn(BaseModel):
+    """One Python frame of a crashed rank's stack (faulthandler's)."""
+
+    file: str = Field(max_length=300)
+    line: int | None = Field(default=None, ge=0, le=2**31)
+    function: str = Field(max_length=200)
+
+
+class RankCrashedIn(BaseModel):
+    """A ``rank_crashed`` event's data (``agent/last_words.py``): a rank's process died of
+    a fatal signal; a surviving process of its node sends it on its behalf. The rest (the
+    fault dump, its stderr's tail, who reported it) is kept as it comes."""
+
+    model_config = ConfigDict(extra="allow")
+
+    signal: str | None = Field(default=None, max_length=16)
+    fatal: str | None = Field(default=None, max_length=200)
+    session: str = Field(min_length=1, max_length=64)
+    stack: list[CrashFrameIn] = Field(default_factory=list, max_length=100)
+    collective: str | None = Field(default=None, max_length=200)
+    where: str | None = Field(default=None, max_length=600)
+    cause: str | None = Field(default=None, max_length=4000)
+    cause_note: str | None = Field(default=None, max_length=2000)
+    fault: str | None = Field(default=None, max_length=16_384)
+    stderr_tail: str | None = Field(default=None, max_length=8192)
+    last_step: int | None = Field(default=None, ge=0, le=MAX_STEP)
+    in_step: bool = False
+
+
 EVENT_DATA: dict[str, type[BaseModel]] = {
     "collectives": CollectivesIn,
+    "rank_crashed": RankCrashedIn,
     "epoch_end": EpochEndIn,
     "attempt_start": AttemptStartIn,
 }
 """Event kinds whose data has a form of its own, checked at the edge."""
+ON_BEHALF = frozenset({"rank_crashed"})
+"""Event kinds another process may send for a rank (``EventIn.rank``): a dead rank's last
+words, sent by a survivor of its node."""
 
 
 class EventIn(BaseModel):
@@ -404,9 +437,20 @@ class EventIn(BaseModel):
     step: int | None = Field(default=None, ge=0, le=2**62)
     severity: Literal["info", "warning", "critical"] = "info"
     data: dict[str, Any] = Field(default_factory=dict)
+    rank: int | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_RANK,
+        description="The rank it happened on, when not the sender's: a dead rank's "
+        "rank_crashed, sent by a surviving process of its node",
+    )
 
     @model_validator(mode="after")
     def _data_of_its_kind(self) -> EventIn:
+        if self.rank is not None and self.kind not in ON_BEHALF:
+            raise ValueError(
+                f"a {self.kind} event names no other rank: only {sorted(ON_BEHALF)} may"
+            )
         model = EVENT_DATA.get(self.kind)
         if model is not None:
             try:
@@ -459,6 +503,16 @@ class IngestBatch(BaseModel):
     steps: list[StepIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
     events: list[EventIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
     gpu: list[GpuSampleIn] = Field(default_factory=list, max_length=MAX_RECORDS_PER_BATCH)
+
+    @model_validator(mode="after")
+    def _ranks_in_world(self) -> IngestBatch:
+        for e in self.events:
+            if e.rank is not None and e.rank >= self.agent.world_size:
+                raise ValueError(
+                    f"a {e.kind} event's rank {e.rank} is outside world_size "
+                    f"{self.agent.world_size}"
+                )
+        return self
 
 
 STEP_COLUMNS = frozenset(StepIn.model_fields)
