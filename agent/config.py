@@ -18,6 +18,7 @@ from typing import Any
 from .mfu import dtype_name
 from .mixture import check_mixture
 from .node_relay import local_world_size
+from .placement import IDENTITY_WAIT_S
 from .samples import SamplesError, Universe
 
 EXPORTERS = ("http", "otlp")
@@ -262,6 +263,14 @@ class AgentConfig:
     """Host name of this process."""
     node: str
     """Scheduler node name (``SLURMD_NODENAME`` / ``NODE_NAME``), else the host name."""
+    placement: str = "environment"
+    """Where rank and world size came from: ``argument``, ``environment`` (``RANK``),
+    ``process group``, ``no process group``, or ``pending``: neither tw.init nor the
+    launcher said it, and the agent sends nothing until the process group does
+    (:mod:`.placement`)."""
+    identity_wait_s: float = IDENTITY_WAIT_S
+    """A pending rank waits this long for the process group (``TRAINWARDEN_IDENTITY_WAIT``)
+    unless a step comes first; then the process is rank 0 of 1."""
     queue_size: int = 10_000
     """Records held in memory before the oldest are dropped (and counted)."""
     flush_interval_s: float = 1.0
@@ -377,14 +386,30 @@ class AgentConfig:
                     f"collector url {url!r} is not valid: use http://host:port or https://host"
                 )
             url = url.rstrip("/")
+        # The rank is known where tw.init or the launcher (RANK) says it; else the process
+        # group will (placement.py), and the agent sends nothing until then.
+        placement_v = (
+            "argument" if rank is not None else "environment" if _env("RANK") else "pending"
+        )
         rank_v = _as_int(_pick(rank, "RANK", 0), "rank (RANK)", minimum=0)
-        world_v = _as_int(_pick(world_size, "WORLD_SIZE", 1), "world_size (WORLD_SIZE)", minimum=1)
+        # WORLD_SIZE without RANK (Lightning's launcher sets it) says nothing of this rank.
+        world_env = None if placement_v == "pending" else _env("WORLD_SIZE")
+        world_v = _as_int(
+            world_size if world_size is not None else world_env or 1,
+            "world_size (WORLD_SIZE)",
+            minimum=1,
+        )
         if rank_v >= world_v:
             raise ConfigError(
                 f"rank {rank_v} is outside world_size {world_v}: check RANK and WORLD_SIZE "
                 "(torchrun and srun set both)"
             )
         local_v = _as_int(_pick(local_rank, "LOCAL_RANK", 0), "local_rank (LOCAL_RANK)", minimum=0)
+        identity_wait_v = _as_float(
+            _pick(None, "TRAINWARDEN_IDENTITY_WAIT", IDENTITY_WAIT_S),
+            "TRAINWARDEN_IDENTITY_WAIT",
+            minimum=0.0,
+        )
         peak_flops = _pick(peak_flops, "TRAINWARDEN_PEAK_FLOPS")
         flops_per_step = _pick(flops_per_step, "TRAINWARDEN_FLOPS_PER_STEP")
         flops_per_token = _pick(flops_per_token, "TRAINWARDEN_FLOPS_PER_TOKEN")
@@ -491,6 +516,8 @@ class AgentConfig:
             rank=rank_v,
             world_size=world_v,
             local_rank=local_v,
+            placement=placement_v,
+            identity_wait_s=identity_wait_v,
             host=host,
             node=node,
             queue_size=_as_int(

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import atexit
 import copy
+import dataclasses
 import logging
+import multiprocessing
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -30,7 +33,7 @@ import time
 import uuid
 from typing import Any
 
-from . import flight, identity, last_words, node_relay
+from . import flight, identity, last_words, node_relay, placement
 from .checkpoints import Checkpointing, Checkpoints
 from .commands import Commands
 from .config import AgentConfig, ConfigError
@@ -73,6 +76,7 @@ _SHUTDOWN_TIMEOUT_S = 5.0
 # collector learns which attempt a process is before its first step.
 _FIRST_EVENT_WAIT_S = 1.0
 _IDENTITY_WAIT_AT_EXIT_S = 2.0
+_PLACE_POLL_S = 0.05  # how often a process with no rank yet looks for its process group
 _CHECKPOINT_SIZE_WAIT_AT_EXIT_S = 1.0
 SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # what a shell, Slurm or Kubernetes reports: 143
 
@@ -131,7 +135,53 @@ class Agent:
             transport = OtlpTransport(
                 config.url, token=config.token, timeout_s=config.request_timeout_s
             )
-        elif transport is None and config.url is not None:
+        self._transport = transport  # else an HTTP one, made once the rank is known
+        self._closed = False
+        self._flushed = threading.Event()  # set once shutdown() has sent what it could
+        self._sigterm_pending = False  # a SIGTERM came during shutdown(): die of it after
+        self._identity_thread: threading.Thread | None = None
+        self._identity: dict[str, Any] = {}
+        self._attempt_started = False
+        self._attempt_lock = threading.Lock()
+        self._end: tuple[str, str, int | None] = ("completed", "", None)
+        self.gpu_device: Any = None
+        self.gpu_monitor: GpuMonitor | None = None
+        self._drill_spec = None
+        self._place_lock = threading.Lock()
+        if config.drill:
+            try:
+                self._drill_spec = parse(config.drill)
+                if config.placement != "pending":  # else checked against the group's world
+                    Drill(self._drill_spec, rank=config.rank, world_size=config.world_size)
+            except DrillError as exc:
+                raise ConfigError(str(exc)) from None
+        # Until the process knows its rank nothing goes out: records wait behind the gate
+        # (bounded) and no exporter runs (placement.py). The first step settles it.
+        self._settle = threading.Event()  # a step ran, or the agent is shutting down
+        if transport is None and config.url is None:
+            log.warning(
+                "trainwarden: no collector URL (tw.init(url=...) or TRAINWARDEN_URL); "
+                "keeping the last %d records in memory only",
+                config.queue_size,
+            )
+        if config.placement == "pending":
+            if transport is not None or config.url is not None:
+                self._records.connect(self.flush_soon, hold_s=config.identity_wait_s + 5.0)
+        else:
+            self._connect()
+        self.rare.on_first_step = self._first_step
+        self.rare.schedule()
+        self._identity_thread = threading.Thread(
+            target=self._collect_identity, name="trainwarden-identity", daemon=True
+        )
+        self._identity_thread.start()
+
+    def _connect(self) -> None:
+        """What needs the process's rank: the exporter (and its spool and relay), the GPU
+        sampler, the drill; then the ``start`` event. Once, when the rank is known."""
+        config = self.config
+        transport = self._transport
+        if transport is None and config.url is not None:
             relays: list[str] | None = None
             job: str | None = None
             if config.relay == "auto":
@@ -165,35 +215,18 @@ class Agent:
             )
             # Until attempt_start is queued, records are held back (sink.py).
             self._records.connect(self._exporter.wake, hold_s=_FIRST_EVENT_WAIT_S)
-        else:
-            log.warning(
-                "trainwarden: no collector URL (tw.init(url=...) or TRAINWARDEN_URL); "
-                "keeping the last %d records in memory only",
-                config.queue_size,
-            )
-        self._closed = False
-        self._flushed = threading.Event()  # set once shutdown() has sent what it could
-        self._sigterm_pending = False  # a SIGTERM came during shutdown(): die of it after
-        self._identity_thread: threading.Thread | None = None
-        self._identity = identity.skeleton(config)
-        self._attempt_started = False
-        self._attempt_lock = threading.Lock()
-        self._end: tuple[str, str, int | None] = ("completed", "", None)
-        self.gpu_device: Any = None
-        self.gpu_monitor: GpuMonitor | None = None
-        self.event("start", pid=os.getpid(), world_size=config.world_size)
-        if config.drill:
-            try:
-                drill = Drill(parse(config.drill), rank=config.rank, world_size=config.world_size)
-            except DrillError as exc:
-                self.shutdown(timeout_s=0.5)
-                raise ConfigError(str(exc)) from None
-            self.rare.use_drill(drill)
-        self._start_gpu_monitor(simulate=bool(self.drill and self.drill.needs_gpu))
-        self._identity_thread = threading.Thread(
-            target=self._collect_identity, name="trainwarden-identity", daemon=True
+        self.event_at(
+            self.started_at,
+            "start",
+            step=None,
+            severity="info",
+            data={
+                "pid": os.getpid(),
+                "world_size": config.world_size,
+                "rank_from": config.placement,
+            },
         )
-        self._identity_thread.start()
+        self._start_gpu_monitor(simulate=bool(self.drill and self.drill.needs_gpu))
         # Opening NVML can take a while: the wait for attempt_start counts from here.
         self._records.hold(_FIRST_EVENT_WAIT_S)
         # Now that the rank is final: files a crash leaves, a sibling's crash reported.
@@ -220,16 +253,126 @@ class Agent:
     @property
     def drill(self) -> Drill | None:
         """The fault drill in effect (``tw.init(drill=...)``), if any."""
+        if self._drill_spec is not None:
+            self._make_drill()
         return self.rare.drill
+
+    def _make_drill(self) -> None:
+        """The drill's faults for this rank: built once, from the rank as known when it is
+        first needed (``tw.watch``, the first step, the GPU sampler); a process still
+        without its rank takes the group's, else rank 0 of 1's, as it will report."""
+        with self._place_lock:
+            spec, self._drill_spec = self._drill_spec, None
+            if spec is None:
+                return
+            c = self.config
+            rank, world = c.rank, c.world_size
+            if c.placement == "pending":
+                group = placement.group_rank()
+                if group is None:
+                    alone = placement.without_group()
+                    group = (alone.rank, alone.world_size)
+                rank, world = group
+            try:
+                self.rare.use_drill(Drill(spec, rank=rank, world_size=world))
+            except DrillError as exc:  # the group's world is smaller than the drill's rank
+                log.warning("trainwarden: the drill is off: %s", exc)
+
+    def _first_step(self) -> None:
+        """The first step's entry (training thread): a drill acts from it on, and a process
+        still without its rank settles it (a step without a process group: none will come)."""
+        if self.config.placement != "pending":
+            self._verify_place()  # before this step's record leaves under a wrong rank
+        if self._drill_spec is not None:
+            self._make_drill()
+        self._settle.set()
 
     # -- run identity: the attempt_start event -------------------------------------------
 
     def _collect_identity(self) -> None:
+        if self.config.placement == "pending":
+            self._find_place()
+        self._identity = identity.skeleton(self.config)
         try:
             identity.collect(self.config, self._identity, gpu_device=self.gpu_device)
         except Exception:  # never the trainer's problem: the fields stay None
             log.debug("trainwarden: identity collection failed", exc_info=True)
         self._start_attempt()
+        self._check_place()
+
+    # -- the process's place in the job (placement.py) ----------------------------------
+
+    def _find_place(self) -> None:
+        """Wait for the default process group, a step, the agent's shutdown or the
+        deadline, whichever is first; take the place it gives; then connect."""
+        c = self.config
+        deadline = time.monotonic() + c.identity_wait_s
+        place: placement.Place | None = None
+        while place is None:
+            group = placement.group_rank()
+            if group is not None:
+                place = placement.from_group(*group, host=c.host, run=c.run)
+            elif self._settle.is_set() or time.monotonic() >= deadline:
+                place = placement.without_group()
+                if not self._settle.is_set():
+                    log.warning(
+                        "trainwarden: no RANK from the launcher and no process group after "
+                        "%.0fs: reporting as rank %d of %d (TRAINWARDEN_IDENTITY_WAIT)",
+                        c.identity_wait_s,
+                        place.rank,
+                        place.world_size,
+                    )
+            else:
+                self._settle.wait(_PLACE_POLL_S)
+        self._move_to(place)
+        self._connect()
+
+    def _move_to(self, place: placement.Place) -> None:
+        self.config = dataclasses.replace(
+            self.config,
+            rank=place.rank,
+            world_size=place.world_size,
+            local_rank=place.local_rank,
+            placement=place.source,
+        )
+        self.rare.use_config(self.config)
+
+    def _check_place(self) -> None:
+        """Rank from tw.init or the environment: once the process group exists (within
+        the identity wait), the group's rank wins if they differ, with one warning."""
+        c = self.config
+        if c.placement not in ("argument", "environment"):
+            return
+        deadline = time.monotonic() + c.identity_wait_s
+        while not self._closed and time.monotonic() < deadline:
+            if self._verify_place():
+                return
+            if self._settle.is_set():  # steps without a group: not a distributed process
+                return
+            self._settle.wait(_PLACE_POLL_S)
+
+    def _verify_place(self) -> bool:
+        """Whether the process group exists; if it does and contradicts the rank said,
+        move to the group's (once: from either thread). The local rank stays the
+        launcher's (``LOCAL_RANK``) or the one said: no store exchange here."""
+        group = placement.group_rank()
+        if group is None:
+            return False
+        with self._place_lock:
+            c = self.config
+            if c.placement not in ("argument", "environment"):
+                return True
+            said = placement.Place(c.rank, c.world_size, c.local_rank, c.placement)
+            warning = placement.differs(said, *group)
+            if warning is None:
+                return True
+            local = placement.env_int("LOCAL_RANK")
+            self._move_to(
+                placement.Place(*group, c.local_rank if local is None else local, "process group")
+            )
+        log.warning(warning)
+        self.event("rank_corrected", severity="warning", was=c.rank, message=warning)
+        return True
 
     def _start_attempt(self) -> None:
         """Queue ``attempt_start`` (once), ahead of every record held back so far."""
@@ -237,7 +380,8 @@ class Agent:
             if self._attempt_started:
                 return
             self._attempt_started = True
-            data = copy.deepcopy(self._identity)  # the identity thread may still be filling it
+            # The identity thread may still be filling it, or not have begun (no rank yet).
+            data = copy.deepcopy(self._identity or identity.skeleton(self.config))
         self.stats.recorded += 1
         record = EventRecord(self._event_body("attempt_start", None, "info", data, self.started_at))
         self._records.open_gate(record)
@@ -465,6 +609,7 @@ class Agent:
         # The attempt ended when the trainer said so: not after the waits below (the
         # identity, the checkpoint sizes), which would add to its GPU-hours.
         ended_at = time.time()
+        self._settle.set()  # a process still without its rank settles it now
         if self._identity_thread is not None:
             # attempt_start goes out before the goodbye: with what is known by now.
             self._wait_for_identity(min(timeout_s / 2, _IDENTITY_WAIT_AT_EXIT_S))
@@ -519,6 +664,11 @@ def set_current(agent: Agent | None) -> None:
     global _agent, _atexit_registered
     if agent is not None and not _atexit_registered:
         atexit.register(_flush_at_exit)
+        if multiprocessing.parent_process() is not None:
+            # A rank started by torch.multiprocessing.spawn or Accelerate's notebook
+            # launcher: such a child leaves through os._exit, which skips atexit, after
+            # running multiprocessing's own finalizers.
+            multiprocessing.util.Finalize(None, _flush_at_exit, exitpriority=100)
         _atexit_registered = True
     _agent = agent
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .device_clock import DeviceClock, event_now
@@ -56,6 +57,8 @@ class RareWork:
         self.drill: Drill | None = None
         self._drill_host = drill_host  # what a drill's faults act on: the agent
         self.count_flops_next = False
+        # Called once, at the first step's entry (the agent settles the process's rank).
+        self.on_first_step: Callable[[], None] | None = None
         # CUDA: while a GPU is there but the trainer has not used it yet, each step asks
         # (check_cuda); from the first step after it has, steps run on the GPU's clock and
         # report CUDA memory, and the peak is the GPU's.
@@ -84,13 +87,22 @@ class RareWork:
             or self.peak_pending
             or self.count_flops_next
             or self.drill is not None
+            or self.on_first_step is not None
         )
         recorder = self._recorder
         recorder.rare_from = 0 if every_step else self.profiler.next_due(recorder.steps_run)
 
     # -- the step's entry and exit (what step.Step calls on this path) -------------------
 
+    def use_config(self, config: AgentConfig) -> None:
+        """The agent's config once the process's rank is known (its local rank picks the
+        GPU whose peak MFU divides by)."""
+        self._config = config
+
     def enter(self, record: StepRecord) -> Sample:
+        if self.on_first_step is not None:
+            first, self.on_first_step = self.on_first_step, None
+            first()
         if self.cuda_possible and not self.cuda:
             self.check_cuda()
         if self.peak_pending:  # a GPU is there, but this step runs on the CPU

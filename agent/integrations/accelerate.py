@@ -226,6 +226,7 @@ class TrainwardenTracker(GeneralTracker):
             url=self._url,
             config=self._facts(),
             init=self._init,
+            place=_place(self._accelerator),
         )
         return self._observed
 
@@ -513,6 +514,17 @@ def _numbers(values: Any) -> dict[str, Any]:
             name = f"m_{name}"
         out[name[:32]] = number
     return out
+
+
+def _place(accelerator: Any) -> tuple[int, int, int] | None:
+    """The rank, world size and local rank Accelerate's state holds (any launcher)."""
+    if accelerator is None:
+        return None
+    return (
+        accelerator.process_index,
+        accelerator.num_processes,
+        accelerator.local_process_index,
+    )
 
 
 def _accelerator_facts(accelerator: Any) -> dict[str, Any]:

@@ -95,12 +95,15 @@ def start(
     url: str | None,
     config: Any,
     init: dict[str, Any],
+    place: tuple[int, int, int] | None = None,
 ) -> bool:
     """Start the agent (``tw.init``) unless the trainer did; False: unobserved (said once).
 
     ``package`` / ``version``: the framework's, checked against :data:`TESTED` first;
     ``run``: the run name (``TRAINWARDEN_RUN`` wins); ``url``: the collector
-    (``TRAINWARDEN_URL`` when None); ``config``: the framework's hyperparameters."""
+    (``TRAINWARDEN_URL`` when None); ``config``: the framework's hyperparameters;
+    ``place``: the framework's own ``(rank, world size, local rank)``, which it knows
+    under any launcher (``init``'s own ``rank=`` wins)."""
     from .. import init as tw_init
 
     untested = check_version(package, version)
@@ -125,6 +128,8 @@ def start(
             framework,
         )
         return False
+    if place is not None and init.get("rank") is None:
+        init = {**init, "rank": place[0], "world_size": place[1], "local_rank": place[2]}
     try:
         tw_init(run=run, url=url, config=config, **init)
     except Exception as exc:  # a bad argument or environment: said, never raised

@@ -93,6 +93,7 @@ class TrainwardenCallback(TrainerCallback):
             url=self._url,
             config=_config(args),
             init=self._init,
+            place=(args.process_index, args.world_size, args.local_process_index),
         )
         if not self._on:
             return

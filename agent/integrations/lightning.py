@@ -112,6 +112,7 @@ class TrainwardenCallback(Callback):
             url=self._url,
             config=_config(trainer, pl_module),
             init=self._init,
+            place=(trainer.global_rank, trainer.world_size, trainer.local_rank),
         )
 
     def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
