@@ -93,7 +93,9 @@ def init(
 
     Every argument falls back to a ``TRAINWARDEN_*`` environment variable
     (``TRAINWARDEN_RUN``, ``TRAINWARDEN_URL``, ``TRAINWARDEN_TOKEN``, ...); rank,
-    world size and local rank come from ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``.
+    world size and local rank come from ``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``,
+    else from the default process group once it exists (nothing is sent until then:
+    :mod:`trainwarden.agent.placement`).
     With no URL the agent still works and keeps its last records in memory.
 
     MFU: give ``flops_per_step`` or ``flops_per_token`` (e.g. 6 x parameters for a

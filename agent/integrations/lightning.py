@@ -10,7 +10,8 @@ What the callback does, in the Trainer's own hooks:
   ``TensorBoardLogger`` you named, else the name of ``default_root_dir`` when you set
   one; the config is the LightningModule's ``hparams`` with the Trainer's facts
   (``max_steps``, ``accumulate_grad_batches``, the strategy, the precision, ...) and
-  ``framework``; rank and world come from the launcher (torchrun, Slurm).
+  ``framework``; rank, world and local rank come from the Trainer (any launcher, its own
+  included).
 - ``on_fit_start`` (the strategy has wrapped the model and made the optimizers):
   ``tw.watch`` on ``trainer.strategy.model`` (the ``DistributedDataParallel`` wrapper
   under the DDP strategy: its communication hook gives the comm split) and the first
