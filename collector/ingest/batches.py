@@ -11,6 +11,7 @@ import itertools
 import time
 import weakref
 from collections import Counter, defaultdict
+from collections.abc import Container
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Any
@@ -25,8 +26,9 @@ from sqlalchemy import (
     update,
 )
 
-from trainwarden.collector.ingest import attempts, crashes, replicas, samples
+from trainwarden.collector.ingest import attempts, claims, crashes, replicas, samples
 from trainwarden.collector.ingest.ranks import (
+    _known_ranks,
     _newest,
     _run_id,
     _track_ranks,
@@ -74,6 +76,7 @@ class _Request:
     events: list[EventIn] = field(default_factory=list)
     gpu: list[GpuSampleIn] = field(default_factory=list)
     arrived: list[float] = field(default_factory=list)  # when each header's request came
+    origin: list[int] = field(default_factory=list)  # each header's batch in the flush
 
 
 _STEP_FIELDS = tuple(StepIn.model_fields)
@@ -98,7 +101,7 @@ def _merged_steps(group: list[_Request]) -> dict[str, list[Any]]:
     }
 
 
-def _agents(batches: list[IngestBatch], arrived: list[float]) -> _Request:
+def _agents(batches: list[IngestBatch], arrived: list[float], origin: list[int]) -> _Request:
     """Several agents' batches of one run (consecutive in a flush) as one request of
     columns, as a node's relay would have sent them: their headers and steps transposed
     at once, in order. On the direct path (a request a rank) a flush holds hundreds of
@@ -126,7 +129,7 @@ def _agents(batches: list[IngestBatch], arrived: list[float]) -> _Request:
     else:
         steps = {}
     world = max(b.agent.world_size for b in batches)
-    return _Request(batches[0].run, world, heads, top, low, steps, arrived=arrived)
+    return _Request(batches[0].run, world, heads, top, low, steps, arrived=arrived, origin=origin)
 
 
 def _agent_extras(batch: IngestBatch) -> _Request | None:
@@ -140,8 +143,17 @@ def _agent_extras(batch: IngestBatch) -> _Request | None:
     )
 
 
-def _normalize(batch: ColumnarBatch, at: float) -> _Request:
+def _normalize(batch: ColumnarBatch, at: float, i: int, drop: set[int]) -> _Request | None:
+    """A node's columns as a request; ``drop``: ranks whose rows are refused (None when
+    that leaves no rank)."""
     cols, heads = batch.columns(), batch.header_columns()
+    if drop:
+        heads = _take(heads, [k for k, rank in enumerate(heads["rank"]) if rank not in drop])
+        if not heads["rank"]:
+            return None
+        if cols:
+            cols = _take(cols, [k for k, rank in enumerate(cols["rank"]) if rank not in drop])
+            cols = cols if cols["rank"] else {}
     if cols.get("rank") == heads["rank"]:  # a row a rank, in the headers' order: the usual
         top = low = cols["step"]
     else:
@@ -150,11 +162,16 @@ def _normalize(batch: ColumnarBatch, at: float) -> _Request:
             by_rank[rank].append(step)
         top = [max(by_rank[r]) if r in by_rank else None for r in heads["rank"]]
         low = [min(by_rank[r]) if r in by_rank else None for r in heads["rank"]]
-    return _Request(batch.run, batch.world_size, heads, top, low, cols, arrived=[at] * len(top))
+    n = len(top)
+    return _Request(
+        batch.run, batch.world_size, heads, top, low, cols, arrived=[at] * n, origin=[i] * n
+    )
 
 
 def _requests(
-    batches: list[IngestBatch | ColumnarBatch], when: list[float]
+    batches: list[IngestBatch | ColumnarBatch],
+    when: list[float],
+    refused: Container[tuple[int, int]] = (),
 ) -> tuple[list[_Request], list[int | None]]:
     """The flush's batches as the writer takes them, with each request's batch (None: a
     request of several agents' batches). An agent's batch gives its steps and header to
@@ -162,10 +179,12 @@ def _requests(
     come between (within a run the order decides which header and which execution of a
     step is the newest), and its events and GPU samples to a request of their own. A
     node's columns are one request, and one more for each of its ``extras`` (a relay's
-    per-rank events and GPU samples)."""
+    per-rank events and GPU samples). ``refused``: (batch, rank) pairs left out whole
+    (another process holds the rank: claims.py)."""
     requests: list[_Request] = []
     owner: list[int | None] = []
-    gathered: dict[str, tuple[list[IngestBatch], list[float]]] = {}  # since the run's last node
+    # Since the run's last node: its agents' batches, when each came, and their places.
+    gathered: dict[str, tuple[list[IngestBatch], list[float], list[int]]] = {}
 
     def close(run: str) -> None:
         if (got := gathered.pop(run, None)) is not None:
@@ -174,19 +193,30 @@ def _requests(
 
     for i, batch in enumerate(batches):
         if isinstance(batch, IngestBatch):
-            agents, at = gathered.setdefault(batch.run, ([], []))
+            if refused and (i, batch.agent.rank) in refused:
+                continue
+            agents, at, places = gathered.setdefault(batch.run, ([], [], []))
             agents.append(batch)
             at.append(when[i])
+            places.append(i)
             if (extras := _agent_extras(batch)) is not None:
                 requests.append(extras)
                 owner.append(i)
             continue
         if gathered:
             close(batch.run)
-        requests.append(_normalize(batch, when[i]))
-        owner.append(i)
+        drop = (
+            {rank for rank in batch.header_columns()["rank"] if (i, rank) in refused}
+            if refused
+            else set()
+        )
+        if (node := _normalize(batch, when[i], i, drop)) is not None:
+            requests.append(node)
+            owner.append(i)
         for extra in batch.extras:
-            requests.append(_agents([extra], [when[i]]))
+            if extra.agent.rank in drop:
+                continue
+            requests.append(_agents([extra], [when[i]], [i]))
             owner.append(i)
             if (extras := _agent_extras(extra)) is not None:
                 requests.append(extras)
@@ -218,7 +248,8 @@ def store_many(
     of statements per table whatever their number (the collector's group commit).
     ``arrived``: when each request reached the collector (default: ``now``)."""
     now = time.time() if now is None else now
-    requests, owner = _requests(batches, arrived or [now] * len(batches))
+    when = arrived or [now] * len(batches)
+    requests, owner = _requests(batches, when)
     # First, before this transaction locks anything: a day partition a row needs.
     days = {day for req in requests if req.steps for day in _days(req.steps["ts"])}
     days |= {day_of(g.ts) for req in requests for g in req.gpu}
@@ -228,25 +259,40 @@ def store_many(
         if req.run not in run_ids:
             run_ids[req.run] = _run_id(conn, name=req.run, world_size=req.world_size, now=now)
 
-    # Ranks: each run's headers column-wise (a list a field, not an object a rank).
-    of_run: dict[int, list[_Request]] = defaultdict(list)
-    for req in requests:
-        if req.top:  # a request of events and GPU samples alone has no header here
-            of_run[run_ids[req.run]].append(req)
-    by_run: dict[int, dict[str, list[Any]]] = {}
-    for run_id, sent in of_run.items():
-        if len(sent) == 1:  # one request of the run's headers: the direct path's usual
-            heads = by_run[run_id] = dict(sent[0].heads)
-        else:
-            heads = by_run[run_id] = {
-                name: list(itertools.chain.from_iterable(req.heads[name] for req in sent))
-                for name in AGENT_FIELDS
-            }
-        heads["top"] = list(itertools.chain.from_iterable(req.top for req in sent))
-        heads["arrived"] = list(itertools.chain.from_iterable(req.arrived for req in sent))
+    # Ranks: each run's headers column-wise (a list a field, not an object a rank), their
+    # stored rows read once, and the sessions that claim a rank another live process
+    # holds refused (claims.py: rare; the requests are then built again without them).
+    by_run = _heads_by_run(requests, run_ids)
+    found = {
+        run_id: _known_ranks(conn, run_id, list(dict.fromkeys(heads["rank"])))
+        for run_id, heads in sorted(by_run.items())
+    }
+    refused: dict[tuple[int, int], claims.Refusal] = {}
+    for run, run_id in run_ids.items():
+        if run_id in by_run:
+            refused |= claims.check(
+                conn,
+                run=run,
+                run_id=run_id,
+                heads=by_run[run_id],
+                found=found[run_id],
+                batches=batches,
+                now=now,
+            )
+    if refused:
+        requests, owner = _requests(batches, when, refused)
+        by_run = _heads_by_run(requests, run_ids)
     high_steps: dict[tuple[int, int], int | None] = {}
     for run_id in sorted(by_run):
-        known = _track_ranks(conn, run_id=run_id, heads=_newest(by_run[run_id]), now=now)
+        heads = by_run[run_id]
+        mine = set(heads["rank"])
+        known = _track_ranks(
+            conn,
+            run_id=run_id,
+            heads=_newest(heads),
+            now=now,
+            found=[row for row in found[run_id] if row[0] in mine],
+        )
         high_steps.update({(run_id, rank): high for rank, high in known.items()})
 
     # Steps, column-wise (no object a row): the same step twice in one flush (a replay
@@ -322,7 +368,9 @@ def store_many(
             )
     for run, run_id in sorted(run_ids.items()):
         req_last = [max(req.steps["step"]) for req in requests if req.run == run and req.steps]
-        world = max(req.world_size for req in requests if req.run == run)
+        world = max((req.world_size for req in requests if req.run == run), default=None)
+        if world is None:  # every batch of the run was refused (claims.py): nothing to say
+            continue
         _update_run(
             conn,
             run_id=run_id,
@@ -331,7 +379,30 @@ def store_many(
             shutdown=False,
             now=now,
         )
-    return _results(batches, requests, owner, accepted_events)
+    return _results(batches, requests, owner, accepted_events, refused)
+
+
+def _heads_by_run(
+    requests: list[_Request], run_ids: dict[str, int]
+) -> dict[int, dict[str, list[Any]]]:
+    """Each run's headers in the flush, column-wise in flush order, with ``top`` (each
+    header's highest step), ``arrived`` and ``origin`` (its batch)."""
+    of_run: dict[int, list[_Request]] = defaultdict(list)
+    for req in requests:
+        if req.top:  # a request of events and GPU samples alone has no header here
+            of_run[run_ids[req.run]].append(req)
+    by_run: dict[int, dict[str, list[Any]]] = {}
+    for run_id, sent in of_run.items():
+        if len(sent) == 1:  # one request of the run's headers: the direct path's usual
+            heads = by_run[run_id] = dict(sent[0].heads)
+        else:
+            heads = by_run[run_id] = {
+                name: list(itertools.chain.from_iterable(req.heads[name] for req in sent))
+                for name in AGENT_FIELDS
+            }
+        for name in ("top", "arrived", "origin"):
+            heads[name] = list(itertools.chain.from_iterable(getattr(r, name) for r in sent))
+    return by_run
 
 
 def _results(
@@ -339,18 +410,30 @@ def _results(
     requests: list[_Request],
     owner: list[int | None],
     accepted_events: list[int],
+    refused: dict[tuple[int, int], claims.Refusal],
 ) -> list[IngestResult]:
-    """Each batch's answer: its distinct (rank, step) pairs and its new events."""
+    """Each batch's answer: its distinct (rank, step) pairs and its new events, and the
+    ranks refused (another process holds them): a rank's batch whole, a node's by rank."""
     totals = [
         [len({s.step for s in b.steps}) if isinstance(b, IngestBatch) else 0, 0] for b in batches
     ]
+    for at, _ in refused:  # a rank's batch refused whole stored nothing
+        if isinstance(batches[at], IngestBatch):
+            totals[at][0] = 0
     for req, i, events in zip(requests, owner, accepted_events, strict=True):
         if i is None:  # agents' steps: counted from their batches above
             continue
         totals[i][1] += events
         if req.steps and not isinstance(batches[i], IngestBatch):  # a node's, and its extras'
             totals[i][0] += len(set(zip(req.steps["rank"], req.steps["step"], strict=True)))
-    return [IngestResult(accepted_steps=n, accepted_events=e) for n, e in totals]
+    results = [IngestResult(accepted_steps=n, accepted_events=e) for n, e in totals]
+    for (at, rank), refusal in refused.items():
+        answer = {"status": refusal.status, **refusal.body}
+        if isinstance(batches[at], IngestBatch):
+            results[at].refuse(answer)
+        else:
+            results[at].rank_refused = {**(results[at].rank_refused or {}), rank: answer}
+    return results
 
 
 def _started_at(req: _Request, rank: int, step: int) -> float:

@@ -77,16 +77,23 @@ def _newest(heads: dict[str, list[Any]]) -> dict[str, list[Any]]:
 
 
 def _track_ranks(
-    conn: Connection, *, run_id: int, heads: dict[str, list[Any]], now: float
+    conn: Connection,
+    *,
+    run_id: int,
+    heads: dict[str, list[Any]],
+    now: float,
+    found: list[tuple[Any, ...]] | None = None,
 ) -> dict[int, int | None]:
     """Heartbeat and progress of the ranks in a flush, in a fixed number of statements
     whatever their number; a rank back with a new process session gets a ``restart``
     event. ``heads``: the ranks' headers column-wise (AgentInfo's fields, one row a
     rank), with ``top`` (each rank's highest step in the flush) and ``arrived`` (when its
     request came in). Returns each known rank's highest step stored before this flush
-    (its ``high_step``: ``last_step`` goes back with a rollback, the high step does not)."""
+    (its ``high_step``: ``last_step`` goes back with a rollback, the high step does not).
+    ``found``: :func:`_known_ranks`' rows of these ranks, when the caller read them."""
     ranks, sessions, arrived = heads["rank"], heads["session"], heads["arrived"]
-    found = _known_ranks(conn, run_id, ranks)
+    if found is None:
+        found = _known_ranks(conn, run_id, ranks)
     # Rows unpacked as tuples: a Row's attribute access costs, and this runs every flush.
     at = dict(zip(ranks, range(len(ranks)), strict=True))
     previous: dict[int, int | None] = {}
@@ -95,7 +102,7 @@ def _track_ranks(
     # behind another). It adds its steps but changes nothing of the rank (the upsert's
     # WHERE), and an old process's late request is no restart.
     restarts: list[tuple[int, str]] = []  # (row in heads, the previous session)
-    for rank, session, _, seen, _, high in found:
+    for rank, session, _, seen, _, high, *_ in found:
         previous[rank] = high
         i = at[rank]
         if session != sessions[i] and arrived[i] >= seen:
@@ -179,6 +186,13 @@ _KNOWN = (
     "last_seen",
     "progress_at",
     "coalesce(high_step, last_step)",
+    # For claims.check: whether the holder of a rank another session claims is alive.
+    "heartbeat_s",
+    "state",
+    "pid",
+    "host",
+    "node",
+    "first_seen",
 )
 # One index probe a rank of the flush whatever PostgreSQL's statistics say: the LIMIT keeps
 # the lateral subquery from being flattened into a join the planner may reorder. As
@@ -207,6 +221,12 @@ def _known_ranks(conn: Connection, run_id: int, ranks: list[int]) -> list[tuple[
             rk.last_seen,
             rk.progress_at,
             func.coalesce(rk.high_step, rk.last_step),
+            rk.heartbeat_s,
+            rk.state,
+            rk.pid,
+            rk.host,
+            rk.node,
+            rk.first_seen,
         ).where(rk.run_id == run_id, rk.rank.in_(ranks)),
     )
 

@@ -790,3 +790,20 @@ class IngestResult(BaseModel):
         description="A columnar batch's answer: the commands waiting for each of its ranks "
         "(only ranks that have some), which a relay hands to each rank's agent",
     )
+    rank_refused: dict[int, dict[str, Any]] | None = Field(
+        default=None,
+        description="A columnar batch's ranks whose rows were refused (the others' were "
+        "stored), each with the answer a relay gives that rank's agent: its status (409: "
+        "another live process holds the rank; 503: send again later), detail and holder",
+    )
+    # A rank's batch refused whole (nothing stored): the route answers it with its status
+    # (409: another live process holds the rank; 503: send again later) and this body.
+    _refused: dict[str, Any] | None = PrivateAttr(default=None)
+
+    @property
+    def refusal(self) -> dict[str, Any] | None:
+        """Why this rank's batch was refused (``status`` and the answer's body), or None."""
+        return self._refused
+
+    def refuse(self, answer: dict[str, Any]) -> None:
+        self._refused = answer

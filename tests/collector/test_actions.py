@@ -1434,8 +1434,10 @@ def test_evict_and_rollback_evicts_then_rolls_back_the_job_that_came_back_withou
     for _ in range(3):
         run.second()
     assert action(run, evict["id"])["state"] == "done"
-    # The job is down (a scheduler requeues it): the rollback waits, sending nothing.
-    for _ in range(3):
+    # The job is down (a scheduler requeues it): the rollback waits, sending nothing. Its
+    # processes are silent for longer than 3 heartbeats (6 s), so that the new ones are
+    # taken for a restart (not refused as a second live process: ingest/claims.py).
+    for _ in range(7):
         run.tick()
         run.act()
     assert action(run, rollback["id"])["state"] == "approved"

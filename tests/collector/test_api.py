@@ -118,9 +118,13 @@ def test_run_detail_lists_ranks_and_status(client: TestClient) -> None:
 
 
 def test_steps_run_again_replace_and_restart_is_an_event(client: TestClient) -> None:
-    ingest(client, batch(rank=0, session="first", steps=[step(i, loss=3.0) for i in range(5)]))
-    # The process dies and restarts from a checkpoint at step 3: steps 3 and 4 run again,
-    # later (a later execution replaces the stored one).
+    first = batch(rank=0, session="first", steps=[step(i, loss=3.0) for i in range(5)])
+    first["agent"]["heartbeat_s"] = 0.05
+    ingest(client, first)
+    # The process dies (silent past 3 of its heartbeats: a restart, not a second live
+    # process) and restarts from a checkpoint at step 3: steps 3 and 4 run again, later
+    # (a later execution replaces the stored one).
+    time.sleep(0.2)
     again = [{**step(i, loss=1.0), "ts": 1_700_000_100.0 + i} for i in range(3, 7)]
     ingest(client, batch(rank=0, session="second", steps=again))
     ingest(client, batch(rank=0, session="second", steps=again))  # a duplicate batch

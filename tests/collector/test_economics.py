@@ -97,12 +97,23 @@ def _body(
             "pid": 100 + rank,
             "session": session,
             "started_at": started,
+            # Short: the tests replay an attempt's life in a moment, and a process silent
+            # past 3 of these is gone (a restart, not a second live process: claims.py).
+            "heartbeat_s": HEARTBEAT_S,
             "last_step": None if last is None else last["step"],
             "last_step_end": None if last is None else last["ts"] + last["duration_s"],
         },
         "steps": list(steps),
         "events": list(events),
     }
+
+
+HEARTBEAT_S = 0.01
+
+
+def _gone() -> None:
+    """The processes of the attempt before fall silent past their heartbeat window."""
+    time.sleep(5 * HEARTBEAT_S)
 
 
 def _start(
@@ -202,6 +213,7 @@ def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(
         ),
     )
     # Attempt 2 starts at t0 + 40 and resumes from the checkpoint: steps 5..14 from t0 + 50.
+    _gone()
     for rank in (0, 1):
         s = f"b{rank}"
         _post(
@@ -317,6 +329,7 @@ def test_launcher_keys_group_processes_and_a_replayed_start_changes_nothing(
                 events=[_start(f"x{rank}", t, {}, key="torchelastic:j:0", rank=rank)],
             ),
         )
+    _gone()
     for rank in (0, 1):
         _post(
             client,
@@ -414,6 +427,7 @@ def test_an_attempts_first_step_stored_before_its_start_event_is_still_its_first
         s = f"a{rank}"
         _post(client, _body("job", rank, s, t0, events=[_start(s, t0, config, rank=rank)]))
         _post(client, _body("job", rank, s, t0, steps=_steps(0, 4, t0 + 10)))
+    _gone()
     for rank in (0, 1):
         s = f"b{rank}"
         _post(client, _body("job", rank, s, t0 + 40, steps=_steps(5, 6, t0 + 50)))  # first

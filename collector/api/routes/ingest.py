@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import orjson
 from fastapi import APIRouter, HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import Engine
 from sqlalchemy.exc import DBAPIError
@@ -25,6 +26,7 @@ from starlette.requests import ClientDisconnect
 from trainwarden.agent import wire
 from trainwarden.collector.api import auth
 from trainwarden.collector.api.prom import CollectorMetrics
+from trainwarden.collector.ingest import claims
 from trainwarden.collector.ingest.schemas import (
     ColumnarBatch,
     IngestBatch,
@@ -214,9 +216,12 @@ EXTRA_SCHEMAS: dict[str, Any] = {}
     response_model=IngestResult,
     openapi_extra=_body_schema(IngestBatch),
 )
-async def ingest(request: Request) -> IngestResult:
-    """Store a batch of one rank's step records, events and GPU samples."""
-    return await submit(request, _parse(IngestBatch, await _body(request)))
+async def ingest(request: Request) -> IngestResult | Response:
+    """Store a batch of one rank's step records, events and GPU samples. A rank that
+    another live process holds is refused: 409 with the conflict, or 503 while the
+    collector cannot yet tell a restart from a duplicate (``collector/ingest/claims.py``)."""
+    result = await submit(request, _parse(IngestBatch, await _body(request)))
+    return result if result.refusal is None else _refused(request, result.refusal)
 
 
 @router.post(
@@ -225,8 +230,33 @@ async def ingest(request: Request) -> IngestResult:
     openapi_extra=_body_schema(ColumnarBatch),
 )
 async def ingest_columns(request: Request) -> IngestResult:
-    """Store several ranks' steps in one request, column-wise (node relays, loadgen)."""
-    return await submit(request, _parse(ColumnarBatch, await _body(request)))
+    """Store several ranks' steps in one request, column-wise (node relays, loadgen). A
+    rank that another live process holds has its rows refused, and the others stored:
+    ``rank_refused`` names it with the answer its agent gets (409 or 503)."""
+    result = await submit(request, _parse(ColumnarBatch, await _body(request)))
+    if result.rank_refused:
+        for answer in result.rank_refused.values():
+            _count_refusal(request, answer)
+    return result
+
+
+def _count_refusal(request: Request, answer: dict[str, Any]) -> None:
+    """Count a rank refused for its claim; a conflict wakes the alert engine (its
+    rank_conflict event pages now, not at the next pass)."""
+    conflict = answer["status"] == claims.CONFLICT
+    _metrics(request).ingest_requests.labels("conflict" if conflict else "claim_wait").inc()
+    alert_engine = getattr(request.app.state, "alert_engine", None)
+    if conflict and alert_engine is not None:
+        alert_engine.wake()
+
+
+def _refused(request: Request, answer: dict[str, Any]) -> Response:
+    """A rank's batch refused for its claim: its status, and a body naming the holder."""
+    _count_refusal(request, answer)
+    status = answer["status"]
+    body = {k: v for k, v in answer.items() if k != "status"}
+    headers = {"Retry-After": str(body["retry_after"])} if "retry_after" in body else None
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 class DirectIngest:
