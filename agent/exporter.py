@@ -39,12 +39,14 @@ from .stats import Stats
 from .wire import (
     AUTH_REFUSED,
     INGEST_PATH,
+    RANK_TAKEN,
     RELAY_HEALTH_PATH,
     RETRYABLE,
     SENDER_HEADER,
     USER_AGENT,
     CollectorError,
     dumps,
+    loads,
     sender,
 )
 
@@ -202,7 +204,9 @@ class HttpTransport:
         if response.status_code >= 400:
             retry_after = response.headers.get("Retry-After", "")
             wait = float(retry_after) if retry_after.replace(".", "", 1).isdigit() else None
-            raise CollectorError(response.status_code, response.text[:500], wait)
+            # A conflict's body names the holder: kept whole, for the warning that quotes it.
+            limit = 4000 if response.status_code == RANK_TAKEN else 500
+            raise CollectorError(response.status_code, response.text[:limit], wait)
         return response.json() if response.content else {}
 
     def close(self) -> None:
@@ -280,6 +284,8 @@ class Exporter:
         )
         self._retry_at = 0.0
         self._gave_up = False  # a send failed during shutdown: spool the rest
+        # Another live process holds this rank (409): nothing more is sent for the run.
+        self._rank_taken = False
         self._backoff = 0.5
         self._thread = threading.Thread(target=self._loop, name="trainwarden-exporter", daemon=True)
         self._thread.start()
@@ -340,7 +346,8 @@ class Exporter:
                     self._on_tick()
                 while self._export_once(final=stopping):
                     pass
-                if self._poll or time.monotonic() - self._last_sent >= self._heartbeat_s:
+                beat = self._poll or time.monotonic() - self._last_sent >= self._heartbeat_s
+                if beat and not self._rank_taken:
                     self._poll = False
                     self._send([], [], [])  # nothing to send: a heartbeat alone
             except Exception:  # never let the thread die: the trainer must not notice
@@ -391,6 +398,9 @@ class Exporter:
 
     def _export_once(self, *, final: bool) -> bool:
         """Send one batch. Returns True when more is ready to send right away."""
+        if self._rank_taken:
+            self._drop_all()
+            return False
         if len(self._spool):
             # At shutdown one more try, whatever the backoff says; after a failed one, no
             # more waiting on the network: the rest goes to the spool.
@@ -423,6 +433,36 @@ class Exporter:
         # batch is ready: one request an interval (a relay holds each for its window, and
         # a fast trainer's next steps would otherwise go out behind it, again and again).
         return len(self._queue) >= self._batch_size
+
+    def _drop_all(self) -> None:
+        """Another process holds the rank: what is queued, held or spooled is dropped and
+        counted (never kept: it would grow for the rest of the run)."""
+        n = len(self._held)
+        self._held = []
+        for _ in range(len(self._queue)):  # what the training thread appends meanwhile: next time
+            self._queue.popleft()
+            n += 1
+        while (oldest := self._spool.oldest()) is not None:
+            n += count(oldest[1])
+            self._spool.remove(oldest[0])
+        self._stats.dropped_conflict += n
+
+    def _rank_refused(self, exc: CollectorError, n: int) -> None:
+        """The collector answered 409: another live process holds this run's rank. Say so
+        once, and send nothing more for the run."""
+        self._rank_taken = True
+        self._stats.dropped_conflict += n
+        try:
+            detail = loads(exc.body.encode()).get("detail") or exc.body
+        except (ValueError, AttributeError):
+            detail = exc.body
+        log.warning(
+            "trainwarden: the collector refused this process's batches for run %r (409): "
+            "%s. This process sends nothing more for the run: training goes on, and what "
+            "it would have sent is dropped and counted in tw.stats()['dropped_conflict']",
+            self._run,
+            detail,
+        )
 
     def _put(self, batch: Batch) -> None:
         try:
@@ -469,6 +509,11 @@ class Exporter:
             answer = self._transport.send(INGEST_PATH, body)
         except Exception as exc:
             self._stats.batches_failed += 1
+            if isinstance(exc, CollectorError) and exc.status == RANK_TAKEN:
+                self._rank_refused(exc, len(steps) + len(events) + len(gpu))
+                if spooled and (key := self._spool.oldest()) is not None:
+                    self._spool.remove(key[0])  # counted above
+                return False
             refused = isinstance(exc, CollectorError) and exc.status in AUTH_REFUSED
             retryable = refused or not isinstance(exc, CollectorError) or exc.status in RETRYABLE
             n = len(steps) + len(events) + len(gpu)

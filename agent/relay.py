@@ -150,6 +150,16 @@ def columnar(held: Sequence[_Held]) -> dict[str, Any]:
     return body
 
 
+def _refusal(no: dict[str, Any]) -> Answer:
+    """A rank whose rows the collector refused (``rank_refused``: another process holds
+    it, 409; or it cannot tell yet, 503): the answer it would have had on its own."""
+    body = {k: v for k, v in no.items() if k != "status"}
+    headers = {"Content-Type": "application/json"}
+    if "retry_after" in body:
+        headers["Retry-After"] = str(body["retry_after"])
+    return Answer(int(no.get("status", 409)), dumps(body), headers)
+
+
 class _Upstream:
     """One keep-alive connection to the collector (used by one thread at a time)."""
 
@@ -371,11 +381,16 @@ class Relay:
                 h.reply(answer)
             return
         try:
-            by_rank = loads(answer.body).get("rank_commands") or {}
+            said = loads(answer.body)
+            by_rank = said.get("rank_commands") or {}
+            refused = said.get("rank_refused") or {}
         except ValueError:
-            by_rank = {}
+            by_rank, refused = {}, {}
         last = {h.rank: h for h in group}  # a rank's commands go to its newest batch
         for h in group:
+            if (no := refused.get(str(h.rank))) is not None:
+                h.reply(_refusal(no))  # another process holds the rank: its own answer
+                continue
             steps = h.body.get("steps", ())
             result = {
                 "accepted_steps": len({s.get("step") for s in steps}),

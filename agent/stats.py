@@ -48,6 +48,9 @@ class Stats:
     """Records lost because the spool could not be written (a full or read-only disk)."""
     dropped_spool_unreadable: int = 0
     """Spool files that could not be read back (damaged), deleted."""
+    dropped_conflict: int = 0
+    """Records dropped, not sent, once the collector refused this process's rank because
+    another live process of the run holds it (409: a double launch)."""
 
     def as_dict(self) -> dict[str, int]:
         """The counters by name, in the order above (what ``tw.stats()`` returns)."""

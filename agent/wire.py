@@ -32,6 +32,10 @@ not take it for a large run's rank that sends without a relay (and logs no hint)
 
 RETRYABLE = frozenset({429, 500, 502, 503, 504})
 """Statuses that mean "not now": the batch is kept (spooled) and sent again after a backoff."""
+RANK_TAKEN = 409
+"""Another live process holds this run's rank (a double launch, ``RANK`` not set, two jobs
+under one run name): nothing of the batch was stored, and the agent stops sending for
+the run. The body names the holder: ``{detail, reason, run, rank, holder}``."""
 AUTH_REFUSED = frozenset({401, 403})
 """A missing, revoked or wrong token: an operator's mistake that a restart with the right
 ``TRAINWARDEN_TOKEN`` fixes, so the batch is kept and retried slowly, never dropped."""
@@ -44,6 +48,7 @@ class CollectorError(RuntimeError):
     def __init__(self, status: int, body: str, retry_after: float | None = None) -> None:
         super().__init__(f"collector answered {status}: {body}")
         self.status = status
+        self.body = body
         self.retry_after = retry_after
 
 

@@ -450,6 +450,62 @@ def test_a_refused_token_loses_nothing_and_says_so_once(caplog, tmp_path: Path) 
     assert [s["step"] for s in transport.steps()] == list(range(20))
 
 
+class TakenRankTransport(RecordingTransport):
+    """A collector that takes a first batch, then answers 409: another live process of the
+    run holds this rank (collector/ingest/claims.py), naming it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sends = 0
+
+    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        from trainwarden.agent.exporter import CollectorError
+
+        self.sends += 1
+        if self.sends == 1:
+            return super().send(path, body)
+        raise CollectorError(
+            409,
+            '{"detail": "run \'unit\' rank 0 is held by another live process, pid 4711 on '
+            'node-a (session 1f2e3d4c)", "reason": "rank_conflict", "run": "unit", "rank": 0}',
+        )
+
+
+def test_a_rank_another_process_holds_stops_the_sending_once_said(caplog, tmp_path: Path) -> None:
+    caplog.set_level(logging.WARNING, logger="trainwarden.agent")
+    transport = TakenRankTransport()
+    tw.init(
+        run="unit",
+        transport=transport,
+        flush_interval_s=0.01,
+        heartbeat_s=0.05,
+        gpu_interval_s=0,
+        spool_dir=str(tmp_path / "spool"),
+    )
+    agent = tw.init.__globals__["_core"]._agent
+    with tw.step(0):
+        pass
+    deadline = time.monotonic() + 10
+    while transport.sends < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sends = transport.sends
+    for i in range(1, 200):  # the trainer goes on, at its own pace
+        with tw.step(i):
+            pass
+    time.sleep(0.3)  # six heartbeats' time: none goes out
+    tw.shutdown(timeout_s=2)
+    assert sends == transport.sends == 2  # nothing sent after the 409, not even a goodbye
+    stats = agent.stats
+    assert stats.spooled == stats.replayed == stats.dropped_send_failed == 0
+    assert stats.dropped_conflict == stats.recorded - stats.sent > 199
+    kept = [p for p in (tmp_path / "spool").rglob("*.json") if "last-words" not in p.parts]
+    assert kept == []  # no batch kept for later
+    said = [r for r in caplog.records if "refused this process's batches" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "pid 4711 on node-a" in said[0].getMessage()
+    assert "dropped_conflict" in said[0].getMessage()
+
+
 def test_the_http_transport_names_its_sender_so_a_refusal_still_counts_as_a_beat() -> None:
     import http.server
 
@@ -545,6 +601,7 @@ def test_stats_are_typed_and_keep_their_names() -> None:
         "dropped_spool_full",
         "dropped_spool_failed",
         "dropped_spool_unreadable",
+        "dropped_conflict",
     ]
     tw.shutdown()
     assert agent.stats.sent == agent.stats.recorded >= 1  # all of it went out
