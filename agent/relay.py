@@ -12,7 +12,9 @@ window (``--window``, 0.2 s; less once every rank it expects has sent), then sen
 collector one ``POST /api/v1/ingest/columns`` a run: the steps column-wise, the ranks'
 headers, and the batches' events and GPU samples as ``extras``. Each agent then gets the
 answer it would have had: its accepted counts and the commands waiting for its rank
-(a rollback, a stop), which the collector returns per rank.
+(a rollback, a stop), which the collector returns per rank, or, for a rank another live
+process holds, the collector's refusal of that rank alone (409, or 503 while it cannot
+tell a restart from a duplicate: ``rank_refused``).
 
 Nothing is lost on the way: the collector's refusal (503 with ``Retry-After``, 401/403)
 is every held agent's own answer, so each keeps its batch and retries as it would have;
