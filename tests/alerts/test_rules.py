@@ -55,6 +55,7 @@ PACK = [
     "DataDuplicated",  # an epoch's samples repeated past the allowance (issue 35)
     "DataSkipped",  # an epoch's samples never seen past the allowance (issue 35)
     "DataMixtureDrift",  # a source's share off the declared mixture (issue 35)
+    "DuplicateRank",  # two live processes claim one rank: a double launch (issue 53)
 ]
 HEADINGS = [
     "## What it means",
