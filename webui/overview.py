@@ -295,7 +295,7 @@ def range_label(data: Overview, view: dict[str, Any]) -> str:
 
 # -- the header, alerts and ranks panels ---------------------------------------------
 
-HEALTH_EVENTS = {"rank_state", "xid", "drill", "loss_divergence", "restart"}
+HEALTH_EVENTS = {"rank_state", "xid", "drill", "loss_divergence", "restart", "rank_conflict"}
 
 
 def _event_text(e: Any) -> str:
@@ -310,6 +310,8 @@ def _event_text(e: Any) -> str:
         return f"drill injected: {d.get('spec') or d.get('fault')}"
     if e.kind == "loss_divergence":
         return f"loss diverges from peers (robust z {d.get('robust_z')}): {d.get('reason', '')}"
+    if e.kind == "rank_conflict":  # which processes collide: pid, node, session of each
+        return f"duplicate rank: {d.get('reason', '')}"
     return e.kind
 
 

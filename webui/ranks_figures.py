@@ -455,4 +455,6 @@ def _event_line(e: EventOut) -> str:
         )
     if e.kind == "drill":
         return f"{step}drill injected: {d.get('spec') or d.get('fault')}"
+    if e.kind == "rank_conflict":  # which processes collide: pid, node, session of each
+        return f"duplicate rank: {d.get('reason', '')}"
     return step + ", ".join(f"{k}={v}" for k, v in list(d.items())[:4])
