@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import os
 import time
 from pathlib import Path
@@ -134,6 +135,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every M-th step, after the update, each replica runs one forward of a fixed "
         "input and fingerprints the output, to compare what the replicas compute "
         "(default: the agent's, TRAINWARDEN_DETERMINISM_PROBE_EVERY or 0: off)",
+    )
+    p.add_argument(
+        "--loss-log",
+        metavar="DIR",
+        help="write each step's loss as this rank computed it to DIR/rank-<rank>.jsonl (a "
+        "test compares what the collector stored with it)",
     )
     return p.parse_args(argv)
 
@@ -271,6 +278,10 @@ def main(argv: list[str] | None = None) -> None:
 
     tw.on_rollback(rollback)
     same_batch = _data_drill("same_batch")
+    losses = None
+    if args.loss_log:
+        Path(args.loss_log).mkdir(parents=True, exist_ok=True)
+        losses = (Path(args.loss_log) / f"rank-{rank}.jsonl").open("w", buffering=1)
     while state["step"] < end:
         step = state["step"]
         if args.data_delay:
@@ -308,7 +319,11 @@ def main(argv: list[str] | None = None) -> None:
             )
             if ckpt_dir is not None and args.checkpoint_every and step % args.checkpoint_every == 0:
                 _save(ckpt_dir, step, state, model, opt, rank, step in args.corrupt_checkpoint)
+        if losses is not None:
+            losses.write(json.dumps({"step": step, "loss": loss.item()}) + "\n")
     tw.shutdown()
+    if losses is not None:
+        losses.close()
     if world > 1:
         # Free DDP first: its reducer holds the process group, and a gloo group torn down
         # at interpreter exit made torch abort a rank in 32 of 155 two-rank runs here
