@@ -9,8 +9,9 @@ Where it comes from, first found wins:
    ``deepspeed`` launcher and ``torchrun`` under srun set them;
 3. the default process group, once it exists (Lightning's own launcher,
    ``torch.multiprocessing.spawn``, a hand-made ``init_process_group(rank=r, ...)``,
-   which set no ``RANK``): ``get_rank()`` and ``get_world_size()``; the rank on the node
-   from ``LOCAL_RANK`` where set, else from the group's hosts (:func:`local_rank_in_group`);
+   which set no ``RANK``; srun's tasks, ``SLURM_PROCID``): ``get_rank()`` and
+   ``get_world_size()``; the rank on the node from ``LOCAL_RANK`` (or srun's
+   ``SLURM_LOCALID``) where set, else from the group's hosts (:func:`local_rank_in_group`);
 4. no group by the process's first step, or within ``TRAINWARDEN_IDENTITY_WAIT`` seconds
    (300) of ``tw.init``: the process is not distributed, rank 0 of 1 (or Slurm's
    ``SLURM_PROCID`` of ``SLURM_NTASKS``, where srun started it).
@@ -100,8 +101,12 @@ def from_group(
     rank: int, world_size: int, *, host: str, run: str, timeout_s: float = _STORE_TIMEOUT_S
 ) -> Place:
     """The place the default group gives: its rank and size; the rank on the node from
-    ``LOCAL_RANK`` where the launcher set it, else from the group's hosts."""
+    ``LOCAL_RANK`` where the launcher set it, or srun's ``SLURM_LOCALID`` where srun
+    started each rank (its task count is the group's size: not srun starting one task
+    that spawns the ranks), else from the group's hosts."""
     local = env_int("LOCAL_RANK")
+    if local is None and env_int("SLURM_NTASKS") == world_size:
+        local = env_int("SLURM_LOCALID")
     if local is None:
         local = local_rank_in_group(rank, world_size, host=host, run=run, timeout_s=timeout_s)
     return Place(rank, world_size, local, "process group")

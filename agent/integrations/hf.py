@@ -8,10 +8,11 @@ What the callback does, in the Trainer's own callbacks:
 - ``on_train_begin``: starts the agent unless the script did (``tw.init``): the run name
   from ``run=``, else ``TRAINWARDEN_RUN``, else ``args.run_name`` (when the user set one),
   else the output directory's name; the config is ``args.to_dict()``; rank, world and
-  local rank come from ``args`` (any launcher). Then ``tw.watch`` on the model (phases; with DDP the comm
-  split from its communication hook; the gradient norm from the optimizer's pre-hook) and
-  a forward hook that keeps each training forward's ``loss`` and counts its tokens; the
-  gradient norm is the one the Trainer computes before clipping (``max_grad_norm``).
+  local rank come from ``args`` (any launcher). Then ``tw.watch`` on the model (phases;
+  with DDP the comm split from its communication hook; the gradient norm from the
+  optimizer's pre-hook) and a forward hook that keeps each training forward's ``loss``
+  and counts its tokens; the gradient norm is the one the Trainer computes before
+  clipping (``max_grad_norm``).
 - ``on_step_begin`` / ``on_step_end``: one optimizer step is one trainwarden step
   (gradient accumulation: its micro-batches are one step), numbered ``state.global_step``
   before the update (0 first). The loss is the mean of the step's micro-batch losses on

@@ -113,7 +113,14 @@ def _rank_process(index: int, world: int, port: int, out: str, env: dict[str, st
     import torch.distributed as dist
 
     transport = RecordingTransport()
-    agent = tw.init(run="group", transport=transport, flush_interval_s=0.05, heartbeat_s=0.1)
+    relay = env.get("TRAINWARDEN_RELAY") == "auto"  # the agent's own HTTP transport, then
+    agent = tw.init(
+        run="group",
+        transport=None if relay else transport,
+        url="http://127.0.0.1:9" if relay else None,
+        flush_interval_s=0.05,
+        heartbeat_s=0.1,
+    )
     time.sleep(0.4)
     before = len(transport.bodies)
     dist.init_process_group(
@@ -129,6 +136,8 @@ def _rank_process(index: int, world: int, port: int, out: str, env: dict[str, st
         "placement": agent.config.placement,
         "corrected": [e["data"] for e in transport.events() if e["kind"] == "rank_corrected"],
         "steps": sorted(s["step"] for s in transport.steps()),
+        "local_rank": agent.config.local_rank,
+        "runs_relay": agent._relay is not None,
     }
     Path(out, f"{index}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -167,8 +176,27 @@ def test_a_rank_in_the_environment_that_the_group_contradicts_is_corrected(
     assert [1, 2, 0] in results[1]["headers"]  # from the correction on: rank 1
 
 
+def test_without_local_rank_one_process_of_the_node_runs_the_job_s_relay(tmp_path: Path) -> None:
+    # A launcher that says the node runs 2 of the job's ranks (relay="auto" by default)
+    # but no RANK nor LOCAL_RANK: only the group's local rank 0 may start the relay.
+    results = spawn(tmp_path, 2, {"TRAINWARDEN_RELAY": "auto", "LOCAL_WORLD_SIZE": "2"})
+    assert [(r["local_rank"], r["runs_relay"]) for r in results] == [(0, True), (1, False)]
+
+
 def test_slurm_s_task_out_of_its_count_and_an_agreeing_group_are_not_taken() -> None:
     assert placement.without_group({"SLURM_PROCID": "5", "SLURM_NTASKS": "4"}).world_size == 1
     assert placement.differs(placement.Place(0, 2, 0, "environment"), 0, 2) is None
     said = placement.differs(placement.Place(0, 2, 0, "argument"), 1, 2)
     assert said is not None and "tw.init's arguments say rank 0 of 2" in said
+
+
+def test_srun_s_local_id_counts_only_where_srun_started_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    assert placement.from_group(3, 4, host="h", run="r").local_rank == 1
+    # One srun task that spawned 8 ranks: its SLURM_LOCALID says nothing of theirs (here
+    # no group's store answers either: local rank 0, said in the log).
+    monkeypatch.setenv("SLURM_NTASKS", "1")
+    assert placement.from_group(3, 8, host="h", run="r").local_rank == 0
