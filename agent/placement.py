@@ -30,8 +30,8 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -131,9 +131,7 @@ def local_rank_in_group(
         store.set(f"{prefix}/host/{host}/{mine}", str(rank))
         if store.add(f"{prefix}/arrived", 1) >= world_size:
             store.set(f"{prefix}/all", "1")
-        try:
-            store.wait([f"{prefix}/all"], timedelta(seconds=timeout_s))
-        except Exception:  # some rank has no agent: the ranks seen so far
+        if not _poll(store, f"{prefix}/all", timeout_s):  # some rank has no agent
             log.warning(
                 "trainwarden: not every rank's agent reported its host within %.0fs; "
                 "the local rank counts the ranks seen so far",
@@ -150,6 +148,21 @@ def local_rank_in_group(
             exc,
         )
     return 0
+
+
+def _poll(store: Any, key: str, timeout_s: float) -> bool:
+    """Whether ``key`` is set within ``timeout_s``, asked with ``check`` (at most every
+    0.5 s): ``store.wait`` would hold the store client's lock while it waits, and the
+    trainer's own use of the store (NCCL's communicator set-up) would wait behind it."""
+    deadline = time.monotonic() + timeout_s
+    pause = 0.02
+    while True:
+        if store.check([key]):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause)
+        pause = min(pause * 2, 0.5)
 
 
 def differs(place: Place, rank: int, world_size: int) -> str | None:
