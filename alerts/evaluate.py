@@ -30,6 +30,7 @@ from .rules import (
     EventKindMatch,
     EventRule,
     FlagMatch,
+    JobLostMatch,
     NonFiniteMatch,
     PeerRule,
     RankStateMatch,
@@ -69,6 +70,9 @@ class RankInfo:
     heartbeat_s: float | None = None
     progress_at: float | None = None
     last_step: int | None = None
+    state_since: float | None = None
+    hung_since: float | None = None  # when the hang the verdict names began
+    ended: str | None = None  # how a rank in a verdict ended: its attempt_end reason
 
 
 @dataclass(frozen=True)
@@ -442,7 +446,15 @@ def _peer(rule: PeerRule, snap: Snapshot) -> list[Verdict]:
     return out
 
 
-Match = XidMatch | FlagMatch | NonFiniteMatch | RankStateMatch | ThrottleMatch | EventKindMatch
+Match = (
+    XidMatch
+    | FlagMatch
+    | NonFiniteMatch
+    | RankStateMatch
+    | ThrottleMatch
+    | EventKindMatch
+    | JobLostMatch
+)
 
 
 def _matches(match: Match, snap: Snapshot) -> list[tuple[Row, int | None, str]]:
@@ -494,7 +506,7 @@ def _matches(match: Match, snap: Snapshot) -> list[tuple[Row, int | None, str]]:
                 and (match.role is None or data.get("role") == match.role)
             ):
                 out.append((e, e.get("rank"), f"became {data.get('to')}"))
-    else:  # ThrottleMatch
+    elif isinstance(match, ThrottleMatch):
         for row in snap.gpu:
             hit = sorted(set(row.get("throttle") or ()) & set(match.reasons))
             if hit:
@@ -502,8 +514,70 @@ def _matches(match: Match, snap: Snapshot) -> list[tuple[Row, int | None, str]]:
     return out
 
 
+_ENDINGS = {
+    "sigterm": "torn down (SIGTERM)",
+    "stopped": "stopped by trainwarden",
+    "exception": "ended on an exception",
+    "completed": "ended",
+}
+
+
+def _job_lost(match: JobLostMatch, snap: Snapshot) -> list[Verdict]:
+    """The run's job died with a verdict standing (:class:`JobLostMatch`): one verdict
+    for the run, the culprit's collective verdict and how the job ended."""
+    placed = [r for r in snap.ranks.values() if r.collective and r.role in ("culprit", "victim")]
+    gone = {}
+    for r in placed:
+        if r.state in ("finished", "failed"):
+            gone[r.rank] = (r.state_since or snap.now, _ENDINGS.get(r.ended or "", "ended"))
+        elif r.last_seen is not None:
+            silent = snap.now - r.last_seen
+            if silent > match.after_beats * (r.heartbeat_s or 2.0) + snap.lag_s:
+                gone[r.rank] = (r.last_seen, "killed (its ranks went silent, no goodbye)")
+    if gone:
+        lead = min(placed, key=lambda r: (r.role != "culprit", r.rank))
+        ended_at, how = min(gone.values())
+        began = min((r.hung_since for r in placed if r.hung_since), default=None)
+        later = f" {max(0.0, ended_at - began):.0f} s later" if began else ""
+        return [
+            Verdict(
+                None,
+                float(len(gone)),
+                f"{lead.collective}; the job was {how}{later}",
+                snap.last_step,
+                annotations={
+                    "collective": lead.collective or "",
+                    "culprits": ",".join(str(r.rank) for r in placed if r.role == "culprit"),
+                },
+            )
+        ]
+    for e in snap.events:  # a rank died of a signal inside a collective: its last words
+        data = e.get("data") or {}
+        if e["kind"] != "rank_crashed" or e.get("rank") is None or not data.get("collective"):
+            continue
+        if snap.attempt_started_at is not None and e["ts"] < snap.attempt_started_at:
+            continue
+        cause = str(data.get("cause") or data.get("cause_note") or "")[:400]
+        said = (
+            f"{_rank_detail(snap, e['rank'])} died of {data.get('signal') or 'a signal'} in "
+            f"{data['collective']}" + (f" ({data['where']})" if data.get("where") else "")
+        )
+        return [
+            Verdict(
+                None,
+                1.0,
+                f"{said}: {cause}" if cause else said,
+                e.get("step"),
+                annotations={"collective": said, "culprits": str(e["rank"])},
+            )
+        ]
+    return []
+
+
 def _event(rule: EventRule, snap: Snapshot) -> list[Verdict]:
     match = rule.params
+    if isinstance(match, JobLostMatch):
+        return _job_lost(match, snap)
     if isinstance(match, RankStateMatch):
         out = []
         for info in snap.ranks.values():
@@ -603,14 +677,19 @@ def _absence(rule: AbsenceRule, snap: Snapshot) -> list[Verdict]:
         quiet = snap.now - seen
         if quiet > after + snap.lag_s:
             what = "heartbeat" if p.signal == "heartbeat" else "completed step"
-            # A dead rank the survivors' rings name the culprit (``RankDead``): the verdict.
+            # A dead rank the survivors' rings name the culprit (``RankDead``): the verdict;
+            # a dead victim says whose victim it was.
             coll = info.collective if p.signal == "heartbeat" else None
+            said = ""
+            if coll:
+                said = f" (a victim of: {coll})" if info.role == "victim" else f": {coll}"
+                coll = None if info.role == "victim" else coll
             out.append(
                 Verdict(
                     info.rank,
                     quiet,
                     f"{_rank_detail(snap, info.rank)}: no {what} for {_ago(quiet)} "
-                    f"(allowed {p.after}, {after:.1f}s)" + (f": {coll}" if coll else ""),
+                    f"(allowed {p.after}, {after:.1f}s)" + said,
                     info.last_step,
                     annotations={"collective": coll} if coll else None,
                 )

@@ -291,11 +291,29 @@ class EventKindMatch(_Strict):
     instead of one for the run."""
 
 
+class JobLostMatch(_Strict):
+    """A job that dies with a collective verdict standing: a rank the verdict placed
+    (its state detail names the collective: culprit or victim) is gone, dead (no
+    heartbeat for ``after_beats`` of its intervals, as ``RankDead`` counts) or ended with
+    a goodbye; or a rank of the run's current attempt died of a signal (its last words,
+    ``rank_crashed``). One alert for the run, whose description is the verdict."""
+
+    stateful: ClassVar[bool] = True
+    match: Literal["job_lost"]
+    after_beats: float = Field(default=2.25, gt=0, le=1000)
+
+
 EventMatch = Annotated[
-    XidMatch | FlagMatch | NonFiniteMatch | RankStateMatch | ThrottleMatch | EventKindMatch,
+    XidMatch
+    | FlagMatch
+    | NonFiniteMatch
+    | RankStateMatch
+    | ThrottleMatch
+    | EventKindMatch
+    | JobLostMatch,
     Field(discriminator="match"),
 ]
-MATCHES = ("xid", "flag", "nonfinite", "rank_state", "throttle", "event")
+MATCHES = ("xid", "flag", "nonfinite", "rank_state", "throttle", "event", "job_lost")
 
 
 class AbsenceParams(_Strict):
@@ -333,6 +351,12 @@ class RateParams(_Strict):
     window: Span
     at_least: int = Field(ge=1)
     per: Literal["run", "rank"] = "run"
+
+    @model_validator(mode="after")
+    def _countable(self) -> RateParams:
+        if isinstance(self.count, JobLostMatch):
+            raise _FieldError("count", "a job is lost once: 'job_lost' is for an event rule")
+        return self
 
 
 class CadenceParams(_Strict):
@@ -447,6 +471,8 @@ class EventRule(_Rule):
 
     @property
     def per_rank(self) -> bool:
+        if isinstance(self.params, JobLostMatch):
+            return False  # one for the run: the job is lost, not a rank
         return self.params.match != "event" or self.params.per_rank
 
     def _for_units(self) -> tuple[Unit, ...]:

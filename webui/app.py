@@ -214,7 +214,7 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         return page(path, search), path
 
     def page(path: str, search: str | None) -> Any:
-        if path == "/":
+        if path in ("/", "/runs"):
             return runs_layout()
         if path == "/alerts":
             return alerts_page.layout(search, runs=_run_names(client), refresh_s=refresh_s)

@@ -25,6 +25,8 @@ from urllib.parse import quote
 
 from dash import dcc, html
 
+from trainwarden.collector.ingest import endings
+
 MAX_ROWS = 64  # a group's table; Dash renders each cell, and thousands take the browser minutes
 MAX_GROUPS = 8  # process groups drawn as tables; the rest are counted in one line
 MAX_LISTED = 8  # unusable rings, unavailable rings: the first ones, then a count
@@ -436,9 +438,43 @@ def banner(view: dict[str, Any] | None, *, run: str, hung: int) -> html.Div | No
     )
 
 
+def lost_banner(run: Any) -> html.Div | None:
+    """The story of a job that died in a collective, for the top of its overview once no
+    rank is hung any more: the verdict (who, which collective, which group, since when)
+    and how the job ended, from the ranks' own states (a rank keeps its place in the
+    verdict when it dies or is torn down)."""
+    placed = [
+        r
+        for r in run.ranks
+        if r.state in ("failed", "dead")
+        and (r.state_detail or {}).get("collective")
+        and (r.state_detail or {}).get("role") in ("culprit", "victim")
+    ]
+    if not placed:
+        return None
+    ended = {(r.state_detail or {}).get("ended") if r.state == "failed" else None for r in placed}
+    how = next(endings.HOW[e] for e in ("sigterm", "stopped", None, "exception") if e in ended)
+    detail = placed[0].state_detail or {}
+    culprits = [r.rank for r in placed if (r.state_detail or {}).get("role") == "culprit"]
+    href = f"/runs/{quote(run.name, safe='')}/ranks#{ANCHOR}"
+    return html.Div(
+        [
+            html.Strong("Job lost in a collective: "),
+            *_marked_summary(str(detail.get("collective")), culprits),
+            f"; the job was {how} (run {run.status})",
+            " · ",
+            dcc.Link("which rank, which collective", href=href, className="coll-banner-link"),
+        ],
+        className="notice notice-error coll-banner",
+        id="run-hang-banner",
+        role="alert",
+    )
+
+
 __all__ = [
     "MAX_ROWS",
     "banner",
+    "lost_banner",
     "desync_part",
     "group_part",
     "has_data",

@@ -454,8 +454,8 @@ def hang_banner(client: Client, run: Any) -> Any:
     it compares no rank's clock with the collector's. A run with no hung rank costs no
     query. An error here leaves the rest of the page alone."""
     hung = sum(1 for r in run.ranks if r.state == "hung")
-    if not hung:
-        return None
+    if not hung:  # a job that died in a collective: the same story, and how it ended
+        return coll.lost_banner(run)
     try:
         view = client.collectives(run.name)
     except Exception:

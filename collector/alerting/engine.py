@@ -55,6 +55,7 @@ from trainwarden.alerts.rules import (
     AbsenceRule,
     BaselineRule,
     EventRule,
+    JobLostMatch,
     RateRule,
     ThresholdRule,
     action_kinds,
@@ -115,6 +116,11 @@ class EngineSettings:
     to read only the clock moves, and a dead run of 16,384 ranks evaluated every 2 s took
     a quarter of the collector's CPU from the runs still sending."""
     silent_every_s: float = 30.0
+    ended_watch_s: float = 60.0
+    """A run that ended (every rank said goodbye) is still evaluated this long by the rules
+    that judge how a job ends (``match: job_lost``): a hung job torn down by its launcher
+    says goodbye from every rank within a second, and its page is written from those
+    goodbyes."""
     slow_rule_s: float = 15.0
     """At most this long between evaluations of a rank-scoped threshold or baseline rule
     that must hold for minutes: one reads every rank's rows of its window (a 20-step
@@ -150,6 +156,10 @@ class PassResult:
     changed: int = 0
     notified: int = 0
     seconds: float = 0.0
+
+
+def _judges_end(rule: Rule) -> bool:
+    return isinstance(rule, EventRule) and isinstance(rule.params, JobLostMatch)
 
 
 def _labels(rule: Rule, run: str, verdict: Verdict) -> dict[str, str]:
@@ -320,10 +330,12 @@ class AlertEngine:
             select(ru.id, ru.name, ru.created_at, ru.last_step, ru.status, ru.updated_at).where(
                 or_(
                     (ru.status == "running") & (ru.updated_at > now - self.settings.stale_run_s),
+                    ru.updated_at > now - self.settings.ended_watch_s,
                     ru.id.in_(select(a.run_id).where(a.state.in_(OPEN)).distinct()),
                 )
             )
         ).all()
+        ending = [r for r in rules if _judges_end(r)]
         # A resting run's open alerts are neither read nor routed this pass: a dead job's
         # thousands of RankDead alerts cost a pass every silent_every_s, not every pass.
         resting = {run.id for run in runs if self._rests(run, now, fast_only)}
@@ -344,6 +356,12 @@ class AlertEngine:
                 continue
             result.runs += 1
             live = run.status == "running"
+            # A run that ended moments ago: only how it ended is judged.
+            ended = (
+                not live
+                and ending
+                and now - (run.updated_at or 0.0) < (self.settings.ended_watch_s)
+            )
             advice = functools.partial(
                 cadence_of, conn, run, now=now, settings=self.economics, cache=self._cadence
             )
@@ -362,12 +380,10 @@ class AlertEngine:
                     pressed=pressed,
                     heard=heard,
                 )
-                if live
+                if live or ended
                 else Snapshot(run=run.name, now=now)
             )
-            for rule in rules:
-                if not live:
-                    break
+            for rule in rules if live else ending if ended else ():
                 try:
                     verdicts = evaluate(rule, snap)
                 except Exception:
@@ -553,6 +569,7 @@ class AlertEngine:
         # rank).
         evicting: dict[tuple[int, str], int] = {}
         liveness: dict[tuple[int, int], int] = {}
+        whole: dict[int, int] = {}  # a run's firing run-wide alert that explains its ranks'
         for r in rows:
             if r.state != "firing":
                 continue
@@ -560,12 +577,14 @@ class AlertEngine:
                 evicting.setdefault((r.run_id, r.node), r.id)
             if (r.labels or {}).get("category") == "liveness" and r.rank is not None:
                 liveness.setdefault((r.run_id, r.rank), r.id)
+            if (r.labels or {}).get("inhibits") == "ranks" and r.rank is None:
+                whole.setdefault(r.run_id, r.id)
         entries: list[_Entry] = []
         for r in rows:
             labels = self._full_labels(r)
             silenced = next((s.id for s in silences if silence_matches(s.matchers, labels)), None)
-            inhibited = None
-            if "evict" not in action_kinds(r.action) and r.node:
+            inhibited = whole.get(r.run_id) if r.rank is not None else None
+            if inhibited is None and "evict" not in action_kinds(r.action) and r.node:
                 inhibited = evicting.get((r.run_id, r.node))
             if inhibited is None and r.rank is not None and labels.get("category") != "liveness":
                 inhibited = liveness.get((r.run_id, r.rank))

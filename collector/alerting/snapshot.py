@@ -27,6 +27,7 @@ from trainwarden.alerts.rules import (
     EventKindMatch,
     EventRule,
     FlagMatch,
+    JobLostMatch,
     NonFiniteMatch,
     PeerRule,
     RankStateMatch,
@@ -126,7 +127,7 @@ def needs_of(rules: Iterable[Rule], hold_s: float) -> Needs:
 
 
 def _match_needs(n: Needs, match: Any, *, steps: int, seconds: float) -> None:
-    if isinstance(match, (XidMatch, EventKindMatch, RankStateMatch)):
+    if isinstance(match, (XidMatch, EventKindMatch, RankStateMatch, JobLostMatch)):
         if isinstance(match, RankStateMatch) and not steps and not seconds:
             return  # an event rule on rank states reads the ranks, not their history
         n.events_back, n.events_s = max(n.events_back, steps), max(n.events_s, seconds)
@@ -279,6 +280,7 @@ def snapshot(
             k.rank,
             k.node,
             k.gpu["uuid"].as_string(),
+            k.gpu["state"].as_string(),
             k.local_rank,
             k.state,
             k.state_detail["role"].as_string(),
@@ -287,20 +289,30 @@ def snapshot(
             k.heartbeat_s,
             k.progress_at,
             k.last_step,
+            k.state_since,
+            k.state_detail["since"].as_float(),
+            k.state_detail["ended"].as_string(),
         ).where(k.run_id == run_id),
     )
-    for rank, node, gpu, local_rank, state, role, coll, seen, beat, progress, step in rows:
+    for row in rows:
+        rank, node, gpu, gpu_state, local_rank, state, role, coll, seen, beat = row[:10]
+        # A rank without a GPU (CPU-only, telemetry off) is named by its rank alone: its
+        # local rank is no GPU's index.
+        has_gpu = gpu_state not in ("unavailable", "off")
         snap.ranks[rank] = RankInfo(
             rank=rank,
             node=node,
-            gpu=gpu or (str(local_rank) if local_rank is not None else None),
+            gpu=gpu or (str(local_rank) if local_rank is not None and has_gpu else None),
             state=state,
             role=role,
             collective=coll,
             last_seen=max(seen, heard.get(rank, seen)),
             heartbeat_s=beat,
-            progress_at=progress,
-            last_step=step,
+            progress_at=row[10],
+            last_step=row[11],
+            state_since=row[12],
+            hung_since=row[13],
+            ended=row[14],
         )
     # The run row's last step is refreshed every few seconds; the ranks' are current.
     newest = max(

@@ -45,7 +45,7 @@ from sqlalchemy import Connection, Engine, bindparam, false, func, or_, select, 
 
 from trainwarden.alerts.evaluate import LIVE_STATES, median_without
 from trainwarden.collector.health import coverage, hang, mixture, replicas, samples
-from trainwarden.collector.ingest import crashes
+from trainwarden.collector.ingest import crashes, endings
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.read.queries import arrival_lateness
@@ -222,6 +222,20 @@ def _idle_s(rank: Any, *, now: float, late: float, refused_at: float | None) -> 
     return said + max(0.0, now - rank["last_seen"] - late)
 
 
+def dead_detail(rank: Any, now: float) -> dict[str, Any]:
+    """A rank found dead. A rank that was in a hang's verdict keeps its place in it (the
+    verdict, not the order in which heartbeats stopped, says who is the culprit: a victim
+    that dies is a dead victim); any other rank that dies is a culprit."""
+    silent = f"no heartbeat for {now - rank['last_seen']:.1f}s"
+    before = rank["state_detail"] or {}
+    if rank["state"] in ("hung", "dead") and before.get("role") in ("culprit", "victim"):
+        kept = {key: before[key] for key in endings.VERDICT_KEYS if key in before}
+        if kept["role"] == "victim":
+            return {**kept, "reason": f"{silent}; was waiting on rank(s) {kept.get('waiting_on')}"}
+        return {**kept, "reason": silent}
+    return {"role": "culprit", "reason": silent}
+
+
 def _states(
     ranks: list[Any],
     *,
@@ -254,12 +268,12 @@ def _states(
             stalled.append(r)
     out: dict[int, tuple[str, dict[str, Any]]] = {}
     for r in dead:
-        out[r["rank"]] = (
-            "dead",
-            {"role": "culprit", "reason": f"no heartbeat for {now - r['last_seen']:.1f}s"},
-        )
+        out[r["rank"]] = ("dead", dead_detail(r, now))
     if stalled:
-        blamed_dead = sorted({r["rank"] for r in dead} | set(still_dead() if still_dead else ()))
+        blamed_dead = sorted(
+            {r["rank"] for r in dead if out[r["rank"]][1]["role"] == "culprit"}
+            | set(still_dead() if still_dead else ())
+        )
         if blamed_dead:
             culprits: list[Any] = []
         else:

@@ -238,13 +238,15 @@ def _apply(verdict: dict[str, Any], states: dict[int, tuple[str, dict[str, Any]]
         if verdict.get("group")
         else "a collective"
     )
+    since = verdict.get("hang_started")
     for rank, (state, detail) in states.items():
         if state == "dead" and rank in culprits:  # RankDead's alert carries it (no ring)
-            detail.update(role="culprit", collective=verdict["summary"])
+            detail.update(role="culprit", collective=verdict["summary"], since=since)
+            detail.pop("waiting_on", None)
             continue
         if state != "hung":
             continue
-        detail["collective"] = verdict["summary"]
+        detail.update(collective=verdict["summary"], since=since)
         if rank in culprits:
             detail.update(role="culprit", reason=verdict["summary"])
             detail.pop("waiting_on", None)

@@ -26,7 +26,7 @@ from trainwarden.collector.incidents.report_format import (
 from trainwarden.collector.incidents.report_html import render_html
 from trainwarden.collector.incidents.store import list_incidents
 from trainwarden.collector.incidents.timeline import DEFINITIONS, timeline
-from trainwarden.collector.ingest import crashes
+from trainwarden.collector.ingest import crashes, endings
 from trainwarden.collector.read.economics import EconomicsSettings, goodput
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.store import models as m
@@ -120,6 +120,8 @@ def report_of(
             "updated_at": ru.updated_at,
             "last_step": ru.last_step,
         },
+        # How the job ended, when it died in a collective verdict or a crash: said first.
+        "story": endings.story(conn, ru.id),
         "goodput": {k: good[k] for k in GOODPUT_KEYS},
         "incident_filter": incident_id,
         "price_per_gpu_hour": price_per_gpu_hour,

@@ -163,6 +163,8 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
 
     run = report["run"]
     lines = [heading(f"Post-mortem: run `{run['name']}`", 1), ""]
+    if report.get("story"):
+        lines += [f"{bold('How the job ended')}: {report['story']}", ""]
     lines.append(
         f"_{len(report['incidents'])} incident(s); world size {run['world_size']}; "
         f"run {run['status']}, last step {run['last_step']}; generated "

@@ -147,6 +147,11 @@ def render_html(report: dict[str, Any]) -> str:
     run = report["run"]
     body = [
         f"<h1>Post-mortem: run <code>{esc(run['name'])}</code></h1>",
+        *(
+            [f"<p id='story'><b>How the job ended</b>: {esc(report['story'])}</p>"]
+            if report.get("story")
+            else []
+        ),
         f"<p class='muted'>{len(report['incidents'])} incident(s) · world size "
         f"{run['world_size']} · "
         f"run {esc(str(run['status']))}, last step {run['last_step']} · generated "

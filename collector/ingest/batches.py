@@ -26,7 +26,7 @@ from sqlalchemy import (
     update,
 )
 
-from trainwarden.collector.ingest import attempts, claims, crashes, replicas, samples
+from trainwarden.collector.ingest import attempts, claims, crashes, endings, replicas, samples
 from trainwarden.collector.ingest.ranks import (
     _known_ranks,
     _newest,
@@ -492,20 +492,24 @@ def _store_events(
                 attempts.record_start(conn, run_id, agent, e, now)
             elif e.kind == "attempt_end" and e.id in fresh_ids:
                 attempts.record_end(conn, agent, e)
+                endings.said_end(conn, run_id, agent.rank, e.data.get("reason"))
             elif e.kind == crashes.KIND and e.id in fresh_ids and e.rank is not None:
                 crashes.on_ingest(conn, run_id, e.rank, e.data)
             if e.kind == "gpu_telemetry":  # "ok" with the device, or "unavailable" and why
                 conn.execute(update(m.ranks).where(where).values(gpu=e.data))
-            elif e.kind == "shutdown":  # failed: the process ended on an exception in a step
-                failed = bool(e.data.get("error"))
+            elif e.kind == "shutdown":  # failed: an exception in a step, or hung in a verdict
+                before = conn.execute(
+                    select(m.ranks.c.state, m.ranks.c.state_detail).where(where)
+                ).first()
+                state, detail = endings.goodbye(
+                    before.state if before else None,
+                    before.state_detail if before else None,
+                    e.data.get("error"),
+                )
                 conn.execute(
                     update(m.ranks)
                     .where(where)
-                    .values(
-                        state="failed" if failed else "finished",
-                        state_since=now,
-                        state_detail={"reason": e.data["error"]} if failed else None,
-                    )
+                    .values(state=state, state_since=now, state_detail=detail)
                 )
     return counts
 
@@ -569,13 +573,12 @@ def _update_run(
         select(
             func.count(),
             func.sum(case((m.ranks.c.state.in_(("finished", "failed")), 1), else_=0)),
-            func.sum(case((m.ranks.c.state == "failed", 1), else_=0)),
         ).where(m.ranks.c.run_id == run_id)
     ).one()
-    seen, ended, failed = counts[0], counts[1] or 0, counts[2] or 0
+    seen, ended = counts[0], counts[1] or 0
     status = "running"
-    if seen >= world_size and ended == seen:  # every rank said goodbye
-        status = "failed" if failed else "finished"
+    if seen >= world_size and ended == seen:  # every rank said goodbye: how it ended
+        status = endings.run_outcome(conn, run_id)[0]
     conn.execute(update(m.runs).where(m.runs.c.id == run_id).values(status=status, **values))
 
 

@@ -194,7 +194,9 @@ def goodput(
     tries = attempts(conn, run_id, now=now) if tries is None else tries
     checkpoints = checkpoint_stats(conn, run_id) if checkpoints is None else checkpoints
     start = tries[0]["started_at"] if tries else run.created_at
-    finished = run.status in ("finished", "failed") or (tries and tries[-1]["state"] == "ended")
+    finished = run.status in ("finished", "failed", "stopped") or (
+        tries and tries[-1]["state"] == "ended"
+    )
     if finished:
         ends = [t["ended_at"] for t in tries if t["ended_at"] is not None]
         end = max([run.updated_at, *ends]) if not tries else max(ends, default=run.updated_at)

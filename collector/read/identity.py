@@ -9,6 +9,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
+from trainwarden.collector.ingest import endings
 from trainwarden.collector.read.queries import run_id_of
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.errors import NotFound
@@ -116,6 +117,15 @@ def attempts(conn: Connection, run_id: int, *, now: float | None = None) -> list
                     "evicted",
                     f"node {node} evicted by action {action_id} ({trigger}); then {detail}",
                 )
+        outcome = detail_of = None
+        if done:  # the newest attempt's ranks still hold its verdict; an earlier one's do not
+            outcome, detail_of = (
+                endings.run_outcome(conn, run_id)
+                if not later
+                else endings.outcome(
+                    [p["end_reason"] for p in procs], failed=reason in ("exception", "evicted")
+                )
+            )
         firsts = [p["first_step"] for p in procs if p["first_step"] is not None]
         lasts = [p["last_step"] for p in procs if p["last_step"] is not None]
         out.append(
@@ -127,6 +137,8 @@ def attempts(conn: Connection, run_id: int, *, now: float | None = None) -> list
                 "state": "ended" if done else "running",
                 "exit_reason": reason,
                 "exit_detail": detail,
+                "outcome": outcome,
+                "outcome_detail": detail_of,
                 "world_size": row.world_size,
                 "nodes": list(row.nodes or []),
                 "first_step": min(firsts) if firsts else None,

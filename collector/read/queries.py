@@ -72,8 +72,10 @@ LOST_AFTER_S = 300.0
 
 RUN_STATUS_HELP = {
     "running": "ranks are reporting",
-    "finished": "every rank said goodbye",
-    "failed": "every rank said goodbye, and one or more failed",
+    "finished": "every rank said goodbye, and every process completed",
+    "stopped": "ended by SIGTERM or a stop while it trained: no hang, no error (a preemption)",
+    "failed": "a process failed, a rank crashed, or the job ended hung in a collective "
+    "(torn down or killed with a verdict standing)",
     "lost": "no rank heard from for 5 minutes and none said goodbye: the job died or its "
     "network is down (running again when a rank reports)",
 }

@@ -56,6 +56,7 @@ PACK = [
     "DataSkipped",  # an epoch's samples never seen past the allowance (issue 35)
     "DataMixtureDrift",  # a source's share off the declared mixture (issue 35)
     "DuplicateRank",  # two live processes claim one rank: a double launch (issue 53)
+    "JobLostInCollective",  # a hung or desynced job that dies: one page naming its culprit
 ]
 HEADINGS = [
     "## What it means",
