@@ -4,7 +4,7 @@
     python bench/agent_overhead.py --integrations        # the same, as its part 6
 
 Issue 36's bar: the callback costs the step no more than ``tw.step`` does in a
-hand-written loop. For each framework (Hugging Face Trainer, Lightning, Accelerate),
+hand-written loop. For each framework (Hugging Face Trainer, Lightning, Accelerate, DeepSpeed),
 four arms on the same tiny model, in rotating blocks (A B C D D C B A ...) in one
 process, the agent started once and sending to a transport that encodes and discards:
 
@@ -392,12 +392,82 @@ def accelerate(blocks: int, steps: int) -> dict[str, Any]:
     return summary(f"Accelerate loop (accelerate {acc.__version__}, tiny model)", periods)
 
 
+# -- DeepSpeed ----------------------------------------------------------------------------------
+
+
+def deepspeed_(blocks: int, steps: int) -> dict[str, Any]:
+    import os
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed picks its accelerator
+    import deepspeed
+
+    from trainwarden.agent.integrations import deepspeed as tw_deepspeed
+
+    sys.path.insert(0, str(EXAMPLES))
+    from deepspeed_trainer import TinyLM, synthetic
+
+    quiet()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    if not torch.distributed.is_initialized():  # one rank: DeepSpeed uses the group it finds
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK="0")
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+        )
+    data = synthetic(1024, seed=0)
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+    }
+
+    def batches() -> Iterator[torch.Tensor]:
+        while True:
+            yield from data.split(8)
+
+    def engine_loop(with_watch: bool) -> float:
+        """ZeRO-1's loop (``engine(ids)``, ``engine.backward``, ``engine.step``), with or
+        without ``tw_deepspeed.watch(engine)``."""
+        torch.manual_seed(0)
+        model = TinyLM(width=128)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+        watch = tw_deepspeed.watch(engine) if with_watch else None
+        starts = []
+        source = batches()
+        for _ in range(steps + 1):
+            ids = next(source)
+            starts.append(time.perf_counter())
+            loss = engine(ids)
+            engine.backward(loss)
+            engine.step()
+        if watch is not None:
+            watch.remove()
+        return _period_ms(starts)
+
+    def loop(observed: bool) -> float:
+        torch.manual_seed(0)
+        m = TinyLM(width=128)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        return hand_loop(m, opt, batches(), m, steps, observed=observed)
+
+    periods = four_arms(engine_loop, loop, blocks)
+    return summary(
+        f"DeepSpeed ZeRO-1 (deepspeed {deepspeed.__version__}, tiny transformer)", periods
+    )
+
+
 # -- the report ---------------------------------------------------------------------------------
 
 FRAMEWORKS: dict[str, tuple[str, Callable[[int, int], dict[str, Any]]]] = {
     "transformers": ("hf", hf),
     "lightning": ("lightning", lightning),
     "accelerate": ("accelerate", accelerate),
+    "deepspeed": ("deepspeed", deepspeed_),
 }
 
 

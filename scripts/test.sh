@@ -13,6 +13,7 @@ as_root() { if [ "$(id -u)" = 0 ]; then "$@"; elif command -v sudo >/dev/null &&
 apt_missing=()
 [ -x /usr/bin/chromium ] || apt_missing+=(chromium chromium-driver)
 [ -x /usr/sbin/haproxy ] || apt_missing+=(haproxy)  # two collectors behind it: tests/e2e/test_scale_out.py
+command -v g++ >/dev/null || apt_missing+=(g++)  # DeepSpeed JIT-builds its CPU comm op (scripts/install.sh)
 if ! command -v pg_ctlcluster >/dev/null && ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then
   apt_missing+=(postgresql)
 fi

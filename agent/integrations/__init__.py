@@ -7,6 +7,8 @@ framework's own convention, running in the trainer's process.
   (``pip install 'trainwarden[lightning]'``).
 - :mod:`.accelerate`: Accelerate, ``Accelerator(log_with=[TrainwardenTracker(...)])`` and
   ``tracker.watch(accelerator, model, optimizer)`` (``pip install 'trainwarden[accelerate]'``).
+- :mod:`.deepspeed`: DeepSpeed, ``tw_deepspeed.watch(engine)`` after ``deepspeed.initialize``
+  (``pip install 'trainwarden[deepspeed]'``).
 
 An FSDP2 (``fully_shard``) loop needs no integration: ``examples/fsdp2_trainer.py`` shows
 ``tw.step`` with the sampled profiler window and the replica groups of its mesh.

@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .. import core as _core
@@ -67,9 +68,12 @@ TESTED = {
     "transformers": ("5.24", "6"),
     "lightning": ("2.6", "2.7"),
     "accelerate": ("1.15", "2"),
+    "deepspeed": ("0.19", "0.20"),
+    "ray": ("2.60", "2.61"),
 }
 """Each framework's tested range ``>=low,<high``, as the extras in ``pyproject.toml`` pin
-it (CI runs transformers 5.24.0, lightning 2.6.6, accelerate 1.15.0). The integrations
+it (CI runs transformers 5.24.0, lightning 2.6.6, accelerate 1.15.0, deepspeed
+0.19.8, ray 2.60.0). The integrations
 hook into parts of the frameworks that are not public API (Lightning's loop counters,
 the Trainer's gradient-norm method): a version outside its range is not observed."""
 
@@ -218,6 +222,63 @@ class LossTap:
             handle.remove()
 
 
+def tokens_of(batch: Any) -> int | None:
+    """The tokens of a batch from shapes only (host metadata): a mapping's or an
+    object's ``input_ids``, the batch itself when it is a tensor, or the first element
+    of a tuple or list when it is an integer tensor (token ids); else None."""
+    import torch
+
+    ids = None
+    if isinstance(batch, Mapping):
+        ids = batch.get("input_ids")
+    elif isinstance(batch, torch.Tensor):
+        ids = batch
+    elif isinstance(batch, (tuple, list)) and batch:
+        first = batch[0]
+        if isinstance(first, torch.Tensor) and not first.is_floating_point():
+            ids = first
+    else:
+        ids = getattr(batch, "input_ids", None)
+    return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
+
+
+def mean_loss(losses: list[Any], scale: float = 1) -> Any:
+    """The micro-batches' mean loss times ``scale``, on the device (no host sync)."""
+    if not losses:
+        return None
+    if len(losses) == 1:
+        return losses[0] * scale if scale != 1 else losses[0]
+    import torch
+
+    return torch.stack([loss.float() for loss in losses]).sum() * (scale / len(losses))
+
+
+def said_rolled_back(plan: Any, path: Any, loader: str) -> None:
+    """The log lines of a rollback an integration applied in-process (``plan``: a
+    ``RollbackPlan``); ``loader``: whose data loader goes on forward."""
+    if plan.skip_to < plan.skip_from:
+        log.warning(
+            "trainwarden: rollback %d asks to replay the same data; %s goes on forward: "
+            "later batches are trained on instead",
+            plan.action,
+            loader,
+        )
+    log.warning(
+        "trainwarden: rolled back to %s (step %d) after step %d",
+        path,
+        plan.checkpoint_step,
+        plan.barrier_step,
+    )
+
+
+def mark(phase: str) -> None:
+    """A phase of the open step starts now (nothing when no step is open)."""
+    agent = _core._agent
+    record = agent.recorder.current if agent is not None else None
+    if record is not None:
+        record.mark(phase)
+
+
 class Span:
     """A step opened by one callback and closed by another."""
 
@@ -240,6 +301,18 @@ class Span:
             self.end()
         self._step = tw_step(step)
         self._step.__enter__()
+
+    def end_or_quiet(
+        self, quiet: Callable[[Exception], None], *, loss: Any = None, tokens: int | None = None
+    ) -> None:
+        """:meth:`end`, where a stop's ``SystemExit`` goes on (on purpose) and any other
+        failure goes to ``quiet`` (the integration goes quiet, training goes on)."""
+        try:
+            self.end(loss=loss, tokens=tokens)
+        except SystemExit:
+            raise
+        except Exception as exc:
+            quiet(exc)
 
     def end(self, *, loss: Any = None, tokens: int | None = None) -> None:
         """Close the step: a rollback or a stop from the collector runs here (the step

@@ -61,6 +61,7 @@ from ..commands import RollbackPlan
 from ..replica import local_tensor
 from ..values import capture
 from . import common
+from .common import tokens_of
 
 log = logging.getLogger("trainwarden")
 
@@ -201,13 +202,8 @@ class TrainwardenCallback(Callback):
         except Exception as exc:
             self._quiet(exc)
             return
-        try:
-            # A rollback runs here (the step boundary); a stop raises SystemExit, on purpose.
-            self._span.end(loss=loss, tokens=tokens)
-        except SystemExit:
-            raise
-        except Exception as exc:
-            self._quiet(exc)
+        # A rollback runs here (the step boundary); a stop raises SystemExit, on purpose.
+        self._span.end_or_quiet(self._quiet, loss=loss, tokens=tokens)
 
     # -- the end ------------------------------------------------------------------------
 
@@ -307,28 +303,13 @@ class TrainwardenCallback(Callback):
                 for group in optimizer.param_groups:
                     group["lr"] *= plan.lr_scale
         _set_global_step(trainer, plan.checkpoint_step + 1, checkpoint)
-        if plan.skip_to < plan.skip_from:
-            log.warning(
-                "trainwarden: rollback %d asks to replay the same data; Lightning's loader "
-                "goes on forward: later batches are trained on instead",
-                plan.action,
-            )
-        log.warning(
-            "trainwarden: rolled back to %s (step %d) after step %d",
-            path,
-            plan.checkpoint_step,
-            plan.barrier_step,
-        )
+        common.said_rolled_back(plan, path, "Lightning's loader")
 
 
 # -- the pieces --------------------------------------------------------------------------
 
 
-def _mark(phase: str) -> None:
-    agent = _core._agent
-    record = agent.recorder.current if agent is not None else None
-    if record is not None:
-        record.mark(phase)
+_mark = common.mark
 
 
 def _drop_early_optimizer_mark(record: Any) -> None:
@@ -377,13 +358,7 @@ def _loss_of(outputs: Any) -> Any:
 def _mean(losses: list[Any], scale: int) -> Any:
     """The micro-batches' mean loss, on the device; automatic optimization hands each
     loss divided by ``accumulate_grad_batches`` (``scale``)."""
-    if not losses:
-        return None
-    if len(losses) == 1:
-        return losses[0] * scale if scale != 1 else losses[0]
-    import torch
-
-    return torch.stack([loss.float() for loss in losses]).sum() * (scale / len(losses))
+    return common.mean_loss(losses, scale)
 
 
 def _accumulating(trainer: Any, batch_idx: int) -> bool:
@@ -394,26 +369,6 @@ def _accumulating(trainer: Any, batch_idx: int) -> bool:
         return bool(decide())
     every = trainer.accumulate_grad_batches
     return every > 1 and (batch_idx + 1) % every != 0
-
-
-def tokens_of(batch: Any) -> int | None:
-    """The tokens of a batch from shapes only (host metadata): a mapping's or an
-    object's ``input_ids``, the batch itself when it is a tensor, or the first element
-    of a tuple or list when it is an integer tensor (token ids); else None."""
-    import torch
-
-    ids = None
-    if isinstance(batch, Mapping):
-        ids = batch.get("input_ids")
-    elif isinstance(batch, torch.Tensor):
-        ids = batch
-    elif isinstance(batch, (tuple, list)) and batch:
-        first = batch[0]
-        if isinstance(first, torch.Tensor) and not first.is_floating_point():
-            ids = first
-    else:
-        ids = getattr(batch, "input_ids", None)
-    return int(ids.numel()) if isinstance(ids, torch.Tensor) else None
 
 
 def _moving(trainer: Any, filepath: Any) -> bool:

@@ -79,7 +79,14 @@ def test_no_agent_module_imports_one_that_imports_it_back() -> None:
 
 
 def test_importing_the_agent_pulls_in_no_training_framework() -> None:
-    frameworks = ("transformers", "lightning", "pytorch_lightning", "accelerate")
+    frameworks = (
+        "transformers",
+        "lightning",
+        "pytorch_lightning",
+        "accelerate",
+        "deepspeed",
+        "ray",
+    )
     assert imported(frameworks) == []
     # nor what the integrations share: each framework's module imports its own
     assert imported(frameworks, "trainwarden.agent.integrations.common") == []
@@ -97,5 +104,7 @@ def test_the_extras_pin_the_tested_framework_ranges() -> None:
     assert pins["transformers"] in extras["hf"] and pins["accelerate"] in extras["hf"]
     assert extras["lightning"] == [pins["lightning"]]
     assert extras["accelerate"] == [pins["accelerate"]]
+    assert extras["deepspeed"] == [pins["deepspeed"]]
+    assert extras["ray"] == [pins["ray"].replace("ray", "ray[train]", 1)]
     for name in TESTED:  # what CI installed is in the range
         assert check_version(name, importlib.metadata.version(name)) is None, name

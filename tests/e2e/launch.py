@@ -42,12 +42,13 @@ def run_example(
     env: dict[str, str] | None = None,
     timeout_s: float = 420,
     args: tuple[str, ...] = (),
+    launcher: list[str] | None = None,
 ) -> int:
     """One of ``examples/``'s trainers under torchrun with 2 ranks, as a user runs it (the
     collector's URL and the run's name in the environment), with a fault ``drill``; its
-    output in ``log``; returns torchrun's exit code. ``args``: more of the example's own."""
-    cmd = torchrun(
-        2,
+    output in ``log``; returns torchrun's exit code. ``args``: more of the example's own;
+    ``launcher``: another launcher's command line for 2 ranks, the example after it."""
+    script = [
         str(example),
         "--output-dir",
         str(out),
@@ -58,8 +59,8 @@ def run_example(
         "--work-ms",
         "15",  # 40-50 ms steps: time for the collector's rollback round trips
         *args,
-        restarts=restarts,
-    )
+    ]
+    cmd = [*launcher, *script] if launcher else torchrun(2, *script, restarts=restarts)
     environ = {
         **os.environ,
         "OMP_NUM_THREADS": "1",
@@ -108,3 +109,39 @@ def two_attempts(server: Server, run: str) -> list[dict[str, Any]]:
     )
     assert [a["number"] for a in attempts] == [1, 2], attempts
     return attempts
+
+
+def finished_action(server: Server, run: str) -> dict[str, Any]:
+    """The run's one action once it is done or failed (within 30 s)."""
+    from .test_drills import wait_for
+
+    (action,) = wait_for(
+        lambda: [
+            a
+            for a in server.get("/api/v1/actions", run=run).json()
+            if a["state"] in ("done", "failed")
+        ],
+        30,
+        "the action done or failed",
+    )
+    return action
+
+
+def rank_steps(db: Path, run: str, below: int) -> list[Any]:
+    """The run's steps below ``below`` in the collector's SQLite database ``db``, one row a
+    rank and step (its latest execution), with what the integrations' tests check."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(f"sqlite:///{db}")
+    with engine.connect() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "SELECT s.step, s.rank, s.loss, s.grad_norm, s.tokens, s.fwd_s, s.bwd_s,"
+                    " s.opt_s, s.comm_source, s.exposed_comm_s, s.overlapped_comm_s, s.metrics"
+                    " FROM rank_steps s JOIN runs r ON r.id = s.run_id"
+                    " WHERE r.name = :n AND s.step < :below"
+                ),
+                {"n": run, "below": below},
+            ).all()
+        )

@@ -21,10 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
-from sqlalchemy import create_engine, text
-
 from ..conftest import Server, start_serve, stop_serve
-from .launch import assert_resumed, run_example, two_attempts
+from .launch import assert_resumed, rank_steps, run_example, two_attempts
 from .test_drills import wait_for
 from .test_rollback_drill import serve_with_rollback
 
@@ -48,21 +46,6 @@ def torchrun(
     )
     print(f"torchrun {run}: {time.monotonic() - started:.1f} s")
     return code
-
-
-def rank_steps(db: Path, run: str, below: int) -> list:
-    engine = create_engine(f"sqlite:///{db}")
-    with engine.connect() as conn:
-        return list(
-            conn.execute(
-                text(
-                    "SELECT s.step, s.rank, s.loss, s.grad_norm, s.tokens, s.fwd_s, s.bwd_s,"
-                    " s.opt_s, s.comm_source, s.exposed_comm_s, s.metrics FROM rank_steps s"
-                    " JOIN runs r ON r.id = s.run_id WHERE r.name = :n AND s.step < :below"
-                ),
-                {"n": run, "below": below},
-            ).all()
-        )
 
 
 def test_an_accelerate_loop_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_path: Path) -> None:
