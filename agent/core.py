@@ -139,6 +139,7 @@ class Agent:
         self._closed = False
         self._flushed = threading.Event()  # set once shutdown() has sent what it could
         self._sigterm_pending = False  # a SIGTERM came during shutdown(): die of it after
+        self._closing_thread: threading.Thread | None = None  # the one that runs shutdown()
         self._identity_thread: threading.Thread | None = None
         self._identity: dict[str, Any] = {}
         self._attempt_started = False
@@ -596,6 +597,7 @@ class Agent:
         if self._closed:
             return
         self._closed = True
+        self._closing_thread = threading.current_thread()
         try:
             self._shutdown(timeout_s)
         finally:
@@ -677,10 +679,22 @@ def _forget_in_child() -> None:
     """After ``fork`` (DataLoader workers): the child has none of the agent's threads and
     is not the rank; its agent keeps records in memory only and never reports, so a
     worker's exit is not the rank's shutdown."""
+    global _wakeup_fds
+    if _wakeup_fds is not None:  # a child's signals are its own, not the rank's
+        try:  # the forking thread is the child's main thread (CPython): allowed
+            signal.set_wakeup_fd(-1)
+        except ValueError:
+            pass  # then the fd stays open: closed, its number could name another file
+        else:
+            for fd in _wakeup_fds:
+                os.close(fd)
+        _wakeup_fds = None
     if _agent is not None:
         _agent._exporter = None
         _agent.gpu_monitor = None
         _agent._closed = True
+        _agent._flushed = threading.Event()  # the parent's may be held by one of its threads
+        _agent._flushed.set()  # nothing to flush here: a SIGTERM kills the child at once
         _agent._records.forget_exporter()
         # CUDA cannot be used in a child forked after it was initialized: no GPU clock.
         _agent.rare.forget_cuda()
@@ -706,17 +720,96 @@ def install_sigterm_flush() -> bool:
     if current_handler is not signal.SIG_DFL:
         return False
     _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
+    _watch_for_sigterm()
     return True
+
+
+# A Python signal handler runs on the main thread, between two bytecodes: never while that
+# thread is inside a C call, such as a collective that waits for a peer that will never
+# come (a hang, a desync). The launcher's SIGTERM then goes unanswered until its SIGKILL,
+# and the job dies without a goodbye. So the C-level handler's wake-up byte
+# (signal.set_wakeup_fd) is also read by a thread of the agent's: if the main thread has
+# not begun its own flush within this grace, the agent's thread flushes for it.
+_STUCK_GRACE_S = 1.0
+_wakeup_fds: tuple[int, int] | None = None
+
+
+def _watch_for_sigterm() -> None:
+    """Read the signals' wake-up fd on a thread of its own (only where nobody else uses
+    it: an asyncio loop in the trainer's main thread would, and keeps it)."""
+    global _wakeup_fds
+    if _wakeup_fds is not None:
+        return
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    try:
+        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    except (ValueError, OSError):
+        previous = -2
+    if previous != -1:  # someone else's (or not allowed): theirs stays
+        if previous >= 0:
+            signal.set_wakeup_fd(previous)
+        os.close(read_fd)
+        os.close(write_fd)
+        return
+    _wakeup_fds = (read_fd, write_fd)
+    threading.Thread(
+        target=_read_wakeups, args=(read_fd,), name="trainwarden-signals", daemon=True
+    ).start()
+
+
+def _read_wakeups(read_fd: int) -> None:
+    while True:
+        try:
+            data = os.read(read_fd, 64)
+        except OSError:
+            return
+        if not data:
+            return
+        if signal.SIGTERM in data:
+            _flush_for_stuck_main_thread()
+
+
+def _flush_for_stuck_main_thread() -> None:
+    agent = _agent
+    deadline = time.monotonic() + _STUCK_GRACE_S
+    while agent is not None and not agent._closed and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if agent is None or agent._closed:
+        return  # the main thread's handler took it (or the agent had already ended)
+    log.warning(
+        "trainwarden: SIGTERM while the training thread is inside a call (%s): flushing "
+        "from the agent's thread",
+        agent._phase_now() or "outside a step",
+    )
+    try:
+        agent.event(
+            "signal",
+            step=agent.last_step,
+            severity="warning",
+            signal="SIGTERM",
+            stuck_in=agent._phase_now(),
+        )
+        agent.end_reason("sigterm", "SIGTERM", SIGTERM_EXIT_CODE)
+        agent.shutdown(timeout_s=_SHUTDOWN_TIMEOUT_S)
+    except Exception:
+        log.exception("trainwarden: flush on SIGTERM failed")
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
     agent = _agent
     if agent is not None and agent._closed and not agent._flushed.is_set():
-        # The flush is under way (at exit after an exception, say: a launcher stops the
-        # other ranks when one fails, often while this one is flushing); this handler
-        # interrupted it. Let it finish (within its own deadline), then die of SIGTERM.
-        agent._sigterm_pending = True
-        return
+        if agent._closing_thread is not threading.current_thread():
+            # The agent's signal thread flushes (this thread was stuck in a call when
+            # SIGTERM came): wait for it, then die of SIGTERM.
+            agent._flushed.wait(_SHUTDOWN_TIMEOUT_S + 1.0)
+        else:
+            # The flush is under way on this thread (at exit after an exception, say: a
+            # launcher stops the other ranks when one fails, often while this one is
+            # flushing); this handler interrupted it. Let it finish (within its own
+            # deadline), then die of SIGTERM.
+            agent._sigterm_pending = True
+            return
     if agent is not None and not agent._closed:
         log.warning(
             "trainwarden: SIGTERM; flushing (at most %.0fs) before exiting", _SHUTDOWN_TIMEOUT_S

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -65,6 +66,29 @@ def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])  # nothing listens there once the socket closes
+
+
+def test_a_forked_child_s_sigterm_is_not_taken_for_the_rank_s() -> None:
+    """DataLoader workers are ended with SIGTERM. A child inherits the signals' wake-up
+    fd, which the agent's thread reads as the rank's own SIGTERM: the child drops it."""
+    transport = RecordingTransport()
+    agent = tw.init(run="unit", transport=transport, flush_interval_s=0.02)
+    with tw.step(0):
+        pass
+    pid = os.fork()
+    if pid == 0:  # the child, with the agent's SIGTERM handler: it must die of the signal
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+        finally:
+            os._exit(3)
+    started = time.monotonic()
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
+    assert time.monotonic() - started < 5  # at once: the child has nothing to flush
+    time.sleep(1.5)  # past the stuck-thread grace: long enough to have flushed, wrongly
+    assert not agent._closed
+    assert [e for e in transport.events() if e["kind"] == "signal"] == []
 
 
 def test_sigterm_flushes_to_the_spool_and_the_process_still_dies_of_it(tmp_path: Path) -> None:
@@ -144,3 +168,57 @@ def test_a_sigterm_during_the_flush_at_exit_lets_it_finish_then_kills(tmp_path: 
     )
     assert proc.returncode == -signal.SIGTERM, proc.stderr[-2000:]
     assert "shutdown" in json.loads(out.read_text()), proc.stderr[-2000:]
+
+
+def test_sigterm_while_stuck_in_a_collective_still_says_goodbye(tmp_path: Path) -> None:
+    """A Python signal handler waits for the main thread to leave its C call: a rank blocked
+    in a collective whose peer never comes (a hang, a desync) would say nothing until the
+    launcher's SIGKILL. The agent's own thread reads the signal's wake-up byte and flushes
+    for it (core.py): the goodbye, with the SIGTERM as its end, is out within seconds while
+    the process is still stuck."""
+    port = _closed_port()
+    rendezvous = _closed_port()  # free now: the rendezvous binds it
+    rank_script = textwrap.dedent(f"""
+        import os, sys, time
+        import torch, torch.distributed as dist
+        import trainwarden.agent as tw
+        rank = int(sys.argv[1])
+        tw.init(run="stuck", url="http://127.0.0.1:{port}", flush_interval_s=0.05,
+                request_timeout_s=0.5, profile_every=0, rank=rank, world_size=2,
+                spool_dir={str(tmp_path)!r})
+        dist.init_process_group("gloo", rank=rank, world_size=2,
+                                init_method="tcp://127.0.0.1:{rendezvous}")
+        if rank == 1:
+            time.sleep(600)  # never enters the collective: rank 0 waits in it
+        for step in range(10):
+            with tw.step(step):
+                if step == 5:
+                    print("blocking", flush=True)
+                    dist.all_reduce(torch.ones(4))  # waits for rank 1, in C++
+    """)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", rank_script, str(rank)], stdout=subprocess.PIPE, text=True
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        assert procs[0].stdout is not None and procs[0].stdout.readline().strip() == "blocking"
+        time.sleep(0.5)
+        procs[0].send_signal(signal.SIGTERM)
+        spool = tmp_path / "stuck" / "rank-0"
+        deadline = time.monotonic() + 15
+        events: dict[str, Any] = {}
+        while "attempt_end" not in events and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for path in sorted(spool.glob("*.json")):
+                with contextlib.suppress(ValueError):  # being written
+                    events.update({e["kind"]: e for e in json.loads(path.read_text())["events"]})
+        assert procs[0].poll() is None  # still stuck in the collective: the flush was not its
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait(30)
+    assert events["attempt_end"]["data"]["reason"] == "sigterm", events.get("attempt_end")
+    assert events["signal"]["data"] == {"signal": "SIGTERM", "stuck_in": "step"}
+    assert events["shutdown"]["step"] == 4  # the last step it finished
