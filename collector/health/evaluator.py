@@ -31,6 +31,7 @@ by its own clock; a request kept waiting, or a node whose clock is off, changes 
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -207,6 +208,67 @@ def _events(conn: Connection, *, run_id: int, now: float, events: list[dict[str,
         )
 
 
+PLACE_ENDED_S = 120.0
+"""How long after its goodbye a rank that ended hung, with no verdict yet, waits for one."""
+
+
+def _place_ended(conn: Connection, *, now: float) -> int:
+    """Ranks that said goodbye while hung before a verdict was stored (a job torn down
+    within a pass of its hang: endings.goodbye marks them ``hung_at_end``): decide the
+    verdict on their rings as for hung ranks (:func:`hang.refine`), give each its place in
+    it, store the verdict, and settle the run's status (an ended hang is ``failed``).
+    Returns the ranks placed."""
+    k = m.ranks.c
+    ended = conn.execute(
+        select(k.run_id, k.rank, k.state_detail, k.last_step)
+        .where(k.state == "failed", k.state_since >= now - PLACE_ENDED_S)
+        .order_by(k.run_id, k.rank)
+    ).all()
+    waiting: dict[int, list[Any]] = defaultdict(list)
+    for row in ended:
+        detail = row.state_detail or {}
+        if detail.get("hung_at_end") and not detail.get("role"):
+            waiting[row.run_id].append(row)
+    placed = 0
+    for run_id, rows in waiting.items():
+        world = conn.execute(select(m.runs.c.world_size).where(m.runs.c.id == run_id)).scalar()
+        states = {r.rank: ("hung", dict(r.state_detail)) for r in rows}
+        as_hung = [
+            {
+                "rank": r.rank,
+                "state": "hung",
+                "state_since": r.state_detail.get("hung_since"),
+                "last_step": r.last_step,
+            }
+            for r in rows
+        ]
+        dead = list(
+            conn.execute(select(k.rank).where(k.run_id == run_id, k.state == "dead")).scalars()
+        )
+        events = hang.refine(
+            conn,
+            run_id=run_id,
+            world=world or len(rows),
+            ranks=as_hung,
+            states=states,
+            dead=dead,
+            now=now,
+        )
+        for r in rows:
+            verdict_detail = states[r.rank][1]
+            if verdict_detail.get("role") not in ("culprit", "victim"):
+                continue  # no verdict yet (no rings): again next pass, within the window
+            conn.execute(
+                update(m.ranks)
+                .where(k.run_id == run_id, k.rank == r.rank)
+                .values(state_detail=endings.placed_at_end(r.state_detail, verdict_detail))
+            )
+            placed += 1
+        _events(conn, run_id=run_id, now=now, events=events)
+        endings.settle_run(conn, run_id)
+    return placed
+
+
 def _idle_s(rank: Any, *, now: float, late: float, refused_at: float | None) -> float:
     """How long the rank has gone without completing a step, at the least.
 
@@ -222,13 +284,20 @@ def _idle_s(rank: Any, *, now: float, late: float, refused_at: float | None) -> 
     return said + max(0.0, now - rank["last_seen"] - late)
 
 
-def dead_detail(rank: Any, now: float) -> dict[str, Any]:
+def dead_detail(
+    rank: Any, now: float, places: Callable[[], Mapping[int, Mapping[str, Any]]] | None = None
+) -> dict[str, Any]:
     """A rank found dead. A rank that was in a hang's verdict keeps its place in it (the
     verdict, not the order in which heartbeats stopped, says who is the culprit: a victim
-    that dies is a dead victim); any other rank that dies is a culprit."""
+    that dies is a dead victim); so does one the standing verdict names whose state had
+    moved on (``places``: :func:`endings.standing_places`, asked only then); any other
+    rank that dies is a culprit."""
     silent = f"no heartbeat for {now - rank['last_seen']:.1f}s"
     before = rank["state_detail"] or {}
-    if rank["state"] in ("hung", "dead") and before.get("role") in ("culprit", "victim"):
+    if not (rank["state"] in ("hung", "dead") and before.get("role") in ("culprit", "victim")):
+        placed = places().get(rank["rank"]) if places is not None else None
+        before = dict(placed) if placed is not None else {}
+    if before.get("role") in ("culprit", "victim"):
         kept = {key: before[key] for key in endings.VERDICT_KEYS if key in before}
         if kept["role"] == "victim":
             return {**kept, "reason": f"{silent}; was waiting on rank(s) {kept.get('waiting_on')}"}
@@ -247,12 +316,14 @@ def _states(
     lag_s: float = 0.0,
     heard: Mapping[int, float] | None = None,
     still_dead: Callable[[], list[int]] | None = None,
+    places: Callable[[], Mapping[int, Mapping[str, Any]]] | None = None,
 ) -> dict[int, tuple[str, dict[str, Any]]]:
     """The state and detail of every live rank. ``lag_s``: how late the collector hears
     from ranks; silence that long is the collector's, not the rank's. ``heard``: when a
     rank last sent a request the collector refused (as alive as one it took).
     ``still_dead``: the dead ranks not in ``ranks`` (not heard from since), asked for
-    only when hung ranks may be waiting on them."""
+    only when hung ranks may be waiting on them. ``places``: where the standing verdict
+    places the ranks, asked only for a rank found dead whose own state no longer says."""
     hung_after = max(settings.hung_min_s, settings.hung_steps * (median_step or 0.0))
     heard = heard or {}
     dead, stalled = [], []
@@ -268,7 +339,7 @@ def _states(
             stalled.append(r)
     out: dict[int, tuple[str, dict[str, Any]]] = {}
     for r in dead:
-        out[r["rank"]] = ("dead", dead_detail(r, now))
+        out[r["rank"]] = ("dead", dead_detail(r, now, places))
     if stalled:
         blamed_dead = sorted(
             {r["rank"] for r in dead if out[r["rank"]][1]["role"] == "culprit"}
@@ -412,6 +483,7 @@ def evaluate(
     for run_id, world in coverage.ended_runs(conn, now=now):  # their last epochs
         events = coverage.judge(conn, run_id=run_id, world=world, now=now, ended=True)
         _events(conn, run_id=run_id, now=now, events=events)
+    changes += _place_ended(conn, now=now)
     for run_id, name, world in runs:
         window = max(settings.straggler_window, settings.divergence_window)
         steps = _recent_views(conn, run_id, world, window)
@@ -497,6 +569,9 @@ def evaluate(
         def dead_unread(unread: Any = unread) -> list[int]:
             return list(conn.execute(unread).scalars())
 
+        # Asked at most once a pass, and only for a rank found dead with no role of its own.
+        places = functools.cache(functools.partial(endings.standing_places, conn, run_id))
+
         states = _states(
             list(ranks),
             now=now,
@@ -507,6 +582,7 @@ def evaluate(
             lag_s=late,
             heard=heard_ranks,
             still_dead=dead_unread,
+            places=places,
         )
         found_dead = [r for r, (state, _) in states.items() if state == "dead"]
         if found_dead:  # what a rank found dead died of, if a survivor of its node said

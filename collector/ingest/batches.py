@@ -499,12 +499,16 @@ def _store_events(
                 conn.execute(update(m.ranks).where(where).values(gpu=e.data))
             elif e.kind == "shutdown":  # failed: an exception in a step, or hung in a verdict
                 before = conn.execute(
-                    select(m.ranks.c.state, m.ranks.c.state_detail).where(where)
+                    select(m.ranks.c.state, m.ranks.c.state_detail, m.ranks.c.state_since).where(
+                        where
+                    )
                 ).first()
                 state, detail = endings.goodbye(
                     before.state if before else None,
                     before.state_detail if before else None,
                     e.data.get("error"),
+                    endings.standing_places(conn, run_id).get(agent.rank),
+                    since=before.state_since if before else None,
                 )
                 conn.execute(
                     update(m.ranks)

@@ -53,14 +53,76 @@ def in_verdict(state: str | None, detail: Mapping[str, Any] | None) -> bool:
     )
 
 
+def standing_places(conn: Connection, run_id: int) -> dict[int, dict[str, Any]]:
+    """Where the run's standing collective verdict places each rank it names: the newest
+    ``hang_verdict`` (a culprit or a desync) of the current attempt, for each rank that
+    has started no step since the hang began (one that has, got past it). The verdict,
+    not the order in which the ranks stopped or said goodbye, decides who is the culprit:
+    a victim's collective that fails once the culprit is gone ends its step in an error,
+    and its state may have moved on before its goodbye or its death is seen."""
+    e, a, st = m.events.c, m.attempts.c, m.rank_steps.c
+    began = select(func.max(a.started_at)).where(a.run_id == run_id).scalar_subquery()
+    found = conn.execute(
+        select(e.data)
+        .where(
+            e.run_id == run_id,
+            e.kind == "hang_verdict",
+            e.ts >= func.coalesce(began, 0.0),
+        )
+        .order_by(e.id.desc())
+        .limit(1)
+    ).scalar_one_or_none()
+    verdict = dict(found or {})
+    if verdict.get("kind") not in ("culprit", "desync") or not verdict.get("summary"):
+        return {}
+    since = float(verdict.get("hang_started") or 0.0)
+    culprits = [int(r) for r in verdict.get("culprits") or ()]
+    named = {r: "culprit" for r in culprits}
+    named.update({int(r): "victim" for r in verdict.get("victims") or () if r not in named})
+    moved_on = set(
+        conn.execute(
+            select(st.rank)
+            .where(st.run_id == run_id, st.rank.in_(list(named)), st.ts > since)
+            .distinct()
+        ).scalars()
+    )
+    places: dict[int, dict[str, Any]] = {}
+    for rank, role in named.items():
+        if rank in moved_on:
+            continue
+        place: dict[str, Any] = {"role": role, "collective": verdict["summary"], "since": since}
+        if role == "victim":
+            place["waiting_on"] = culprits
+        places[rank] = place
+    return places
+
+
 def goodbye(
-    state: str | None, detail: Mapping[str, Any] | None, error: str | None
+    state: str | None,
+    detail: Mapping[str, Any] | None,
+    error: str | None,
+    placed: Mapping[str, Any] | None = None,
+    since: float | None = None,
 ) -> tuple[str, dict[str, Any] | None]:
-    """A rank's state and detail once it said goodbye (``shutdown``)."""
+    """A rank's state and detail once it said goodbye (``shutdown``); ``placed``: where the
+    standing verdict places it (:func:`standing_places`), which wins over its state;
+    ``since``: when it entered ``state``. A rank hung with no verdict yet (the job torn
+    down before the health pass stored one) ends ``failed`` marked ``hung_at_end``: the
+    health pass places it once it decides (its ``place_ended``)."""
+    if placed is not None:
+        reason = (detail or {}).get("reason") if in_verdict(state, detail) else None
+        return "failed", {**placed, "reason": f"ended while hung: {reason or placed['role']}"}
     if in_verdict(state, detail):
         assert detail is not None
         kept = {key: detail[key] for key in VERDICT_KEYS if key in detail}
         return "failed", {**kept, "reason": f"ended while hung: {detail.get('reason')}"}
+    if state == "hung":
+        said = (detail or {}).get("reason")
+        return "failed", {
+            "hung_at_end": True,
+            "hung_since": since,
+            "reason": f"ended while hung: {said}",
+        }
     if error:
         return "failed", {"reason": error}
     return "finished", None
@@ -72,10 +134,36 @@ def said_end(conn: Connection, run_id: int, rank: int, reason: Any) -> None:
     k = m.ranks.c
     where = (k.run_id == run_id) & (k.rank == rank)
     row = conn.execute(select(k.state, k.state_detail).where(where)).first()
-    if row is not None and row.state == "failed" and (row.state_detail or {}).get("collective"):
+    detail = row.state_detail or {} if row is not None else {}
+    if (
+        row is not None
+        and row.state == "failed"
+        and (detail.get("collective") or detail.get("hung_at_end"))
+    ):
         conn.execute(
             update(m.ranks).where(where).values(state_detail={**row.state_detail, "ended": reason})
         )
+
+
+def placed_at_end(detail: Mapping[str, Any], verdict_detail: Mapping[str, Any]) -> dict[str, Any]:
+    """The detail of a rank that ended hung (``hung_at_end``) once the verdict placed it
+    (``verdict_detail``: its detail as the verdict left it)."""
+    kept = {key: verdict_detail[key] for key in VERDICT_KEYS if key in verdict_detail}
+    out = {**kept, "reason": f"ended while hung: {verdict_detail.get('reason')}"}
+    if "ended" in detail:
+        out["ended"] = detail["ended"]
+    return out
+
+
+def settle_run(conn: Connection, run_id: int) -> None:
+    """The status of a run whose ranks have all said goodbye, again (a verdict came after
+    the goodbyes)."""
+    k = m.ranks.c
+    states = list(conn.execute(select(k.state).where(k.run_id == run_id)).scalars())
+    world = conn.execute(select(m.runs.c.world_size).where(m.runs.c.id == run_id)).scalar()
+    if states and len(states) >= (world or 0) and all(s in ("finished", "failed") for s in states):
+        status = run_outcome(conn, run_id)[0]
+        conn.execute(update(m.runs).where(m.runs.c.id == run_id).values(status=status))
 
 
 def outcome(
