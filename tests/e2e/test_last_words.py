@@ -87,6 +87,26 @@ def test_the_culprit_s_signal_cause_and_frame_reach_the_verdict_timeline_and_pos
     assert "Ranks that died of a signal" in report, report
     assert "rank 2 died of SIGABRT in all_reduce" in report and MISMATCH in report
     assert "crash_worker.py:" in report and "in main" in report
+    # One page for the job, naming the culprit and its cause (issue 58: a crash that tears
+    # the job down), and the run's end says it failed.
+    (page,) = wait_for(
+        lambda: [
+            a
+            for a in server.get("/api/v1/alerts", run="crash-own").json()
+            if a["rule"] == "JobLostInCollective" and a["state"] == "firing"
+        ],
+        30,
+        "JobLostInCollective firing",
+    )
+    described = page["annotations"]["description"]
+    assert described.startswith("rank 2 (node ") and "died of SIGABRT" in described, described
+    assert MISMATCH in described and page["severity"] == "critical"
+    # The run stays running until rank 2's silence reads as lost (its ranks did not all
+    # say goodbye); its attempt already says how it ended.
+    (attempt,) = server.get("/api/v1/runs/crash-own/attempts").json()
+    assert attempt["outcome"] == "failed" and "SIGABRT" in attempt["outcome_detail"], attempt
+    first = report.split("\n\n")[1]
+    assert first.startswith("**How the job ended**: failed: rank 2") and "SIGABRT" in first, first
 
 
 def test_a_shared_stderr_is_not_read_and_the_verdict_says_where_to_look(
