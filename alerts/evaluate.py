@@ -31,6 +31,7 @@ from .rules import (
     EventRule,
     FlagMatch,
     JobLostMatch,
+    Match,
     NonFiniteMatch,
     PeerRule,
     RankStateMatch,
@@ -444,17 +445,6 @@ def _peer(rule: PeerRule, snap: Snapshot) -> list[Verdict]:
                 )
             )
     return out
-
-
-Match = (
-    XidMatch
-    | FlagMatch
-    | NonFiniteMatch
-    | RankStateMatch
-    | ThrottleMatch
-    | EventKindMatch
-    | JobLostMatch
-)
 
 
 def _matches(match: Match, snap: Snapshot) -> list[tuple[Row, int | None, str]]:

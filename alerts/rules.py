@@ -303,16 +303,16 @@ class JobLostMatch(_Strict):
     after_beats: float = Field(default=2.25, gt=0, le=1000)
 
 
-EventMatch = Annotated[
+Match = (
     XidMatch
     | FlagMatch
     | NonFiniteMatch
     | RankStateMatch
     | ThrottleMatch
     | EventKindMatch
-    | JobLostMatch,
-    Field(discriminator="match"),
-]
+    | JobLostMatch
+)
+EventMatch = Annotated[Match, Field(discriminator="match")]
 MATCHES = ("xid", "flag", "nonfinite", "rank_state", "throttle", "event", "job_lost")
 
 
