@@ -44,6 +44,10 @@ def attempt_key(environ: Mapping[str, str] | None = None) -> tuple[str | None, i
     if restarts is None and slurm_job:
         restarts = _int(env.get("SLURM_RESTART_COUNT") or "0")
     if env.get("TRAINWARDEN_ATTEMPT"):
+        # With the key, its restart count when the launcher tells no environment one:
+        # the Ray Train integration learns it in the worker (integrations/ray.py).
+        if restarts is None:
+            restarts = _int(env.get("TRAINWARDEN_RESTART_COUNT"))
         return env["TRAINWARDEN_ATTEMPT"], restarts
     if elastic_run and elastic_restarts:
         return f"torchelastic:{elastic_run}:{elastic_restarts}", restarts

@@ -16,6 +16,9 @@ process, the agent started once and sending to a transport that encodes and disc
   callback does for you (Accelerate's ``without`` loop is already hand-written: there
   ``bare`` is ``without``).
 
+Ray Train's integration (``tw_ray.wrap``) adds no per-step code: a worker's steps are
+its loop's own ``tw.step`` lines, the ``hand`` arm's cost (said in a line, not measured).
+
 Each block is a fresh trainer (loop) of ``--steps`` steps; its figure is the median step
 period (one step's start to the next's, so work at both ends of a step counts). Printed
 per framework: each arm's median over blocks and its blocks, the callback's extra cost
@@ -404,7 +407,7 @@ def deepspeed_(blocks: int, steps: int) -> dict[str, Any]:
     from trainwarden.agent.integrations import deepspeed as tw_deepspeed
 
     sys.path.insert(0, str(EXAMPLES))
-    from deepspeed_trainer import TinyLM, synthetic
+    from tiny_lm import TinyLM, synthetic
 
     quiet()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -494,6 +497,10 @@ def print_integrations(blocks: int, steps: int) -> list[dict[str, Any]]:
             results.append(r)
     finally:
         tw.shutdown()
+    print(
+        "   Ray Train (tw_ray.wrap): no per-step code of its own; its workers' steps cost "
+        "the hand-written tw.step lines above"
+    )
     return results
 
 

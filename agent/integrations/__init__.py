@@ -9,6 +9,8 @@ framework's own convention, running in the trainer's process.
   ``tracker.watch(accelerator, model, optimizer)`` (``pip install 'trainwarden[accelerate]'``).
 - :mod:`.deepspeed`: DeepSpeed, ``tw_deepspeed.watch(engine)`` after ``deepspeed.initialize``
   (``pip install 'trainwarden[deepspeed]'``).
+- :mod:`.ray`: Ray Train, ``TorchTrainer(tw_ray.wrap(train_loop), ...)`` with ``tw.step`` in
+  the loop (``pip install 'trainwarden[ray]'``).
 
 An FSDP2 (``fully_shard``) loop needs no integration: ``examples/fsdp2_trainer.py`` shows
 ``tw.step`` with the sampled profiler window and the replica groups of its mesh.

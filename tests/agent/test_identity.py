@@ -29,6 +29,7 @@ from .test_lifecycle import _closed_port
 
 LAUNCHER_ENV = (
     "TRAINWARDEN_ATTEMPT",
+    "TRAINWARDEN_RESTART_COUNT",
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT",
     "SLURM_JOB_ID",
@@ -149,6 +150,14 @@ def test_only_rank_0_sends_the_package_list_every_rank_sends_its_hash() -> None:
         ({"SLURM_JOB_ID": "4242"}, "slurm:4242:0", 0),
         ({"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "3"}, "slurm:4242:3", 3),
         ({"TRAINWARDEN_ATTEMPT": "mine-2", "SLURM_JOB_ID": "4242"}, "mine-2", 0),
+        # the Ray Train integration's: the key and the count it learned in the worker
+        ({"TRAINWARDEN_ATTEMPT": "ray:x:pg2", "TRAINWARDEN_RESTART_COUNT": "1"}, "ray:x:pg2", 1),
+        # a launcher's own count wins
+        (
+            {"TRAINWARDEN_ATTEMPT": "m", "SLURM_JOB_ID": "4", "TRAINWARDEN_RESTART_COUNT": "5"},
+            "m",
+            0,
+        ),
         ({"TORCHELASTIC_RUN_ID": "job7"}, None, None),  # no restart count: not torchelastic's
     ],
 )

@@ -31,7 +31,7 @@ from .test_agent import RecordingTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import deepspeed  # noqa: E402
-from deepspeed_trainer import TinyLM, synthetic  # noqa: E402
+from tiny_lm import TinyLM, synthetic  # noqa: E402
 
 BATCH = 4
 
