@@ -145,6 +145,7 @@ def test_b_hang_then_every_rank_killed_pages_once_and_keeps_the_roles(
     )
     for a in dead:  # listed, each explained by the one page
         assert a["inhibited_by"] == alert["id"] and a["notified"] is None, a
+        assert "GPU" not in a["annotations"]["description"], a  # CPU ranks: no GPU named
     (culprit,) = [a for a in dead if a["rank"] == 2]
     assert f"all_reduce #{v['seq']}" in culprit["annotations"]["collective"]
     assert all(
