@@ -33,6 +33,16 @@ if ! $py -c "import opentelemetry.sdk.metrics" 2>/dev/null; then
   echo "!! opentelemetry is not installed here: tests/agent/test_otlp.py is NOT run"
   ignore+=(--ignore tests/agent/test_otlp.py)
 fi
+# The framework integrations' tests need their frameworks, which a GPU image may lack; left
+# out, loudly, where one is missing (CI runs them all on CPU).
+for pair in transformers:test_integration_hf lightning:test_integration_lightning \
+    accelerate:test_integration_accelerate deepspeed:test_integration_deepspeed \
+    ray:test_integration_ray; do
+  if ! $py -c "import ${pair%%:*}" 2>/dev/null; then
+    echo "!! ${pair%%:*} is not installed here: tests/agent/${pair#*:}.py is NOT run"
+    ignore+=(--ignore "tests/agent/${pair#*:}.py")
+  fi
+done
 echo "== the agent's other tests, on a machine with CUDA"
 $py -m pytest -p no:cacheprovider --noconftest -q -n 4 tests/agent \
   "${ignore[@]}" >"$out/agent-tests.txt" 2>&1 || status=1
@@ -43,4 +53,19 @@ $py -m pytest -p no:cacheprovider --noconftest -q tests/agent/test_gpu.py tests/
 grep -E "^(FAILED|ERROR)|passed|failed" "$out/agent-tests-after-cuda.txt"
 echo "== bench/gpu_check.py"
 $py bench/gpu_check.py 2>&1 | tee "$out/gpu_check.txt" || status=1
+# torchtitan observed (issue 54): the llama3 debug model, 50 steps on every GPU, every
+# rank's loss and MFU against torchtitan's own logged MFU. It needs torchtitan 0.3 (with
+# triton) importable and a checkout of its repository at TORCHTITAN_SRC: the debug model's
+# tokenizer and c4_test dataset are its test assets (no download).
+if [ -n "${TORCHTITAN_SRC:-}" ] && $py -c "import torchtitan" 2>/dev/null; then
+  echo "== torchtitan: bench/torchtitan_check.py"
+  ngpu=$(nvidia-smi -L | wc -l)
+  (cd "$TORCHTITAN_SRC" && $py -m torch.distributed.run --standalone --nproc-per-node "$ngpu" \
+    "$OLDPWD/bench/torchtitan_check.py" --module llama3 --config llama3_debugmodel \
+    --training.steps 50 "$out/torchtitan") 2>&1 | tee "$out/torchtitan.txt" | grep -E "^rank|peaks|median|check:" ||
+    status=1
+  grep -q "torchtitan check: PASS" "$out/torchtitan.txt" || status=1
+else
+  echo "!! TORCHTITAN_SRC unset or torchtitan not importable: the torchtitan check is NOT run"
+fi
 exit $status

@@ -11,6 +11,8 @@ framework's own convention, running in the trainer's process.
   (``pip install 'trainwarden[deepspeed]'``).
 - :mod:`.ray`: Ray Train, ``TorchTrainer(tw_ray.wrap(train_loop), ...)`` with ``tw.step`` in
   the loop (``pip install 'trainwarden[ray]'``).
+- :mod:`.torchtitan`: torchtitan's Trainer (CUDA), ``tw_torchtitan.build_trainer(config)``
+  for ``config.build()`` (``pip install 'trainwarden[torchtitan]'``).
 
 An FSDP2 (``fully_shard``) loop needs no integration: ``examples/fsdp2_trainer.py`` shows
 ``tw.step`` with the sampled profiler window and the replica groups of its mesh.

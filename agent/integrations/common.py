@@ -70,10 +70,11 @@ TESTED = {
     "accelerate": ("1.15", "2"),
     "deepspeed": ("0.19", "0.20"),
     "ray": ("2.60", "2.61"),
+    "torchtitan": ("0.3", "0.4"),
 }
 """Each framework's tested range ``>=low,<high``, as the extras in ``pyproject.toml`` pin
 it (CI runs transformers 5.24.0, lightning 2.6.6, accelerate 1.15.0, deepspeed
-0.19.8, ray 2.60.0). The integrations
+0.19.8, ray 2.60.0, torchtitan 0.3.0 (its logic only: it needs a GPU)). The integrations
 hook into parts of the frameworks that are not public API (Lightning's loop counters,
 the Trainer's gradient-norm method): a version outside its range is not observed."""
 
@@ -253,10 +254,11 @@ def mean_loss(losses: list[Any], scale: float = 1) -> Any:
     return torch.stack([loss.float() for loss in losses]).sum() * (scale / len(losses))
 
 
-def said_rolled_back(plan: Any, path: Any, loader: str) -> None:
+def said_rolled_back(plan: Any, path: Any, loader: str | None) -> None:
     """The log lines of a rollback an integration applied in-process (``plan``: a
-    ``RollbackPlan``); ``loader``: whose data loader goes on forward."""
-    if plan.skip_to < plan.skip_from:
+    ``RollbackPlan``); ``loader``: whose data loader goes on forward (None: the loader was
+    restored with the checkpoint, the integration says what that means)."""
+    if loader is not None and plan.skip_to < plan.skip_from:
         log.warning(
             "trainwarden: rollback %d asks to replay the same data; %s goes on forward: "
             "later batches are trained on instead",

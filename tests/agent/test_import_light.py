@@ -86,6 +86,7 @@ def test_importing_the_agent_pulls_in_no_training_framework() -> None:
         "accelerate",
         "deepspeed",
         "ray",
+        "torchtitan",
     )
     assert imported(frameworks) == []
     # nor what the integrations share: each framework's module imports its own
@@ -106,5 +107,6 @@ def test_the_extras_pin_the_tested_framework_ranges() -> None:
     assert extras["accelerate"] == [pins["accelerate"]]
     assert extras["deepspeed"] == [pins["deepspeed"]]
     assert extras["ray"] == [pins["ray"].replace("ray", "ray[train]", 1)]
+    assert extras["torchtitan"] == [pins["torchtitan"]]
     for name in TESTED:  # what CI installed is in the range
         assert check_version(name, importlib.metadata.version(name)) is None, name
