@@ -219,7 +219,10 @@ def run_outcome(conn: Connection, run_id: int) -> tuple[str, str]:
         conn.execute(select(s.end_reason).where(s.run_id == run_id, s.attempt == newest)).scalars()
     )
     failed = crashed is not None or any(state == "failed" for state, _ in ranks)
-    return outcome(reasons or [None], verdict=verdict, failed=failed)
+    if not reasons:  # an agent that sends no attempt events: its ranks' goodbyes tell
+        ended = {state for state, _ in ranks}
+        reasons = ["completed"] if ranks and ended <= {"finished", "failed"} else [None]
+    return outcome(reasons, verdict=verdict, failed=failed)
 
 
 def story(conn: Connection, run_id: int) -> str | None:
