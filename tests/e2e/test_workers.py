@@ -136,7 +136,10 @@ def test_two_workers_share_the_port_and_a_killed_one_loses_nothing(
         assert len(scrapes) == 1, scrapes
         ((step_records, ok_requests),) = scrapes
         assert step_records >= RANKS * STEPS, scrapes  # replays may count again, never less
-        assert ok_requests >= RANKS * STEPS / 8, scrapes  # a request a node and step
+        # Every request the load generator saw taken, counted by the worker that took it
+        # (a node behind merges steps into one request: not one a node and step).
+        taken = re.search(r"requests ([\d,]+) ok", out)
+        assert taken and ok_requests >= int(taken.group(1).replace(",", "")) > 0, (scrapes, out)
 
         # The rollups went on (one worker at a time leads them): every step, every rank.
         deadline = time.monotonic() + 30
