@@ -219,9 +219,16 @@ def _place_ended(conn: Connection, *, now: float) -> int:
     it, store the verdict, and settle the run's status (an ended hang is ``failed``).
     Returns the ranks placed."""
     k = m.ranks.c
+    # Only the ranks of runs touched lately (a goodbye touches its run): the runs table
+    # is small, the ranks table may hold a hundred thousand rows.
+    recent = select(m.runs.c.id).where(m.runs.c.updated_at >= now - PLACE_ENDED_S)
     ended = conn.execute(
         select(k.run_id, k.rank, k.state_detail, k.last_step)
-        .where(k.state == "failed", k.state_since >= now - PLACE_ENDED_S)
+        .where(
+            k.run_id.in_(recent.scalar_subquery()),
+            k.state == "failed",
+            k.state_since >= now - PLACE_ENDED_S,
+        )
         .order_by(k.run_id, k.rank)
     ).all()
     waiting: dict[int, list[Any]] = defaultdict(list)
