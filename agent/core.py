@@ -139,6 +139,9 @@ class Agent:
         self._closed = False
         self._flushed = threading.Event()  # set once shutdown() has sent what it could
         self._sigterm_pending = False  # a SIGTERM came during shutdown(): die of it after
+        # When a SIGTERM reached this process (wall clock), said in the goodbye: a rank its
+        # teardown stalled (a peer that left first) was not hung when the job was stopped.
+        self.signalled_at: float | None = None
         self._closing_thread: threading.Thread | None = None  # the one that runs shutdown()
         self._identity_thread: threading.Thread | None = None
         self._identity: dict[str, Any] = {}
@@ -621,10 +624,13 @@ class Agent:
         # An exception that left a step and was never followed by a good step is how
         # this process ends: report it, so the collector marks the rank failed.
         last_step, last_error = self.recorder.last_step, self.recorder.last_error
+        said: dict[str, Any] = {}
+        if self.signalled_at is not None:
+            said["signalled_at"] = self.signalled_at
         if last_error is not None:
-            self.event("shutdown", step=last_step, severity="critical", error=last_error)
+            self.event("shutdown", step=last_step, severity="critical", error=last_error, **said)
         else:
-            self.event("shutdown", step=last_step)
+            self.event("shutdown", step=last_step, **said)
         if self._identity_thread is not None:
             reason, detail, exit_code = self._end
             if reason == "completed" and last_error is not None:
@@ -767,7 +773,15 @@ def _read_wakeups(read_fd: int) -> None:
         if not data:
             return
         if signal.SIGTERM in data:
+            _signalled()
             _flush_for_stuck_main_thread()
+
+
+def _signalled() -> None:
+    """Note when the first SIGTERM came (whichever of the two threads saw it first)."""
+    agent = _agent
+    if agent is not None and agent.signalled_at is None:
+        agent.signalled_at = time.time()
 
 
 def _flush_for_stuck_main_thread() -> None:
@@ -797,6 +811,7 @@ def _flush_for_stuck_main_thread() -> None:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
+    _signalled()
     agent = _agent
     if agent is not None and agent._closed and not agent._flushed.is_set():
         if agent._closing_thread is not threading.current_thread():

@@ -498,17 +498,22 @@ def _store_events(
             if e.kind == "gpu_telemetry":  # "ok" with the device, or "unavailable" and why
                 conn.execute(update(m.ranks).where(where).values(gpu=e.data))
             elif e.kind == "shutdown":  # failed: an exception in a step, or hung in a verdict
+                k = m.ranks.c
                 before = conn.execute(
-                    select(m.ranks.c.state, m.ranks.c.state_detail, m.ranks.c.state_since).where(
-                        where
-                    )
+                    select(k.state, k.state_detail, k.state_since, k.clock_skew_s).where(where)
                 ).first()
+                signalled_at = e.data.get("signalled_at")  # the agent's clock: to ours
+                if isinstance(signalled_at, int | float) and before is not None:
+                    signalled_at = float(signalled_at) + (before.clock_skew_s or 0.0)
+                else:
+                    signalled_at = None
                 state, detail = endings.goodbye(
                     before.state if before else None,
                     before.state_detail if before else None,
                     e.data.get("error"),
                     endings.standing_places(conn, run_id).get(agent.rank),
                     since=before.state_since if before else None,
+                    signalled_at=signalled_at,
                 )
                 conn.execute(
                     update(m.ranks)

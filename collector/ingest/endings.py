@@ -103,12 +103,16 @@ def goodbye(
     error: str | None,
     placed: Mapping[str, Any] | None = None,
     since: float | None = None,
+    signalled_at: float | None = None,
 ) -> tuple[str, dict[str, Any] | None]:
     """A rank's state and detail once it said goodbye (``shutdown``); ``placed``: where the
     standing verdict places it (:func:`standing_places`), which wins over its state;
-    ``since``: when it entered ``state``. A rank hung with no verdict yet (the job torn
-    down before the health pass stored one) ends ``failed`` marked ``hung_at_end``: the
-    health pass places it once it decides (its ``place_ended``)."""
+    ``since``: when it entered ``state``; ``signalled_at``: when a SIGTERM reached it (both
+    on the collector's clock). A rank hung with no verdict yet (the job torn down before
+    the health pass stored one) ends ``failed`` marked ``hung_at_end``: the health pass
+    places it once it decides (its ``place_ended``). A rank found hung only after its
+    SIGTERM came was not hung when the job was stopped: its teardown stalled it (a peer
+    that left first, a slow flush), and it ends as its goodbye says."""
     if placed is not None:
         reason = (detail or {}).get("reason") if in_verdict(state, detail) else None
         return "failed", {**placed, "reason": f"ended while hung: {reason or placed['role']}"}
@@ -116,7 +120,8 @@ def goodbye(
         assert detail is not None
         kept = {key: detail[key] for key in VERDICT_KEYS if key in detail}
         return "failed", {**kept, "reason": f"ended while hung: {detail.get('reason')}"}
-    if state == "hung":
+    stalled_by_teardown = signalled_at is not None and since is not None and since >= signalled_at
+    if state == "hung" and not stalled_by_teardown:
         said = (detail or {}).get("reason")
         return "failed", {
             "hung_at_end": True,

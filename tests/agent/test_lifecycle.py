@@ -121,6 +121,9 @@ def test_sigterm_flushes_to_the_spool_and_the_process_still_dies_of_it(tmp_path:
     assert steps == list(range(len(steps))) and len(steps) > 20  # every step, in order, once
     assert events["signal"]["data"] == {"signal": "SIGTERM"}
     assert events["shutdown"]["step"] == steps[-1]
+    # when the signal came, for the collector (a stall after it is the teardown's)
+    assert events["signal"]["ts"] - 1 < events["shutdown"]["data"]["signalled_at"]
+    assert events["shutdown"]["data"]["signalled_at"] <= events["signal"]["ts"]
 
 
 def test_a_trainers_own_sigterm_handler_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -222,3 +225,5 @@ def test_sigterm_while_stuck_in_a_collective_still_says_goodbye(tmp_path: Path) 
     assert events["attempt_end"]["data"]["reason"] == "sigterm", events.get("attempt_end")
     assert events["signal"]["data"] == {"signal": "SIGTERM", "stuck_in": "step"}
     assert events["shutdown"]["step"] == 4  # the last step it finished
+    # the signal's arrival, not the flush's start a grace later
+    assert events["shutdown"]["data"]["signalled_at"] < events["signal"]["ts"] - 0.5

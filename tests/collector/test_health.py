@@ -513,3 +513,32 @@ def test_a_goodbye_stored_during_a_pass_is_not_overwritten_by_its_verdict(engine
         after = dict(conn.execute(select(m.ranks.c.rank, m.ranks.c.state)).all())
     assert after == {0: "slow", 1: "finished"}
     assert moved == 1 and [(e["rank"], e["data"]["to"]) for e in events] == [(0, "slow")]
+
+
+@pytest.mark.parametrize(
+    "signalled, ends",
+    [(T0 + 16.0, "failed"), (T0 + 15.0, "finished")],
+    ids=["hung-before-its-sigterm", "hung-only-in-its-teardown"],
+)
+def test_a_rank_found_hung_only_after_its_sigterm_was_stalled_by_the_teardown(
+    engine, signalled: float, ends: str
+) -> None:
+    """A preemption: SIGTERM reaches every rank; a rank that waits in a collective for a
+    peer that is still flushing (or a slow flush of its own) can be judged hung before its
+    goodbye arrives. Found hung before the signal came, it ended hung; found hung only
+    after, the teardown stalled it, and it ends as its goodbye says: a preempted job reads
+    ``stopped``, not ``failed``."""
+    for rank in (0, 1):
+        send(engine, rank=rank, steps=[step(i) for i in range(10)], at=T0 + 10)
+    send(engine, rank=1, at=T0 + 15.5, in_step=True, phase=None, last_step=9)
+    send(engine, rank=0, at=T0 + 15.5, in_step=True, phase="backward", last_step=9)
+    assert states(engine, T0 + 15.5)[1][0] == "hung"  # hung since T0 + 15.5
+    shutdown = {"kind": "shutdown", "ts": T0 + 17, "step": 9, "data": {"signalled_at": signalled}}
+    body = batch(rank=1, world_size=2, events=[{**shutdown, "id": "bye-1"}])
+    with write(engine) as conn:
+        ingest(conn, batch=IngestBatch.model_validate(body), now=T0 + 17)
+        state, detail = conn.execute(
+            select(m.ranks.c.state, m.ranks.c.state_detail).where(m.ranks.c.rank == 1)
+        ).one()
+    assert state == ends, (state, detail)
+    assert (detail or {}).get("hung_at_end") is (True if ends == "failed" else None)

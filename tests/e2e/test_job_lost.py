@@ -73,6 +73,23 @@ def lost_alert(server: Server, run: str, within: float) -> dict[str, Any]:
     )[0]
 
 
+def how_it_ended(server: Server, run: str) -> dict[str, Any]:
+    """What the collector holds of a run's ending: each rank's state and detail, and the
+    events that decide the outcome (for an assertion's message)."""
+    kinds = ("signal", "shutdown", "attempt_end", "rank_crashed", "rank_state", "hang_verdict")
+    return {
+        "ranks": [
+            (r["rank"], r["state"], r["state_detail"])
+            for r in server.get(f"/api/v1/runs/{run}/ranks").json()
+        ],
+        "events": [
+            (e["rank"], e["kind"], e.get("data"))
+            for e in server.get(f"/api/v1/runs/{run}/events").json()
+            if e["kind"] in kinds
+        ],
+    }
+
+
 def roles(server: Server, run: str) -> dict[int, str | None]:
     return {
         r["rank"]: (r["state_detail"] or {}).get("role")
@@ -214,7 +231,10 @@ def test_d_a_clean_run_and_a_preemption_page_nothing_of_the_kind(server: Server)
         )
         for run in ("lost-d-clean", "lost-d-preempted")
     }
-    assert status == {"lost-d-clean": "finished", "lost-d-preempted": "stopped"}, status
+    assert status == {"lost-d-clean": "finished", "lost-d-preempted": "stopped"}, (
+        status,
+        {run: how_it_ended(server, run) for run in status},
+    )
     time.sleep(4)  # two alert passes
     for run in status:
         assert not [a for a in alerts(server, run) if a["rule"] == RULE], run
