@@ -2,8 +2,9 @@
 :mod:`.alerts`; what its buttons do goes through the client to the API's own route
 functions, so no business rule is written twice.
 
-No auth exists yet (issue 10): the buttons act directly, as the API does for anyone
-who reaches it. The name field only records who did it.
+With auth on, the buttons act only for a session whose token has the ``admin`` scope; a
+``read`` session is told it needs one, and nothing changes (docs/security.md). The name
+field records who did it.
 """
 
 from __future__ import annotations

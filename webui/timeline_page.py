@@ -4,8 +4,8 @@ evictions, notes) with its derived figures, the post-mortem downloads, and the l
 
 ``?incident=3`` selects an incident (share the URL); without it the page shows the whole
 run's timeline. What it draws comes from :mod:`.timeline`; notes, closing and retitling
-go through the client to the API's own route functions (no auth yet, issue 10: the name
-field only records who did it).
+go through the client to the API's own route functions (with auth on, an ``admin``
+session's only; the name field records who did it).
 """
 
 from __future__ import annotations

@@ -111,6 +111,13 @@ def test_default_pack_loads_with_exactly_the_issue_rules() -> None:
     assert {rule.kind for rule in rules} == set(KINDS)  # the pack uses every kind
 
 
+def test_the_docs_say_how_many_rules_the_pack_ships() -> None:
+    said = (Path(__file__).resolve().parents[2] / "docs" / "alerts.md").read_text()
+    count = re.search(r"`alerts/rules/default\.yaml` ships (\d+)", said)
+    assert count is not None, "docs/alerts.md no longer says how many rules ship"
+    assert int(count.group(1)) == len(load_rule_packs())
+
+
 def test_default_thresholds_are_the_ones_documented() -> None:
     by_name = {rule.name: rule for rule in load_rule_packs()}
     step = by_name["StepTimeRegression"].params
