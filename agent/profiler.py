@@ -12,7 +12,11 @@ written out only when ``profile_dir`` asks for it).
   is the span of the step's kernels.
 
 Stopping the profiler on a GPU flushes its buffers (a device sync on that one step).
-torch's profiler prints two lines to stderr per window; they cannot be switched off.
+torch's profiler (Kineto) prints two ``USDT: ... profiler_start`` / ``profiler_stop``
+lines to stderr per window, below its error level: when the agent profiles and
+``KINETO_LOG_LEVEL`` is unset, it is set to :data:`KINETO_QUIET` before the first window
+(Kineto reads it once, when it first starts), which silences them and Kineto's other
+messages in this process. A trainer that sets ``KINETO_LOG_LEVEL`` keeps its own.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ log = logging.getLogger(__name__)
 STEP_RANGE = "trainwarden.step"
 DEFAULT_EVERY = 1000
 FIRST_AT = 20  # the first window comes early, after warm-up, so a new run shows a split soon
+KINETO_QUIET = "6"
+"""Kineto's log level above its highest (5: the ``USDT`` lines of each window)."""
 
 
 class SampledProfiler:
@@ -36,6 +42,8 @@ class SampledProfiler:
         self.every = every
         self.profile_dir = profile_dir
         self.windows = 0
+        if every > 0:  # before Kineto's first start, which reads it
+            os.environ.setdefault("KINETO_LOG_LEVEL", KINETO_QUIET)
 
     def due(self, count: int) -> bool:
         """Whether the ``count``-th step this process runs (from 1) is profiled."""

@@ -84,3 +84,37 @@ def test_the_rare_flag_points_at_the_next_profiled_step(every: int) -> None:
     for count in range(2500):
         assert profiler.next_due(count) == next(n for n in due if n > count), count
     assert SampledProfiler(every=0).next_due(0) == sys.maxsize  # off: never
+
+
+@pytest.mark.parametrize("kineto_log_level", [None, "0"])
+def test_the_profilers_windows_print_nothing_unless_the_trainer_set_kinetos_level(
+    kineto_log_level: str | None,
+) -> None:
+    """Kineto prints ``USDT: ... profiler_start`` / ``profiler_stop`` to stderr for each
+    window; the agent quiets it when the trainer did not choose a level (a process of its
+    own: Kineto reads the level once, at its first start)."""
+    import os
+    import subprocess
+    import textwrap
+
+    trainer = textwrap.dedent("""
+        import torch
+        import trainwarden.agent as tw
+        tw.init(run="quiet", spool_dir="none", profile_every=5)
+        for step in range(30):
+            with tw.step(step):
+                torch.ones(64, 64) @ torch.ones(64, 64)
+        tw.shutdown()
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TRAINWARDEN_", "KINETO_"))}
+    if kineto_log_level is not None:
+        env["KINETO_LOG_LEVEL"] = kineto_log_level
+    done = subprocess.run(
+        [sys.executable, "-c", trainer], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = (done.stdout + done.stderr).count("profiler_start")
+    if kineto_log_level is None:
+        assert printed == 0, done.stderr[-3000:]
+    else:  # the trainer's own level is kept: every window says so (the first at step 20)
+        assert printed >= 2, done.stderr[-3000:]
