@@ -665,7 +665,10 @@ def _absence(rule: AbsenceRule, snap: Snapshot) -> list[Verdict]:
         if after <= 0:
             continue  # no step time known yet to count steps by
         quiet = snap.now - seen
-        if quiet > after + snap.lag_s:
+        # The collector's lag is allowed for, except for a rank the health pass declared
+        # dead and has not heard from since: a lag that grew does not bring it back.
+        unheard = info.state == "dead" and seen <= (info.state_since or 0.0)
+        if quiet > after + (0.0 if unheard and p.signal == "heartbeat" else snap.lag_s):
             what = "heartbeat" if p.signal == "heartbeat" else "completed step"
             # A dead rank the survivors' rings name the culprit (``RankDead``): the verdict;
             # a dead victim says whose victim it was.

@@ -23,10 +23,12 @@ ranks and recent steps, and writes state changes (with an event each) back. Rule
 A busy collector is not a dead rank. The dead threshold grows by how late the collector
 is: its own delay (requests waiting to be read or written) or, when it fell behind
 lately (``limits.Pressure``) and that is larger, how much later than their heartbeat the
-run's ranks have been arriving. A request it refused with 503 still counts as its
-ranks' heartbeat (the agent names them in a header). Hung is judged from what the rank
-itself said in its latest request: how long it had gone without a step when it sent it,
-by its own clock; a request kept waiting, or a node whose clock is off, changes nothing.
+run's ranks have been arriving. A rank declared dead stays dead until it is heard from
+again: a threshold that grew since does not bring it back. A request it refused with
+503 still counts as its ranks' heartbeat (the agent names them in a header). Hung is
+judged from what the rank itself said in its latest request: how long it had gone
+without a step when it sent it, by its own clock; a request kept waiting, or a node
+whose clock is off, changes nothing.
 """
 
 from __future__ import annotations
@@ -337,7 +339,7 @@ def _states(
     for r in ranks:
         beat = r["heartbeat_s"] or 2.0
         seen = max(r["last_seen"], heard.get(r["rank"], r["last_seen"]))
-        if now - seen > settings.dead_after_beats * beat + lag_s:
+        if now - seen > settings.dead_after_beats * beat + lag_s or _unheard_since_death(r, seen):
             dead.append(r)
         elif (
             r["progress_at"] is not None
@@ -414,6 +416,12 @@ def _states(
             }
         out[r["rank"]] = ("healthy", detail)
     return out
+
+
+def _unheard_since_death(rank: Any, seen: float) -> bool:
+    """A rank declared dead stays dead until it is heard from again: a collector whose lag
+    grew since (which raises the dead threshold) does not bring it back to life."""
+    return rank["state"] == "dead" and seen <= (rank["state_since"] or 0.0)
 
 
 _RANK_FIELDS = (
@@ -505,7 +513,8 @@ def evaluate(
         # A dead rank not heard from since stays dead, its detail the same: it is not read
         # (a crashed run of 16,384 ranks would otherwise be read and decided again on every
         # evaluation, for as long as the run is watched). _states still blames it (still_dead).
-        still_dead = (k.state == "dead") & silent
+        unheard = k.last_seen <= func.coalesce(k.state_since, 0.0)  # _unheard_since_death
+        still_dead = (k.state == "dead") & (silent | unheard)
         if heard_ranks:  # as runs of ranks: a refused node's are consecutive
             spans = rank_runs(heard_ranks)
             if len(spans) <= MAX_RANK_RUNS:

@@ -595,6 +595,12 @@ def test_rank_dead_after_two_and_a_quarter_heartbeats() -> None:
     assert evaluate(PACK["RankDead"], failed) == []
     # The collector's own ingest lag is not the rank's fault.
     assert evaluate(PACK["RankDead"], replace(snap, lag_s=1.0)) == []
+    # ... but once the rank was declared dead and nothing came from it since, a lag that
+    # grew does not bring it back (the alert would resolve and page again).
+    declared = with_ranks(snap, r1={"state": "dead", "state_since": now - 0.5})
+    assert only(evaluate(PACK["RankDead"], replace(declared, lag_s=1.0))).rank == 1
+    heard = with_ranks(snap, r1={"state": "dead", "state_since": now - 5.5})
+    assert evaluate(PACK["RankDead"], replace(heard, lag_s=1.0)) == []  # heard since
 
 
 def test_rank_dead_carries_the_hung_collective_verdict_of_a_dead_culprit() -> None:

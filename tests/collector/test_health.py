@@ -269,6 +269,32 @@ def test_the_collectors_own_lag_is_not_a_dead_rank(engine) -> None:
     assert states(engine, T0 + 6.5)[1][0] == "dead"  # no lag: 5.5 s of silence is 2.75 beats
 
 
+def test_a_dead_rank_does_not_come_back_to_life_without_a_heartbeat(engine) -> None:
+    """Declared dead with no lag, then the collector falls behind (its lag grows past the
+    silence): the rank stays dead, one death, not dead -> healthy -> dead with nothing
+    heard in between (seen under load: one silent rank declared dead twice, 7 s apart).
+    A heartbeat after its death brings it back."""
+    for rank in (0, 1):
+        send(engine, rank=rank, steps=[step(0)], at=T0 + 1)
+    send(engine, rank=0, at=T0 + 5, last_step=0)
+    assert states(engine, T0 + 6.5)[1][0] == "dead"  # 5.5 s of silence: 2.75 beats
+    send(engine, rank=0, at=T0 + 7, last_step=0)
+    flush(engine, now=T0 + 7.5, grace_s=0)
+    with write(engine) as conn:  # now 3 s behind: 6.5 s of silence is under 2.25 beats + lag
+        evaluate(conn, now=T0 + 7.5, settings=HealthSettings(), lag_s=3.0)
+    assert states(engine, T0 + 8.5)[1][0] == "dead"
+    with engine.connect() as conn:
+        moves = [
+            (d["from"], d["to"])
+            for d in conn.execute(
+                select(m.events.c.data).where(m.events.c.kind == "rank_state", m.events.c.rank == 1)
+            ).scalars()
+        ]
+    assert moves == [("healthy", "dead")], moves
+    send(engine, rank=1, steps=[step(1)], at=T0 + 9)  # heard again
+    assert states(engine, T0 + 9)[1][0] == "healthy"
+
+
 def test_the_writers_lag_is_the_age_of_its_oldest_waiting_request(engine) -> None:
     import threading
 
