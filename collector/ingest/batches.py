@@ -488,6 +488,12 @@ def _store_events(
         run_id, agent = run_ids[req.run], req.agent
         where = (m.ranks.c.run_id == run_id) & (m.ranks.c.rank == agent.rank)
         for e in req.events:
+            # A process sends what an earlier process of its rank left in the spool first
+            # (killed before it could send it): that one's goodbye is stored as an event,
+            # but it does not end this process's attempt nor its rank.
+            earlier = agent.started_at is not None and e.ts < agent.started_at
+            if earlier and e.kind in ("attempt_end", "shutdown"):
+                continue
             if e.kind == "attempt_start" and e.id in fresh_ids:
                 attempts.record_start(conn, run_id, agent, e, now)
             elif e.kind == "attempt_end" and e.id in fresh_ids:

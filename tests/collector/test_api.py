@@ -105,7 +105,7 @@ def test_run_detail_lists_ranks_and_status(client: TestClient) -> None:
             batch(
                 rank=rank,
                 steps=[step(1)],
-                events=[{"id": f"s{rank}", "kind": "shutdown", "ts": 1.0, "step": 1}],
+                events=[{"id": f"s{rank}", "kind": "shutdown", "ts": 1_700_000_001.0, "step": 1}],
             ),
         )
     run = client.get("/api/v1/runs/r1").json()

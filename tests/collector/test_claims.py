@@ -159,6 +159,31 @@ def test_a_holder_that_said_goodbye_is_restarted_at_once(engine: Engine, goodbye
     assert after["session"] == "b" and len(after["restarts"]) == 1 and after["conflicts"] == []
 
 
+def test_an_earlier_process_s_goodbye_sent_from_the_spool_does_not_end_its_successor(
+    engine: Engine,
+) -> None:
+    """Process a spooled its goodbye and was killed before it could send it; process b,
+    the rank's next, sends what it found in the spool first, under its own name. The
+    goodbye is stored, as an event, but it predates b: b's rank stays live and b's
+    attempt open (the rank read ``failed`` while b trained, and a stop skipped it)."""
+    send(engine, claimant("a", started=T0, steps=range(3)), at=10)
+    said = {"reason": "exception", "detail": "RuntimeError: peer gone"}
+    left = [
+        {"id": "a-end", "kind": "attempt_end", "ts": T0 + 40, "data": said},
+        {"id": "a-bye", "kind": "shutdown", "ts": T0 + 40, "data": {"error": "RuntimeError"}},
+    ]
+    start = {"id": "b-start", "kind": "attempt_start", "ts": T0 + 50, "data": {}}
+    send(engine, claimant("b", started=T0 + 50, steps=range(3, 5), pid=2, events=left), at=60)
+    send(engine, claimant("b", started=T0 + 50, steps=range(5, 6), pid=2, events=[start]), at=61)
+    with engine.connect() as conn:
+        k, s, e = m.ranks.c, m.attempt_sessions.c, m.events.c
+        state, session = conn.execute(select(k.state, k.session).where(k.rank == 0)).one()
+        ended = conn.execute(select(s.ended_at).where(s.session == "b")).scalar_one()
+        kinds = set(conn.execute(select(e.kind)).scalars())
+    assert (state, session, ended) == ("healthy", "b", None)
+    assert {"attempt_end", "shutdown"} <= kinds  # kept, as the earlier process's record
+
+
 def test_a_nodes_request_loses_only_the_conflicting_ranks_rows(engine: Engine) -> None:
     # Rank 1 is held by a live process of another job; this node's request (ranks 0 and 1
     # of a second job) keeps its rank 0 and loses its rank 1, and says so per rank.
