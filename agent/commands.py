@@ -22,9 +22,15 @@ phases, and the ranks *hold* in between:
    goes on training and says so: a collector that fails between the two messages
    leaves the ranks in doubt; that is logged.
 
-A **stop** command ends the process at the next step boundary with
-:data:`STOPPED_EXIT_CODE`, after flushing, so a launcher (torchrun elastic, Slurm
-requeue) restarts the job without this rank's node.
+A **stop** command ends the process at a step boundary with :data:`STOPPED_EXIT_CODE`,
+after flushing, so a launcher (torchrun elastic, Slurm requeue) restarts the job without
+this rank's node. A stop of one node's ranks (an eviction) or of one rank is applied at
+the next boundary. A stop of the whole run goes through the same two phases as a
+rollback (``prepare`` / ``commit`` with the barrier, type ``stop``), so that every rank
+stops after the same step: a rank that stopped one step before its peers would leave
+them waiting in that step's collective until the group's timeout, where nothing tears
+the job down on the first exit (Ray Train, ``mp.spawn``). A held rank that gets no
+decision trains on, as for a rollback.
 
 :class:`Commands` needs of the agent only :class:`CommandHost`: its events, its
 exporter's wake-ups, its last step and its shutdown.
@@ -42,6 +48,8 @@ from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
+TWO_PHASE = ("rollback", "stop")
+"""Command types that may come as a ``prepare`` then a ``commit`` (or ``abort``)."""
 STOPPED_EXIT_CODE = 76
 """Exit status of a rank that trainwarden stopped (eviction of its node, or a stop)."""
 
@@ -153,12 +161,12 @@ class Commands:
                 if c.get("type") == "collectives":
                     asked.append(c)
                     continue
-                if c.get("type") == "rollback" and c.get("phase") in ("commit", "abort"):
+                if c.get("type") in TWO_PHASE and c.get("phase") in ("commit", "abort"):
                     self._decisions[_key(c)] = c
                 self._inbox.append(c)
                 self.pending = True  # before the step is read below: see _answer_prepare
         for c in commands:
-            if isinstance(c, dict) and c.get("type") == "rollback" and c.get("phase") == "prepare":
+            if isinstance(c, dict) and c.get("type") in TWO_PHASE and c.get("phase") == "prepare":
                 self._answer_prepare(c)
         for c in asked:
             if self.on_collectives is None:
@@ -176,7 +184,7 @@ class Commands:
         if c["id"] in self._answered:
             return
         self._answered.add(c["id"])
-        if not self._handlers:
+        if c.get("type") == "rollback" and not self._handlers:
             self._ack(c, armed=False, error="no tw.on_rollback(handler) in this trainer")
         else:
             self._ack(c, armed=True)  # the event's step: the last step finished
@@ -213,20 +221,26 @@ class Commands:
         self._agent.flush_soon()
 
     def _handle(self, c: dict[str, Any], finished: int) -> None:
-        kind = c.get("type")
-        if kind == "stop":
+        kind, phase = c.get("type"), c.get("phase")
+        if kind == "stop" and phase is None:  # one node's ranks, or one rank: at once
             self._stop(c)
-        elif kind == "rollback" and c.get("phase") == "prepare":
-            if self._handlers:  # a later attempt of the same rollback replaces an earlier one
+        elif kind in TWO_PHASE and phase == "prepare":
+            # a later attempt of the same action replaces an earlier one
+            if kind == "stop" or self._handlers:
                 self._armed = c
         elif (
-            kind == "rollback"
-            and c.get("phase") == "commit"
+            kind in TWO_PHASE
+            and phase == "commit"
             and (self._armed is None or _key(self._armed) != _key(c))
         ):
-            self._ack(
-                c, applied=False, error="not holding for this rollback (its wait had timed out)"
-            )
+            if kind == "stop":  # its hold had timed out: the stop is still asked for
+                self._stop(c, barrier_step=finished)
+            else:
+                self._ack(
+                    c,
+                    applied=False,
+                    error="not holding for this rollback (its wait had timed out)",
+                )
 
     def _decide(self, armed: dict[str, Any], finished: int) -> bool:
         """Hold here until the decision on ``armed`` is known; apply it once at its
@@ -257,7 +271,8 @@ class Commands:
             self._armed = None
             if decision is None:
                 log.error(
-                    "trainwarden: no decision on rollback %s within %.0fs; training on",
+                    "trainwarden: no decision on %s %s within %.0fs; training on",
+                    armed.get("type"),
                     action,
                     self.decision_timeout_s,
                 )
@@ -267,6 +282,8 @@ class Commands:
         if finished < barrier:
             return False  # held before the barrier: train on to it (still armed, still pending)
         self._armed = None
+        if armed.get("type") == "stop":  # every rank ends after the same step (or now, if past)
+            self._stop(armed, barrier_step=finished)
         if finished > barrier:  # it did not hold (it could not have, had it answered)
             self._ack(
                 reply,
@@ -300,10 +317,10 @@ class Commands:
         )
         return False
 
-    def _stop(self, c: dict[str, Any]) -> None:
+    def _stop(self, c: dict[str, Any], **said: Any) -> None:
         reason = str(c.get("reason") or "stopped by trainwarden")
         log.warning("trainwarden: %s; exiting with status %d", reason, STOPPED_EXIT_CODE)
-        self._ack(c, stopped=True, reason=reason)
+        self._ack({**c, "phase": "stop"}, stopped=True, reason=reason, **said)
         self._agent.event(
             "shutdown", reason=reason, exit_code=STOPPED_EXIT_CODE, severity="warning"
         )
@@ -313,5 +330,5 @@ class Commands:
 
 
 def _key(c: dict[str, Any]) -> tuple[int, Any]:
-    """A rollback's decision belongs to one attempt (one barrier) of one action."""
+    """A two-phase action's decision belongs to one attempt (one barrier) of it."""
     return int(c["action"]), c.get("attempt")

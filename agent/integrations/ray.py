@@ -29,7 +29,9 @@ Install with ``pip install 'trainwarden[ray]'`` (``ray[train]`` in the range tes
   registered (``tw.on_rollback``) at the step boundary, as in any loop. A **stop** raises
   ``SystemExit(tw.STOPPED_EXIT_CODE)`` at the step boundary; :func:`wrap` returns from the
   worker's loop then, so Ray ends the run as finished rather than restarting it as a
-  failure.
+  failure. A stop of the run comes in two phases, so every worker stops after the same
+  step (``trainwarden.agent.commands``): Ray does not tear the group down when one
+  worker returns, and a worker a step behind would wait in that step's collective.
 
 Nothing here fails the training: no collector URL, a ray outside the tested range, or an
 error of the integration: one line in the log, training goes on unobserved.

@@ -1,12 +1,20 @@
 """The steps of an eviction (through the scheduler backend, then a stop to the node's
-ranks) and of a stop (every rank, or one, exits with ``STOPPED_EXIT_CODE``)."""
+ranks) and of a stop (every rank, or one, exits with ``STOPPED_EXIT_CODE``).
+
+A stop of the whole run is two-phase, as a rollback is (``trainwarden.agent.commands``):
+*prepare* (every rank answers with its last step and holds at its next boundary), then
+*commit* naming the barrier ``max(answered) + 1``, after which every rank stops: no rank
+is left waiting in a collective for a peer that stopped a step before it. When a rank
+does not answer within the stop policy's ``prepare_timeout``, the holders are freed
+(*abort*) and every rank gets a plain stop, applied at its next boundary.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, or_, select, update
 
 from trainwarden.collector.actions.evict import Eviction
 from trainwarden.collector.actions.records import (
@@ -22,33 +30,111 @@ STOP_TIMEOUT_S = 60.0
 """A stop is done once every rank acknowledged it or is gone, or after this long."""
 
 
+def _stop_reason(row: Any) -> str:
+    return f"trainwarden: {row.trigger}" + (f" ({row.reason})" if row.reason else "")
+
+
 class EvictSteps(Steps):
     def _start_stop(self, ctx: _Ctx, row: Any) -> None:
         ranks = [row.rank] if row.rank is not None else _live_ranks(ctx.conn, row.run_id)
-        reason = f"trainwarden: {row.trigger}" + (f" ({row.reason})" if row.reason else "")
-        _commands(
-            ctx.conn, row, ranks, {"type": "stop", "action": row.id, "reason": reason}, ctx.now
-        )
+        reason = _stop_reason(row)
+        if len(ranks) < 2 or row.rank is not None:  # one rank: nobody waits for it
+            self._stop_now(ctx, row, ranks, f"stop sent to ranks {ranks}", plan={})
+            return
+        prepare = {"type": "stop", "phase": "prepare", "action": row.id, "attempt": 1}
+        _commands(ctx.conn, row, ranks, {**prepare, "reason": reason}, ctx.now)
         self._set(
             ctx,
             row,
             "executing",
-            detail=f"stop sent to ranks {ranks}",
-            plan={"ranks": ranks, "sent_at": ctx.now},
+            detail=f"prepare: ranks {ranks} hold at their next step, to stop after one step",
+            plan={"ranks": ranks, "sent_at": ctx.now, "prepared_at": ctx.now},
         )
 
+    def _stop_now(
+        self, ctx: _Ctx, row: Any, ranks: list[int], detail: str, *, plan: dict[str, Any]
+    ) -> None:
+        """A plain stop: each rank ends at its next step boundary."""
+        stop = {"type": "stop", "action": row.id, "reason": _stop_reason(row)}
+        _commands(ctx.conn, row, ranks, stop, ctx.now)
+        plan = {**plan, "ranks": ranks, "sent_at": ctx.now}
+        self._set(ctx, row, "executing", detail=detail, plan=plan)
+
     def _executing_stop(self, ctx: _Ctx, row: Any) -> None:
-        acks = _acks(ctx.conn, row, since=row.plan["sent_at"], phase="stop")
-        ranks = row.plan["ranks"]
+        plan = row.plan
+        ranks = plan["ranks"]
+        if "prepared_at" in plan and "barrier_step" not in plan and "plain_at" not in plan:
+            self._commit_stop(ctx, row)
+            return
+        since = plan.get("prepared_at", plan["sent_at"])  # a stop at the barrier: its prepare's
+        acks = {
+            r: a
+            for phase in ("prepare", "commit", "stop")
+            for r, a in _acks(ctx.conn, row, since=since, phase=phase).items()
+            if a.get("stopped")
+        }
         gone = _gone(ctx.conn, row.run_id, ranks)
-        late = ctx.now - row.plan["sent_at"] > STOP_TIMEOUT_S  # a hung rank never hears it
+        late = ctx.now - plan["sent_at"] > STOP_TIMEOUT_S  # a hung rank never hears it
         if late or all(r in acks or r in gone for r in ranks):
-            result = {
+            result: dict[str, Any] = {
                 "stopped": sorted(acks),
                 "already_gone": sorted(set(gone) - set(acks)),
                 "no_answer": sorted(set(ranks) - set(acks) - set(gone)),
             }
+            if "barrier_step" in plan:
+                result["barrier_step"] = plan["barrier_step"]
+                result["stopped_after"] = {
+                    str(r): a.get("barrier_step") for r, a in sorted(acks.items())
+                }
             self._finish(ctx, row, "done", result=result)
+
+    def _commit_stop(self, ctx: _Ctx, row: Any) -> None:
+        """Every rank answered the prepare (or ended): each stops after the barrier step.
+        Past the policy's ``prepare_timeout``: free the holders, and stop every rank at once."""
+        plan = dict(row.plan)
+        ranks = plan["ranks"]
+        acks = _acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
+        held = {r: int(a.get("step") or 0) for r, a in acks.items() if a.get("armed")}
+        gone = _gone(ctx.conn, row.run_id, [r for r in ranks if r not in held])
+        if not held and all(r in gone for r in ranks):  # nobody left to stop
+            self._finish(
+                ctx,
+                row,
+                "done",
+                result={"stopped": [], "already_gone": sorted(gone), "no_answer": []},
+            )
+            return
+        if all(r in held or r in gone for r in ranks):
+            # Each rank holds at most one step past the step it answered with.
+            barrier = max(held.values()) + 1
+            commit = {"type": "stop", "phase": "commit", "action": row.id, "attempt": 1}
+            _commands(ctx.conn, row, sorted(held), {**commit, "barrier_step": barrier}, ctx.now)
+            plan.update(barrier_step=barrier, sent_at=ctx.now)
+            self._set(
+                ctx,
+                row,
+                "executing",
+                detail=f"commit: every rank stops after step {barrier}",
+                plan=plan,
+            )
+            return
+        if ctx.now - plan["prepared_at"] > self.policy.stop.prepare_timeout.value:
+            silent = sorted(set(ranks) - set(held) - gone)
+            ctx.conn.execute(  # the prepare is over: not sent again
+                update(m.agent_commands)
+                .where(m.agent_commands.c.action_id == row.id)
+                .values(done_at=ctx.now)
+            )
+            abort = {"type": "stop", "phase": "abort", "action": row.id, "attempt": 1}
+            _commands(ctx.conn, row, sorted(held), abort, ctx.now)
+            self._stop_now(
+                ctx,
+                row,
+                ranks,
+                f"ranks {silent} did not answer within {self.policy.stop.prepare_timeout}: "
+                f"stop sent to ranks {ranks}, each at its next step",
+                plan={**plan, "plain_at": ctx.now},
+            )
 
     def _start_evict(self, ctx: _Ctx, row: Any) -> None:
         pol = self.policy.evict

@@ -75,6 +75,9 @@ class EvictPolicy(_Strict):
 
 class StopPolicy(_Strict):
     mode: Mode = "dry-run"
+    prepare_timeout: Duration = Interval(15.0, "s")
+    """How long every rank has to answer a stop of the whole run (the others hold
+    meanwhile) before each is stopped at its next step instead."""
 
 
 class ActionPolicy(_Strict):

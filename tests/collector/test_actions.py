@@ -901,24 +901,102 @@ def test_past_the_budget_the_rollback_fails_and_the_run_is_stopped(cluster: Any)
     )
     (stop,) = [a for a in run.act() if a["kind"] == "stop"]
     assert stop["state"] == "executing" and stop["plan"]["ranks"] == [0, 1]
-    # Rank 1 crashes before it hears of the stop; rank 0 stops at its next step boundary.
+    # Rank 1 crashes before it hears of the stop; rank 0 answers the prepare and holds,
+    # and, rank 1 being gone, is told to stop after the step it holds at.
     run.ranks[1].event(
         "shutdown", error="CUDA error: an illegal memory access", severity="critical"
     )
     run.ranks[1].exit_code = 1
     run.tick()
     sent = run.exchange()
-    assert [c["type"] for c in sent[0]] == ["stop"]
+    assert [(c["type"], c["phase"]) for c in sent[0]] == [("stop", "prepare")]
     assert sent[0][0]["reason"] == "trainwarden: budget (rollback budget spent)"
     (row,) = [a for a in run.act() if a["kind"] == "stop"]
-    assert row["state"] == "executing"  # rank 0 has not acknowledged yet
+    assert row["state"] == "executing"  # rank 0 has not answered yet
+    (row,) = [a for a in run.second() if a["kind"] == "stop"]
+    held = run.ranks[0].last_step
+    assert row["plan"]["barrier_step"] == held and run.ranks[0].exit_code is None
+    run.exchange([0])  # the commit
     run.second()
     assert [r.exit_code for r in run.ranks] == [STOPPED_EXIT_CODE, 1]
+    assert run.ranks[0].last_step == held
     assert run.ranks[0].acks[-1] | {"phase": "stop", "stopped": True} == run.ranks[0].acks[-1]
     stop = action(run, stop["id"])
     assert (stop["state"], stop["result"]) == (
         "done",
-        {"stopped": [0], "already_gone": [1], "no_answer": []},
+        {
+            "stopped": [0],
+            "already_gone": [1],
+            "no_answer": [],
+            "barrier_step": held,
+            "stopped_after": {"0": held},
+        },
+    )
+
+
+def asked_to_stop(run: Cluster) -> Cluster:
+    """The run trained 5 steps, and an operator asked for it to stop."""
+    run.train(5)
+    run.exchange()
+    with run.api() as client:
+        made = client.post(
+            f"/api/v1/runs/{RUN}/actions", json={"kind": "stop", "by": "ana", "reason": "done"}
+        )
+        assert made.status_code == 201, made.text
+    return run
+
+
+def test_a_stop_of_the_run_ends_every_rank_after_the_same_step(cluster: Any) -> None:
+    """Rank 1 hears of the stop a step later than rank 0: each answers with its last
+    step and holds; the commit names the newest + 1, rank 0 trains on to it, and both
+    stop after it. Stopped one step apart, rank 1 would wait in that step's collective
+    for rank 0 until the group's timeout wherever the first exit does not end the job."""
+    run = asked_to_stop(cluster({"stop": {"mode": "auto"}}, world=3))
+    (stop,) = run.act()
+    assert stop["state"] == "executing"
+    run.tick()
+    run.exchange([0, 2])  # ranks 0 and 2 hear it after step 5
+    run.train(6, ranks=[1])  # rank 1 finished step 6 first
+    run.exchange([1])
+    run.train(8)  # each holds at its next boundary: 6, 7, 6
+    assert [r.last_step for r in run.ranks] == [6, 7, 6]
+    assert [r.exit_code for r in run.ranks] == [None, None, None]
+    run.exchange()
+    (stop,) = run.act()
+    assert stop["plan"]["barrier_step"] == 7, stop  # rank 1 answered with 6: it holds at 7
+    run.exchange()
+    run.train(20)
+    assert [r.last_step for r in run.ranks] == [7, 7, 7]
+    assert [r.exit_code for r in run.ranks] == [STOPPED_EXIT_CODE] * 3
+    run.exchange()
+    (stop,) = run.act()
+    assert (stop["state"], stop["result"]["stopped_after"]) == ("done", {"0": 7, "1": 7, "2": 7})
+
+
+def test_a_stop_that_a_rank_does_not_answer_stops_each_rank_at_its_next_step(
+    cluster: Any,
+) -> None:
+    run = asked_to_stop(cluster({"stop": {"mode": "auto", "prepare_timeout": "10s"}}))
+    run.act()
+    run.ranks[1].silent = True  # a partitioned host: hears nothing, says nothing
+    run.tick()
+    run.exchange()
+    run.train(8)
+    assert run.ranks[0].last_step == 6  # holds
+    run.exchange()
+    run.tick(11)
+    (stop,) = run.act()
+    assert "did not answer within 10s" in stop["history"][-1]["detail"], stop["history"]
+    sent = run.exchange()[0]
+    assert [(c["type"], c.get("phase")) for c in sent] == [("stop", "abort"), ("stop", None)]
+    run.train(9)
+    assert (run.ranks[0].exit_code, run.ranks[0].last_step) == (STOPPED_EXIT_CODE, 6)
+    run.exchange()
+    run.tick(61)  # past STOP_TIMEOUT_S: rank 1 never heard it
+    (stop,) = run.act()
+    assert (stop["state"], stop["result"]) == (
+        "done",
+        {"stopped": [0], "already_gone": [], "no_answer": [1]},
     )
 
 

@@ -17,12 +17,87 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
+
 from ..conftest import start_serve, stop_serve
-from .launch import assert_resumed, rank_steps, two_attempts
+from .launch import assert_resumed, finished_action, rank_steps, two_attempts
+from .test_drills import wait_for
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ray_trainer.py"
+
+
+def ray_environ(url: str, spool: Path) -> dict[str, str]:
+    """The driver's environment (Ray passes every ``TRAINWARDEN_*`` to the workers): a
+    spool of the test's own, so that nothing an earlier test's killed worker left is sent."""
+    return {
+        **{k: v for k, v in os.environ.items() if not k.startswith("TRAINWARDEN_")},
+        "OMP_NUM_THREADS": "1",
+        "TRAINWARDEN_URL": url,
+        "TRAINWARDEN_SPOOL_DIR": str(spool),
+        "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
+        "TRAINWARDEN_PROFILE_EVERY": "0",
+        "RAY_DEDUP_LOGS": "0",
+    }
+
+
+def test_a_stop_ends_both_workers_after_the_same_step_and_ray_finishes(tmp_path: Path) -> None:
+    """A stop of the run while Ray's two workers train in DDP lockstep: both stop after
+    the same step (the two-phase stop), ``wrap`` returns from each worker's loop, and Ray
+    ends the run as finished at once. Stopped a step apart, one worker would wait in that
+    step's all_reduce until the group's timeout (30 minutes): Ray does not tear the group
+    down when a worker's loop returns."""
+    db, actions = tmp_path / "ray.db", tmp_path / "actions.yaml"
+    actions.write_text("stop:\n  mode: auto\n")
+    server = start_serve(
+        f"sqlite:///{db}", tmp_path / "serve.log", env={"TRAINWARDEN_ACTIONS": str(actions)}
+    )
+    run, log, out = "ray-stop", tmp_path / "ray.log", tmp_path / "storage"
+    cmd = [sys.executable, str(EXAMPLE), "--output-dir", str(out), "--name", run]
+    cmd += ["--steps", "100000", "--save-steps", "100000", "--work-ms", "15"]
+    cmd += ["--max-failures", "0"]
+    try:
+        with log.open("w") as said:
+            # Each worker asks the collector itself, as on two nodes (one node's relay
+            # would hand both the command in one answer): they hear it at different steps.
+            env = {**ray_environ(server.url, tmp_path / "spool"), "TRAINWARDEN_RELAY": "off"}
+            job = subprocess.Popen(cmd, stdout=said, stderr=subprocess.STDOUT, env=env)
+            try:
+                wait_for(
+                    lambda: (server.get(f"/api/v1/runs/{run}").json().get("last_step") or 0) >= 20,
+                    240,
+                    "both workers training",
+                )
+                made = httpx.post(
+                    f"{server.url}/api/v1/runs/{run}/actions",
+                    json={"kind": "stop", "by": "test", "reason": "end of the experiment"},
+                    timeout=10,
+                )
+                assert made.status_code == 201, made.text
+                asked = time.monotonic()
+                code = job.wait(120)
+                took = time.monotonic() - asked
+            finally:
+                job.kill()
+                job.wait(30)
+        action = finished_action(server, run)
+        attempts = server.get(f"/api/v1/runs/{run}/attempts").json()
+        ranks = server.get(f"/api/v1/runs/{run}/ranks").json()
+    finally:
+        stop_serve(server)
+    said = log.read_text()
+    assert code == 0, said[-6000:]  # Ray ended the run as finished, not failed
+    assert took < 60, (took, said[-3000:])  # nobody waited in a collective
+    result = action["result"]
+    barrier = result["barrier_step"]
+    assert (action["state"], result["stopped"]) == ("done", [0, 1]), action
+    assert result["stopped_after"] == {"0": barrier, "1": barrier}, action
+    assert {r["rank"]: r["last_step"] for r in ranks} == {0: barrier, 1: barrier}, ranks
+    (attempt,) = attempts
+    assert attempt["outcome"] == "stopped", attempt
+    assert said.count("stopped: this Ray Train worker's loop ends here") >= 2, said[-6000:]
 
 
 def test_a_killed_worker_resumes_as_attempt_2_from_the_reported_checkpoint(
@@ -32,13 +107,8 @@ def test_a_killed_worker_resumes_as_attempt_2_from_the_reported_checkpoint(
     server = start_serve(f"sqlite:///{db}", tmp_path / "serve.log")
     run, log, out = "ray-restart", tmp_path / "ray.log", tmp_path / "storage"
     environ = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("TRAINWARDEN_")},
-        "OMP_NUM_THREADS": "1",
-        "TRAINWARDEN_URL": server.url,
+        **ray_environ(server.url, tmp_path / "spool"),
         "TRAINWARDEN_DRILL": "die@rank=1,step=25",
-        "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
-        "TRAINWARDEN_PROFILE_EVERY": "0",
-        "RAY_DEDUP_LOGS": "0",
     }
     cmd = [sys.executable, str(EXAMPLE), "--output-dir", str(out), "--name", run]
     cmd += ["--steps", "40", "--save-steps", "10", "--work-ms", "15", "--max-failures", "1"]
