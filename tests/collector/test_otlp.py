@@ -376,3 +376,37 @@ def test_missing_attributes_are_named_and_nothing_is_stored(client: TestClient) 
         in response.json()["detail"]
     )
     assert client.get("/api/v1/runs").json() == []  # the good resource was not stored either
+
+
+def claimant(session: str, pid: int, started: float, losses: list[float]) -> ResourceMetrics:
+    """Rank 0's steps from the process ``session`` (``pid``, started at ``started``)."""
+    (res,) = steps_request(0, losses).resource_metrics
+    said = {"session": session, "pid": pid, "started_at": started, "heartbeat_s": 2.0}
+    attrs = agent_resource(**{f"trainwarden.{k}": v for k, v in said.items()})
+    return resource(attrs, list(res.scope_metrics[0].metrics))
+
+
+def test_a_second_live_process_of_a_rank_is_refused_as_on_the_native_route(
+    client: TestClient,
+) -> None:
+    """A double launch sending OTLP: the holder keeps the rank; the second process alone
+    is refused 409 naming the holder (its exporter then stops sending, as the native
+    one does); in a request that also carries the holder's points, they are stored and
+    the second's are counted as rejected, with why."""
+    now = time.time()
+    holder = claimant("a", 1000, now - 60, [1.0, 1.0, 1.0])
+    assert post(client, ExportMetricsServiceRequest(resource_metrics=[holder])).status_code == 200
+    second = claimant("b", 2000, now - 1, [9.0, 9.0, 9.0])  # started before a's last request
+    alone = post(client, ExportMetricsServiceRequest(resource_metrics=[second]))
+    assert alone.status_code == 409, alone.text
+    assert alone.json()["holder"]["pid"] == 1000 and "pid 1000" in alone.json()["detail"]
+
+    other = claimant("c", 3000, now - 1, [7.0, 7.0, 7.0])
+    (res,) = steps_request(1, [2.0, 2.0, 2.0]).resource_metrics  # rank 1: its own
+    mixed = post(client, ExportMetricsServiceRequest(resource_metrics=[other, res]))
+    out = reply(mixed)
+    assert out.partial_success.rejected_data_points == 9  # 3 metrics x 3 steps
+    assert "run o1 rank 0:" in out.partial_success.error_message
+    assert "pid 1000" in out.partial_success.error_message
+    stored = {(r["rank"], r["step"]): r["loss"] for r in rows(client, "o1")}
+    assert stored == {(0, n): 1.0 for n in range(3)} | {(1, n): 2.0 for n in range(3)}

@@ -221,7 +221,10 @@ async def ingest(request: Request) -> IngestResult | Response:
     another live process holds is refused: 409 with the conflict, or 503 while the
     collector cannot yet tell a restart from a duplicate (``collector/ingest/claims.py``)."""
     result = await submit(request, _parse(IngestBatch, await _body(request)))
-    return result if result.refusal is None else _refused(request, result.refusal)
+    if result.refusal is None:
+        return result
+    count_refusal(request, result.refusal)
+    return refusal_response(result.refusal)
 
 
 @router.post(
@@ -236,11 +239,11 @@ async def ingest_columns(request: Request) -> IngestResult:
     result = await submit(request, _parse(ColumnarBatch, await _body(request)))
     if result.rank_refused:
         for answer in result.rank_refused.values():
-            _count_refusal(request, answer)
+            count_refusal(request, answer)
     return result
 
 
-def _count_refusal(request: Request, answer: dict[str, Any]) -> None:
+def count_refusal(request: Request, answer: dict[str, Any]) -> None:
     """Count a rank refused for its claim; a conflict wakes the alert engine (its
     rank_conflict event pages now, not at the next pass)."""
     conflict = answer["status"] == claims.CONFLICT
@@ -250,9 +253,8 @@ def _count_refusal(request: Request, answer: dict[str, Any]) -> None:
         alert_engine.wake()
 
 
-def _refused(request: Request, answer: dict[str, Any]) -> Response:
+def refusal_response(answer: dict[str, Any]) -> Response:
     """A rank's batch refused for its claim: its status, and a body naming the holder."""
-    _count_refusal(request, answer)
     status = answer["status"]
     body = {k: v for k, v in answer.items() if k != "status"}
     headers = {"Retry-After": str(body["retry_after"])} if "retry_after" in body else None

@@ -44,7 +44,8 @@ from trainwarden.agent.otlp import (
     USER_METRIC_PREFIX,
 )
 from trainwarden.collector.api import auth
-from trainwarden.collector.api.routes.ingest import submit
+from trainwarden.collector.api.routes.ingest import count_refusal, refusal_response, submit
+from trainwarden.collector.ingest import claims
 from trainwarden.collector.ingest.schemas import IngestBatch
 
 router = APIRouter()
@@ -100,8 +101,9 @@ def _agent(resource: dict[str, Any], where: str) -> tuple[str, dict[str, Any]]:
     return str(fields.pop("run")), fields
 
 
-def _batches(request: Any) -> tuple[list[IngestBatch], dict[str, int]]:
-    """One IngestBatch per resource with trainwarden metrics; points of unknown metrics."""
+def _batches(request: Any) -> tuple[list[tuple[IngestBatch, int]], dict[str, int]]:
+    """One IngestBatch per resource with trainwarden metrics, with its number of points;
+    points of unknown metrics."""
     batches = []
     unknown: dict[str, int] = defaultdict(int)
     known = {*STEP_METRICS, *GPU_METRICS, EVENT_METRIC, HEARTBEAT_METRIC}
@@ -117,7 +119,8 @@ def _batches(request: Any) -> tuple[list[IngestBatch], dict[str, int]]:
                     kind = metric.WhichOneof("data")
                     unknown[metric.name] += len(getattr(metric, kind).data_points) if kind else 0
         if ours:
-            batches.append(_batch(resource_metrics, ours, where))
+            points = sum(len(_points(metric)) for metric in ours)
+            batches.append((_batch(resource_metrics, ours, where), points))
     return batches, dict(unknown)
 
 
@@ -232,7 +235,14 @@ def _reply(reply: ExportMetricsServiceResponse, content_type: str) -> Response:
     responses={200: {"content": {PROTOBUF: {}, JSON: {}}}},
 )
 async def otlp_metrics(request: Request) -> Response:
-    """Store OTLP/HTTP metrics (an ExportMetricsServiceRequest, protobuf or JSON)."""
+    """Store OTLP/HTTP metrics (an ExportMetricsServiceRequest, protobuf or JSON).
+
+    A resource whose rank another live process holds (``collector/ingest/claims.py``) is
+    refused, as on the native route: when every resource of the request was refused,
+    the answer is the refusal's (409 naming the holder; 503 with ``Retry-After`` while a
+    restart cannot yet be told from a duplicate); otherwise the others are stored, a 503
+    asks for the whole request again (what was stored is stored once), and the refused
+    ranks' points are counted in ``partial_success`` with why."""
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in (PROTOBUF, "application/protobuf", JSON):
         raise HTTPException(
@@ -246,17 +256,36 @@ async def otlp_metrics(request: Request) -> Response:
     except BadRequest as exc:
         request.app.state.metrics.ingest_requests.labels("invalid").inc()
         raise HTTPException(400, str(exc)) from None
-    for batch in batches:  # all or nothing: no run is stored if one is not allowed
+    for batch, _ in batches:  # all or nothing: no run is stored if one is not allowed
         auth.check_run(batch.run)
     # Submitted together, the resources of one request share one group commit.
-    await asyncio.gather(*(submit(request, batch) for batch in batches))
+    results = await asyncio.gather(*(submit(request, batch) for batch, _ in batches))
+    refused = [
+        (batch, points, result.refusal)
+        for (batch, points), result in zip(batches, results, strict=True)
+        if result.refusal is not None
+    ]
+    for _, _, answer in refused:
+        count_refusal(request, answer)
+    waits = [answer for _, _, answer in refused if answer["status"] != claims.CONFLICT]
+    if refused and (waits or len(refused) == len(batches)):
+        return refusal_response(
+            max(waits, key=lambda a: a.get("retry_after", 0), default=refused[0][2])
+        )
 
     reply = ExportMetricsServiceResponse()
+    if refused:
+        reply.partial_success.rejected_data_points = sum(points for _, points, _ in refused)
+        reply.partial_success.error_message = "; ".join(
+            f"run {batch.run} rank {batch.agent.rank}: {answer['detail']}"
+            for batch, _, answer in refused
+        )
     if unknown:
         names = sorted(unknown, key=lambda n: -unknown[n])
         listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-        reply.partial_success.rejected_data_points = sum(unknown.values())
+        reply.partial_success.rejected_data_points += sum(unknown.values())
+        said = reply.partial_success.error_message
         reply.partial_success.error_message = (
-            f"ignored points of metrics trainwarden does not know: {listed}"
-        )
+            f"{said}; " if said else ""
+        ) + f"ignored points of metrics trainwarden does not know: {listed}"
     return _reply(reply, content_type)
