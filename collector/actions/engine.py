@@ -55,11 +55,11 @@ from trainwarden.collector.actions.evict_steps import EvictSteps
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.records import (
     ACTIVE,
-    _store_events,
     create_action,
+    store_events,
 )
 from trainwarden.collector.actions.rollback_steps import RollbackSteps
-from trainwarden.collector.actions.steps import _Ctx
+from trainwarden.collector.actions.steps import Ctx
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import leads, write
 
@@ -124,7 +124,7 @@ class ActionEngine(RollbackSteps, EvictSteps):
             if not leads(conn, ADVISORY_LOCK_KEY):
                 self.board.refresh(conn)
                 return
-            ctx = _Ctx(conn, now)
+            ctx = Ctx(conn, now)
             self._triggers(ctx)
             for row in conn.execute(
                 select(m.actions).where(m.actions.c.state.in_(ACTIVE)).order_by(m.actions.c.id)
@@ -136,7 +136,7 @@ class ActionEngine(RollbackSteps, EvictSteps):
                     self._finish(
                         ctx, row, "failed", reason=f"internal error: {type(exc).__name__}: {exc}"
                     )
-            _store_events(conn, ctx.events, now)
+            store_events(conn, ctx.events, now)
             self._close_commands(ctx)
             self.board.refresh(conn)
         # Only once the action is on record as executing: a pass whose transaction failed
@@ -147,7 +147,7 @@ class ActionEngine(RollbackSteps, EvictSteps):
                 self.backend.evict, eviction, timeout_s=timeout
             )
 
-    def _close_commands(self, ctx: _Ctx) -> None:
+    def _close_commands(self, ctx: Ctx) -> None:
         """Stop sending the commands of finished actions once the ranks have had time to
         take them (the abort of a failed rollback goes out after the action ended)."""
         c = m.agent_commands.c
@@ -164,7 +164,7 @@ class ActionEngine(RollbackSteps, EvictSteps):
 
     # -- creating actions -------------------------------------------------------------------
 
-    def _triggers(self, ctx: _Ctx) -> None:
+    def _triggers(self, ctx: Ctx) -> None:
         a = m.alerts.c
         firing = ctx.conn.execute(
             select(m.alerts).where(a.state == "firing", a.action != "none", a.silenced_by.is_(None))
@@ -198,7 +198,7 @@ class ActionEngine(RollbackSteps, EvictSteps):
                 )
                 evicting = made if kind == "evict" else evicting
 
-    def _covering(self, ctx: _Ctx, alert: Any, kind: str) -> int | None:
+    def _covering(self, ctx: Ctx, alert: Any, kind: str) -> int | None:
         """The action of the run (for an eviction: of the node) that already answers this
         alert, if any: one rollback for a spike that every rank flags, one eviction per
         node. A dry run stands only for dry runs: it never holds back a real action, and it
@@ -217,7 +217,7 @@ class ActionEngine(RollbackSteps, EvictSteps):
 
     # -- moving them along ----------------------------------------------------------------------
 
-    def _advance(self, ctx: _Ctx, row: Any) -> None:
+    def _advance(self, ctx: Ctx, row: Any) -> None:
         if row.state == "proposed":
             if row.mode == "require-ack" and row.alert_id is not None:
                 acked = ctx.conn.execute(

@@ -18,12 +18,12 @@ from sqlalchemy import and_, or_, select, update
 
 from trainwarden.collector.actions.evict import Eviction
 from trainwarden.collector.actions.records import (
-    _acks,
-    _commands,
-    _gone,
-    _live_ranks,
+    gone_ranks,
+    live_ranks,
+    queue_commands,
+    rank_acks,
 )
-from trainwarden.collector.actions.steps import Steps, _Ctx
+from trainwarden.collector.actions.steps import Ctx, Steps
 from trainwarden.collector.store import models as m
 
 STOP_TIMEOUT_S = 60.0
@@ -35,14 +35,14 @@ def _stop_reason(row: Any) -> str:
 
 
 class EvictSteps(Steps):
-    def _start_stop(self, ctx: _Ctx, row: Any) -> None:
-        ranks = [row.rank] if row.rank is not None else _live_ranks(ctx.conn, row.run_id)
+    def _start_stop(self, ctx: Ctx, row: Any) -> None:
+        ranks = [row.rank] if row.rank is not None else live_ranks(ctx.conn, row.run_id)
         reason = _stop_reason(row)
         if len(ranks) < 2 or row.rank is not None:  # one rank: nobody waits for it
             self._stop_now(ctx, row, ranks, f"stop sent to ranks {ranks}", plan={})
             return
         prepare = {"type": "stop", "phase": "prepare", "action": row.id, "attempt": 1}
-        _commands(ctx.conn, row, ranks, {**prepare, "reason": reason}, ctx.now)
+        queue_commands(ctx.conn, row, ranks, {**prepare, "reason": reason}, ctx.now)
         self._set(
             ctx,
             row,
@@ -52,15 +52,15 @@ class EvictSteps(Steps):
         )
 
     def _stop_now(
-        self, ctx: _Ctx, row: Any, ranks: list[int], detail: str, *, plan: dict[str, Any]
+        self, ctx: Ctx, row: Any, ranks: list[int], detail: str, *, plan: dict[str, Any]
     ) -> None:
         """A plain stop: each rank ends at its next step boundary."""
         stop = {"type": "stop", "action": row.id, "reason": _stop_reason(row)}
-        _commands(ctx.conn, row, ranks, stop, ctx.now)
+        queue_commands(ctx.conn, row, ranks, stop, ctx.now)
         plan = {**plan, "ranks": ranks, "sent_at": ctx.now}
         self._set(ctx, row, "executing", detail=detail, plan=plan)
 
-    def _executing_stop(self, ctx: _Ctx, row: Any) -> None:
+    def _executing_stop(self, ctx: Ctx, row: Any) -> None:
         plan = row.plan
         ranks = plan["ranks"]
         if "prepared_at" in plan and "barrier_step" not in plan and "plain_at" not in plan:
@@ -70,10 +70,10 @@ class EvictSteps(Steps):
         acks = {
             r: a
             for phase in ("prepare", "commit", "stop")
-            for r, a in _acks(ctx.conn, row, since=since, phase=phase).items()
+            for r, a in rank_acks(ctx.conn, row, since=since, phase=phase).items()
             if a.get("stopped")
         }
-        gone = _gone(ctx.conn, row.run_id, ranks)
+        gone = gone_ranks(ctx.conn, row.run_id, ranks)
         late = ctx.now - plan["sent_at"] > STOP_TIMEOUT_S  # a hung rank never hears it
         if late or all(r in acks or r in gone for r in ranks):
             result: dict[str, Any] = {
@@ -88,14 +88,14 @@ class EvictSteps(Steps):
                 }
             self._finish(ctx, row, "done", result=result)
 
-    def _commit_stop(self, ctx: _Ctx, row: Any) -> None:
+    def _commit_stop(self, ctx: Ctx, row: Any) -> None:
         """Every rank answered the prepare (or ended): each stops after the barrier step.
         Past the policy's ``prepare_timeout``: free the holders, and stop every rank at once."""
         plan = dict(row.plan)
         ranks = plan["ranks"]
-        acks = _acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
+        acks = rank_acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
         held = {r: int(a.get("step") or 0) for r, a in acks.items() if a.get("armed")}
-        gone = _gone(ctx.conn, row.run_id, [r for r in ranks if r not in held])
+        gone = gone_ranks(ctx.conn, row.run_id, [r for r in ranks if r not in held])
         if not held and all(r in gone for r in ranks):  # nobody left to stop
             self._finish(
                 ctx,
@@ -108,7 +108,9 @@ class EvictSteps(Steps):
             # Each rank holds at most one step past the step it answered with.
             barrier = max(held.values()) + 1
             commit = {"type": "stop", "phase": "commit", "action": row.id, "attempt": 1}
-            _commands(ctx.conn, row, sorted(held), {**commit, "barrier_step": barrier}, ctx.now)
+            queue_commands(
+                ctx.conn, row, sorted(held), {**commit, "barrier_step": barrier}, ctx.now
+            )
             plan.update(barrier_step=barrier, sent_at=ctx.now)
             self._set(
                 ctx,
@@ -126,7 +128,7 @@ class EvictSteps(Steps):
                 .values(done_at=ctx.now)
             )
             abort = {"type": "stop", "phase": "abort", "action": row.id, "attempt": 1}
-            _commands(ctx.conn, row, sorted(held), abort, ctx.now)
+            queue_commands(ctx.conn, row, sorted(held), abort, ctx.now)
             self._stop_now(
                 ctx,
                 row,
@@ -136,7 +138,7 @@ class EvictSteps(Steps):
                 plan={**plan, "plain_at": ctx.now},
             )
 
-    def _start_evict(self, ctx: _Ctx, row: Any) -> None:
+    def _start_evict(self, ctx: Ctx, row: Any) -> None:
         pol = self.policy.evict
         if not row.node:
             self._finish(ctx, row, "failed", reason="no node to evict (the alert names no node)")
@@ -218,7 +220,7 @@ class EvictSteps(Steps):
             },
         )
 
-    def _executing_evict(self, ctx: _Ctx, row: Any) -> None:
+    def _executing_evict(self, ctx: Ctx, row: Any) -> None:
         plan = dict(row.plan)
         if "evicted_at" not in plan:
             future = self._evictions.get(row.id)
@@ -250,7 +252,7 @@ class EvictSteps(Steps):
                 evicted_at=ctx.now, steps=list(result.steps), output=str(result.output)[:2000]
             )
             reason = f"node {row.node} evicted by trainwarden ({row.trigger})"
-            _commands(
+            queue_commands(
                 ctx.conn,
                 row,
                 plan["ranks"],
@@ -266,8 +268,8 @@ class EvictSteps(Steps):
                 plan=plan,
             )
             return
-        acks = _acks(ctx.conn, row, since=plan["evicted_at"], phase="stop")
-        gone = _gone(ctx.conn, row.run_id, plan["ranks"])
+        acks = rank_acks(ctx.conn, row, since=plan["evicted_at"], phase="stop")
+        gone = gone_ranks(ctx.conn, row.run_id, plan["ranks"])
         if all(r in acks or r in gone for r in plan["ranks"]) or ctx.now - plan["evicted_at"] > 60:
             result = {
                 "node": row.node,

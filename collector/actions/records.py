@@ -20,7 +20,7 @@ ACTIVE = ("proposed", "approved", "executing")
 LIVE_RANKS = ("healthy", "slow", "hung", "running")
 
 
-def _history(
+def history_with(
     row: Any, state: str, by: str | None, detail: str | None, now: float
 ) -> list[dict[str, Any]]:
     return [*(row.history or []), {"at": now, "state": state, "by": by, "detail": detail}]
@@ -131,7 +131,7 @@ def create_action(
     if mode == "dry-run":
         _dry_run(conn, policy, action_id, now)
         state = "done"
-    _store_events(
+    store_events(
         conn,
         [
             {
@@ -165,7 +165,7 @@ def _dry_run(conn: Connection, policy: ActionPolicy, action_id: int, now: float)
         )
     else:
         would, problem = (
-            {"ranks": [row.rank] if row.rank is not None else _live_ranks(conn, row.run_id)},
+            {"ranks": [row.rank] if row.rank is not None else live_ranks(conn, row.run_id)},
             None,
         )
     result = {"dry_run": True, "would": would, "problem": problem}
@@ -177,7 +177,7 @@ def _dry_run(conn: Connection, policy: ActionPolicy, action_id: int, now: float)
             result=result,
             finished_at=now,
             updated_at=now,
-            history=_history(
+            history=history_with(
                 row,
                 "done",
                 "dry-run",
@@ -188,14 +188,14 @@ def _dry_run(conn: Connection, policy: ActionPolicy, action_id: int, now: float)
     )
 
 
-def _live_ranks(conn: Connection, run_id: int) -> list[int]:
+def live_ranks(conn: Connection, run_id: int) -> list[int]:
     k = m.ranks.c
     return sorted(
         conn.execute(select(k.rank).where(k.run_id == run_id, k.state.in_(LIVE_RANKS))).scalars()
     )
 
 
-def _gone(conn: Connection, run_id: int, ranks: Sequence[int]) -> set[int]:
+def gone_ranks(conn: Connection, run_id: int, ranks: Sequence[int]) -> set[int]:
     if not ranks:  # every rank answered: nothing to ask the database
         return set()
     k = m.ranks.c
@@ -210,7 +210,7 @@ def _gone(conn: Connection, run_id: int, ranks: Sequence[int]) -> set[int]:
     )
 
 
-def _commands(
+def queue_commands(
     conn: Connection, row: Any, ranks: Sequence[int], body: dict[str, Any], now: float
 ) -> None:
     if not ranks:  # an empty executemany would insert one row of defaults (and fail)
@@ -224,7 +224,7 @@ def _commands(
     )
 
 
-def _acks(conn: Connection, row: Any, *, since: float, phase: str) -> dict[int, dict[str, Any]]:
+def rank_acks(conn: Connection, row: Any, *, since: float, phase: str) -> dict[int, dict[str, Any]]:
     """Each rank's latest acknowledgement (``command_ack`` events) of this action's
     commands of ``phase`` (prepare, stop) sent since ``since``: a rollback's commit or
     abort is acknowledged under the id of the prepare it decides."""
@@ -248,7 +248,7 @@ def _acks(conn: Connection, row: Any, *, since: float, phase: str) -> dict[int, 
     return out
 
 
-def _event(row: Any, state: str, detail: str | None, now: float) -> dict[str, Any]:
+def action_event(row: Any, state: str, detail: str | None, now: float) -> dict[str, Any]:
     return {
         "run_id": row.run_id,
         "kind": "action",
@@ -264,7 +264,7 @@ def _event(row: Any, state: str, detail: str | None, now: float) -> dict[str, An
     }
 
 
-def _store_events(conn: Connection, events: list[dict[str, Any]], now: float) -> None:
+def store_events(conn: Connection, events: list[dict[str, Any]], now: float) -> None:
     if events:
         conn.execute(
             insert(m.events),

@@ -124,14 +124,14 @@ def clean_limit(onset_step: int, margin_steps: int) -> int:
     return onset_step - 2 - margin_steps
 
 
-def _carried(plan: dict[str, Any] | None) -> dict[str, Any]:
+def carried_plan(plan: dict[str, Any] | None) -> dict[str, Any]:
     """What a rollback's next attempt keeps of the plan: the attempt count, an operator's
     checkpoint, and the restores that did not fix the anomaly (with the bound they set)."""
     keys = ("attempt", "checkpoint_step", "below_step", "restores", "round_start", "after_evict")
     return {k: v for k, v in (plan or {}).items() if k in keys}
 
 
-def _not_fixed(restore: dict[str, Any]) -> str:
+def not_fixed(restore: dict[str, Any]) -> str:
     steps = restore.get("steps") or []
     on = f" (steps {steps[0]}-{steps[-1]} run again)" if len(steps) == 2 else ""
     return (

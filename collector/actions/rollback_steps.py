@@ -12,15 +12,15 @@ from sqlalchemy import select, update
 from trainwarden.alerts.rules import Rule
 from trainwarden.collector.actions.records import (
     LIVE_RANKS,
-    _acks,
-    _commands,
-    _gone,
-    _live_ranks,
     create_action,
+    gone_ranks,
+    live_ranks,
+    queue_commands,
+    rank_acks,
 )
 from trainwarden.collector.actions.rollback import (
-    _carried,
-    _not_fixed,
+    carried_plan,
+    not_fixed,
     rollback_plan,
 )
 from trainwarden.collector.actions.rollback_check import (
@@ -28,7 +28,7 @@ from trainwarden.collector.actions.rollback_check import (
     checkable,
     steps_needed,
 )
-from trainwarden.collector.actions.steps import Steps, _Ctx
+from trainwarden.collector.actions.steps import Ctx, Steps
 from trainwarden.collector.store import models as m
 
 AFTER_EVICT_TIMEOUT_S = 900.0
@@ -39,7 +39,7 @@ ENDED_BEFORE_RESTORING = "its process ended before it restored (the job finished
 
 
 class RollbackSteps(Steps):
-    def _start_rollback(self, ctx: _Ctx, row: Any) -> None:
+    def _start_rollback(self, ctx: Ctx, row: Any) -> None:
         pol = self.policy.rollback
         # Spent: every rollback of the period that reached the ranks, whether it is running,
         # done, or failed once it had started (a rollback that fails at the ranks again and
@@ -68,7 +68,7 @@ class RollbackSteps(Steps):
                 f"{pol.budget.per}; stopping the run instead"
             )
             if before:
-                why = f"{_not_fixed(before[-1])}; {why}"
+                why = f"{not_fixed(before[-1])}; {why}"
             self._finish(ctx, row, "failed", reason=why)
             create_action(
                 ctx.conn,
@@ -89,7 +89,7 @@ class RollbackSteps(Steps):
         plan, problem = rollback_plan(ctx.conn, row, pol)
         if plan is None:
             if before:
-                problem = f"{_not_fixed(before[-1])}, and no older clean checkpoint: {problem}"
+                problem = f"{not_fixed(before[-1])}, and no older clean checkpoint: {problem}"
             self._finish(ctx, row, "failed", reason=problem)
             return
         a = m.actions.c
@@ -108,15 +108,15 @@ class RollbackSteps(Steps):
             return
         attempt = (row.plan or {}).get("attempt", 0) + 1
         plan.update(
-            _carried(row.plan), attempt=attempt
+            carried_plan(row.plan), attempt=attempt
         )  # an operator's checkpoint, earlier restores
-        ranks = ranks_back or _live_ranks(ctx.conn, row.run_id)
+        ranks = ranks_back or live_ranks(ctx.conn, row.run_id)
         if not ranks:
             self._finish(ctx, row, "failed", reason="no live rank to roll back")
             return
         plan["ranks"] = ranks
         plan["prepared_at"] = ctx.now
-        _commands(
+        queue_commands(
             ctx.conn,
             row,
             ranks,
@@ -137,7 +137,7 @@ class RollbackSteps(Steps):
             plan=plan,
         )
 
-    def _back_after_eviction(self, ctx: _Ctx, row: Any) -> tuple[str, list[int] | None]:
+    def _back_after_eviction(self, ctx: Ctx, row: Any) -> tuple[str, list[int] | None]:
         """For the rollback of an ``evict+rollback`` rule: ``("wait", None)`` while its
         eviction runs and until the job is back without the node (a new attempt started
         after the eviction, each of its ranks live and past its first step), then
@@ -190,13 +190,13 @@ class RollbackSteps(Steps):
             return "wait", None
         return "wait", None
 
-    def _executing_rollback(self, ctx: _Ctx, row: Any) -> None:
+    def _executing_rollback(self, ctx: Ctx, row: Any) -> None:
         pol = self.policy.rollback
         plan = dict(row.plan)
         if "restored_at" in plan:
             self._verify_rollback(ctx, row, plan)
             return
-        acks = _acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
+        acks = rank_acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
         ranks = plan["ranks"]
         if "committed_at" not in plan:
             prepared = {
@@ -210,7 +210,7 @@ class RollbackSteps(Steps):
             }
             # A rank whose process ended (the job finished, it died) will never hold: say
             # so now, not after the prepare's timeout and its retries.
-            ended = _gone(ctx.conn, row.run_id, [r for r in ranks if r not in prepared])
+            ended = gone_ranks(ctx.conn, row.run_id, [r for r in ranks if r not in prepared])
             refused |= {r: {"error": ENDED_BEFORE_HOLDING} for r in ended}
             if refused or ctx.now - plan["prepared_at"] > pol.prepare_timeout.value:
                 why = (
@@ -233,7 +233,7 @@ class RollbackSteps(Steps):
                         "action": row.id,
                         "attempt": plan["attempt"],
                     }
-                    _commands(ctx.conn, row, ranks, abort, ctx.now)
+                    queue_commands(ctx.conn, row, ranks, abort, ctx.now)
                 else:  # try again
                     # Decisions are per attempt: this abort frees the ranks holding now,
                     # and cannot decide the next attempt.
@@ -248,13 +248,13 @@ class RollbackSteps(Steps):
                         "action": row.id,
                         "attempt": plan["attempt"],
                     }
-                    _commands(ctx.conn, row, ranks, abort, ctx.now)
+                    queue_commands(ctx.conn, row, ranks, abort, ctx.now)
                     self._set(
                         ctx,
                         row,
                         "approved",
                         detail=f"aborted attempt {plan['attempt']}: {why}",
-                        plan=_carried(plan),
+                        plan=carried_plan(plan),
                     )
                 return
             if len(prepared) == len(ranks):
@@ -275,7 +275,7 @@ class RollbackSteps(Steps):
                     "barrier_step": barrier,
                     "skip_to": skip_to,
                 }
-                _commands(ctx.conn, row, ranks, commit, ctx.now)
+                queue_commands(ctx.conn, row, ranks, commit, ctx.now)
                 plan.update(
                     committed_at=ctx.now,
                     barrier_step=barrier,
@@ -297,7 +297,7 @@ class RollbackSteps(Steps):
         }
         failed = {r: a for r, a in done.items() if not a.get("applied")}
         # A rank that ended before restoring never will (the job finished meanwhile).
-        ended = _gone(ctx.conn, row.run_id, [r for r in ranks if r not in done])
+        ended = gone_ranks(ctx.conn, row.run_id, [r for r in ranks if r not in done])
         failed |= {r: {"error": ENDED_BEFORE_RESTORING} for r in ended}
         if failed:
             why = "; ".join(
@@ -354,7 +354,7 @@ class RollbackSteps(Steps):
                 f"{pol.apply_timeout}",
             )
 
-    def _rule_of(self, ctx: _Ctx, row: Any) -> Rule | None:
+    def _rule_of(self, ctx: Ctx, row: Any) -> Rule | None:
         if row.alert_id is None:
             return None  # an operator's rollback: no rule to ask
         name = ctx.conn.execute(
@@ -362,7 +362,7 @@ class RollbackSteps(Steps):
         ).scalar()
         return self.rules.get(name) if name is not None else None
 
-    def _verify_rollback(self, ctx: _Ctx, row: Any, plan: dict[str, Any]) -> None:
+    def _verify_rollback(self, ctx: Ctx, row: Any, plan: dict[str, Any]) -> None:
         """Every rank restored: done once the alert's rule no longer holds on the steps
         run again; if it still does, the checkpoint was bad too, and the rollback goes
         again to an older clean one (:meth:`_start_rollback` keeps the budget)."""
@@ -389,7 +389,7 @@ class RollbackSteps(Steps):
             now=ctx.now,
         )
         if not check.ready:
-            gone = _gone(ctx.conn, row.run_id, plan["ranks"])
+            gone = gone_ranks(ctx.conn, row.run_id, plan["ranks"])
             if gone or ctx.now - plan["restored_at"] > pol.verify_timeout.value:
                 why = f"ranks {sorted(gone)} ended" if gone else f"waited {pol.verify_timeout}"
                 self._finish(
@@ -413,7 +413,7 @@ class RollbackSteps(Steps):
             .values(done_at=ctx.now)
         )
         again = {
-            **_carried(plan),
+            **carried_plan(plan),
             "restores": restores,
             "below_step": step,
             "round_start": plan["attempt"] + 1,
@@ -422,6 +422,6 @@ class RollbackSteps(Steps):
             ctx,
             row,
             "approved",
-            detail=f"{_not_fixed(restores[-1])}; rolling back to an older checkpoint",
+            detail=f"{not_fixed(restores[-1])}; rolling back to an older checkpoint",
             plan=again,
         )

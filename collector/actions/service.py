@@ -10,7 +10,12 @@ from typing import Any
 from sqlalchemy import Connection, select, update
 
 from trainwarden.collector.actions.policy import ActionPolicy
-from trainwarden.collector.actions.records import _event, _history, _store_events, create_action
+from trainwarden.collector.actions.records import (
+    action_event,
+    create_action,
+    history_with,
+    store_events,
+)
 from trainwarden.collector.actions.rollback import checkpoints
 from trainwarden.collector.actions.schemas import ActionIn, ActionOut, CheckpointOut
 from trainwarden.collector.read.queries import run_id_of
@@ -148,7 +153,7 @@ def decide(
     values: dict[str, Any] = {
         "state": state,
         "updated_at": now,
-        "history": _history(row, state, by, reason or None, now),
+        "history": history_with(row, state, by, reason or None, now),
     }
     if state == "approved":
         values["approver"] = by
@@ -156,5 +161,5 @@ def decide(
         values.update(finished_at=now, reason=reason or f"cancelled by {by}")
     conn.execute(update(m.actions).where(m.actions.c.id == action_id).values(**values))
     detail = f"{state} by {by}" + (f": {reason}" if reason else "")
-    _store_events(conn, [_event(row, state, detail, now)], now)  # for the run's timeline
+    store_events(conn, [action_event(row, state, detail, now)], now)  # for the run's timeline
     return _out(_get(conn, action_id))

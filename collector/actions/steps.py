@@ -1,4 +1,4 @@
-"""What every kind of action's steps share: a pass's context (``_Ctx``) and moving an
+"""What every kind of action's steps share: a pass's context (``Ctx``) and moving an
 action's row along its states (``_set``, ``_finish``), with its history and events."""
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from sqlalchemy import Connection, update
 from trainwarden.alerts.rules import Rule
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.records import (
-    _event,
-    _history,
+    action_event,
+    history_with,
 )
 from trainwarden.collector.store import models as m
 
 
 @dataclass
-class _Ctx:
+class Ctx:
     conn: Connection
     now: float
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -36,7 +36,7 @@ class Steps:
 
     def _set(
         self,
-        ctx: _Ctx,
+        ctx: Ctx,
         row: Any,
         state: str,
         *,
@@ -50,14 +50,14 @@ class Steps:
             .values(
                 state=state,
                 updated_at=ctx.now,
-                history=_history(row, state, by, detail, ctx.now),
+                history=history_with(row, state, by, detail, ctx.now),
                 **values,
             )
         )
-        ctx.events.append(_event(row, state, detail, ctx.now))
+        ctx.events.append(action_event(row, state, detail, ctx.now))
 
     def _finish(
-        self, ctx: _Ctx, row: Any, state: str, *, reason: str | None = None, result: Any = None
+        self, ctx: Ctx, row: Any, state: str, *, reason: str | None = None, result: Any = None
     ) -> None:
         values: dict[str, Any] = {"finished_at": ctx.now}
         if reason is not None:
@@ -73,7 +73,7 @@ class Steps:
         if state == "failed":
             ctx.events.append(
                 {
-                    **_event(row, "failed", reason, ctx.now),
+                    **action_event(row, "failed", reason, ctx.now),
                     "kind": "action_failed",
                     "severity": "critical",
                 }

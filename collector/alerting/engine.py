@@ -68,7 +68,7 @@ from trainwarden.collector.alerting.snapshot import (
     needs_of,
     snapshot,
 )
-from trainwarden.collector.alerting.writes import _alert_of, _healed, _num, _Writes
+from trainwarden.collector.alerting.writes import Writes, alert_of, finite_or_none, healed_alerts
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.loops import spaced
 from trainwarden.collector.read.economics import EconomicsSettings
@@ -393,8 +393,8 @@ class AlertEngine:
                     labels = _labels(rule, run.name, v)
                     seen[fingerprint(rule.name, labels)] = (rule, v, labels, run, snap)
         run_steps = {run.id: run.last_step for run in runs}
-        writes = _Writes()
-        healed = _healed(
+        writes = Writes()
+        healed = healed_alerts(
             conn, [row for fp, row in open_rows.items() if fp not in seen and row.state == "firing"]
         )
         # Alerts the pass speaks for: those found active, and the open ones whose rule
@@ -431,7 +431,7 @@ class AlertEngine:
 
     def _advance_active(
         self,
-        writes: _Writes,
+        writes: Writes,
         fp: str,
         row: Any,
         rule: Rule,
@@ -441,7 +441,7 @@ class AlertEngine:
         snap: Snapshot,
         now: float,
     ) -> int:
-        alert = _alert_of(row) if row is not None else Alert(rule.name, labels)
+        alert = alert_of(row) if row is not None else Alert(rule.name, labels)
         new = advance(
             alert,
             active=True,
@@ -469,7 +469,7 @@ class AlertEngine:
             cleared_at=new.cleared_at,
             cleared_at_step=new.cleared_at_step,
             resolved_at=new.resolved_at,
-            value=_num(v.value),
+            value=finite_or_none(v.value),
             step=v.step,
             annotations=annotations,
             node=info.node if info else None,
@@ -503,7 +503,7 @@ class AlertEngine:
 
     def _advance_stored(
         self,
-        writes: _Writes,
+        writes: Writes,
         row: Any,
         rule: Rule | None,
         now: float,
@@ -512,11 +512,11 @@ class AlertEngine:
         healed: bool = False,
     ) -> int:
         """An open alert whose condition this pass did not find. ``healed``: an action
-        carried out since it fired dealt with it (:func:`_healed`), so it resolves
+        carried out since it fired dealt with it (:func:`healed_alerts`), so it resolves
         once its condition has cleared, without waiting out ``keep_firing_for`` (a hold
         against flapping, and for an instant event to stay in view: the action dealt with
         it, and the resolve tells on-call so)."""
-        alert = _alert_of(row)
+        alert = alert_of(row)
         if rule is None or healed:  # a rule removed from the pack: nothing to wait for
             new = advance(alert, active=False, now=now, step=step, for_=ZERO, keep_firing_for=ZERO)
         else:
@@ -607,7 +607,7 @@ class AlertEngine:
         for members in sets.values():
             notes += self._storm(members, now)
         sent = 0
-        writes = _Writes()
+        writes = Writes()
         for entry in entries:
             if entry.changes:
                 writes.updates.append({"b_id": entry.row.id, **entry.changes})

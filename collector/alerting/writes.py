@@ -1,6 +1,6 @@
 """What an alert pass writes: its new, changed and forgotten alerts in one statement
-for each kind of change (``_Writes``), and which firing alerts an action already dealt
-with (``_healed``)."""
+for each kind of change (``Writes``), and which firing alerts an action already dealt
+with (``healed_alerts``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from trainwarden.alerts import Alert
 from trainwarden.collector.store import models as m
 
 
-class _Writes:
+class Writes:
     """A pass's new, changed and forgotten alerts, written in one statement for each kind
     of change (an executemany): a job that dies whole brings thousands of RankDead alerts
     at once, and when it comes back they all resolve at once."""
@@ -42,7 +42,7 @@ class _Writes:
         self.inserts, self.updates, self.deletes = [], [], []
 
 
-def _healed(conn: Connection, firing: list[Any]) -> set[int]:
+def healed_alerts(conn: Connection, firing: list[Any]) -> set[int]:
     """The ids of the ``firing`` alerts that an action carried out since they fired (done,
     not a dry run) dealt with: their own action, or, for a stability alert (the loss, the
     grad norm), a rollback of their run, which threw away the steps they fired on."""
@@ -81,11 +81,11 @@ def _healed(conn: Connection, firing: list[Any]) -> set[int]:
     return healed
 
 
-def _num(value: float | None) -> float | None:
+def finite_or_none(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-def _alert_of(row: Any) -> Alert:
+def alert_of(row: Any) -> Alert:
     return Alert(
         rule=row.rule,
         labels=dict(row.labels),

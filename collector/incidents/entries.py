@@ -46,7 +46,7 @@ ORDER = {
 }
 
 
-def _entry(
+def timeline_entry(
     at: float,
     source: str,
     kind: str,
@@ -75,12 +75,12 @@ def _entry(
     }
 
 
-def _order(e: dict[str, Any]) -> tuple[float, int]:
+def entry_order(e: dict[str, Any]) -> tuple[float, int]:
     key = f"{e['source']}:{e['kind']}"
     return e["at"], ORDER.get(key, ORDER.get(e["source"], 6))
 
 
-class _Links:
+class Links:
     def __init__(self, base: str, run: str) -> None:
         self.base, self.run = base.rstrip("/"), run
 
@@ -93,7 +93,7 @@ class _Links:
         return url
 
 
-def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> list[dict[str, Any]]:
+def alert_entries(conn: Connection, alert_rows: list[Any], link: Links) -> list[dict[str, Any]]:
     out = []
     ui = link(f"/alerts?run={link.run}")
     for a in alert_rows:
@@ -103,9 +103,9 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
         )
         common = dict(rank=a.rank, node=a.node, runbook_url=rb, ui_url=ui, ref={"alert": a.id})
         if a.onset_step is not None and a.onset_step != a.active_since_step:
-            began = _step_ts(conn, a.run_id, a.onset_step) or a.active_since
+            began = step_ts(conn, a.run_id, a.onset_step) or a.active_since
             out.append(
-                _entry(
+                timeline_entry(
                     min(began, a.active_since),
                     "alert",
                     "onset",
@@ -117,7 +117,7 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
                 )
             )
         out.append(
-            _entry(
+            timeline_entry(
                 a.active_since,
                 "alert",
                 "pending",
@@ -129,7 +129,7 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
         )
         if a.fired_at is not None:
             out.append(
-                _entry(
+                timeline_entry(
                     a.fired_at,
                     "alert",
                     "firing",
@@ -141,10 +141,12 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
             )
         if a.acked_at is not None:
             by = f" by {a.acked_by}" + (f": {a.ack_comment}" if a.ack_comment else "")
-            out.append(_entry(a.acked_at, "alert", "acked", f"{a.rule} acknowledged{by}", **common))
+            out.append(
+                timeline_entry(a.acked_at, "alert", "acked", f"{a.rule} acknowledged{by}", **common)
+            )
         if a.state == "resolved" and a.cleared_at is not None and a.cleared_at != a.resolved_at:
             out.append(
-                _entry(
+                timeline_entry(
                     a.cleared_at,
                     "alert",
                     "cleared",
@@ -154,7 +156,9 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
                 )
             )
         if a.resolved_at is not None:
-            out.append(_entry(a.resolved_at, "alert", "resolved", f"{a.rule} resolved", **common))
+            out.append(
+                timeline_entry(a.resolved_at, "alert", "resolved", f"{a.rule} resolved", **common)
+            )
     d = m.alert_deliveries.c
     by_id = {a.id: a for a in alert_rows}
     for r in conn.execute(
@@ -165,7 +169,7 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
         verb = "delivered to" if r.ok else "failed at"
         text = f"{a.rule} {r.status} {verb} {r.receiver} ({r.kind}, attempt {r.attempt}): {outcome}"
         out.append(
-            _entry(
+            timeline_entry(
                 r.at + r.duration_s,
                 "page",
                 "delivered" if r.ok else "failed",
@@ -179,7 +183,7 @@ def _alert_entries(conn: Connection, alert_rows: list[Any], link: _Links) -> lis
     return out
 
 
-def _action_entries(action_rows: list[Any], link: _Links) -> list[dict[str, Any]]:
+def action_entries(action_rows: list[Any], link: Links) -> list[dict[str, Any]]:
     out = []
     for ac in action_rows:
         ui = link(f"/api/v1/actions/{ac.id}")
@@ -205,7 +209,7 @@ def _action_entries(action_rows: list[Any], link: _Links) -> list[dict[str, Any]
                 )
             severity = {"failed": "critical", "done": "info"}.get(h["state"], "warning")
             out.append(
-                _entry(
+                timeline_entry(
                     h["at"],
                     "action",
                     h["state"],
@@ -264,12 +268,12 @@ def _is_fault(kind: str, data: dict[str, Any]) -> bool:
     return kind in FAULT_KINDS or (kind == "rank_state" and data.get("to") in BAD_STATES)
 
 
-def _event_entries(
-    rows: list[Any], nodes: dict[int, str | None], link: _Links
+def event_entries(
+    rows: list[Any], nodes: dict[int, str | None], link: Links
 ) -> list[dict[str, Any]]:
     ui = link(f"/runs/{link.run}")
     return [
-        _entry(
+        timeline_entry(
             e.ts,
             "event",
             e.kind,
@@ -285,8 +289,8 @@ def _event_entries(
     ]
 
 
-def _attempt_entries(
-    tries: list[dict[str, Any]], start: float, end: float, link: _Links
+def attempt_entries(
+    tries: list[dict[str, Any]], start: float, end: float, link: Links
 ) -> list[dict[str, Any]]:
     """An attempt's start and, once it ended, its end and why, inside ``start``..``end``."""
     ui = link(f"/runs/{link.run}/info")
@@ -298,7 +302,7 @@ def _attempt_entries(
             if n > 1 and t["first_step"] is not None:
                 text += f"; resumed at step {t['first_step']}"
             out.append(
-                _entry(
+                timeline_entry(
                     t["started_at"],
                     "attempt",
                     "started",
@@ -315,7 +319,7 @@ def _attempt_entries(
                 f": {t['exit_detail']}" if t["exit_detail"] else ""
             )
             out.append(
-                _entry(
+                timeline_entry(
                     at,
                     "attempt",
                     "ended",
@@ -329,9 +333,9 @@ def _attempt_entries(
     return out
 
 
-def _note_entries(rows: list[Any]) -> list[dict[str, Any]]:
+def note_entries(rows: list[Any]) -> list[dict[str, Any]]:
     return [
-        _entry(
+        timeline_entry(
             n.at,
             "note",
             "note",
@@ -343,10 +347,10 @@ def _note_entries(rows: list[Any]) -> list[dict[str, Any]]:
     ]
 
 
-def _incident_entries(incident: dict[str, Any], link: _Links) -> list[dict[str, Any]]:
+def incident_entries(incident: dict[str, Any], link: Links) -> list[dict[str, Any]]:
     ui = link(f"/runs/{link.run}/timeline?incident={incident['id']}")
     return [
-        _entry(
+        timeline_entry(
             h["at"] if h["what"] != "opened" else incident["opened_at"],
             "incident",
             h["what"],
@@ -359,7 +363,7 @@ def _incident_entries(incident: dict[str, Any], link: _Links) -> list[dict[str, 
     ]
 
 
-def _step_ts(conn: Connection, run_id: int, step: int) -> float | None:
+def step_ts(conn: Connection, run_id: int, step: int) -> float | None:
     """When ``step`` of the run began (its rolled-up step time's timestamp)."""
     s = m.step_stats.c
     return conn.execute(

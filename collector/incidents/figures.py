@@ -9,12 +9,12 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from trainwarden.collector.incidents.entries import _entry, _step_ts
+from trainwarden.collector.incidents.entries import step_ts, timeline_entry
 from trainwarden.collector.read.queries import median_step_time
 from trainwarden.collector.store import models as m
 
 
-def _figures(
+def incident_figures(
     conn: Connection,
     ru: Any,
     alert_rows: list[Any],
@@ -138,7 +138,7 @@ def _first_anomalous_step(
             if isinstance(flagged.flags, (list, dict))
             else str(flagged.flags)
         )
-        return _entry(
+        return timeline_entry(
             flagged.ts,
             "derived",
             "anomaly",
@@ -151,10 +151,10 @@ def _first_anomalous_step(
     steps = [s for s in steps if s is not None]
     if not steps:
         return None
-    ts = _step_ts(conn, run_id, min(steps))
+    ts = step_ts(conn, run_id, min(steps))
     if ts is None or ts < start or ts > until:
         return None
-    return _entry(
+    return timeline_entry(
         ts,
         "derived",
         "anomaly",
@@ -179,7 +179,7 @@ def _recovery(
         ).first()
         if first is not None:
             kinds = " and ".join(sorted({r.kind for r in done}))
-            return _entry(
+            return timeline_entry(
                 first.ts,
                 "derived",
                 "recovered",
@@ -191,7 +191,7 @@ def _recovery(
         step = max(
             (r.cleared_at_step for r in alert_rows if r.cleared_at_step is not None), default=None
         )
-        return _entry(
+        return timeline_entry(
             at, "derived", "recovered", "recovered: every alert's condition cleared", step=step
         )
     return None

@@ -13,16 +13,16 @@ from trainwarden.collector.incidents.store import (
     ENDED,
     ENGINE,
     SEVERITY_ORDER,
-    _attach,
-    _create,
-    _entry,
-    _get,
-    _log,
-    _member,
-    _open_of,
-    _set_closed,
-    _widen,
-    _worse,
+    append_log,
+    attach,
+    create_incident,
+    incident_row,
+    log_line,
+    member_of,
+    open_incident_of,
+    set_closed,
+    widen,
+    worse_of,
 )
 from trainwarden.collector.store import models as m
 
@@ -40,7 +40,7 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
     a, ac, inc = m.alerts.c, m.actions.c, m.incidents.c
     fired = conn.execute(
         select(a.id, a.run_id, a.rule, a.rank, a.node, a.severity, a.fired_at)
-        .where(a.fired_at.is_not(None), ~_member("alert", a.id))
+        .where(a.fired_at.is_not(None), ~member_of("alert", a.id))
         .order_by(a.fired_at, a.id)
     ).all()
     # A run's new alerts join its incident together: a job that dies whole fires a
@@ -50,7 +50,7 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
     for alert in fired:
         by_run.setdefault(alert.run_id, []).append(alert)
     for run_id, alerts in by_run.items():
-        incident_id = _open_of(conn, run_id)
+        incident_id = open_incident_of(conn, run_id)
         severity = None
         if incident_id is not None:
             severity = conn.execute(select(inc.severity).where(inc.id == incident_id)).scalar_one()
@@ -59,7 +59,7 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
             where += f" ({alert.node})" if alert.node else ""
             title = f"{alert.rule}{where}"
             if incident_id is None:
-                incident_id = _create(
+                incident_id = create_incident(
                     conn,
                     run_id=run_id,
                     title=title,
@@ -73,10 +73,10 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
                 result.opened.append(incident_id)
             elif SEVERITY_ORDER.get(alert.severity, 0) > SEVERITY_ORDER.get(severity or "", 0):
                 _escalate(conn, incident_id, title=title, alert=alert, now=now)
-            severity = alert.severity if severity is None else _worse(severity, alert.severity)
+            severity = alert.severity if severity is None else worse_of(severity, alert.severity)
         assert incident_id is not None
-        _attach(conn, incident_id, "alert", [alert.id for alert in alerts], now)
-        _widen(
+        attach(conn, incident_id, "alert", [alert.id for alert in alerts], now)
+        widen(
             conn,
             incident_id,
             ranks=[alert.rank for alert in alerts],
@@ -87,7 +87,7 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
         result.joined += len(alerts)
     loose = conn.execute(
         select(ac.id, ac.run_id, ac.alert_id, ac.rank, ac.node, ac.created_at).where(
-            ~_member("action", ac.id)
+            ~member_of("action", ac.id)
         )
     ).all()
     i = m.incident_items.c
@@ -111,15 +111,15 @@ def group(conn: Connection, *, now: float, cooldown_s: float) -> PassResult:
             target = open_
         if target is None:
             continue
-        _attach(conn, target, "action", [action.id], now)
-        _widen(conn, target, ranks=[action.rank], nodes=[action.node], now=now)
+        attach(conn, target, "action", [action.id], now)
+        widen(conn, target, ranks=[action.rank], nodes=[action.node], now=now)
         result.joined += 1
     for row in conn.execute(
         select(inc.id, inc.opened_at).where(inc.state == "open", inc.auto == 1)
     ).all():
         quiet_since = _quiet_since(conn, row.id, row.opened_at)
         if quiet_since is not None and now - quiet_since >= cooldown_s:
-            _set_closed(
+            set_closed(
                 conn,
                 row.id,
                 by=ENGINE,
@@ -135,15 +135,15 @@ def _escalate(conn: Connection, incident_id: int, *, title: str, alert: Any, now
     """A more severe alert joining an incident the engine titled takes over its title
     (a warning's incident that an XID joined read "StepTimeRegression" under a critical
     badge). A title an operator gave is theirs: it stays."""
-    row = _get(conn, incident_id)
+    row = incident_row(conn, incident_id)
     if not row.auto or SEVERITY_ORDER.get(alert.severity, 0) <= SEVERITY_ORDER.get(row.severity, 0):
         return
     if any(e.get("what") == "retitled" and e.get("by") != ENGINE for e in row.history or []):
         return
-    _log(
+    append_log(
         conn,
         row,
-        _entry(
+        log_line(
             "retitled",
             ENGINE,
             now,

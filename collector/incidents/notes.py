@@ -6,7 +6,7 @@ from typing import Any
 
 from sqlalchemy import Connection, insert, select
 
-from trainwarden.collector.incidents.store import Invalid, _get, _open_of
+from trainwarden.collector.incidents.store import Invalid, incident_row, open_incident_of
 from trainwarden.collector.read.queries import run_id_of as _run_id
 from trainwarden.collector.store import models as m
 
@@ -26,13 +26,13 @@ def add_note(
     incident it joins the run's open incident, if there is one."""
     run_id = _run_id(conn, run)
     if incident_id is not None:
-        row = _get(conn, incident_id)
+        row = incident_row(conn, incident_id)
         if row.run_id != run_id:
             raise Invalid(f"incident {incident_id} is of run {row.run_name!r}, not {run!r}")
         if row.state == "merged":
             incident_id = row.merged_into
     else:
-        incident_id = _open_of(conn, run_id)
+        incident_id = open_incident_of(conn, run_id)
     note_id = conn.execute(
         insert(m.notes)
         .values(

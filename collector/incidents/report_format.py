@@ -98,7 +98,7 @@ def goodput_line(g: dict[str, Any] | None) -> str | None:
     return line
 
 
-def _where(e: dict[str, Any]) -> str:
+def where_of(e: dict[str, Any]) -> str:
     parts = []
     if e.get("rank") is not None:
         parts.append(f"rank {e['rank']}")
@@ -107,7 +107,7 @@ def _where(e: dict[str, Any]) -> str:
     return " ".join(parts)
 
 
-def _title(t: dict[str, Any]) -> str:
+def title_of(t: dict[str, Any]) -> str:
     i = t["incident"]
     return f"Incident {i['id']}: {i['title']} ({i['state']})"
 
@@ -178,7 +178,7 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
         lines.append("")
     for t in report["incidents"]:
         i, f = t["incident"], t["figures"]
-        lines += [heading(_title(t), 2), ""]
+        lines += [heading(title_of(t), 2), ""]
         scope = f"severity {i['severity']}; opened {clock(i['opened_at'])} by {i['opened_by']}"
         if i["closed_at"]:
             scope += f"; closed {clock(i['closed_at'])} by {i['closed_by']}"
@@ -198,7 +198,7 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
         ]
         lines += ["", heading("Timeline", 3), ""]
         for e in t["entries"]:
-            where = _where(e)
+            where = where_of(e)
             bits = [f"`{clock(e['at'])[11:23]}`"]
             if e["step"] is not None:
                 bits.append(f"step {e['step']}")

@@ -10,12 +10,12 @@ from typing import Any
 from trainwarden.collector.incidents.report_format import (
     CHART_METRICS,
     MFU_FORMAT,
-    _title,
-    _where,
     clock,
     crash_lines,
     figure_lines,
     goodput_line,
+    title_of,
+    where_of,
 )
 
 CSS = (
@@ -166,7 +166,7 @@ def render_html(report: dict[str, Any]) -> str:
         )
     for n, t in enumerate(report["incidents"]):
         i, f = t["incident"], t["figures"]
-        body.append(f"<h2 id='incident-{i['id']}'>{esc(_title(t))}</h2>")
+        body.append(f"<h2 id='incident-{i['id']}'>{esc(title_of(t))}</h2>")
         meta = (
             f"severity {esc(i['severity'])} · opened {clock(i['opened_at'])} by "
             f"{esc(i['opened_by'])}"
@@ -202,7 +202,7 @@ def render_html(report: dict[str, Any]) -> str:
                 f"<tr class='entry sev-{esc(e['severity'])}' "
                 f"data-source='{esc(e['source'])}' data-kind='{esc(e['kind'])}'>"
                 f"<td>{clock(e['at'])[11:23]}</td><td>{'' if e['step'] is None else e['step']}</td>"
-                f"<td>{esc(e['source'])}/{esc(e['kind'])}</td><td>{esc(_where(e))}</td><td>{esc(e['severity'])}</td>"
+                f"<td>{esc(e['source'])}/{esc(e['kind'])}</td><td>{esc(where_of(e))}</td><td>{esc(e['severity'])}</td>"
                 f"<td>{esc(e['text'])}</td><td>{' '.join(links)}</td></tr>"
             )
         body.append(

@@ -55,15 +55,15 @@ class IncidentSettings:
     price_per_gpu_hour: float | None = None
 
 
-def _worse(a: str, b: str) -> str:
+def worse_of(a: str, b: str) -> str:
     return a if SEVERITY_ORDER.get(a, 0) >= SEVERITY_ORDER.get(b, 0) else b
 
 
-def _entry(what: str, by: str, now: float, detail: str | None = None) -> dict[str, Any]:
+def log_line(what: str, by: str, now: float, detail: str | None = None) -> dict[str, Any]:
     return {"at": now, "what": what, "by": by, "detail": detail}
 
 
-def _member(kind: str, column: Any) -> Any:
+def member_of(kind: str, column: Any) -> Any:
     i = m.incident_items.c
     return exists().where(i.kind == kind, i.item_id == column)
 
@@ -84,7 +84,7 @@ def _natural(value: Any) -> tuple[Any, ...]:
 # -- the engine's pass --------------------------------------------------------------
 
 
-def _open_of(conn: Connection, run_id: int) -> int | None:
+def open_incident_of(conn: Connection, run_id: int) -> int | None:
     inc = m.incidents.c
     return conn.execute(
         select(inc.id)
@@ -94,7 +94,7 @@ def _open_of(conn: Connection, run_id: int) -> int | None:
     ).scalar()
 
 
-def _create(
+def create_incident(
     conn: Connection,
     *,
     run_id: int,
@@ -120,14 +120,14 @@ def _create(
                 ranks=[],
                 nodes=[],
                 updated_at=now,
-                history=[_entry("opened", by, now, detail)],
+                history=[log_line("opened", by, now, detail)],
             )
             .returning(m.incidents.c.id)
         ).scalar_one()
     )
 
 
-def _attach(conn: Connection, incident_id: int, kind: str, ids: Sequence[int], now: float) -> None:
+def attach(conn: Connection, incident_id: int, kind: str, ids: Sequence[int], now: float) -> None:
     if ids:
         conn.execute(
             insert(m.incident_items),
@@ -138,7 +138,7 @@ def _attach(conn: Connection, incident_id: int, kind: str, ids: Sequence[int], n
         )
 
 
-def _widen(
+def widen(
     conn: Connection,
     incident_id: int,
     *,
@@ -154,7 +154,7 @@ def _widen(
     values = {
         "ranks": _scope(row.ranks or [], ranks),
         "nodes": _scope(row.nodes or [], nodes),
-        "severity": _worse(row.severity, severity or row.severity),
+        "severity": worse_of(row.severity, severity or row.severity),
     }
     if values != {"ranks": row.ranks, "nodes": row.nodes, "severity": row.severity}:
         conn.execute(
@@ -162,7 +162,7 @@ def _widen(
         )
 
 
-def _get(conn: Connection, incident_id: int) -> Any:
+def incident_row(conn: Connection, incident_id: int) -> Any:
     row = conn.execute(
         select(m.incidents, m.runs.c.name.label("run_name"))
         .join(m.runs, m.runs.c.id == m.incidents.c.run_id)
@@ -173,7 +173,7 @@ def _get(conn: Connection, incident_id: int) -> Any:
     return row
 
 
-def _log(conn: Connection, row: Any, entry: dict[str, Any], **values: Any) -> None:
+def append_log(conn: Connection, row: Any, entry: dict[str, Any], **values: Any) -> None:
     conn.execute(
         update(m.incidents)
         .where(m.incidents.c.id == row.id)
@@ -181,7 +181,7 @@ def _log(conn: Connection, row: Any, entry: dict[str, Any], **values: Any) -> No
     )
 
 
-def _set_closed(
+def set_closed(
     conn: Connection,
     incident_id: int,
     *,
@@ -190,11 +190,11 @@ def _set_closed(
     detail: str | None = None,
     summary: str | None = None,
 ) -> None:
-    row = _get(conn, incident_id)
+    row = incident_row(conn, incident_id)
     values: dict[str, Any] = {"state": "closed", "closed_at": now, "closed_by": by}
     if summary:
         values["summary"] = summary[:2000]
-    _log(conn, row, _entry("closed", by, now, detail or summary), **values)
+    append_log(conn, row, log_line("closed", by, now, detail or summary), **values)
 
 
 # -- reading --------------------------------------------------------------------------
@@ -238,7 +238,7 @@ def describe(conn: Connection, row: Any) -> dict[str, Any]:
 
 
 def get_incident(conn: Connection, *, incident_id: int) -> dict[str, Any]:
-    return describe(conn, _get(conn, incident_id))
+    return describe(conn, incident_row(conn, incident_id))
 
 
 def list_incidents(conn: Connection, *, run: str, merged: bool = False) -> list[dict[str, Any]]:
@@ -291,8 +291,8 @@ def open_incident(
     opened_at = at if at is not None else min((r.active_since for r in rows), default=now)
     severity = "warning"
     for r in rows:
-        severity = _worse(severity, r.severity)
-    incident_id = _create(
+        severity = worse_of(severity, r.severity)
+    incident_id = create_incident(
         conn,
         run_id=run_id,
         title=title,
@@ -302,30 +302,32 @@ def open_incident(
         opened_at=opened_at,
         now=now,
     )
-    _attach(conn, incident_id, "alert", sorted(found), now)
-    _widen(conn, incident_id, ranks=[r.rank for r in rows], nodes=[r.node for r in rows], now=now)
+    attach(conn, incident_id, "alert", sorted(found), now)
+    widen(conn, incident_id, ranks=[r.rank for r in rows], nodes=[r.node for r in rows], now=now)
     return incident_id
 
 
 def close_incident(
     conn: Connection, *, incident_id: int, by: str, summary: str | None = None, now: float
 ) -> None:
-    row = _get(conn, incident_id)
+    row = incident_row(conn, incident_id)
     if row.state != "open":
         raise Conflict(f"incident {incident_id} is {row.state}; only an open one can be closed")
-    _set_closed(conn, incident_id, by=by, now=now, summary=summary)
+    set_closed(conn, incident_id, by=by, now=now, summary=summary)
 
 
 def retitle_incident(
     conn: Connection, *, incident_id: int, title: str, by: str, now: float
 ) -> None:
-    row = _get(conn, incident_id)
+    row = incident_row(conn, incident_id)
     if row.state == "merged":
         raise Conflict(
             f"incident {incident_id} was merged into {row.merged_into}; retitle that one"
         )
     if row.title != title:
-        _log(conn, row, _entry("retitled", by, now, f"{row.title!r} -> {title!r}"), title=title)
+        append_log(
+            conn, row, log_line("retitled", by, now, f"{row.title!r} -> {title!r}"), title=title
+        )
 
 
 def merge_incidents(
@@ -333,13 +335,13 @@ def merge_incidents(
 ) -> None:
     """Move the alerts, actions and notes of ``sources`` into ``into`` (same run); the
     sources stay on record as ``merged`` and point at it."""
-    target = _get(conn, into)
+    target = incident_row(conn, into)
     if target.state == "merged":
         raise Conflict(f"incident {into} was merged into {target.merged_into}; merge into that one")
     if not sources or into in sources:
         raise Invalid("merge: name at least one other incident to merge in")
     inc, i, n = m.incidents.c, m.incident_items.c, m.notes.c
-    rows = [_get(conn, s) for s in dict.fromkeys(sources)]
+    rows = [incident_row(conn, s) for s in dict.fromkeys(sources)]
     for row in rows:
         if row.run_id != target.run_id:
             raise Invalid(f"incident {row.id} is of run {row.run_name!r}, not {target.run_name!r}")
@@ -350,25 +352,25 @@ def merge_incidents(
     conn.execute(update(m.notes).where(n.incident_id.in_(ids)).values(incident_id=into))
     severity = target.severity
     for row in rows:
-        severity = _worse(severity, row.severity)
-        _log(
+        severity = worse_of(severity, row.severity)
+        append_log(
             conn,
             row,
-            _entry("merged", by, now, f"into incident {into}"),
+            log_line("merged", by, now, f"into incident {into}"),
             state="merged",
             merged_into=into,
             closed_at=row.closed_at or now,
             closed_by=row.closed_by or by,
         )
-    target = _get(conn, into)
-    _log(
+    target = incident_row(conn, into)
+    append_log(
         conn,
         target,
-        _entry("merged", by, now, "merged in incident " + ", ".join(map(str, ids))),
+        log_line("merged", by, now, "merged in incident " + ", ".join(map(str, ids))),
         opened_at=min([target.opened_at, *(r.opened_at for r in rows)]),
         severity=severity,
     )
-    _widen(
+    widen(
         conn,
         into,
         ranks=[x for r in rows for x in r.ranks or []],

@@ -48,16 +48,16 @@ from typing import Any
 from sqlalchemy import Connection, and_, or_, select
 
 from trainwarden.collector.incidents.entries import (
-    _action_entries,
-    _alert_entries,
-    _attempt_entries,
-    _event_entries,
-    _incident_entries,
-    _Links,
-    _note_entries,
-    _order,
+    Links,
+    action_entries,
+    alert_entries,
+    attempt_entries,
+    entry_order,
+    event_entries,
+    incident_entries,
+    note_entries,
 )
-from trainwarden.collector.incidents.figures import _figures
+from trainwarden.collector.incidents.figures import incident_figures
 from trainwarden.collector.incidents.store import describe, members
 from trainwarden.collector.read.identity import attempts
 from trainwarden.collector.read.queries import NotFound
@@ -111,7 +111,7 @@ def timeline(
     ru = conn.execute(select(m.runs).where(m.runs.c.name == run)).first()
     if ru is None:
         raise NotFound(f"run {run!r} not found")
-    link = _Links(base_url, run)
+    link = Links(base_url, run)
     a, ac, e, n = m.alerts.c, m.actions.c, m.events.c, m.notes.c
     nodes = {
         r.rank: r.node
@@ -172,19 +172,19 @@ def timeline(
         .limit(event_limit)
     ).all()
     entries = [
-        *_alert_entries(conn, list(alert_rows), link),
-        *_action_entries(list(action_rows), link),
-        *_event_entries(list(event_rows), nodes, link),
-        *_note_entries(list(note_rows)),
-        *_attempt_entries(attempts(conn, ru.id, now=now), start, end, link),
+        *alert_entries(conn, list(alert_rows), link),
+        *action_entries(list(action_rows), link),
+        *event_entries(list(event_rows), nodes, link),
+        *note_entries(list(note_rows)),
+        *attempt_entries(attempts(conn, ru.id, now=now), start, end, link),
     ]
     figures = None
     if incident is not None:
-        entries += _incident_entries(incident, link)
-        figures = _figures(
+        entries += incident_entries(incident, link)
+        figures = incident_figures(
             conn, ru, list(alert_rows), list(action_rows), entries, start, price_per_gpu_hour
         )
-    entries.sort(key=_order)
+    entries.sort(key=entry_order)
     if incident is None:
         start = min([ru.created_at, *(x["at"] for x in entries[:1])])
     return {

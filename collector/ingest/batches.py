@@ -28,10 +28,10 @@ from sqlalchemy import (
 
 from trainwarden.collector.ingest import attempts, claims, crashes, endings, replicas, samples
 from trainwarden.collector.ingest.ranks import (
-    _known_ranks,
-    _newest,
-    _run_id,
-    _track_ranks,
+    known_ranks,
+    newest_heads,
+    run_id_for,
+    track_ranks,
 )
 from trainwarden.collector.ingest.schemas import (
     AGENT_FIELDS,
@@ -44,13 +44,13 @@ from trainwarden.collector.ingest.schemas import (
     StepIn,
 )
 from trainwarden.collector.ingest.steps import (
-    _REPLACED_COLUMNS,
-    _STEP_ROW,
-    _days,
-    _queue_rollups,
-    _step_columns,
-    _take,
-    _write_steps,
+    REPLACED_COLUMNS,
+    STEP_ROW,
+    days_of,
+    queue_rollups,
+    step_columns,
+    take_rows,
+    write_steps,
 )
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.bulk import dialect_insert, upsert_rows
@@ -148,11 +148,11 @@ def _normalize(batch: ColumnarBatch, at: float, i: int, drop: set[int]) -> _Requ
     that leaves no rank)."""
     cols, heads = batch.columns(), batch.header_columns()
     if drop:
-        heads = _take(heads, [k for k, rank in enumerate(heads["rank"]) if rank not in drop])
+        heads = take_rows(heads, [k for k, rank in enumerate(heads["rank"]) if rank not in drop])
         if not heads["rank"]:
             return None
         if cols:
-            cols = _take(cols, [k for k, rank in enumerate(cols["rank"]) if rank not in drop])
+            cols = take_rows(cols, [k for k, rank in enumerate(cols["rank"]) if rank not in drop])
             cols = cols if cols["rank"] else {}
     if cols.get("rank") == heads["rank"]:  # a row a rank, in the headers' order: the usual
         top = low = cols["step"]
@@ -251,20 +251,20 @@ def store_many(
     when = arrived or [now] * len(batches)
     requests, owner = _requests(batches, when)
     # First, before this transaction locks anything: a day partition a row needs.
-    days = {day for req in requests if req.steps for day in _days(req.steps["ts"])}
+    days = {day for req in requests if req.steps for day in days_of(req.steps["ts"])}
     days |= {day_of(g.ts) for req in requests for g in req.gpu}
     ensure_partitions(conn.engine, days)
     run_ids = {}
     for req in sorted(requests, key=lambda r: r.run):
         if req.run not in run_ids:
-            run_ids[req.run] = _run_id(conn, name=req.run, world_size=req.world_size, now=now)
+            run_ids[req.run] = run_id_for(conn, name=req.run, world_size=req.world_size, now=now)
 
     # Ranks: each run's headers column-wise (a list a field, not an object a rank), their
     # stored rows read once, and the sessions that claim a rank another live process
     # holds refused (claims.py: rare; the requests are then built again without them).
     by_run = _heads_by_run(requests, run_ids)
     found = {
-        run_id: _known_ranks(conn, run_id, list(dict.fromkeys(heads["rank"])))
+        run_id: known_ranks(conn, run_id, list(dict.fromkeys(heads["rank"])))
         for run_id, heads in sorted(by_run.items())
     }
     refused: dict[tuple[int, int], claims.Refusal] = {}
@@ -286,10 +286,10 @@ def store_many(
     for run_id in sorted(by_run):
         heads = by_run[run_id]
         mine = set(heads["rank"])
-        known = _track_ranks(
+        known = track_ranks(
             conn,
             run_id=run_id,
-            heads=_newest(heads),
+            heads=newest_heads(heads),
             now=now,
             found=[row for row in found[run_id] if row[0] in mine],
         )
@@ -298,7 +298,7 @@ def store_many(
     # Steps, column-wise (no object a row): the same step twice in one flush (a replay
     # inside it, or a rollback's second execution queued behind its first): the later
     # execution wins, and an earlier one is kept as replaced.
-    merged: dict[str, list[Any]] = {name: [] for name in _STEP_ROW}
+    merged: dict[str, list[Any]] = {name: [] for name in STEP_ROW}
     checks: list[dict[str, Any]] = []  # replica fingerprints, on checked steps
     digests: list[dict[str, Any]] = []  # sample digests, on steps that sent ids
     sources: list[dict[str, Any]] = []  # tokens by data source, on steps that sent them
@@ -308,7 +308,7 @@ def store_many(
             with_steps[req.run].append(req)
     for run, group in with_steps.items():  # a run's requests' rows at once
         steps, run_id = _merged_steps(group), run_ids[run]
-        for name, values in _step_columns(run_id, steps, now).items():
+        for name, values in step_columns(run_id, steps, now).items():
             merged[name] += values
         checks += replicas.checks_of(run_id, steps, now)
         digests += samples.digests_of(run_id, steps, now)
@@ -333,16 +333,16 @@ def store_many(
             conn.execute(
                 dialect_insert(conn, m.replaced_steps).on_conflict_do_nothing(),
                 [
-                    {**{name: merged[name][i] for name in _REPLACED_COLUMNS}, "replaced_at": now}
+                    {**{name: merged[name][i] for name in REPLACED_COLUMNS}, "replaced_at": now}
                     for i in earlier
                 ],
             )
-        merged = _take(merged, keep)
-    stored = _write_steps(conn, merged, high_steps)
+        merged = take_rows(merged, keep)
+    stored = write_steps(conn, merged, high_steps)
     replicas.write_checks(conn, checks)
     samples.write_digests(conn, digests)
     samples.write_sources(conn, sources)
-    _queue_rollups(conn, Counter(zip(stored["run_id"], stored["step"], strict=True)), now)
+    queue_rollups(conn, Counter(zip(stored["run_id"], stored["step"], strict=True)), now)
 
     accepted_events = _store_events(conn, requests, run_ids, now)
     firsts: dict[str, tuple[int, float]] = {}

@@ -3,9 +3,9 @@ restart.
 
 A rank's row names the process session that holds it. A request from another session
 of the same run and rank is one of three things, decided from the holder's row (read
-once a flush with the others, by ``ranks._known_ranks``) and the newcomer's header:
+once a flush with the others, by ``ranks.known_ranks``) and the newcomer's header:
 
-- a **restart**, as before (``ranks._track_ranks`` records it): the holder said goodbye
+- a **restart**, as before (``ranks.track_ranks`` records it): the holder said goodbye
   (its rank ``finished`` or ``failed``, or its ``attempt_end`` is stored), or it has been
   silent for more than :data:`WINDOW_BEATS` of its heartbeats (3 x 2 s by default: one
   late beat and a busy collector's delays are not a death);
@@ -89,7 +89,7 @@ def check(
 
     ``heads``: the run's headers column-wise in flush order, with ``arrived`` and
     ``origin`` (each row's batch index); ``found``: the stored rows of its ranks, as
-    ``ranks._known_ranks`` reads them (rank, session, ..., last_seen at 3, heartbeat_s,
+    ``ranks.known_ranks`` reads them (rank, session, ..., last_seen at 3, heartbeat_s,
     state, pid, host, node from 6)."""
     ranks, sessions = heads["rank"], heads["session"]
     stored = {row[0]: row for row in found}

@@ -20,7 +20,7 @@ from sqlalchemy import (
 
 from trainwarden.collector.ingest import attempts
 from trainwarden.collector.ingest.schemas import AGENT_FIELDS
-from trainwarden.collector.ingest.steps import _take
+from trainwarden.collector.ingest.steps import take_rows
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.bulk import dialect_insert, upsert_columns
 from trainwarden.collector.store.db import fetch_rows, is_sqlite
@@ -29,7 +29,7 @@ from trainwarden.collector.store.db import fetch_rows, is_sqlite
 _run_ids: weakref.WeakKeyDictionary[Engine, dict[str, int]] = weakref.WeakKeyDictionary()
 
 
-def _run_id(conn: Connection, *, name: str, world_size: int, now: float) -> int:
+def run_id_for(conn: Connection, *, name: str, world_size: int, now: float) -> int:
     """The run's id, creating the run on its first batch (two ranks may race: both fine).
 
     Only an id found already committed is cached: one this transaction inserts could
@@ -58,7 +58,7 @@ def forget_runs(engine: Engine) -> None:
 _HEAD_COLUMNS = (*AGENT_FIELDS, "top", "arrived")  # a flush's headers: and each one's request's
 
 
-def _newest(heads: dict[str, list[Any]]) -> dict[str, list[Any]]:
+def newest_heads(heads: dict[str, list[Any]]) -> dict[str, list[Any]]:
     """A run's headers in a flush with one row a rank: where a rank sent twice (two
     requests of a node in one flush), its newest header wins, with the highest step of
     both and the later arrival."""
@@ -71,12 +71,12 @@ def _newest(heads: dict[str, list[Any]]) -> dict[str, list[Any]]:
         if step is not None:
             top[rank] = max(step, top.get(rank, step))
     keep = sorted(last.values())
-    out = _take(heads, keep)
+    out = take_rows(heads, keep)
     out["top"] = [top.get(rank) for rank in out["rank"]]
     return out
 
 
-def _track_ranks(
+def track_ranks(
     conn: Connection,
     *,
     run_id: int,
@@ -90,10 +90,10 @@ def _track_ranks(
     rank), with ``top`` (each rank's highest step in the flush) and ``arrived`` (when its
     request came in). Returns each known rank's highest step stored before this flush
     (its ``high_step``: ``last_step`` goes back with a rollback, the high step does not).
-    ``found``: :func:`_known_ranks`' rows of these ranks, when the caller read them."""
+    ``found``: :func:`known_ranks`' rows of these ranks, when the caller read them."""
     ranks, sessions, arrived = heads["rank"], heads["session"], heads["arrived"]
     if found is None:
-        found = _known_ranks(conn, run_id, ranks)
+        found = known_ranks(conn, run_id, ranks)
     # Rows unpacked as tuples: a Row's attribute access costs, and this runs every flush.
     at = dict(zip(ranks, range(len(ranks)), strict=True))
     previous: dict[int, int | None] = {}
@@ -176,7 +176,7 @@ def _track_ranks(
     return previous
 
 
-_FOUND = ("rank", "session", "last_step", "last_seen", "progress_at")  # _track_ranks' read
+_FOUND = ("rank", "session", "last_step", "last_seen", "progress_at")  # track_ranks' read
 
 
 _KNOWN = (
@@ -207,7 +207,7 @@ _KNOWN_SQL = text(
 )
 
 
-def _known_ranks(conn: Connection, run_id: int, ranks: list[int]) -> list[tuple[Any, ...]]:
+def known_ranks(conn: Connection, run_id: int, ranks: list[int]) -> list[tuple[Any, ...]]:
     """The stored rows of those of ``ranks`` the run has (:data:`_KNOWN`'s columns)."""
     if not is_sqlite(conn):
         return fetch_rows(conn, _KNOWN_SQL.bindparams(ranks=ranks, run_id=run_id))

@@ -20,17 +20,17 @@ from sqlalchemy import (
 
 from trainwarden.collector.ingest.schemas import all_finite
 from trainwarden.collector.store import models as m
-from trainwarden.collector.store.bulk import _copy, dialect_insert, upsert_columns, upsert_rows
+from trainwarden.collector.store.bulk import copy_rows, dialect_insert, upsert_columns, upsert_rows
 from trainwarden.collector.store.db import is_sqlite
 from trainwarden.collector.store.partitions import day_of
 
 
-def _take(cols: dict[str, list[Any]], keep: list[int]) -> dict[str, list[Any]]:
+def take_rows(cols: dict[str, list[Any]], keep: list[int]) -> dict[str, list[Any]]:
     """The rows at ``keep`` of columns ``cols``."""
     return {name: [values[i] for i in keep] for name, values in cols.items()}
 
 
-def _days(ts: list[float]) -> list[int]:
+def days_of(ts: list[float]) -> list[int]:
     """``day_of`` of each time; one day for all in the usual case."""
     first, last = day_of(min(ts)), day_of(max(ts))
     return [first] * len(ts) if first == last else [day_of(t) for t in ts]
@@ -45,7 +45,7 @@ _STEP_COLUMNS = tuple(
 )
 
 
-_STEP_ROW = (
+STEP_ROW = (
     "run_id",
     "rank",
     "step",
@@ -62,8 +62,8 @@ _STEP_KEY = ("run_id", "step", "rank", "day")
 _NONFINITE_OK = ("loss", "grad_norm")  # stored as NULL, the fact kept in ``issues``
 
 
-def _step_columns(run_id: int, steps: dict[str, list[Any]], now: float) -> dict[str, list[Any]]:
-    """A request's validated step columns as ``rank_steps`` columns (``_STEP_ROW``): a
+def step_columns(run_id: int, steps: dict[str, list[Any]], now: float) -> dict[str, list[Any]]:
+    """A request's validated step columns as ``rank_steps`` columns (``STEP_ROW``): a
     column not sent is all NULL; a non-finite loss, grad norm or user metric is stored
     as NULL and named in the row's ``issues`` ("nan", "inf", "-inf")."""
     n = len(steps["step"])
@@ -109,11 +109,11 @@ def _step_columns(run_id: int, steps: dict[str, list[Any]], now: float) -> dict[
     cols.update(
         run_id=[run_id] * n,
         rank=steps["rank"],
-        day=_days(steps["ts"]),
+        day=days_of(steps["ts"]),
         recv_ts=[now] * n,
         issues=issues,
     )
-    return {name: cols[name] for name in _STEP_ROW}
+    return {name: cols[name] for name in STEP_ROW}
 
 
 def _nonfinite_word(value: float) -> str:
@@ -127,10 +127,10 @@ def _later_execution(table: Any, new: Any) -> Any:
 
 
 def _overwrite_step(table: Any, new: Any) -> dict[str, Any]:
-    return {name: new[name] for name in _STEP_ROW if name not in _STEP_KEY}
+    return {name: new[name] for name in STEP_ROW if name not in _STEP_KEY}
 
 
-def _write_steps(
+def write_steps(
     conn: Connection, cols: dict[str, list[Any]], high_steps: dict[tuple[int, int], int | None]
 ) -> dict[str, list[Any]]:
     """Store step rows, given column-wise; return those stored (a stale re-delivery is not)."""
@@ -154,11 +154,11 @@ def _write_steps(
         fresh = cols
         if again:
             looked = set(again)
-            fresh = _take(cols, [i for i in range(len(cols["step"])) if i not in looked])
+            fresh = take_rows(cols, [i for i in range(len(cols["step"])) if i not in looked])
         if not is_sqlite(conn) and _insert_new(conn, table, fresh):
             if not again:
                 return cols
-            copied, cols = fresh, _take(cols, again)
+            copied, cols = fresh, take_rows(cols, again)
         again = list(range(len(cols["step"])))
     if again:
         keys = {(cols["run_id"][i], cols["rank"][i], cols["step"][i]): i for i in again}
@@ -196,14 +196,14 @@ def _write_steps(
                 older,
             )
         if stale:
-            cols = _take(cols, [i for i in range(len(cols["step"])) if i not in stale])
+            cols = take_rows(cols, [i for i in range(len(cols["step"])) if i not in stale])
     upsert_columns(conn, table, cols, key=_STEP_KEY, set_=_overwrite_step, where=_later_execution)
     if copied is not None:
         return {name: copied[name] + values for name, values in cols.items()}
     return cols
 
 
-_REPLACED_COLUMNS = (
+REPLACED_COLUMNS = (
     "run_id",
     "rank",
     "step",
@@ -225,11 +225,11 @@ def _keep_replaced(conn: Connection, keys: list[tuple[int, int, int, int]], *, n
     for i in range(0, len(keys), 1000):
         chunk = keys[i : i + 1000]
         rows = select(
-            *(c[name] for name in _REPLACED_COLUMNS), literal(now).label("replaced_at")
+            *(c[name] for name in REPLACED_COLUMNS), literal(now).label("replaced_at")
         ).where(tuple_(c.run_id, c.rank, c.step, c.day).in_(chunk))
         conn.execute(  # another collector may have kept the same execution just now
             dialect_insert(conn, m.replaced_steps)
-            .from_select([*_REPLACED_COLUMNS, "replaced_at"], rows)
+            .from_select([*REPLACED_COLUMNS, "replaced_at"], rows)
             .on_conflict_do_nothing()
         )
 
@@ -245,13 +245,13 @@ def _insert_new(conn: Connection, table: Any, cols: dict[str, list[Any]]) -> boo
 
     try:
         with conn.begin_nested():  # a SAVEPOINT: a failed COPY leaves nothing behind
-            _copy(conn, table, table.name, tuple(cols), zip(*cols.values(), strict=True))
+            copy_rows(conn, table, table.name, tuple(cols), zip(*cols.values(), strict=True))
     except (errors.UniqueViolation, errors.DeadlockDetected):
         return False
     return True
 
 
-def _queue_rollups(conn: Connection, counts: Counter[tuple[int, int]], now: float) -> None:
+def queue_rollups(conn: Connection, counts: Counter[tuple[int, int]], now: float) -> None:
     """Tell the rollup worker about these (run, step)s and how many rows of each this
     flush wrote. A queued step's row is updated in key order (two collectors lock the
     same steps in the same order); one flush at a time per collector."""

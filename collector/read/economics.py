@@ -37,8 +37,8 @@ from typing import Any
 from sqlalchemy import Connection, func, select
 
 from trainwarden.collector.read.identity import (
-    _run_row,
     attempts,
+    run_row,
 )
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.errors import NotFound
@@ -398,7 +398,7 @@ def economics(
 ) -> dict[str, Any] | None:
     """Checkpoints, goodput and the advisor of one run (None: no such run)."""
     settings = settings or EconomicsSettings()
-    row = _run_row(conn, run)
+    row = run_row(conn, run)
     if row is None:
         return None
     now = time.time() if now is None else now

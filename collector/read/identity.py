@@ -17,7 +17,7 @@ from trainwarden.collector.store.errors import NotFound
 _ENV_PER_HOST = ("host",)  # differs between any two runs on different machines: not news
 
 
-def _run_row(conn: Connection, run: str) -> Any:
+def run_row(conn: Connection, run: str) -> Any:
     r = m.runs.c
     return conn.execute(
         select(r.id, r.name, r.created_at, r.updated_at, r.world_size, r.last_step, r.status).where(

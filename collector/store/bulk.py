@@ -87,11 +87,11 @@ def _stage(
     conn.exec_driver_sql(
         f"CREATE TEMP TABLE IF NOT EXISTS {name} (LIKE {like}) ON COMMIT DELETE ROWS"
     )
-    _copy(conn, table, name, columns, rows)
+    copy_rows(conn, table, name, columns, rows)
     return name
 
 
-def _copy(
+def copy_rows(
     conn: Connection, table: Any, into: str, columns: tuple[str, ...], rows: Iterable[Sequence[Any]]
 ) -> None:
     """Binary-COPY ``rows`` (values in ``columns`` order, of ``table``'s types) into ``into``."""

@@ -265,14 +265,14 @@ def test_new_steps_are_copied_straight_in_and_a_key_stored_meanwhile_falls_back_
     from trainwarden.collector.store.db import is_sqlite, write
 
     copied: list[str] = []
-    real = bulk._copy
+    real = bulk.copy_rows
 
     def spy(conn, table, into, *a):  # type: ignore[no-untyped-def]
         copied.append(into)
         return real(conn, table, into, *a)
 
-    monkeypatch.setattr(bulk, "_copy", spy)  # staged upserts
-    monkeypatch.setattr(steps, "_copy", spy)  # new steps copied straight in
+    monkeypatch.setattr(bulk, "copy_rows", spy)  # staged upserts
+    monkeypatch.setattr(steps, "copy_rows", spy)  # new steps copied straight in
 
     def request(*steps: dict[str, object]) -> IngestBatch:
         return IngestBatch.model_validate(batch(run="w", rank=3, world_size=8, steps=list(steps)))
@@ -501,7 +501,7 @@ def test_a_flush_reads_its_ranks_by_one_index_probe_each_whatever_the_statistics
             with raw.cursor() as cur:
                 cur.execute("EXPLAIN " + str(compiled), compiled.params, prepare=True)
                 plan = "\n".join(row[0] for row in cur.fetchall())
-            found = rk._known_ranks(conn, run_id, wanted)
+            found = rk.known_ranks(conn, run_id, wanted)
             conn.rollback()
     finally:
         engine.dispose()

@@ -79,12 +79,12 @@ class EvictionBackend(Protocol):
         ...
 
 
-def _tail(text: str, limit: int = 500) -> str:
+def tail_of(text: str, limit: int = 500) -> str:
     text = text.strip()
     return text if len(text) <= limit else "..." + text[-limit:]
 
 
-class _Clock:
+class Clock:
     """The overall deadline of one eviction."""
 
     def __init__(self, timeout_s: float) -> None:
@@ -100,10 +100,10 @@ class _Clock:
         return left
 
 
-def _run(
+def run_command(
     argv: Sequence[str],
     *,
-    clock: _Clock,
+    clock: Clock,
     steps: Sequence[str],
     env: Mapping[str, str] | None,
 ) -> str:
@@ -132,7 +132,7 @@ def _run(
             f"`{cmd}` timed out after {clock.timeout_s:g} s (killed)", steps=steps
         ) from None
     if proc.returncode != 0:
-        detail = _tail(err or out) or "(no output)"
+        detail = tail_of(err or out) or "(no output)"
         raise EvictError(f"`{cmd}` exited {proc.returncode}: {detail}", steps=steps)
     return out
 

@@ -9,14 +9,14 @@ from dataclasses import dataclass
 
 from trainwarden.collector.actions.evict.base import (
     PLACEHOLDERS,
+    Clock,
     Eviction,
     EvictResult,
-    _Clock,
-    _run,
+    run_command,
 )
 
 
-def _check_template(template: str, allowed: Sequence[str], where: str) -> None:
+def check_template(template: str, allowed: Sequence[str], where: str) -> None:
     try:
         parsed = list(string.Formatter().parse(template))
     except ValueError as exc:
@@ -54,12 +54,12 @@ class CommandBackend:
                 "arguments; no shell)"
             )
         for i, item in enumerate(argv):
-            _check_template(item, PLACEHOLDERS, f"argv[{i}]")
+            check_template(item, PLACEHOLDERS, f"argv[{i}]")
         self.argv = list(argv)
 
     def evict(self, e: Eviction, *, timeout_s: float = 30.0) -> EvictResult:
-        clock = _Clock(timeout_s)
+        clock = Clock(timeout_s)
         values = e.fields()
         argv = [item.format(**values) for item in self.argv]
-        out = _run(argv, clock=clock, steps=(), env=self.env)
+        out = run_command(argv, clock=clock, steps=(), env=self.env)
         return EvictResult(self.name, e.node, (shlex.join(argv),), out.strip())

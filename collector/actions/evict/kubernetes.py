@@ -10,13 +10,13 @@ from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from trainwarden.collector.actions.evict.base import (
+    Clock,
     EvictError,
     Eviction,
     EvictResult,
-    _Clock,
-    _tail,
+    tail_of,
 )
-from trainwarden.collector.actions.evict.command import _check_template
+from trainwarden.collector.actions.evict.command import check_template
 
 
 @dataclass
@@ -50,7 +50,7 @@ class KubernetesBackend:
         if not isinstance(self.namespace, str) or not self.namespace:
             raise ValueError("namespace: must be the namespace of the job's pods")
         if self.label_selector is not None:
-            _check_template(self.label_selector, ("run", "job_id"), "label_selector")
+            check_template(self.label_selector, ("run", "job_id"), "label_selector")
         grace = self.grace_period_s
         if grace is not None and (not isinstance(grace, int) or grace < 0):
             raise ValueError("grace_period_s: must be an integer >= 0")
@@ -90,7 +90,7 @@ class KubernetesBackend:
     def evict(self, e: Eviction, *, timeout_s: float = 30.0) -> EvictResult:
         from kubernetes.client.exceptions import ApiException
 
-        clock = _Clock(timeout_s)
+        clock = Clock(timeout_s)
         steps: list[str] = []
         core = self._core
 
@@ -142,7 +142,7 @@ class KubernetesBackend:
             self._evict_pod(core, pod, call, clock, steps)
         return EvictResult(self.name, e.node, tuple(steps))
 
-    def _evict_pod(self, core: Any, pod: str, call: Any, clock: _Clock, steps: list[str]) -> None:
+    def _evict_pod(self, core: Any, pod: str, call: Any, clock: Clock, steps: list[str]) -> None:
         from kubernetes import client
 
         delete = None
@@ -194,7 +194,7 @@ def _api_error(what: str, exc: Any, steps: Sequence[str]) -> EvictError:
     except (ValueError, AttributeError, TypeError):
         message = str(exc.body or "")
     detail = message or exc.reason or "no detail"
-    return EvictError(f"{what}: HTTP {exc.status}: {_tail(str(detail))}", steps=steps)
+    return EvictError(f"{what}: HTTP {exc.status}: {tail_of(str(detail))}", steps=steps)
 
 
 REASON_ANNOTATION = "trainwarden.io/evict-reason"

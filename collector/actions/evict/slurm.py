@@ -9,7 +9,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from trainwarden.collector.actions.evict.base import EvictError, Eviction, EvictResult, _Clock, _run
+from trainwarden.collector.actions.evict.base import (
+    Clock,
+    EvictError,
+    Eviction,
+    EvictResult,
+    run_command,
+)
 
 
 @dataclass
@@ -37,12 +43,12 @@ class SlurmBackend:
     name = "slurm"
 
     def evict(self, e: Eviction, *, timeout_s: float = 30.0) -> EvictResult:
-        clock = _Clock(timeout_s)
+        clock = Clock(timeout_s)
         steps: list[str] = []
         output: list[str] = []
 
         def run(*argv: str, record: bool = True) -> str:
-            out = _run(argv, clock=clock, steps=steps, env=self.env)
+            out = run_command(argv, clock=clock, steps=steps, env=self.env)
             if record:
                 steps.append(shlex.join(argv))
                 if out.strip():
