@@ -219,37 +219,52 @@ def test_c_a_desync_torn_down_names_both_sides(server: Server, page: Any) -> Non
     assert v["kind"] == "desync"
 
 
+def preempt(server: Server, run: str) -> tuple[str, bool]:
+    """A 3-rank job preempted (SIGTERM to its launcher) once it has trained: the run's
+    status, and whether a rank was found hung before the signal (then the job was stalled
+    by a loaded machine, not preempted while healthy: seen once in CI, every rank at the
+    same step for 5 s with a verdict naming one, and ``failed`` is its right ending)."""
+    job = start(server, run, "none", nproc=3, at=10_000)
+    try:
+        wait_for(
+            lambda: (server.get(f"/api/v1/runs/{run}").json().get("last_step") or 0) >= 10,
+            60,
+            f"{run}'s step 10",
+        )
+        signalled = time.time()
+        job.send_signal(signal.SIGTERM)  # a scheduler's preemption: no hang, no error
+        job.wait(60)
+    finally:
+        end(job)
+    status = wait_for(
+        lambda: (s := server.get(f"/api/v1/runs/{run}").json()["status"]) != "running" and s,
+        20,
+        f"{run} ended",
+    )
+    states = server.get(f"/api/v1/runs/{run}/events", kind="rank_state").json()
+    return status, any(e["data"]["to"] == "hung" and e["ts"] < signalled for e in states)
+
+
 def test_d_a_clean_run_and_a_preemption_page_nothing_of_the_kind(server: Server) -> None:
     clean = start(server, "lost-d-clean", "none", nproc=3, at=-390)  # 10 steps, then done
-    preempted = start(server, "lost-d-preempted", "none", nproc=3, at=10_000)
     try:
         assert clean.wait(120) == 0
-        wait_for(
-            lambda: (
-                (server.get("/api/v1/runs/lost-d-preempted").json().get("last_step") or 0) >= 10
-            ),
-            60,
-            "the preempted job's step 10",
-        )
-        preempted.send_signal(signal.SIGTERM)  # a scheduler's preemption: no hang, no error
-        preempted.wait(60)
     finally:
         end(clean)
-        end(preempted)
-    status = {
-        run: wait_for(
-            lambda run=run: (
-                (s := server.get(f"/api/v1/runs/{run}").json()["status"]) != "running" and s
-            ),
-            20,
-            f"{run} ended",
-        )
-        for run in ("lost-d-clean", "lost-d-preempted")
-    }
-    assert status == {"lost-d-clean": "finished", "lost-d-preempted": "stopped"}, (
-        status,
-        {run: how_it_ended(server, run) for run in status},
+    for attempt in range(3):
+        run = f"lost-d-preempted-{attempt}"
+        status, stalled = preempt(server, run)
+        if not stalled:
+            break
+    else:
+        pytest.fail("each of 3 jobs stalled before its SIGTERM: no healthy preemption to judge")
+    assert status == "stopped", (status, how_it_ended(server, run))
+    finished = wait_for(
+        lambda: (s := server.get("/api/v1/runs/lost-d-clean").json()["status"]) != "running" and s,
+        20,
+        "lost-d-clean ended",
     )
+    assert finished == "finished", how_it_ended(server, "lost-d-clean")
     time.sleep(4)  # two alert passes
-    for run in status:
-        assert not [a for a in alerts(server, run) if a["rule"] == RULE], run
+    for name in ("lost-d-clean", run):
+        assert not [a for a in alerts(server, name) if a["rule"] == RULE], name
