@@ -7,39 +7,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 from pydantic_core import ErrorDetails
 
+from .config_file import describe, field_path, read_yaml
 from .rules import DEFAULT_RULES, KINDS, MATCHES, RUNBOOKS_DIR, Rule, RuleError, _FieldError
-
-
-class _Mapping(dict[str, Any]):
-    """A YAML mapping that remembers its line."""
-
-    line = 0
-
-
-class _Loader(yaml.SafeLoader):
-    """Safe YAML whose mappings know their line and refuse a repeated key (plain YAML
-    keeps the last one, so a second ``severity:`` would silently win)."""
-
-
-def _construct_mapping(loader: _Loader, node: yaml.MappingNode) -> _Mapping:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=True)  # type: ignore[no-untyped-call]
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"key {key!r} repeats line {seen[key] + 1}", key_node.start_mark
-            )
-        seen[key] = key_node.start_mark.line
-    mapping = _Mapping(loader.construct_mapping(node, deep=True))
-    mapping.line = node.start_mark.line + 1
-    return mapping
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
 def _field_path(err: ErrorDetails, kind: str) -> list[str | int]:
@@ -63,19 +35,10 @@ def _field_path(err: ErrorDetails, kind: str) -> list[str | int]:
 
 
 def _message(err: ErrorDetails) -> str:
-    ctx = err.get("ctx") or {}
-    kind = err["type"]
-    if kind == "missing" or kind == "union_tag_not_found":
-        return "is required"
-    if kind == "extra_forbidden":
-        return "is not a field here (a typo?)"
-    if kind == "value_error":
-        return str(ctx["error"])
-    if kind == "literal_error":
-        return f"{err['input']!r} is not one of {ctx['expected']}"
-    if kind == "union_tag_invalid":
-        return f"{ctx['tag']!r} is not a match; known: {', '.join(MATCHES)}"
-    return f"{err['msg']} (got {err['input']!r})"
+    if err["type"] == "union_tag_invalid":
+        tag = (err.get("ctx") or {}).get("tag")
+        return f"{tag!r} is not a match; known: {', '.join(MATCHES)}"
+    return describe(err)
 
 
 def _problems(exc: ValidationError, kind: str) -> list[str]:
@@ -86,8 +49,8 @@ def _problems(exc: ValidationError, kind: str) -> list[str]:
     for err in errors:
         if err["type"] == "too_short" and err["loc"] in itemized:
             continue
-        path = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in _field_path(err, kind))
-        out.append(f"{path.lstrip('.')}: {_message(err)}" if path else _message(err))
+        path = field_path(_field_path(err, kind))
+        out.append(f"{path}: {_message(err)}" if path else _message(err))
     return out
 
 
@@ -106,21 +69,6 @@ def parse_rule(raw: Any, *, runbooks_dirs: Sequence[Path] = (RUNBOOKS_DIR,)) -> 
     return rule  # type: ignore[return-value]  # KINDS holds exactly the members of Rule
 
 
-def _read(path: Path) -> Any:
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise RuleError(f"{path}: cannot read the rules file: {exc.strerror}") from None
-    try:
-        return yaml.load(text, Loader=_Loader)  # a SafeLoader: no arbitrary objects
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise RuleError(f"{where}: YAML syntax error: {exc.problem or exc.context}") from None
-    except yaml.YAMLError as exc:
-        raise RuleError(f"{path}: YAML syntax error: {exc}") from None
-
-
 def load_rules(
     path: Path | str, *, runbooks_dir: Path | str | Sequence[Path | str] = RUNBOOKS_DIR
 ) -> list[Rule]:
@@ -132,7 +80,7 @@ def load_rules(
         if isinstance(runbooks_dir, (str, Path))
         else [Path(d) for d in runbooks_dir]
     )
-    doc = _read(path)
+    doc = read_yaml(path, what="rules file", error=RuleError)
     if not isinstance(doc, dict) or set(doc) != {"rules"} or not isinstance(doc["rules"], list):
         raise RuleError(f"{path}: expected one key, 'rules', holding a list of rules")
     rules: list[Rule] = []

@@ -35,11 +35,10 @@ from typing import Annotated, Any, ClassVar, Literal, Protocol, Union
 from urllib.parse import urlsplit
 
 import httpx
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
 
-from .loading import _Loader
+from .config_file import ConfigFileError, Loc, StrictModel, describe, field_path, read_yaml
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +317,7 @@ class WebhookNotifier(_HttpNotifier):
 # -- configuration ----------------------------------------------------------------------
 
 
-class NotifyConfigError(ValueError):
+class NotifyConfigError(ConfigFileError):
     """A notifier config that cannot be used; one line per problem, each naming the file,
     the receiver or route, and the field."""
 
@@ -328,8 +327,8 @@ _LABEL = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(StrictModel):
+    model_config = ConfigDict(frozen=True)
 
 
 def _http_url(value: str) -> str:
@@ -386,7 +385,7 @@ _Spec = Annotated[
 
 
 class _RouteSpec(_Strict):
-    model_config = ConfigDict(extra="forbid", frozen=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(coerce_numbers_to_str=True)
 
     match: dict[str, str] = Field(default_factory=dict)
     match_re: dict[str, str] = Field(default_factory=dict)
@@ -455,10 +454,6 @@ class NotifyConfig:
         return [self.receivers[x] for x in names]
 
 
-Loc = tuple[str | int, ...]
-"""Where in the file: ``("receivers", 1, "url")``."""
-
-
 def _walk(node: Any, at: Loc = ()) -> Iterator[tuple[Loc, Any, str | int, str]]:
     """(where, container, key, string) for every string value in a YAML tree."""
     if isinstance(node, dict):
@@ -502,7 +497,7 @@ def _where(path: Path, doc: Any, loc: Loc) -> str:
 
 def _problem(path: Path, doc: Any, loc: Loc, message: str) -> str:
     inner = loc[2:] if len(loc) >= 2 and isinstance(loc[1], int) else loc
-    fields = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in inner).lstrip(".")
+    fields = field_path(inner)
     return f"{_where(path, doc, loc)}: {fields + ': ' if fields else ''}{message}"
 
 
@@ -517,33 +512,7 @@ def _pydantic_problem(err: ErrorDetails) -> tuple[Loc, str]:
         given = ctx.get("tag")
         said = "is required" if given is None else f"{given!r} is not a kind"
         return tuple(loc), f"{said}; known: {', '.join(KIND_NAMES)}"
-    if kind == "missing":
-        return tuple(loc), "is required"
-    if kind == "extra_forbidden":
-        return tuple(loc), "is not a field here (a typo?)"
-    if kind == "value_error":
-        return tuple(loc), str(ctx["error"])
-    return tuple(loc), f"{err['msg']} (got {err['input']!r})"
-
-
-def _read(path: Path, text: str | None) -> Any:
-    if text is None:
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise NotifyConfigError(
-                f"{path}: cannot read the notifier config: {exc.strerror}"
-            ) from None
-    try:
-        return yaml.load(text, Loader=_Loader)  # a SafeLoader that refuses repeated keys
-    except yaml.MarkedYAMLError as exc:
-        mark = exc.problem_mark or exc.context_mark
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
-        raise NotifyConfigError(
-            f"{where}: YAML syntax error: {exc.problem or exc.context}"
-        ) from None
-    except yaml.YAMLError as exc:
-        raise NotifyConfigError(f"{path}: YAML syntax error: {exc}") from None
+    return tuple(loc), describe(err)
 
 
 def load_notify_config(path: Path | str, *, text: str | None = None) -> NotifyConfig:
@@ -551,7 +520,7 @@ def load_notify_config(path: Path | str, *, text: str | None = None) -> NotifyCo
     errors). ``${VAR}`` in a value comes from the environment. Raises
     :class:`NotifyConfigError` listing every problem."""
     path = Path(path)
-    doc = _read(path, text)
+    doc = read_yaml(path, what="notifier config", error=NotifyConfigError, text=text)
     if not isinstance(doc, dict):
         raise NotifyConfigError(f"{path}: expected a mapping with 'receivers' and 'routes'")
     problems = [_problem(path, doc, loc, msg) for loc, msg in _expand_env(doc)]

@@ -31,6 +31,7 @@ from pydantic import (
 from trainwarden.agent.gpu import THROTTLE_REASONS, describe_xid
 from trainwarden.alerts.metrics import METRICS
 
+from .config_file import ConfigFileError, StrictModel
 from .intervals import ZERO, After, Duration, Interval, Span, Unit
 
 HERE = Path(__file__).resolve().parent
@@ -96,7 +97,7 @@ RESERVED_LABELS = frozenset({"alertname", "severity", "run", "rank", "node", "gp
 _RUNBOOK = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*\.md")
 
 
-class RuleError(ValueError):
+class RuleError(ConfigFileError):
     """A rules file that cannot be used; one line per problem, each naming file, rule, field."""
 
 
@@ -121,8 +122,8 @@ def _one_of(model: BaseModel, *fields: str) -> None:
         raise ValueError(f"give exactly one of {', '.join(fields)} (got {len(given)})")
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Strict(StrictModel):
+    model_config = ConfigDict(frozen=True)
 
 
 # -- parameters of each kind ------------------------------------------------------
@@ -376,7 +377,7 @@ class CadenceParams(_Strict):
 
 
 class _Rule(_Strict):
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(populate_by_name=True)
 
     name: str
     kind: str

@@ -1,16 +1,17 @@
 """The action policy (``serve --actions FILE``): per kind, its mode (auto, require-ack,
 dry-run) and limits: the rollback's margins, budget, timeouts and result check; the
 eviction's backend, blast radius and cool-down. Checked when loaded, with the file,
-field and problem on each line."""
+line, field and problem on each line (read as every config file is:
+``alerts/config_file.py``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import Field, field_validator
 
+from trainwarden.alerts.config_file import ConfigFileError, StrictModel, read_yaml, validate
 from trainwarden.alerts.intervals import Duration, Interval
 from trainwarden.collector.actions.evict import load_backend
 from trainwarden.collector.actions.rollback_check import MIN_STEPS
@@ -21,16 +22,12 @@ Mode = Literal["auto", "require-ack", "dry-run"]
 Kind = Literal["rollback", "evict", "stop"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class Budget(_Strict):
+class Budget(StrictModel):
     count: int = Field(default=3, ge=1)
     per: Duration = Interval(6 * 3600.0, "s")
 
 
-class RollbackPolicy(_Strict):
+class RollbackPolicy(StrictModel):
     mode: Mode = "dry-run"
     margin_steps: int = Field(
         default=3,
@@ -57,7 +54,7 @@ class RollbackPolicy(_Strict):
     """How long to wait for those steps; then the rollback is done, unchecked, and says so."""
 
 
-class EvictPolicy(_Strict):
+class EvictPolicy(StrictModel):
     mode: Mode = "dry-run"
     backend: dict[str, Any] | None = None
     """``collector/actions/evict/``'s ``load_backend`` spec, e.g. ``{backend: slurm}``."""
@@ -73,14 +70,14 @@ class EvictPolicy(_Strict):
         return value
 
 
-class StopPolicy(_Strict):
+class StopPolicy(StrictModel):
     mode: Mode = "dry-run"
     prepare_timeout: Duration = Interval(15.0, "s")
     """How long every rank has to answer a stop of the whole run (the others hold
     meanwhile) before each is stopped at its next step instead."""
 
 
-class ActionPolicy(_Strict):
+class ActionPolicy(StrictModel):
     rollback: RollbackPolicy = RollbackPolicy()
     evict: EvictPolicy = EvictPolicy()
     stop: StopPolicy = StopPolicy()
@@ -89,21 +86,15 @@ class ActionPolicy(_Strict):
         return getattr(self, kind)
 
 
-class ActionConfigError(ValueError):
-    """An actions file that cannot be used: file, field and problem on each line."""
+class ActionConfigError(ConfigFileError):
+    """An actions file that cannot be used: file, line, field and problem on each line."""
 
 
 def load_policy(path: Path | str | None) -> ActionPolicy:
+    """The policy in the YAML file ``path`` (every action a dry run without one)."""
     if path is None:
         return ActionPolicy()
     path = Path(path)
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        return ActionPolicy.model_validate(doc)
-    except OSError as exc:
-        raise ActionConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    except yaml.YAMLError as exc:
-        raise ActionConfigError(f"{path}: YAML syntax error: {exc}") from None
-    except ValidationError as exc:
-        lines = [f"{path}: {'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-        raise ActionConfigError("\n".join(lines)) from None
+    doc = read_yaml(path, what="action policy", error=ActionConfigError)
+    policy: ActionPolicy = validate(ActionPolicy, path, doc, ActionConfigError)
+    return policy
