@@ -8,15 +8,7 @@ evaluation engine, alert lifecycle and notifiers build on these types.
 from .intervals import Interval, parse_interval
 from .lifecycle import Alert, advance, fingerprint
 from .loading import load_rule_packs, load_rules, parse_rule
-from .notify import (
-    Attempt,
-    DeliveryError,
-    Dispatcher,
-    Notification,
-    NotifyConfig,
-    NotifyConfigError,
-    load_notify_config,
-)
+from .notification import Notification
 from .rules import (
     DEFAULT_RULES,
     KINDS,
@@ -38,16 +30,11 @@ __all__ = [
     "RUNBOOKS_DIR",
     "AbsenceRule",
     "Alert",
-    "Attempt",
     "BaselineRule",
     "CadenceRule",
-    "DeliveryError",
-    "Dispatcher",
     "EventRule",
     "Interval",
     "Notification",
-    "NotifyConfig",
-    "NotifyConfigError",
     "PeerRule",
     "RateRule",
     "Rule",
@@ -55,7 +42,6 @@ __all__ = [
     "ThresholdRule",
     "advance",
     "fingerprint",
-    "load_notify_config",
     "load_rule_packs",
     "load_rules",
     "parse_interval",

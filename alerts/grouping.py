@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trainwarden.alerts.lifecycle import fingerprint
-from trainwarden.alerts.notify import Notification
+from trainwarden.alerts.notification import Notification
 
 
 def group_labels(labels: Mapping[str, str]) -> dict[str, str]:

@@ -16,12 +16,13 @@ from fastapi.openapi.utils import get_openapi
 from sqlalchemy import Engine
 
 from trainwarden.agent import wire
-from trainwarden.alerts import Dispatcher, Rule, load_rule_packs
+from trainwarden.alerts import Rule, load_rule_packs
 from trainwarden.collector.actions.commands import CommandBoard
 from trainwarden.collector.actions.engine import ActionEngine
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings
-from trainwarden.collector.alerting.notifier import NotifierThread
+from trainwarden.collector.alerting.notify import Dispatcher
+from trainwarden.collector.alerting.notify.thread import NotifierThread
 from trainwarden.collector.api import auth, errors
 from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.api.routes import actions as actions_api
@@ -100,7 +101,7 @@ def create_app(
     ``health``: settings of the rank-health evaluator thread; ``None`` runs none.
     ``rollups``: run the rollup worker thread (tests turn it off and call ``flush``).
     ``alerting``: settings of the alert engine thread; ``None`` runs none.
-    ``notify``: a ``trainwarden.alerts.NotifyConfig`` (``serve --notify FILE``): where
+    ``notify``: a ``collector.alerting.notify.NotifyConfig`` (``serve --notify FILE``): where
     alerts are sent; without one, alerts are evaluated, stored and served, not sent.
     ``actions``: the action policy (``serve --actions FILE``); default: every kind dry-run.
     ``act``: run the action engine thread (tests turn it off and call ``run_once``).

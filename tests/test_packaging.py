@@ -32,6 +32,19 @@ def test_dockerfile_copies_every_packaged_folder() -> None:
     assert folders <= copied, f"Dockerfile misses {folders - copied}"
 
 
+def test_every_python_package_folder_is_in_the_wheel() -> None:
+    # `packages` is a list: a new subpackage left out of it works in a checkout (the
+    # editable install finds its folder) and is missing from a wheel and the image.
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    listed = set(pyproject["tool"]["setuptools"]["packages"])
+    for package in ("trainwarden.agent", "trainwarden.alerts", "trainwarden.collector"):
+        base = ROOT / pyproject["tool"]["setuptools"]["package-dir"][package]
+        for init in base.rglob("__init__.py"):
+            sub = init.parent.relative_to(base).parts
+            name = ".".join((package, *sub))
+            assert name in listed, f"{name} ({init.parent}) is not in pyproject's packages"
+
+
 def test_every_data_file_the_packages_read_is_in_the_wheel() -> None:
     # package-data globs do not recurse: a file in a new subfolder (the vendored plotly.js)
     # would be missing from a wheel, and from the Docker image, while a checkout works.

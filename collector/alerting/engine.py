@@ -23,10 +23,10 @@ The state lives in the database, so it survives a restart, and on PostgreSQL one
 collector at a time runs the pass (an advisory lock), as for the health evaluator.
 
 What a pass reads is in ``snapshot.py``, what it writes in ``writes.py``, storms and
-silence matching in ``trainwarden.alerts`` (pure), the notifier thread in
-``notifier.py``. :class:`AlertEngine` stays one class of some 600 lines: evaluation,
-the lifecycle and routing share one pass's state (its caches of settled steps, due
-rules, silent runs and deliveries), and reading it top to bottom is reading a pass.
+silence matching in ``trainwarden.alerts`` (pure), the notifiers in ``notify/``.
+:class:`AlertEngine` stays one class of some 600 lines: evaluation, the lifecycle and
+routing share one pass's state (its caches of settled steps, due rules, silent runs and
+deliveries), and reading it top to bottom is reading a pass.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from trainwarden.alerts.evaluate import (
 )
 from trainwarden.alerts.grouping import group_labels, group_note
 from trainwarden.alerts.intervals import ZERO
-from trainwarden.alerts.notify import Notification
+from trainwarden.alerts.notification import Notification
 from trainwarden.alerts.rules import (
     AbsenceRule,
     BaselineRule,
@@ -89,7 +89,7 @@ class EngineSettings:
     interval_s: float = 2.0
     resend_s: float = 3600.0
     """Re-send a firing, unacknowledged alert this often (Alertmanager also needs it to
-    keep the alert alive; see ``alerts/notify.py``)."""
+    keep the alert alive; see ``collector/alerting/notify/``)."""
     min_wake_s: float = 0.05
     """A burst of wake-ups runs one pass, not one each."""
     stale_run_s: float = 86400.0
@@ -147,7 +147,7 @@ class _Entry:
 
 
 Submit = Callable[[Any], object]
-"""Hands one ``trainwarden.alerts.notify.Notification`` to the notifiers."""
+"""Hands one ``trainwarden.alerts.Notification`` to the notifiers."""
 
 
 @dataclass

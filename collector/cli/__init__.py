@@ -52,10 +52,7 @@ def _notify(args: argparse.Namespace) -> object:
     anything starts; ``None`` when there is none (alerts are then stored, not sent)."""
 
     # deferred: see collector/cli/__init__.py
-    from trainwarden.alerts import (
-        NotifyConfigError,
-        load_notify_config,
-    )
+    from trainwarden.collector.alerting.notify import NotifyConfigError, load_notify_config
 
     path = args.notify or os.environ.get("TRAINWARDEN_NOTIFY")
     if not path:

@@ -10,8 +10,8 @@ import pytest
 
 from trainwarden.alerts import RuleError, load_rules
 from trainwarden.alerts.config_file import ConfigFileError
-from trainwarden.alerts.notify import NotifyConfigError, load_notify_config
 from trainwarden.collector.actions.policy import ActionConfigError, load_policy
+from trainwarden.collector.alerting.notify import NotifyConfigError, load_notify_config
 
 
 def test_an_action_policy_s_problems_each_name_the_file_line_and_field(tmp_path: Path) -> None:

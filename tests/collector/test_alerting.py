@@ -14,8 +14,9 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event as sa_event
 from sqlalchemy import insert, select, update
 
-from trainwarden.alerts import Attempt, load_rule_packs, parse_rule
+from trainwarden.alerts import load_rule_packs, parse_rule
 from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings
+from trainwarden.collector.alerting.notify import Attempt
 from trainwarden.collector.alerting.snapshot import recent_steps
 from trainwarden.collector.app import create_app
 from trainwarden.collector.health.evaluator import HealthSettings, evaluate
@@ -751,8 +752,8 @@ def test_a_job_that_dies_whole_is_one_page_not_one_a_rank(engine) -> None:
 
 
 def test_a_few_ranks_page_one_by_one() -> None:
+    from trainwarden.alerts import Notification
     from trainwarden.alerts.grouping import grouped
-    from trainwarden.alerts.notify import Notification
 
     def note(rank: int, rule: str = "RankDead") -> Notification:
         return Notification(

@@ -17,13 +17,12 @@ from typing import Any
 import httpx
 import pytest
 
-from trainwarden.alerts import (
+from trainwarden.alerts import Notification, fingerprint
+from trainwarden.collector.alerting.notify import (
     Attempt,
     Dispatcher,
-    Notification,
     NotifyConfig,
     NotifyConfigError,
-    fingerprint,
     load_notify_config,
 )
 
