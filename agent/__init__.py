@@ -15,19 +15,23 @@ This module stays light: it never imports fastapi, sqlalchemy, dash or plotly.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import core as _core
 from .checkpoints import Checkpointing
 from .commands import STOPPED_EXIT_CODE, RollbackPlan
-from .config import AgentConfig, ConfigError
+from .config import AgentConfig, ConfigError, InitOptions
 from .core import Agent
 from .exporter import Transport
 from .step import Step
 from .watch import Watch
 from .watch import watch as _watch
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 __all__ = [
     "Agent",
@@ -61,33 +65,8 @@ def init(
     url: str | None = None,
     token: str | None = None,
     *,
-    rank: int | None = None,
-    world_size: int | None = None,
-    local_rank: int | None = None,
-    queue_size: int | None = None,
-    flush_interval_s: float | None = None,
-    batch_size: int | None = None,
-    request_timeout_s: float | None = None,
-    peak_flops: float | None = None,
-    flops_per_step: float | None = None,
-    flops_per_token: float | None = None,
-    dtype: Any = None,
-    profile_every: int | None = None,
-    profile_dir: str | None = None,
-    drill: str | None = None,
-    heartbeat_s: float | None = None,
-    gpu_interval_s: float | None = None,
-    exporter: str | None = None,
-    relay: str | None = None,
-    spool_dir: str | None = None,
-    spool_max_mb: float | None = None,
     transport: Transport | None = None,
-    config: Any = None,
-    tags: Any = None,
-    data_snapshot: Any = None,
-    flight_recorder_entries: int | None = None,
-    dataset_size: int | None = None,
-    data_mixture: Any = None,
+    **options: Unpack[InitOptions],
 ) -> Agent:
     """Start the agent for this process.
 
@@ -155,40 +134,12 @@ def init(
     source should give, e.g. ``{"web": 0.7, "code": 0.2, "math": 0.1}`` (weights >= 0
     summing to 1), compared with what ``s.data_source(name, tokens)`` reports.
 
-    Raises :class:`ConfigError` at once when an argument is wrong. Calling it again
-    shuts the previous agent down first.
+    The keyword arguments are declared once, as :class:`InitOptions` (their types) and
+    :class:`AgentConfig` (their defaults and meaning); ``transport`` replaces how batches
+    are sent (tests). Raises :class:`ConfigError` at once when an argument is wrong or
+    unknown. Calling it again shuts the previous agent down first.
     """
-    config = AgentConfig.resolve(
-        run=run,
-        url=url,
-        token=token,
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        queue_size=queue_size,
-        flush_interval_s=flush_interval_s,
-        batch_size=batch_size,
-        request_timeout_s=request_timeout_s,
-        peak_flops=peak_flops,
-        flops_per_step=flops_per_step,
-        flops_per_token=flops_per_token,
-        dtype=dtype,
-        profile_every=profile_every,
-        profile_dir=profile_dir,
-        drill=drill,
-        heartbeat_s=heartbeat_s,
-        gpu_interval_s=gpu_interval_s,
-        exporter=exporter,
-        relay=relay,
-        spool_dir=spool_dir,
-        spool_max_mb=spool_max_mb,
-        config=config,
-        tags=tags,
-        data_snapshot=data_snapshot,
-        flight_recorder_entries=flight_recorder_entries,
-        dataset_size=dataset_size,
-        data_mixture=data_mixture,
-    )
+    config = AgentConfig.resolve(run=run, url=url, token=token, **options)
     if _core._agent is not None:
         _core._agent.shutdown()
     agent = Agent(config, transport=transport)
@@ -197,6 +148,25 @@ def init(
         _core.install_sigterm_flush()
     _core.install_excepthook()
     return agent
+
+
+def _init_signature() -> inspect.Signature:
+    """``init``'s signature with every :class:`InitOptions` argument named, for
+    ``help(tw.init)`` and ``inspect`` (type checkers read ``InitOptions`` itself)."""
+    own = list(inspect.signature(init).parameters.values())[:-1]  # without **options
+    keywords = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=getattr(kind, "__forward_arg__", kind),  # the text, as for the others
+        )
+        for name, kind in InitOptions.__annotations__.items()
+    ]
+    return inspect.signature(init).replace(parameters=[*own, *keywords])
+
+
+init.__signature__ = _init_signature()  # type: ignore[attr-defined]
 
 
 def step(step: int, tokens: Any = None) -> Step:

@@ -13,13 +13,16 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from .mfu import dtype_name
 from .mixture import check_mixture
 from .node_relay import local_world_size
 from .placement import IDENTITY_WAIT_S
 from .samples import SamplesError, Universe
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 EXPORTERS = ("http", "otlp")
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -243,6 +246,49 @@ def probe_rtol(value: Any) -> float:
     return number
 
 
+def _option(
+    options: Mapping[str, Any], name: str, env: str, parse: Any, default: Any, **check: Any
+) -> Any:
+    """The option ``name`` (``tw.init``'s argument, else the variable ``env``, else
+    ``default``) through ``parse`` (:func:`_as_int` or :func:`_as_float`) with ``check``."""
+    return parse(_pick(options.get(name), env, default), f"{name} ({env})", **check)
+
+
+class InitOptions(TypedDict, total=False):
+    """``tw.init``'s keyword arguments after ``run``, ``url`` and ``token``, declared once:
+    ``tw.init`` and :meth:`AgentConfig.resolve` take them as ``**options``. Each not
+    given falls back to its variable (``TRAINWARDEN_QUEUE_SIZE``, ...; ``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_RANK``), else to the default of :class:`AgentConfig`'s field
+    of that name; what each does is in ``tw.init``'s docstring and on the fields."""
+
+    rank: int | None
+    world_size: int | None
+    local_rank: int | None
+    queue_size: int | None
+    flush_interval_s: float | None
+    batch_size: int | None
+    request_timeout_s: float | None
+    heartbeat_s: float | None
+    peak_flops: float | None
+    flops_per_step: float | None
+    flops_per_token: float | None
+    dtype: Any
+    profile_every: int | None
+    profile_dir: str | None
+    drill: str | None
+    gpu_interval_s: float | None
+    exporter: str | None
+    relay: str | None
+    spool_dir: str | None
+    spool_max_mb: float | None
+    config: Any
+    tags: Any
+    data_snapshot: Any
+    flight_recorder_entries: int | None
+    dataset_size: int | None
+    data_mixture: Any
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """What one rank's agent needs to know. Build it with :meth:`resolve`."""
@@ -336,37 +382,20 @@ class AgentConfig:
     @classmethod
     def resolve(
         cls,
-        *,
         run: str | None = None,
         url: str | None = None,
         token: str | None = None,
-        rank: int | None = None,
-        world_size: int | None = None,
-        local_rank: int | None = None,
-        queue_size: int | None = None,
-        flush_interval_s: float | None = None,
-        batch_size: int | None = None,
-        request_timeout_s: float | None = None,
-        heartbeat_s: float | None = None,
-        peak_flops: float | None = None,
-        flops_per_step: float | None = None,
-        flops_per_token: float | None = None,
-        dtype: Any = None,
-        profile_every: int | None = None,
-        profile_dir: str | None = None,
-        drill: str | None = None,
-        gpu_interval_s: float | None = None,
-        exporter: str | None = None,
-        relay: str | None = None,
-        spool_dir: str | None = None,
-        spool_max_mb: float | None = None,
-        config: Any = None,
-        tags: Any = None,
-        data_snapshot: Any = None,
-        flight_recorder_entries: int | None = None,
-        dataset_size: int | None = None,
-        data_mixture: Any = None,
+        **options: Unpack[InitOptions],
     ) -> AgentConfig:
+        """The configuration ``tw.init(run, url, token, **options)`` asks for: each
+        argument given, else its variable, else the default; a wrong one, or a name that
+        is not an argument, raises :class:`ConfigError`."""
+        unknown = sorted(set(options) - set(InitOptions.__annotations__))
+        if unknown:
+            raise ConfigError(
+                f"tw.init got {', '.join(map(repr, unknown))}: not an argument of it; the "
+                f"arguments are run, url, token, {', '.join(InitOptions.__annotations__)}"
+            )
         run = _pick(run, "TRAINWARDEN_RUN")
         if run is None:
             raise ConfigError(
@@ -389,13 +418,17 @@ class AgentConfig:
         # The rank is known where tw.init or the launcher (RANK) says it; else the process
         # group will (placement.py), and the agent sends nothing until then.
         placement_v = (
-            "argument" if rank is not None else "environment" if _env("RANK") else "pending"
+            "argument"
+            if options.get("rank") is not None
+            else "environment"
+            if _env("RANK")
+            else "pending"
         )
-        rank_v = _as_int(_pick(rank, "RANK", 0), "rank (RANK)", minimum=0)
+        rank_v = _option(options, "rank", "RANK", _as_int, 0, minimum=0)
         # WORLD_SIZE without RANK (Lightning's launcher sets it) says nothing of this rank.
         world_env = None if placement_v == "pending" else _env("WORLD_SIZE")
         world_v = _as_int(
-            world_size if world_size is not None else world_env or 1,
+            ws if (ws := options.get("world_size")) is not None else world_env or 1,
             "world_size (WORLD_SIZE)",
             minimum=1,
         )
@@ -404,32 +437,32 @@ class AgentConfig:
                 f"rank {rank_v} is outside world_size {world_v}: check RANK and WORLD_SIZE "
                 "(torchrun and srun set both)"
             )
-        local_v = _as_int(_pick(local_rank, "LOCAL_RANK", 0), "local_rank (LOCAL_RANK)", minimum=0)
+        local_v = _option(options, "local_rank", "LOCAL_RANK", _as_int, 0, minimum=0)
         identity_wait_v = _as_float(
             _pick(None, "TRAINWARDEN_IDENTITY_WAIT", IDENTITY_WAIT_S),
             "TRAINWARDEN_IDENTITY_WAIT",
             minimum=0.0,
         )
-        peak_flops = _pick(peak_flops, "TRAINWARDEN_PEAK_FLOPS")
-        flops_per_step = _pick(flops_per_step, "TRAINWARDEN_FLOPS_PER_STEP")
-        flops_per_token = _pick(flops_per_token, "TRAINWARDEN_FLOPS_PER_TOKEN")
+        peak_flops = _pick(options.get("peak_flops"), "TRAINWARDEN_PEAK_FLOPS")
+        flops_per_step = _pick(options.get("flops_per_step"), "TRAINWARDEN_FLOPS_PER_STEP")
+        flops_per_token = _pick(options.get("flops_per_token"), "TRAINWARDEN_FLOPS_PER_TOKEN")
         if flops_per_step is not None and flops_per_token is not None:
             raise ConfigError(
                 "give flops_per_step or flops_per_token, not both "
                 "(flops_per_token x tokens is used when tw.step gets tokens=...)"
             )
-        dtype_v = _pick(dtype, "TRAINWARDEN_DTYPE", "bf16")
+        dtype_v = _pick(options.get("dtype"), "TRAINWARDEN_DTYPE", "bf16")
         try:
             dtype_v = dtype_name(dtype_v)
         except ValueError as exc:
             raise ConfigError(f"dtype: {exc}") from None
-        exporter_v = _pick(exporter, "TRAINWARDEN_EXPORTER", cls.exporter)
+        exporter_v = _pick(options.get("exporter"), "TRAINWARDEN_EXPORTER", cls.exporter)
         if exporter_v not in EXPORTERS:
             raise ConfigError(
                 f"exporter {exporter_v!r} is not known: use one of {', '.join(EXPORTERS)} "
                 "(tw.init(exporter=...) or TRAINWARDEN_EXPORTER)"
             )
-        relay = _pick(relay, "TRAINWARDEN_RELAY")
+        relay = _pick(options.get("relay"), "TRAINWARDEN_RELAY")
         if relay is not None and str(relay).strip().lower() in ("off", "none", "0", "false"):
             relay = None
         elif relay is not None:
@@ -453,11 +486,11 @@ class AgentConfig:
         node = _env("SLURMD_NODENAME") or _env("NODE_NAME") or host
 
         return cls(
-            run_config=run_config(config),
-            tags=run_tags(tags),
-            data_snapshot=data_snapshot_name(data_snapshot),
-            dataset_size=_dataset_size(dataset_size),
-            data_mixture=_data_mixture(data_mixture),
+            run_config=run_config(options.get("config")),
+            tags=run_tags(options.get("tags")),
+            data_snapshot=data_snapshot_name(options.get("data_snapshot")),
+            dataset_size=_dataset_size(options.get("dataset_size")),
+            data_mixture=_data_mixture(options.get("data_mixture")),
             peak_flops=None
             if peak_flops is None
             else _as_float(peak_flops, "peak_flops (TRAINWARDEN_PEAK_FLOPS)", minimum=0.0),
@@ -472,25 +505,30 @@ class AgentConfig:
                 flops_per_token, "flops_per_token (TRAINWARDEN_FLOPS_PER_TOKEN)", minimum=0.0
             ),
             dtype=dtype_v,
-            profile_every=_as_int(
-                _pick(profile_every, "TRAINWARDEN_PROFILE_EVERY", cls.profile_every),
-                "profile_every (TRAINWARDEN_PROFILE_EVERY)",
+            profile_every=_option(
+                options,
+                "profile_every",
+                "TRAINWARDEN_PROFILE_EVERY",
+                _as_int,
+                cls.profile_every,
                 minimum=0,
             ),
-            profile_dir=_pick(profile_dir, "TRAINWARDEN_PROFILE_DIR"),
-            drill=_pick(drill, "TRAINWARDEN_DRILL"),
-            flight_recorder_entries=_as_int(
-                _pick(
-                    flight_recorder_entries,
-                    "TRAINWARDEN_FLIGHT_RECORDER_ENTRIES",
-                    cls.flight_recorder_entries,
-                ),
-                "flight_recorder_entries (TRAINWARDEN_FLIGHT_RECORDER_ENTRIES)",
+            profile_dir=_pick(options.get("profile_dir"), "TRAINWARDEN_PROFILE_DIR"),
+            drill=_pick(options.get("drill"), "TRAINWARDEN_DRILL"),
+            flight_recorder_entries=_option(
+                options,
+                "flight_recorder_entries",
+                "TRAINWARDEN_FLIGHT_RECORDER_ENTRIES",
+                _as_int,
+                cls.flight_recorder_entries,
                 minimum=0,
             ),
-            gpu_interval_s=_as_float(
-                _pick(gpu_interval_s, "TRAINWARDEN_GPU_INTERVAL", cls.gpu_interval_s),
-                "gpu_interval_s (TRAINWARDEN_GPU_INTERVAL)",
+            gpu_interval_s=_option(
+                options,
+                "gpu_interval_s",
+                "TRAINWARDEN_GPU_INTERVAL",
+                _as_float,
+                cls.gpu_interval_s,
                 minimum=0.0,
                 zero_is_off=True,
             ),
@@ -499,13 +537,16 @@ class AgentConfig:
             relay_port=_as_int(port, "relay port (TRAINWARDEN_RELAY_PORT)", minimum=1)
             if (port := _pick(None, "TRAINWARDEN_RELAY_PORT", None)) is not None
             else None,
-            spool_dir=_pick(spool_dir, "TRAINWARDEN_SPOOL_DIR"),
+            spool_dir=_pick(options.get("spool_dir"), "TRAINWARDEN_SPOOL_DIR"),
             flush_on_sigterm=str(_pick(None, "TRAINWARDEN_FLUSH_ON_SIGTERM", "1")).strip().lower()
             not in ("0", "false", "no", "off"),
             spool_max_bytes=int(
-                _as_float(
-                    _pick(spool_max_mb, "TRAINWARDEN_SPOOL_MAX_MB", cls.spool_max_bytes / 2**20),
-                    "spool_max_mb (TRAINWARDEN_SPOOL_MAX_MB)",
+                _option(
+                    options,
+                    "spool_max_mb",
+                    "TRAINWARDEN_SPOOL_MAX_MB",
+                    _as_float,
+                    cls.spool_max_bytes / 2**20,
                     minimum=0.0,
                 )
                 * 2**20
@@ -520,29 +561,44 @@ class AgentConfig:
             identity_wait_s=identity_wait_v,
             host=host,
             node=node,
-            queue_size=_as_int(
-                _pick(queue_size, "TRAINWARDEN_QUEUE_SIZE", cls.queue_size),
-                "queue_size (TRAINWARDEN_QUEUE_SIZE)",
+            queue_size=_option(
+                options,
+                "queue_size",
+                "TRAINWARDEN_QUEUE_SIZE",
+                _as_int,
+                cls.queue_size,
                 minimum=1,
             ),
-            flush_interval_s=_as_float(
-                _pick(flush_interval_s, "TRAINWARDEN_FLUSH_INTERVAL", cls.flush_interval_s),
-                "flush_interval_s (TRAINWARDEN_FLUSH_INTERVAL)",
+            flush_interval_s=_option(
+                options,
+                "flush_interval_s",
+                "TRAINWARDEN_FLUSH_INTERVAL",
+                _as_float,
+                cls.flush_interval_s,
                 minimum=0.0,
             ),
-            batch_size=_as_int(
-                _pick(batch_size, "TRAINWARDEN_BATCH_SIZE", cls.batch_size),
-                "batch_size (TRAINWARDEN_BATCH_SIZE)",
+            batch_size=_option(
+                options,
+                "batch_size",
+                "TRAINWARDEN_BATCH_SIZE",
+                _as_int,
+                cls.batch_size,
                 minimum=1,
             ),
-            heartbeat_s=_as_float(
-                _pick(heartbeat_s, "TRAINWARDEN_HEARTBEAT", cls.heartbeat_s),
-                "heartbeat_s (TRAINWARDEN_HEARTBEAT)",
+            heartbeat_s=_option(
+                options,
+                "heartbeat_s",
+                "TRAINWARDEN_HEARTBEAT",
+                _as_float,
+                cls.heartbeat_s,
                 minimum=0.0,
             ),
-            request_timeout_s=_as_float(
-                _pick(request_timeout_s, "TRAINWARDEN_REQUEST_TIMEOUT", cls.request_timeout_s),
-                "request_timeout_s (TRAINWARDEN_REQUEST_TIMEOUT)",
+            request_timeout_s=_option(
+                options,
+                "request_timeout_s",
+                "TRAINWARDEN_REQUEST_TIMEOUT",
+                _as_float,
+                cls.request_timeout_s,
                 minimum=0.0,
             ),
         )

@@ -55,3 +55,23 @@ def test_wrong_arguments_raise_at_once_with_the_fix(
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=message):
         AgentConfig.resolve(**kwargs)
+
+
+def test_init_s_arguments_are_declared_once_and_a_misspelt_one_is_named() -> None:
+    """``InitOptions`` declares ``tw.init``'s keyword arguments for ``tw.init``,
+    ``AgentConfig.resolve``, ``help(tw.init)`` and type checkers alike; each resolves to
+    the ``AgentConfig`` field of its name."""
+    import dataclasses
+    import inspect
+
+    import trainwarden.agent as tw
+    from trainwarden.agent.config import InitOptions
+
+    params = list(inspect.signature(tw.init).parameters)
+    assert params == ["run", "url", "token", "transport", *InitOptions.__annotations__]
+    assert "queue_size" in params and "data_mixture" in params
+    fields = {f.name for f in dataclasses.fields(AgentConfig)}
+    renamed = {"config": "run_config", "spool_max_mb": "spool_max_bytes"}
+    assert {renamed.get(n, n) for n in InitOptions.__annotations__} <= fields
+    with pytest.raises(ConfigError, match=r"'queue_sise': not an argument of it; .* queue_size,"):
+        tw.init(run="r", queue_sise=3)  # type: ignore[call-arg]
