@@ -39,13 +39,13 @@ from .commands import Commands
 from .config import AgentConfig, ConfigError
 from .datafeed import DataFeed
 from .drills import Drill, DrillError, parse
+from .encode import FlopModel, StepEncoder
 from .exporter import Exporter, HttpTransport, Transport
 from .flight import Flight
 from .gpu import XID_SEVERITY, GpuMonitor, describe_xid, open_device
 from .last_words import LastWords
 from .mfu import Peak
 from .rare import RareWork
-from .report import FlopModel, StepEncoder
 from .samples import Universe
 from .sink import EventRecord, GpuRecord, RecordQueue
 from .spikes import SpikeDetector

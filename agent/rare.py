@@ -30,7 +30,7 @@ from .profiler import SampledProfiler
 if TYPE_CHECKING:
     from .config import AgentConfig
     from .drills import Drill, DrillHost
-    from .report import StepEncoder
+    from .encode import StepEncoder
     from .step import Recorder, StepRecord
 
 # What a step on this path started, for its exit: (FLOP counter, profiler window).

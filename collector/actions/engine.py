@@ -51,15 +51,15 @@ from sqlalchemy import Engine, or_, select, update
 from trainwarden.alerts.rules import Rule, action_kinds
 from trainwarden.collector.actions.commands import CommandBoard
 from trainwarden.collector.actions.evict import load_backend
-from trainwarden.collector.actions.evict_steps import EvictSteps
+from trainwarden.collector.actions.evict_transitions import EvictTransitions
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.records import (
     ACTIVE,
     create_action,
     store_events,
 )
-from trainwarden.collector.actions.rollback_steps import RollbackSteps
-from trainwarden.collector.actions.steps import Ctx
+from trainwarden.collector.actions.rollback_transitions import RollbackTransitions
+from trainwarden.collector.actions.transitions import Ctx
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import leads, write
 
@@ -71,7 +71,7 @@ ADVISORY_LOCK_KEY = 0x7477_6163_7473  # "twacts"
 # -- the engine ---------------------------------------------------------------------------
 
 
-class ActionEngine(RollbackSteps, EvictSteps):
+class ActionEngine(RollbackTransitions, EvictTransitions):
     def __init__(
         self,
         engine: Engine,

@@ -57,7 +57,7 @@ from trainwarden.collector.incidents.entries import (
     incident_entries,
     note_entries,
 )
-from trainwarden.collector.incidents.figures import incident_figures
+from trainwarden.collector.incidents.measures import incident_figures
 from trainwarden.collector.incidents.store import describe, members
 from trainwarden.collector.read.identity import attempts
 from trainwarden.collector.read.queries import NotFound

@@ -456,7 +456,7 @@ def test_no_check_without_a_replica_or_without_the_optimizer() -> None:
 
 
 def test_a_fingerprint_in_flight_holds_its_record_back_as_a_loss_does() -> None:
-    from trainwarden.agent.report import FlopModel, StepEncoder
+    from trainwarden.agent.encode import FlopModel, StepEncoder
     from trainwarden.agent.spikes import SpikeDetector
     from trainwarden.agent.step import StepRecord
     from trainwarden.agent.values import Captured

@@ -27,7 +27,7 @@ from trainwarden.collector.actions.commands import CommandBoard
 from trainwarden.collector.actions.engine import ActionEngine
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.records import summary
-from trainwarden.collector.actions.rollback_steps import (
+from trainwarden.collector.actions.rollback_transitions import (
     ENDED_BEFORE_HOLDING,
     ENDED_BEFORE_RESTORING,
 )

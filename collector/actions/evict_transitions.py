@@ -1,4 +1,4 @@
-"""The steps of an eviction (through the scheduler backend, then a stop to the node's
+"""The transitions of an eviction (through the scheduler backend, then a stop to the node's
 ranks) and of a stop (every rank, or one, exits with ``STOPPED_EXIT_CODE``).
 
 A stop of the whole run is two-phase, as a rollback is (``trainwarden.agent.commands``):
@@ -23,7 +23,7 @@ from trainwarden.collector.actions.records import (
     queue_commands,
     rank_acks,
 )
-from trainwarden.collector.actions.steps import Ctx, Steps
+from trainwarden.collector.actions.transitions import Ctx, Transitions
 from trainwarden.collector.store import models as m
 
 STOP_TIMEOUT_S = 60.0
@@ -34,7 +34,7 @@ def _stop_reason(row: Any) -> str:
     return f"trainwarden: {row.trigger}" + (f" ({row.reason})" if row.reason else "")
 
 
-class EvictSteps(Steps):
+class EvictTransitions(Transitions):
     def _start_stop(self, ctx: Ctx, row: Any) -> None:
         ranks = [row.rank] if row.rank is not None else live_ranks(ctx.conn, row.run_id)
         reason = _stop_reason(row)

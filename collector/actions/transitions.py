@@ -1,5 +1,5 @@
-"""What every kind of action's steps share: a pass's context (``Ctx``) and moving an
-action's row along its states (``_set``, ``_finish``), with its history and events."""
+"""What every kind of action's transitions share: a pass's context (``Ctx``) and moving an
+action's row from one state to the next (``_set``, ``_finish``), with its history and events."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ class Ctx:
     evictions: list[tuple[int, Any]] = field(default_factory=list)  # started after the commit
 
 
-class Steps:
-    """The engine's state the steps of each kind read (set by ``ActionEngine``)."""
+class Transitions:
+    """The engine's state that each kind's transitions read (set by ``ActionEngine``)."""
 
     policy: ActionPolicy
     rules: dict[str, Rule]

@@ -1,4 +1,4 @@
-"""A rollback's steps: *prepare* (every rank holds), *commit* (all restore after one
+"""A rollback's transitions: *prepare* (every rank holds), *commit* (all restore after one
 barrier step) or *abort* and another attempt, then the check of its result on the steps
 run again, and another rollback to an older clean checkpoint when the restore did not
 fix it. The ranks' side is ``trainwarden.agent.commands``."""
@@ -28,7 +28,7 @@ from trainwarden.collector.actions.rollback_check import (
     checkable,
     steps_needed,
 )
-from trainwarden.collector.actions.steps import Ctx, Steps
+from trainwarden.collector.actions.transitions import Ctx, Transitions
 from trainwarden.collector.store import models as m
 
 AFTER_EVICT_TIMEOUT_S = 900.0
@@ -38,7 +38,7 @@ ENDED_BEFORE_HOLDING = "its process ended before it held (the job finished, or i
 ENDED_BEFORE_RESTORING = "its process ended before it restored (the job finished, or it died)"
 
 
-class RollbackSteps(Steps):
+class RollbackTransitions(Transitions):
     def _start_rollback(self, ctx: Ctx, row: Any) -> None:
         pol = self.policy.rollback
         # Spent: every rollback of the period that reached the ranks, whether it is running,
