@@ -162,6 +162,7 @@ class Agent:
         # Until the process knows its rank nothing goes out: records wait behind the gate
         # (bounded) and no exporter runs (placement.py). The first step settles it.
         self._settle = threading.Event()  # a step ran, or the agent is shutting down
+        self._connected = threading.Event()  # the rank is final and the exporter made
         if transport is None and config.url is None:
             log.warning(
                 "trainwarden: no collector URL (tw.init(url=...) or TRAINWARDEN_URL); "
@@ -173,6 +174,7 @@ class Agent:
                 self._records.connect(self.flush_soon, hold_s=config.identity_wait_s + 5.0)
         else:
             self._connect()
+            self._connected.set()
         self.rare.on_first_step = self._first_step
         self.rare.schedule()
         self._identity_thread = threading.Thread(
@@ -328,8 +330,11 @@ class Agent:
                     )
             else:
                 self._settle.wait(_PLACE_POLL_S)
-        self._move_to(place)
-        self._connect()
+        try:
+            self._move_to(place)
+            self._connect()
+        finally:
+            self._connected.set()
 
     def _move_to(self, place: placement.Place) -> None:
         self.config = dataclasses.replace(
@@ -615,6 +620,10 @@ class Agent:
         # identity, the checkpoint sizes), which would add to its GPU-hours.
         ended_at = time.time()
         self._settle.set()  # a process still without its rank settles it now
+        # ... on the identity thread, which then makes the exporter: wait for it (a busy
+        # machine can keep that thread from running for a while), or the records it would
+        # send are neither sent nor spooled.
+        self._connected.wait(timeout_s / 2)
         if self._identity_thread is not None:
             # attempt_start goes out before the goodbye: with what is known by now.
             self._wait_for_identity(min(timeout_s / 2, _IDENTITY_WAIT_AT_EXIT_S))

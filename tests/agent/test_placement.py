@@ -19,7 +19,7 @@ from trainwarden.agent import placement
 from trainwarden.agent.config import AgentConfig
 
 from ..net import free_port
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
 LAUNCHER = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")
 
@@ -51,6 +51,29 @@ def test_the_config_says_where_the_rank_comes_from(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("RANK", "1")
     said = AgentConfig.resolve(run="r")
     assert (said.placement, said.rank, said.world_size, said.local_rank) == ("environment", 1, 2, 1)
+
+
+def test_a_shutdown_waits_for_a_slow_identity_thread_to_connect_and_sends_what_it_holds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A process without a rank settles it on the agent's identity thread, which then
+    makes the exporter. On a busy machine that thread may run late: the shutdown right
+    after the last step waits for it (within its budget) and sends the steps, rather than
+    returning with nothing sent and an exporter starting behind it (seen in CI)."""
+    alone = placement.without_group
+
+    def starved() -> placement.Place:
+        time.sleep(2.5)  # the identity thread kept off the CPU; the join below waits 2 s
+        return alone()
+
+    monkeypatch.setattr(placement, "without_group", starved)
+    transport = RecordingTransport()
+    tw.init(run="late", transport=transport, flush_interval_s=0.05)
+    with tw.step(0):
+        pass
+    tw.shutdown(timeout_s=8)
+    assert [s["step"] for s in transport.steps()] == [0]
+    assert "attempt_end" in [e["kind"] for e in transport.events()]
 
 
 def test_without_a_rank_nothing_goes_out_until_the_first_step_then_rank_0_of_1() -> None:
