@@ -250,8 +250,10 @@ def _option(
     options: Mapping[str, Any], name: str, env: str, parse: Any, default: Any, **check: Any
 ) -> Any:
     """The option ``name`` (``tw.init``'s argument, else the variable ``env``, else
-    ``default``) through ``parse`` (:func:`_as_int` or :func:`_as_float`) with ``check``."""
-    return parse(_pick(options.get(name), env, default), f"{name} ({env})", **check)
+    ``default``) through ``parse`` (:func:`_as_int` or :func:`_as_float`) with ``check``;
+    None stays None."""
+    value = _pick(options.get(name), env, default)
+    return None if value is None else parse(value, f"{name} ({env})", **check)
 
 
 class InitOptions(TypedDict, total=False):
@@ -443,9 +445,15 @@ class AgentConfig:
             "TRAINWARDEN_IDENTITY_WAIT",
             minimum=0.0,
         )
-        peak_flops = _pick(options.get("peak_flops"), "TRAINWARDEN_PEAK_FLOPS")
-        flops_per_step = _pick(options.get("flops_per_step"), "TRAINWARDEN_FLOPS_PER_STEP")
-        flops_per_token = _pick(options.get("flops_per_token"), "TRAINWARDEN_FLOPS_PER_TOKEN")
+        flops = {
+            name: _option(options, name, env, _as_float, None, minimum=0.0)
+            for name, env in (
+                ("peak_flops", "TRAINWARDEN_PEAK_FLOPS"),
+                ("flops_per_step", "TRAINWARDEN_FLOPS_PER_STEP"),
+                ("flops_per_token", "TRAINWARDEN_FLOPS_PER_TOKEN"),
+            )
+        }
+        flops_per_step, flops_per_token = flops["flops_per_step"], flops["flops_per_token"]
         if flops_per_step is not None and flops_per_token is not None:
             raise ConfigError(
                 "give flops_per_step or flops_per_token, not both "
@@ -491,19 +499,7 @@ class AgentConfig:
             data_snapshot=data_snapshot_name(options.get("data_snapshot")),
             dataset_size=_dataset_size(options.get("dataset_size")),
             data_mixture=_data_mixture(options.get("data_mixture")),
-            peak_flops=None
-            if peak_flops is None
-            else _as_float(peak_flops, "peak_flops (TRAINWARDEN_PEAK_FLOPS)", minimum=0.0),
-            flops_per_step=None
-            if flops_per_step is None
-            else _as_float(
-                flops_per_step, "flops_per_step (TRAINWARDEN_FLOPS_PER_STEP)", minimum=0.0
-            ),
-            flops_per_token=None
-            if flops_per_token is None
-            else _as_float(
-                flops_per_token, "flops_per_token (TRAINWARDEN_FLOPS_PER_TOKEN)", minimum=0.0
-            ),
+            **flops,
             dtype=dtype_v,
             profile_every=_option(
                 options,
