@@ -30,3 +30,9 @@ def attempt_ports(n: int) -> list[int]:
         if len(found) == n:
             return found
     raise RuntimeError(f"no {n} free loopback ports in 30000-32767")
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])  # nothing listens there once the socket closes

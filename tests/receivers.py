@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from .conftest import free_port
+from .net import free_port
 
 ALERTMANAGER = Path("/usr/bin/prometheus-alertmanager")
 

@@ -9,7 +9,7 @@ from typing import Any
 from trainwarden.agent import core
 from trainwarden.agent.integrations.common import TESTED
 
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
 
 def rollback(

@@ -16,43 +16,9 @@ import torch
 import trainwarden.agent as tw
 from trainwarden.agent import core
 
+from .helpers import RecordingTransport
 
-class RecordingTransport:
-    def __init__(
-        self, fail: bool = False, delay_s: float = 0.0, script: list[Exception] | None = None
-    ) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        self.fail = fail
-        self.delay_s = delay_s
-        self.script = list(script or [])  # raised by the next sends, in order
-        self.threads: set[str] = set()
-
-    def send(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        self.threads.add(threading.current_thread().name)
-        time.sleep(self.delay_s)
-        if self.script:
-            raise self.script.pop(0)
-        if self.fail:
-            raise ConnectionError("collector down")
-        self.bodies.append(body)
-        return {"accepted_steps": len(body["steps"]), "accepted_events": len(body["events"])}
-
-    def close(self) -> None:
-        pass
-
-    def steps(self) -> list[dict[str, Any]]:
-        return [s for b in self.bodies for s in b["steps"]]
-
-    def events(self) -> list[dict[str, Any]]:
-        return [e for b in self.bodies for e in b["events"]]
-
-
-@pytest.fixture(autouse=True)
-def _clean_agent(monkeypatch: pytest.MonkeyPatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRAINWARDEN_URL", "TRAINWARDEN_RUN"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    tw.shutdown(timeout_s=1)
+pytestmark = pytest.mark.usefixtures("clean_agent")
 
 
 def test_steps_are_timed_and_sent_off_the_training_thread() -> None:

@@ -15,7 +15,9 @@ import pytest
 import trainwarden.agent as tw
 from trainwarden.agent import checkpoints
 
-from .test_agent import RecordingTransport, _clean_agent  # noqa: F401 - its autouse fixture
+from .helpers import RecordingTransport
+
+pytestmark = pytest.mark.usefixtures("clean_agent")
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 import trainwarden.agent as tw
 from trainwarden.agent.samples import EXACT_MAX, SamplesError, Universe, summarize, take
 
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
 
 @pytest.fixture(autouse=True)

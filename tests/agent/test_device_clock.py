@@ -16,7 +16,7 @@ import pytest
 
 import trainwarden.agent as tw
 
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
 SLOWER = 3.0
 

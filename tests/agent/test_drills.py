@@ -18,7 +18,7 @@ import trainwarden.agent as tw
 from trainwarden.agent.drills import DESYNC_FOR_S, DIE_EXIT_CODE, Drill, DrillError, parse
 from trainwarden.agent.gpu import describe_xid, xid_catalog
 
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
 SPEC = (
     "xid=79@rank=1,step=40; thermal=92C@rank=0,step=20; slow=1.5x@rank=1,steps=10-60; "

@@ -15,7 +15,7 @@ from torch import nn
 
 import trainwarden.agent as tw
 
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
 pytestmark = [
     pytest.mark.gpu,

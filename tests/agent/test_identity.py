@@ -24,8 +24,8 @@ import trainwarden.agent as tw
 from trainwarden.agent import identity
 from trainwarden.agent.config import MAX_CONFIG_BYTES
 
-from .test_agent import RecordingTransport
-from .test_lifecycle import _closed_port
+from ..net import closed_port
+from .helpers import RecordingTransport
 
 LAUNCHER_ENV = (
     "TRAINWARDEN_ATTEMPT",
@@ -383,7 +383,7 @@ def _trainer(spool: Path, body: str, *, drill: str | None = None) -> str:
     return textwrap.dedent(f"""
         import sys, time
         import trainwarden.agent as tw
-        tw.init(run="end", url="http://127.0.0.1:{_closed_port()}", flush_interval_s=0.05,
+        tw.init(run="end", url="http://127.0.0.1:{closed_port()}", flush_interval_s=0.05,
                 request_timeout_s=0.5, profile_every=0, spool_dir={str(spool)!r},
                 drill={drill!r}, config={{"lr": 0.1}})
     """) + textwrap.dedent(body)

@@ -25,8 +25,8 @@ import trainwarden.agent as tw
 from trainwarden.agent import core
 from trainwarden.agent.integrations.accelerate import TrainwardenTracker
 
+from .helpers import RecordingTransport
 from .integration_drills import applied, rollback, said_untested
-from .test_agent import RecordingTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from accelerate_trainer import VOCAB, Synthetic, TinyLM  # noqa: E402

@@ -26,8 +26,8 @@ import trainwarden.agent as tw
 from trainwarden.agent import core
 from trainwarden.agent.integrations import deepspeed as tw_deepspeed
 
+from .helpers import RecordingTransport
 from .integration_drills import applied, rollback, said_untested
-from .test_agent import RecordingTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import deepspeed  # noqa: E402

@@ -21,8 +21,8 @@ from trainwarden.agent import core
 from trainwarden.agent.integrations import hf as hf_integration
 from trainwarden.agent.integrations.hf import TrainwardenCallback
 
+from .helpers import RecordingTransport
 from .integration_drills import applied, rollback, said_untested
-from .test_agent import RecordingTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import transformers  # noqa: E402

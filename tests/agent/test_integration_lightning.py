@@ -21,8 +21,8 @@ import trainwarden.agent as tw
 from trainwarden.agent import core
 from trainwarden.agent.integrations.lightning import TrainwardenCallback, run_name
 
+from .helpers import RecordingTransport
 from .integration_drills import applied, rollback, said_untested
-from .test_agent import RecordingTransport
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import lightning as L  # noqa: E402

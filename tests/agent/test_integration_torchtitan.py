@@ -34,8 +34,8 @@ import trainwarden.agent as tw
 from trainwarden.agent import core
 from trainwarden.agent.integrations.torchtitan import IGNORE_INDEX, observed_class
 
+from .helpers import RecordingTransport
 from .integration_drills import applied, rollback
-from .test_agent import RecordingTransport
 
 VOCAB, LENGTH, BATCH = 32, 16, 4
 

@@ -20,7 +20,7 @@ import pytest
 import trainwarden.agent as tw
 from trainwarden.agent import last_words
 
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
 RUN = "lw"
 CHILD = """

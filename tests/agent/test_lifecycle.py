@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -18,15 +17,10 @@ import pytest
 
 import trainwarden.agent as tw
 
-from .test_agent import RecordingTransport
+from ..net import closed_port
+from .helpers import RecordingTransport
 
-
-@pytest.fixture(autouse=True)
-def _clean_agent(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def]
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRAINWARDEN_URL", "TRAINWARDEN_RUN"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    tw.shutdown(timeout_s=1)
+pytestmark = pytest.mark.usefixtures("clean_agent")
 
 
 def test_a_forked_child_never_reports_and_its_exit_is_not_the_ranks_shutdown() -> None:
@@ -62,12 +56,6 @@ def test_a_forked_child_never_reports_and_its_exit_is_not_the_ranks_shutdown() -
     assert [e["kind"] for e in transport.events()].count("shutdown") == 1
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])  # nothing listens there once the socket closes
-
-
 def test_a_forked_child_s_sigterm_is_not_taken_for_the_rank_s() -> None:
     """DataLoader workers are ended with SIGTERM. A child inherits the signals' wake-up
     fd, which the agent's thread reads as the rank's own SIGTERM: the child drops it."""
@@ -99,7 +87,7 @@ def test_sigterm_flushes_to_the_spool_and_the_process_still_dies_of_it(tmp_path:
     trainer = textwrap.dedent(f"""
         import sys, time
         import trainwarden.agent as tw
-        tw.init(run="term", url="http://127.0.0.1:{_closed_port()}", flush_interval_s=0.05,
+        tw.init(run="term", url="http://127.0.0.1:{closed_port()}", flush_interval_s=0.05,
                 request_timeout_s=0.5, profile_every=0, spool_dir={str(tmp_path)!r})
         step = 0
         while True:
@@ -183,8 +171,8 @@ def test_sigterm_while_stuck_in_a_collective_still_says_goodbye(tmp_path: Path) 
     launcher's SIGKILL. The agent's own thread reads the signal's wake-up byte and flushes
     for it (core.py): the goodbye, with the SIGTERM as its end, is out within seconds while
     the process is still stuck."""
-    port = _closed_port()
-    rendezvous = _closed_port()  # free now: the rendezvous binds it
+    port = closed_port()
+    rendezvous = closed_port()  # free now: the rendezvous binds it
     rank_script = textwrap.dedent(f"""
         import os, sys, time
         import torch, torch.distributed as dist

@@ -21,8 +21,7 @@ from trainwarden.agent.drills import DrillError, nudge_output, parse
 from trainwarden.agent.probe import Probe, decode, float_tensors
 from trainwarden.agent.replica import fingerprint, hex_words
 
-from .test_agent import RecordingTransport
-from .test_replica import run_ranks
+from .helpers import RecordingTransport, run_ranks
 
 
 @pytest.fixture(autouse=True)

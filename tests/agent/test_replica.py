@@ -5,7 +5,6 @@ real gloo ranks; and the check end to end, with the ``sdc=bitflip`` drill."""
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -28,8 +27,7 @@ from trainwarden.agent.replica import (
     replica_group_of,
 )
 
-from ..net import free_port
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 MOD = 2**64
@@ -220,39 +218,6 @@ def test_a_single_process_without_torch_distributed_has_no_replica() -> None:
         replica_group_of(nn.Linear(2, 2), [0, -1])
 
 
-def run_ranks(
-    world: int, mode: str, tmp_path: Path, timeout: float = 120, module: str = __name__
-) -> list[dict[str, Any]]:
-    """``world`` processes running ``module.rank_main(mode)`` on one gloo group; their JSON."""
-    port = str(free_port())
-    code = f"import sys; from {module} import rank_main; rank_main(*sys.argv[1:])"
-    # The repository for ``tests``, before what the caller had (scripts/gpu_check.sh puts
-    # the package there instead of installing it).
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, mode, str(r), str(world), port, str(tmp_path)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for r in range(world)
-    ]
-    outputs = []
-    try:
-        for proc in procs:
-            outputs.append(proc.communicate(timeout=timeout)[0])
-    finally:
-        for proc in procs:
-            proc.kill()
-    for r, proc in enumerate(procs):
-        assert proc.returncode == 0, f"rank {r} exited {proc.returncode}:\n{outputs[r][-3000:]}"
-    return [json.loads((tmp_path / f"rank-{r}.json").read_text()) for r in range(world)]
-
-
 def rank_main(mode: str, rank_s: str, world_s: str, port: str, out: str) -> None:
     """One rank of a gloo job (a child process of the tests below)."""
     import gc
@@ -334,7 +299,7 @@ def rank_main(mode: str, rank_s: str, world_s: str, port: str, out: str) -> None
 
 
 def test_ddp_groups_and_overrides_on_two_gloo_ranks(tmp_path: Path) -> None:
-    ranks = run_ranks(2, "groups", tmp_path)
+    ranks = run_ranks(2, "groups", tmp_path, module=__name__)
     for r in ranks:
         assert r["ddp"] == ["0,1", [0, 1]]
         assert r["pg"] == ["0,1", [0, 1]]
@@ -345,7 +310,7 @@ def test_ddp_groups_and_overrides_on_two_gloo_ranks(tmp_path: Path) -> None:
 
 
 def test_hsdp_replicas_are_the_mesh_replicate_dimension(tmp_path: Path) -> None:
-    ranks = run_ranks(4, "hsdp", tmp_path)
+    ranks = run_ranks(4, "hsdp", tmp_path, module=__name__)
     # mesh [[0, 1], [2, 3]]: dim 0 replicates, dim 1 shards; 0 and 2 hold one shard.
     assert [r["group"] for r in ranks] == [["0,2", [0, 2]], ["1,3", [1, 3]]] * 2
     assert ranks[0]["before"] == ranks[2]["before"] != ranks[1]["before"] == ranks[3]["before"]
@@ -357,7 +322,7 @@ def test_hsdp_replicas_are_the_mesh_replicate_dimension(tmp_path: Path) -> None:
 
 
 def test_a_flipped_bit_on_one_ddp_rank_shows_at_the_checks_from_then_on(tmp_path: Path) -> None:
-    r0, r1 = run_ranks(2, "train", tmp_path)
+    r0, r1 = run_ranks(2, "train", tmp_path, module=__name__)
     assert r0["group"] == r1["group"] == "0,1"
     for r in (r0, r1):
         checked = {int(s) for s, (fp_, _) in r["steps"].items() if fp_ is not None}

@@ -14,7 +14,7 @@ import torch
 import trainwarden.agent as tw
 from trainwarden.agent.samples import MAX_IDS, summarize, take
 
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
 
 @pytest.fixture(autouse=True)

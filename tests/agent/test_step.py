@@ -14,7 +14,9 @@ import trainwarden.agent as tw
 from trainwarden.agent.profiler import SampledProfiler
 from trainwarden.agent.rare import RareWork
 
-from .test_agent import RecordingTransport, _clean_agent  # noqa: F401 - its autouse fixture
+from .helpers import RecordingTransport
+
+pytestmark = pytest.mark.usefixtures("clean_agent")
 
 # On a machine whose torch sees a GPU, every step asks whether the trainer uses it.
 CUDA = torch.cuda.is_available()

@@ -11,15 +11,9 @@ import torch
 import trainwarden.agent as tw
 from trainwarden.agent import core
 
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
-
-@pytest.fixture(autouse=True)
-def _clean_agent(monkeypatch: pytest.MonkeyPatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "TRAINWARDEN_URL", "TRAINWARDEN_RUN"):
-        monkeypatch.delenv(name, raising=False)
-    yield
-    tw.shutdown(timeout_s=1)
+pytestmark = pytest.mark.usefixtures("clean_agent")
 
 
 def test_user_metrics_ride_in_the_step_record() -> None:

@@ -11,7 +11,7 @@ from torch import nn
 
 import trainwarden.agent as tw
 
-from .test_agent import RecordingTransport
+from .helpers import RecordingTransport
 
 BATCH, D_IN, D_HIDDEN, D_OUT = 64, 256, 512, 128
 

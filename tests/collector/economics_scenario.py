@@ -18,8 +18,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .test_economics import _body
-
 RUN, OTHER, OLD = "econ", "other", "old"
 WORLD = 2
 HOUR = 3600.0
@@ -36,6 +34,9 @@ PRICE = 2.5
 Post = Callable[[dict[str, Any]], None]
 
 
+HEARTBEAT_S = 0.01
+
+
 def body(
     run: str,
     rank: int,
@@ -47,7 +48,7 @@ def body(
     world: int = WORLD,
 ) -> dict[str, Any]:  # type: ignore[assignment]
     """One agent's batch, as :mod:`.test_economics` sends it, from a node named like one."""
-    out = _body(run, rank, session, started, steps=steps, events=events, world=world)
+    out = economics_body(run, rank, session, started, steps=steps, events=events, world=world)
     out["agent"]["host"] = f"gpu-node{rank}"
     out["agent"]["heartbeat_s"] = 3600  # no rank goes "dead" while a test looks at the page
     return out
@@ -193,3 +194,35 @@ def seed(post: Post, now: float | None = None) -> float:
         )
     post(body(OLD, 0, "old0", t2, steps=steps(0, 5, t2 + 10), world=1))
     return t0
+
+
+def economics_body(
+    run: str,
+    rank: int,
+    session: str,
+    started: float,
+    *,
+    steps: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    events: list[dict[str, Any]] = (),
+    world: int = 2,
+) -> dict[str, Any]:  # type: ignore[assignment]
+    last = steps[-1] if steps else None
+    return {
+        "run": run,
+        "agent": {
+            "rank": rank,
+            "world_size": world,
+            "local_rank": rank,
+            "host": f"host{rank}",
+            "pid": 100 + rank,
+            "session": session,
+            "started_at": started,
+            # Short: the tests replay an attempt's life in a moment, and a process silent
+            # past 3 of these is gone (a restart, not a second live process: claims.py).
+            "heartbeat_s": HEARTBEAT_S,
+            "last_step": None if last is None else last["step"],
+            "last_step_end": None if last is None else last["ts"] + last["duration_s"],
+        },
+        "steps": list(steps),
+        "events": list(events),
+    }

@@ -222,7 +222,7 @@ def test_an_ingest_token_sends_only_the_runs_its_pattern_matches(
     )
     assert allowed.status_code == 200, allowed.text  # the same body is valid
     # OTLP/HTTP, the same token: refused for gpt-1, with nothing stored.
-    from .test_otlp import PROTOBUF, steps_request
+    from .otlp_scenario import PROTOBUF, steps_request
 
     otlp = client.post(
         "/v1/metrics",

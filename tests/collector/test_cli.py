@@ -11,7 +11,8 @@ import httpx
 import pytest
 from sqlalchemy import create_engine, inspect
 
-from ..conftest import free_port, start_serve, stop_serve
+from ..helpers import start_serve, stop_serve
+from ..net import free_port
 
 
 def trainwarden(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

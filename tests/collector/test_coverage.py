@@ -7,7 +7,6 @@ and PostgreSQL)."""
 from __future__ import annotations
 
 import math
-import time
 import uuid
 from typing import Any
 
@@ -23,10 +22,9 @@ from trainwarden.collector.ingest.schemas import IngestBatch
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import write
 
+from .coverage_scenario import T0, epoch_end
 from .helpers import batch, step
-from .test_replicas import evaluated
-
-T0 = time.time() - 3600
+from .replica_scenario import evaluated
 
 
 def ids_step(n: int, ids: list[int], epoch: int, ts: float | None = None) -> dict[str, Any]:
@@ -37,23 +35,6 @@ def ids_step(n: int, ids: list[int], epoch: int, ts: float | None = None) -> dic
     if ts is not None:
         s["ts"] = ts
     return s
-
-
-def epoch_end(epoch: int, last: int, size: int, kept: int | None = None) -> dict[str, Any]:
-    kept = kept or size
-    return {
-        "id": uuid.uuid4().hex,
-        "kind": "epoch_end",
-        "ts": T0 + 1,
-        "step": last,
-        "data": {
-            "epoch": epoch,
-            "last_step": last,
-            "dataset_size": size,
-            "kept": kept,
-            "exact": kept == size,
-        },
-    }
 
 
 def send(

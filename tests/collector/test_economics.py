@@ -14,6 +14,8 @@ from trainwarden.collector.read import economics
 from trainwarden.collector.read.economics import EconomicsSettings, advise, optimal_interval, waste
 from trainwarden.collector.rollups.worker import flush
 
+from .economics_scenario import HEARTBEAT_S, economics_body
+
 # -- the advisor: the reference's worked example and the waste formula ---------------------
 
 
@@ -74,41 +76,6 @@ def client(engine):  # type: ignore[no-untyped-def]
     app = create_app(engine, ui=False, health=None, rollups=False, alerting=None, incidents=False)
     with TestClient(app) as c:
         yield c
-
-
-def _body(
-    run: str,
-    rank: int,
-    session: str,
-    started: float,
-    *,
-    steps: list[dict[str, Any]] = (),  # type: ignore[assignment]
-    events: list[dict[str, Any]] = (),
-    world: int = 2,
-) -> dict[str, Any]:  # type: ignore[assignment]
-    last = steps[-1] if steps else None
-    return {
-        "run": run,
-        "agent": {
-            "rank": rank,
-            "world_size": world,
-            "local_rank": rank,
-            "host": f"host{rank}",
-            "pid": 100 + rank,
-            "session": session,
-            "started_at": started,
-            # Short: the tests replay an attempt's life in a moment, and a process silent
-            # past 3 of these is gone (a restart, not a second live process: claims.py).
-            "heartbeat_s": HEARTBEAT_S,
-            "last_step": None if last is None else last["step"],
-            "last_step_end": None if last is None else last["ts"] + last["duration_s"],
-        },
-        "steps": list(steps),
-        "events": list(events),
-    }
-
-
-HEARTBEAT_S = 0.01
 
 
 def _gone() -> None:
@@ -177,10 +144,10 @@ def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(
     # checkpoint of step 4 takes 0.2 s. Rank 1 dies without a goodbye; torchrun SIGTERMs rank 0.
     for rank in (0, 1):
         s = f"a{rank}"
-        _post(client, _body("job", rank, s, t0, events=[_start(s, t0, config, rank=rank)]))
+        _post(client, economics_body("job", rank, s, t0, events=[_start(s, t0, config, rank=rank)]))
         _post(
             client,
-            _body(
+            economics_body(
                 "job",
                 rank,
                 s,
@@ -189,10 +156,10 @@ def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(
                 events=[_ckpt(s, 4, t0 + 19.5, 0.2)],
             ),
         )
-        _post(client, _body("job", rank, s, t0, steps=_steps(5, 9, t0 + 20)))
+        _post(client, economics_body("job", rank, s, t0, steps=_steps(5, 9, t0 + 20)))
     _post(
         client,
-        _body(
+        economics_body(
             "job",
             0,
             "a0",
@@ -217,11 +184,12 @@ def test_a_crash_and_a_restart_make_two_attempts_and_a_hand_checked_goodput(
     for rank in (0, 1):
         s = f"b{rank}"
         _post(
-            client, _body("job", rank, s, t0 + 40, events=[_start(s, t0 + 40, config, rank=rank)])
+            client,
+            economics_body("job", rank, s, t0 + 40, events=[_start(s, t0 + 40, config, rank=rank)]),
         )
         _post(
             client,
-            _body(
+            economics_body(
                 "job",
                 rank,
                 s,
@@ -295,8 +263,11 @@ def test_identity_packages_and_the_diff_of_two_runs(client: TestClient) -> None:
     t = time.time() - 50
     for run, lr in (("base", 3e-4), ("hot", 1e-3)):
         config = {"lr": lr, "optim": {"name": "adamw"}, "batch": 256}
-        _post(client, _body(run, 0, f"{run}-0", t, events=[_start(f"{run}-0", t, config)]))
-        _post(client, _body(run, 1, f"{run}-1", t, events=[_start(f"{run}-1", t, config, rank=1)]))
+        _post(client, economics_body(run, 0, f"{run}-0", t, events=[_start(f"{run}-0", t, config)]))
+        _post(
+            client,
+            economics_body(run, 1, f"{run}-1", t, events=[_start(f"{run}-1", t, config, rank=1)]),
+        )
     ident = client.get("/api/v1/runs/base/identity").json()
     assert ident["config"] == {"lr": 3e-4, "optim": {"name": "adamw"}, "batch": 256}
     assert ident["code"]["commit"] == "abc123" and ident["env"]["torch"] == "2.13.0"
@@ -321,7 +292,7 @@ def test_launcher_keys_group_processes_and_a_replayed_start_changes_nothing(
     for rank in (0, 1):  # restart 0 of a torchelastic job, then restart 1
         _post(
             client,
-            _body(
+            economics_body(
                 "te",
                 rank,
                 f"x{rank}",
@@ -333,7 +304,7 @@ def test_launcher_keys_group_processes_and_a_replayed_start_changes_nothing(
     for rank in (0, 1):
         _post(
             client,
-            _body(
+            economics_body(
                 "te",
                 rank,
                 f"y{rank}",
@@ -343,7 +314,9 @@ def test_launcher_keys_group_processes_and_a_replayed_start_changes_nothing(
         )
     _post(
         client,
-        _body("te", 0, "y0", t + 5, events=[_start("y0", t + 5, {}, key="torchelastic:j:1")]),
+        economics_body(
+            "te", 0, "y0", t + 5, events=[_start("y0", t + 5, {}, key="torchelastic:j:1")]
+        ),
     )
     tries = client.get("/api/v1/runs/te/attempts").json()
     assert [(t_["number"], t_["key"], len(t_["processes"])) for t_ in tries] == [
@@ -354,7 +327,7 @@ def test_launcher_keys_group_processes_and_a_replayed_start_changes_nothing(
     for rank in (0, 1):
         _post(
             client,
-            _body(
+            economics_body(
                 "te",
                 rank,
                 f"y{rank}",
@@ -380,7 +353,7 @@ def test_launcher_keys_group_processes_and_a_replayed_start_changes_nothing(
 
 def test_a_run_without_identity_events_still_answers(client: TestClient) -> None:
     t = time.time() - 20
-    _post(client, _body("old", 0, "o0", t, steps=_steps(0, 3, t), world=1))
+    _post(client, economics_body("old", 0, "o0", t, steps=_steps(0, 3, t), world=1))
     flush(client.app.state.engine, now=time.time(), grace_s=0)
     assert client.get("/api/v1/runs/old/attempts").json() == []
     econ = client.get("/api/v1/runs/old/economics").json()
@@ -397,7 +370,7 @@ def test_the_cadence_rule_fires_on_a_run_that_checkpoints_too_rarely(client: Tes
     t0 = time.time() - 4 * 3600
     # Saves of 20 s every hour on 2 GPUs; tau = 7 h configured: T* = sqrt(2*20*25200) = 1004 s.
     events = [_ckpt("c0", n * 1000, t0 + n * 3600, 20.0) for n in range(1, 5)]
-    _post(client, _body("slow-saves", 0, "c0", t0, steps=_steps(0, 3, t0), events=events))
+    _post(client, economics_body("slow-saves", 0, "c0", t0, steps=_steps(0, 3, t0), events=events))
     flush(engine, now=time.time(), grace_s=0)
     rule = next(r for r in load_rule_packs() if r.name == "CheckpointCadence")
     alerts = AlertEngine(engine, [rule.model_copy(update={"for_": rule.for_.__class__(0, "s")})])
@@ -425,16 +398,17 @@ def test_an_attempts_first_step_stored_before_its_start_event_is_still_its_first
     config = {"lr": 3e-4}
     for rank in (0, 1):
         s = f"a{rank}"
-        _post(client, _body("job", rank, s, t0, events=[_start(s, t0, config, rank=rank)]))
-        _post(client, _body("job", rank, s, t0, steps=_steps(0, 4, t0 + 10)))
+        _post(client, economics_body("job", rank, s, t0, events=[_start(s, t0, config, rank=rank)]))
+        _post(client, economics_body("job", rank, s, t0, steps=_steps(0, 4, t0 + 10)))
     _gone()
     for rank in (0, 1):
         s = f"b{rank}"
-        _post(client, _body("job", rank, s, t0 + 40, steps=_steps(5, 6, t0 + 50)))  # first
+        _post(client, economics_body("job", rank, s, t0 + 40, steps=_steps(5, 6, t0 + 50)))  # first
         _post(
-            client, _body("job", rank, s, t0 + 40, events=[_start(s, t0 + 40, config, rank=rank)])
+            client,
+            economics_body("job", rank, s, t0 + 40, events=[_start(s, t0 + 40, config, rank=rank)]),
         )
-        _post(client, _body("job", rank, s, t0 + 40, steps=_steps(7, 9, t0 + 54)))
+        _post(client, economics_body("job", rank, s, t0 + 40, steps=_steps(7, 9, t0 + 54)))
     flush(client.app.state.engine, now=time.time(), grace_s=0)
     tries = client.get("/api/v1/runs/job/attempts").json()
     assert [(t["number"], t["first_step"], t["last_step"]) for t in tries] == [(1, 0, 4), (2, 5, 9)]

@@ -625,7 +625,7 @@ def test_kubernetes_timeout_is_honoured(kube: KubeAPI) -> None:
 
 
 def test_kubernetes_unreachable_api_server() -> None:
-    from ..conftest import free_port
+    from ..net import free_port
 
     b = KubernetesBackend("train", host=f"http://127.0.0.1:{free_port()}")
     with pytest.raises(

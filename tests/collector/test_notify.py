@@ -26,7 +26,8 @@ from trainwarden.collector.alerting.notify import (
     load_notify_config,
 )
 
-from ..conftest import ROOT, free_port
+from ..helpers import ROOT
+from ..net import free_port
 from ..receivers import Receiver, running_alertmanager
 
 RUNBOOK = "http://127.0.0.1:8000/runbooks/Straggler"

@@ -16,7 +16,7 @@ from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import make_engine, upgrade, write
 from trainwarden.collector.store.partitions import DAY_S, day_of, list_partitions, parse_age, prune
 
-from ..conftest import new_database
+from ..helpers import new_database
 from .helpers import batch
 
 NOW = 1_763_700_000.0  # 2025-11-21 04:40 UTC

@@ -15,8 +15,7 @@ from trainwarden.collector.incidents.engine import IncidentEngine
 from trainwarden.collector.incidents.store import IncidentSettings
 from trainwarden.collector.store.db import make_engine
 
-from ..conftest import Server
-from ..e2e.test_drills import wait_for
+from ..helpers import Server, wait_for
 from ..receivers import Receiver
 from . import incident_scenario as sc
 

@@ -16,7 +16,7 @@ from trainwarden.collector.ingest.pressure_board import PressureBoard, decode, e
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import make_engine
 
-from ..conftest import empty_tables
+from ..helpers import empty_tables
 
 
 @pytest.fixture

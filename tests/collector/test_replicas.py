@@ -4,13 +4,11 @@ health evaluator, a suspect named with where it diverged (SQLite and PostgreSQL)
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from trainwarden.collector.app import create_app
-from trainwarden.collector.health.evaluator import HealthSettings, evaluate
 from trainwarden.collector.health.replicas import GRACE_S
 from trainwarden.collector.ingest.batches import ingest
 from trainwarden.collector.ingest.schemas import IngestBatch
@@ -18,29 +16,11 @@ from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import write
 
 from .helpers import batch, step
+from .replica_scenario import checked, evaluated, send
 
 T0 = time.time() - 3600
 GOOD = "0123456789abcdef" * 2
 BAD = "0123456789abcdef0123456789abcdee"  # one bit off in the last word
-
-
-def checked(n: int, fp: str, group: str = "0-3", ts: float | None = None) -> dict[str, Any]:
-    s = step(n)
-    s.update(fingerprint=fp, replica_group=group)
-    if ts is not None:
-        s["ts"] = ts
-    return s
-
-
-def send(engine, rank: int, steps: list[dict[str, Any]], at: float, world: int = 4) -> None:
-    body = batch(rank=rank, world_size=world, steps=steps)
-    with write(engine) as conn:
-        ingest(conn, batch=IngestBatch.model_validate(body), now=at)
-
-
-def evaluated(engine, now: float) -> None:
-    with write(engine) as conn:
-        evaluate(conn, now=now, settings=HealthSettings())
 
 
 def results(engine) -> list[tuple]:

@@ -14,7 +14,7 @@ from trainwarden.alerts import RUNBOOKS_DIR, load_rule_packs
 from trainwarden.collector.app import create_app
 from trainwarden.collector.settings import Settings
 
-from ..conftest import start_serve, stop_serve
+from ..helpers import start_serve, stop_serve
 
 MY_RULES = """\
 rules:

@@ -17,7 +17,7 @@ from trainwarden.collector.ingest.schemas import IngestBatch
 from trainwarden.collector.store import models as m
 
 from .helpers import batch, step
-from .test_replicas import checked, evaluated, send
+from .replica_scenario import checked, evaluated, send
 
 T0 = time.time() - 3600
 
@@ -420,7 +420,7 @@ def test_a_batch_of_an_earlier_epoch_is_not_re_fed_in_this_one(engine) -> None:
 def test_a_sampler_back_at_the_epoch_s_start_re_feeds_and_its_end_names_the_skipped(
     engine,
 ) -> None:
-    from .test_coverage import epoch_end
+    from .coverage_scenario import epoch_end
 
     # The sampler restarts epoch 1: steps 7-9 train its positions 0-2 again (step 5's,
     # 6's batches, then position 2's): re-fed from step 5; positions 3 and 4 are skipped.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from ..conftest import create_token, start_serve, stop_serve
+from ..helpers import create_token, start_serve, stop_serve
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

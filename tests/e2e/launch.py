@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..conftest import Server
+from ..helpers import Server, wait_for
 
 
 def torchrun(nproc: int, *target: str, restarts: int = 0) -> list[str]:
@@ -100,8 +100,6 @@ def assert_resumed(db: Path, run: str, *, at: int, last: int) -> None:
 
 def two_attempts(server: Server, run: str) -> list[dict[str, Any]]:
     """The run's attempts once the collector knows two (within 30 s): numbered 1 and 2."""
-    from .test_drills import wait_for
-
     attempts = wait_for(
         lambda: len(a := server.get(f"/api/v1/runs/{run}/attempts").json()) == 2 and a,
         30,
@@ -113,8 +111,6 @@ def two_attempts(server: Server, run: str) -> list[dict[str, Any]]:
 
 def finished_action(server: Server, run: str) -> dict[str, Any]:
     """The run's one action once it is done or failed (within 30 s)."""
-    from .test_drills import wait_for
-
     (action,) = wait_for(
         lambda: [
             a

@@ -21,10 +21,9 @@ import statistics
 import time
 from pathlib import Path
 
-from ..conftest import Server, start_serve, stop_serve
-from .launch import assert_resumed, rank_steps, run_example, two_attempts
-from .test_drills import wait_for
-from .test_rollback_drill import serve_with_rollback
+from ..helpers import Server, start_serve, stop_serve
+from .helpers import serve_with_rollback
+from .launch import assert_resumed, finished_action, rank_steps, run_example, two_attempts
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "accelerate_trainer.py"
 
@@ -55,15 +54,7 @@ def test_an_accelerate_loop_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_p
     try:
         code = torchrun(server, run, out, log, drill="loss_spike=50x@step=35", steps=120)
         assert code == 0, log.read_text()[-5000:]
-        (action,) = wait_for(
-            lambda: [
-                a
-                for a in server.get("/api/v1/actions", run=run).json()
-                if a["state"] in ("done", "failed")
-            ],
-            30,
-            "the rollback done",
-        )
+        action = finished_action(server, run)
         series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
         checkpoints = server.get(f"/api/v1/runs/{run}/checkpoints").json()
         identity = server.get(f"/api/v1/runs/{run}/identity").json()

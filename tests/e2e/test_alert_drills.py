@@ -9,9 +9,6 @@ and that the XID pages within a second of reaching the collector (printed).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -20,9 +17,10 @@ import httpx
 import pytest
 
 from .. import warm
-from ..conftest import Server, free_port, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve, wait_for
+from ..net import free_port
 from ..receivers import Receiver, running_alertmanager
-from .test_drills import stop, wait_for
+from .helpers import demo_ranks, stop
 
 # Quick versions of the pack's RankHung (for: 1m) and LossSpike (for: 20 steps over a
 # 200-step baseline), so that a drill of a minute shows a whole lifecycle.
@@ -61,41 +59,19 @@ def notify_file(path: Path, am: str, recv: Receiver) -> Path:
 
 
 def launch(server: Server, run: str, drill: str, logs: Path) -> list[warm.Process]:
-    port = free_port()
-    procs = []
-    for rank in range(2):  # each rank on its own (pretend) node: inhibition is per node
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": "0",
-            "WORLD_SIZE": "2",
-            "NODE_NAME": f"node{rank}",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "TRAINWARDEN_DRILL": drill,
-            "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
-            "TRAINWARDEN_GPU_INTERVAL": "1",
-            "TRAINWARDEN_PROFILE_EVERY": "0",
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "trainwarden.agent.demo_trainer",
-            "--run-name",
-            run,
-            "--url",
-            server.url,
-            "--steps",
-            "90",
-            "--work-ms",
-            "60",
-            "--batch-size",
-            "16",
-        ]
-        log = (logs / f"{run}-rank{rank}.log").open("w")
-        procs.append(warm.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
+    # each rank on its own (pretend) node: inhibition is per node
+    return demo_ranks(
+        server,
+        run,
+        world=2,
+        drill=drill,
+        steps=90,
+        work_ms=60,
+        logs=logs,
+        batch_size=16,
+        env={"TRAINWARDEN_GPU_INTERVAL": "1"},
+        per_rank=lambda rank: {"LOCAL_RANK": "0", "NODE_NAME": f"node{rank}"},
+    )
 
 
 def alerts(server: Server, **params: Any) -> list[dict[str, Any]]:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .. import warm
-from ..conftest import Server, create_token, start_serve, stop_serve
+from ..helpers import Server, create_token, start_serve, stop_serve
 
 
 def train(server: Server, run: str, *, token: str | None, start: int, steps: int) -> str:

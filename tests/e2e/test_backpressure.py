@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 
 from ..collector.helpers import batch, step
-from ..conftest import start_serve, stop_serve
+from ..helpers import start_serve, stop_serve
 
 
 def test_a_blocked_database_gets_503_with_retry_after_and_nothing_is_lost(tmp_path: Path) -> None:

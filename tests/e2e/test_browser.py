@@ -10,7 +10,7 @@ import pytest
 
 from trainwarden.agent import Agent, AgentConfig
 
-from ..conftest import Server, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve
 
 # The loss median's points on the run overview (its traces are named after what they draw).
 MEDIAN_POINTS = (

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from ..collector.helpers import batch, step
-from ..conftest import Server
+from ..helpers import Server, wait_for
 
 RUN = "ui-alerts"
 
@@ -38,15 +37,6 @@ def ingest_xid(server: Server, *, run: str = RUN, code: int = 79) -> None:
     body["agent"].update(sent_at=now, heartbeat_s=2.0, last_step=1, last_step_end=now)
     response = httpx.post(f"{server.url}/api/v1/ingest", json=body, timeout=10)
     assert response.status_code == 200, response.text
-
-
-def wait_for(what: Callable[[], Any], timeout_s: float, label: str) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if found := what():
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"no {label} within {timeout_s} s")
 
 
 def drew_table(response: Any) -> bool:

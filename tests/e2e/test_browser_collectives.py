@@ -16,9 +16,8 @@ import httpx
 import pytest
 
 from ..collector.helpers import batch
-from ..conftest import Server, start_serve, stop_serve
-from .test_browser_alerts import wait_for
-from .test_browser_ranks import screenshot
+from ..helpers import Server, start_serve, stop_serve, wait_for
+from .helpers import screenshot
 
 RUN = "ui-hang"
 CALM = "ui-calm"  # a run that is fine: no rings

@@ -17,8 +17,7 @@ from trainwarden.webui.plotly_js import BUNDLE
 from trainwarden.webui.polyfill import RUNTIME
 
 from ..collector.helpers import batch
-from ..conftest import Server, start_serve, stop_serve
-from .test_browser_alerts import wait_for
+from ..helpers import Server, start_serve, stop_serve, wait_for
 
 RUN = "ui-overview"
 WORLD = 3

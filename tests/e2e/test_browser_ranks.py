@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +16,8 @@ from trainwarden.agent import Agent, AgentConfig
 from trainwarden.agent.gpu import describe_xid
 from trainwarden.webui.ranks_page import parse_query
 
-from ..conftest import Server, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve
+from .helpers import screenshot
 
 RUN = "ui-ranks"
 WORLD = 4
@@ -103,14 +102,6 @@ def row_means(found: dict[str, Any]) -> dict[int, float]:
         cells = [v for v in row if v is not None]
         out[int(rank)] = sum(cells) / len(cells)
     return out
-
-
-def screenshot(page: Any, name: str) -> None:
-    if os.environ.get("TRAINWARDEN_SCREENSHOTS"):
-        page.wait_for_timeout(500)
-        page.screenshot(
-            path=str(Path(os.environ["TRAINWARDEN_SCREENSHOTS"]) / name), full_page=True
-        )
 
 
 def test_the_straggler_is_a_stripe_on_its_rank_row(server: Server, page: Any) -> None:

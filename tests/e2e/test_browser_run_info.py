@@ -12,9 +12,8 @@ import httpx
 import pytest
 
 from ..collector import economics_scenario as sc
-from ..conftest import Server, start_serve, stop_serve
-from .test_browser_ranks import screenshot
-from .test_drills import wait_for
+from ..helpers import Server, start_serve, stop_serve, wait_for
+from .helpers import screenshot
 
 BARS = """(sel) => {
     const g = document.querySelector(sel + " .js-plotly-plot");

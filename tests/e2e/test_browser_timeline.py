@@ -15,9 +15,8 @@ import pytest
 from trainwarden.collector.store.db import make_engine
 
 from ..collector import incident_scenario as sc
-from ..conftest import Server, start_serve, stop_serve
-from .test_browser_ranks import screenshot
-from .test_drills import wait_for
+from ..helpers import Server, start_serve, stop_serve, wait_for
+from .helpers import screenshot
 
 CALM = "calm"  # a run where nothing went wrong
 

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..conftest import ROOT
+from ..helpers import ROOT
 
 
 def test_nothing_is_lost_or_duplicated_through_kills_a_database_restart_and_a_cut(

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ROOT, free_port
+from ..helpers import ROOT
+from ..net import free_port
 
 # Its assertions are timings (the injected delay within 10 ms): alone, not beside another
 # worker's load (scripts/test.sh runs the serial tests after the parallel part).

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from ..conftest import start_serve, stop_serve
+from ..helpers import start_serve, stop_serve, wait_for
 from .launch import torchrun
-from .test_drills import wait_for
 
 WORKER = Path(__file__).with_name("coverage_worker.py")
 

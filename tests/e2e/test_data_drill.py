@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import Server, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve, wait_for
+from .helpers import launch, stop
 from .launch import torchrun as torchrun_cmd
-from .test_drills import stop, wait_for
-from .test_rollback_drill import launch
 
 
 def test_every_rank_on_rank_0_s_batch_is_flagged_on_the_first_step(tmp_path: Path) -> None:

@@ -32,9 +32,9 @@ from typing import Any
 
 import pytest
 
-from ..conftest import Server, stop_serve
+from ..helpers import Server, stop_serve
+from .helpers import serve_with_rollback
 from .launch import finished_action, rank_steps, run_example, two_attempts
-from .test_rollback_drill import serve_with_rollback
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "deepspeed_trainer.py"
 ENV = {"DS_ACCELERATOR": "cpu", "TRAINWARDEN_PROFILE_EVERY": "25"}

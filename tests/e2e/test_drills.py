@@ -8,17 +8,15 @@ Targets: hung flagged <= 10 s after the last progress; dead within 3 missed hear
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from .. import warm
-from ..conftest import Server, free_port
+from ..helpers import Server, wait_for
+from .helpers import demo_ranks, events, stop
 
 HEARTBEAT_S = 2.0
 
@@ -26,55 +24,17 @@ HEARTBEAT_S = 2.0
 def launch(
     server: Server, run: str, *, world: int, drill: str, steps: int, work_ms: float, logs: Path
 ) -> list[warm.Process]:
-    port = free_port()
-    procs = []
-    for rank in range(world):
-        env = {
-            **os.environ,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "TRAINWARDEN_DRILL": drill,
-            "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
-            "TRAINWARDEN_GPU_INTERVAL": "1",
-            "TRAINWARDEN_PROFILE_EVERY": "0",
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "trainwarden.agent.demo_trainer",
-            "--run-name",
-            run,
-            "--url",
-            server.url,
-            "--steps",
-            str(steps),
-            "--work-ms",
-            str(work_ms),
-            "--batch-size",
-            "16",
-        ]
-        log = (logs / f"{run}-rank{rank}.log").open("w")
-        procs.append(warm.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
-
-
-def wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
-
-
-def events(server: Server, run: str, kind: str) -> list[dict]:
-    response = server.get(f"/api/v1/runs/{run}/events", kind=kind)
-    return response.json() if response.status_code == 200 else []
+    return demo_ranks(
+        server,
+        run,
+        world=world,
+        drill=drill,
+        steps=steps,
+        work_ms=work_ms,
+        logs=logs,
+        batch_size=16,
+        env={"TRAINWARDEN_GPU_INTERVAL": "1"},
+    )
 
 
 def health_passes(server: Server) -> float:
@@ -92,13 +52,6 @@ def state_changes(server: Server, run: str, rank: int, to: str) -> list[dict]:
     return [
         e for e in events(server, run, "rank_state") if e["rank"] == rank and e["data"]["to"] == to
     ]
-
-
-def stop(procs: list[warm.Process]) -> list[int | None]:
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-    return [p.wait() for p in procs]
 
 
 # One database: the health evaluator is the same code on both, and the collector tests
@@ -188,7 +141,7 @@ def test_two_rank_drills_show_the_right_states_events_and_flags(
 
 
 def test_one_slow_rank_among_eight_is_the_only_one_flagged(tmp_path: Path) -> None:
-    from ..conftest import start_serve, stop_serve
+    from ..helpers import start_serve, stop_serve
 
     server = start_serve(f"sqlite:///{tmp_path / 'eight.db'}", tmp_path / "serve.log")
     run = "drill8"

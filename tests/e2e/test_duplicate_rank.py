@@ -19,10 +19,10 @@ from sqlalchemy import create_engine, text
 
 from trainwarden.agent.relay import Relay
 
-from ..conftest import Server, free_port, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve, wait_for
+from ..net import free_port
+from .helpers import events, post_together, relay_batch
 from .launch import torchrun
-from .test_drills import events, wait_for
-from .test_relay import _batch, _post_together
 
 # The first job trains until the second has run beside it, then is stopped (SIGTERM):
 # on a busy machine the second's start alone can take half a minute.
@@ -167,14 +167,14 @@ def test_a_relay_hands_the_refusal_to_the_conflicting_rank_alone(live_server: Se
     job, so rank 1's agent gets the collector's 409 naming the holder, and rank 0's step
     is stored as if nothing happened."""
     run = f"relay-twice-{free_port()}"
-    holder = _batch(run, 1, 0)
+    holder = relay_batch(run, 1, 0)
     holder["agent"].update(session="other-job", pid=4711, host="node-a", started_at=time.time())
     assert httpx.post(live_server.url + "/api/v1/ingest", json=holder).status_code == 200
-    mine = [_batch(run, r, 0) for r in (0, 1)]
+    mine = [relay_batch(run, r, 0) for r in (0, 1)]
     for body in mine:  # started before the holder's request: both alive at once
         body["agent"].update(session=f"mine-{body['agent']['rank']}", started_at=time.time() - 60)
     with Relay(live_server.url, port=0, window_s=2.0, expect=2) as relay:
-        answers = _post_together(relay.url, mine)
+        answers = post_together(relay.url, mine)
     assert [a.status_code for a in answers] == [200, 409], [a.text for a in answers]
     refused = answers[1].json()
     assert (refused["rank"], refused["reason"]) == (1, "rank_conflict")

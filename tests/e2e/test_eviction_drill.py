@@ -19,10 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import free_port, start_serve, stop_serve
-from ..net import attempt_ports
+from ..helpers import start_serve, stop_serve, wait_for
+from ..net import attempt_ports, free_port
 from ..slurm import SlurmCluster, slurm_cluster
-from .test_drills import wait_for
 
 
 def attempt_port() -> str:

@@ -24,10 +24,9 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
-from ..conftest import Server, start_serve, stop_serve
-from .launch import assert_resumed, torchrun, two_attempts
-from .test_drills import wait_for
-from .test_rollback_drill import serve_with_rollback
+from ..helpers import Server, start_serve, stop_serve
+from .helpers import serve_with_rollback
+from .launch import assert_resumed, finished_action, torchrun, two_attempts
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "fsdp2_trainer.py"
 
@@ -76,15 +75,7 @@ def test_fsdp2_steps_with_the_profiler_s_comm_split_and_a_rollback(tmp_path: Pat
     try:
         code = launch(server, run, out, log, drill="loss_spike=50x@step=35", steps=110)
         assert code == 0, log.read_text()[-5000:]
-        (action,) = wait_for(
-            lambda: [
-                a
-                for a in server.get("/api/v1/actions", run=run).json()
-                if a["state"] in ("done", "failed")
-            ],
-            30,
-            "the rollback done",
-        )
+        action = finished_action(server, run)
         series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
         checkpoints = server.get(f"/api/v1/runs/{run}/checkpoints").json()
         identity = server.get(f"/api/v1/runs/{run}/identity").json()

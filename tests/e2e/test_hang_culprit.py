@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ..conftest import ROOT
+from ..helpers import ROOT
 
 
 def drill(scenario: str, tmp_path: Path) -> dict[str, Any]:

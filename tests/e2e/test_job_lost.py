@@ -17,9 +17,8 @@ from typing import Any
 
 import pytest
 
-from ..conftest import Server, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve, wait_for
 from .launch import torchrun
-from .test_drills import wait_for
 
 HERE = Path(__file__).resolve().parent
 RULE = "JobLostInCollective"

@@ -10,7 +10,7 @@ from pathlib import Path
 from trainwarden.collector.api.routes.ingest import RETRY_AFTER_S
 from trainwarden.collector.cli import KEEP_ALIVE_S
 
-from ..conftest import start_serve, stop_serve
+from ..helpers import start_serve, stop_serve
 
 
 def _get(sock: socket.socket, host: str) -> bytes:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import Server, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve, wait_for
 from .launch import torchrun
-from .test_drills import wait_for
 
 HERE = Path(__file__).resolve().parent
 MISMATCH = "Received data size doesn't match expected size"

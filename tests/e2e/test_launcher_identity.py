@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import Server, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve, wait_for
 from ..net import free_port
-from .test_drills import events, wait_for
+from .helpers import events
 
 JOBS = Path(__file__).resolve().parent / "user_jobs"
 STEPS = 20

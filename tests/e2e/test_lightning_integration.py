@@ -23,10 +23,9 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from ..conftest import Server, start_serve, stop_serve
-from .launch import run_example, two_attempts
-from .test_drills import wait_for
-from .test_rollback_drill import serve_with_rollback
+from ..helpers import Server, start_serve, stop_serve
+from .helpers import serve_with_rollback
+from .launch import finished_action, run_example, two_attempts
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_trainer.py"
 
@@ -53,15 +52,7 @@ def test_a_trainer_s_steps_arrive_and_a_loss_spike_is_rolled_back(
             args=("--strategy", strategy),
         )
         assert code == 0, log.read_text()[-5000:]
-        (action,) = wait_for(
-            lambda: [
-                a
-                for a in server.get("/api/v1/actions", run=run).json()
-                if a["state"] in ("done", "failed")
-            ],
-            30,
-            "the rollback done",
-        )
+        action = finished_action(server, run)
         series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
         replaced = server.get(f"/api/v1/runs/{run}/replaced", metric="loss").json()
         checkpoints = server.get(f"/api/v1/runs/{run}/checkpoints").json()

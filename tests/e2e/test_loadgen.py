@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from ..conftest import Server
+from ..helpers import Server
 
 
 def test_loadgen_rows_all_arrive_and_roll_up(live_server: Server) -> None:

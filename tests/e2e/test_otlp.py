@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from ..conftest import Server
+from ..helpers import Server
 
 STEPS = 12
 AGENT = """

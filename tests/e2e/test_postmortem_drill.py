@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from ..conftest import start_serve, stop_serve
+from ..helpers import start_serve, stop_serve, wait_for
 from ..receivers import Receiver
-from .test_drills import stop, wait_for
-from .test_rollback_drill import ACTIONS, RULES, launch
+from .helpers import ACTIONS, RULES, launch, stop
+from .launch import finished_action
 
 
 def open_report(browser: Any, path: Path) -> dict[str, Any]:
@@ -114,15 +114,7 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
         assert codes == [0, 0], [
             (tmp_path / f"{run}-rank{r}.log").read_text()[-2000:] for r in range(2)
         ]
-        (action,) = wait_for(
-            lambda: [
-                a
-                for a in server.get("/api/v1/actions", run=run).json()
-                if a["state"] in ("done", "failed")
-            ],
-            30,
-            "the rollback done",
-        )
+        action = finished_action(server, run)
         assert action["state"] == "done", action
         incident = wait_for(
             lambda: [

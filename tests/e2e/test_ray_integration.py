@@ -22,9 +22,8 @@ from pathlib import Path
 
 import httpx
 
-from ..conftest import start_serve, stop_serve
+from ..helpers import start_serve, stop_serve, wait_for
 from .launch import assert_resumed, finished_action, rank_steps, two_attempts
-from .test_drills import wait_for
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ray_trainer.py"
 

@@ -10,7 +10,6 @@ import os
 import re
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -23,9 +22,17 @@ from trainwarden.agent import exporter as exporter_mod
 from trainwarden.agent.exporter import CollectorError, HttpTransport
 from trainwarden.agent.relay import Relay
 
-from ..conftest import Server, free_port, stop_serve
-from .test_drills import stop, wait_for
-from .test_rollback_drill import STEPS, launch, rolled_back, serve_with_rollback
+from ..helpers import Server, stop_serve, wait_for
+from ..net import free_port
+from .helpers import (
+    STEPS,
+    launch,
+    post_together,
+    relay_batch,
+    rolled_back,
+    serve_with_rollback,
+    stop,
+)
 
 
 def _relay_process(upstream: str, expect: int, log: Path) -> tuple[subprocess.Popen, str]:
@@ -104,36 +111,18 @@ def test_a_rollback_reaches_every_rank_through_the_node_relay(db_url: str, tmp_p
         stop_serve(server)
 
 
-def _batch(run: str, rank: int, step: int, **step_fields: Any) -> dict[str, Any]:
-    now = time.time()
-    agent = {"rank": rank, "world_size": 4, "host": "n1", "session": f"s{rank}", "sent_at": now}
-    steps = [{"step": step, "ts": now - 0.5, "duration_s": 0.5, "loss": 2.0, **step_fields}]
-    return {"run": run, "agent": agent, "steps": steps}
-
-
-def _post_together(url: str, bodies: list[dict[str, Any]]) -> list[httpx.Response]:
-    """Post the bodies at once, as a node's agents do, each on its own connection."""
-    answers: list[Any] = [None] * len(bodies)
-
-    def post(i: int) -> None:
-        answers[i] = httpx.post(url + "/api/v1/ingest", json=bodies[i], timeout=30)
-
-    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return answers
-
-
 def test_a_bad_batch_is_refused_alone(live_server: Server) -> None:
     """The merged request is refused (422) for one rank's bad row: the relay sends each
     batch on its own, so the other ranks' steps are stored and only the bad one is
     refused, with the collector's own error."""
     run = f"bad-{uuid.uuid4().hex[:6]}"
-    bodies = [_batch(run, 0, 1), _batch(run, 1, 1, duration_s=-1.0), _batch(run, 2, 1)]
+    bodies = [
+        relay_batch(run, 0, 1),
+        relay_batch(run, 1, 1, duration_s=-1.0),
+        relay_batch(run, 2, 1),
+    ]
     with Relay(live_server.url, port=0, window_s=2.0, expect=3) as relay:
-        answers = _post_together(relay.url, bodies)
+        answers = post_together(relay.url, bodies)
         stats = dict(relay.stats)
     assert [a.status_code for a in answers] == [200, 422, 200], [a.text for a in answers]
     assert "duration_s" in answers[1].text
@@ -155,12 +144,12 @@ def test_merged_batches_keep_their_events_and_gpu_samples(live_server: Server) -
     """Events and GPU samples ride as per-rank extras and land on their own rank."""
     run = f"extras-{uuid.uuid4().hex[:6]}"
     now = time.time()
-    a = _batch(run, 0, 5)
-    b = _batch(run, 3, 5)
+    a = relay_batch(run, 0, 5)
+    b = relay_batch(run, 3, 5)
     b["events"] = [{"id": uuid.uuid4().hex, "kind": "note", "ts": now, "step": 5, "data": {"x": 1}}]
     b["gpu"] = [{"ts": now, "gpu_uuid": "GPU-3", "gpu_name": "H100", "temp_c": 71.0}]
     with Relay(live_server.url, port=0, window_s=2.0, expect=2) as relay:
-        answers = _post_together(relay.url, [a, b])
+        answers = post_together(relay.url, [a, b])
     assert [x.status_code for x in answers] == [200, 200], [x.text for x in answers]
     assert answers[1].json()["accepted_events"] == 1
     events = live_server.get(f"/api/v1/runs/{run}/events").json()
@@ -171,7 +160,7 @@ def test_merged_batches_keep_their_events_and_gpu_samples(live_server: Server) -
 
 def test_the_collector_away_is_a_503_each_agent_retries(tmp_path: Path) -> None:
     with Relay(f"http://127.0.0.1:{free_port()}", port=0, window_s=0.05) as relay:
-        (answer,) = _post_together(relay.url, [_batch("away", 0, 1)])
+        (answer,) = post_together(relay.url, [relay_batch("away", 0, 1)])
     assert answer.status_code == 503 and answer.headers["Retry-After"] == "2"
     assert "out of reach" in answer.json()["detail"]
     assert answer.status_code in exporter_mod.RETRYABLE  # the agent keeps the batch
@@ -188,12 +177,12 @@ def test_an_agent_goes_around_a_dead_relay(
     )
     run = f"around-{uuid.uuid4().hex[:6]}"
     try:
-        answer = transport.send("/api/v1/ingest", _batch(run, 0, 1))
+        answer = transport.send("/api/v1/ingest", relay_batch(run, 0, 1))
         assert answer["accepted_steps"] == 1
         assert (transport.via_relay, transport.around_relay) == (0, 1)
         transport._relay_down_until = 0.0  # as after RELAY_FIRST_RETRY_S
         with Relay(live_server.url, port=port, window_s=0.05):
-            transport.send("/api/v1/ingest", _batch(run, 0, 2))
+            transport.send("/api/v1/ingest", relay_batch(run, 0, 2))
             assert (transport.via_relay, transport.around_relay) == (1, 1)
             with pytest.raises(CollectorError) as refused:  # the collector's refusal, relayed
                 transport.send("/api/v1/ingest", {"run": run, "agent": {"rank": 9}})
@@ -212,10 +201,10 @@ def test_agents_go_direct_once_their_relay_stops(live_server: Server) -> None:
     relay = Relay(live_server.url, port=0, window_s=0.05).start()
     transport = HttpTransport(live_server.url, token=None, timeout_s=10, relay=relay.url)
     try:
-        transport.send("/api/v1/ingest", _batch(run, 0, 1))
+        transport.send("/api/v1/ingest", relay_batch(run, 0, 1))
         assert relay.stats["held"] == 1
         relay.stop()
-        transport.send("/api/v1/ingest", _batch(run, 0, 2))  # the same client, its relay gone
+        transport.send("/api/v1/ingest", relay_batch(run, 0, 2))  # the same client, its relay gone
         assert (transport.via_relay, transport.around_relay) == (1, 1)
     finally:
         transport.close()

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 from sqlalchemy import create_engine, text
 
-from ..conftest import Server, free_port, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve
+from ..net import free_port
 from .launch import torchrun
 
 WORKER = Path(__file__).with_name("restart_worker.py")

@@ -11,145 +11,14 @@ Prints the steps and seconds.
 
 from __future__ import annotations
 
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .. import warm
-from ..conftest import Server, free_port, start_serve, stop_serve
-from .test_drills import stop, wait_for
-
-# LossSpike for a drill of a hundred steps: the pack's baseline rule needs hundreds of
-# steps of history; this one fires on the agent's own spike flags (loss or grad norm
-# far over their running means), at once.
-RULES = """\
-rules:
-  - name: LossSpike
-    kind: event
-    summary: The loss or the gradient norm spiked (drill rule, on the agent's flags).
-    params: {match: flag, flags: [loss_spike, grad_norm_spike]}
-    keep_firing_for: 30s
-    severity: critical
-    runbook: LossSpike.md
-    action: rollback
-"""
-ACTIONS = """\
-rollback:
-  mode: auto
-  margin_steps: 2
-  skip_margin_steps: 5
-"""
-STEPS = 110
-
-
-def launch(
-    server: Server,
-    run: str,
-    world: int,
-    ckpt: Path,
-    logs: Path,
-    env: dict[str, str] | None = None,
-    *,
-    drill: str = "loss_spike=50x@step=35",
-    steps: int = STEPS,
-    work_ms: int = 80,
-    checkpoint_every: int = 10,
-    trainer_args: tuple[str, ...] = (),
-) -> list[warm.Process]:
-    port = free_port()
-    procs = []
-    extra = env or {}
-    for rank in range(world):
-        env = {
-            **os.environ,
-            **extra,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port),
-            "OMP_NUM_THREADS": "1",
-            "TRAINWARDEN_DRILL": drill,
-            "TRAINWARDEN_FLUSH_INTERVAL": "0.5",
-            "TRAINWARDEN_PROFILE_EVERY": "0",
-        }
-        cmd = [
-            sys.executable,
-            "-m",
-            "trainwarden.agent.demo_trainer",
-            "--run-name",
-            run,
-            "--url",
-            server.url,
-            "--steps",
-            str(steps),
-            "--work-ms",
-            str(work_ms),
-            "--batch-size",
-            "32",
-            "--checkpoint-dir",
-            str(ckpt),
-            "--checkpoint-every",
-            str(checkpoint_every),
-            *trainer_args,
-        ]
-        log = (logs / f"{run}-rank{rank}.log").open("w")
-        procs.append(warm.popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
-    return procs
-
-
-def serve_with_rollback(db_url: str, tmp_path: Path) -> Server:
-    """``trainwarden serve`` with the drill's LossSpike rule and an auto rollback policy."""
-    rules, actions = tmp_path / "rules.yaml", tmp_path / "actions.yaml"
-    rules.write_text(RULES)
-    actions.write_text(ACTIONS)
-    return start_serve(
-        db_url,
-        tmp_path / "serve.log",
-        env={
-            "TRAINWARDEN_RULES": str(rules),
-            "TRAINWARDEN_DEFAULT_RULES": "0",
-            "TRAINWARDEN_ACTIONS": str(actions),
-        },
-    )
-
-
-def rolled_back(
-    server: Server, run: str, world: int, procs: list[warm.Process], logs_dir: Path
-) -> tuple[dict[str, Any], int, dict[int, str]]:
-    """Once the ranks have exited 0: the done rollback, its barrier step and the ranks'
-    logs; every rank restored the same checkpoint after the same step, at most 2 steps
-    after the command reached it."""
-    codes = [p.wait(300) for p in procs]
-    logs = {r: (logs_dir / f"{run}-rank{r}.log").read_text() for r in range(world)}
-    assert codes == [0] * world, logs
-    (action,) = wait_for(
-        lambda: [
-            a
-            for a in server.get("/api/v1/actions", run=run).json()
-            if a["state"] in ("done", "failed")
-        ],
-        30,
-        "the rollback done",
-    )
-    assert action["state"] == "done", action
-    assert (action["kind"], action["trigger"], action["mode"]) == (
-        "rollback",
-        "rule:LossSpike",
-        "auto",
-    )
-    per_rank = action["result"]["ranks"]
-    assert sorted(per_rank) == [str(r) for r in range(world)]
-    barriers = {r["barrier_step"] for r in per_rank.values()}
-    restored = {r["checkpoint_step"] for r in per_rank.values()}
-    assert len(barriers) == 1 and restored == {30}, per_rank  # the same step and checkpoint
-    assert action["result"]["steps_after_command"] <= 2, action["result"]
-    return action, barriers.pop(), logs
+from ..helpers import start_serve, stop_serve, wait_for
+from .helpers import STEPS, launch, rolled_back, serve_with_rollback, stop
 
 
 # Two ranks on SQLite, four on PostgreSQL: each database and each world size once.

@@ -53,7 +53,8 @@ from trainwarden.collector.health import evaluator as health_evaluator
 from trainwarden.collector.incidents import store as incidents_store
 from trainwarden.collector.rollups import worker as rollups_worker
 
-from ..conftest import Server, empty_tables, free_port, start_serve, stop_serve
+from ..helpers import Server, empty_tables, start_serve, stop_serve
+from ..net import free_port
 
 HAPROXY = Path("/usr/sbin/haproxy")  # Debian's package: apt-get install -y haproxy
 WORLD = 3

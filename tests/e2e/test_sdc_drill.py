@@ -10,9 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import warm
-from ..conftest import start_serve, stop_serve
-from .test_drills import stop, wait_for
-from .test_rollback_drill import launch
+from ..helpers import start_serve, stop_serve, wait_for
+from .helpers import launch, stop
+from .launch import finished_action
 
 RULES = """\
 rules:
@@ -62,15 +62,7 @@ def test_a_flipped_bit_is_found_at_the_next_check_and_rolled_back_to_a_clean_che
         codes = [p.wait(300) for p in procs]
         logs = {r: (tmp_path / f"{run}-rank{r}.log").read_text() for r in range(world)}
         assert codes == [0] * world, logs
-        (action,) = wait_for(
-            lambda: [
-                a
-                for a in server.get("/api/v1/actions", run=run).json()
-                if a["state"] in ("done", "failed")
-            ],
-            30,
-            "the rollback done",
-        )
+        action = finished_action(server, run)
         events = server.get(f"/api/v1/runs/{run}/events", kind="replica_divergence").json()
         alerts = server.get("/api/v1/alerts", run=run).json()
         results = server.get(f"/api/v1/runs/{run}/replicas").json()
@@ -172,7 +164,8 @@ def test_an_hsdp_job_is_checked_per_shard_and_a_flip_is_found_in_its_own_group(
     import subprocess
     import sys
 
-    from ..conftest import ROOT, free_port
+    from ..helpers import ROOT
+    from ..net import free_port
 
     server = start_serve(f"sqlite:///{tmp_path / 'hsdp.db'}", tmp_path / "serve.log")
     run, port = "hsdp4", free_port()

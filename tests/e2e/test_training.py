@@ -8,7 +8,8 @@ import subprocess
 import sys
 import time
 
-from ..conftest import Server, free_port
+from ..helpers import Server
+from ..net import free_port
 
 
 def torchrun(server: Server, *args: str, nproc: int = 2) -> None:

@@ -13,7 +13,7 @@ import httpx
 from trainwarden.agent.wire import SENDER_HEADER, sender
 
 from ..collector.helpers import batch, step
-from ..conftest import Server, empty_tables, start_serve, stop_serve
+from ..helpers import Server, empty_tables, start_serve, stop_serve
 
 
 def test_two_collectors_share_one_database(pg_url: str, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from .. import warm
-from ..conftest import Server, start_serve, stop_serve
+from ..helpers import Server, start_serve, stop_serve
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 from sqlalchemy import create_engine, text
 
-from ..conftest import Server, empty_tables, start_serve, stop_serve
+from ..helpers import Server, empty_tables, start_serve, stop_serve
 
 RANKS, STEPS = 128, 10  # 16 nodes: each worker holds some of their connections
 

@@ -4,7 +4,6 @@ do (through a real database, SQLite and PostgreSQL), and its URL."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import dash
@@ -18,6 +17,8 @@ from trainwarden.webui import alerts, components
 from trainwarden.webui.alerts_page import SilenceForm, perform
 from trainwarden.webui.client import LocalClient, Refused
 from trainwarden.webui.components import notice
+
+from .helpers import classes, classes_of, text, walk
 
 NOW = 1_700_000_000.0
 
@@ -92,36 +93,6 @@ def silence(**over: Any) -> SilenceOut:
         active=True,
     )
     return SilenceOut(**{**base, **over})
-
-
-def walk(component: Any) -> Iterator[Any]:
-    """Every Dash component under ``component`` (itself included)."""
-    if isinstance(component, (list, tuple)):
-        for child in component:
-            yield from walk(child)
-        return
-    if not hasattr(component, "to_plotly_json"):
-        return
-    yield component
-    yield from walk(getattr(component, "children", None))
-
-
-def text(component: Any) -> str:
-    """What a reader sees: cells and blocks apart, a line's words and spans as written."""
-    if isinstance(component, (list, tuple)):
-        inline = any(isinstance(c, str) for c in component)
-        return ("" if inline else " ").join(text(c) for c in component)
-    if isinstance(component, (str, int, float)):
-        return str(component)
-    return text(getattr(component, "children", None) or [])
-
-
-def classes_of(component: Any) -> list[str]:
-    return (getattr(component, "className", "") or "").split()
-
-
-def classes(component: Any) -> list[str]:
-    return [c for part in walk(component) for c in classes_of(part)]
 
 
 def buttons(component: Any) -> dict[str, Any]:

@@ -22,8 +22,8 @@ from trainwarden.webui.client import LocalClient, Refused, may_change
 
 from ..collector.helpers import batch
 from .dash_call import dash_call
-from .test_alerts_page import classes_of, walk
-from .test_alerts_page import text as cells_text
+from .helpers import classes_of, walk
+from .helpers import text as cells_text
 
 T0 = 1_795_730_000.0  # 2026-11-26 21:53:20 UTC
 SUMMARY = (

@@ -23,8 +23,8 @@ from trainwarden.webui.client import LocalClient
 
 from ..collector.helpers import batch, step
 from .dash_call import dash_call
-from .test_alerts_page import classes_of, walk
-from .test_alerts_page import text as cells_text
+from .helpers import classes_of, walk
+from .helpers import text as cells_text
 
 RUN = "d1"
 T0 = time.time() - 600

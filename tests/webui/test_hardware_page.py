@@ -19,7 +19,7 @@ from trainwarden.webui import hardware_page
 from trainwarden.webui.client import LocalClient
 
 from ..collector.helpers import batch, step
-from .test_alerts_page import text, walk
+from .helpers import text, walk
 
 NOW = 1_700_000_000.0
 

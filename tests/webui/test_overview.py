@@ -509,7 +509,7 @@ def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() ->
     )
     from dash import dcc, html
 
-    from .test_alerts_page import walk
+    from .helpers import walk
 
     def rows(panel: object) -> int:
         return sum(isinstance(c, html.Tr) for c in walk(panel)) - 1  # less the header row

@@ -26,7 +26,7 @@ from trainwarden.webui.components import is_default_pick
 
 from ..collector.helpers import batch, step
 from .dash_call import dash_call
-from .test_alerts_page import text
+from .helpers import text
 
 
 def heatmap(values: list[list[float | None]], metric: str = "step_time") -> Heatmap:
@@ -217,7 +217,7 @@ def test_a_big_finished_run_lists_at_most_a_screenful_of_ranks() -> None:
 
 
 def ranks_walk(component: Any) -> Iterator[Any]:
-    from .test_alerts_page import walk
+    from .helpers import walk
 
     return walk(component)
 

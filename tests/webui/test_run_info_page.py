@@ -24,7 +24,7 @@ from trainwarden.webui import run_info_page
 from trainwarden.webui.client import LocalClient
 
 from ..collector import economics_scenario as sc
-from .test_alerts_page import text, walk
+from .helpers import text, walk
 
 # -- pieces --------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from trainwarden.webui import timeline_page
 from trainwarden.webui.client import LocalClient
 
 from ..collector import incident_scenario as sc
-from .test_alerts_page import classes, classes_of, text, walk
+from .helpers import classes, classes_of, text, walk
 
 NOW = sc.T0 + 100
 
