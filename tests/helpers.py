@@ -168,3 +168,23 @@ def wait_for(predicate, timeout: float, what: str):  # type: ignore[no-untyped-d
             return value
         time.sleep(0.2)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` (children, theirs, ...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found

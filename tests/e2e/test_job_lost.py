@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from ..helpers import Server, start_serve, stop_serve, wait_for
+from ..helpers import Server, descendants, start_serve, stop_serve, wait_for
 from .launch import torchrun
 
 HERE = Path(__file__).resolve().parent
@@ -41,9 +41,16 @@ def start(server: Server, run: str, fault: str, *, nproc: int, at: int, exit_aft
 
 
 def end(job: subprocess.Popen[bytes]) -> None:
-    """torchrun and its ranks, whatever is left of them."""
+    """torchrun and its ranks, whatever is left of them. The ranks are killed by their
+    pids too: torchrun starts them in sessions of their own, and a rank stuck in a
+    collective outlives a SIGTERM (the agent flushes for it, the call never returns), so
+    with torchrun killed first they would wait out gloo's 30-minute timeout."""
+    ranks = descendants(job.pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(job.pid, signal.SIGKILL)
+    for pid in ranks:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     job.wait(30)
 
 
