@@ -418,7 +418,10 @@ def test_a_rank_blocked_in_a_collective_shows_it_not_done(tmp_path: Path) -> Non
         (2, "all_reduce", [[10]], True),
         (3, "all_reduce", [[10]], False),  # rank 1 had not arrived
     ]
-    assert (group["last_enqueued"], group["last_completed"]) == (3, 2)
+    # torch's own counters: last_completed is advanced by its watchdog thread and can lag
+    # the entries' done flags (a loaded CI: 1 with seq 2 done); the collector reads the
+    # flags (collector/health/collectives.py), the counter only as a lower bound.
+    assert group["last_enqueued"] == 3 and group["last_completed"] in (1, 2), group
     after = groups(tmp_path / "after.json")["0"]
     assert [e["done"] for e in after["entries"]] == [True, True, True]
 
