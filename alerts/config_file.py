@@ -1,5 +1,5 @@
 """Reading a YAML config file into strict pydantic models, for the alert rules
-(``loading.py``), the notifiers (``notify.py``) and the action policy
+(``loading.py``), the notifiers (``collector/alerting/notify/config.py``) and the action policy
 (``collector/actions/policy.py``): one safe loader whose mappings know their line and
 refuse a repeated key, one strict model base, and one way of saying what is wrong: a
 line per problem naming the file, the line where the YAML has one, and the field."""
