@@ -21,7 +21,7 @@ from sqlalchemy import create_engine, text
 
 from trainwarden.collector.store.db import make_engine, upgrade
 
-from .helpers import Server, empty_tables, new_database, start_serve, stop_serve
+from .helpers import Server, database_url, new_database, start_serve, stop_serve
 from .net import free_port
 
 __all__ = ["free_port"]  # imported from here by many tests
@@ -178,13 +178,9 @@ def pg_alone_url(pg_server: str) -> Iterator[str]:
 
 @pytest.fixture(params=["sqlite", "postgres"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    """Each test using it runs once on SQLite and once on PostgreSQL, on empty tables."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'tw.db'}"
-        return
-    url = request.getfixturevalue("pg_url")
-    yield url
-    empty_tables(url)
+    """Each test using it runs once on SQLite and once on PostgreSQL, on empty tables
+    (an end-to-end test names one: tests/e2e/conftest.py)."""
+    yield from database_url(request, tmp_path)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
@@ -71,6 +72,19 @@ class Server:
 
     def get(self, path: str, **params: object) -> httpx.Response:
         return httpx.get(self.url + path, params=params, headers=self.headers, timeout=10)
+
+
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """The ``db_url`` fixtures' database: ``request.param`` is ``"sqlite"`` (a file in
+    ``tmp_path``) or ``"postgres"`` (the session's database, its tables emptied after)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'tw.db'}"
+        return
+    if request.param != "postgres":
+        raise ValueError(f"db_url: {request.param!r} is not 'sqlite' or 'postgres'")
+    url = request.getfixturevalue("pg_url")
+    yield url
+    empty_tables(url)
 
 
 def create_token(db_url: str, name: str, *scopes: str, runs: str = "*") -> str:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from sqlalchemy import Engine
 
 from trainwarden.collector.incidents.engine import IncidentEngine
@@ -29,6 +30,8 @@ def trainwarden(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# The report on both databases: test_incidents.py.
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_note_and_postmortem_through_a_collector_with_a_failing_and_a_working_webhook(
     live_server: Server, db_url: str, tmp_path: Path
 ) -> None:

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from ..helpers import create_token, start_serve, stop_serve
 
@@ -23,6 +24,8 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+# The token store on both databases: test_auth.py.
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_create_list_and_revoke_against_a_running_collector(db_url: str, tmp_path: Path) -> None:
     server = start_serve(db_url, tmp_path / "serve.log", auth=True)
     try:

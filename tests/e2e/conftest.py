@@ -1,11 +1,29 @@
-"""Fixtures the browser tests share (the browser itself is in tests/conftest.py)."""
+"""Fixtures the end-to-end tests share (the browser itself is in tests/conftest.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+from ..helpers import database_url
+
+
+@pytest.fixture
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An end-to-end test runs on one database, which it names:
+    ``@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)`` (or ``"postgres"``;
+    ``live_server`` takes it too). The store's behaviour on both is tested in
+    tests/collector; a drill run twice would double the suite's longest tests for it."""
+    if not hasattr(request, "param"):
+        pytest.fail(
+            f"{request.node.nodeid}: an end-to-end test names its database: "
+            '@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True) or "postgres"',
+            pytrace=False,
+        )
+    yield from database_url(request, tmp_path)
 
 
 @pytest.fixture

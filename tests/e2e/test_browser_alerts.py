@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from ..collector.helpers import batch, step
 from ..helpers import Server, wait_for
@@ -70,6 +71,7 @@ def firing(server: Server, rule: str) -> dict[str, Any] | None:
     return found[0] if found else None
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_alerts_page_lists_acknowledges_and_silences(live_server: Server, page: Any) -> None:
     server = live_server
     ingest_xid(server)

@@ -162,6 +162,7 @@ def test_a_second_job_under_the_same_run_name_is_refused_and_paged(
     assert len(said) == 2 and all("claimed by two live processes" in t for t in said), said
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_a_relay_hands_the_refusal_to_the_conflicting_rank_alone(live_server: Server) -> None:
     """A node's request through its relay: rank 1 is held by a live process of another
     job, so rank 1's agent gets the collector's 409 naming the holder, and rank 0's step

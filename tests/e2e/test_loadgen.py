@@ -7,9 +7,12 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ..helpers import Server
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_loadgen_rows_all_arrive_and_roll_up(live_server: Server) -> None:
     result = subprocess.run(
         [
@@ -104,6 +107,7 @@ def test_the_load_generators_client_reads_chunked_and_sized_answers_on_one_conne
     assert all(b"X-Trainwarden-Sender: r/0-7\r\n" in head for head in seen)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_loadgen_sample_ids_arrive_with_their_digest_count_and_epoch(
     live_server: Server, db_url: str
 ) -> None:

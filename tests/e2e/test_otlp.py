@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ..helpers import Server
 
 STEPS = 12
@@ -30,6 +32,7 @@ assert not [k for k, v in stats.items() if k.startswith("dropped") and v], stats
 """
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_two_ranks_send_over_otlp(live_server: Server) -> None:
     env = {
         **os.environ,

@@ -263,6 +263,7 @@ def test_the_postmortem_of_a_rollback_drill_tells_it_in_order_with_the_stored_du
     )
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_the_html_report_opened_from_disk_draws_its_charts_with_no_console_error(
     engine: Any, tmp_path: Path, browser: Any
 ) -> None:

@@ -111,6 +111,7 @@ def test_a_rollback_reaches_every_rank_through_the_node_relay(db_url: str, tmp_p
         stop_serve(server)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_a_bad_batch_is_refused_alone(live_server: Server) -> None:
     """The merged request is refused (422) for one rank's bad row: the relay sends each
     batch on its own, so the other ranks' steps are stored and only the bad one is
@@ -140,6 +141,7 @@ def test_a_bad_batch_is_refused_alone(live_server: Server) -> None:
     assert series["n"] == [2]  # ranks 0 and 2
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_merged_batches_keep_their_events_and_gpu_samples(live_server: Server) -> None:
     """Events and GPU samples ride as per-rank extras and land on their own rank."""
     run = f"extras-{uuid.uuid4().hex[:6]}"
@@ -166,6 +168,7 @@ def test_the_collector_away_is_a_503_each_agent_retries(tmp_path: Path) -> None:
     assert answer.status_code in exporter_mod.RETRYABLE  # the agent keeps the batch
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_an_agent_goes_around_a_dead_relay(
     live_server: Server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -194,6 +197,7 @@ def test_an_agent_goes_around_a_dead_relay(
     assert [r["last_step"] for r in ranks] == [2]
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_agents_go_direct_once_their_relay_stops(live_server: Server) -> None:
     """A relay that stops (local rank 0's process ending, under ``auto``) closes its agents'
     keep-alive connections: their next batch goes to the collector, none is lost."""

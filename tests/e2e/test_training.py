@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from ..helpers import Server
 from ..net import free_port
 
@@ -46,6 +48,7 @@ def rolled_up(server: Server, run: str, steps: int, *, within_s: float = 15.0) -
         time.sleep(0.2)
 
 
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_both_ranks_steps_arrive(live_server: Server) -> None:
     # --work-ms: each step also waits 20 ms as if on a device. The tiny model's compute is
     # a few ms of CPU, and on a machine whose two cores run other tests too, one rank can
@@ -130,6 +133,7 @@ def test_both_ranks_steps_arrive(live_server: Server) -> None:
     assert live_server.get("/api/v1/runs/e2e/identity").json()["config"]["steps"] == 30
 
 
+@pytest.mark.parametrize("db_url", ["postgres"], indirect=True)
 def test_a_restarted_run_continues_without_duplicates(live_server: Server) -> None:
     torchrun(live_server, "--run-name", "resumed", "--steps", "20")
     # The job restarts from a checkpoint at step 15: steps 15..19 are replayed.
