@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
 
+import trainwarden.agent as tw  # trainwarden
 from trainwarden.agent.integrations.accelerate import TrainwardenTracker  # trainwarden
 from trainwarden.agent.integrations.common import init_process_group
 
@@ -109,14 +110,18 @@ def main() -> None:
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     tracker.watch(accelerator, model, optimizer)  # trainwarden: on every rank, before load_state
 
-    completed = 0  # optimizer steps done
+    done = {"steps": 0}  # optimizer steps done: the weights after step done - 1
     newest = newest_checkpoint(out) if out.is_dir() else None
     if newest is not None:  # a restarted job resumes
         accelerator.load_state(str(newest))
-        completed = int(newest.name.split("_")[1])
+        done["steps"] = int(newest.name.split("_")[1])
         accelerator.print(f"resumed from {newest}")
-    epoch, skip = divmod(completed * a.accumulation, len(loader))
-    while completed < a.steps:
+    # trainwarden: a rollback restores an older checkpoint (the tracker's handler); the
+    # loop's own count goes back with it, so that step_N keeps naming the weights after
+    # step N - 1 and the run ends after a.steps updates of the weights it keeps.
+    tw.on_rollback(lambda plan: done.update(steps=plan.checkpoint_step + 1))
+    epoch, skip = divmod(done["steps"] * a.accumulation, len(loader))
+    while done["steps"] < a.steps:
         loader.set_epoch(epoch)
         batches = accelerator.skip_first_batches(loader, skip) if skip else loader
         skip = 0
@@ -132,12 +137,13 @@ def main() -> None:
                 optimizer.zero_grad()
             if not accelerator.sync_gradients:
                 continue
-            completed += 1
+            done["steps"] += 1
+            completed = done["steps"]
             if completed % a.save_steps == 0:
                 accelerator.save_state(str(out / f"step_{completed}"))
             if completed % a.log_steps == 0:
                 accelerator.log({"train/loss": loss.item()}, step=completed)
-            if completed >= a.steps:
+            if done["steps"] >= a.steps:  # (a rollback in log() sets it back)
                 break
         epoch += 1
     accelerator.end_training()

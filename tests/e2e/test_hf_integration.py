@@ -6,11 +6,12 @@ trainwarden line.
 - Both ranks' steps arrive with the per-rank loss on every optimizer step, the gradient
   norm, the learning rate (the one the Trainer logs), phases, tokens and DDP's comm
   split; checkpoints appear; ``attempt_start`` carries the Trainer's arguments.
-- ``loss_spike=50x@step=35``: LossSpike fires, every rank restores the same checkpoint in
-  process at the same step, and the run finishes with its loss back on trend.
-- ``die@rank=1,step=25`` under ``--max-restarts 1``: the job resumes from its newest
-  checkpoint (``checkpoint-20``) as a second attempt, numbered on from step 20, and
-  finishes.
+- One job, ``loss_spike=50x@step=35;die@rank=1,step=75`` under ``--max-restarts 1``:
+  LossSpike fires and every rank restores the same checkpoint in process at the same
+  step; later rank 1 dies, and the job resumes from its newest checkpoint
+  (``checkpoint-70``) as a second attempt, numbered on from step 70, and finishes with
+  its loss back on trend. (One job for both: a job's start, torch and transformers in
+  each rank, is most of its CPU.)
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from ..helpers import Server, start_serve, stop_serve
+from ..helpers import Server, stop_serve
 from .helpers import serve_with_rollback
 from .launch import assert_resumed, finished_action, run_example, two_attempts
 
@@ -45,16 +46,26 @@ def torchrun(
     )
 
 
-def test_a_trainer_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_path: Path) -> None:
+def test_steps_arrive_a_loss_spike_is_rolled_back_and_a_dead_rank_resumes_as_attempt_2(
+    tmp_path: Path,
+) -> None:
     server = serve_with_rollback(f"sqlite:///{tmp_path / 'hf.db'}", tmp_path)
-    run, log = "hf-rollback", tmp_path / "torchrun.log"
+    run, log, steps = "hf-rollback", tmp_path / "torchrun.log", 120
     try:
         code = torchrun(
-            server, run, tmp_path / "out", log, drill="loss_spike=50x@step=35", steps=160
+            server,
+            run,
+            tmp_path / "out",
+            log,
+            drill="loss_spike=50x@step=35;die@rank=1,step=75",
+            steps=steps,
+            restarts=1,
         )
         assert code == 0, log.read_text()[-5000:]
         action = finished_action(server, run)
+        two_attempts(server, run)
         series = server.get(f"/api/v1/runs/{run}/series", metric="loss").json()
+        replaced = server.get(f"/api/v1/runs/{run}/replaced", metric="loss").json()
         checkpoints = server.get(f"/api/v1/runs/{run}/checkpoints").json()
         identity = server.get(f"/api/v1/runs/{run}/identity").json()
     finally:
@@ -63,7 +74,7 @@ def test_a_trainer_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_path: Path
     restored = {r["checkpoint_step"] for r in action["result"]["ranks"].values()}
     barriers = {r["barrier_step"] for r in action["result"]["ranks"].values()}
     assert sorted(action["result"]["ranks"]) == ["0", "1"] and len(restored) == len(barriers) == 1
-    (ckpt,) = restored
+    (ckpt,), (barrier,) = restored, barriers
     assert ckpt in (19, 29), action  # checkpoint-20 or -30: before the spike at 35
     said = log.read_text()
     assert said.count(f"rolled back to {tmp_path / 'out'}/checkpoint-{ckpt + 1}") == 2, said[-3000:]
@@ -82,10 +93,12 @@ def test_a_trainer_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_path: Path
     rows = [r for r in rows if r.step < 30]
     assert {(r.step, r.rank) for r in rows} == {(n, k) for n in range(30) for k in (0, 1)}
     # The learning rate each update used, as the Trainer logs it (every 10 updates: its
-    # step N is trainwarden's N - 1); steps 9 and 19 never ran again, 159 is the last.
-    history = json.loads((tmp_path / "out" / "checkpoint-160" / "trainer_state.json").read_text())
+    # step N is trainwarden's N - 1); steps 9 and 19 never ran again, 119 is the last.
+    history = json.loads(
+        (tmp_path / "out" / f"checkpoint-{steps}" / "trainer_state.json").read_text()
+    )
     logged = {h["step"] - 1: h["learning_rate"] for h in history["log_history"] if "loss" in h}
-    for step in (9, 19, 159):
+    for step in (9, 19, steps - 1):
         assert lr[step, 0] == lr[step, 1] == pytest.approx(logged[step], rel=1e-9), step
     assert {lr[r.step, r.rank] for r in rows} == {3e-3}  # constant until the rollback
     for r in rows:  # every optimizer step of each rank, its own loss
@@ -93,32 +106,21 @@ def test_a_trainer_s_steps_arrive_and_a_loss_spike_is_rolled_back(tmp_path: Path
         assert r.tokens == 2 * 8 * 32, r  # two micro-batches of 8 sequences of 32 tokens
         assert r.fwd_s > 0 and r.bwd_s > 0 and r.opt_s > 0, r
         assert r.comm_source == "hook" and r.exposed_comm_s is not None, r
-    assert {s: {r.loss for r in rows if r.step == s} for s in (10,)}[10].__len__() == 2  # per rank
+    assert len({r.loss for r in rows if r.step == 10}) == 2  # per rank, not synced
     assert [c["step"] for c in checkpoints][:3] == [9, 19, 29], checkpoints
     config = identity["config"]
-    assert config["gradient_accumulation_steps"] == 2 and config["max_steps"] == 160
+    assert config["gradient_accumulation_steps"] == 2 and config["max_steps"] == steps
     assert config["framework"].startswith("transformers ")
+
+    # The rollback's steps ran twice in attempt 1. Then rank 1 died as step 75 began, and
+    # the second attempt resumed from checkpoint-70 (the weights after step 69): its steps
+    # are numbered on from 70, to the end, and steps 70 to 74 ran again; the first runs of
+    # both are kept as replaced.
+    assert_resumed(tmp_path / "hf.db", run, at=70, last=steps - 1)
+    assert replaced["step"][: barrier - ckpt] == list(range(ckpt + 1, barrier + 1)), replaced
+    assert [s for s in replaced["step"] if s >= 70][:5] == [70, 71, 72, 73, 74], replaced
 
     loss = dict(zip(series["step"], series["median"], strict=True))
     before = statistics.median(loss[s] for s in range(25, 35))
     after = statistics.median(loss[s] for s in sorted(loss)[-10:])
     assert after < 1.1 * before, (before, after)
-
-
-def test_a_rank_that_dies_resumes_as_a_second_attempt(tmp_path: Path) -> None:
-    server = start_serve(f"sqlite:///{tmp_path / 'hf.db'}", tmp_path / "serve.log")
-    run, log = "hf-restart", tmp_path / "torchrun.log"
-    try:
-        code = torchrun(
-            server, run, tmp_path / "out", log, drill="die@rank=1,step=25", steps=40, restarts=1
-        )
-        assert code == 0, log.read_text()[-5000:]
-        two_attempts(server, run)
-        replaced = server.get(f"/api/v1/runs/{run}/replaced", metric="loss").json()
-    finally:
-        stop_serve(server)
-    # The second attempt resumed from checkpoint-20 (the weights after step 19): its
-    # steps are numbered on from 20, to the end, and steps 20 to 24 ran again (rank 1
-    # died as step 25 began): their first runs are kept as replaced.
-    assert_resumed(tmp_path / "hf.db", run, at=20, last=39)
-    assert replaced["step"][:5] == [20, 21, 22, 23, 24], replaced
