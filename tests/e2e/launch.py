@@ -98,6 +98,29 @@ def assert_resumed(db: Path, run: str, *, at: int, last: int) -> None:
     assert [r.last_step for r in rows if r.attempt == 2] == [last, last], rows
 
 
+def assert_replaced(
+    replaced: dict[str, list[int]], *, rollback: tuple[int, int], died: int | None = None
+) -> None:
+    """The first runs of the steps that ran twice, kept as replaced (``/replaced``), in a
+    job whose rollback restored the checkpoint of step ``rollback[0]`` after step
+    ``rollback[1]`` (its barrier): the steps from the checkpoint's next to the barrier. If
+    rank 1 then ``died`` as that step began, and the job resumed from the checkpoint of
+    step ``died - 6`` (saved every 10 steps: a death at 75 resumes after 69), those steps
+    to the death too: the other rank's step at the death, which its collective ended, may
+    be there as well (with no loss, or one)."""
+    ckpt, barrier = rollback
+    steps = replaced["step"]
+    losses = dict(zip(steps, replaced["n"], strict=True))  # the ranks' losses a step
+    assert {n for s, n in losses.items() if s != died} == {2}, replaced
+    assert steps[: barrier - ckpt] == list(range(ckpt + 1, barrier + 1)), replaced
+    restarted = [s for s in steps if s > barrier]
+    if died is None:
+        assert restarted == [], replaced
+        return
+    resumed = died - died % 10
+    assert restarted in (list(range(resumed, died)), list(range(resumed, died + 1))), replaced
+
+
 def two_attempts(server: Server, run: str) -> list[dict[str, Any]]:
     """The run's attempts once the collector knows two (within 30 s): numbered 1 and 2."""
     attempts = wait_for(
