@@ -37,7 +37,12 @@ def test_every_python_package_folder_is_in_the_wheel() -> None:
     # editable install finds its folder) and is missing from a wheel and the image.
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     listed = set(pyproject["tool"]["setuptools"]["packages"])
-    for package in ("trainwarden.agent", "trainwarden.alerts", "trainwarden.collector"):
+    for package in (
+        "trainwarden.agent",
+        "trainwarden.alerts",
+        "trainwarden.collector",
+        "trainwarden.webui",
+    ):
         base = ROOT / pyproject["tool"]["setuptools"]["package-dir"][package]
         for init in base.rglob("__init__.py"):
             sub = init.parent.relative_to(base).parts

@@ -20,9 +20,14 @@ from dash import Input, Output, State, dcc, html
 
 from trainwarden.collector.read.queries import RUN_STATUS_HELP
 
-from . import alerts_page, hardware_page, overview, ranks_page, run_info_page, timeline_page
 from .client import Client
 from .components import ago, notice
+from .pages.alerts import callbacks as alerts_page
+from .pages.hardware import callbacks as hardware_page
+from .pages.overview import callbacks as overview
+from .pages.ranks import callbacks as ranks_page
+from .pages.run_info import callbacks as run_info_page
+from .pages.timeline import callbacks as timeline_page
 from .plotly_js import install_partial_plotly
 from .polyfill import replace_babel_polyfill
 

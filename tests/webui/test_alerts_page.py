@@ -13,10 +13,11 @@ from sqlalchemy import insert
 from trainwarden.collector.actions.schemas import ActionOut
 from trainwarden.collector.alerting.schemas import AlertOut, Matcher, SilenceOut
 from trainwarden.collector.store import models as m
-from trainwarden.webui import alerts, components
-from trainwarden.webui.alerts_page import SilenceForm, perform
+from trainwarden.webui import components
 from trainwarden.webui.client import LocalClient, Refused
 from trainwarden.webui.components import notice
+from trainwarden.webui.pages.alerts import panels as alerts
+from trainwarden.webui.pages.alerts.callbacks import SilenceForm, perform
 
 from .helpers import classes, classes_of, text, walk
 

@@ -52,7 +52,7 @@ def test_without_a_usable_referer_the_routing_callback_makes_the_page() -> None:
 
 
 def test_a_page_that_cannot_be_made_falls_back_to_the_routing_callback(monkeypatch: Any) -> None:
-    from trainwarden.webui import overview
+    from trainwarden.webui.pages.overview import callbacks as overview
 
     def broken(*_args: Any, **_kwargs: Any) -> Any:
         raise RuntimeError("database down")

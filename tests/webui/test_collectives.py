@@ -15,10 +15,11 @@ from trainwarden.collector.api import auth
 from trainwarden.collector.app import create_app
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.store.tokens import Principal
-from trainwarden.webui import collectives as coll
-from trainwarden.webui import overview, ranks_page
 from trainwarden.webui.app import create_dash
 from trainwarden.webui.client import LocalClient, Refused, may_change
+from trainwarden.webui.pages.overview import callbacks as overview
+from trainwarden.webui.pages.ranks import callbacks as ranks_page
+from trainwarden.webui.pages.ranks import collectives_panel as coll
 
 from ..collector.helpers import batch
 from .dash_call import dash_call

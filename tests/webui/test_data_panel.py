@@ -17,9 +17,9 @@ from trainwarden.collector.read import mixture
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import write
-from trainwarden.webui import data_panel as dp
 from trainwarden.webui.app import create_dash
 from trainwarden.webui.client import LocalClient
+from trainwarden.webui.pages.run_info import data_panel as dp
 
 from ..collector.helpers import batch, step
 from .dash_call import dash_call

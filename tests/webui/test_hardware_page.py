@@ -14,9 +14,9 @@ from trainwarden.agent.gpu import describe_xid
 from trainwarden.collector.app import create_app
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.read.schemas import EventOut, GpuSample, RankInfo
-from trainwarden.webui import hardware_figures as hf
-from trainwarden.webui import hardware_page
 from trainwarden.webui.client import LocalClient
+from trainwarden.webui.pages.hardware import callbacks as hardware_page
+from trainwarden.webui.pages.hardware import panels as hf
 
 from ..collector.helpers import batch, step
 from .helpers import text, walk

@@ -11,8 +11,9 @@ import plotly.graph_objects as go
 import pytest
 
 from trainwarden.collector.read.schemas import EventOut, ReplacedSeries, Series
-from trainwarden.webui import overview, overview_figures
-from trainwarden.webui.overview_figures import ROW_EMPTY, Marker, Overview, RankLine, thin
+from trainwarden.webui.pages.overview import callbacks as overview
+from trainwarden.webui.pages.overview import figures as overview_figures
+from trainwarden.webui.pages.overview.figures import ROW_EMPTY, Marker, Overview, RankLine, thin
 
 T0 = 1_700_000_000.0
 
@@ -491,7 +492,7 @@ def test_a_refresh_between_a_pick_and_its_record_keeps_the_pick_and_the_address_
 def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() -> None:
     from types import SimpleNamespace
 
-    from trainwarden.webui.overview import PANEL_RANKS, ranks_panel
+    from trainwarden.webui.pages.overview.callbacks import PANEL_RANKS, ranks_panel
 
     def r(n: int, state: str) -> SimpleNamespace:
         return SimpleNamespace(

@@ -18,11 +18,11 @@ from trainwarden.collector.app import create_app
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.read.schemas import GpuSample, Heatmap, RankInfo
 from trainwarden.collector.rollups.worker import flush
-from trainwarden.webui import ranks_figures as rf
-from trainwarden.webui import ranks_page
 from trainwarden.webui.app import create_dash
 from trainwarden.webui.client import LocalClient
 from trainwarden.webui.components import is_default_pick
+from trainwarden.webui.pages.ranks import callbacks as ranks_page
+from trainwarden.webui.pages.ranks import figures as rf
 
 from ..collector.helpers import batch, step
 from .dash_call import dash_call

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainwarden.webui.replicas import MAX_CELLS, strips
+from trainwarden.webui.pages.ranks.replicas_panel import MAX_CELLS, strips
 
 
 def result(step: int, group: str = "0-3", suspects=(), missing=()) -> dict[str, Any]:

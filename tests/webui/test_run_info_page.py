@@ -19,9 +19,9 @@ from trainwarden.collector.app import create_app
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.rollups.worker import flush
 from trainwarden.collector.settings import Settings
-from trainwarden.webui import run_info as view
-from trainwarden.webui import run_info_page
 from trainwarden.webui.client import LocalClient
+from trainwarden.webui.pages.run_info import callbacks as run_info_page
+from trainwarden.webui.pages.run_info import panels as view
 
 from ..collector import economics_scenario as sc
 from .helpers import text, walk

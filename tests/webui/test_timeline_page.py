@@ -16,9 +16,9 @@ from trainwarden.collector.incidents.schemas import IncidentOut
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.settings import Settings
 from trainwarden.collector.store.db import write
-from trainwarden.webui import timeline as view
-from trainwarden.webui import timeline_page
 from trainwarden.webui.client import LocalClient
+from trainwarden.webui.pages.timeline import callbacks as timeline_page
+from trainwarden.webui.pages.timeline import panels as view
 
 from ..collector import incident_scenario as sc
 from .helpers import classes, classes_of, text, walk

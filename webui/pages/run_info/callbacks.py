@@ -20,10 +20,10 @@ from dash import Input, Output, State, dcc, html
 
 from trainwarden.collector.read.queries import NotFound
 
+from ...client import Client
+from ...components import digest, notice, run_tabs
 from . import data_panel
-from . import run_info as view
-from .client import Client
-from .components import digest, notice, run_tabs
+from . import panels as view
 
 log = logging.getLogger(__name__)
 PARTS = ("ri-notice", "ri-identity", "ri-attempts", "ri-goodput", "ri-checkpoints", "ri-data")

@@ -33,8 +33,8 @@ from trainwarden.collector.read.schemas import (
     Series,
 )
 
-from .figures import empty_figure, themed
-from .overview_figures import themed_layout
+from ...charts import empty_figure, themed
+from ..overview.figures import themed_layout
 
 # Rank states in the order a reader triages them; the collector's health pass sets them.
 STATES = ("dead", "hung", "slow", "evicted", "running", "healthy", "finished")

@@ -18,9 +18,9 @@ from typing import Any
 import dash
 from dash import ALL, Input, Output, State, dcc, html
 
-from . import alerts as view
-from .client import Client, Refused
-from .components import clock, notice, redraw
+from ...client import Client, Refused
+from ...components import clock, notice, redraw
+from . import panels as view
 
 log = logging.getLogger(__name__)
 DURATIONS = [

@@ -19,11 +19,11 @@ from dash import Input, Output, State, dcc, html
 
 from trainwarden.collector.read.queries import NotFound
 
-from . import timeline as view
-from .client import Client, Refused
-from .components import digest, notice, run_tabs
-from .figures import empty_figure, placeholder, themed
-from .gestures import hold_while_pointing
+from ...charts import empty_figure, placeholder, themed
+from ...client import Client, Refused
+from ...components import digest, notice, run_tabs
+from ...gestures import hold_while_pointing
+from . import panels as view
 
 log = logging.getLogger(__name__)
 PARTS = ("tl-notice", "tl-incidents", "tl-header", "tl-downloads", "tl-figures", "tl-entries")

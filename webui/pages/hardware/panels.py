@@ -16,7 +16,7 @@ from dash import dcc, html
 from trainwarden.agent.gpu import describe_xid
 from trainwarden.collector.read.schemas import EventOut, GpuSample, RankInfo
 
-from .figures import empty_figure, themed
+from ...charts import empty_figure, themed
 
 HOT_C = 85.0  # where drivers start thermal slowdown on data-centre GPUs (H100: 87-90 C)
 GPU_ROWS = 64  # past this many GPUs the table lists only those with something wrong

@@ -13,7 +13,7 @@ from typing import Any
 
 from dash import html
 
-from .components import notice
+from ...components import notice
 
 MISSING = "—"
 RUNBOOK = "/runbooks/CheckpointCadence"

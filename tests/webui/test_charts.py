@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from trainwarden.collector.read.schemas import Series
-from trainwarden.webui import figures
+from trainwarden.webui import charts as figures
 
 
 def series(metric: str = "loss", steps: int = 3) -> Series:

@@ -16,8 +16,8 @@ from dash import dcc, html
 from trainwarden.collector.incidents.report_format import duration
 from trainwarden.collector.incidents.schemas import IncidentOut
 
-from .components import clock, live_ago, notice
-from .figures import empty_figure, themed
+from ...charts import empty_figure, themed
+from ...components import clock, live_ago, notice
 
 SEVERITIES = ("info", "warning", "critical")
 ENTRIES_SHOWN = 1000  # a long run's whole timeline: the newest entries

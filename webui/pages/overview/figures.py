@@ -23,7 +23,7 @@ from plotly.subplots import make_subplots
 from trainwarden.collector.incidents.report_format import MFU_FORMAT
 from trainwarden.collector.read.schemas import ReplacedSeries, Series
 
-from .figures import COLORS, TEMPLATES, _translucent, empty_figure, template, themed
+from ...charts import COLORS, TEMPLATES, empty_figure, template, themed, translucent
 
 ROWS = ["events", "throughput", "mfu", "loss", "grad_norm", "breakdown"]
 ROW_TITLES = [
@@ -310,7 +310,7 @@ def _band(
             mode="lines",
             line={"width": 0, "color": color},
             fill="tonexty",
-            fillcolor=_translucent(color),
+            fillcolor=translucent(color),
             legendgroup=group,
             name=f"{label} min..max",
             showlegend=False,

@@ -30,15 +30,15 @@ from plotly.io.json import to_json_plotly
 
 from trainwarden.collector.read.queries import NotFound
 
-from . import collectives as coll
-from . import components
-from . import ranks_figures as rf
-from .client import Client, Refused, may_change
-from .components import is_default_pick, notice, parse_user, run_tabs
-from .figures import empty_figure, placeholder, themed
-from .first_graph import after_first
-from .gestures import hold_while_pointing
-from .replicas import strips as replica_strips
+from ... import components
+from ...charts import empty_figure, placeholder, themed
+from ...client import Client, Refused, may_change
+from ...components import is_default_pick, notice, parse_user, run_tabs
+from ...first_graph import after_first
+from ...gestures import hold_while_pointing
+from . import collectives_panel as coll
+from . import figures as rf
+from .replicas_panel import strips as replica_strips
 
 log = logging.getLogger(__name__)
 BUCKETS = 200  # heatmap columns; the collector buckets the steps

@@ -135,7 +135,7 @@ def band_figure(
             mode="lines",
             line={"width": 0, "color": color},
             fill="tonexty",
-            fillcolor=_translucent(color),
+            fillcolor=translucent(color),
             hoverinfo="skip",
         )
     )
@@ -223,6 +223,6 @@ def total_figure(series: Series, *, title: str, revision: str) -> go.Figure:
     return _layout(fig, title=title, unit=series.unit, revision=revision)
 
 
-def _translucent(hex_color: str, alpha: float = 0.18) -> str:
+def translucent(hex_color: str, alpha: float = 0.18) -> str:
     r, g, b = (int(hex_color[i : i + 2], 16) for i in (1, 3, 5))
     return f"rgba({r},{g},{b},{alpha})"

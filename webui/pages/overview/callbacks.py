@@ -26,14 +26,22 @@ from dash import Input, Output, State, dcc, html
 
 from trainwarden.collector.read.queries import RUN_STATUS_HELP, NotFound
 
-from . import alerts, figures
-from . import collectives as coll
-from .client import Client
-from .components import ago, is_default_pick, notice, parse_user, run_tabs, user_choices
-from .first_graph import after_first
-from .gestures import hold_while_pointing
-from .hardware_figures import ACTION_TEXT, xid_rows
-from .overview_figures import (
+from ... import charts as figures
+from ...client import Client
+from ...components import (
+    ago,
+    is_default_pick,
+    notice,
+    parse_user,
+    run_tabs,
+    user_choices,
+)
+from ...first_graph import after_first
+from ...gestures import hold_while_pointing
+from ..alerts import panels as alerts
+from ..hardware.panels import ACTION_TEXT, xid_rows
+from ..ranks import collectives_panel as coll
+from .figures import (
     REPLACED,
     Marker,
     Overview,

@@ -15,7 +15,7 @@ from trainwarden.collector.actions.schemas import ActionOut
 from trainwarden.collector.alerting.schemas import AlertOut, Matcher, SilenceOut
 from trainwarden.collector.read.runbooks import runbook_url
 
-from .components import clock, live_ago, live_until, notice
+from ...components import clock, live_ago, live_until, notice
 
 STATES = ("pending", "firing", "resolved")
 OPEN = ["pending", "firing"]  # what /alerts shows when its URL names no state

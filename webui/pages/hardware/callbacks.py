@@ -15,12 +15,12 @@ from dash import Input, Output, State, dcc, html
 
 from trainwarden.collector.read.queries import NotFound
 
-from . import hardware_figures as hf
-from .client import Client
-from .components import notice, run_tabs
-from .figures import empty_figure, themed
-from .gestures import hold_while_pointing
-from .ranks_page import parse_query
+from ...charts import empty_figure, themed
+from ...client import Client
+from ...components import notice, run_tabs
+from ...gestures import hold_while_pointing
+from ..ranks.callbacks import parse_query
+from . import panels as hf
 
 log = logging.getLogger(__name__)
 SAMPLES = 20_000  # newest GPU readings drawn (the page stays quick on a big run)

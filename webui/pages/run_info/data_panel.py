@@ -18,7 +18,7 @@ from typing import Any
 
 from dash import dcc, html
 
-from .run_info import INK, MISSING
+from .panels import INK, MISSING
 
 NOTHING = (
     "No data checks for this run. For epoch coverage pass tw.init(dataset_size=N) and "

@@ -1,0 +1,1 @@
+"""The alerts page, ``/alerts``: alerts, silences and actions, and their buttons."""

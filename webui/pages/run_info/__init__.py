@@ -1,0 +1,1 @@
+"""The run page, ``/runs/<name>/info``: identity, attempts, goodput, checkpoints, data."""

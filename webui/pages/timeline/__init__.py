@@ -1,0 +1,1 @@
+"""The timeline page, ``/runs/<name>/timeline``: incidents, their entries and the logbook."""
