@@ -1,106 +1,58 @@
-"""The Dash app: a runs list at ``/``, a run's overview at ``/runs/<name>``
-(:mod:`.overview`), its ranks, hardware, timeline and run (:mod:`.run_info_page`) pages,
-and the alerts page at ``/alerts`` (:mod:`.alerts_page`).
+"""The Dash app: the routing, the top bar and the theme, around the pages.
 
-Pages are small layouts plus one callback each; component ids carry the page prefix
-(``runs-``, ``run-``, ``alerts-``); figures come from :mod:`.figures`. A data error shows as a
-message in the page, never as a traceback.
+Each page is a folder of :mod:`.pages`: the runs list at ``/`` (``runs``), a run's
+overview at ``/runs/<name>`` (``overview``), its ranks, hardware, timeline and run pages
+at ``/runs/<name>/ranks``, ``/hardware``, ``/timeline`` and ``/info`` (``ranks``,
+``hardware``, ``timeline``, ``run_info``), and the alerts page at ``/alerts``
+(``alerts``). A page's ``layout.py`` makes its components, its ``callbacks.py``
+registers its callbacks; component ids carry the page prefix (``runs-``, ``run-``,
+``ranks-``, ``alerts-``...); the shared chart helpers are in :mod:`.charts`. A data error
+shows as a message in the page, never as a traceback.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit
+from urllib.parse import unquote, urlsplit
 
 import dash
 import flask
 from dash import Input, Output, State, dcc, html
 
-from trainwarden.collector.read.queries import RUN_STATUS_HELP
-
 from .client import Client
-from .components import ago, notice
-from .pages.alerts import callbacks as alerts_page
-from .pages.hardware import callbacks as hardware_page
-from .pages.overview import callbacks as overview
-from .pages.ranks import callbacks as ranks_page
-from .pages.run_info import callbacks as run_info_page
-from .pages.timeline import callbacks as timeline_page
+from .components import notice
+from .pages.alerts import callbacks as alerts_callbacks
+from .pages.alerts import layout as alerts_layout
+from .pages.hardware import callbacks as hardware_callbacks
+from .pages.hardware import layout as hardware_layout
+from .pages.overview import callbacks as overview_callbacks
+from .pages.overview import layout as overview_layout
+from .pages.ranks import callbacks as ranks_callbacks
+from .pages.ranks import layout as ranks_layout
+from .pages.run_info import callbacks as run_info_callbacks
+from .pages.run_info import layout as run_info_layout
+from .pages.runs import callbacks as runs_callbacks
+from .pages.runs import layout as runs_layout
+from .pages.timeline import callbacks as timeline_callbacks
+from .pages.timeline import layout as timeline_layout
 from .plotly_js import install_partial_plotly
 from .polyfill import replace_babel_polyfill
 
 log = logging.getLogger(__name__)
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
+# A run's pages besides its overview, by the suffix of their path.
+RUN_PAGES = (
+    ("/ranks", ranks_layout),
+    ("/hardware", hardware_layout),
+    ("/timeline", timeline_layout),
+    ("/info", run_info_layout),
+)
 
 
-# -- pages -----------------------------------------------------------------------
-
-
-def runs_layout() -> html.Div:
-    return html.Div(
-        [
-            html.H2("Runs"),
-            html.Div(id="runs-table", children=notice("Loading runs…")),
-            dcc.Interval(id="runs-interval", interval=5_000),
-        ]
-    )
-
-
-def runs_table(client: Client) -> Any:
-    runs = client.list_runs()
-    if not runs:
-        return notice(
-            "No runs yet. Add the agent to a trainer (tw.init(run=..., url=...)) "
-            "or start `trainwarden demo`; runs appear here within seconds."
-        )
-    firing: dict[str, int] = {}
-    for a in client.alerts(states=["firing"], limit=10_000):
-        firing[a.run] = firing.get(a.run, 0) + 1
-    header = html.Tr(
-        [
-            html.Th(h)
-            for h in (
-                "Run",
-                "Status",
-                "Firing alerts",
-                "World size",
-                "Ranks seen",
-                "Last step",
-                "Updated",
-            )
-        ]
-    )
-    rows = [
-        html.Tr(
-            [
-                html.Td(dcc.Link(r.name, href=f"/runs/{r.name}", className="run-link")),
-                html.Td(
-                    html.Span(
-                        r.status,
-                        className=f"status status-{r.status}",
-                        title=RUN_STATUS_HELP.get(r.status, ""),
-                    )
-                ),
-                html.Td(
-                    dcc.Link(
-                        str(firing[r.name]),
-                        href=f"/alerts?run={quote(r.name)}&state=firing",
-                        className="firing-count",
-                    )
-                    if r.name in firing
-                    else "—"
-                ),
-                html.Td(r.world_size),
-                html.Td(r.ranks_seen),
-                html.Td("—" if r.last_step is None else r.last_step),
-                html.Td(ago(r.updated_at)),
-            ]
-        )
-        for r in runs
-    ]
-    return html.Table([html.Thead(header), html.Tbody(rows)], className="runs-table")
+# -- routing ---------------------------------------------------------------------
 
 
 def page_path(pathname: str | None) -> str:
@@ -130,6 +82,67 @@ def _run_names(client: Client) -> list[str]:
         return []
 
 
+def page(path: str, search: str | None, *, client: Client, refresh_s: float) -> Any:
+    """The page at ``path`` (as :func:`page_path` keeps it), opened with ``search``."""
+    if path in ("/", "/runs"):
+        return runs_layout.layout()
+    if path == "/alerts":
+        return alerts_layout.layout(search, runs=_run_names(client), refresh_s=refresh_s)
+    if path.startswith("/runs/"):
+        rest = path[len("/runs/") :]
+        for suffix, module in RUN_PAGES:
+            if rest.endswith(suffix) and len(rest) > len(suffix):
+                return module.layout(unquote(rest[: -len(suffix)]), search, refresh_s=refresh_s)
+        return overview_layout.layout(unquote(rest), search, refresh_s=refresh_s)
+    return notice(f"No page at {path}. Go to the runs list.", "error")
+
+
+def shell(page: Callable[[str, str | None], Any]) -> html.Div:
+    """The app's layout: the top bar, the page the browser asks for (``page(path,
+    search)``), and the routing's stores."""
+    # The page the browser is opening is in the layout already (see asked_page): its
+    # callbacks fire at load, not after a routing callback's round trip (whose pending
+    # ``children`` output would also hold every other callback back).
+    asked, search = asked_page()
+    path = shown = None
+    if asked is not None:
+        try:
+            path = page_path(asked)
+            shown = page(path, search)
+        except Exception:  # the routing callback makes it, and says what is wrong
+            log.exception("page %s", asked)
+            path = shown = None
+    # With the page in the layout, the address is too: the Location reports no change
+    # when it mounts, so the routing callback does not fire (refresh=False: no value
+    # here ever sends the browser anywhere).
+    address = {"pathname": asked, "search": search} if path is not None else {}
+    return html.Div(
+        [
+            dcc.Location(id="url", refresh=False, **address),
+            # "light" or "dark", kept in the browser; figures take it as an Input.
+            dcc.Store(id="theme", storage_type="local", data="light"),
+            html.Header(
+                [
+                    dcc.Link("trainwarden", href="/", className="brand"),
+                    dcc.Link("Runs", href="/", className="nav"),
+                    dcc.Link("Alerts", href="/alerts", className="nav"),
+                    html.A("Runbooks", href="/runbooks", className="nav"),
+                    html.Button(
+                        "◐ Theme",
+                        id="theme-toggle",
+                        className="theme-toggle",
+                        title="Light / dark",
+                    ),
+                ],
+                className="topbar",
+            ),
+            html.Main(id="page", className="page", children=shown),
+            dcc.Store(id="page-path", data=path),
+            dcc.Store(id="page-kick"),  # routes at load when the layout has no page
+        ]
+    )
+
+
 # -- app -------------------------------------------------------------------------
 
 
@@ -145,51 +158,27 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
     install_partial_plotly(app)  # plotly.js: a custom bundle, preloaded (webui/plotly_js.py)
     replace_babel_polyfill(app)  # regenerator-runtime alone, not core-js too (webui/polyfill.py)
 
+    def page_at(path: str, search: str | None) -> Any:
+        return page(path, search, client=client, refresh_s=refresh_s)
+
     def layout() -> html.Div:
-        # The page the browser is opening is in the layout already (see asked_page): its
-        # callbacks fire at load, not after a routing callback's round trip (whose pending
-        # ``children`` output would also hold every other callback back).
-        asked, search = asked_page()
-        path = shown = None
-        if asked is not None:
-            try:
-                path = page_path(asked)
-                shown = page(path, search)
-            except Exception:  # the routing callback makes it, and says what is wrong
-                log.exception("page %s", asked)
-                path = shown = None
-        # With the page in the layout, the address is too: the Location reports no change
-        # when it mounts, so the routing callback does not fire (refresh=False: no value
-        # here ever sends the browser anywhere).
-        address = {"pathname": asked, "search": search} if path is not None else {}
-        return html.Div(
-            [
-                dcc.Location(id="url", refresh=False, **address),
-                # "light" or "dark", kept in the browser; figures take it as an Input.
-                dcc.Store(id="theme", storage_type="local", data="light"),
-                html.Header(
-                    [
-                        dcc.Link("trainwarden", href="/", className="brand"),
-                        dcc.Link("Runs", href="/", className="nav"),
-                        dcc.Link("Alerts", href="/alerts", className="nav"),
-                        html.A("Runbooks", href="/runbooks", className="nav"),
-                        html.Button(
-                            "◐ Theme",
-                            id="theme-toggle",
-                            className="theme-toggle",
-                            title="Light / dark",
-                        ),
-                    ],
-                    className="topbar",
-                ),
-                html.Main(id="page", className="page", children=shown),
-                dcc.Store(id="page-path", data=path),
-                dcc.Store(id="page-kick"),  # routes at load when the layout has no page
-            ]
-        )
+        return shell(page_at)
 
     app.layout = layout
+    register_routing(app, page_at)
+    runs_callbacks.register(app, client)
+    alerts_callbacks.register(app, client)
+    ranks_callbacks.register(app, client)
+    hardware_callbacks.register(app, client)
+    timeline_callbacks.register(app, client)
+    run_info_callbacks.register(app, client)
+    overview_callbacks.register(app, client)
+    register_theme(app)
+    return app
 
+
+def register_routing(app: dash.Dash, page: Callable[[str, str | None], Any]) -> None:
+    """The routing callback: the page at the location's path, made by ``page``."""
     # At load, the routing callback runs only when the layout came without the page (no
     # Referer): a clientside callback starts it then.
     app.clientside_callback(
@@ -208,7 +197,7 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         Input("page-kick", "data"),
         State("url", "search"),
         State("page-path", "data"),
-        prevent_initial_call=True,  # the layout has the first page (see layout)
+        prevent_initial_call=True,  # the layout has the first page (see shell)
     )
     def route(
         pathname: str | None, _kick: str | None, search: str | None, shown: str | None
@@ -218,44 +207,9 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
             return dash.no_update, dash.no_update
         return page(path, search), path
 
-    def page(path: str, search: str | None) -> Any:
-        if path in ("/", "/runs"):
-            return runs_layout()
-        if path == "/alerts":
-            return alerts_page.layout(search, runs=_run_names(client), refresh_s=refresh_s)
-        if path.startswith("/runs/"):
-            rest = path[len("/runs/") :]
-            for suffix, module in (
-                ("/ranks", ranks_page),
-                ("/hardware", hardware_page),
-                ("/timeline", timeline_page),
-                ("/info", run_info_page),
-            ):
-                if rest.endswith(suffix) and len(rest) > len(suffix):
-                    return module.layout(unquote(rest[: -len(suffix)]), search, refresh_s=refresh_s)
-            return overview.layout(unquote(rest), search, refresh_s=refresh_s)
-        return notice(f"No page at {path}. Go to the runs list.", "error")
 
-    @app.callback(Output("runs-table", "children"), Input("runs-interval", "n_intervals"))
-    def refresh_runs(_n: int | None) -> Any:
-        try:
-            return runs_table(client)
-        except Exception as exc:
-            log.exception("runs page")
-            return notice(
-                f"Cannot read runs from the collector's database: {exc.__class__.__name__}. "
-                "It retries by itself.",
-                "error",
-            )
-
-    alerts_page.register(app, client)
-    ranks_page.register(app, client)
-    hardware_page.register(app, client)
-    timeline_page.register(app, client)
-    run_info_page.register(app, client)
-    overview.register(app, client)
-
-    # The theme: toggled in the top bar, kept in the browser, applied to the document.
+def register_theme(app: dash.Dash) -> None:
+    """The theme: toggled in the top bar, kept in the browser, applied to the document."""
     app.clientside_callback(
         """function(n, theme) {
             if (!n) { return window.dash_clientside.no_update; }
@@ -273,8 +227,6 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
         Output("theme-toggle", "title"),
         Input("theme", "data"),
     )
-
-    return app
 
 
 def warm_up(app: dash.Dash) -> None:

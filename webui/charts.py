@@ -1,10 +1,15 @@
-"""Figures as pure functions of query results (tests call them directly)."""
+"""Chart helpers the pages share: the metrics' colours, the themes (Plotly templates on a
+transparent card, for figures and for layout dicts), the empty figure and a layout's
+placeholder; and figures of one series as pure functions of query results (tests call
+them directly)."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import plotly.graph_objects as go
+import plotly.io as pio
 
 from trainwarden.collector.read.schemas import Series
 
@@ -50,6 +55,28 @@ def themed(fig: go.Figure, theme: str | None) -> go.Figure:
         plot_bgcolor="rgba(0,0,0,0)" if theme == "dark" else None,
     )
     return fig
+
+
+@functools.cache
+def _template_json(name: str) -> dict[str, Any]:
+    """A Plotly template as JSON (Plotly.js knows no template names). Shared: read only."""
+    return go.layout.Template(pio.templates[name]).to_plotly_json()  # type: ignore[no-any-return]
+
+
+def prepare_templates() -> None:
+    """Builds the themes' templates as JSON now (at startup), not for the first visitor."""
+    for name in TEMPLATES.values():
+        _template_json(name)
+
+
+def themed_layout(layout: dict[str, Any], theme: str | None) -> dict[str, Any]:
+    """:func:`themed` for a layout dict: the theme's template, a transparent
+    background (the card shows)."""
+    layout["template"] = _template_json(template(theme))
+    layout["paper_bgcolor"] = "rgba(0,0,0,0)"
+    if theme == "dark":
+        layout["plot_bgcolor"] = "rgba(0,0,0,0)"
+    return layout
 
 
 def _layout(fig: go.Figure, *, title: str, unit: str, revision: str) -> go.Figure:

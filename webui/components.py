@@ -105,6 +105,14 @@ def notice(text: str, kind: str = "info") -> html.Div:
     return html.Div(text, className=f"notice notice-{kind}")
 
 
+def field(label: str, control: Any, *, wide: bool = False) -> html.Label:
+    """A form's control with its label above it (the alerts and timeline pages' forms)."""
+    return html.Label(
+        [html.Span(label, className="field-label"), control],
+        className="field field-wide" if wide else "field",
+    )
+
+
 RUN_TABS = (
     ("Overview", ""),
     ("Ranks", "/ranks"),

@@ -55,9 +55,9 @@ def test_run_page_draws_the_loss_and_updates_live(server: Server, page) -> None:
     page.goto(f"{server.url}/runs/ui-live")
     page.wait_for_selector("#run-overview .scatterlayer .trace", timeout=20_000)
     page.wait_for_function(f"{MEDIAN_POINTS} >= 20", timeout=10_000)
-    # Every metric's series is its own query, side by side (webui/overview.py's load): a
-    # figure drawn while the rollup commits may hold the loss and not yet the throughput;
-    # the next refresh has both.
+    # Every metric's series is its own query, side by side (load, in
+    # webui/pages/overview/data.py): a figure drawn while the rollup commits may hold the
+    # loss and not yet the throughput; the next refresh has both.
     names = "document.querySelector('#run-overview .js-plotly-plot').data.map(t => t.name)"
     both = "n.includes('tokens/s') && n.includes('data wait')"
     page.wait_for_function(f"(() => {{ const n = {names}; return {both}; }})()", timeout=10_000)

@@ -14,7 +14,7 @@ import pytest
 
 from trainwarden.agent import Agent, AgentConfig
 from trainwarden.agent.gpu import describe_xid
-from trainwarden.webui.pages.ranks.callbacks import parse_query
+from trainwarden.webui.pages.ranks.query import parse_query
 
 from ..helpers import Server, start_serve, stop_serve
 from .helpers import screenshot

@@ -17,7 +17,8 @@ from trainwarden.webui import components
 from trainwarden.webui.client import LocalClient, Refused
 from trainwarden.webui.components import notice
 from trainwarden.webui.pages.alerts import panels as alerts
-from trainwarden.webui.pages.alerts.callbacks import SilenceForm, perform
+from trainwarden.webui.pages.alerts import query as alerts_query
+from trainwarden.webui.pages.alerts.actions import SilenceForm, perform
 
 from .helpers import classes, classes_of, text, walk
 
@@ -165,7 +166,7 @@ def test_runbook_link(runbook_url: str | None, href: str) -> None:
 def test_empty_states_say_what_to_do() -> None:
     firing = alerts.alerts_table([], now=NOW, run=None, states=["firing"])
     assert text(firing).startswith("No alerts firing.")
-    default = alerts.alerts_table([], now=NOW, run="r1", states=alerts.OPEN)
+    default = alerts.alerts_table([], now=NOW, run="r1", states=alerts_query.OPEN)
     assert text(default) == (
         "No alerts firing or pending for run r1. Clear the run filter to see every run."
     )
@@ -176,7 +177,7 @@ def test_empty_states_say_what_to_do() -> None:
 
 def test_alerts_table_lists_every_alert_newest_first_as_given() -> None:
     table = alerts.alerts_table(
-        [alert(id=9, state="pending"), alert(id=7)], now=NOW, run=None, states=alerts.OPEN
+        [alert(id=9, state="pending"), alert(id=7)], now=NOW, run=None, states=alerts_query.OPEN
     )
     assert [p.id for p in walk(table) if "alert-row" in classes_of(p)] == [
         "alert-9",
@@ -197,7 +198,7 @@ def test_a_table_whose_only_change_is_the_clock_is_not_redrawn() -> None:
 
     def parts(now: float, **over: Any) -> list[Any]:
         return [
-            alerts.alerts_table([alert(**over)], now=now, run=None, states=alerts.OPEN),
+            alerts.alerts_table([alert(**over)], now=now, run=None, states=alerts_query.OPEN),
             alerts.silences_table([silence()], now=now),
             alerts.actions_table([action()], now=now),
         ]
@@ -215,7 +216,9 @@ def test_a_table_whose_only_change_is_the_clock_is_not_redrawn() -> None:
     assert components.redraw(acked, seen)[0] == [acked[0], dash.no_update, dash.no_update]
     assert (
         components.digest(
-            alerts.alerts_table([alert(state="pending")], now=NOW, run=None, states=alerts.OPEN)
+            alerts.alerts_table(
+                [alert(state="pending")], now=NOW, run=None, states=alerts_query.OPEN
+            )
         )
         != seen[0]
     )
@@ -288,8 +291,8 @@ def test_run_page_panel_lists_open_alerts_with_runbooks() -> None:
 def test_filters_round_trip_through_the_query_string(
     search: str, parsed: tuple[str | None, list[str]], written: str
 ) -> None:
-    assert alerts.parse_query(search) == parsed
-    assert alerts.query_string(*parsed) == written
+    assert alerts_query.parse_query(search) == parsed
+    assert alerts_query.query_string(*parsed) == written
 
 
 # -- buttons ---------------------------------------------------------------------
@@ -421,7 +424,7 @@ def test_buttons_act_through_the_api_code_and_say_why_not(engine) -> None:  # ty
 def test_the_runs_list_counts_each_runs_firing_alerts_and_links_them() -> None:
     from types import SimpleNamespace
 
-    from trainwarden.webui.app import runs_table
+    from trainwarden.webui.pages.runs.data import runs_table
 
     class Runs:
         def list_runs(self) -> list[Any]:

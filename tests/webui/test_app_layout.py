@@ -52,12 +52,12 @@ def test_without_a_usable_referer_the_routing_callback_makes_the_page() -> None:
 
 
 def test_a_page_that_cannot_be_made_falls_back_to_the_routing_callback(monkeypatch: Any) -> None:
-    from trainwarden.webui.pages.overview import callbacks as overview
+    from trainwarden.webui.pages.overview import layout as overview_layout
 
     def broken(*_args: Any, **_kwargs: Any) -> Any:
         raise RuntimeError("database down")
 
-    monkeypatch.setattr(overview, "layout", broken)
+    monkeypatch.setattr(overview_layout, "layout", broken)
     tree = layout("http://localhost/runs/r1")
     assert component(tree, "page")["props"].get("children") is None  # type: ignore[index]
     assert component(tree, "page-path")["props"].get("data") is None  # type: ignore[index]

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from trainwarden.collector.read.schemas import Series
-from trainwarden.webui import charts as figures
+from trainwarden.webui import charts
 
 
 def series(metric: str = "loss", steps: int = 3) -> Series:
@@ -22,7 +22,7 @@ def series(metric: str = "loss", steps: int = 3) -> Series:
 
 
 def test_band_figure_draws_min_max_band_and_median() -> None:
-    fig = figures.band_figure(series(), title="Loss", revision="r")
+    fig = charts.band_figure(series(), title="Loss", revision="r")
     names = [t.name for t in fig.data]
     assert names == ["max", "min..max across ranks", "median"]
     assert fig.data[1].fill == "tonexty"
@@ -31,11 +31,11 @@ def test_band_figure_draws_min_max_band_and_median() -> None:
 
 
 def test_total_figure_plots_the_run_level_value() -> None:
-    fig = figures.total_figure(series("tokens_per_s"), title="Throughput", revision="r")
+    fig = charts.total_figure(series("tokens_per_s"), title="Throughput", revision="r")
     assert list(fig.data[0].y) == [3.0, 3.0, 3.0]
 
 
 def test_empty_series_says_what_is_happening() -> None:
-    fig = figures.band_figure(series(steps=0), title="Loss", revision="r")
+    fig = charts.band_figure(series(steps=0), title="Loss", revision="r")
     assert fig.data == ()
     assert "waiting for the first steps" in fig.layout.annotations[0].text

@@ -17,9 +17,10 @@ from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.store.tokens import Principal
 from trainwarden.webui.app import create_dash
 from trainwarden.webui.client import LocalClient, Refused, may_change
-from trainwarden.webui.pages.overview import callbacks as overview
-from trainwarden.webui.pages.ranks import callbacks as ranks_page
+from trainwarden.webui.pages.overview import data as overview_data
+from trainwarden.webui.pages.ranks import actions as ranks_actions
 from trainwarden.webui.pages.ranks import collectives_panel as coll
+from trainwarden.webui.pages.ranks import data as ranks_data
 
 from ..collector.helpers import batch
 from .dash_call import dash_call
@@ -355,7 +356,7 @@ def seeded(engine: Any) -> Iterator[Any]:
 
 def test_the_section_names_the_rank_that_never_arrived(seeded: Any) -> None:
     client = LocalClient(seeded)
-    section, below = ranks_page.collectives_part(client, RUN, hung=0)
+    section, below = ranks_data.collectives_part(client, RUN, hung=0)
     assert below is None  # a culprit is named: above the states
     assert "rank 2 (node node2) never entered all_reduce #7 on pg 0" in text(section)
     rows = rows_of(section)
@@ -365,10 +366,10 @@ def test_the_section_names_the_rank_that_never_arrived(seeded: Any) -> None:
         client.collectives("no-such-run")
 
     # "Read collectives now" asks every rank; the section reads again at once.
-    message, kind = ranks_page.read_collectives(client, RUN)
+    message, kind = ranks_actions.read_collectives(client, RUN)
     assert kind == "info" and message.startswith("Asked its 4 ranks for their collectives")
     assert client.collectives(RUN)["requested_at"] is not None
-    assert ranks_page.read_collectives(client, "no-such-run")[1] == "error"
+    assert ranks_actions.read_collectives(client, "no-such-run")[1] == "error"
 
     # The page's refresh draws the section with the states, and redraws it only when
     # what it shows changed.
@@ -392,11 +393,11 @@ def test_the_section_names_the_rank_that_never_arrived(seeded: Any) -> None:
 def test_the_overview_banner_only_while_a_rank_is_hung(seeded: Any) -> None:
     client = LocalClient(seeded)
     run = client.get_run(RUN)
-    assert overview.hang_banner(client, run) is None  # nobody hung: no banner, no query
+    assert overview_data.hang_banner(client, run) is None  # nobody hung: no banner, no query
     hung = run.model_copy(
         update={"ranks": [r.model_copy(update={"state": "hung"}) for r in run.ranks]}
     )
-    found = overview.hang_banner(client, hung)
+    found = overview_data.hang_banner(client, hung)
     assert found is not None and "rank 2 (node node2) never entered" in text(found)
 
 
@@ -409,7 +410,7 @@ def test_a_session_that_may_only_read_gets_no_button_and_cannot_ask(seeded: Any)
         assert not may_change()
         with pytest.raises(Refused, match="may view, not change"):
             client.request_collectives(RUN, by="ui")
-        top, _ = ranks_page.collectives_part(client, RUN, hung=4)
+        top, _ = ranks_data.collectives_part(client, RUN, hung=4)
         assert "never entered all_reduce #7" in text(top) and "Read collectives" not in text(top)
     finally:
         auth.current.reset(reset)

@@ -15,7 +15,8 @@ from trainwarden.collector.app import create_app
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.read.schemas import EventOut, GpuSample, RankInfo
 from trainwarden.webui.client import LocalClient
-from trainwarden.webui.pages.hardware import callbacks as hardware_page
+from trainwarden.webui.pages.hardware import data as hardware_data
+from trainwarden.webui.pages.hardware import figures as hw_figures
 from trainwarden.webui.pages.hardware import panels as hf
 
 from ..collector.helpers import batch, step
@@ -149,17 +150,17 @@ def test_gpu_figure_lines_nan_and_empty() -> None:
         for r in range(3)
         for t in range(0, 30, 5)
     ]
-    fig = hf.gpu_figure(samples, "temp", theme="dark", revision="r")
+    fig = hw_figures.gpu_figure(samples, "temp", theme="dark", revision="r")
     assert [t.name for t in fig.data] == ["rank 0", "rank 1", "rank 2"]
     assert all(len(t.y) == 5 for t in fig.data)  # the NaN reading is left out
-    assert hf.gpu_figure([], "power", theme=None, revision="r").data == ()
+    assert hw_figures.gpu_figure([], "power", theme=None, revision="r").data == ()
 
 
 def test_gpu_figure_of_many_gpus_is_a_band_and_the_worst() -> None:
     samples = [
         sample(r, NOW + t, temp_c=90.0 if r == 7 else 50.0) for r in range(40) for t in (0, 5)
     ]
-    fig = hf.gpu_figure(samples, "temp", theme=None, revision="r")
+    fig = hw_figures.gpu_figure(samples, "temp", theme=None, revision="r")
     names = [t.name for t in fig.data]
     assert "min..max across GPUs" in names and "median" in names
     assert names[3] == "rank 7"  # the hottest GPU is drawn on its own
@@ -185,11 +186,11 @@ def test_page_parts_from_the_database(api: TestClient, engine: Any) -> None:
     )
     assert api.post("/api/v1/ingest", json=body).status_code == 200
     client = LocalClient(engine)
-    note, table, xids, *graphs = hardware_page.page_parts(client, "hw", "", "light")
+    note, table, xids, *graphs = hardware_data.page_parts(client, "hw", "", "light")
     assert "No GPU readings for this run yet" in text(note)
     assert describe_xid(79)["meaning"] in text(xids)
     assert len(graphs) == 3 and all(g.data == () for g in graphs)
-    narrowed = hardware_page.page_parts(client, "hw", "?rank=0", "light")
+    narrowed = hardware_data.page_parts(client, "hw", "?rank=0", "light")
     assert "rank 0's GPU only" in text(narrowed[0]) and "No XID errors" in text(narrowed[2])
     with pytest.raises(NotFound):
-        hardware_page.page_parts(client, "nope", "", None)
+        hardware_data.page_parts(client, "nope", "", None)

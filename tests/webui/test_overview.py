@@ -11,9 +11,12 @@ import plotly.graph_objects as go
 import pytest
 
 from trainwarden.collector.read.schemas import EventOut, ReplacedSeries, Series
-from trainwarden.webui.pages.overview import callbacks as overview
+from trainwarden.webui.pages.overview import data as overview_data
 from trainwarden.webui.pages.overview import figures as overview_figures
-from trainwarden.webui.pages.overview.figures import ROW_EMPTY, Marker, Overview, RankLine, thin
+from trainwarden.webui.pages.overview import panels as overview_panels
+from trainwarden.webui.pages.overview import query as overview_query
+from trainwarden.webui.pages.overview.figures import ROW_EMPTY, Marker, Overview, RankLine
+from trainwarden.webui.pages.overview.traces import thin
 
 T0 = 1_700_000_000.0
 
@@ -49,7 +52,7 @@ PARTS = {
 
 
 def full(steps: int = 10, *, n: int = 4) -> dict[str, Series]:
-    return {m: series(m, steps, n=n, value=PARTS.get(m, 1.0)) for m in overview.METRICS}
+    return {m: series(m, steps, n=n, value=PARTS.get(m, 1.0)) for m in overview_data.METRICS}
 
 
 def traces(fig, row: int) -> list:  # type: ignore[no-untyped-def]
@@ -221,17 +224,17 @@ def test_outlier_ranks_are_the_url_rank_then_spiky_ranks_then_a_usual_maximum() 
         (4, 6, "nonfinite_loss", None),
         (7, 4, "grad_norm_spike", 3.0),
     ]
-    picked = overview.outlier_ranks(loss, spikes, wanted=0)
+    picked = overview_data.outlier_ranks(loss, spikes, wanted=0)
     assert [r for r, _ in picked] == [0, 3, 6]  # at most three
     assert picked[1][1] == "2 loss spikes"
-    assert [r for r, _ in overview.outlier_ranks(loss, [], wanted=None)] == [5]
+    assert [r for r, _ in overview_data.outlier_ranks(loss, [], wanted=None)] == [5]
     # With two ranks one is always the highest: not an outlier.
     two = series("loss", 10, n=2, argmax_rank=[1] * 10)
-    assert overview.outlier_ranks(two, [], wanted=None) == []
+    assert overview_data.outlier_ranks(two, [], wanted=None) == []
 
 
 def test_empty_run_says_so_and_what_happens_next() -> None:
-    empty = {m: series(m, 0) for m in overview.METRICS}
+    empty = {m: series(m, 0) for m in overview_data.METRICS}
     fig = overview_figure(Overview(series=empty), theme="dark", revision="r")
     assert fig.data == ()
     assert "No steps yet" in fig.layout.annotations[0].text
@@ -243,7 +246,7 @@ def test_empty_run_says_so_and_what_happens_next() -> None:
 def test_a_run_with_one_rank_draws_its_line_and_no_outliers() -> None:
     one = full(5, n=1)
     one["loss"] = series("loss", 5, n=1, min=[2.0] * 5, median=[2.0] * 5, max=[2.0] * 5)
-    assert overview.outlier_ranks(one["loss"], [], wanted=None) == []
+    assert overview_data.outlier_ranks(one["loss"], [], wanted=None) == []
     fig = overview_figure(Overview(series=one))
     median = traces(fig, 4)[2]
     assert list(median.y) == [2.0] * 5
@@ -304,19 +307,19 @@ def test_thin_keeps_spikes() -> None:
 
 
 def test_view_round_trips_through_the_query_string() -> None:
-    view = overview.parse_query("?from=100&to=900&axis=time&rank=3&user=moe.aux")
+    view = overview_query.parse_query("?from=100&to=900&axis=time&rank=3&user=moe.aux")
     assert view == {"from": 100, "to": 900, "axis": "time", "rank": 3, "user": "user.moe.aux"}
-    assert overview.parse_query(overview.to_query(view)) == view
-    assert overview.to_query(overview.parse_query("")) == ""
+    assert overview_query.parse_query(overview_query.to_query(view)) == view
+    assert overview_query.to_query(overview_query.parse_query("")) == ""
     # What does not parse is left out; a reversed range is put the right way round.
-    assert overview.parse_query("?from=x&to=-4&axis=weird&rank=a&user=") == {
+    assert overview_query.parse_query("?from=x&to=-4&axis=weird&rank=a&user=") == {
         "from": None,
         "to": None,
         "axis": "step",
         "rank": None,
         "user": None,
     }
-    assert overview.parse_query("?from=900&to=100")["from"] == 100
+    assert overview_query.parse_query("?from=900&to=100")["from"] == 100
 
 
 def test_a_user_metric_draws_its_band_median_and_p99() -> None:
@@ -335,7 +338,7 @@ def test_a_user_metric_draws_its_band_median_and_p99() -> None:
 
 
 def test_range_from_a_zoom_on_any_row() -> None:
-    pick = overview.range_from_relayout
+    pick = overview_query.range_from_relayout
     assert pick({"xaxis.range[0]": 10.4, "xaxis.range[1]": 29.6}, axis="step", xmap=None) == (
         10,
         30,
@@ -367,7 +370,7 @@ def test_a_drag_is_applied_by_whichever_call_of_sync_comes_after_it() -> None:
     from .dash_call import dash_call
 
     app = create_dash(LocalClient(create_engine("sqlite://")))
-    view = overview.parse_query("?rank=3")
+    view = overview_query.parse_query("?rank=3")
     options = [{"label": m, "value": f"user.{m}"} for m in ("lr", "moe.aux")]
     drag = {"n": 1, "relayout": {"xaxis.range[0]": 10, "xaxis.range[1]": 20}}
     values = {
@@ -403,7 +406,7 @@ def test_a_drag_is_applied_by_whichever_call_of_sync_comes_after_it() -> None:
     back = {**values, "run-url.search": "?rank=1"}
     found = dash_call(app, "run-url.search", back, ["run-drag.data", "run-url.search"])
     assert "run-url" not in found
-    assert found["run-view"]["data"] == {**overview.parse_query("?rank=1"), "drag": 1}
+    assert found["run-view"]["data"] == {**overview_query.parse_query("?rank=1"), "drag": 1}
 
 
 def test_a_refresh_sets_the_user_metric_picker_only_when_it_changed() -> None:
@@ -428,7 +431,7 @@ def test_a_refresh_sets_the_user_metric_picker_only_when_it_changed() -> None:
     options = [{"label": m.removeprefix("user."), "value": m} for m in client.found]
     first = {
         "run-name.data": "r",
-        "run-view.data": overview.parse_query("?user=moe.aux"),
+        "run-view.data": overview_query.parse_query("?user=moe.aux"),
         "run-xmap.data": {"step": [1], "ts": [1.0]},
     }
     # The page opens: the picker gets the run's metrics and the URL's pick.
@@ -466,7 +469,7 @@ def test_a_refresh_between_a_pick_and_its_record_keeps_the_pick_and_the_address_
     options = [{"label": m, "value": f"user.{m}"} for m in ("aux", "lr")]
     clicked = {
         "run-name.data": "r",
-        "run-view.data": overview.parse_query(""),  # no pick recorded yet: the default
+        "run-view.data": overview_query.parse_query(""),  # no pick recorded yet: the default
         "run-xmap.data": {"step": [1], "ts": [1.0]},
         "run-user-metric.options": options,
         "run-user-metric.value": "user.lr",  # just clicked
@@ -477,7 +480,7 @@ def test_a_refresh_between_a_pick_and_its_record_keeps_the_pick_and_the_address_
     found = dash_call(app, "run-user-metric.options", gone, ["run-xmap.data"])
     assert found == {"run-user-metric": {"value": "user.aux"}}
     values = {
-        "run-view.data": overview.parse_query("?user=lr"),
+        "run-view.data": overview_query.parse_query("?user=lr"),
         "run-axis.value": "step",
         "run-user-metric.value": "user.lr",
         "run-user-metric.options": options,
@@ -492,7 +495,7 @@ def test_a_refresh_between_a_pick_and_its_record_keeps_the_pick_and_the_address_
 def test_the_ranks_panel_of_a_big_run_lists_those_in_trouble_not_every_rank() -> None:
     from types import SimpleNamespace
 
-    from trainwarden.webui.pages.overview.callbacks import PANEL_RANKS, ranks_panel
+    from trainwarden.webui.pages.overview.panels import PANEL_RANKS, ranks_panel
 
     def r(n: int, state: str) -> SimpleNamespace:
         return SimpleNamespace(
@@ -534,7 +537,7 @@ def test_an_xid_event_reads_with_the_catalogs_words_when_it_has_only_its_code() 
         event = EventOut(
             id=1, kind="xid", severity="critical", ts=1.0, recv_ts=1.0, rank=1, step=50, data=data
         )
-        return overview._event_text(event)
+        return overview_panels._event_text(event)
 
     # Only the code (an older agent, a hand-written event): looked up, never "None".
     assert xid({"code": 79}) == (

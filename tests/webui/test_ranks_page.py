@@ -20,9 +20,11 @@ from trainwarden.collector.read.schemas import GpuSample, Heatmap, RankInfo
 from trainwarden.collector.rollups.worker import flush
 from trainwarden.webui.app import create_dash
 from trainwarden.webui.client import LocalClient
-from trainwarden.webui.components import is_default_pick
-from trainwarden.webui.pages.ranks import callbacks as ranks_page
+from trainwarden.webui.components import is_default_pick, parse_user
+from trainwarden.webui.pages.ranks import data as ranks_data
 from trainwarden.webui.pages.ranks import figures as rf
+from trainwarden.webui.pages.ranks import panels as rp
+from trainwarden.webui.pages.ranks import query as ranks_query
 
 from ..collector.helpers import batch, step
 from .dash_call import dash_call
@@ -173,25 +175,25 @@ def test_states_table_counts_states_and_lists_the_unhealthy_first() -> None:
         rank(3, "evicted"),
         rank(4, "hung"),
     ]
-    table = rf.states_table("r", ranks, selected=1)
+    table = rp.states_table("r", ranks, selected=1)
     shown = text(table)
     assert "1 dead" in shown and "1 slow" in shown and "1 healthy" in shown
     assert shown.index("1 dead") < shown.index("1 hung") < shown.index("1 slow")
     assert "culprit: compute 3x" in shown
     row = next(c for c in ranks_walk(table) if getattr(c, "id", None) == "ranks-row-1")
     assert "rank-selected" in row.className
-    assert rf.rank_href("my run", 3, "from=1&to=2") == "/runs/my%20run/ranks?from=1&to=2&rank=3"
+    assert rp.rank_href("my run", 3, "from=1&to=2") == "/runs/my%20run/ranks?from=1&to=2&rank=3"
 
 
 def test_a_big_run_lists_only_its_unhealthy_ranks() -> None:
     ranks = [rank(i) for i in range(200)] + [rank(200, "hung")]
-    shown = text(rf.states_table("r", ranks, selected=None))
+    shown = text(rp.states_table("r", ranks, selected=None))
     assert "200 ranks not listed" in shown and "200 healthy" in shown
     assert (
         len(
             [
                 c
-                for c in ranks_walk(rf.states_table("r", ranks, selected=None))
+                for c in ranks_walk(rp.states_table("r", ranks, selected=None))
                 if str(getattr(c, "id", "")).startswith("ranks-row-")
             ]
         )
@@ -207,12 +209,12 @@ def test_a_big_finished_run_lists_at_most_a_screenful_of_ranks() -> None:
     ]
     rows = [
         c
-        for c in ranks_walk(rf.states_table("r", ranks, selected=None))
+        for c in ranks_walk(rp.states_table("r", ranks, selected=None))
         if str(getattr(c, "id", "")).startswith("ranks-row-")
     ]
-    assert len(rows) == rf.RANK_ROWS and rows[0].id == "ranks-row-1024"
-    assert f"{1124 - rf.RANK_ROWS} ranks not listed" in text(
-        rf.states_table("r", ranks, selected=None)
+    assert len(rows) == rp.RANK_ROWS and rows[0].id == "ranks-row-1024"
+    assert f"{1124 - rp.RANK_ROWS} ranks not listed" in text(
+        rp.states_table("r", ranks, selected=None)
     )
 
 
@@ -226,22 +228,22 @@ def ranks_walk(component: Any) -> Iterator[Any]:
 
 
 def test_query_string_round_trip_and_bad_input() -> None:
-    assert ranks_page.parse_query("?rank=3&from=100&to=200") == (3, 100, 200)
-    assert ranks_page.parse_query("?rank=abc&from=9&to=2") == (None, 2, 9)
-    assert ranks_page.parse_query(None) == (None, None, None)
-    assert ranks_page.query_string(3, None, 50) == "?rank=3&to=50"
-    assert ranks_page.query_string(None, None, None) == ""
-    assert ranks_page.query_string(2, None, None, user="user.moe.load") == "?rank=2&user=moe.load"
-    assert ranks_page.parse_user("?rank=2&user=moe.load") == "user.moe.load"
-    assert ranks_page.parse_user("?user=") is None and ranks_page.parse_user(None) is None
-    assert ranks_page.range_from_relayout({"xaxis.range[0]": 10.4, "xaxis.range[1]": 19.6}) == (
+    assert ranks_query.parse_query("?rank=3&from=100&to=200") == (3, 100, 200)
+    assert ranks_query.parse_query("?rank=abc&from=9&to=2") == (None, 2, 9)
+    assert ranks_query.parse_query(None) == (None, None, None)
+    assert ranks_query.query_string(3, None, 50) == "?rank=3&to=50"
+    assert ranks_query.query_string(None, None, None) == ""
+    assert ranks_query.query_string(2, None, None, user="user.moe.load") == "?rank=2&user=moe.load"
+    assert parse_user("?rank=2&user=moe.load") == "user.moe.load"
+    assert parse_user("?user=") is None and parse_user(None) is None
+    assert ranks_query.range_from_relayout({"xaxis.range[0]": 10.4, "xaxis.range[1]": 19.6}) == (
         10,
         20,
     )
-    assert ranks_page.range_from_relayout({"xaxis.autorange": True}) == (None, None)
-    assert ranks_page.range_from_relayout({"yaxis.range[0]": 1, "yaxis.range[1]": 2}) is None
-    assert ranks_page.clicked_rank({"points": [{"x": 20, "y": 2}]}) == 2
-    assert ranks_page.clicked_rank({}) is None
+    assert ranks_query.range_from_relayout({"xaxis.autorange": True}) == (None, None)
+    assert ranks_query.range_from_relayout({"yaxis.range[0]": 1, "yaxis.range[1]": 2}) is None
+    assert ranks_query.clicked_rank({"points": [{"x": 20, "y": 2}]}) == 2
+    assert ranks_query.clicked_rank({}) is None
 
 
 def test_the_user_metric_pick_goes_to_the_url_whatever_the_heatmap_does() -> None:
@@ -316,7 +318,7 @@ def test_a_gesture_not_applied_yet_is_applied_by_a_newer_call() -> None:
         "ranks-url": {"search": "?rank=3&user=moe.load"},
         "ranks-gesture-applied": {"data": 3},
     }
-    assert ranks_page.apply_gestures("?rank=2", [None, {"list": [{"n": 5}]}], 4) == ("?rank=2", 5)
+    assert ranks_query.apply_gestures("?rank=2", [None, {"list": [{"n": 5}]}], 4) == ("?rank=2", 5)
 
 
 # -- through a real database -----------------------------------------------------------
@@ -348,25 +350,25 @@ def test_page_names_the_straggler_and_shows_a_rank_detail(api: TestClient, engin
             ),
         )
     client = LocalClient(engine)
-    fig = ranks_page.heatmap_part(client, "r1", "step_time", "", "light")
+    fig = ranks_data.heatmap_part(client, "r1", "step_time", "", "light")
     assert "stands out: rank 2 (3.0× its peers)" in fig["layout"]["title"]["text"]
-    loss = ranks_page.heatmap_part(client, "r1", "loss_dev", "?from=10&to=19", "light")
+    loss = ranks_data.heatmap_part(client, "r1", "loss_dev", "?from=10&to=19", "light")
     z = rf.cells(loss["data"][0]["z"])
     assert len(z[0]) == 10 and z[3][0] > 0
-    note, states, detail = ranks_page.panels(client, "r1", "?rank=2", "light")
+    note, states, detail = ranks_data.states_part(client, "r1", "?rank=2", "light")
     assert note is None
     rows = [c for c in ranks_walk(states) if str(getattr(c, "id", "")).startswith("ranks-row-")]
     assert len(rows) == 4
     assert "Rank 2" in text(detail)
-    _, _, missing = ranks_page.panels(client, "r1", "?rank=9", "light")
+    _, _, missing = ranks_data.states_part(client, "r1", "?rank=9", "light")
     assert "Rank 9 has not reported in run 'r1' (ranks 0–3)" in text(missing)
 
 
 def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, engine: Any) -> None:
     ingest(api, batch("plain", rank=0, world_size=1, steps=[step(0)]))
     client = LocalClient(engine)
-    assert ranks_page.user_choices(client, "plain", "") == ([], None)
-    empty = ranks_page.user_heatmap_part(client, "plain", None, "", "light")
+    assert ranks_data.user_choices(client, "plain", "") == ([], None)
+    empty = ranks_data.user_heatmap_part(client, "plain", None, "", "light")
     assert "s.metric(name, value)" in empty.layout.annotations[0].text
 
     for r in range(4):  # rank 3's router sends it 2x the tokens; "delta" goes negative
@@ -375,24 +377,24 @@ def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, e
             for i in range(20)
         ]
         ingest(api, batch("moe", rank=r, world_size=4, steps=steps))
-    options, value = ranks_page.user_choices(client, "moe", "?rank=3")
+    options, value = ranks_data.user_choices(client, "moe", "?rank=3")
     assert [o["label"] for o in options] == ["delta", "moe.load"]
     assert value == "user.delta"  # no pick in the URL: the first, which the URL does not get
     assert is_default_pick(value, options, None) and not is_default_pick(
         value, options, "user.delta"
     )
     assert not is_default_pick("user.moe.load", options, None)
-    first = ranks_page.user_heatmap_part(client, "moe", None, "", "light")
+    first = ranks_data.user_heatmap_part(client, "moe", None, "", "light")
     assert first["layout"]["title"]["text"].startswith("User metric delta")
-    assert ranks_page.user_choices(client, "moe", "?user=moe.load")[1] == "user.moe.load"
-    assert ranks_page.user_choices(client, "moe", "?user=gone")[1] == "user.delta"
-    fig = ranks_page.user_heatmap_part(client, "moe", "user.moe.load", "?rank=3", "light")
+    assert ranks_data.user_choices(client, "moe", "?user=moe.load")[1] == "user.moe.load"
+    assert ranks_data.user_choices(client, "moe", "?user=gone")[1] == "user.delta"
+    fig = ranks_data.user_heatmap_part(client, "moe", "user.moe.load", "?rank=3", "light")
     assert fig["layout"]["title"]["text"] == (
         "User metric moe.load (max per cell) · stands out: rank 3 (2.0× its peers)"
     )
     z = rf.cells(fig["data"][0]["z"])
     assert [row[0] for row in z] == [1.0, 1.0, 1.0, 2.0]
-    delta = ranks_page.user_heatmap_part(client, "moe", "user.delta", "?from=5&to=9", "light")
+    delta = ranks_data.user_heatmap_part(client, "moe", "user.delta", "?from=5&to=9", "light")
     assert "stands out" not in delta["layout"]["title"]["text"]  # no ratios below zero
     assert len(rf.cells(delta["data"][0]["z"])[0]) == 5
 
@@ -400,9 +402,9 @@ def test_a_user_metric_heatmap_names_the_rank_that_stands_out(api: TestClient, e
 def test_one_rank_and_a_missing_run(api: TestClient, engine: Any) -> None:
     ingest(api, batch("solo", rank=0, world_size=1, steps=[step(i) for i in range(5)]))
     client = LocalClient(engine)
-    note, _, _ = ranks_page.panels(client, "solo", "", None)
+    note, _, _ = ranks_data.states_part(client, "solo", "", None)
     assert "one rank" in text(note)
-    fig = ranks_page.heatmap_part(client, "solo", "loss_dev", "", None)
+    fig = ranks_data.heatmap_part(client, "solo", "loss_dev", "", None)
     assert "One rank" in fig.layout.annotations[0].text
     with pytest.raises(NotFound):
-        ranks_page.heatmap_part(client, "nope", "step_time", "", None)
+        ranks_data.heatmap_part(client, "nope", "step_time", "", None)

@@ -20,7 +20,8 @@ from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.rollups.worker import flush
 from trainwarden.collector.settings import Settings
 from trainwarden.webui.client import LocalClient
-from trainwarden.webui.pages.run_info import callbacks as run_info_page
+from trainwarden.webui.pages.run_info import data as run_info_data
+from trainwarden.webui.pages.run_info import figures as ri_figures
 from trainwarden.webui.pages.run_info import panels as view
 
 from ..collector import economics_scenario as sc
@@ -102,13 +103,13 @@ def test_the_breakdown_is_one_stacked_bar_of_the_allocation_in_the_theme() -> No
             "other": 100.0,
         },
     }
-    fig = view.breakdown_figure(good, theme="dark", revision="r")
+    fig = ri_figures.breakdown_figure(good, theme="dark", revision="r")
     assert isinstance(fig, dict) and fig["layout"]["barmode"] == "stack"
-    assert [t["name"] for t in fig["data"]] == [label for _, label, _ in view.BREAKDOWN]
+    assert [t["name"] for t in fig["data"]] == [label for _, label, _ in ri_figures.BREAKDOWN]
     assert sum(t["x"][0] for t in fig["data"]) == pytest.approx(100)
     assert fig["data"][0]["text"] == ["kept 70%"] and fig["data"][3]["text"] == [""]  # 1%: no room
-    assert fig["layout"]["font"]["color"] == view.INK["dark"][0]
-    empty = view.breakdown_figure(None, theme=None, revision="r")
+    assert fig["layout"]["font"]["color"] == ri_figures.INK["dark"][0]
+    empty = ri_figures.breakdown_figure(None, theme=None, revision="r")
     assert empty["data"] == [] and "No allocation yet" in empty["layout"]["annotations"][0]["text"]
 
 
@@ -167,7 +168,7 @@ def seeded(engine: Engine) -> Iterator[LocalClient]:
 
 
 def test_the_page_of_a_run_with_two_attempts(seeded: LocalClient) -> None:
-    parts = run_info_page.page_parts(seeded, sc.RUN, "light", now=time.time())
+    parts = run_info_data.page_parts(seeded, sc.RUN, "light", now=time.time())
     assert parts["ri-notice"] is None
     ident = text(parts["ri-identity"])
     assert "optim.name" in ident and "adamw" in ident and "0.0003" in ident
@@ -187,22 +188,22 @@ def test_the_page_of_a_run_with_two_attempts(seeded: LocalClient) -> None:
     assert parts["ri-compare.options"] == [sc.OLD, sc.OTHER]
 
     # A refresh that finds the same redraws nothing (a scrolled table stays scrolled).
-    first, digests = run_info_page.changed(parts, None)
-    again, _ = run_info_page.changed(parts, digests)
+    first, digests = run_info_data.changed(parts, None)
+    again, _ = run_info_data.changed(parts, digests)
     assert all(x is not dash.no_update for x in first)
     assert all(x is dash.no_update for x in again)
 
-    diff = text(run_info_page.diff_part(seeded, sc.RUN, sc.OTHER))
+    diff = text(run_info_data.diff_part(seeded, sc.RUN, sc.OTHER))
     assert "lr" in diff and "0.001" in diff
-    assert "has no identity" in text(run_info_page.diff_part(seeded, sc.RUN, sc.OLD))
-    assert "not found" in text(run_info_page.diff_part(seeded, sc.RUN, "gone"))
+    assert "has no identity" in text(run_info_data.diff_part(seeded, sc.RUN, sc.OLD))
+    assert "not found" in text(run_info_data.diff_part(seeded, sc.RUN, "gone"))
 
 
 def test_a_run_without_identity_and_a_missing_run(seeded: LocalClient) -> None:
-    parts = run_info_page.page_parts(seeded, sc.OLD, None, now=time.time())
+    parts = run_info_data.page_parts(seeded, sc.OLD, None, now=time.time())
     assert "no identity yet" in text(parts["ri-identity"])
     assert "Upgrade the agent and pass tw.init(config=" in text(parts["ri-identity"])
     assert "No checkpoints reported yet" in text(parts["ri-checkpoints"])
     assert "%" in text(parts["ri-goodput"])  # goodput works without identity
     with pytest.raises(NotFound):
-        run_info_page.page_parts(seeded, "nope", None, now=time.time())
+        run_info_data.page_parts(seeded, "nope", None, now=time.time())

@@ -17,8 +17,11 @@ from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.settings import Settings
 from trainwarden.collector.store.db import write
 from trainwarden.webui.client import LocalClient
-from trainwarden.webui.pages.timeline import callbacks as timeline_page
+from trainwarden.webui.pages.timeline import actions as timeline_actions
+from trainwarden.webui.pages.timeline import data as timeline_data
+from trainwarden.webui.pages.timeline import figures as tl_figures
 from trainwarden.webui.pages.timeline import panels as view
+from trainwarden.webui.pages.timeline import query as tl_query
 
 from ..collector import incident_scenario as sc
 from .helpers import classes, classes_of, text, walk
@@ -90,27 +93,28 @@ def rows(table: Any) -> list[Any]:
     ],
 )
 def test_the_url_selects_an_incident(search: str | None, want: int | None) -> None:
-    assert view.parse_query(search) == (want, None)
-    assert view.parse_query(view.query_string(want)) == (want, None)
+    assert tl_query.parse_query(search) == (want, None)
+    assert tl_query.parse_query(tl_query.query_string(want)) == (want, None)
 
 
 @pytest.mark.parametrize("bad", ["abc", "-1", "0", "3.5", str(2**63)])
 def test_a_url_with_no_incident_number_says_so_and_shows_the_whole_run(bad: str) -> None:
-    incident_id, problem = view.parse_query(f"?incident={bad}")
+    incident_id, problem = tl_query.parse_query(f"?incident={bad}")
     assert incident_id is None
     assert problem is not None and f"“{bad}” is not an incident number" in problem
 
 
 def test_download_links_name_the_format_and_the_incident() -> None:
     assert (
-        view.downloads_href("a b", "md") == "/api/v1/runs/a%20b/postmortem?format=md&download=true"
+        tl_query.downloads_href("a b", "md")
+        == "/api/v1/runs/a%20b/postmortem?format=md&download=true"
     )
     assert (
-        view.downloads_href("r", "json", 4)
+        tl_query.downloads_href("r", "json", 4)
         == "/api/v1/runs/r/postmortem?format=json&incident=4&download=true"
     )
     hrefs = [c.href for c in walk(view.downloads("r", 4)) if getattr(c, "href", None)]
-    assert hrefs == [view.downloads_href("r", f, 4) for f in ("md", "html", "json")]
+    assert hrefs == [tl_query.downloads_href("r", f, 4) for f in ("md", "html", "json")]
     assert "every incident" in text(view.downloads("r", None))
 
 
@@ -244,7 +248,7 @@ def test_the_chart_puts_entries_on_lanes_by_source_and_marks_the_fault() -> None
         entry(sc.T0 + 1, severity="warning"),
         entry(sc.T0 + 2, "alert", "firing", severity="critical"),
     ]
-    fig = view.timeline_figure(
+    fig = tl_figures.timeline_figure(
         given, {"fault_at": sc.T0 + 1, "recovered_at": None}, theme="dark", revision="r:1"
     )
     assert [t.name for t in fig.data] == ["warning", "critical"]
@@ -253,7 +257,7 @@ def test_the_chart_puts_entries_on_lanes_by_source_and_marks_the_fault() -> None
     assert fig.layout.template.layout.paper_bgcolor == "rgb(17,17,17)"
     assert (
         "No entries"
-        in view.timeline_figure([], None, theme=None, revision="r").layout.annotations[0].text
+        in tl_figures.timeline_figure([], None, theme=None, revision="r").layout.annotations[0].text
     )
 
 
@@ -283,7 +287,7 @@ PARTS = (
 
 
 def parts(client: LocalClient, run: str, search: str) -> dict[str, Any]:
-    got = timeline_page.page_parts(client, run, search, "light", now=NOW)
+    got = timeline_data.page_parts(client, run, search, "light", now=NOW)
     return dict(zip(PARTS, got, strict=True))
 
 
@@ -318,14 +322,14 @@ def test_a_run_with_no_incidents_an_unknown_incident_and_a_missing_run(client: L
     bad = parts(client, sc.RUN, "?incident=first")
     assert "“first” is not an incident number" in text(bad["notice"])
     with pytest.raises(NotFound):
-        timeline_page.page_parts(client, "nope", "", None, now=NOW)
+        timeline_data.page_parts(client, "nope", "", None, now=NOW)
 
 
 def test_the_buttons_add_a_note_retitle_and_close_through_the_api(client: LocalClient) -> None:
     (inc,) = client.incidents(sc.RUN)
 
     def press(button: str, **kw: Any) -> tuple[str, str]:
-        return timeline_page.perform(client, button, run=sc.RUN, **kw)
+        return timeline_actions.perform(client, button, run=sc.RUN, **kw)
 
     assert press("tl-note-add", incident=inc.id, by=" ", text="hi")[1] == "error"  # who?
     assert "Write the note first" in press("tl-note-add", incident=inc.id, by="ana", text=" ")[0]

@@ -1,12 +1,12 @@
 """What the alerts page shows, as pure functions of the API's objects (tests call them
-directly): alert rows with their runbook links, silences, actions, the run page's short
-list of open alerts, and the page's URL (``/alerts?run=r1&state=firing``)."""
+directly): alert rows with their runbook links, silences, actions, and the run page's
+short list of open alerts."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qs, quote, urlencode
+from urllib.parse import quote
 
 from dash import dcc, html
 
@@ -16,32 +16,10 @@ from trainwarden.collector.alerting.schemas import AlertOut, Matcher, SilenceOut
 from trainwarden.collector.read.runbooks import runbook_url
 
 from ...components import clock, live_ago, live_until, notice
+from .query import OPEN, STATES, query_string
 
-STATES = ("pending", "firing", "resolved")
-OPEN = ["pending", "firing"]  # what /alerts shows when its URL names no state
 DECIDABLE = {"proposed": ("approve", "cancel"), "approved": ("cancel",)}
 ALERTS_SHOWN = 200
-
-
-# -- the URL ---------------------------------------------------------------------
-
-
-def parse_query(search: str | None) -> tuple[str | None, list[str]]:
-    """``?run=r1&state=firing`` (``state`` repeated or comma-separated) → (run, states)."""
-    query = parse_qs((search or "").lstrip("?"))
-    run = (query.get("run") or [""])[0].strip() or None
-    if "state" not in query:
-        return run, list(OPEN)
-    asked = {s.strip() for value in query["state"] for s in value.split(",")}
-    return run, [s for s in STATES if s in asked]  # ``state=none``: none ticked
-
-
-def query_string(run: str | None, states: Sequence[str]) -> str:
-    """The inverse of :func:`parse_query`; the default states are left out."""
-    params = [("run", run)] if run else []
-    if sorted(states) != sorted(OPEN):
-        params += [("state", s) for s in STATES if s in states] or [("state", "none")]
-    return f"?{urlencode(params)}" if params else ""
 
 
 # -- pieces ----------------------------------------------------------------------

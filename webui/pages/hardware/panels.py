@@ -1,26 +1,23 @@
-"""Figures and tables of the hardware page, as pure functions of GPU readings and events."""
+"""The hardware page's tables, as pure functions of GPU readings and events: every GPU's
+newest reading by node (the hot, throttled and failing ones marked) and the XID errors
+with their catalog meaning."""
 
 from __future__ import annotations
 
 import datetime as dt
 import math
-import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import quote
 
-import plotly.graph_objects as go
 from dash import dcc, html
 
 from trainwarden.agent.gpu import describe_xid
 from trainwarden.collector.read.schemas import EventOut, GpuSample, RankInfo
 
-from ...charts import empty_figure, themed
-
 HOT_C = 85.0  # where drivers start thermal slowdown on data-centre GPUs (H100: 87-90 C)
 GPU_ROWS = 64  # past this many GPUs the table lists only those with something wrong
-LINES = 12  # past this many GPUs a graph draws min / median / max and the worst GPUs
 THROTTLE_HELP = {  # NVML clocks-event reasons, in the agent's names
     "sw_power_cap": "software power cap: drawing its power limit",
     "hw_slowdown": "hardware slowdown: power brake or overheating reported by the board",
@@ -28,14 +25,10 @@ THROTTLE_HELP = {  # NVML clocks-event reasons, in the agent's names
     "hw_thermal": "hardware thermal slowdown: the GPU is far too hot",
     "power_brake": "external power brake (the node's power supply)",
 }
-FIELDS = {  # graph key -> (sample field, title, unit)
-    "temp": ("temp_c", "GPU temperature", "°C"),
-    "power": ("power_w", "Power", "W"),
-    "clock": ("sm_clock_mhz", "SM clock", "MHz"),
-}
 
 
-def _finite(value: Any) -> float | None:
+def finite(value: Any) -> float | None:
+    """The reading as a number; None when it is missing, NaN or infinite."""
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
@@ -51,7 +44,7 @@ def latest(samples: Iterable[GpuSample]) -> dict[int, GpuSample]:
 def problems(s: GpuSample) -> list[str]:
     """What is wrong with this GPU now, in words; empty when nothing is."""
     found = []
-    temp = _finite(s.temp_c)
+    temp = finite(s.temp_c)
     if temp is not None and temp >= HOT_C:
         found.append(f"hot ({temp:.0f} °C)")
     if s.throttle:
@@ -66,7 +59,7 @@ def problems(s: GpuSample) -> list[str]:
 
 
 def _num(value: Any, fmt: str, unit: str = "") -> str:
-    v = _finite(value)
+    v = finite(value)
     return "—" if v is None else f"{v:{fmt}}{unit}"
 
 
@@ -119,7 +112,7 @@ def gpu_table(
     rows: list[Any] = []
     for node in sorted(by_node):
         members = by_node[node]
-        temps = [t for r in members if r in now and (t := _finite(now[r].temp_c)) is not None]
+        temps = [t for r in members if r in now and (t := finite(now[r].temp_c)) is not None]
         hottest = f" · hottest {max(temps):.0f} °C" if temps else ""
         rows.append(
             html.Tr(
@@ -171,13 +164,13 @@ def _gpu_row(
             id=f"hw-gpu-{rank}",
             className="gpu-bad" if xids else None,
         )
-    temp = _finite(s.temp_c)
+    temp = finite(s.temp_c)
     wrong = [*xids, *problems(s)]
     name = s.gpu_name or "GPU"
     if s.simulated and "simulated" not in name.lower():
         name += " (simulated)"
     memory = (
-        f" (memory {_num(s.mem_temp_c, '.0f', ' °C')})" if _finite(s.mem_temp_c) is not None else ""
+        f" (memory {_num(s.mem_temp_c, '.0f', ' °C')})" if finite(s.mem_temp_c) is not None else ""
     )
     throttle = [
         html.Span(t, className="mark mark-warn", title=THROTTLE_HELP.get(t, t))
@@ -288,100 +281,3 @@ def xid_table(rows: Sequence[XidRow]) -> Any:
         [html.Thead(html.Tr([html.Th(h) for h in head])), html.Tbody(body)],
         className="runs-table xid-table",
     )
-
-
-def gpu_figure(
-    samples: Sequence[GpuSample], key: str, *, theme: str | None, revision: str, lines: int = LINES
-) -> go.Figure:
-    """One reading over time: a line per GPU; past ``lines`` GPUs, the min..max band and
-    median across GPUs plus the GPUs that peaked highest (lowest, for clocks)."""
-    field, title, unit = FIELDS[key]
-    by_rank: dict[int, list[tuple[float, float]]] = {}
-    for s in samples:
-        v = _finite(getattr(s, field))
-        if v is not None:
-            by_rank.setdefault(s.rank, []).append((s.ts, v))
-    if not by_rank:
-        return themed(empty_figure(f"No {title.lower()} readings"), theme)
-    fig = go.Figure()
-    worst_first = key != "clock"
-    if len(by_rank) > lines:
-        _band(fig, by_rank, unit)
-        peak = {r: (max if worst_first else min)(v for _, v in pts) for r, pts in by_rank.items()}
-        shown = sorted(peak, key=lambda r: -peak[r] if worst_first else peak[r])[:3]
-    else:
-        shown = sorted(by_rank)
-    for rank in shown:
-        pts = by_rank[rank]
-        fig.add_trace(
-            go.Scatter(
-                x=[_when(t) for t, _ in pts],
-                y=[v for _, v in pts],
-                mode="lines",
-                name=f"rank {rank}",
-                hovertemplate=f"rank {rank} %{{y:.0f}} {unit}<extra></extra>",
-            )
-        )
-    if key == "temp":
-        fig.add_hline(
-            y=HOT_C,
-            line={"color": "#dc2626", "width": 1, "dash": "dot"},
-            annotation_text="thermal slowdown",
-            annotation_position="top left",
-        )
-    fig.update_layout(
-        title={"text": title, "x": 0.01, "font": {"size": 15}},
-        height=260,
-        margin={"l": 60, "r": 20, "t": 40, "b": 40},
-        hovermode="x unified",
-        uirevision=revision,
-        legend={"orientation": "h", "y": 1.12, "x": 1, "xanchor": "right"},
-    )
-    fig.update_yaxes(title_text=unit)
-    return themed(fig, theme)
-
-
-def _band(fig: go.Figure, by_rank: dict[int, list[tuple[float, float]]], unit: str) -> None:
-    """min / median / max across GPUs per 5 s of readings."""
-    slots: dict[int, list[float]] = {}
-    for pts in by_rank.values():
-        for t, v in pts:
-            slots.setdefault(int(t // 5), []).append(v)
-    keys = sorted(slots)
-    x = [_when(k * 5.0) for k in keys]
-    fig.add_trace(
-        go.Scatter(
-            x=x,
-            y=[max(slots[k]) for k in keys],
-            mode="lines",
-            line={"width": 0},
-            showlegend=False,
-            hoverinfo="skip",
-        )
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=x,
-            y=[min(slots[k]) for k in keys],
-            mode="lines",
-            line={"width": 0},
-            fill="tonexty",
-            fillcolor="rgba(156,163,175,0.3)",
-            name="min..max across GPUs",
-            hoverinfo="skip",
-        )
-    )
-    fig.add_trace(
-        go.Scatter(
-            x=x,
-            y=[statistics.median(slots[k]) for k in keys],
-            mode="lines",
-            line={"color": "#6b7280", "width": 1.5},
-            name="median",
-            hovertemplate=f"median %{{y:.0f}} {unit}<extra></extra>",
-        )
-    )
-
-
-def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts).isoformat(timespec="seconds")

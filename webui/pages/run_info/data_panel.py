@@ -18,7 +18,8 @@ from typing import Any
 
 from dash import dcc, html
 
-from .panels import INK, MISSING
+from .figures import INK
+from .panels import MISSING
 
 NOTHING = (
     "No data checks for this run. For epoch coverage pass tw.init(dataset_size=N) and "

@@ -1,6 +1,6 @@
 """What the timeline page shows, as pure functions of the API's answers (tests call them
-directly): the incident list, the ordered entries, the derived figures, the download
-links, a chart of the entries by source, and the page's URL (``?incident=3``)."""
+directly): the incident list, the ordered entries, the derived figures and the download
+links."""
 
 from __future__ import annotations
 
@@ -8,16 +8,14 @@ import datetime as dt
 import math
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qs, quote
 
-import plotly.graph_objects as go
 from dash import dcc, html
 
 from trainwarden.collector.incidents.report_format import duration
 from trainwarden.collector.incidents.schemas import IncidentOut
 
-from ...charts import empty_figure, themed
 from ...components import clock, live_ago, notice
+from .query import downloads_href, page_href
 
 SEVERITIES = ("info", "warning", "critical")
 ENTRIES_SHOWN = 1000  # a long run's whole timeline: the newest entries
@@ -32,42 +30,6 @@ FIGURES = (
     ("gpu_hours_lost", "GPU-hours lost"),
     ("cost", "Cost"),
 )
-# Lanes of the chart, top to bottom: cause, then response, then what people wrote.
-LANES = ("attempt", "event", "derived", "alert", "page", "action", "incident", "note")
-MOMENTS = (("fault_at", "fault"), ("pending_at", "alert"), ("recovered_at", "recovered"))
-COLORS = {"info": "#2563eb", "warning": "#d97706", "critical": "#dc2626"}
-
-
-# -- the URL ---------------------------------------------------------------------
-
-
-def parse_query(search: str | None) -> tuple[int | None, str | None]:
-    """``?incident=3`` → (3, None); a value that is not an incident number → (None, what
-    is wrong), so a hand-edited URL still shows the whole run's timeline."""
-    values = parse_qs((search or "").lstrip("?")).get("incident") or [""]
-    text = values[0].strip()
-    if not text:
-        return None, None
-    if text.isdigit() and 1 <= int(text) <= 2**63 - 1:
-        return int(text), None
-    return None, f"“{text}” is not an incident number (?incident=3); showing the whole run."
-
-
-def query_string(incident: int | None) -> str:
-    return f"?incident={incident}" if incident is not None else ""
-
-
-def page_href(run: str, incident: int | None = None) -> str:
-    return f"/runs/{quote(run, safe='')}/timeline{query_string(incident)}"
-
-
-def downloads_href(run: str, fmt: str, incident: int | None = None) -> str:
-    """The post-mortem report as a file, served by the collector's API."""
-    extra = f"&incident={incident}" if incident is not None else ""
-    return f"/api/v1/runs/{quote(run, safe='')}/postmortem?format={fmt}{extra}&download=true"
-
-
-# -- pieces ----------------------------------------------------------------------
 
 
 def stamp(ts: float, now: float) -> str:
@@ -303,77 +265,3 @@ def downloads(run: str, incident: int | None) -> html.Div:
         ],
         className="tl-downloads",
     )
-
-
-# -- the chart ---------------------------------------------------------------------
-
-
-def timeline_figure(
-    entries: Sequence[dict[str, Any]],
-    figures: dict[str, Any] | None,
-    *,
-    theme: str | None,
-    revision: str,
-) -> go.Figure:
-    """Entries as markers on lanes by source (coloured by severity); an incident's key
-    moments (fault, first alert, recovery) as vertical lines."""
-    if not entries:
-        return themed(empty_figure("No entries yet."), theme)
-    fig = go.Figure()
-    lanes = [lane for lane in LANES if any(e["source"] == lane for e in entries)]
-    lanes += sorted({e["source"] for e in entries} - set(lanes))
-    for sev in SEVERITIES:
-        mine = [
-            e
-            for e in entries
-            if (e.get("severity") if e.get("severity") in SEVERITIES else "info") == sev
-        ]
-        if not mine:
-            continue
-        fig.add_trace(
-            go.Scatter(
-                x=[dt.datetime.fromtimestamp(e["at"]) for e in mine],
-                y=[e["source"] for e in mine],
-                mode="markers",
-                name=sev,
-                text=[e["text"] for e in mine],
-                marker={
-                    "color": COLORS[sev],
-                    "size": 10,
-                    "symbol": "diamond" if sev == "critical" else "circle",
-                },
-                hovertemplate="%{x|%H:%M:%S.%L}<br>%{text}<extra>%{y}</extra>",
-            )
-        )
-    for key, label in MOMENTS:
-        at = (figures or {}).get(key)
-        if at is not None:  # local time, as the markers (add_vline mishandles dates)
-            x = dt.datetime.fromtimestamp(at)
-            fig.add_shape(
-                type="line",
-                x0=x,
-                x1=x,
-                y0=0,
-                y1=1,
-                yref="paper",
-                line={"dash": "dot", "color": "#6b7280", "width": 1},
-            )
-            fig.add_annotation(
-                x=x,
-                y=1,
-                yref="paper",
-                yanchor="bottom",
-                text=label,
-                showarrow=False,
-                font={"size": 11, "color": "#6b7280"},
-            )
-    fig.update_layout(
-        height=120 + 28 * len(lanes),
-        margin={"l": 80, "r": 20, "t": 30, "b": 30},
-        uirevision=revision,
-        hovermode="closest",
-        legend={"orientation": "h", "y": 1.15, "x": 1, "xanchor": "right"},
-    )
-    fig.update_yaxes(categoryorder="array", categoryarray=list(reversed(lanes)), title_text=None)
-    fig.update_xaxes(type="date")
-    return themed(fig, theme)
