@@ -4,7 +4,7 @@
 ``<!-- openapi-reference -->`` (``api.md``) gets, in its place, a section per tag, a
 subsection per path and method (summary, description, parameters, request body,
 responses) and the schemas they name, from ``docs/reference/openapi.json``: the snapshot
-that ``tests/collector/test_openapi_snapshot.py`` keeps equal to the app's schema. So the
+that ``tests/collector/api/test_openapi_snapshot.py`` keeps equal to the app's schema. So the
 page says what the collector serves without a running collector at build time.
 """
 

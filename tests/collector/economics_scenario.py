@@ -47,7 +47,7 @@ def body(
     events: list[dict[str, Any]] = (),
     world: int = WORLD,
 ) -> dict[str, Any]:  # type: ignore[assignment]
-    """One agent's batch, as :mod:`.test_economics` sends it, from a node named like one."""
+    """One agent's batch, as :mod:`.read.test_economics` sends it, from a node named like one."""
     out = economics_body(run, rank, session, started, steps=steps, events=events, world=world)
     out["agent"]["host"] = f"gpu-node{rank}"
     out["agent"]["heartbeat_s"] = 3600  # no rank goes "dead" while a test looks at the page
