@@ -17,7 +17,13 @@ compares the steps not yet compared, within each group:
   of a disagreeing pair, in CI);
 - a rank that went back (a rollback or restart: its last step is before this one) has
   sent the earlier execution's fingerprint: it is not compared with a replay's, but
-  waited for (the replay's replaces it, and the step is compared again).
+  waited for (the replay's replaces it, and the step is compared again). So is a rank
+  whose check is older than another member's replay of the step, though it has said
+  nothing since the rollback (its last step is still the one before it): a member's
+  replay replaced its earlier execution (``replaced_steps``), and a check that ran
+  before the midpoint of those two executions belongs to the earlier one
+  (:func:`_replay_cuts`). After :data:`GRACE_S` without its replay the step is compared
+  without it (``missing``).
 
 A probed step (``determinism_probe_every``, agent/probe.py) also carries each rank's
 determinism probe: the fingerprint and three sums of the model's output on a fixed
@@ -106,6 +112,8 @@ def compare(
     t = m.attempts.c
     restarted_at = conn.execute(select(func.max(t.started_at)).where(t.run_id == run_id)).scalar()
     stale: set[tuple[str, int]] = set()
+    cuts = _replay_cuts(conn, run_id, rows)
+    replaying: dict[tuple[str, int], set[int]] = defaultdict(set)
     pending: dict[tuple[str, int], dict[int, str]] = defaultdict(dict)
     probes: dict[tuple[str, int], dict[int, Probe]] = defaultdict(dict)
     first_seen: dict[tuple[str, int], float] = {}
@@ -116,25 +124,30 @@ def compare(
             # The rank went back (a rollback, a restart) and has not run this step again
             # yet: what it sent is the earlier execution's, not comparable with a replay.
             continue
+        if ts < cuts.get(step, ts):
+            # An earlier execution than another member's replay: its replay is to come.
+            replaying[(group, step)].add(rank)
+            continue
         pending[(group, step)][rank] = fp
+        first_seen[(group, step)] = min(first_seen.get((group, step), recv), recv)
         if restarted_at is not None and ts < restarted_at:
             stale.add((group, step))
         if probe is not None:
             probes[(group, step)][rank] = Probe(probe, sums, rtol or 0.0)
-        first_seen[(group, step)] = min(first_seen.get((group, step), recv), recv)
         ran_at[(group, step)] = max(ran_at.get((group, step), ts), ts)
     events: list[dict[str, Any]] = []
     for (group, step), prints in sorted(pending.items(), key=lambda kv: kv[0][1]):
         members = _members(group, world)
         present = {rank: fp for rank, fp in prints.items() if rank in members}
         missing = sorted(members - set(present))
+        waiting = replaying.get((group, step), set())
         due = (
             ended
-            or not missing
-            or all((at.get(rank) or -1) > step for rank in missing)  # past it, without one
             or now - first_seen[(group, step)] >= GRACE_S
             or not members
-        )
+            or not missing
+            or all((at.get(rank) or -1) > step and rank not in waiting for rank in missing)
+        )  # (a missing rank past the step without a check sends none: not waited for)
         if not due:
             continue
         counts = Counter(present.values())
@@ -183,6 +196,31 @@ def compare(
             event["data"]["ran_at"] = ran_at[(group, step)]
             events.append(event)
     return events
+
+
+def _replay_cuts(conn: Connection, run_id: int, rows: Any) -> dict[int, float]:
+    """For each step among ``rows`` (the checks to compare) that a member ran again: the
+    time before which a check of it belongs to an earlier execution. A replay replaced
+    the member's earlier execution (``replaced_steps``: its time) with its current one
+    (its check's time); ranks run a step in lockstep, so every rank's earlier execution
+    ran near the first and its replay near the second: the midpoint between them
+    separates the two, whatever the ranks' clocks differ by less than half the gap (a
+    rollback's round trip and the steps it replays, seconds at least)."""
+    current = {(step, rank): ts for step, rank, *_, ts in rows}
+    steps = sorted({step for step, _ in current})
+    p = m.replaced_steps.c
+    cuts: dict[int, float] = {}
+    for at in range(0, len(steps), 500):
+        for step, rank, earlier in conn.execute(
+            select(p.step, p.rank, func.max(p.ts))
+            .where(p.run_id == run_id, p.step.in_(steps[at : at + 500]))
+            .group_by(p.step, p.rank)
+        ):
+            now_ts = current.get((step, rank))
+            if now_ts is not None and now_ts > earlier:
+                middle = (earlier + now_ts) / 2
+                cuts[step] = max(cuts.get(step, middle), middle)
+    return cuts
 
 
 class Probe(NamedTuple):

@@ -371,3 +371,52 @@ def test_a_malformed_probe_is_refused_naming_the_field(engine) -> None:
         with engine.connect() as conn:
             assert conn.execute(select(m.replica_checks.c.rank)).all() == []
             assert conn.execute(select(m.rank_steps.c.rank)).all() == []
+
+
+def test_a_rank_whose_replay_has_not_arrived_is_waited_for_not_compared(engine) -> None:
+    """Found in the demo on a loaded machine: after a rollback, rank 0's replay of step 300
+    arrived while rank 1 had sent nothing since the rollback (its last step still the one
+    before it, past 300). Its stored check was the first execution's, and the pair was
+    compared as one that disagrees: a false SilentDataCorruption page. An execution older
+    than a replay of the same step by another member is not compared: the step waits."""
+    for rank in range(2):
+        send(
+            engine,
+            rank,
+            [checked(10, GOOD, "0,1", ts=T0 + 1), checked(20, GOOD, "0,1", ts=T0 + 2)]
+            + [step(25) | {"ts": T0 + 3}],
+            T0 + 4,
+            world=2,
+        )
+    evaluated(engine, T0 + 5)
+    assert results(engine) == [(10, True, [], []), (20, True, [], [])]
+    # A rollback to step 10 after step 25: rank 0's replay of step 20 (other batches,
+    # other parameters) arrives first; rank 1's has not yet.
+    send(engine, 0, [checked(20, BAD, "0,1", ts=T0 + 30)], T0 + 31, world=2)
+    evaluated(engine, T0 + 32)
+    assert results(engine) == [(10, True, [], [])]  # step 20 waits for rank 1's replay
+    # (rank 1 ran it a little before rank 0, by its clock: the same execution)
+    send(engine, 1, [checked(20, BAD, "0,1", ts=T0 + 29.9)], T0 + 33, world=2)
+    evaluated(engine, T0 + 34)
+    assert results(engine) == [(10, True, [], []), (20, True, [], [])]
+    assert divergences(engine) == []
+
+
+def test_a_replay_that_never_comes_leaves_the_old_execution_out_after_the_grace(engine) -> None:
+    """The rank whose replay is awaited died: after the grace the step is compared without
+    its earlier execution (missing), not against it."""
+    for rank in range(2):
+        send(
+            engine,
+            rank,
+            [checked(20, GOOD, "0,1", ts=T0 + 2), step(25) | {"ts": T0 + 3}],
+            T0 + 4,
+            world=2,
+        )
+    evaluated(engine, T0 + 5)
+    send(engine, 0, [checked(20, BAD, "0,1", ts=T0 + 30)], T0 + 31, world=2)
+    evaluated(engine, T0 + 32)
+    assert results(engine) == []
+    evaluated(engine, T0 + 31 + GRACE_S + 1)
+    assert results(engine) == [(20, True, [], [1])]
+    assert divergences(engine) == []
