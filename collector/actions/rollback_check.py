@@ -24,7 +24,7 @@ from typing import Any
 
 from sqlalchemy import Connection, select
 
-from trainwarden.alerts.evaluate import Snapshot, StatRow, evaluate
+from trainwarden.alerts.evaluate import evaluate
 from trainwarden.alerts.rules import (
     BaselineRule,
     EventRule,
@@ -33,6 +33,7 @@ from trainwarden.alerts.rules import (
     Rule,
     ThresholdRule,
 )
+from trainwarden.alerts.snapshot import Snapshot, StatRow
 from trainwarden.collector.rollups.aggregate import aggregate
 from trainwarden.collector.store import models as m
 

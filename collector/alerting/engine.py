@@ -6,7 +6,7 @@ One pass (every ``interval_s``, and at once when ingest stores an event or a fla
 step, so that an XID pages within a second):
 
 1. For every live run (and every run with an open alert), fetch a
-   :class:`~trainwarden.alerts.evaluate.Snapshot` with the windows the rules need and
+   :class:`~trainwarden.alerts.snapshot.Snapshot` with the windows the rules need and
    evaluate each rule on it (``alerts/evaluate.py``).
 2. Advance each alert (rule + labels = fingerprint) through inactive → pending →
    firing → resolved (``alerts/lifecycle.py``) and write the changes: one row per
@@ -43,11 +43,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, insert, or_, select
 
 from trainwarden.alerts import Alert, Rule, advance, fingerprint
-from trainwarden.alerts.evaluate import (
-    Snapshot,
-    Verdict,
-    evaluate,
-)
+from trainwarden.alerts.evaluate import evaluate
 from trainwarden.alerts.grouping import group_labels, group_note
 from trainwarden.alerts.intervals import ZERO
 from trainwarden.alerts.notification import Notification
@@ -61,6 +57,7 @@ from trainwarden.alerts.rules import (
     action_kinds,
 )
 from trainwarden.alerts.silences import silence_matches
+from trainwarden.alerts.snapshot import Snapshot, Verdict
 from trainwarden.collector.alerting.snapshot import (
     Needs,
     SettledSteps,

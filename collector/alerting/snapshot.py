@@ -12,13 +12,6 @@ from typing import Any
 from sqlalchemy import Connection, func, or_, select
 
 from trainwarden.alerts import Rule
-from trainwarden.alerts.evaluate import (
-    RankInfo,
-    Row,
-    Snapshot,
-    StatRow,
-    metric_columns,
-)
 from trainwarden.alerts.rules import (
     RUN_STATS,
     AbsenceRule,
@@ -35,6 +28,13 @@ from trainwarden.alerts.rules import (
     ThresholdRule,
     ThrottleMatch,
     XidMatch,
+)
+from trainwarden.alerts.snapshot import (
+    RankInfo,
+    Row,
+    Snapshot,
+    StatRow,
+    metric_columns,
 )
 from trainwarden.collector.read.economics import EconomicsSettings, economics
 from trainwarden.collector.read.queries import arrival_lateness, median_step_time

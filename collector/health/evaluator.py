@@ -46,7 +46,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, bindparam, false, func, or_, select, text, update
 
-from trainwarden.alerts.evaluate import LIVE_STATES, median_without
+from trainwarden.alerts.evaluate_metrics import median_without
+from trainwarden.alerts.snapshot import LIVE_STATES
 from trainwarden.collector.health import coverage, hang, mixture, replicas, samples
 from trainwarden.collector.ingest import crashes, endings
 from trainwarden.collector.ingest.limits import Pressure

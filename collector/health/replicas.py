@@ -180,7 +180,7 @@ def compare(
         # Each event says when its step ran (``ran_at``, its ranks' clocks): a check that an
         # attempt ran and the collector decided only after the job restarted (its last rows
         # came late) is then known as the ended attempt's, and opens no alert of the new
-        # one (alerts/evaluate.py, _fresh).
+        # one (alerts/evaluate_events.py, _fresh).
         for rank in suspects:
             since = _last_agreed(conn, run_id=run_id, group=group, rank=rank, before=step)
             event = _divergence(

@@ -8,8 +8,8 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
-from trainwarden.alerts.evaluate import LIVE_STATES
 from trainwarden.alerts.metrics import METRICS
+from trainwarden.alerts.snapshot import LIVE_STATES
 from trainwarden.collector.read import user_metrics as user_metric_reads
 from trainwarden.collector.read.schemas import (
     EventOut,

@@ -19,8 +19,9 @@ import pytest
 
 from trainwarden.agent.gpu import describe_xid
 from trainwarden.alerts import Alert, Rule, advance, load_rule_packs, parse_rule
-from trainwarden.alerts.evaluate import RankInfo, Snapshot, StatRow, Verdict, evaluate
+from trainwarden.alerts.evaluate import evaluate
 from trainwarden.alerts.metrics import METRICS
+from trainwarden.alerts.snapshot import RankInfo, Snapshot, StatRow, Verdict
 from trainwarden.collector.store import models
 
 PACK = {rule.name: rule for rule in load_rule_packs()}

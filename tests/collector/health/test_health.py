@@ -247,7 +247,7 @@ def test_median_without_matches_the_slow_way() -> None:
     import random
     import statistics
 
-    from trainwarden.alerts.evaluate import median_without
+    from trainwarden.alerts.evaluate_metrics import median_without
 
     rng = random.Random(1)
     for n in range(2, 12):
@@ -298,7 +298,7 @@ def test_a_dead_rank_does_not_come_back_to_life_without_a_heartbeat(engine) -> N
 def test_the_writers_lag_is_the_age_of_its_oldest_waiting_request(engine) -> None:
     import threading
 
-    from trainwarden.collector.ingest.schemas import ColumnarBatch
+    from trainwarden.collector.ingest.schema_columns import ColumnarBatch
     from trainwarden.collector.ingest.writer import IngestWriter
 
     writer = IngestWriter(engine)
