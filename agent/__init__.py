@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from . import core as _core
+from . import exit_hooks as _exit_hooks
 from .checkpoints import Checkpointing
 from .commands import STOPPED_EXIT_CODE, RollbackPlan
 from .config import AgentConfig, ConfigError, InitOptions
@@ -145,8 +146,8 @@ def init(
     agent = Agent(config, transport=transport)
     _core.set_current(agent)
     if config.flush_on_sigterm:
-        _core.install_sigterm_flush()
-    _core.install_excepthook()
+        _exit_hooks.install_sigterm_flush()
+    _exit_hooks.install_excepthook()
     return agent
 
 

@@ -15,25 +15,29 @@ What it wires together:
   (:mod:`.commands`), and the process's end: ``attempt_end`` from :meth:`Agent.shutdown`,
   at exit, on SIGTERM (flush, then die of it), on an uncaught exception; a forked child
   (a DataLoader worker) keeps records in memory and never reports.
+
+``Agent`` is built here, with two mixins of its own methods: its rank settled
+(:mod:`.rank_settling`) and its attempt started and ended (:mod:`.attempt`: the identity
+thread, ``attempt_start``, the end reason, :meth:`Agent.shutdown`). This module also holds
+the process's current agent (:func:`current`, :func:`set_current`), its ``atexit`` flush
+and what a forked child forgets; the SIGTERM and uncaught-exception hooks are
+:mod:`.exit_hooks`.
 """
 
 from __future__ import annotations
 
 import atexit
-import copy
-import dataclasses
 import logging
 import multiprocessing
 import multiprocessing.util
 import os
-import signal
-import sys
 import threading
 import time
 import uuid
 from typing import Any
 
-from . import flight, identity, last_words, node_relay, placement
+from . import flight, last_words, node_relay
+from .attempt import SHUTDOWN_TIMEOUT_S, AttemptLifecycle
 from .checkpoints import Checkpointing, Checkpoints
 from .commands import Commands
 from .config import AgentConfig, ConfigError
@@ -45,6 +49,7 @@ from .flight import Flight
 from .gpu import XID_SEVERITY, GpuMonitor, describe_xid, open_device
 from .last_words import LastWords
 from .mfu import Peak
+from .rank_settling import RankSettling
 from .rare import RareWork
 from .samples import Universe
 from .sink import EventRecord, GpuRecord, RecordQueue
@@ -59,29 +64,21 @@ __all__ = [
     "Agent",
     "EventRecord",
     "GpuRecord",
-    "SIGTERM_EXIT_CODE",
     "Step",
     "StepRecord",
     "current",
-    "install_excepthook",
-    "install_sigterm_flush",
     "set_current",
 ]
 
 log = logging.getLogger(__name__)
 
 AGENT_VERSION = "0.1.0"
-_SHUTDOWN_TIMEOUT_S = 5.0
 # Records wait (at most this long, in memory) behind the attempt_start event, so that the
 # collector learns which attempt a process is before its first step.
 _FIRST_EVENT_WAIT_S = 1.0
-_IDENTITY_WAIT_AT_EXIT_S = 2.0
-_PLACE_POLL_S = 0.05  # how often a process with no rank yet looks for its process group
-_CHECKPOINT_SIZE_WAIT_AT_EXIT_S = 1.0
-SIGTERM_EXIT_CODE = 128 + signal.SIGTERM  # what a shell, Slurm or Kubernetes reports: 143
 
 
-class Agent:
+class Agent(RankSettling, AttemptLifecycle):
     """One per process. Created by ``tw.init``; the module functions delegate to it."""
 
     crash_files: LastWords | None = None  # this rank's last words, once its rank is final
@@ -263,160 +260,6 @@ class Agent:
             self._make_drill()
         return self.rare.drill
 
-    def _make_drill(self) -> None:
-        """The drill's faults for this rank: built once, from the rank as known when it is
-        first needed (``tw.watch``, the first step, the GPU sampler); a process still
-        without its rank takes the group's, else rank 0 of 1's, as it will report."""
-        with self._place_lock:
-            spec, self._drill_spec = self._drill_spec, None
-            if spec is None:
-                return
-            c = self.config
-            rank, world = c.rank, c.world_size
-            if c.placement == "pending":
-                group = placement.group_rank()
-                if group is None:
-                    alone = placement.without_group()
-                    group = (alone.rank, alone.world_size)
-                rank, world = group
-            try:
-                self.rare.use_drill(Drill(spec, rank=rank, world_size=world))
-            except DrillError as exc:  # the group's world is smaller than the drill's rank
-                log.warning("trainwarden: the drill is off: %s", exc)
-
-    def _first_step(self) -> None:
-        """The first step's entry (training thread): a drill acts from it on, and a process
-        still without its rank settles it (a step without a process group: none will come)."""
-        if self.config.placement != "pending":
-            self._verify_place()  # before this step's record leaves under a wrong rank
-        if self._drill_spec is not None:
-            self._make_drill()
-        self._settle.set()
-
-    # -- run identity: the attempt_start event -------------------------------------------
-
-    def _collect_identity(self) -> None:
-        if self.config.placement == "pending":
-            self._find_place()
-        self._identity = identity.skeleton(self.config)
-        try:
-            identity.collect(self.config, self._identity, gpu_device=self.gpu_device)
-        except Exception:  # never the trainer's problem: the fields stay None
-            log.debug("trainwarden: identity collection failed", exc_info=True)
-        self._start_attempt()
-        self._check_place()
-
-    # -- the process's place in the job (placement.py) ----------------------------------
-
-    def _find_place(self) -> None:
-        """Wait for the default process group, a step, the agent's shutdown or the
-        deadline, whichever is first; take the place it gives; then connect."""
-        c = self.config
-        deadline = time.monotonic() + c.identity_wait_s
-        place: placement.Place | None = None
-        while place is None:
-            group = placement.group_rank()
-            if group is not None:
-                place = placement.from_group(*group, host=c.host, run=c.run)
-            elif self._settle.is_set() or time.monotonic() >= deadline:
-                place = placement.without_group()
-                if not self._settle.is_set():
-                    log.warning(
-                        "trainwarden: no RANK from the launcher and no process group after "
-                        "%.0fs: reporting as rank %d of %d (TRAINWARDEN_IDENTITY_WAIT)",
-                        c.identity_wait_s,
-                        place.rank,
-                        place.world_size,
-                    )
-            else:
-                self._settle.wait(_PLACE_POLL_S)
-        try:
-            self._move_to(place)
-            self._connect()
-        finally:
-            self._connected.set()
-
-    def _move_to(self, place: placement.Place) -> None:
-        self.config = dataclasses.replace(
-            self.config,
-            rank=place.rank,
-            world_size=place.world_size,
-            local_rank=place.local_rank,
-            placement=place.source,
-        )
-        self.rare.use_config(self.config)
-
-    def _check_place(self) -> None:
-        """Rank from tw.init or the environment: once the process group exists (within
-        the identity wait), the group's rank wins if they differ, with one warning."""
-        c = self.config
-        if c.placement not in ("argument", "environment"):
-            return
-        deadline = time.monotonic() + c.identity_wait_s
-        while not self._closed and time.monotonic() < deadline:
-            if self._verify_place():
-                return
-            if self._settle.is_set():  # steps without a group: not a distributed process
-                return
-            self._settle.wait(_PLACE_POLL_S)
-
-    def _verify_place(self) -> bool:
-        """Whether the process group exists; if it does and contradicts the rank said,
-        move to the group's (once: from either thread). The local rank stays the
-        launcher's (``LOCAL_RANK``) or the one said: no store exchange here."""
-        group = placement.group_rank()
-        if group is None:
-            return False
-        with self._place_lock:
-            c = self.config
-            if c.placement not in ("argument", "environment"):
-                return True
-            said = placement.Place(c.rank, c.world_size, c.local_rank, c.placement)
-            warning = placement.differs(said, *group)
-            if warning is None:
-                return True
-            local = placement.env_int("LOCAL_RANK")
-            self._move_to(
-                placement.Place(*group, c.local_rank if local is None else local, "process group")
-            )
-        log.warning(warning)
-        self.event("rank_corrected", severity="warning", was=c.rank, message=warning)
-        return True
-
-    def _start_attempt(self) -> None:
-        """Queue ``attempt_start`` (once), ahead of every record held back so far."""
-        with self._attempt_lock:
-            if self._attempt_started:
-                return
-            self._attempt_started = True
-            # The identity thread may still be filling it, or not have begun (no rank yet).
-            data = copy.deepcopy(self._identity or identity.skeleton(self.config))
-        self.stats.recorded += 1
-        record = EventRecord(self._event_body("attempt_start", None, "info", data, self.started_at))
-        self._records.open_gate(record)
-        self.flush_soon()
-
-    def end_reason(self, reason: str, detail: str = "", exit_code: int | None = None) -> None:
-        """How this process is ending (``attempt_end``'s reason), said before it shuts down."""
-        self._end = (reason, detail[:300], exit_code)
-
-    def note_exit_in_flight(self) -> None:
-        """``tw.shutdown()`` in a ``finally`` while an exception propagates: that exception
-        ends the attempt; ``sys.exit(n)`` ends it ``completed`` with its code."""
-        exc = sys.exc_info()[1]
-        if exc is None or self._end[0] != "completed":
-            return
-        if isinstance(exc, SystemExit):
-            code = exc.code
-            self._end = (
-                "completed",
-                "",
-                0 if code is None else code if isinstance(code, int) else 1,
-            )
-        else:
-            code = 128 + signal.SIGINT if isinstance(exc, KeyboardInterrupt) else 1
-            self.end_reason("exception", f"{type(exc).__name__}: {exc}", code)
-
     def _open_spool(self) -> Spool:
         """The disk spool of this run and rank; in memory if the directory is unusable."""
         c = self.config
@@ -496,11 +339,6 @@ class Agent:
             self._records.open_gate(None)
         if self._exporter is not None:
             self._exporter.flush(timeout_s)
-
-    def _wait_for_identity(self, timeout_s: float) -> None:
-        thread = self._identity_thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(max(0.0, timeout_s))
 
     def _header(self) -> dict[str, Any]:
         c = self.config
@@ -601,71 +439,6 @@ class Agent:
         """The last ``n`` records kept locally (only when there is no collector)."""
         return self._records.recent(n)
 
-    def shutdown(self, timeout_s: float = _SHUTDOWN_TIMEOUT_S) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._closing_thread = threading.current_thread()
-        try:
-            self._shutdown(timeout_s)
-        finally:
-            self._flushed.set()
-        if self._sigterm_pending and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)  # die of it, now that the flush is done
-
-    def _shutdown(self, timeout_s: float) -> None:
-        started = time.monotonic()
-        # The attempt ended when the trainer said so: not after the waits below (the
-        # identity, the checkpoint sizes), which would add to its GPU-hours.
-        ended_at = time.time()
-        self._settle.set()  # a process still without its rank settles it now
-        # ... on the identity thread, which then makes the exporter: wait for it (a busy
-        # machine can keep that thread from running for a while), or the records it would
-        # send are neither sent nor spooled.
-        self._connected.wait(timeout_s / 2)
-        if self._identity_thread is not None:
-            # attempt_start goes out before the goodbye: with what is known by now.
-            self._wait_for_identity(min(timeout_s / 2, _IDENTITY_WAIT_AT_EXIT_S))
-            self._start_attempt()
-        self._records.open_gate(None)
-        self.checkpoints.finish(min(timeout_s / 4, _CHECKPOINT_SIZE_WAIT_AT_EXIT_S))
-        # An exception that left a step and was never followed by a good step is how
-        # this process ends: report it, so the collector marks the rank failed.
-        last_step, last_error = self.recorder.last_step, self.recorder.last_error
-        said: dict[str, Any] = {}
-        if self.signalled_at is not None:
-            said["signalled_at"] = self.signalled_at
-        if last_error is not None:
-            self.event("shutdown", step=last_step, severity="critical", error=last_error, **said)
-        else:
-            self.event("shutdown", step=last_step, **said)
-        if self._identity_thread is not None:
-            reason, detail, exit_code = self._end
-            if reason == "completed" and last_error is not None:
-                reason, detail = "exception", last_error  # it left a step, and ends us
-            self.event_at(
-                ended_at,
-                "attempt_end",
-                step=None,
-                severity="info",
-                data={
-                    "reason": reason,
-                    "detail": detail,
-                    "exit_code": exit_code,
-                    "last_step": last_step,
-                },
-            )
-        if self.gpu_monitor is not None:
-            self.gpu_monitor.stop()
-        if self.crash_files is not None:  # a sibling died of a signal: said for it, now
-            self.crash_files.report(wait_s=last_words.DYING_WAIT_S)
-            self.crash_files.close()
-        if self._exporter is not None:
-            self._exporter.shutdown(max(0.1, timeout_s - (time.monotonic() - started)))
-        if self._relay is not None:  # what it holds goes on; the node's others go direct
-            self._relay.stop()
-
 
 _agent: Agent | None = None
 _atexit_registered = False
@@ -693,17 +466,7 @@ def set_current(agent: Agent | None) -> None:
 def _forget_in_child() -> None:
     """After ``fork`` (DataLoader workers): the child has none of the agent's threads and
     is not the rank; its agent keeps records in memory only and never reports, so a
-    worker's exit is not the rank's shutdown."""
-    global _wakeup_fds
-    if _wakeup_fds is not None:  # a child's signals are its own, not the rank's
-        try:  # the forking thread is the child's main thread (CPython): allowed
-            signal.set_wakeup_fd(-1)
-        except ValueError:
-            pass  # then the fd stays open: closed, its number could name another file
-        else:
-            for fd in _wakeup_fds:
-                os.close(fd)
-        _wakeup_fds = None
+    worker's exit is not the rank's shutdown (its signals: :mod:`.exit_hooks`)."""
     if _agent is not None:
         _agent._exporter = None
         _agent.gpu_monitor = None
@@ -718,163 +481,10 @@ def _forget_in_child() -> None:
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_child)
 
-_previous_sigterm: Any = None
-
-
-def install_sigterm_flush() -> bool:
-    """On SIGTERM (a scheduler's preemption, a launcher stopping the job), flush within
-    a deadline (what cannot be sent goes to the spool), then die of the signal as the
-    process would have. Only when SIGTERM has no handler yet and from the main thread:
-    the agent never takes a handler the trainer installed."""
-    global _previous_sigterm
-    if threading.current_thread() is not threading.main_thread():
-        return False
-    current_handler = signal.getsignal(signal.SIGTERM)
-    if current_handler is _on_sigterm:
-        return True
-    if current_handler is not signal.SIG_DFL:
-        return False
-    _previous_sigterm = signal.signal(signal.SIGTERM, _on_sigterm)
-    _watch_for_sigterm()
-    return True
-
-
-# A Python signal handler runs on the main thread, between two bytecodes: never while that
-# thread is inside a C call, such as a collective that waits for a peer that will never
-# come (a hang, a desync). The launcher's SIGTERM then goes unanswered until its SIGKILL,
-# and the job dies without a goodbye. So the C-level handler's wake-up byte
-# (signal.set_wakeup_fd) is also read by a thread of the agent's: if the main thread has
-# not begun its own flush within this grace, the agent's thread flushes for it.
-_STUCK_GRACE_S = 1.0
-_wakeup_fds: tuple[int, int] | None = None
-
-
-def _watch_for_sigterm() -> None:
-    """Read the signals' wake-up fd on a thread of its own (only where nobody else uses
-    it: an asyncio loop in the trainer's main thread would, and keeps it)."""
-    global _wakeup_fds
-    if _wakeup_fds is not None:
-        return
-    read_fd, write_fd = os.pipe()
-    os.set_blocking(write_fd, False)
-    try:
-        previous = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
-    except (ValueError, OSError):
-        previous = -2
-    if previous != -1:  # someone else's (or not allowed): theirs stays
-        if previous >= 0:
-            signal.set_wakeup_fd(previous)
-        os.close(read_fd)
-        os.close(write_fd)
-        return
-    _wakeup_fds = (read_fd, write_fd)
-    threading.Thread(
-        target=_read_wakeups, args=(read_fd,), name="trainwarden-signals", daemon=True
-    ).start()
-
-
-def _read_wakeups(read_fd: int) -> None:
-    while True:
-        try:
-            data = os.read(read_fd, 64)
-        except OSError:
-            return
-        if not data:
-            return
-        if signal.SIGTERM in data:
-            _signalled()
-            _flush_for_stuck_main_thread()
-
-
-def _signalled() -> None:
-    """Note when the first SIGTERM came (whichever of the two threads saw it first)."""
-    agent = _agent
-    if agent is not None and agent.signalled_at is None:
-        agent.signalled_at = time.time()
-
-
-def _flush_for_stuck_main_thread() -> None:
-    agent = _agent
-    deadline = time.monotonic() + _STUCK_GRACE_S
-    while agent is not None and not agent._closed and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if agent is None or agent._closed:
-        return  # the main thread's handler took it (or the agent had already ended)
-    log.warning(
-        "trainwarden: SIGTERM while the training thread is inside a call (%s): flushing "
-        "from the agent's thread",
-        agent._phase_now() or "outside a step",
-    )
-    try:
-        agent.event(
-            "signal",
-            step=agent.last_step,
-            severity="warning",
-            signal="SIGTERM",
-            stuck_in=agent._phase_now(),
-        )
-        agent.end_reason("sigterm", "SIGTERM", SIGTERM_EXIT_CODE)
-        agent.shutdown(timeout_s=_SHUTDOWN_TIMEOUT_S)
-    except Exception:
-        log.exception("trainwarden: flush on SIGTERM failed")
-
-
-def _on_sigterm(signum: int, frame: Any) -> None:
-    _signalled()
-    agent = _agent
-    if agent is not None and agent._closed and not agent._flushed.is_set():
-        if agent._closing_thread is not threading.current_thread():
-            # The agent's signal thread flushes (this thread was stuck in a call when
-            # SIGTERM came): wait for it, then die of SIGTERM.
-            agent._flushed.wait(_SHUTDOWN_TIMEOUT_S + 1.0)
-        else:
-            # The flush is under way on this thread (at exit after an exception, say: a
-            # launcher stops the other ranks when one fails, often while this one is
-            # flushing); this handler interrupted it. Let it finish (within its own
-            # deadline), then die of SIGTERM.
-            agent._sigterm_pending = True
-            return
-    if agent is not None and not agent._closed:
-        log.warning(
-            "trainwarden: SIGTERM; flushing (at most %.0fs) before exiting", _SHUTDOWN_TIMEOUT_S
-        )
-        try:
-            agent.event("signal", step=agent.last_step, severity="warning", signal="SIGTERM")
-            agent.end_reason("sigterm", "SIGTERM", SIGTERM_EXIT_CODE)
-            agent.shutdown(timeout_s=_SHUTDOWN_TIMEOUT_S)
-        except Exception:
-            log.exception("trainwarden: flush on SIGTERM failed")
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.kill(os.getpid(), signal.SIGTERM)  # die of it, as without the agent
-
-
-_previous_excepthook: Any = None
-
-
-def install_excepthook() -> None:
-    """Chain ``sys.excepthook``: an uncaught exception that ends the main thread is the
-    attempt's end reason (the atexit flush that follows sends it)."""
-    global _previous_excepthook
-    if _previous_excepthook is None:
-        _previous_excepthook = sys.excepthook
-        sys.excepthook = _on_uncaught
-
-
-def _on_uncaught(exc_type: Any, exc: Any, tb: Any) -> None:
-    agent = _agent
-    # At an interactive prompt an exception does not end the process.
-    if agent is not None and not agent._closed and not hasattr(sys, "ps1"):
-        try:
-            code = 128 + signal.SIGINT if issubclass(exc_type, KeyboardInterrupt) else 1
-            agent.end_reason("exception", f"{exc_type.__name__}: {exc}", code)
-        except Exception:
-            pass
-    (_previous_excepthook or sys.__excepthook__)(exc_type, exc, tb)
-
 
 def _flush_at_exit() -> None:
     if _agent is not None:
         try:
-            _agent.shutdown(timeout_s=_SHUTDOWN_TIMEOUT_S)
+            _agent.shutdown(timeout_s=SHUTDOWN_TIMEOUT_S)
         except Exception:  # at exit, never turn a clean exit into a traceback
             log.exception("trainwarden: flush at exit failed")
