@@ -35,7 +35,8 @@ from trainwarden.collector.api.routes import ingest as ingest_api
 from trainwarden.collector.api.routes import ops, otlp, runs
 from trainwarden.collector.api.routes import replicas as replicas_api
 from trainwarden.collector.api.routes.ingest import EXTRA_SCHEMAS, DirectIngest
-from trainwarden.collector.health.evaluator import HealthSettings, health_loop
+from trainwarden.collector.health.evaluator import health_loop
+from trainwarden.collector.health.settings import HealthSettings
 from trainwarden.collector.incidents.engine import IncidentEngine
 from trainwarden.collector.incidents.store import IncidentSettings
 from trainwarden.collector.ingest.limits import BodyLimit, InFlight, IngestBackpressure, Pressure

@@ -27,6 +27,7 @@ from trainwarden.alerts import (
 )
 from trainwarden.alerts import rules as r
 from trainwarden.collector.health import evaluator as health
+from trainwarden.collector.health.settings import HealthSettings
 
 PACK = [
     "LowMFU",
@@ -126,7 +127,7 @@ def test_default_thresholds_are_the_ones_documented() -> None:
     low = by_name["LowGpuUtilization"]
     assert (low.params.below, low.for_) == (50, parse_interval("10m"))
     # the same thresholds as the health evaluator that already watches these signals
-    settings = health.HealthSettings()
+    settings = HealthSettings()
     assert by_name["Straggler"].params.ratio_above == settings.straggler_ratio
     assert by_name["RankLossDivergence"].params.z_above == settings.divergence_z
     assert by_name["RankDead"].params.after == Interval(settings.dead_after_beats, "beats")

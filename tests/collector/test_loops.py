@@ -12,7 +12,7 @@ from trainwarden.alerts import load_rule_packs
 from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings
 from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.app import _stop_together, create_app
-from trainwarden.collector.health.evaluator import HealthSettings
+from trainwarden.collector.health.settings import HealthSettings
 from trainwarden.collector.loops import Loop, spaced
 
 

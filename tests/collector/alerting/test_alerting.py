@@ -19,7 +19,8 @@ from trainwarden.collector.alerting.engine import AlertEngine, EngineSettings
 from trainwarden.collector.alerting.notify import Attempt
 from trainwarden.collector.alerting.snapshot import recent_steps
 from trainwarden.collector.app import create_app
-from trainwarden.collector.health.evaluator import HealthSettings, evaluate
+from trainwarden.collector.health.evaluator import evaluate
+from trainwarden.collector.health.settings import HealthSettings
 from trainwarden.collector.ingest.batches import ingest
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.ingest.schemas import IngestBatch

@@ -13,7 +13,8 @@ from fastapi.testclient import TestClient
 from sqlalchemy import Engine, insert, select
 
 from trainwarden.collector.app import create_app
-from trainwarden.collector.health.evaluator import HealthSettings, evaluate
+from trainwarden.collector.health.evaluator import evaluate
+from trainwarden.collector.health.settings import HealthSettings
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import write
 

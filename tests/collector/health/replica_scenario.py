@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from trainwarden.collector.health.evaluator import HealthSettings, evaluate
+from trainwarden.collector.health.evaluator import evaluate
+from trainwarden.collector.health.settings import HealthSettings
 from trainwarden.collector.ingest.batches import ingest
 from trainwarden.collector.ingest.schemas import IngestBatch
 from trainwarden.collector.store.db import write

@@ -17,7 +17,8 @@ from trainwarden.collector.actions.commands import CommandBoard
 from trainwarden.collector.alerting.engine import AlertEngine
 from trainwarden.collector.app import create_app
 from trainwarden.collector.health import hang
-from trainwarden.collector.health.evaluator import HealthSettings, evaluate
+from trainwarden.collector.health.evaluator import evaluate
+from trainwarden.collector.health.settings import HealthSettings
 from trainwarden.collector.incidents.grouping import group
 from trainwarden.collector.incidents.postmortem import report_of
 from trainwarden.collector.incidents.report_format import render_markdown

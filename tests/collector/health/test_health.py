@@ -8,7 +8,8 @@ import pytest
 from sqlalchemy import select
 
 from trainwarden.collector.health import evaluator as health
-from trainwarden.collector.health.evaluator import HealthSettings, evaluate
+from trainwarden.collector.health.evaluator import evaluate
+from trainwarden.collector.health.settings import HealthSettings
 from trainwarden.collector.ingest.batches import ingest
 from trainwarden.collector.ingest.schemas import IngestBatch
 from trainwarden.collector.rollups.worker import flush
@@ -127,13 +128,13 @@ def test_a_silent_dead_run_is_not_read_again_and_a_rank_heard_again_comes_back(
         send(engine, rank=rank, steps=[step(i) for i in range(10)], at=T0 + 10)
     assert {s for s, _ in states(engine, T0 + 20).values()} == {"dead"}
     decided: list[list[int]] = []
-    real = health._states
+    real = health.decide_states
 
     def spy(ranks, **kwargs):
         decided.append([r["rank"] for r in ranks])
         return real(ranks, **kwargs)
 
-    monkeypatch.setattr(health, "_states", spy)
+    monkeypatch.setattr(health, "decide_states", spy)
     assert {s for s, _ in states(engine, T0 + 60).values()} == {"dead"}
     assert decided == []  # nothing could have changed: nothing was read
     # A refused request of rank 1 (heard, not stored) is a sign of life; so is a request.
@@ -492,7 +493,7 @@ def test_stragglers_and_diverging_are_the_ranks_over_the_line_on_every_step() ->
     import random
     import statistics
 
-    from trainwarden.collector.health.evaluator import StepView, diverging, stragglers
+    from trainwarden.collector.health.step_views import StepView, diverging, stragglers
 
     rng = random.Random(7)
     for _ in range(300):
@@ -524,7 +525,7 @@ def test_a_goodbye_stored_during_a_pass_is_not_overwritten_by_its_verdict(engine
     """A pass read rank 1 as healthy and judges it slow; meanwhile its goodbye was stored
     (finished): the verdict is not written over it, nor told as a state change (seen under
     load in the OTLP test: the slow rank ended "slow"). Rank 0's own change is written."""
-    from trainwarden.collector.health.evaluator import _write_states
+    from trainwarden.collector.health.writes import write_states
 
     for rank in (0, 1):
         send(engine, rank=rank, steps=[step(i) for i in range(3)], at=T0 + 3)
@@ -533,7 +534,7 @@ def test_a_goodbye_stored_during_a_pass_is_not_overwritten_by_its_verdict(engine
         assert [r["state"] for r in read] == ["healthy", "healthy"]
         conn.execute(m.ranks.update().where(m.ranks.c.rank == 1).values(state="finished"))
         verdicts = {0: ("slow", {"compute_ratio": 1.3}), 1: ("slow", {"compute_ratio": 1.4})}
-        moved, events = _write_states(
+        moved, events = write_states(
             conn, run_id=read[0]["run_id"], ranks=read, states=verdicts, events=[], now=T0 + 4
         )
         after = dict(conn.execute(select(m.ranks.c.rank, m.ranks.c.state)).all())

@@ -1,0 +1,18 @@
+"""The rank-health evaluator's settings: its thresholds and how often it runs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class HealthSettings:
+    dead_after_beats: float = 2.25
+    hung_min_s: float = 5.0
+    hung_steps: float = 5.0
+    straggler_ratio: float = 1.2
+    straggler_window: int = 5
+    divergence_z: float = 6.0
+    divergence_window: int = 5
+    interval_s: float = 1.0
+    max_cpu_share: float = 0.15  # of one core; past it evaluations are spaced out (Loop)
