@@ -22,11 +22,12 @@ step, so that an XID pages within a second):
 The state lives in the database, so it survives a restart, and on PostgreSQL one
 collector at a time runs the pass (an advisory lock), as for the health evaluator.
 
-What a pass reads is in ``snapshot.py``, what it writes in ``writes.py``, storms and
-silence matching in ``trainwarden.alerts`` (pure), the notifiers in ``notify/``.
-:class:`AlertEngine` stays one class of some 600 lines: evaluation, the lifecycle and
-routing share one pass's state (its caches of settled steps, due rules, silent runs and
-deliveries), and reading it top to bottom is reading a pass.
+What a pass reads is in ``snapshot.py``, how each alert steps through its lifecycle in
+``advancing.py``, silences, inhibition, storms and notifications in ``routing.py``, what
+it writes in ``writes.py``, storms and silence matching in ``trainwarden.alerts`` (pure),
+the notifiers in ``notify/``. :class:`AlertEngine` keeps one pass's state (its caches of
+settled steps, due rules, silent runs and deliveries) and runs the pass: reading it top
+to bottom is reading a pass.
 """
 
 from __future__ import annotations
@@ -37,16 +38,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import Connection, Engine, insert, or_, select
+from sqlalchemy import Connection, Engine, or_, select
 
-from trainwarden.alerts import Alert, Rule, advance, fingerprint
+from trainwarden.alerts import Rule, fingerprint
 from trainwarden.alerts.evaluate import evaluate
-from trainwarden.alerts.grouping import group_labels, group_note
-from trainwarden.alerts.intervals import ZERO
-from trainwarden.alerts.notification import Notification
 from trainwarden.alerts.rules import (
     AbsenceRule,
     BaselineRule,
@@ -54,10 +52,10 @@ from trainwarden.alerts.rules import (
     JobLostMatch,
     RateRule,
     ThresholdRule,
-    action_kinds,
 )
-from trainwarden.alerts.silences import silence_matches
 from trainwarden.alerts.snapshot import Snapshot, Verdict
+from trainwarden.collector.alerting.advancing import advance_active, advance_stored
+from trainwarden.collector.alerting.routing import OPEN, route
 from trainwarden.collector.alerting.snapshot import (
     Needs,
     SettledSteps,
@@ -65,18 +63,16 @@ from trainwarden.collector.alerting.snapshot import (
     needs_of,
     snapshot,
 )
-from trainwarden.collector.alerting.writes import Writes, alert_of, finite_or_none, healed_alerts
+from trainwarden.collector.alerting.writes import Writes, healed_alerts, store_deliveries
 from trainwarden.collector.ingest.limits import Pressure
 from trainwarden.collector.loops import spaced
 from trainwarden.collector.read.economics import EconomicsSettings
-from trainwarden.collector.read.runbooks import runbook_url
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import leads, write
 
 log = logging.getLogger(__name__)
 
 ADVISORY_LOCK_KEY = 0x7477_616C_6572  # "twaler": one alert engine across collectors
-OPEN = ("pending", "firing")
 FAST_KINDS = (EventRule, AbsenceRule, RateRule)
 """Rules a wake-up (ingest stored an event or a flagged step) evaluates at once."""
 
@@ -130,17 +126,6 @@ class EngineSettings:
 
 
 # -- the engine ---------------------------------------------------------------------
-
-
-@dataclass
-class _Entry:
-    """An alert in a routing pass: what to send for it, and what to change on its row."""
-
-    row: Any
-    labels: dict[str, str]
-    status: str | None = None  # "firing" or "resolved" to notify; None: nothing
-    quiet: bool = False  # silenced or inhibited
-    changes: dict[str, Any] = field(default_factory=dict)
 
 
 Submit = Callable[[Any], object]
@@ -305,7 +290,7 @@ class AlertEngine:
         with write(self.engine) as conn:
             if not leads(conn, ADVISORY_LOCK_KEY):
                 return PassResult()
-            self._store_deliveries(conn)
+            store_deliveries(conn, self.deliveries)
             result = self._pass(conn, now, fast_only, notes)
         for note in notes:  # after the commit: what was paged is on record first
             self._send(note)
@@ -402,15 +387,33 @@ class AlertEngine:
             rule_ = self.rules.get(row.rule)
             if rule_ is not None and row.rule not in evaluated and row.run_id in run_steps:
                 continue  # a fast pass: this rule waits for the next full one
-            result.changed += self._advance_stored(
+            result.changed += advance_stored(
                 writes, row, rule_, now, run_steps.get(row.run_id), healed=row.id in healed
             )
         for fp, (rule, v, labels, run, snap) in seen.items():
-            result.changed += self._advance_active(
-                writes, fp, open_rows.get(fp), rule, v, labels, run, snap, now
+            result.changed += advance_active(
+                writes,
+                fp,
+                open_rows.get(fp),
+                rule,
+                v,
+                labels,
+                run,
+                snap,
+                now,
+                external_url=self.external_url,
+                refresh_s=self.settings.refresh_s,
             )
         writes.flush(conn)
-        result.notified = self._route(conn, now, notes, resting)
+        result.notified = route(
+            conn,
+            now,
+            notes,
+            resting,
+            resend_s=self.settings.resend_s,
+            group_over=self.settings.group_over,
+            external_url=self.external_url,
+        )
         return result
 
     def _rests(self, run: Any, now: float, fast_only: bool) -> bool:
@@ -426,265 +429,6 @@ class AlertEngine:
         self._silent_at[run.id] = now
         return False
 
-    def _advance_active(
-        self,
-        writes: Writes,
-        fp: str,
-        row: Any,
-        rule: Rule,
-        v: Verdict,
-        labels: dict[str, str],
-        run: Any,
-        snap: Snapshot,
-        now: float,
-    ) -> int:
-        alert = alert_of(row) if row is not None else Alert(rule.name, labels)
-        new = advance(
-            alert,
-            active=True,
-            now=now,
-            step=snap.last_step,
-            for_=rule.for_,
-            keep_firing_for=rule.keep_firing_for,
-            verdict_step=v.step,
-            onset_step=v.onset_step,
-        )
-        info = snap.ranks.get(v.rank) if v.rank is not None else None
-        annotations = {
-            **(v.annotations or {}),
-            "summary": rule.summary,
-            "description": v.detail,
-            "runbook_url": runbook_url(self.external_url, rule.runbook),
-        }
-        fields = dict(
-            state=new.state,
-            active_since=new.active_since,
-            active_since_step=new.active_since_step,
-            onset_step=new.onset_step,
-            fired_at=new.fired_at,
-            fired_at_step=new.fired_at_step,
-            cleared_at=new.cleared_at,
-            cleared_at_step=new.cleared_at_step,
-            resolved_at=new.resolved_at,
-            value=finite_or_none(v.value),
-            step=v.step,
-            annotations=annotations,
-            node=info.node if info else None,
-            gpu=info.gpu if info else None,
-        )
-        if row is None:
-            writes.inserts.append(
-                dict(
-                    fingerprint=fp,
-                    rule=rule.name,
-                    run_id=run.id,
-                    rank=v.rank,
-                    severity=rule.severity,
-                    labels=labels,
-                    action=rule.action,
-                    updated_at=now,
-                    **fields,
-                )
-            )
-            return 1
-        same = (row.step, row.node, row.gpu) == (fields["step"], fields["node"], fields["gpu"])
-        if new is alert and same:
-            if row.value == fields["value"] and row.annotations == annotations:
-                return 0
-            # A hung rank's culprit named from the rings is news: written at once.
-            named = (row.annotations or {}).get("collective") != annotations.get("collective")
-            if not named and now - (row.updated_at or 0.0) < self.settings.refresh_s:
-                return 0  # only its value or description moved: written now and then
-        writes.updates.append({"b_id": row.id, "updated_at": now, **fields})
-        return int(new is not alert)
-
-    def _advance_stored(
-        self,
-        writes: Writes,
-        row: Any,
-        rule: Rule | None,
-        now: float,
-        step: int | None,
-        *,
-        healed: bool = False,
-    ) -> int:
-        """An open alert whose condition this pass did not find. ``healed``: an action
-        carried out since it fired dealt with it (:func:`healed_alerts`), so it resolves
-        once its condition has cleared, without waiting out ``keep_firing_for`` (a hold
-        against flapping, and for an instant event to stay in view: the action dealt with
-        it, and the resolve tells on-call so)."""
-        alert = alert_of(row)
-        if rule is None or healed:  # a rule removed from the pack: nothing to wait for
-            new = advance(alert, active=False, now=now, step=step, for_=ZERO, keep_firing_for=ZERO)
-        else:
-            new = advance(
-                alert,
-                active=False,
-                now=now,
-                step=step,
-                for_=rule.for_,
-                keep_firing_for=rule.keep_firing_for,
-            )
-        if new is alert:
-            return 0
-        if new.state == "inactive":  # pending that never fired: forgotten
-            writes.deletes.append(row.id)
-            return 1
-        writes.updates.append(
-            dict(
-                b_id=row.id,
-                state=new.state,
-                cleared_at=new.cleared_at,
-                cleared_at_step=new.cleared_at_step,
-                resolved_at=new.resolved_at,
-                updated_at=now,
-            )
-        )
-        return 1
-
-    # -- silences, inhibition, notifications ---------------------------------------------
-
-    def _route(self, conn: Connection, now: float, notes: list[Any], resting: set[int]) -> int:
-        """Silences, inhibition and notifications of the alerts of the runs not ``resting``
-        (routing is per run: inhibition and grouping never cross runs)."""
-        a = m.alerts.c
-        query = (
-            select(m.alerts, m.runs.c.name.label("run_name"))
-            .join(m.runs, m.runs.c.id == a.run_id)
-            .where(or_(a.state.in_(OPEN), (a.state == "resolved") & (a.notified == "firing")))
-        )
-        if resting:
-            query = query.where(a.run_id.not_in(resting))
-        rows = conn.execute(query).all()
-        if not rows:
-            return 0
-        si = m.silences.c
-        silences = conn.execute(
-            select(si.id, si.matchers).where(si.starts_at <= now, si.ends_at > now)
-        ).all()
-        # Inhibition sources: firing evict-action alerts per (run, node); firing liveness per (run,
-        # rank).
-        evicting: dict[tuple[int, str], int] = {}
-        liveness: dict[tuple[int, int], int] = {}
-        whole: dict[int, int] = {}  # a run's firing run-wide alert that explains its ranks'
-        for r in rows:
-            if r.state != "firing":
-                continue
-            if "evict" in action_kinds(r.action) and r.node:
-                evicting.setdefault((r.run_id, r.node), r.id)
-            if (r.labels or {}).get("category") == "liveness" and r.rank is not None:
-                liveness.setdefault((r.run_id, r.rank), r.id)
-            if (r.labels or {}).get("inhibits") == "ranks" and r.rank is None:
-                whole.setdefault(r.run_id, r.id)
-        entries: list[_Entry] = []
-        for r in rows:
-            labels = self._full_labels(r)
-            silenced = next((s.id for s in silences if silence_matches(s.matchers, labels)), None)
-            inhibited = whole.get(r.run_id) if r.rank is not None else None
-            if inhibited is None and "evict" not in action_kinds(r.action) and r.node:
-                inhibited = evicting.get((r.run_id, r.node))
-            if inhibited is None and r.rank is not None and labels.get("category") != "liveness":
-                inhibited = liveness.get((r.run_id, r.rank))
-            entry = _Entry(r, labels)
-            if (silenced, inhibited) != (r.silenced_by, r.inhibited_by):
-                entry.changes.update(silenced_by=silenced, inhibited_by=inhibited)
-            entry.quiet = quiet = silenced is not None or inhibited is not None
-            if r.state == "firing" and not quiet:
-                due = r.last_sent_at is None or (
-                    r.acked_at is None and now - r.last_sent_at >= self.settings.resend_s
-                )
-                if r.notified != "firing" or due:
-                    entry.status = "firing"
-            elif r.state == "resolved" and r.notified == "firing":
-                entry.status = "resolved"
-            entries.append(entry)
-        sets: dict[tuple[str, int], list[_Entry]] = {}
-        for entry in entries:
-            sets.setdefault((entry.row.rule, entry.row.run_id), []).append(entry)
-        for members in sets.values():
-            notes += self._storm(members, now)
-        sent = 0
-        writes = Writes()
-        for entry in entries:
-            if entry.changes:
-                writes.updates.append({"b_id": entry.row.id, **entry.changes})
-                sent += "notified" in entry.changes
-        writes.flush(conn)
-        return sent
-
-    def _storm(self, entries: list[_Entry], now: float) -> list[Any]:
-        """The notifications of one rule and run's alerts in this pass, storm or not.
-
-        More than ``group_over`` alerts to page at once are one notification (their
-        group's: :func:`group_note`), and alerts that fire while their group is still
-        open join it: the group's notification is sent again with them (Alertmanager
-        and PagerDuty update the page they have, by its fingerprint; nothing pages
-        twice). An alert is resolved under the fingerprint it was paged under: its own,
-        or, once none of its group is firing any more, the group's."""
-        over = self.settings.group_over
-        gfp = fingerprint(entries[0].row.rule, group_labels(entries[0].labels))
-        in_group = [e for e in entries if e.row.notified == "firing" and e.row.notified_as == gfp]
-        firing = [e for e in entries if e.status == "firing"]
-        fresh = [e for e in firing if e.row.notified != "firing"]
-        alone = [e for e in firing if e.row.notified == "firing" and e.row.notified_as != gfp]
-        still = [e for e in in_group if e.row.state == "firing"]  # the group's open members
-        notes: list[Any] = []
-        group_due = any(e.status == "firing" for e in in_group)
-        if group_due or (fresh and (still or len(fresh) > over)):
-            members = [e for e in still if not e.quiet] + fresh  # silenced: not paged again
-            notes.append(
-                group_note([self._notification(e.row, e.labels, "firing") for e in members])
-            )
-            for e in members:  # one resend of the group, not one per member
-                e.changes.update(notified="firing", notified_as=gfp, last_sent_at=now)
-        else:
-            alone += fresh
-        for e in alone:
-            notes.append(self._notification(e.row, e.labels, "firing"))
-            e.changes.update(notified="firing", notified_as=e.row.fingerprint, last_sent_at=now)
-        resolving = [e for e in entries if e.status == "resolved"]
-        ended = [e for e in resolving if e.row.notified_as == gfp]
-        # The others (``e not in ended`` compared whole entries: quadratic in a storm's
-        # thousands of alerts, a fifth of the alert thread's time past capacity).
-        for e in resolving:
-            if e.row.notified_as != gfp:
-                notes.append(self._notification(e.row, e.labels, "resolved"))
-                e.changes.update(notified="resolved", last_sent_at=now)
-        # A group's members that end while it is still open wait, paged as firing, for
-        # its resolve, which then names every one of them (not those of its last pass).
-        if ended and not any(e.changes.get("notified_as") == gfp for e in entries) and not still:
-            notes.append(
-                group_note([self._notification(e.row, e.labels, "resolved") for e in ended])
-            )
-            for e in ended:
-                e.changes.update(notified="resolved", last_sent_at=now)
-        return notes
-
-    def _full_labels(self, r: Any) -> dict[str, str]:
-        labels = {
-            **(r.labels or {}),
-            "alertname": r.rule,
-            "severity": r.severity,
-            "run": r.run_name,
-        }
-        for key in ("node", "gpu"):
-            if getattr(r, key) is not None:
-                labels[key] = str(getattr(r, key))
-        return labels
-
-    def _notification(self, r: Any, labels: dict[str, str], status: str) -> Any:
-        base = (self.external_url or "").rstrip("/")
-        return Notification(
-            alert_id=r.id,
-            fingerprint=r.fingerprint,
-            status=status,  # type: ignore[arg-type]
-            labels=labels,
-            annotations=dict(r.annotations or {}),
-            starts_at=r.fired_at or r.active_since,
-            ends_at=r.resolved_at if status == "resolved" else None,
-            generator_url=f"{base}/runs/{r.run_name}" if base else None,
-        )
-
     def _send(self, note: Any) -> None:
         if self.submit is None:
             return
@@ -692,34 +436,3 @@ class AlertEngine:
             self.submit(note)
         except Exception:
             log.exception("could not hand alert %s to the notifiers", note.fingerprint)
-
-    def _store_deliveries(self, conn: Connection) -> None:
-        batch = []
-        while self.deliveries:
-            batch.append(self.deliveries.popleft())
-        if not batch:
-            return
-        known = set(
-            conn.execute(
-                select(m.alerts.c.id).where(m.alerts.c.id.in_({d.alert_id for d in batch}))
-            ).scalars()
-        )
-        rows = [
-            dict(
-                alert_id=d.alert_id,
-                receiver=d.receiver,
-                kind=d.kind,
-                status=d.status,
-                attempt=d.attempt,
-                ok=int(d.ok),
-                http_status=d.http_status,
-                error=(d.error or None) and d.error[:1000],
-                at=d.at,
-                duration_s=d.duration_s,
-                final=int(d.final),
-            )
-            for d in batch
-            if d.alert_id in known
-        ]
-        if rows:
-            conn.execute(insert(m.alert_deliveries), rows)

@@ -1,10 +1,11 @@
 """What an alert pass writes: its new, changed and forgotten alerts in one statement
 for each kind of change (``Writes``), and which firing alerts an action already dealt
-with (``healed_alerts``)."""
+with (``healed_alerts``); the notifiers' delivery attempts (``store_deliveries``)."""
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, delete, func, insert, select, update
@@ -99,3 +100,37 @@ def alert_of(row: Any) -> Alert:
         cleared_at_step=row.cleared_at_step,
         resolved_at=row.resolved_at,
     )
+
+
+def store_deliveries(conn: Connection, deliveries: deque[Any]) -> None:
+    """Store the notifiers' delivery attempts (of alerts that still exist), taking them
+    from ``deliveries``."""
+    batch = []
+    while deliveries:
+        batch.append(deliveries.popleft())
+    if not batch:
+        return
+    known = set(
+        conn.execute(
+            select(m.alerts.c.id).where(m.alerts.c.id.in_({d.alert_id for d in batch}))
+        ).scalars()
+    )
+    rows = [
+        dict(
+            alert_id=d.alert_id,
+            receiver=d.receiver,
+            kind=d.kind,
+            status=d.status,
+            attempt=d.attempt,
+            ok=int(d.ok),
+            http_status=d.http_status,
+            error=(d.error or None) and d.error[:1000],
+            at=d.at,
+            duration_s=d.duration_s,
+            final=int(d.final),
+        )
+        for d in batch
+        if d.alert_id in known
+    ]
+    if rows:
+        conn.execute(insert(m.alert_deliveries), rows)
