@@ -31,7 +31,7 @@ how late the replayed ones were, and the run's rows in the database against thos
 ``--sample-ids N``: what sample ids cost the collector (issue 35). (b) runs twice in the
 same invocation, back to back: without ids, and with N ids a row (each rank's step
 carrying ``samples_digest``, ``samples_count``, ``samples_epoch`` and the ids in
-``samples_kept``, as an agent sends them with a dataset size: collector/cli/loadgen.py's
+``samples_kept``, as an agent sends them with a dataset size: collector/cli/loadgen_bodies.py's
 ``sample_columns``). Each phase has a scratch database and a ``trainwarden serve`` of its
 own on the same PostgreSQL (on one, the first phase's ranks would go dead 4.5 s after it
 stops, and their alerts would be billed to the second). ``--rounds K`` repeats the pair,
@@ -74,7 +74,8 @@ from common import (
 from peer_mlflow import describe, find_mlflow, mlflow_points_per_s
 from sqlalchemy import text
 
-from trainwarden.collector.cli.loadgen import METRIC_COLUMNS, run_loadgen, user_metrics
+from trainwarden.collector.cli.loadgen import run_loadgen
+from trainwarden.collector.cli.loadgen_bodies import METRIC_COLUMNS, user_metrics
 from trainwarden.collector.store.db import make_engine
 
 ROOT = Path(__file__).resolve().parents[1]

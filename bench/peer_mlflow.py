@@ -38,7 +38,7 @@ import psycopg
 from common import DEFAULT_DB, scratch_database
 from sqlalchemy.engine import make_url
 
-from trainwarden.collector.cli.loadgen import METRIC_COLUMNS, node_body
+from trainwarden.collector.cli.loadgen_bodies import METRIC_COLUMNS, node_body
 
 HERE = Path(__file__).resolve().parent
 INSTALL_HINT = "bench/install_mlflow.sh installs it into bench/.mlflow-venv"

@@ -33,10 +33,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import DEFAULT_DB, scratch_database, wait_healthy  # noqa: E402
-from trainwarden.collector.cli import loadgen  # noqa: E402
+from trainwarden.collector.cli import loadgen, loadgen_nodes  # noqa: E402
 
 CLIENT: list[dict[str, Any]] = []
-_post = loadgen._Node.post
+_post = loadgen_nodes.SimulatedNode.post
 
 
 async def _post_stamped(self: Any, body: bytes) -> tuple[int, float]:
@@ -49,7 +49,7 @@ async def _post_stamped(self: Any, body: bytes) -> tuple[int, float]:
     return status, answered
 
 
-loadgen._Node.post = _post_stamped  # type: ignore[method-assign]
+loadgen_nodes.SimulatedNode.post = _post_stamped  # type: ignore[method-assign]
 
 
 def pct(values: list[float], p: float) -> float:

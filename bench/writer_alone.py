@@ -31,7 +31,7 @@ import psycopg
 from common import DEFAULT_DB, postgres_cpu_seconds, scratch_database
 from ingest import raw_copy
 
-from trainwarden.collector.cli.loadgen import node_body, rank_body
+from trainwarden.collector.cli.loadgen_bodies import node_body, rank_body
 from trainwarden.collector.ingest.batches import store_many
 from trainwarden.collector.ingest.schemas import ColumnarBatch, IngestBatch
 from trainwarden.collector.store.db import make_engine, upgrade, write

@@ -64,7 +64,7 @@ def test_the_load_generators_client_reads_chunked_and_sized_answers_on_one_conne
     import asyncio
     import concurrent.futures
 
-    from trainwarden.collector.cli.loadgen import _Connection
+    from trainwarden.collector.cli.loadgen_http import KeepAliveConnection
 
     seen: list[bytes] = []
 
@@ -90,7 +90,7 @@ def test_the_load_generators_client_reads_chunked_and_sized_answers_on_one_conne
     async def main() -> list[tuple[int, bytes]]:
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        conn = _Connection("127.0.0.1", port, timeout_s=5)
+        conn = KeepAliveConnection("127.0.0.1", port, timeout_s=5)
         try:
             return [
                 await conn.post("/x", b"{}", "X-Trainwarden-Sender: r/0-7\r\n") for _ in range(2)
@@ -117,7 +117,8 @@ def test_loadgen_sample_ids_arrive_with_their_digest_count_and_epoch(
 
     from trainwarden.agent.samples import summarize
     from trainwarden.agent.values import Captured
-    from trainwarden.collector.cli.loadgen import DATASET, run_loadgen, sample_columns
+    from trainwarden.collector.cli.loadgen import run_loadgen
+    from trainwarden.collector.cli.loadgen_bodies import DATASET, sample_columns
     from trainwarden.collector.ingest.samples import unpack
     from trainwarden.collector.store.db import make_engine
 
@@ -174,7 +175,7 @@ def test_loadgen_sample_ids_arrive_with_their_digest_count_and_epoch(
 def test_loadgen_sends_no_samples_columns_by_default() -> None:
     import random
 
-    from trainwarden.collector.cli.loadgen import node_body
+    from trainwarden.collector.cli.loadgen_bodies import node_body
 
     body = node_body(
         run="r",
