@@ -33,7 +33,8 @@ from ingest import raw_copy
 
 from trainwarden.collector.cli.loadgen_bodies import node_body, rank_body
 from trainwarden.collector.ingest.batches import store_many
-from trainwarden.collector.ingest.schemas import ColumnarBatch, IngestBatch
+from trainwarden.collector.ingest.schema_columns import ColumnarBatch
+from trainwarden.collector.ingest.schemas import IngestBatch
 from trainwarden.collector.store.db import make_engine, upgrade, write
 
 WARM_FLUSHES = 2  # the first flush inserts the ranks; the next warms the caches

@@ -16,7 +16,8 @@ from pydantic import ValidationError
 
 from trainwarden.agent.drills import KINDS, DrillError, parse
 from trainwarden.alerts import RuleError, parse_rule
-from trainwarden.collector.ingest.schemas import AgentInfo, ColumnarBatch, IngestBatch
+from trainwarden.collector.ingest.schema_columns import ColumnarBatch
+from trainwarden.collector.ingest.schemas import AgentInfo, IngestBatch
 
 SETTINGS = settings(
     max_examples=300, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]

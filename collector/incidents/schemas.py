@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from trainwarden.collector.ingest.schemas import INT64_MAX, MAX_STEP
+from trainwarden.collector.ingest.schema_checks import INT64_MAX, MAX_STEP
 
 
 class IncidentOut(BaseModel):

@@ -23,7 +23,8 @@ from typing import Any
 
 from sqlalchemy import Connection, Engine, func, select, update
 
-from trainwarden.collector.ingest.schemas import AgentInfo, EventIn
+from trainwarden.collector.ingest.schema_events import EventIn
+from trainwarden.collector.ingest.schemas import AgentInfo
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.bulk import dialect_insert
 

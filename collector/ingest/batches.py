@@ -1,4 +1,5 @@
-"""Ingest: store one agent batch, keep run and rank state, and queue steps for rollup.
+"""Ingest: store a flush's batches in one transaction, keep run and rank state, and queue
+steps for rollup (the batches come as column-wise requests: ``batch_columns``).
 
 Idempotent: a step replayed after a restart (same run, rank and step) overwrites the
 earlier row, and an event whose id was seen before is ignored. A rank that comes
@@ -7,13 +8,9 @@ back with a new process session is recorded as a ``restart`` event.
 
 from __future__ import annotations
 
-import itertools
 import time
 import weakref
 from collections import Counter, defaultdict
-from collections.abc import Container
-from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import Any
 
 from sqlalchemy import (
@@ -27,21 +24,22 @@ from sqlalchemy import (
 )
 
 from trainwarden.collector.ingest import attempts, claims, crashes, endings, replicas, samples
+from trainwarden.collector.ingest.batch_columns import (
+    Request,
+    heads_by_run,
+    merged_steps,
+    requests_of,
+)
 from trainwarden.collector.ingest.ranks import (
     known_ranks,
     newest_heads,
     run_id_for,
     track_ranks,
 )
+from trainwarden.collector.ingest.schema_columns import ColumnarBatch
 from trainwarden.collector.ingest.schemas import (
-    AGENT_FIELDS,
-    AgentInfo,
-    ColumnarBatch,
-    EventIn,
-    GpuSampleIn,
     IngestBatch,
     IngestResult,
-    StepIn,
 )
 from trainwarden.collector.ingest.steps import (
     REPLACED_COLUMNS,
@@ -62,181 +60,6 @@ _run_touched: weakref.WeakKeyDictionary[Engine, dict[int, float]] = weakref.Weak
 RUN_TOUCH_S = 1.0
 
 
-@dataclass
-class _Request:
-    """One validated request, in the shape the bulk writer takes."""
-
-    run: str
-    world_size: int
-    heads: dict[str, list[Any]]  # the ranks' headers, column-wise: AgentInfo's fields
-    top: list[int | None]  # each header's rank: its highest step number here (None: none)
-    low: list[int | None]  # ... and its lowest
-    steps: dict[str, list[Any]]  # step columns: "rank" and StepIn fields, of one length
-    agent: AgentInfo | None = None  # one agent's batch: its header (events and GPU samples)
-    events: list[EventIn] = field(default_factory=list)
-    gpu: list[GpuSampleIn] = field(default_factory=list)
-    arrived: list[float] = field(default_factory=list)  # when each header's request came
-    origin: list[int] = field(default_factory=list)  # each header's batch in the flush
-
-
-_STEP_FIELDS = tuple(StepIn.model_fields)
-_step_values = itemgetter(*_STEP_FIELDS)
-_STEP_AT = _STEP_FIELDS.index("step")
-_agent_values = itemgetter(*AGENT_FIELDS)
-
-
-def _merged_steps(group: list[_Request]) -> dict[str, list[Any]]:
-    """The step columns of several requests of one run as one set of columns, in the
-    requests' order (a column one of them did not send is NULL in its rows)."""
-    if len(group) == 1:
-        return group[0].steps
-    names = dict.fromkeys(itertools.chain.from_iterable(req.steps for req in group))
-    return {
-        name: list(
-            itertools.chain.from_iterable(
-                req.steps.get(name) or [None] * len(req.steps["step"]) for req in group
-            )
-        )
-        for name in names
-    }
-
-
-def _agents(batches: list[IngestBatch], arrived: list[float], origin: list[int]) -> _Request:
-    """Several agents' batches of one run (consecutive in a flush) as one request of
-    columns, as a node's relay would have sent them: their headers and steps transposed
-    at once, in order. On the direct path (a request a rank) a flush holds hundreds of
-    one-step batches; a request each cost the writer about as much as its rows did."""
-    heads = dict(
-        zip(
-            AGENT_FIELDS,
-            map(list, zip(*(_agent_values(b.agent.__dict__) for b in batches), strict=True)),
-            strict=True,
-        )
-    )
-    steps: dict[str, list[Any]] = {}
-    # The fields' values as validated (a StepIn holds plain values: no model_dump copy).
-    if all(len(b.steps) == 1 for b in batches):  # a step a request: the usual
-        rows = [_step_values(b.steps[0].__dict__) for b in batches]
-        steps["rank"] = heads["rank"]
-        top = low = [row[_STEP_AT] for row in rows]
-    else:
-        rows = [_step_values(s.__dict__) for b in batches for s in b.steps]
-        steps["rank"] = [b.agent.rank for b in batches for _ in b.steps]
-        top = [max((s.step for s in b.steps), default=None) for b in batches]
-        low = [min((s.step for s in b.steps), default=None) for b in batches]
-    if rows:
-        steps.update(zip(_STEP_FIELDS, map(list, zip(*rows, strict=True)), strict=True))
-    else:
-        steps = {}
-    world = max(b.agent.world_size for b in batches)
-    return _Request(batches[0].run, world, heads, top, low, steps, arrived=arrived, origin=origin)
-
-
-def _agent_extras(batch: IngestBatch) -> _Request | None:
-    """An agent's events and GPU samples, apart from its steps (see :func:`_agents`)."""
-    if not batch.events and not batch.gpu:
-        return None
-    empty: list[Any] = []
-    heads = {name: empty for name in AGENT_FIELDS}
-    return _Request(
-        batch.run, batch.agent.world_size, heads, [], [], {}, batch.agent, batch.events, batch.gpu
-    )
-
-
-def _normalize(batch: ColumnarBatch, at: float, i: int, drop: set[int]) -> _Request | None:
-    """A node's columns as a request; ``drop``: ranks whose rows are refused (None when
-    that leaves no rank)."""
-    cols, heads = batch.columns(), batch.header_columns()
-    if drop:
-        heads = take_rows(heads, [k for k, rank in enumerate(heads["rank"]) if rank not in drop])
-        if not heads["rank"]:
-            return None
-        if cols:
-            cols = take_rows(cols, [k for k, rank in enumerate(cols["rank"]) if rank not in drop])
-            cols = cols if cols["rank"] else {}
-    if cols.get("rank") == heads["rank"]:  # a row a rank, in the headers' order: the usual
-        top = low = cols["step"]
-    else:
-        by_rank: dict[int, list[int]] = defaultdict(list)
-        for rank, step in zip(cols.get("rank", ()), cols.get("step", ()), strict=True):
-            by_rank[rank].append(step)
-        top = [max(by_rank[r]) if r in by_rank else None for r in heads["rank"]]
-        low = [min(by_rank[r]) if r in by_rank else None for r in heads["rank"]]
-    n = len(top)
-    return _Request(
-        batch.run, batch.world_size, heads, top, low, cols, arrived=[at] * n, origin=[i] * n
-    )
-
-
-def _requests(
-    batches: list[IngestBatch | ColumnarBatch],
-    when: list[float],
-    refused: Container[tuple[int, int]] = (),
-) -> tuple[list[_Request], list[int | None]]:
-    """The flush's batches as the writer takes them, with each request's batch (None: a
-    request of several agents' batches). An agent's batch gives its steps and header to
-    :func:`_agents`, with the same run's agent batches around it that no node's columns
-    come between (within a run the order decides which header and which execution of a
-    step is the newest), and its events and GPU samples to a request of their own. A
-    node's columns are one request, and one more for each of its ``extras`` (a relay's
-    per-rank events and GPU samples). ``refused``: (batch, rank) pairs left out whole
-    (another process holds the rank: claims.py)."""
-    requests: list[_Request] = []
-    owner: list[int | None] = []
-    # Since the run's last node: its agents' batches, when each came, and their places.
-    gathered: dict[str, tuple[list[IngestBatch], list[float], list[int]]] = {}
-
-    def close(run: str) -> None:
-        if (got := gathered.pop(run, None)) is not None:
-            requests.append(_agents(*got))
-            owner.append(None)
-
-    for i, batch in enumerate(batches):
-        if isinstance(batch, IngestBatch):
-            if refused and (i, batch.agent.rank) in refused:
-                continue
-            agents, at, places = gathered.setdefault(batch.run, ([], [], []))
-            agents.append(batch)
-            at.append(when[i])
-            places.append(i)
-            if (extras := _agent_extras(batch)) is not None:
-                requests.append(extras)
-                owner.append(i)
-            continue
-        if gathered:
-            close(batch.run)
-        drop = (
-            {rank for rank in batch.header_columns()["rank"] if (i, rank) in refused}
-            if refused
-            else set()
-        )
-        if (node := _normalize(batch, when[i], i, drop)) is not None:
-            requests.append(node)
-            owner.append(i)
-        for extra in batch.extras:
-            if extra.agent.rank in drop:
-                continue
-            requests.append(_agents([extra], [when[i]], [i]))
-            owner.append(i)
-            if (extras := _agent_extras(extra)) is not None:
-                requests.append(extras)
-                owner.append(i)
-    for run in list(gathered):
-        close(run)
-    return requests, owner
-
-
-def batch_rows(batch: IngestBatch | ColumnarBatch) -> int:
-    """How many records a validated batch carries (what the writer's bound counts)."""
-    if isinstance(batch, IngestBatch):
-        return len(batch.steps) + len(batch.events) + len(batch.gpu) + 1
-    return (
-        len(batch.steps.get("rank", ()))
-        + len(batch.header_columns()["rank"])
-        + sum(map(batch_rows, batch.extras))
-    )
-
-
 def store_many(
     conn: Connection,
     batches: list[IngestBatch | ColumnarBatch],
@@ -249,7 +72,7 @@ def store_many(
     ``arrived``: when each request reached the collector (default: ``now``)."""
     now = time.time() if now is None else now
     when = arrived or [now] * len(batches)
-    requests, owner = _requests(batches, when)
+    requests, owner = requests_of(batches, when)
     # First, before this transaction locks anything: a day partition a row needs.
     days = {day for req in requests if req.steps for day in days_of(req.steps["ts"])}
     days |= {day_of(g.ts) for req in requests for g in req.gpu}
@@ -262,7 +85,7 @@ def store_many(
     # Ranks: each run's headers column-wise (a list a field, not an object a rank), their
     # stored rows read once, and the sessions that claim a rank another live process
     # holds refused (claims.py: rare; the requests are then built again without them).
-    by_run = _heads_by_run(requests, run_ids)
+    by_run = heads_by_run(requests, run_ids)
     found = {
         run_id: known_ranks(conn, run_id, list(dict.fromkeys(heads["rank"])))
         for run_id, heads in sorted(by_run.items())
@@ -280,8 +103,8 @@ def store_many(
                 now=now,
             )
     if refused:
-        requests, owner = _requests(batches, when, refused)
-        by_run = _heads_by_run(requests, run_ids)
+        requests, owner = requests_of(batches, when, refused)
+        by_run = heads_by_run(requests, run_ids)
     high_steps: dict[tuple[int, int], int | None] = {}
     for run_id in sorted(by_run):
         heads = by_run[run_id]
@@ -302,12 +125,12 @@ def store_many(
     checks: list[dict[str, Any]] = []  # replica fingerprints, on checked steps
     digests: list[dict[str, Any]] = []  # sample digests, on steps that sent ids
     sources: list[dict[str, Any]] = []  # tokens by data source, on steps that sent them
-    with_steps: dict[str, list[_Request]] = defaultdict(list)
+    with_steps: dict[str, list[Request]] = defaultdict(list)
     for req in requests:
         if req.steps:
             with_steps[req.run].append(req)
     for run, group in with_steps.items():  # a run's requests' rows at once
-        steps, run_id = _merged_steps(group), run_ids[run]
+        steps, run_id = merged_steps(group), run_ids[run]
         for name, values in step_columns(run_id, steps, now).items():
             merged[name] += values
         checks += replicas.checks_of(run_id, steps, now)
@@ -382,32 +205,9 @@ def store_many(
     return _results(batches, requests, owner, accepted_events, refused)
 
 
-def _heads_by_run(
-    requests: list[_Request], run_ids: dict[str, int]
-) -> dict[int, dict[str, list[Any]]]:
-    """Each run's headers in the flush, column-wise in flush order, with ``top`` (each
-    header's highest step), ``arrived`` and ``origin`` (its batch)."""
-    of_run: dict[int, list[_Request]] = defaultdict(list)
-    for req in requests:
-        if req.top:  # a request of events and GPU samples alone has no header here
-            of_run[run_ids[req.run]].append(req)
-    by_run: dict[int, dict[str, list[Any]]] = {}
-    for run_id, sent in of_run.items():
-        if len(sent) == 1:  # one request of the run's headers: the direct path's usual
-            heads = by_run[run_id] = dict(sent[0].heads)
-        else:
-            heads = by_run[run_id] = {
-                name: list(itertools.chain.from_iterable(req.heads[name] for req in sent))
-                for name in AGENT_FIELDS
-            }
-        for name in ("top", "arrived", "origin"):
-            heads[name] = list(itertools.chain.from_iterable(getattr(r, name) for r in sent))
-    return by_run
-
-
 def _results(
     batches: list[IngestBatch | ColumnarBatch],
-    requests: list[_Request],
+    requests: list[Request],
     owner: list[int | None],
     accepted_events: list[int],
     refused: dict[tuple[int, int], claims.Refusal],
@@ -436,7 +236,7 @@ def _results(
     return results
 
 
-def _started_at(req: _Request, rank: int, step: int) -> float:
+def _started_at(req: Request, rank: int, step: int) -> float:
     """When ``rank`` started ``step`` in this request (its first step: a rare lookup)."""
     cols = req.steps
     return next(
@@ -447,7 +247,7 @@ def _started_at(req: _Request, rank: int, step: int) -> float:
 
 
 def _store_events(
-    conn: Connection, requests: list[_Request], run_ids: dict[str, int], now: float
+    conn: Connection, requests: list[Request], run_ids: dict[str, int], now: float
 ) -> list[int]:
     """Insert every request's events; a replayed event id is ignored and not counted."""
     rows = []
@@ -530,7 +330,7 @@ def _store_events(
 
 
 def _store_gpu(
-    conn: Connection, requests: list[_Request], run_ids: dict[str, int], now: float
+    conn: Connection, requests: list[Request], run_ids: dict[str, int], now: float
 ) -> None:
     rows = []
     for req in requests:

@@ -38,7 +38,8 @@ from typing import Any
 from sqlalchemy import Connection, select
 
 from trainwarden.agent.wire import RANK_TAKEN
-from trainwarden.collector.ingest.schemas import ColumnarBatch, IngestBatch
+from trainwarden.collector.ingest.schema_columns import ColumnarBatch
+from trainwarden.collector.ingest.schemas import IngestBatch
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.bulk import dialect_insert
 

@@ -18,7 +18,7 @@ from sqlalchemy import (
     tuple_,
 )
 
-from trainwarden.collector.ingest.schemas import all_finite
+from trainwarden.collector.ingest.schema_checks import all_finite
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.bulk import copy_rows, dialect_insert, upsert_columns, upsert_rows
 from trainwarden.collector.store.db import is_sqlite

@@ -30,9 +30,11 @@ from typing import Any
 from sqlalchemy import Engine
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError
 
-from trainwarden.collector.ingest.batches import batch_rows, store_many
+from trainwarden.collector.ingest.batch_columns import batch_rows
+from trainwarden.collector.ingest.batches import store_many
 from trainwarden.collector.ingest.ranks import forget_runs
-from trainwarden.collector.ingest.schemas import ColumnarBatch, IngestBatch, IngestResult
+from trainwarden.collector.ingest.schema_columns import ColumnarBatch
+from trainwarden.collector.ingest.schemas import IngestBatch, IngestResult
 from trainwarden.collector.store.db import write
 from trainwarden.collector.store.partitions import forget_partitions
 

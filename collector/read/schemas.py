@@ -11,7 +11,7 @@ from pydantic import (
     Field,
 )
 
-from trainwarden.collector.ingest.schemas import GpuSampleIn
+from trainwarden.collector.ingest.schema_gpu import GpuSampleIn
 
 
 class RunSummary(BaseModel):

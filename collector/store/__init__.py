@@ -1,4 +1,5 @@
-"""Storage: the schema (``models``), engines and transactions (``db``), day partitions,
+"""Storage: the schema (``models``: every table, declared by concern in the ``*_tables``
+modules on ``table_base``'s metadata), engines and transactions (``db``), day partitions,
 bulk writes (``bulk``: upserts, binary COPY on PostgreSQL) and API tokens.
 
 The lowest layer of the collector: it imports nothing of the collector above it (only

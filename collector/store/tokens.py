@@ -22,7 +22,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, insert, select, update
 
 from trainwarden.collector.store.db import write
-from trainwarden.collector.store.models import tokens
+from trainwarden.collector.store.token_tables import tokens
 
 SCOPES = ("ingest", "read", "admin")
 """``ingest``: send records (for the runs its pattern matches). ``read``: the API's GETs

@@ -12,7 +12,7 @@ from trainwarden.collector.actions import service
 from trainwarden.collector.actions.schemas import ActionIn, ActionOut, ByIn, CheckpointOut, State
 from trainwarden.collector.api import auth
 from trainwarden.collector.api.deps import EngineDep, PolicyDep, admin
-from trainwarden.collector.ingest.schemas import RowId
+from trainwarden.collector.ingest.schema_checks import RowId
 from trainwarden.collector.store.db import write
 
 router = APIRouter(prefix="/api/v1/actions", tags=["actions"])

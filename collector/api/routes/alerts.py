@@ -18,7 +18,7 @@ from trainwarden.collector.alerting.schemas import (
 )
 from trainwarden.collector.api import auth
 from trainwarden.collector.api.deps import EngineDep, admin
-from trainwarden.collector.ingest.schemas import RowId
+from trainwarden.collector.ingest.schema_checks import RowId
 from trainwarden.collector.store.db import write
 
 router = APIRouter(prefix="/api/v1/alerts", tags=["alerts"])

@@ -22,7 +22,7 @@ from trainwarden.collector.incidents.schemas import (
     RetitleIn,
 )
 from trainwarden.collector.incidents.timeline import timeline
-from trainwarden.collector.ingest.schemas import INT64_MAX, RowId
+from trainwarden.collector.ingest.schema_checks import INT64_MAX, RowId
 from trainwarden.collector.store.db import write
 
 router = APIRouter(prefix="/api/v1/incidents", tags=["incidents"])

@@ -27,11 +27,8 @@ from trainwarden.agent import wire
 from trainwarden.collector.api import auth
 from trainwarden.collector.api.prom import CollectorMetrics
 from trainwarden.collector.ingest import claims
-from trainwarden.collector.ingest.schemas import (
-    ColumnarBatch,
-    IngestBatch,
-    IngestResult,
-)
+from trainwarden.collector.ingest.schema_columns import ColumnarBatch
+from trainwarden.collector.ingest.schemas import IngestBatch, IngestResult
 from trainwarden.collector.ingest.writer import Busy, IngestWriter
 from trainwarden.collector.store.db import write
 from trainwarden.collector.store.errors import DomainError

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Path, Query
 
 from trainwarden.alerts.metrics import METRICS
 from trainwarden.collector.api.deps import EngineDep
-from trainwarden.collector.ingest.schemas import MAX_RANK, MAX_STEP
+from trainwarden.collector.ingest.schema_checks import MAX_RANK, MAX_STEP
 from trainwarden.collector.read import queries, series
 from trainwarden.collector.read.schemas import (
     EventOut,

@@ -14,7 +14,8 @@ from sqlalchemy import Engine, select
 
 from trainwarden.collector.app import create_app
 from trainwarden.collector.ingest.batches import store_many
-from trainwarden.collector.ingest.schemas import ColumnarBatch, IngestBatch, IngestResult
+from trainwarden.collector.ingest.schema_columns import ColumnarBatch
+from trainwarden.collector.ingest.schemas import IngestBatch, IngestResult
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.db import write
 

@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import func, select
 
-from trainwarden.collector.ingest.schemas import AgentInfo, ColumnarBatch, IngestBatch, StepIn
+from trainwarden.collector.ingest.schema_columns import ColumnarBatch
+from trainwarden.collector.ingest.schema_steps import StepIn
+from trainwarden.collector.ingest.schemas import AgentInfo, IngestBatch
 from trainwarden.collector.ingest.writer import Busy, IngestWriter
 from trainwarden.collector.store import models as m
 
