@@ -16,7 +16,7 @@ names the rank that never arrived (the collector does that: ``collector/health``
   that is stuck): on the collector's ``collectives`` command, and once per stall when the
   training thread has not finished a step for the hung threshold.
 
-The ``collectives`` event's data (what the collector validates, ``ingest/schemas.py``)::
+The ``collectives`` event's data (what the collector validates, ``ingest/schema_events.py``)::
 
     {"trigger": "command" | "stalled", "request": <command id> | null,
      "available": true, "reason": null, "dumped_at": <unix s>,
