@@ -19,7 +19,10 @@ Rings that cannot be used are left out and said (``unusable``, rank -> why): a r
 outside the run's world, sequence ids that go backwards (within the ring, or a group's
 highest sequence id lower than in the ring the same rank sent before it in the same
 attempt: a restart's process starts again from 1, which is not backwards), a ring the
-agent could not read (and why).
+agent could not read (and why). A member whose ring is neither read nor known to be
+missing (not in yet, or left out) is **unread**: when no read rank is missing, the
+verdict is ``incomplete`` and names the unread ranks instead of saying no rank is
+missing.
 """
 
 from __future__ import annotations
@@ -236,6 +239,9 @@ def analyze(
     if waits:
         group, seq, _ = min(waits.values(), key=lambda w: (w[1], w[0].pg))
         e = next(lane.entries.get(seq) for lane in group.lanes.values() if seq in lane.entries)
+        unread = sorted(group.members - set(group.lanes) - set(no_ring))
+        if unread:
+            return {**base, **_incomplete(group, seq, e, waits, unread, unusable, nodes)}
         return {
             **base,
             **_empty(
@@ -256,6 +262,43 @@ def analyze(
             "no rank waits in a collective: every collective in the rings completed (the "
             "ranks are stuck outside collectives: data loading, I/O, the Python side)",
         ),
+    }
+
+
+def _incomplete(
+    group: _Group,
+    seq: int,
+    e: Mapping[str, Any] | None,
+    waits: Mapping[int, tuple[_Group, int, set[int]]],
+    unread: list[int],
+    unusable: Mapping[str, str],
+    nodes: Mapping[int, str | None],
+) -> dict[str, Any]:
+    """No rank whose ring was read is missing, but members of the group are not read: a
+    ring not in yet (asked, not answered) or left out (``unusable``). The rank missing, if
+    any, is among them: said so, no one named (a guess would page the wrong rank)."""
+    waiting = sorted(r for r, w in waits.items() if w[0] is group and w[1] == seq)
+    left_out = [r for r in unread if str(r) in unusable]
+    not_in = [r for r in unread if str(r) not in unusable]
+    parts = []
+    if not_in:
+        parts.append(f"{_who(not_in, nodes)}: no ring in yet")
+    if left_out:
+        parts.append(f"{_who(left_out, nodes)}: ring left out ({unusable[str(left_out[0])]})")
+    op = (e or {}).get("op", "?")
+    return {
+        **_empty(
+            "incomplete",
+            f"{_who(waiting, nodes)} {'waits' if len(waiting) == 1 else 'wait'} in {op} #{seq} "
+            f"on pg {group.pg} ({group.desc or 'no name'}, {len(group.members)} ranks) and "
+            f"every rank whose ring was read entered it; not read: {'; '.join(parts)}. The "
+            "rank missing, if any, is among those not read",
+        ),
+        "victims": sorted(waits),
+        "unread": unread,
+        "group": {"pg": group.pg, "desc": group.desc, "size": len(group.members)},
+        "seq": seq,
+        "op": op,
     }
 
 

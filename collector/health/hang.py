@@ -11,6 +11,9 @@ decide who never arrived (:mod:`.collectives`), and keep the verdict.
   ``hang_verdict`` event (the timeline and the post-mortem show it) and names it in the
   hung ranks' state details (``collective``), which the ``RankHung`` alert carries in its
   description and annotations; a dead culprit's details too, which ``RankDead`` carries.
+- A look that reads less than an earlier one of the same hang (``incomplete``: a
+  member's ring not in yet or left out; ``no_data``) does not replace the culprit that
+  earlier rings named: it stands until rings that are read say otherwise.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ _stored: weakref.WeakKeyDictionary[Engine, dict[int, tuple[float, str]]] = (
 _decided: weakref.WeakKeyDictionary[Engine, dict[int, tuple[Any, dict[str, Any]]]] = (
     weakref.WeakKeyDictionary()
 )
+# Per database and run: the newest verdict of the hang that named culprits (a culprit or
+# a desync). A later look that reads less (a ring not in yet, one left out) does not
+# undo it: what was read stands until rings that are read say otherwise.
+_named: weakref.WeakKeyDictionary[Engine, dict[int, dict[str, Any]]] = weakref.WeakKeyDictionary()
+LESS_READ = ("incomplete", "no_data")
+"""Verdicts that say what could not be read, not what happened."""
 
 
 def request(
@@ -169,8 +178,8 @@ def refine(
     events to store (a ``hang_verdict`` when it changed)."""
     hung = {rank for rank, (state, _) in states.items() if state == "hung"}
     if not hung:
-        _stored.get(conn.engine, {}).pop(run_id, None)
-        _decided.get(conn.engine, {}).pop(run_id, None)
+        for kept in (_stored, _decided, _named):
+            kept.get(conn.engine, {}).pop(run_id, None)
         return []
     since = {r["rank"]: r["state_since"] for r in ranks if r["state"] == "hung"}
     start = min((since.get(rank) or now for rank in hung), default=now)
@@ -179,15 +188,17 @@ def refine(
         if board is not None and run is not None:
             board.runs.add(run)
     e = m.events.c
+    # The newest id and how many: on PostgreSQL a ring may commit after one with a higher
+    # id (ids are taken at insert, not at commit), and the count still sees it.
     newest = conn.execute(
-        select(func.max(e.id)).where(
+        select(func.max(e.id), func.count()).where(
             e.run_id == run_id, e.kind == "collectives", e.ts >= start - RING_LEAD_S
         )
-    ).scalar()
-    if newest is None:
+    ).one()
+    if newest[0] is None:
         return []
     crashed = briefs(conn, run_id, dead) if dead else {}
-    key = (start, newest, tuple(sorted(dead)), tuple(sorted(crashed)))
+    key = (start, tuple(newest), tuple(sorted(dead)), tuple(sorted(crashed)))
     decided = _decided.setdefault(conn.engine, {})
     if run_id in decided and decided[run_id][0] == key:
         verdict = decided[run_id][1]
@@ -203,20 +214,26 @@ def refine(
         )
         verdict = with_crashes(verdict, crashed, nodes=nodes) or verdict
         verdict["hang_started"] = start
+        named = _named.setdefault(conn.engine, {})
+        if verdict["kind"] in ("culprit", "desync"):
+            named[run_id] = verdict
+        elif verdict["kind"] in LESS_READ and run_id in named:
+            verdict = named[run_id]
         decided[run_id] = (key, verdict)
     _apply(verdict, states)
     _blame_unread_dead(conn, run_id, verdict, states)
     stored = _stored.setdefault(conn.engine, {})
-    if stored.get(run_id) == (start, verdict["summary"]):
+    started = verdict["hang_started"]
+    if stored.get(run_id) == (started, verdict["summary"]):
         return []
-    stored[run_id] = (start, verdict["summary"])
+    stored[run_id] = (started, verdict["summary"])
     culprits = verdict["culprits"]
     return [
         {
             "rank": culprits[0] if len(culprits) == 1 else None,
             "kind": "hang_verdict",
             "severity": "critical" if verdict["kind"] in ("culprit", "desync") else "warning",
-            "uid": f"hang_verdict:{run_id}:{start}:{verdict['summary']}",
+            "uid": f"hang_verdict:{run_id}:{started}:{verdict['summary']}",
             "step": max(
                 (r["last_step"] for r in ranks if r["last_step"] is not None), default=None
             ),

@@ -16,8 +16,9 @@ class CollectivesOut(BaseModel):
         description="When a verdict was last stored (a hang_verdict event)"
     )
     verdict: dict[str, Any] | None = Field(
-        description="kind (culprit, desync, none, no_data, crashed), summary, culprits, "
-        "victims, dead, no_ring, unusable (rank -> why its ring was left out), group, seq, "
+        description="kind (culprit, desync, none, incomplete, no_data, crashed), summary, "
+        "culprits, victims, dead, no_ring, unusable (rank -> why its ring was left out), "
+        "unread (incomplete: members whose ring is not in or was left out), group, seq, "
         "op, desync (pg, seq, sides), crashes (as below, when a rank died of a signal: "
         "``crashed`` when no ring names a culprit); None when no rank sent a ring and none "
         "crashed"

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select
 
 from trainwarden.alerts import load_rule_packs
 from trainwarden.collector.actions.commands import CommandBoard
@@ -81,6 +81,11 @@ def ring(rank: int, last: int, *, waiting: bool, at: float, request=None) -> dic
             ],
         },
     }
+
+
+def sent_ring(engine, rank: int, last: int, *, waiting: bool, at: float) -> None:
+    """Rank ``rank``'s ring dumped at ``at``, sent with a beat 0.1 s later (step 9 done)."""
+    beat(engine, rank, at + 0.1, last_step=9, events=[ring(rank, last, waiting=waiting, at=at)])
 
 
 def evaluated(engine, now: float, board: CommandBoard | None = None) -> dict[int, tuple]:
@@ -193,6 +198,85 @@ def test_a_ring_naming_ranks_outside_the_world_is_stored_but_left_out(engine) ->
     assert view["verdict"]["culprits"] == [2] and view["verdict"]["victims"] == [0, 3]
 
 
+def test_a_culprit_named_stands_when_its_next_ring_cannot_be_read(engine) -> None:
+    # Rank 2 is named from the rings; its next ring goes back (#35 after #39): left out,
+    # the others' rings alone would say "no rank is missing". The culprit stands, in the
+    # ranks' details (what a teardown's JobLostInCollective page says) and the store.
+    hang_at_step_10(engine)
+    evaluated(engine, T0 + 15.6)
+    for rank in range(WORLD):
+        last = 39 if rank == 2 else 40
+        events = [ring(rank, last, waiting=rank != 2, at=T0 + 16.1)]
+        beat(engine, rank, T0 + 16.2, last_step=9, events=events)
+    named = evaluated(engine, T0 + 17)[2][1]["collective"]
+    assert named.startswith("rank 2 (node node2) never entered all_reduce #40")
+    beat(engine, 2, T0 + 17.5, last_step=9, events=[ring(2, 35, waiting=False, at=T0 + 17.4)])
+    states = evaluated(engine, T0 + 18)
+    with engine.connect() as conn:
+        view = hang.view(conn, run="r1", now=T0 + 18)
+        stored = (
+            conn.execute(select(m.events.c.data).where(m.events.c.kind == "hang_verdict"))
+            .scalars()
+            .all()
+        )
+    assert view["verdict"]["kind"] == "incomplete", view["verdict"]  # the rings as they are
+    assert view["verdict"]["unread"] == [2]
+    assert [d["summary"] for d in stored] == [named]
+    assert states[2][1]["role"] == "culprit" and states[2][1]["collective"] == named
+    for rank in (0, 1, 3):
+        assert states[rank][1]["role"] == "victim" and states[rank][1]["collective"] == named
+    # Read again (its next ring goes on from #39): still named, nothing stored twice.
+    beat(engine, 2, T0 + 18.5, last_step=9, events=[ring(2, 39, waiting=False, at=T0 + 18.4)])
+    states = evaluated(engine, T0 + 19)
+    assert states[2][1]["collective"] == named
+    with engine.connect() as conn:
+        count = conn.execute(
+            select(func.count()).where(m.events.c.kind == "hang_verdict")
+        ).scalar_one()
+    assert count == 1
+
+
+def test_a_ring_that_commits_after_a_higher_id_is_still_read(engine) -> None:
+    # On PostgreSQL an id is taken at insert and seen at commit: rank 2's ring may take a
+    # lower id than the others' and commit after the pass that read them.
+    hang_at_step_10(engine)
+    evaluated(engine, T0 + 15.6)
+    with write(engine) as conn:
+        run_id = conn.execute(select(m.runs.c.id).where(m.runs.c.name == "r1")).scalar_one()
+        held = conn.execute(
+            insert(m.events)
+            .values(
+                uid="held", run_id=run_id, ts=T0 + 16, recv_ts=T0 + 16, kind="x", severity="info"
+            )
+            .returning(m.events.c.id)
+        ).scalar_one()
+    for rank in (0, 1, 3):
+        sent_ring(engine, rank, 40, waiting=True, at=T0 + 16.1)
+    assert evaluated(engine, T0 + 17)[0][1]["collective"].startswith(
+        "ranks 0, 1, 3 (nodes node0, node1, node3) wait in"
+    )
+    late = ring(2, 39, waiting=False, at=T0 + 16.1)
+    with write(engine) as conn:
+        conn.execute(m.events.delete().where(m.events.c.id == held))
+        conn.execute(
+            insert(m.events).values(
+                id=held,
+                uid=late["id"],
+                run_id=run_id,
+                rank=2,
+                step=9,
+                ts=T0 + 16.1,
+                recv_ts=T0 + 17.5,
+                kind="collectives",
+                severity="warning",
+                data=late["data"],
+            )
+        )
+    states = evaluated(engine, T0 + 18)
+    assert states[2][1]["role"] == "culprit", states[2][1]
+    assert states[0][1]["collective"].startswith("rank 2 (node node2) never entered")
+
+
 def test_a_ring_going_back_from_the_ranks_earlier_one_is_stored_but_left_out(engine) -> None:
     hang_at_step_10(engine)
     evaluated(engine, T0 + 15.6)
@@ -283,13 +367,7 @@ def test_a_dead_rank_is_named_the_culprit_from_the_survivors_rings(engine) -> No
     states = evaluated(engine, T0 + 15.6)
     assert states[2][0] == "dead" and {states[r][0] for r in (0, 1, 3)} == {"hung"}
     for rank in (0, 1, 3):
-        beat(
-            engine,
-            rank,
-            T0 + 16.5,
-            last_step=9,
-            events=[ring(rank, 40, waiting=True, at=T0 + 16.4)],
-        )
+        sent_ring(engine, rank, 40, waiting=True, at=T0 + 16.4)
     states = evaluated(engine, T0 + 17)
     summary = states[0][1]["collective"]
     assert summary.startswith(

@@ -174,3 +174,36 @@ def test_everyone_in_the_same_collective_is_not_a_culprit() -> None:
     v = analyze(rings, world=2)
     assert v["kind"] == "none" and v["culprits"] == []
     assert "no rank is missing" in v["summary"]
+
+
+def test_a_member_whose_ring_is_not_in_is_not_said_to_have_entered() -> None:
+    # Ranks 0, 1 and 3 wait in #11; rank 2's ring has not come (asked, not answered):
+    # "no rank is missing" would be a guess against it.
+    world = [0, 1, 2, 3]
+    rings = {r: ring(group("0", world, 11, waiting=True)) for r in (0, 1, 3)}
+    v = analyze(rings, world=4, nodes={2: "n2"})
+    assert v["kind"] == "incomplete" and v["culprits"] == []
+    assert v["unread"] == [2] and v["victims"] == [0, 1, 3] and v["seq"] == 11
+    assert "no rank is missing" not in v["summary"]
+    assert v["summary"] == (
+        "ranks 0, 1, 3 wait in all_reduce #11 on pg 0 (default_pg, 4 ranks) and every rank "
+        "whose ring was read entered it; not read: rank 2 (node n2): no ring in yet. The "
+        "rank missing, if any, is among those not read"
+    )
+    # Its ring in, it is named.
+    rings[2] = ring(group("0", world, 10, waiting=False))
+    assert analyze(rings, world=4)["culprits"] == [2]
+
+
+def test_a_member_whose_ring_is_left_out_is_not_said_to_have_entered() -> None:
+    world = [0, 1, 2]
+    rings = {r: ring(group("0", world, 5, waiting=True)) for r in (0, 1)}
+    bad = group("0", world, 4, waiting=False)
+    bad["entries"] = list(reversed(bad["entries"]))
+    rings[2] = ring(bad)
+    v = analyze(rings, world=3)
+    assert v["kind"] == "incomplete" and v["unread"] == [2]
+    assert (
+        "rank 2: ring left out (its sequence ids go backwards on pg 0 (3 after 4))"
+        in (v["summary"])
+    )
