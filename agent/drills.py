@@ -10,6 +10,8 @@
                                      the job's first attempt only (a launcher's restart,
                                      torchrun's or Slurm's, resumes past it; sdc= too:
                                      the faulty GPU stays behind)
+    die@rank=1,step=33,nth=2         nth=N (with step=S): the Nth time the process
+                                     starts step S, e.g. its run again after a rollback
     desync@rank=1,step=60,for=60s    the rank issues an extra, empty all_reduce: its
                                      collectives are one sequence id ahead of its
                                      peers', so every rank blocks on gloo (for= 60s
@@ -97,7 +99,9 @@ _VALUE = {
     "slow": (re.compile(r"^\d+(\.\d+)?x$"), "a slowdown factor, e.g. slow=1.5x"),
     "loss_spike": (re.compile(r"^\d+(\.\d+)?x$"), "an update scale, e.g. loss_spike=50x"),
 }
-_PARAMS = {"rank", "step", "steps", "for"}
+_AT_STEP_START = ("xid", "thermal", "hang", "die", "desync")
+"""The faults a step's start triggers (:meth:`Drill.on_step_start`)."""
+_PARAMS = {"rank", "step", "steps", "for", "nth"}
 
 
 class DrillError(ValueError):
@@ -114,6 +118,7 @@ class Fault:
     last: int | None = None  # inclusive; None: only ``first`` (or open-ended for thermal)
     seconds: float | None = None
     form: str | None = None  # sdc's: bitflip or arith
+    nth: int = 1  # the nth time the process starts step ``first`` (a replay after a rollback)
 
     def covers(self, step: int) -> bool:
         if self.last is None:
@@ -173,7 +178,9 @@ def _parse_one(text: str) -> Fault:
     for item in tail.split(","):
         key, eq, val = item.strip().partition("=")
         if not eq or key not in _PARAMS:
-            raise fail(f"bad parameter {item.strip()!r}; use rank=, step=, steps=A-B, for=30s")
+            raise fail(
+                f"bad parameter {item.strip()!r}; use rank=, step=, steps=A-B, for=30s, nth=N"
+            )
         params[key] = val.strip()
     try:
         rank = int(params["rank"]) if "rank" in params else None
@@ -187,6 +194,9 @@ def _parse_one(text: str) -> Fault:
         else:
             raise fail("say when: step=S or steps=A-B")
         seconds = float(params["for"].rstrip("s")) if "for" in params else None
+        nth = int(params.get("nth", "1"))
+        if nth < 1:
+            raise ValueError("nth")
         if min(first, rank or 0) < 0 or (last is not None and last < 0):
             raise ValueError("negative")
         if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
@@ -194,7 +204,14 @@ def _parse_one(text: str) -> Fault:
     except DrillError:
         raise
     except ValueError:
-        raise fail("rank, step and steps take integers >= 0; for takes seconds like 30s") from None
+        raise fail(
+            "rank, step and steps take integers >= 0, nth one >= 1; for takes seconds like 30s"
+        ) from None
+    if nth > 1 and (last is not None or kind not in _AT_STEP_START):
+        raise fail(
+            f"nth=N takes one step (step=S) of a fault at a step's start "
+            f"({', '.join(_AT_STEP_START)})"
+        )
     if kind in ("xid", "thermal", "slow", "hang", "die", "desync", "sdc") and rank is None:
         raise fail(f"{kind} needs rank=R (which rank fails)")
     if kind == "hang" and seconds is None:
@@ -213,7 +230,7 @@ def _parse_one(text: str) -> Fault:
         if last is not None:
             raise fail(f"{kind}={form} lasts from step=S on, not steps=A-B")
         last = 2**62  # wrong from that step on
-    return Fault(kind, text, number, rank, first, last, seconds, form)
+    return Fault(kind, text, number, rank, first, last, seconds, form, nth)
 
 
 class DrillHost(Protocol):
@@ -242,6 +259,8 @@ class Drill:
         self.faults = [f for f in faults if f.rank is None or f.rank == rank]
         self.needs_gpu = any(f.kind in ("xid", "thermal") for f in self.faults)
         self._fired: set[tuple[str, int]] = set()
+        self._starts: dict[int, int] = {}  # how often a step an nth= fault waits on began
+        self._counted = {f.first for f in self.faults if f.nth > 1}
 
     def _once(self, fault: Fault, step: int) -> bool:
         key = (fault.text, step if fault.kind == "slow" else fault.first)
@@ -252,10 +271,13 @@ class Drill:
 
     def on_step_start(self, agent: DrillHost, step: int) -> None:
         """Before the step's work: XID, thermal, hang, die, desync."""
+        if step in self._counted:
+            self._starts[step] = self._starts.get(step, 0) + 1
         for fault in self.faults:
             if (
                 not fault.covers(step)
                 or fault.kind in ("slow", "loss_spike", "sdc")
+                or (fault.nth > 1 and self._starts.get(step) != fault.nth)
                 or not self._once(fault, step)
             ):
                 continue

@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from sqlalchemy import Engine, or_, select, update
+from sqlalchemy import Engine, func, or_, select, update
 
 from trainwarden.alerts.rules import Rule, action_kinds
 from trainwarden.collector.actions.commands import CommandBoard
@@ -58,6 +58,7 @@ from trainwarden.collector.actions.records import (
     create_action,
     store_events,
 )
+from trainwarden.collector.actions.resumes import suspect_resumes
 from trainwarden.collector.actions.rollback_transitions import RollbackTransitions
 from trainwarden.collector.actions.transitions import Ctx
 from trainwarden.collector.store import models as m
@@ -94,6 +95,7 @@ class ActionEngine(RollbackTransitions, EvictTransitions):
             self.backend = load_backend(policy.evict.backend)
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="trainwarden-evict")
         self._evictions: dict[int, Future[Any]] = {}
+        self._resumes_checked: set[int] = set()  # restarts looked at (resumes.py)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -125,6 +127,12 @@ class ActionEngine(RollbackTransitions, EvictTransitions):
                 self.board.refresh(conn)
                 return
             ctx = Ctx(conn, now)
+            ctx.events += suspect_resumes(
+                conn,
+                now=now,
+                margin_steps=self.policy.rollback.margin_steps,
+                checked=self._resumes_checked,
+            )
             self._triggers(ctx)
             for row in conn.execute(
                 select(m.actions).where(m.actions.c.state.in_(ACTIVE)).order_by(m.actions.c.id)
@@ -205,11 +213,21 @@ class ActionEngine(RollbackTransitions, EvictTransitions):
         records one plan where the real thing would act once, not one per rank."""
         a = m.actions.c
         dry = a.mode == "dry-run" if self.policy.of(kind).mode == "dry-run" else a.mode != "dry-run"
+        # One that ended answers alerts of the same episode (the ranks' alerts of one spike
+        # fire within a minute), but not an alert that began after a restart that came
+        # after it: it acted on processes that are gone (a restart may load what a
+        # rollback undid: resumes.py).
+        restarted = ctx.conn.execute(
+            select(func.max(m.attempts.c.started_at)).where(m.attempts.c.run_id == alert.run_id)
+        ).scalar()
+        ended = a.created_at >= alert.active_since - 60
+        if restarted is not None and alert.active_since >= restarted:
+            ended = ended & (a.created_at >= restarted)
         query = select(a.id).where(
             a.run_id == alert.run_id,
             a.kind == kind,
             dry,
-            or_(a.state.in_(ACTIVE), a.created_at >= alert.active_since - 60),
+            or_(a.state.in_(ACTIVE), ended),
         )
         if kind == "evict":
             query = query.where(a.node == alert.node)

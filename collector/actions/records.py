@@ -8,7 +8,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import Connection, insert, select, update
+from sqlalchemy import Connection, func, insert, select, update
 
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.rollback import rollback_plan
@@ -208,6 +208,15 @@ def gone_ranks(conn: Connection, run_id: int, ranks: Sequence[int]) -> set[int]:
             )
         ).scalars()
     )
+
+
+def restarted_since(conn: Connection, run_id: int, ts: float) -> int | None:
+    """The number of the run's newest attempt if it began after ``ts`` (a restart: the
+    processes of then are gone), else None."""
+    a = m.attempts.c
+    return conn.execute(
+        select(func.max(a.number)).where(a.run_id == run_id, a.started_at > ts)
+    ).scalar()
 
 
 def queue_commands(

@@ -140,13 +140,22 @@ def not_fixed(restore: dict[str, Any]) -> str:
     )
 
 
+def _restored(result: Any, finished_at: float) -> float:
+    """When the last rank restored, in a rollback's result (its last restore; else when
+    the rollback ended)."""
+    ranks = (result or {}).get("ranks") or {}
+    ats = [float(r["at"]) for r in ranks.values() if isinstance(r, dict) and r.get("at")]
+    return max(ats) if ats else float(finished_at)
+
+
 def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dict[str, Any]]:
     """The checkpoints the trainer reported (``tw.checkpoint_saved``), oldest first, each
     good or suspect. Suspect: saved before an anomaly whose rule rolls back (LossSpike,
     NonFiniteLoss, ...) or whose data says where clean checkpoints end (``clean_through``:
     SilentDataCorruption) had cleared, and either while it was active or of a step past
     its clean limit (``clean_through``, else :func:`clean_limit`: onset - 2 -
-    ``margin_steps``). Once the anomaly cleared, new checkpoints are good again."""
+    ``margin_steps``). Once the anomaly cleared, or once every rank restored in a rollback
+    of it that was done (its check found the anomaly gone), new checkpoints are good."""
     a = m.alerts.c
     anomalies = conn.execute(
         select(
@@ -170,6 +179,29 @@ def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dic
         for al in anomalies
         if "rollback" in action_kinds(al.action) or clean_through(al) is not None
     ]
+    # Rollbacks that restored and were found to have fixed it (done, not a dry run): what
+    # the trainer saved after every rank restored holds the restored weights.
+    x = m.actions.c
+    restores = [
+        (r.created_at, _restored(r.result, r.finished_at))
+        for r in conn.execute(
+            select(x.created_at, x.finished_at, x.result).where(
+                x.run_id == run_id,
+                x.kind == "rollback",
+                x.state == "done",
+                x.mode != "dry-run",
+                x.finished_at.is_not(None),
+            )
+        )
+    ]
+
+    def restored_at(al: Any) -> float | None:
+        """When every rank had restored, in a rollback of this anomaly that was done (one
+        made for it or for an alert of the same episode, within a minute)."""
+        done = [at for made, at in restores if made >= al.active_since - 60]
+        return min(done) if done else None
+
+    fixed = {al.id: restored_at(al) for al in anomalies}
     e = m.events.c
     out = []
     for step, ts, rank, data in conn.execute(
@@ -183,6 +215,8 @@ def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dic
             onset = onset_of(al)
             if al.cleared_at is not None and ts >= al.cleared_at:
                 continue
+            if fixed[al.id] is not None and ts >= fixed[al.id]:
+                continue  # saved after the restore of a rollback that fixed it
             exact = clean_through(al)
             limit = exact if exact is not None else None
             if limit is None and onset is not None:

@@ -17,6 +17,7 @@ from trainwarden.collector.actions.records import (
     live_ranks,
     queue_commands,
     rank_acks,
+    restarted_since,
 )
 from trainwarden.collector.actions.rollback import (
     carried_plan,
@@ -31,6 +32,9 @@ from trainwarden.collector.actions.rollback_check import (
 from trainwarden.collector.actions.transitions import Ctx, Transitions
 from trainwarden.collector.store import models as m
 
+BACK_TIMEOUT_S = 900.0
+"""How long a rollback waits for every rank of the job to be live (a restart coming back)
+before it fails and pages."""
 AFTER_EVICT_TIMEOUT_S = 900.0
 """How long an ``evict+rollback`` rollback waits for the job to come back after the
 eviction (a scheduler's requeue, a launcher's restart) before it fails and pages."""
@@ -86,6 +90,10 @@ class RollbackTransitions(Transitions):
         back, ranks_back = self._back_after_eviction(ctx, row)
         if back == "wait":
             return  # stays approved: looked at again next pass
+        if ranks_back is None:
+            ranks_back = self._whole_job(ctx, row)
+            if ranks_back is None:
+                return  # stays approved until every rank of the job is live (or fails)
         plan, problem = rollback_plan(ctx.conn, row, pol)
         if plan is None:
             if before:
@@ -110,10 +118,7 @@ class RollbackTransitions(Transitions):
         plan.update(
             carried_plan(row.plan), attempt=attempt
         )  # an operator's checkpoint, earlier restores
-        ranks = ranks_back or live_ranks(ctx.conn, row.run_id)
-        if not ranks:
-            self._finish(ctx, row, "failed", reason="no live rank to roll back")
-            return
+        ranks = ranks_back
         plan["ranks"] = ranks
         plan["prepared_at"] = ctx.now
         queue_commands(
@@ -136,6 +141,55 @@ class RollbackTransitions(Transitions):
             detail=f"prepare: every rank holds at its next step (attempt {attempt})",
             plan=plan,
         )
+
+    def _whole_job(self, ctx: Ctx, row: Any) -> list[int] | None:
+        """The live ranks, once every rank of the job as it runs now (its current
+        attempt's world) is live or has finished (its shard done); None while one is not
+        (dead, failed, or a restarted process not yet back): a
+        rollback restores every rank at the same step, or the ranks that did not go back
+        run their collectives against ones that did (seen: gloo aborted on a mismatch
+        when a rollback planned during a restart restored rank 0 alone). After
+        :data:`BACK_TIMEOUT_S` of waiting, the rollback fails."""
+        t = m.attempts.c
+        world = (
+            ctx.conn.execute(
+                select(t.world_size)
+                .where(t.run_id == row.run_id)
+                .order_by(t.number.desc())
+                .limit(1)
+            ).scalar()
+            or ctx.conn.execute(
+                select(m.runs.c.world_size).where(m.runs.c.id == row.run_id)
+            ).scalar()
+        )
+        live = set(live_ranks(ctx.conn, row.run_id))
+        k = m.ranks.c
+        finished = set(  # ended cleanly (its shard done): not waited for, not rolled back
+            ctx.conn.execute(
+                select(k.rank).where(k.run_id == row.run_id, k.state == "finished")
+            ).scalars()
+        )
+        missing = sorted(set(range(world or 0)) - live - finished)
+        if not missing:
+            if not live:
+                self._finish(ctx, row, "failed", reason="no live rank to roll back")
+                return None
+            return sorted(live & set(range(world))) if world else sorted(live)
+        waited = ctx.now - _approved_at(row, ctx.now)
+        if waited > BACK_TIMEOUT_S:
+            self._finish(
+                ctx,
+                row,
+                "failed",
+                reason=f"ranks {missing} of {world} were not live for {BACK_TIMEOUT_S:.0f} s: "
+                "a rollback restores every rank at the same step; restore a clean checkpoint "
+                "by hand (GET /api/v1/runs/{run}/checkpoints marks them)",
+            )
+            return None
+        detail = f"{WAITING} {missing} to be live: every rank restores at the same step"
+        if (row.history or [{}])[-1].get("detail") != detail:
+            self._set(ctx, row, "approved", detail=detail)
+        return None
 
     def _back_after_eviction(self, ctx: Ctx, row: Any) -> tuple[str, list[int] | None]:
         """For the rollback of an ``evict+rollback`` rule: ``("wait", None)`` while its
@@ -390,8 +444,16 @@ class RollbackTransitions(Transitions):
         )
         if not check.ready:
             gone = gone_ranks(ctx.conn, row.run_id, plan["ranks"])
-            if gone or ctx.now - plan["restored_at"] > pol.verify_timeout.value:
-                why = f"ranks {sorted(gone)} ended" if gone else f"waited {pol.verify_timeout}"
+            restart = restarted_since(ctx.conn, row.run_id, plan["restored_ts"])
+            if gone or restart or ctx.now - plan["restored_at"] > pol.verify_timeout.value:
+                why = (
+                    f"ranks {sorted(gone)} ended"
+                    if gone
+                    else f"the job restarted (attempt {restart}): the processes that restored "
+                    "are gone"
+                    if restart
+                    else f"waited {pol.verify_timeout}"
+                )
                 self._finish(
                     ctx,
                     row,
@@ -425,3 +487,19 @@ class RollbackTransitions(Transitions):
             detail=f"{not_fixed(restores[-1])}; rolling back to an older checkpoint",
             plan=again,
         )
+
+
+WAITING = "waiting for ranks"
+
+
+def _approved_at(row: Any, now: float) -> float:
+    """When the action was last approved (its history, not counting the notes of its wait
+    for ranks), else ``now``."""
+    return next(
+        (
+            float(h["at"])
+            for h in reversed(row.history or [])
+            if h.get("state") == "approved" and not str(h.get("detail") or "").startswith(WAITING)
+        ),
+        now,
+    )

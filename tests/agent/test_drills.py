@@ -73,6 +73,9 @@ def test_the_documented_spec_parses() -> None:
         ("sdc=bitflip@rank=1", "say when"),
         ("sdc=bitflip@rank=1,steps=5-9", "sdc takes step=S"),
         ("sdc=bitflip@rank=1,step=5,for=3s", "sdc takes no for="),
+        ("die@rank=1,step=5,nth=0", "nth one >= 1"),
+        ("die@rank=1,steps=5-9,nth=2", "nth=N takes one step"),
+        ("slow=2x@rank=1,step=5,nth=2", "nth=N takes one step"),
     ],
 )
 def test_bad_specs_name_the_fault_and_the_fix(spec: str, message: str) -> None:
@@ -295,6 +298,37 @@ def test_loss_spike_drill_really_perturbs_the_training() -> None:
     assert [e["step"] for e in transport.events() if e["kind"] == "drill"] == [20]
 
 
+def _python(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` in a Python process of its own, with no collector."""
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TRAINWARDEN_URL": ""},
+    )
+
+
+def test_die_drill_with_nth_exits_the_second_time_a_step_begins(tmp_path) -> None:
+    # A loop that goes back to step 2 once at step 5 (as a rollback does): the process
+    # ends as step 3 begins the second time, not the first.
+    code = (
+        "import trainwarden.agent as tw\n"
+        "tw.init(run='d', drill='die@rank=0,step=3,nth=2')\n"
+        "i, went_back = 0, False\n"
+        "while i < 10:\n"
+        "    with tw.step(i):\n"
+        "        print(i, flush=True)\n"
+        "    if i == 5 and not went_back:\n"
+        "        i, went_back = 2, True\n"
+        "    else:\n"
+        "        i += 1\n"
+    )
+    result = _python(code)
+    assert result.returncode == DIE_EXIT_CODE, result.stderr[-2000:]
+    assert result.stdout.split() == ["0", "1", "2", "3", "4", "5", "2"]
+
+
 def test_die_drill_exits_the_process_with_its_code(tmp_path) -> None:
     code = (
         "import trainwarden.agent as tw\n"
@@ -303,12 +337,6 @@ def test_die_drill_exits_the_process_with_its_code(tmp_path) -> None:
         "    with tw.step(i):\n"
         "        print(i, flush=True)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "TRAINWARDEN_URL": ""},
-    )
+    result = _python(code)
     assert result.returncode == DIE_EXIT_CODE
     assert result.stdout.split() == ["0", "1", "2"]

@@ -37,6 +37,7 @@ PACK = [
     "DataLoaderStall",
     "LossSpike",
     "NonFiniteLoss",
+    "ResumedFromSuspectCheckpoint",
     "GradNormSpikeBurst",
     "RankLossDivergence",
     "GpuThermalThrottle",
@@ -104,6 +105,7 @@ def test_default_pack_loads_with_exactly_the_issue_rules() -> None:
     assert {n for n, rule in by_name.items() if rule.action == "rollback"} == {
         "LossSpike",
         "NonFiniteLoss",
+        "ResumedFromSuspectCheckpoint",
     }
     assert {n for n, rule in by_name.items() if rule.action == "evict"} == {
         "FatalXid",

@@ -14,15 +14,21 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import yaml
+
+from trainwarden.alerts.loading import DEFAULT_RULES
 
 from .. import warm
 from ..helpers import Server, start_serve
 from ..net import free_port
 from .launch import finished_action
 
+RESUMED = "ResumedFromSuspectCheckpoint"
 # LossSpike for a drill of a hundred steps: the pack's baseline rule needs hundreds of
 # steps of history; this one fires on the agent's own spike flags (loss or grad norm
 # far over their running means), at once.
+# The shipped ResumedFromSuspectCheckpoint rides along, as in the default pack: a restart
+# that loads what a rollback undid rolls back again.
 RULES = """\
 rules:
   - name: LossSpike
@@ -33,7 +39,12 @@ rules:
     severity: critical
     runbook: LossSpike.md
     action: rollback
-"""
+""" + "".join(
+    "  " + line + "\n"
+    for line in yaml.safe_dump(
+        [r for r in yaml.safe_load(DEFAULT_RULES.read_text())["rules"] if r["name"] == RESUMED]
+    ).splitlines()
+)
 
 
 ACTIONS = """\

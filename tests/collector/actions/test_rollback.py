@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import update
 
 from trainwarden.collector.actions.rollback_transitions import (
+    BACK_TIMEOUT_S,
     ENDED_BEFORE_HOLDING,
     ENDED_BEFORE_RESTORING,
 )
@@ -387,3 +388,44 @@ def test_a_rank_that_ends_before_it_restores_fails_the_rollback_at_once(cluster:
     (failed,) = run.act()
     assert failed["state"] == "failed"
     assert failed["reason"] == f"rollback not applied: rank 1: {ENDED_BEFORE_RESTORING}"
+
+
+def test_a_rollback_waits_for_every_rank_of_the_job_to_be_live(cluster: Any) -> None:
+    # Rank 1 is dead when the rollback would start (a restart under way, its new process
+    # not yet back): restoring rank 0 alone would leave the ranks' collectives out of
+    # step. The rollback waits, then goes with both; without rank 1, it fails in time.
+    run = cluster(AUTO_ROLLBACK)
+    run.spike()
+    with write(run.engine) as conn:
+        conn.execute(
+            update(m.ranks).where(m.ranks.c.rank == 1).values(state="dead", state_since=run.now)
+        )
+    (waiting,) = run.act()
+    assert waiting["state"] == "approved" and commands(run, waiting["id"]) == []
+    assert waiting["history"][-1]["detail"] == (
+        "waiting for ranks [1] to be live: every rank restores at the same step"
+    )
+    run.tick()
+    assert len(run.act()[0]["history"]) == len(waiting["history"])  # said once
+    with write(run.engine) as conn:  # back (the health pass: heard from again)
+        conn.execute(update(m.ranks).where(m.ranks.c.rank == 1).values(state="healthy"))
+    run.tick()
+    (going,) = run.act()
+    assert going["state"] == "executing" and going["plan"]["ranks"] == [0, 1], going["history"]
+    assert settle(run, going["id"])["state"] == "done"
+
+
+def test_a_rollback_fails_when_a_rank_does_not_come_back(cluster: Any) -> None:
+    run = cluster(AUTO_ROLLBACK)
+    run.spike()
+    with write(run.engine) as conn:
+        conn.execute(update(m.ranks).where(m.ranks.c.rank == 1).values(state="dead"))
+    (waiting,) = run.act()
+    assert waiting["state"] == "approved"
+    run.tick(BACK_TIMEOUT_S - 1)
+    assert run.act()[0]["state"] == "approved"
+    run.tick(2)
+    (failed,) = run.act()
+    assert failed["state"] == "failed" and failed["reason"].startswith(
+        "ranks [1] of 2 were not live for 900 s: a rollback restores every rank at the same step"
+    ), failed

@@ -61,8 +61,11 @@ def test_fast_steps_roll_back_to_a_checkpoint_saved_before_the_spiked_update(clu
         entries = client.get(f"/api/v1/runs/{RUN}/timeline").json()["entries"]
         report = client.get(f"/api/v1/runs/{RUN}/postmortem", params={"format": "md"}).text
         (api_alert,) = [a for a in client.get("/api/v1/alerts").json() if a["rule"] == "LossSpike"]
-    listed = {c["step"]: c["good"] for c in found}
-    assert [s for s, good in listed.items() if not good and s <= 140] == [120, 130, 140]
+    before = {c["step"]: c["good"] for c in found if c["ts"] < done["finished_at"]}
+    assert [s for s, good in before.items() if not good and s <= 140] == [120, 130, 140]
+    # Saved again once the rollback was done (restored and checked): the restored weights.
+    after = [(c["step"], c["good"]) for c in found if c["ts"] >= done["finished_at"]]
+    assert after and all(good for _, good in after), after
     assert api_alert["onset_step"] == 121
     # The timeline places the anomaly where it began, before the pass that saw it.
     (began,) = [e for e in entries if e["kind"] == "onset"]
