@@ -33,6 +33,7 @@ from .helpers import (
     serve_with_rollback,
     stop,
 )
+from .launch import torchrun
 
 
 def _relay_process(upstream: str, expect: int, log: Path) -> tuple[subprocess.Popen, str]:
@@ -260,22 +261,7 @@ dist.destroy_process_group()
 
 def _auto_job(script: Path, url: str, run: str, out: Path, *more: str) -> list[str]:
     """AUTO_TRAINER as a torchrun job of 2 ranks (``default``: it leaves ``relay`` unset)."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(script),
-        url,
-        run,
-        str(out),
-        *more,
-    ]
+    return torchrun(2, str(script), url, run, str(out), *more)
 
 
 # One database: what is tested is the agents' relay, not the store (the collector tests

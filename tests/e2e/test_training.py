@@ -5,32 +5,18 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 import time
 
 import pytest
 
 from ..helpers import Server
-from ..net import free_port
+from . import launch
 
 
 def torchrun(server: Server, *args: str, nproc: int = 2) -> None:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "trainwarden.agent.demo_trainer",
-        "--url",
-        server.url,
-        *args,
-    ]
+    # --standalone: torchrun binds a free port itself (a port picked here first may be
+    # taken by another test's process before torchrun binds it: EADDRINUSE, seen in CI).
+    cmd = launch.torchrun(nproc, "-m", "trainwarden.agent.demo_trainer", "--url", server.url, *args)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINWARDEN_FLUSH_INTERVAL": "0.2"}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
