@@ -141,11 +141,16 @@ def not_fixed(restore: dict[str, Any]) -> str:
 
 
 def _restored(result: Any, finished_at: float) -> float:
-    """When the last rank restored, in a rollback's result (its last restore; else when
-    the rollback ended)."""
-    ranks = (result or {}).get("ranks") or {}
-    ats = [float(r["at"]) for r in ranks.values() if isinstance(r, dict) and r.get("at")]
-    return max(ats) if ats else float(finished_at)
+    """When the last rank restored, in a rollback's result (its last restore), on the
+    ranks' clock (``ts``: what a checkpoint's time is compared with; a checkpoint saved
+    at the first step after the restore can reach the collector before the restore's
+    acknowledgement does), else on the collector's (``at``); else when it ended."""
+    ranks = [r for r in ((result or {}).get("ranks") or {}).values() if isinstance(r, dict)]
+    for key in ("ts", "at"):
+        times = [float(r[key]) for r in ranks if r.get(key)]
+        if times and len(times) == len(ranks):
+            return max(times)
+    return float(finished_at)
 
 
 def checkpoints(conn: Connection, run_id: int, *, margin_steps: int) -> list[dict[str, Any]]:

@@ -364,7 +364,7 @@ class RollbackTransitions(Transitions):
                 "ranks": {
                     str(r): {
                         k: done[r].get(k)
-                        for k in ("barrier_step", "checkpoint_step", "seconds", "at")
+                        for k in ("barrier_step", "checkpoint_step", "seconds", "at", "ts")
                     }
                     for r in ranks
                 },
