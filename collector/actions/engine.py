@@ -62,6 +62,7 @@ from trainwarden.collector.actions.resumes import suspect_resumes
 from trainwarden.collector.actions.rollback_transitions import RollbackTransitions
 from trainwarden.collector.actions.transitions import Ctx
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import RollbackPlan
 from trainwarden.collector.store.db import leads, write
 
 log = logging.getLogger(__name__)
@@ -202,7 +203,11 @@ class ActionEngine(RollbackTransitions, EvictTransitions):
                     rank=alert.rank,
                     node=alert.node,
                     detail=(alert.annotations or {}).get("description"),
-                    plan={"after_evict": evicting} if kind == "rollback" and evicting else None,
+                    plan=(
+                        RollbackPlan(after_evict=evicting)
+                        if kind == "rollback" and evicting
+                        else None
+                    ),
                 )
                 evicting = made if kind == "evict" else evicting
 

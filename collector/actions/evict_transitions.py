@@ -25,6 +25,7 @@ from trainwarden.collector.actions.records import (
 )
 from trainwarden.collector.actions.transitions import Ctx, Transitions
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import EvictPlan, StopPlan
 
 STOP_TIMEOUT_S = 60.0
 """A stop is done once every rank acknowledged it or is gone, or after this long."""
@@ -39,7 +40,7 @@ class EvictTransitions(Transitions):
         ranks = [row.rank] if row.rank is not None else live_ranks(ctx.conn, row.run_id)
         reason = _stop_reason(row)
         if len(ranks) < 2 or row.rank is not None:  # one rank: nobody waits for it
-            self._stop_now(ctx, row, ranks, f"stop sent to ranks {ranks}", plan={})
+            self._stop_now(ctx, row, ranks, f"stop sent to ranks {ranks}", plan=StopPlan())
             return
         prepare = {"type": "stop", "phase": "prepare", "action": row.id, "attempt": 1}
         queue_commands(ctx.conn, row, ranks, {**prepare, "reason": reason}, ctx.now)
@@ -48,25 +49,28 @@ class EvictTransitions(Transitions):
             row,
             "executing",
             detail=f"prepare: ranks {ranks} hold at their next step, to stop after one step",
-            plan={"ranks": ranks, "sent_at": ctx.now, "prepared_at": ctx.now},
+            plan=StopPlan(ranks=ranks, sent_at=ctx.now, prepared_at=ctx.now),
         )
 
     def _stop_now(
-        self, ctx: Ctx, row: Any, ranks: list[int], detail: str, *, plan: dict[str, Any]
+        self, ctx: Ctx, row: Any, ranks: list[int], detail: str, *, plan: StopPlan
     ) -> None:
         """A plain stop: each rank ends at its next step boundary."""
         stop = {"type": "stop", "action": row.id, "reason": _stop_reason(row)}
         queue_commands(ctx.conn, row, ranks, stop, ctx.now)
-        plan = {**plan, "ranks": ranks, "sent_at": ctx.now}
+        plan.ranks = ranks
+        plan.sent_at = ctx.now
         self._set(ctx, row, "executing", detail=detail, plan=plan)
 
     def _executing_stop(self, ctx: Ctx, row: Any) -> None:
-        plan = row.plan
-        ranks = plan["ranks"]
-        if "prepared_at" in plan and "barrier_step" not in plan and "plain_at" not in plan:
+        plan = StopPlan.of(row.plan)
+        ranks = plan.ranks or []
+        if plan.has("prepared_at") and not plan.has("barrier_step") and not plan.has("plain_at"):
             self._commit_stop(ctx, row)
             return
-        since = plan.get("prepared_at", plan["sent_at"])  # a stop at the barrier: its prepare's
+        assert plan.sent_at is not None
+        # a stop at the barrier: since its prepare went out
+        since = plan.prepared_at if plan.prepared_at is not None else plan.sent_at
         acks = {
             r: a
             for phase in ("prepare", "commit", "stop")
@@ -74,15 +78,15 @@ class EvictTransitions(Transitions):
             if a.get("stopped")
         }
         gone = gone_ranks(ctx.conn, row.run_id, ranks)
-        late = ctx.now - plan["sent_at"] > STOP_TIMEOUT_S  # a hung rank never hears it
+        late = ctx.now - plan.sent_at > STOP_TIMEOUT_S  # a hung rank never hears it
         if late or all(r in acks or r in gone for r in ranks):
             result: dict[str, Any] = {
                 "stopped": sorted(acks),
                 "already_gone": sorted(set(gone) - set(acks)),
                 "no_answer": sorted(set(ranks) - set(acks) - set(gone)),
             }
-            if "barrier_step" in plan:
-                result["barrier_step"] = plan["barrier_step"]
+            if plan.has("barrier_step"):
+                result["barrier_step"] = plan.barrier_step
                 result["stopped_after"] = {
                     str(r): a.get("barrier_step") for r, a in sorted(acks.items())
                 }
@@ -91,9 +95,10 @@ class EvictTransitions(Transitions):
     def _commit_stop(self, ctx: Ctx, row: Any) -> None:
         """Every rank answered the prepare (or ended): each stops after the barrier step.
         Past the policy's ``prepare_timeout``: free the holders, and stop every rank at once."""
-        plan = dict(row.plan)
-        ranks = plan["ranks"]
-        acks = rank_acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
+        plan = StopPlan.of(row.plan)
+        ranks = plan.ranks or []
+        assert plan.prepared_at is not None
+        acks = rank_acks(ctx.conn, row, since=plan.prepared_at, phase="prepare")
         held = {r: int(a.get("step") or 0) for r, a in acks.items() if a.get("armed")}
         gone = gone_ranks(ctx.conn, row.run_id, [r for r in ranks if r not in held])
         if not held and all(r in gone for r in ranks):  # nobody left to stop
@@ -111,7 +116,8 @@ class EvictTransitions(Transitions):
             queue_commands(
                 ctx.conn, row, sorted(held), {**commit, "barrier_step": barrier}, ctx.now
             )
-            plan.update(barrier_step=barrier, sent_at=ctx.now)
+            plan.barrier_step = barrier
+            plan.sent_at = ctx.now
             self._set(
                 ctx,
                 row,
@@ -120,7 +126,7 @@ class EvictTransitions(Transitions):
                 plan=plan,
             )
             return
-        if ctx.now - plan["prepared_at"] > self.policy.stop.prepare_timeout.value:
+        if ctx.now - plan.prepared_at > self.policy.stop.prepare_timeout.value:
             silent = sorted(set(ranks) - set(held) - gone)
             ctx.conn.execute(  # the prepare is over: not sent again
                 update(m.agent_commands)
@@ -135,7 +141,7 @@ class EvictTransitions(Transitions):
                 ranks,
                 f"ranks {silent} did not answer within {self.policy.stop.prepare_timeout}: "
                 f"stop sent to ranks {ranks}, each at its next step",
-                plan={**plan, "plain_at": ctx.now},
+                plan=plan.model_copy(update={"plain_at": ctx.now}),
             )
 
     def _start_evict(self, ctx: Ctx, row: Any) -> None:
@@ -212,17 +218,14 @@ class EvictTransitions(Transitions):
             row,
             "executing",
             detail=f"evicting {row.node} through {self.backend.name}",
-            plan={
-                "node": row.node,
-                "ranks": list(ranks),
-                "backend": self.backend.name,
-                "started_at": ctx.now,
-            },
+            plan=EvictPlan(
+                node=row.node, ranks=list(ranks), backend=self.backend.name, started_at=ctx.now
+            ),
         )
 
     def _executing_evict(self, ctx: Ctx, row: Any) -> None:
-        plan = dict(row.plan)
-        if "evicted_at" not in plan:
+        plan = EvictPlan.of(row.plan)
+        if not plan.has("evicted_at"):
             future = self._evictions.get(row.id)
             if future is None:  # the collector restarted while the backend ran: do not run it twice
                 self._finish(
@@ -248,14 +251,14 @@ class EvictTransitions(Transitions):
                     + (f" (done before: {done})" if done else ""),
                 )
                 return
-            plan.update(
-                evicted_at=ctx.now, steps=list(result.steps), output=str(result.output)[:2000]
-            )
+            plan.evicted_at = ctx.now
+            plan.steps = list(result.steps)
+            plan.output = str(result.output)[:2000]
             reason = f"node {row.node} evicted by trainwarden ({row.trigger})"
             queue_commands(
                 ctx.conn,
                 row,
-                plan["ranks"],
+                plan.ranks or [],
                 {"type": "stop", "action": row.id, "reason": reason},
                 ctx.now,
             )
@@ -264,17 +267,19 @@ class EvictTransitions(Transitions):
                 row,
                 "executing",
                 detail=f"{row.node} evicted ({'; '.join(result.steps)}); stopping its ranks "
-                f"{plan['ranks']}",
+                f"{plan.ranks}",
                 plan=plan,
             )
             return
-        acks = rank_acks(ctx.conn, row, since=plan["evicted_at"], phase="stop")
-        gone = gone_ranks(ctx.conn, row.run_id, plan["ranks"])
-        if all(r in acks or r in gone for r in plan["ranks"]) or ctx.now - plan["evicted_at"] > 60:
+        assert plan.evicted_at is not None
+        ranks = plan.ranks or []
+        acks = rank_acks(ctx.conn, row, since=plan.evicted_at, phase="stop")
+        gone = gone_ranks(ctx.conn, row.run_id, ranks)
+        if all(r in acks or r in gone for r in ranks) or ctx.now - plan.evicted_at > 60:
             result = {
                 "node": row.node,
-                "steps": plan["steps"],
-                "drained_within_s": round(plan["evicted_at"] - row.created_at, 3),
+                "steps": plan.steps,
+                "drained_within_s": round(plan.evicted_at - row.created_at, 3),
                 "ranks_stopped": sorted(acks),
                 "ranks_gone": sorted(set(gone) - set(acks)),
             }

@@ -13,6 +13,7 @@ from sqlalchemy import Connection, func, insert, select, update
 from trainwarden.collector.actions.policy import ActionPolicy
 from trainwarden.collector.actions.rollback import rollback_plan
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import Plan
 
 ACTIVE = ("proposed", "approved", "executing")
 
@@ -89,7 +90,7 @@ def create_action(
     detail: str | None = None,
     mode: str | None = None,
     approver: str | None = None,
-    plan: dict[str, Any] | None = None,
+    plan: Plan | None = None,
 ) -> int:
     """A new action: approved at once under ``auto`` (or when an operator asks), left
     proposed under ``require-ack``, planned and closed under ``dry-run``."""
@@ -120,7 +121,7 @@ def create_action(
             rank=rank,
             node=node,
             approver=approver or ("policy" if state == "approved" and mode == "auto" else None),
-            plan=plan,
+            plan=plan.dump() if plan is not None else None,
             reason=detail[:2000] if detail else None,
             history=history,
             created_at=now,
@@ -157,7 +158,7 @@ def _dry_run(conn: Connection, policy: ActionPolicy, action_id: int, now: float)
     row = conn.execute(select(m.actions).where(m.actions.c.id == action_id)).one()
     if row.kind == "rollback":
         plan, problem = rollback_plan(conn, row, policy.rollback)
-        would = plan["rollback"] if plan else None
+        would = plan.rollback.dump() if plan and plan.rollback else None
     elif row.kind == "evict":
         would, problem = (
             {"node": row.node, "backend": (policy.evict.backend or {}).get("backend")},

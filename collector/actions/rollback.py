@@ -12,18 +12,20 @@ from sqlalchemy import Connection, select
 from trainwarden.alerts.rules import action_kinds
 from trainwarden.collector.actions.policy import RollbackPolicy
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import Restore, RollbackPlan, RollbackSpec
 
 
 def rollback_plan(
     conn: Connection, row: Any, pol: RollbackPolicy
-) -> tuple[dict[str, Any] | None, str | None]:
+) -> tuple[RollbackPlan | None, str | None]:
     """The newest checkpoint before the anomaly's onset and the data to skip (the end of
     the window is set again at commit, from the barrier)."""
     run = conn.execute(select(m.runs).where(m.runs.c.id == row.run_id)).one()
     onset_step, onset_ts = run.last_step or 0, math.inf
     exact = None
-    given = (row.plan or {}).get("checkpoint_step")
-    below = (row.plan or {}).get("below_step")  # a restore of it did not fix the anomaly
+    stored = RollbackPlan.of(row.plan)
+    given = stored.checkpoint_step
+    below = stored.below_step  # a restore of it did not fix the anomaly
     if row.alert_id is not None:
         alert = conn.execute(select(m.alerts).where(m.alerts.c.id == row.alert_id)).one()
         onset_step = onset_of(alert) or onset_step
@@ -79,19 +81,19 @@ def rollback_plan(
     # parameters went wrong, not the data) replays the same batches at the same learning
     # rate: no data window is skipped (an empty one: skip_to < skip_from), no lr scale.
     keep_data = exact is not None
-    plan = {
-        "issued_at_step": newest,
-        "onset_step": onset_step,
-        "keep_data": keep_data,
-        "rollback": {
-            "checkpoint_step": step,
-            "checkpoint_path": path or "",
-            "skip_from": step + 1,
-            "skip_to": step if keep_data else newest + pol.skip_margin_steps,
-            "lr_scale": None if keep_data else pol.lr_scale,
-            "reason": f"{row.trigger}: onset at step {onset_step}",
-        },
-    }
+    plan = RollbackPlan(
+        issued_at_step=newest,
+        onset_step=onset_step,
+        keep_data=keep_data,
+        rollback=RollbackSpec(
+            checkpoint_step=step,
+            checkpoint_path=path or "",
+            skip_from=step + 1,
+            skip_to=step if keep_data else newest + pol.skip_margin_steps,
+            lr_scale=None if keep_data else pol.lr_scale,
+            reason=f"{row.trigger}: onset at step {onset_step}",
+        ),
+    )
     return plan, None
 
 
@@ -124,19 +126,12 @@ def clean_limit(onset_step: int, margin_steps: int) -> int:
     return onset_step - 2 - margin_steps
 
 
-def carried_plan(plan: dict[str, Any] | None) -> dict[str, Any]:
-    """What a rollback's next attempt keeps of the plan: the attempt count, an operator's
-    checkpoint, and the restores that did not fix the anomaly (with the bound they set)."""
-    keys = ("attempt", "checkpoint_step", "below_step", "restores", "round_start", "after_evict")
-    return {k: v for k, v in (plan or {}).items() if k in keys}
-
-
-def not_fixed(restore: dict[str, Any]) -> str:
-    steps = restore.get("steps") or []
+def not_fixed(restore: Restore) -> str:
+    steps = restore.steps
     on = f" (steps {steps[0]}-{steps[-1]} run again)" if len(steps) == 2 else ""
     return (
-        f"the restore of the checkpoint of step {restore['checkpoint_step']} did not fix "
-        f"it{on}: {restore['detail']}"
+        f"the restore of the checkpoint of step {restore.checkpoint_step} did not fix "
+        f"it{on}: {restore.detail}"
     )
 
 

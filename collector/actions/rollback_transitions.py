@@ -19,11 +19,7 @@ from trainwarden.collector.actions.records import (
     rank_acks,
     restarted_since,
 )
-from trainwarden.collector.actions.rollback import (
-    carried_plan,
-    not_fixed,
-    rollback_plan,
-)
+from trainwarden.collector.actions.rollback import not_fixed, rollback_plan
 from trainwarden.collector.actions.rollback_check import (
     check_replay,
     checkable,
@@ -31,6 +27,7 @@ from trainwarden.collector.actions.rollback_check import (
 )
 from trainwarden.collector.actions.transitions import Ctx, Transitions
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import EvictPlan, Restore, RollbackPlan
 
 BACK_TIMEOUT_S = 900.0
 """How long a rollback waits for every rank of the job to be live (a restart coming back)
@@ -63,9 +60,8 @@ class RollbackTransitions(Transitions):
             ).all()
             if a.state != "failed" or any(h.get("state") == "executing" for h in a.history or ())
         ]
-        before = (row.plan or {}).get(
-            "restores"
-        ) or []  # this action's restores that did not fix it
+        stored = RollbackPlan.of(row.plan)
+        before = stored.restores or []  # this action's restores that did not fix it
         if len(spent) + len(before) >= pol.budget.count:
             why = (
                 f"retry budget spent: {len(spent) + len(before)} rollbacks within "
@@ -114,13 +110,15 @@ class RollbackTransitions(Transitions):
                 reason=f"rollback {busy} of this run is executing; not starting a second one",
             )
             return
-        attempt = (row.plan or {}).get("attempt", 0) + 1
-        plan.update(
-            carried_plan(row.plan), attempt=attempt
-        )  # an operator's checkpoint, earlier restores
+        attempt = (stored.attempt or 0) + 1
+        carried = stored.carried()  # an operator's checkpoint, earlier restores
+        for key in carried.model_fields_set:
+            setattr(plan, key, getattr(carried, key))
+        plan.attempt = attempt
         ranks = ranks_back
-        plan["ranks"] = ranks
-        plan["prepared_at"] = ctx.now
+        plan.ranks = ranks
+        plan.prepared_at = ctx.now
+        assert plan.rollback is not None  # rollback_plan makes it
         queue_commands(
             ctx.conn,
             row,
@@ -130,7 +128,7 @@ class RollbackTransitions(Transitions):
                 "phase": "prepare",
                 "action": row.id,
                 "attempt": attempt,
-                "plan": plan["rollback"],
+                "plan": plan.rollback.dump(),
             },
             ctx.now,
         )
@@ -198,7 +196,7 @@ class RollbackTransitions(Transitions):
         ``("go", that attempt's ranks)``. ``("go", None)``: no eviction to wait for (none,
         or it failed or was cancelled: roll back the job as it is). After
         :data:`AFTER_EVICT_TIMEOUT_S` without the job back, the rollback fails."""
-        evict_id = (row.plan or {}).get("after_evict")
+        evict_id = RollbackPlan.of(row.plan).after_evict
         if evict_id is None:
             return "go", None
         a = m.actions.c
@@ -209,7 +207,7 @@ class RollbackTransitions(Transitions):
             return "go", None
         if evict.state != "done":
             return "wait", None
-        evicted_at = (evict.plan or {}).get("evicted_at") or evict.finished_at
+        evicted_at = EvictPlan.of(evict.plan).evicted_at or evict.finished_at
         t, s, k = m.attempts.c, m.attempt_sessions.c, m.ranks.c
         attempt = ctx.conn.execute(
             select(t.number, t.world_size)
@@ -246,13 +244,14 @@ class RollbackTransitions(Transitions):
 
     def _executing_rollback(self, ctx: Ctx, row: Any) -> None:
         pol = self.policy.rollback
-        plan = dict(row.plan)
-        if "restored_at" in plan:
+        plan = RollbackPlan.of(row.plan)
+        if plan.has("restored_at"):
             self._verify_rollback(ctx, row, plan)
             return
-        acks = rank_acks(ctx.conn, row, since=plan["prepared_at"], phase="prepare")
-        ranks = plan["ranks"]
-        if "committed_at" not in plan:
+        assert plan.prepared_at is not None and plan.ranks is not None and plan.rollback
+        acks = rank_acks(ctx.conn, row, since=plan.prepared_at, phase="prepare")
+        ranks = plan.ranks
+        if not plan.has("committed_at"):
             prepared = {
                 r: acks[r] for r in ranks if r in acks and acks[r].get("phase") == "prepare"
             }
@@ -266,7 +265,7 @@ class RollbackTransitions(Transitions):
             # so now, not after the prepare's timeout and its retries.
             ended = gone_ranks(ctx.conn, row.run_id, [r for r in ranks if r not in prepared])
             refused |= {r: {"error": ENDED_BEFORE_HOLDING} for r in ended}
-            if refused or ctx.now - plan["prepared_at"] > pol.prepare_timeout.value:
+            if refused or ctx.now - plan.prepared_at > pol.prepare_timeout.value:
                 why = (
                     "; ".join(f"rank {r}: {a.get('error')}" for r, a in sorted(refused.items()))
                     or f"ranks {sorted(set(ranks) - set(prepared))} did not answer within "
@@ -275,7 +274,8 @@ class RollbackTransitions(Transitions):
                 fatal = bool(ended) or any(
                     "on_rollback" in str(a.get("error")) for a in refused.values()
                 )
-                tries = plan["attempt"] - plan.get("round_start", 1) + 1  # of this restore
+                attempt = plan.attempt or 1
+                tries = attempt - (plan.round_start or 1) + 1  # of this restore
                 if tries >= pol.attempts or fatal:
                     self._finish(ctx, row, "failed", reason=f"ranks not ready: {why}")
                     # After _finish closed the action's other commands: this one must go out,
@@ -285,7 +285,7 @@ class RollbackTransitions(Transitions):
                         "type": "rollback",
                         "phase": "abort",
                         "action": row.id,
-                        "attempt": plan["attempt"],
+                        "attempt": attempt,
                     }
                     queue_commands(ctx.conn, row, ranks, abort, ctx.now)
                 else:  # try again
@@ -300,15 +300,15 @@ class RollbackTransitions(Transitions):
                         "type": "rollback",
                         "phase": "abort",
                         "action": row.id,
-                        "attempt": plan["attempt"],
+                        "attempt": attempt,
                     }
                     queue_commands(ctx.conn, row, ranks, abort, ctx.now)
                     self._set(
                         ctx,
                         row,
                         "approved",
-                        detail=f"aborted attempt {plan['attempt']}: {why}",
-                        plan=carried_plan(plan),
+                        detail=f"aborted attempt {attempt}: {why}",
+                        plan=plan.carried(),
                     )
                 return
             if len(prepared) == len(ranks):
@@ -317,25 +317,23 @@ class RollbackTransitions(Transitions):
                 answered = {r: int(a.get("step") or 0) for r, a in prepared.items()}
                 barrier = max(answered.values()) + 1
                 skip_to = (
-                    plan["rollback"]["skip_to"]  # the data is replayed as it was
-                    if plan.get("keep_data")
+                    plan.rollback.skip_to  # the data is replayed as it was
+                    if plan.keep_data
                     else barrier + pol.skip_margin_steps
                 )
                 commit = {
                     "type": "rollback",
                     "phase": "commit",
                     "action": row.id,
-                    "attempt": plan["attempt"],
+                    "attempt": plan.attempt,
                     "barrier_step": barrier,
                     "skip_to": skip_to,
                 }
                 queue_commands(ctx.conn, row, ranks, commit, ctx.now)
-                plan.update(
-                    committed_at=ctx.now,
-                    barrier_step=barrier,
-                    answered_at_step=min(answered.values()),
-                )
-                plan["rollback"] = {**plan["rollback"], "skip_to": skip_to}
+                plan.committed_at = ctx.now
+                plan.barrier_step = barrier
+                plan.answered_at_step = min(answered.values())
+                plan.rollback.skip_to = skip_to
                 self._set(
                     ctx,
                     row,
@@ -369,28 +367,24 @@ class RollbackTransitions(Transitions):
                     for r in ranks
                 },
                 "restored_within_s": round(
-                    max(a["at"] for a in done.values()) - plan["committed_at"], 3
+                    max(a["at"] for a in done.values()) - (plan.committed_at or 0.0), 3
                 ),
-                "since_prepare_s": round(
-                    max(a["at"] for a in done.values()) - plan["prepared_at"], 3
-                ),
+                "since_prepare_s": round(max(a["at"] for a in done.values()) - plan.prepared_at, 3),
                 # steps run from the command reaching the ranks to the restore
-                "steps_after_command": plan["barrier_step"] - plan["answered_at_step"],
-                "steps_after_issue": plan["barrier_step"] - plan["issued_at_step"],
+                "steps_after_command": (plan.barrier_step or 0) - (plan.answered_at_step or 0),
+                "steps_after_issue": (plan.barrier_step or 0) - (plan.issued_at_step or 0),
             }
-            if plan.get("restores"):
-                result["restores"] = plan["restores"]
+            if plan.restores:
+                result["restores"] = [r.dump() for r in plan.restores]
             rule = self._rule_of(ctx, row)
             if rule is None or pol.verify_steps == 0 or not checkable(rule):
                 self._finish(ctx, row, "done", result=result)
                 return
-            step = plan["rollback"]["checkpoint_step"]
-            plan.update(
-                restored_at=ctx.now,
-                result=result,
-                rule=rule.name,
-                restored_ts=min(float(a.get("ts") or ctx.now) for a in done.values()),
-            )
+            step = plan.rollback.checkpoint_step
+            plan.restored_at = ctx.now
+            plan.result = result
+            plan.rule = rule.name
+            plan.restored_ts = min(float(a.get("ts") or ctx.now) for a in done.values())
             self._set(
                 ctx,
                 row,
@@ -399,7 +393,7 @@ class RollbackTransitions(Transitions):
                 f"checking {rule.name} on the steps run again",
                 plan=plan,
             )
-        elif ctx.now - plan["committed_at"] > pol.apply_timeout.value:
+        elif ctx.now - (plan.committed_at or ctx.now) > pol.apply_timeout.value:
             self._finish(
                 ctx,
                 row,
@@ -416,36 +410,38 @@ class RollbackTransitions(Transitions):
         ).scalar()
         return self.rules.get(name) if name is not None else None
 
-    def _verify_rollback(self, ctx: Ctx, row: Any, plan: dict[str, Any]) -> None:
+    def _verify_rollback(self, ctx: Ctx, row: Any, plan: RollbackPlan) -> None:
         """Every rank restored: done once the alert's rule no longer holds on the steps
         run again; if it still does, the checkpoint was bad too, and the rollback goes
         again to an older clean one (:meth:`_start_rollback` keeps the budget)."""
         pol = self.policy.rollback
-        rule = self.rules.get(plan["rule"])
-        result = dict(plan["result"])
-        step = plan["rollback"]["checkpoint_step"]
+        assert plan.rollback is not None and plan.ranks is not None
+        assert plan.restored_ts is not None and plan.restored_at is not None
+        rule = self.rules.get(plan.rule or "")
+        result = dict(plan.result or {})
+        step = plan.rollback.checkpoint_step
         if rule is None:
             self._finish(
                 ctx,
                 row,
                 "done",
-                result={**result, "check": f"not checked: rule {plan['rule']} is no longer loaded"},
+                result={**result, "check": f"not checked: rule {plan.rule} is no longer loaded"},
             )
             return
         check = check_replay(
             ctx.conn,
             rule=rule,
             run_id=row.run_id,
-            ranks=plan["ranks"],
+            ranks=plan.ranks,
             checkpoint_step=step,
-            since_ts=plan["restored_ts"],
+            since_ts=plan.restored_ts,
             need=steps_needed(rule, pol.verify_steps),
             now=ctx.now,
         )
         if not check.ready:
-            gone = gone_ranks(ctx.conn, row.run_id, plan["ranks"])
-            restart = restarted_since(ctx.conn, row.run_id, plan["restored_ts"])
-            if gone or restart or ctx.now - plan["restored_at"] > pol.verify_timeout.value:
+            gone = gone_ranks(ctx.conn, row.run_id, plan.ranks)
+            restart = restarted_since(ctx.conn, row.run_id, plan.restored_ts)
+            if gone or restart or ctx.now - plan.restored_at > pol.verify_timeout.value:
                 why = (
                     f"ranks {sorted(gone)} ended"
                     if gone
@@ -465,8 +461,8 @@ class RollbackTransitions(Transitions):
             self._finish(ctx, row, "done", result={**result, "check": check.detail})
             return
         restores = [
-            *(plan.get("restores") or []),
-            {"checkpoint_step": step, "steps": list(check.steps or ()), "detail": check.detail},
+            *(plan.restores or []),
+            Restore(checkpoint_step=step, steps=list(check.steps or ()), detail=check.detail),
         ]
         # Decisions are per attempt: the commands of this one are over.
         ctx.conn.execute(
@@ -474,12 +470,10 @@ class RollbackTransitions(Transitions):
             .where(m.agent_commands.c.action_id == row.id)
             .values(done_at=ctx.now)
         )
-        again = {
-            **carried_plan(plan),
-            "restores": restores,
-            "below_step": step,
-            "round_start": plan["attempt"] + 1,
-        }
+        again = plan.carried()
+        again.restores = restores
+        again.below_step = step
+        again.round_start = (plan.attempt or 1) + 1
         self._set(
             ctx,
             row,

@@ -20,6 +20,7 @@ from trainwarden.collector.actions.rollback import checkpoints
 from trainwarden.collector.actions.schemas import ActionIn, ActionOut, CheckpointOut
 from trainwarden.collector.read.queries import run_id_of
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import RollbackPlan
 from trainwarden.collector.store.errors import Conflict, Invalid, NotFound
 
 
@@ -133,7 +134,7 @@ def request_action(
         detail=body.reason,
         mode=mode,
         approver=by,
-        plan={"checkpoint_step": body.checkpoint_step}
+        plan=RollbackPlan(checkpoint_step=body.checkpoint_step)
         if body.checkpoint_step is not None
         else None,
     )

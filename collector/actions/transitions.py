@@ -16,6 +16,7 @@ from trainwarden.collector.actions.records import (
     history_with,
 )
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import Plan
 
 
 @dataclass
@@ -51,7 +52,7 @@ class Transitions:
                 state=state,
                 updated_at=ctx.now,
                 history=history_with(row, state, by, detail, ctx.now),
-                **values,
+                **{k: v.dump() if isinstance(v, Plan) else v for k, v in values.items()},
             )
         )
         ctx.events.append(action_event(row, state, detail, ctx.now))

@@ -30,6 +30,7 @@ from sqlalchemy import Connection, func, select
 from trainwarden.agent.replica import compact, expand
 from trainwarden.collector.ingest.samples import unpack
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import RollbackPlan
 
 WINDOW_S = 60.0
 """Each evaluation reads the digests that arrived this recently (an index range)."""
@@ -363,23 +364,18 @@ def _rollbacks(conn: Connection, run_id: int) -> list[Rollback]:
             a.run_id == run_id, a.kind == "rollback", a.state.in_(("executing", "done"))
         )
     ):
-        plan = plan or {}
-        restore = plan.get("rollback") or {}
-        if plan.get("committed_at") is None:
+        stored = RollbackPlan.of(plan)
+        restore = stored.rollback
+        if stored.committed_at is None or restore is None:
             continue
-        try:
-            at, low, high = (int(restore[k]) for k in ("checkpoint_step", "skip_from", "skip_to"))
-        except (KeyError, TypeError, ValueError):
-            continue
-        barrier = plan.get("barrier_step")
-        skipped = 0 if plan.get("keep_data") else max(0, high - low + 1)
+        skipped = 0 if stored.keep_data else max(0, restore.skip_to - restore.skip_from + 1)
         out.append(
             Rollback(
                 int(action),
-                at,
-                float(plan["committed_at"]),
+                restore.checkpoint_step,
+                stored.committed_at,
                 skipped,
-                int(barrier) if barrier is not None else None,
+                stored.barrier_step,
             )
         )
     return out

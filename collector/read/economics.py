@@ -41,6 +41,7 @@ from trainwarden.collector.read.identity import (
     run_row,
 )
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import RollbackPlan
 from trainwarden.collector.store.errors import NotFound
 
 MIN_FAILURES = 2
@@ -158,7 +159,7 @@ def _step_ends(conn: Connection, run_id: int, step: int) -> dict[int, tuple[floa
     return {rank: (float(ts), float(ts + d)) for rank, ts, d in rows}
 
 
-def _restored_step(plan: dict[str, Any], result: dict[str, Any] | None) -> int | None:
+def _restored_step(plan: RollbackPlan, result: dict[str, Any] | None) -> int | None:
     """The checkpoint step a done rollback went back to: what the ranks restored (the
     result), else what was planned. (The plan's own top-level ``checkpoint_step`` is only
     an operator's choice, None when a rule asked for the rollback.)"""
@@ -170,8 +171,7 @@ def _restored_step(plan: dict[str, Any], result: dict[str, Any] | None) -> int |
     steps = [s for s in restored if isinstance(s, int)]
     if steps:
         return min(steps)
-    planned = (plan.get("rollback") or {}).get("checkpoint_step", plan.get("checkpoint_step"))
-    return planned if isinstance(planned, int) else None
+    return plan.rollback.checkpoint_step if plan.rollback else plan.checkpoint_step
 
 
 def goodput(
@@ -267,8 +267,8 @@ def goodput(
             ac.run_id == run_id, ac.kind == "rollback", ac.state == "done"
         )
     ):
-        plan = plan or {}
-        barrier, ckpt = plan.get("barrier_step"), _restored_step(plan, result)
+        stored = RollbackPlan.of(plan)
+        barrier, ckpt = stored.barrier_step, _restored_step(stored, result)
         if isinstance(barrier, int) and isinstance(ckpt, int) and barrier > ckpt:
             rollbacks += 1
             replayed_steps += barrier - ckpt

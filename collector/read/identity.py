@@ -12,6 +12,7 @@ from sqlalchemy import Connection, select
 from trainwarden.collector.ingest import endings
 from trainwarden.collector.read.queries import run_id_of
 from trainwarden.collector.store import models as m
+from trainwarden.collector.store.action_plans import EvictPlan
 from trainwarden.collector.store.errors import NotFound
 
 _ENV_PER_HOST = ("host",)  # differs between any two runs on different machines: not news
@@ -51,13 +52,13 @@ def attempts(conn: Connection, run_id: int, *, now: float | None = None) -> list
     }
     ac = m.actions.c
     evictions = [
-        (plan["evicted_at"], action_id, node, trigger)
+        (evicted_at, action_id, node, trigger)
         for action_id, node, trigger, plan in conn.execute(
             select(ac.id, ac.node, ac.trigger, ac.plan).where(
                 ac.run_id == run_id, ac.kind == "evict", ac.state == "done"
             )
         )
-        if isinstance(plan, dict) and isinstance(plan.get("evicted_at"), (int, float))
+        if (evicted_at := EvictPlan.of(plan).evicted_at) is not None
     ]
     out = []
     for i, row in enumerate(rows):
