@@ -52,7 +52,16 @@ def rollback_plan(
         limit = clean_limit(onset_step, pol.margin_steps) if exact is None else exact
         if below is not None:
             limit = min(limit, below - 1)
-        good = [c for c in ckpts if c[0] <= limit and c[1] < onset_ts]
+        # Not one another anomaly made suspect either (saved after an earlier spike's
+        # onset, say, which a restart resumed from: resumes.py).
+        suspect = {
+            (c["step"], c["ts"])
+            for c in checkpoints(conn, row.run_id, margin_steps=pol.margin_steps)
+            if not c["good"]
+        }
+        good = [
+            c for c in ckpts if c[0] <= limit and c[1] < onset_ts and (c[0], c[1]) not in suspect
+        ]
         if not good:
             known = sorted({c[0] for c in ckpts})[-5:]
             older = f", older than step {below}" if below is not None else ""

@@ -15,15 +15,15 @@ from .helpers import AUTO_ROLLBACK, T0, Cluster, Rank, action, events, rows, set
 RULES = ("NonFiniteLoss", "ResumedFromSuspectCheckpoint", "ActionFailed")
 
 
-def rolled_back(cluster: Any) -> Cluster:
-    """NaN at step 35 on both ranks, a checkpoint of step 40 saved while it is active
-    (suspect), the rollback to step 30 done; the ranks run the undone steps again up to
-    33 (the checkpoint of step 40 on disk is still the suspect one)."""
+def rolled_back(cluster: Any, until: int = 40) -> Cluster:
+    """NaN at step 35 on both ranks, checkpoints of steps 40 to ``until`` saved while it
+    is active (suspect), the rollback to step 30 done; the ranks run the undone steps
+    again up to 33 (the checkpoints on disk past 30 are still the suspect ones)."""
     run = cluster(AUTO_ROLLBACK, rules=RULES)
     for r in run.ranks:
         r.event("attempt_start")
     run.spike(at=35)
-    run.train(40)  # rank 0 saves the checkpoint of step 40 while NonFiniteLoss fires
+    run.train(until)  # rank 0 saves its checkpoints while NonFiniteLoss fires
     run.exchange()
     (rollback,) = run.act()
     done = settle(run, rollback["id"])
@@ -80,6 +80,19 @@ def test_a_restart_from_the_checkpoint_a_rollback_undid_rolls_back_again(cluster
     for _ in range(3):
         run.second()
     assert len(events(run.engine, "resumed_suspect_checkpoint")) == 1
+
+
+def test_the_rollback_after_a_late_resume_skips_every_suspect_checkpoint(cluster: Any) -> None:
+    # Resumed from the checkpoint of step 60: its rollback's own clean limit (61 - 2 -
+    # margin 2 = 57) would admit 40 and 50, which NonFiniteLoss at 35 made suspect.
+    run = rolled_back(cluster, until=60)
+    restart(run, resume_after=60)
+    run.second(2)
+    (said,) = events(run.engine, "resumed_suspect_checkpoint")
+    assert (said["data"]["checkpoint_step"], said["data"]["good_step"]) == (60, 30)
+    run.alert()
+    again = [a for a in run.act() if a["trigger"] == "rule:ResumedFromSuspectCheckpoint"]
+    assert [a["plan"]["rollback"]["checkpoint_step"] for a in again] == [30], again
 
 
 def test_a_restart_from_a_good_checkpoint_says_nothing(cluster: Any) -> None:
