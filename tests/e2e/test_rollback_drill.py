@@ -165,10 +165,11 @@ def test_fast_steps_restore_a_checkpoint_saved_before_the_spiked_update(tmp_path
     assert "restores" not in action["result"], action
     for r in range(2):
         assert "rolled back to step 260 after step" in logs[r]
-    # The run ends with its loss back on the trend it had before the spike.
+    # The run ends with its loss back on the trend it had before the spike (40-step
+    # medians: a 10-step one of this data swings by 10 %, e.g. 2.43 to 2.68).
     assert max(loss) == FAST_STEPS - 1
-    before = statistics.median(loss[s] for s in range(250, 270))
-    after = statistics.median(loss[s] for s in range(FAST_STEPS - 10, FAST_STEPS))
+    before = statistics.median(loss[s] for s in range(230, 270))
+    after = statistics.median(loss[s] for s in range(FAST_STEPS - 40, FAST_STEPS))
     assert after < 1.1 * before, (before, after)
 
 
@@ -187,6 +188,6 @@ def test_a_restore_that_does_not_bring_the_loss_back_rolls_back_again(tmp_path: 
     for r in range(2):
         assert "rolled back to step 260 after step" in logs[r], logs[r]
         assert "rolled back to step 240 after step" in logs[r], logs[r]
-    before = statistics.median(loss[s] for s in range(230, 240))
-    after = statistics.median(loss[s] for s in range(FAST_STEPS - 10, FAST_STEPS))
+    before = statistics.median(loss[s] for s in range(200, 240))  # 40 steps: see above
+    after = statistics.median(loss[s] for s in range(FAST_STEPS - 40, FAST_STEPS))
     assert after < 1.1 * before, (before, after)
