@@ -265,6 +265,8 @@ def evaluate(
                 now=now,
                 board=board,
             )
+        else:
+            hang.forget(conn.engine, run_id)
         moved, events = write_states(
             conn, run_id=run_id, ranks=ranks, states=states, events=events, now=now
         )

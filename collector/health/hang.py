@@ -104,15 +104,22 @@ def close_requests(conn: Connection, now: float) -> int:
     ).rowcount
 
 
-def rings(conn: Connection, run_id: int, since: float) -> dict[int, tuple[float, dict[str, Any]]]:
-    """Each rank's newest ``collectives`` event since ``since``: rank -> (time, data)."""
-    e = m.events.c
-    newest = (
-        select(e.rank, func.max(e.id).label("id"))
-        .where(e.run_id == run_id, e.kind == "collectives", e.ts >= since, e.rank.is_not(None))
-        .group_by(e.rank)
-        .subquery()
-    )
+def rings(
+    conn: Connection, run_id: int, since: float, *, stalled: bool = False
+) -> dict[int, tuple[float, dict[str, Any]]]:
+    """Each rank's newest ``collectives`` event since ``since``: rank -> (time, data).
+    ``stalled``: only rings dumped since the rank's last step ended (on its own clock); one
+    from before it made progress again tells of an earlier hang, not of this one."""
+    e, k = m.events.c, m.ranks.c
+    where = [e.run_id == run_id, e.kind == "collectives", e.ts >= since, e.rank.is_not(None)]
+    if stalled:
+        progressed = (
+            select(func.coalesce(k.progress_at, 0.0))
+            .where(k.run_id == e.run_id, k.rank == e.rank)
+            .scalar_subquery()
+        )
+        where.append(e.ts >= func.coalesce(progressed, 0.0))
+    newest = select(e.rank, func.max(e.id).label("id")).where(*where).group_by(e.rank).subquery()
     rows = conn.execute(
         select(e.rank, e.ts, e.data).join(newest, and_(e.id == newest.c.id, e.run_id == run_id))
     ).all()
@@ -178,8 +185,7 @@ def refine(
     events to store (a ``hang_verdict`` when it changed)."""
     hung = {rank for rank, (state, _) in states.items() if state == "hung"}
     if not hung:
-        for kept in (_stored, _decided, _named):
-            kept.get(conn.engine, {}).pop(run_id, None)
+        forget(conn.engine, run_id)
         return []
     since = {r["rank"]: r["state_since"] for r in ranks if r["state"] == "hung"}
     start = min((since.get(rank) or now for rank in hung), default=now)
@@ -203,7 +209,7 @@ def refine(
     if run_id in decided and decided[run_id][0] == key:
         verdict = decided[run_id][1]
     else:
-        got = rings(conn, run_id, start - RING_LEAD_S)
+        got = rings(conn, run_id, start - RING_LEAD_S, stalled=True)
         nodes = _nodes(conn, run_id)
         verdict = analyze(
             {r: data for r, (_, data) in got.items()},
@@ -240,6 +246,12 @@ def refine(
             "data": verdict,
         }
     ]
+
+
+def forget(engine: Engine, run_id: int) -> None:
+    """The run has no hung rank (any more): what was decided of its hang is over."""
+    for kept in (_stored, _decided, _named):
+        kept.get(engine, {}).pop(run_id, None)
 
 
 def _apply(verdict: dict[str, Any], states: dict[int, tuple[str, dict[str, Any]]]) -> None:

@@ -115,6 +115,7 @@ def story_everywhere(server: Server, run: str, page: Any, needles: list[str]) ->
     text = banner.inner_text()
     assert "Job lost in a collective" in text and all(n in text for n in needles), text
     graph = page.locator("#run-user")
+    graph.wait_for(timeout=20_000)  # laid out (a box) only once drawn: late under load
     assert banner.bounding_box()["y"] < graph.bounding_box()["y"]
     assert not page.errors, page.errors
 

@@ -277,6 +277,33 @@ def test_a_ring_that_commits_after_a_higher_id_is_still_read(engine) -> None:
     assert states[0][1]["collective"].startswith("rank 2 (node node2) never entered")
 
 
+def test_a_new_hang_is_not_judged_on_the_rings_of_one_the_ranks_got_past(engine) -> None:
+    # Rank 2 hung at step 10 and was named; the hang ended and every rank trained on to
+    # step 19. When the ranks stall again, the rings of the first hang (within the minute
+    # the rings are read back) tell of it, not of this one: no verdict until new ones come.
+    hang_at_step_10(engine)
+    evaluated(engine, T0 + 15.6)
+    for rank in range(WORLD):
+        sent_ring(engine, rank, 39 if rank == 2 else 40, waiting=rank != 2, at=T0 + 16.1)
+    assert evaluated(engine, T0 + 17)[2][1]["role"] == "culprit"
+    for rank in range(WORLD):  # past it: steps 10 to 19
+        beat(engine, rank, T0 + 20, steps=[step(i) for i in range(10, 20)])
+    assert {s for s, _ in evaluated(engine, T0 + 20.5).values()} == {"healthy"}
+    for rank in range(WORLD):  # stalled again after step 19
+        beat(engine, rank, T0 + 26, last_step=19)
+    states = evaluated(engine, T0 + 26.1)
+    assert {s for s, _ in states.values()} == {"hung"}
+    for rank, (_, detail) in states.items():
+        said = str(detail.get("collective"))
+        assert said.startswith("no usable Flight Recorder ring yet"), (rank, detail)
+    # Its own rings name its own culprit: rank 0 this time.
+    for rank in range(WORLD):
+        sent_ring(engine, rank, 49 if rank == 0 else 50, waiting=rank != 0, at=T0 + 26.5)
+    states = evaluated(engine, T0 + 27)
+    assert states[0][1]["role"] == "culprit", states[0][1]
+    assert "all_reduce #50" in states[1][1]["collective"]
+
+
 def test_a_ring_going_back_from_the_ranks_earlier_one_is_stored_but_left_out(engine) -> None:
     hang_at_step_10(engine)
     evaluated(engine, T0 + 15.6)
