@@ -311,12 +311,10 @@ def main(argv: list[str] | None = None) -> None:
             opt.zero_grad(set_to_none=True)
             s.loss(loss)
             s.samples(ids)  # which samples: the collector finds one batch on several ranks
+            s.lr(opt.param_groups[0]["lr"])  # the built-in series lr
             # The trainer's own metrics (s.metric): per rank, rolled up across ranks, and a
             # rank x step heatmap on the Ranks page. A tensor is read off this thread, later.
-            s.metrics(
-                lr=opt.param_groups[0]["lr"],
-                accuracy=(logits.detach().argmax(-1) == y).float().mean(),
-            )
+            s.metric("accuracy", (logits.detach().argmax(-1) == y).float().mean())
             if ckpt_dir is not None and args.checkpoint_every and step % args.checkpoint_every == 0:
                 _save(ckpt_dir, step, state, model, opt, rank, step in args.corrupt_checkpoint)
         if losses is not None:

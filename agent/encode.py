@@ -72,20 +72,20 @@ class StepEncoder:
         return self._rss_value
 
     @staticmethod
-    def _user_metrics(
-        metrics: dict[str, Any], issues: dict[str, str], *, force: bool
+    def _values(
+        metrics: dict[str, Any], issues: dict[str, str], *, force: bool, prefix: str = ""
     ) -> dict[str, float | str | None] | None:
-        """``s.metric`` values as wire numbers; ``None`` while one is in flight (unless
-        ``force``)."""
+        """``s.metric`` (``prefix`` ``user.``) or built-in (``s.lr``) values as wire numbers;
+        ``None`` while one is in flight (unless ``force``)."""
         out: dict[str, float | str | None] = {}
         for name, captured in metrics.items():
             value = resolve(captured)
             if value is NOT_READY:
                 if not force:
                     return None
-                value, issues[f"user.{name}"] = None, "device copy did not complete"
+                value, issues[prefix + name] = None, "device copy did not complete"
             elif (why := issue_of(captured)) is not None:
-                issues[f"user.{name}"] = why
+                issues[prefix + name] = why
             out[name] = json_number(value)
         return out
 
@@ -139,10 +139,14 @@ class StepEncoder:
                     if not force:
                         return None
                     issues["samples"] = "device copy did not complete"
-        user = None
+        user = given = None
         if record.metrics is not None:
-            user = self._user_metrics(record.metrics, issues, force=force)
+            user = self._values(record.metrics, issues, force=force, prefix="user.")
             if user is None:
+                return None
+        if record.given is not None:
+            given = self._values(record.given, issues, force=force)
+            if given is None:
                 return None
         if record.error is not None:
             issues["exception"] = record.error
@@ -245,6 +249,8 @@ class StepEncoder:
         )
         if flags:
             out["flags"] = flags
+        if given:
+            out.update(given)
         if user:
             out["metrics"] = user
         if issues:

@@ -30,6 +30,7 @@ import json
 from typing import Any
 
 from .config import ConfigError
+from .metric_catalog import FIELDS
 from .wire import SENDER_HEADER, CollectorError, sender
 
 OTLP_PATH = "/v1/metrics"
@@ -54,28 +55,8 @@ HEARTBEAT_FIELDS = ("last_step", "last_step_end", "in_step", "phase")
 HEARTBEAT_METRIC = "trainwarden.heartbeat"
 
 STEP_ATTR = "trainwarden.step"
-# OTLP metric name -> (column of the wide row / StepIn field, UCUM unit)
-STEP_METRICS: dict[str, tuple[str, str]] = {
-    "trainwarden.step.duration": ("duration_s", "s"),
-    "trainwarden.step.data_wait": ("data_wait_s", "s"),
-    "trainwarden.step.tokens": ("tokens", "{token}"),
-    "trainwarden.step.loss": ("loss", "1"),
-    "trainwarden.step.grad_norm": ("grad_norm", "1"),
-    "trainwarden.step.phase.forward": ("fwd_s", "s"),
-    "trainwarden.step.phase.backward": ("bwd_s", "s"),
-    "trainwarden.step.phase.optimizer": ("opt_s", "s"),
-    "trainwarden.step.phase.other": ("other_s", "s"),
-    "trainwarden.step.compute": ("compute_s", "s"),
-    "trainwarden.step.comm.exposed": ("exposed_comm_s", "s"),
-    "trainwarden.step.comm.overlapped": ("overlapped_comm_s", "s"),
-    "trainwarden.step.idle": ("idle_s", "s"),
-    "trainwarden.step.flops": ("flops", "{flop}"),
-    "trainwarden.step.mfu": ("mfu", "1"),
-    "trainwarden.step.peak_flops": ("peak_flops", "{flop}/s"),
-    "trainwarden.step.memory.allocated": ("mem_allocated_bytes", "By"),
-    "trainwarden.step.memory.reserved": ("mem_reserved_bytes", "By"),
-    "trainwarden.step.memory.rss": ("rss_bytes", "By"),
-}
+# OTLP metric name -> (the step's field, as in the catalog; its UCUM unit)
+STEP_METRICS: dict[str, tuple[str, str]] = {f.otlp: (f.name, f.ucum) for f in FIELDS}
 DURATION_METRIC = "trainwarden.step.duration"
 USER_METRIC_PREFIX = "trainwarden.user."  # + the user metric's name (StepIn.metrics)
 # StepIn field -> attribute on the step's duration point (``issues`` as a JSON object).

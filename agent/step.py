@@ -54,6 +54,7 @@ class StepRecord:
         "error",
         "note",
         "metrics",
+        "given",
         "replica",
         "probe",
         "samples",
@@ -82,6 +83,8 @@ class StepRecord:
         self.note: str | None = None
         # s.metric(...): a dict only once a step uses it
         self.metrics: dict[str, float | Captured | None] | None = None
+        # Built-in metrics the trainer gives (s.lr): a dict only once a step uses one
+        self.given: dict[str, float | Captured | None] | None = None
         # A replica-checked step (tw.watch, replica.py): (the fingerprint's words, the group)
         self.replica: tuple[Captured, str] | None = None
         # A probed step (tw.watch, probe.py): (the probe's words, probe_rtol)
@@ -228,6 +231,18 @@ class Step:
     def grad_norm(self, value: Any) -> None:
         """Record the global gradient norm (e.g. what ``clip_grad_norm_`` returned)."""
         self._record.grad_norm = capture(value)
+
+    def lr(self, value: Any) -> None:
+        """Record the learning rate this step's update used (a number, or a tensor read
+        later, as for ``loss``): the built-in series ``lr``. The Hugging Face, Lightning and
+        Accelerate integrations record it for you."""
+        self._give("lr", value)
+
+    def _give(self, field: str, value: Any) -> None:
+        given = self._record.given
+        if given is None:
+            given = self._record.given = {}
+        given[field] = capture(value)
 
     def metric(self, name: str, value: Any) -> None:
         """Record a scalar of your own for this step (learning rate, eval loss, an aux loss).

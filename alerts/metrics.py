@@ -1,9 +1,12 @@
-"""The per-step metric catalog: each metric defined once, with where its per-rank value
-comes from (a ``rank_steps`` row) and what its run-level ``total`` means.
+"""The per-step metrics as the alerts compute them: each metric of the catalog
+(``trainwarden.agent.metric_catalog``) with where its per-rank value comes from (a
+``rank_steps`` row) and what its run-level ``total`` means, as Python functions.
 
 Pure definitions: the rules (``alerts.rules``) name these metrics, the evaluator
 (``alerts.evaluate``) computes them, and the collector's rollups (``collector/rollups``)
-store them per step across ranks (their SQL twins must agree: a test compares them).
+store them per step across ranks (their SQL twins must agree: a test compares them). A
+metric of one field, rolled up as the slowest rank's, the mean or the sum, needs nothing
+here; a ``derived`` one has its functions in :data:`_DERIVED`.
 """
 
 from __future__ import annotations
@@ -14,25 +17,31 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from trainwarden.agent.metric_catalog import METRICS as CATALOG
+from trainwarden.agent.metric_catalog import StepMetric
+
+Value = Callable[[Mapping[str, Any]], float | None]
+Total = Callable[[list[Mapping[str, Any]]], float | None]
+
 
 @dataclass(frozen=True)
 class MetricDef:
     name: str
     label: str
     unit: str
-    value: Callable[[Mapping[str, Any]], float | None]
+    value: Value
     """The per-rank value from a ``rank_steps`` row."""
-    total: Callable[[list[Mapping[str, Any]]], float | None]
+    total: Total
     """The run-level value at one step, from all ranks' rows."""
     source: str | None = None
     """The ``rank_steps`` column the value comes from, if it is one column."""
 
 
-def _col(name: str) -> Callable[[Mapping[str, Any]], float | None]:
+def _col(name: str) -> Value:
     return lambda row: row[name]
 
 
-def _sum_of(name: str) -> Callable[[list[Mapping[str, Any]]], float | None]:
+def _sum_of(name: str) -> Total:
     def total(rows: list[Mapping[str, Any]]) -> float | None:
         values = [row[name] for row in rows if row[name] is not None]
         return float(sum(values)) if values else None
@@ -40,10 +49,18 @@ def _sum_of(name: str) -> Callable[[list[Mapping[str, Any]]], float | None]:
     return total
 
 
-def _max_of(name: str) -> Callable[[list[Mapping[str, Any]]], float | None]:
+def _max_of(name: str) -> Total:
     def total(rows: list[Mapping[str, Any]]) -> float | None:
         values = [row[name] for row in rows if row[name] is not None]
         return float(max(values)) if values else None
+
+    return total
+
+
+def _mean_of(name: str) -> Total:
+    def total(rows: list[Mapping[str, Any]]) -> float | None:
+        values = [row[name] for row in rows if row[name] is not None and math.isfinite(row[name])]
+        return statistics.fmean(values) if values else None
 
     return total
 
@@ -63,14 +80,6 @@ def _run_tokens_per_s(rows: list[Mapping[str, Any]]) -> float | None:
     return sum(tokens) / longest
 
 
-def _mean_of(name: str) -> Callable[[list[Mapping[str, Any]]], float | None]:
-    def total(rows: list[Mapping[str, Any]]) -> float | None:
-        values = [row[name] for row in rows if row[name] is not None and math.isfinite(row[name])]
-        return statistics.fmean(values) if values else None
-
-    return total
-
-
 def _run_mfu(rows: list[Mapping[str, Any]]) -> float | None:
     # Across the world: all ranks' FLOPs over the slowest rank's time x all ranks' peaks.
     rated = [r for r in rows if r["flops"] is not None and r["peak_flops"]]
@@ -86,9 +95,7 @@ def _exposed_fraction(row: Mapping[str, Any]) -> float | None:
     return row["exposed_comm_s"] / row["duration_s"]
 
 
-def _mean_by(
-    value: Callable[[Mapping[str, Any]], float | None],
-) -> Callable[[list[Mapping[str, Any]]], float | None]:
+def _mean_by(value: Value) -> Total:
     def total(rows: list[Mapping[str, Any]]) -> float | None:
         values = [v for v in map(value, rows) if v is not None and math.isfinite(v)]
         return statistics.fmean(values) if values else None
@@ -96,65 +103,23 @@ def _mean_by(
     return total
 
 
-def _part(name: str, label: str, column: str) -> MetricDef:
-    """A part of the step-time breakdown: its run-level value is the mean over ranks."""
-    return MetricDef(name, label, "s", _col(column), _mean_of(column), column)
-
-
-METRICS: dict[str, MetricDef] = {
-    m.name: m
-    for m in [
-        # total = the slowest rank's time: the whole job waits for it.
-        MetricDef(
-            "step_time", "Step time", "s", _col("duration_s"), _max_of("duration_s"), "duration_s"
-        ),
-        MetricDef(
-            "data_wait",
-            "Data wait",
-            "s",
-            _col("data_wait_s"),
-            _max_of("data_wait_s"),
-            "data_wait_s",
-        ),
-        MetricDef("loss", "Loss", "", _col("loss"), _mean_of("loss"), "loss"),
-        MetricDef(
-            "tokens", "Tokens per step", "tokens", _col("tokens"), _sum_of("tokens"), "tokens"
-        ),
-        MetricDef("tokens_per_s", "Throughput", "tokens/s", _rank_tokens_per_s, _run_tokens_per_s),
-        MetricDef("mfu", "MFU", "", _col("mfu"), _run_mfu, "mfu"),
-        MetricDef(
-            "grad_norm", "Grad norm", "", _col("grad_norm"), _max_of("grad_norm"), "grad_norm"
-        ),
-        _part("compute", "Compute", "compute_s"),
-        _part("exposed_comm", "Exposed comm", "exposed_comm_s"),
-        _part("overlapped_comm", "Overlapped comm", "overlapped_comm_s"),
-        _part("idle", "Idle", "idle_s"),
-        _part("forward", "Forward", "fwd_s"),
-        _part("backward", "Backward", "bwd_s"),
-        _part("optimizer", "Optimizer", "opt_s"),
-        _part("other", "Other", "other_s"),
-        MetricDef(
-            "exposed_comm_frac",
-            "Exposed comm / step",
-            "",
-            _exposed_fraction,
-            _mean_by(_exposed_fraction),
-        ),
-        MetricDef(
-            "mem_allocated",
-            "GPU memory (max allocated)",
-            "bytes",
-            _col("mem_allocated_bytes"),
-            _max_of("mem_allocated_bytes"),
-            "mem_allocated_bytes",
-        ),
-        MetricDef(
-            "rss",
-            "Host memory (peak RSS)",
-            "bytes",
-            _col("rss_bytes"),
-            _max_of("rss_bytes"),
-            "rss_bytes",
-        ),
-    ]
+_DERIVED: dict[str, tuple[Value | None, Total]] = {
+    # metric: (its per-rank value, None: its field's; its run-level total)
+    "tokens_per_s": (_rank_tokens_per_s, _run_tokens_per_s),
+    "mfu": (None, _run_mfu),
+    "exposed_comm_frac": (_exposed_fraction, _mean_by(_exposed_fraction)),
 }
+_ACROSS = {"max": _max_of, "mean": _mean_of, "sum": _sum_of}
+
+
+def _define(metric: StepMetric) -> MetricDef:
+    if metric.across == "derived":
+        value, total = _DERIVED[metric.name]
+    else:
+        value, total = None, _ACROSS[metric.across](str(metric.field))
+    if value is None:
+        value = _col(str(metric.field))
+    return MetricDef(metric.name, metric.label, metric.unit, value, total, metric.field)
+
+
+METRICS: dict[str, MetricDef] = {m.name: _define(m) for m in CATALOG}

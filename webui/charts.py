@@ -11,32 +11,34 @@ from typing import Any
 import plotly.graph_objects as go
 import plotly.io as pio
 
+from trainwarden.agent import metric_catalog as catalog
 from trainwarden.collector.read.schemas import Series
 
-COLORS = {
-    "loss": "#2563eb",
-    "step_time": "#d97706",
-    "data_wait": "#7c3aed",
-    "tokens_per_s": "#059669",
-    "mfu": "#0891b2",
-    "grad_norm": "#db2777",
-}
+COLORS = {m.name: m.color for m in catalog.METRICS if m.color}
+
+
+def layer(metric: str, key: str | None = None, label: str | None = None) -> tuple[str, str, str]:
+    """A stacked layer of ``metric``: (its key in the figure, its label, its colour)."""
+    found = catalog.METRIC[metric]
+    return key or metric, label or found.label.lower(), found.color or "#374151"
+
+
 # The step-time breakdown, bottom to top. With a comm split: compute that nothing
 # overlaps, compute with communication hidden under it, exposed communication, idle,
 # and the data wait before the step. Without one: the phases.
 BREAKDOWN_COMM = [
-    ("compute_only", "compute", "#2563eb"),
-    ("overlapped_comm", "overlapped comm", "#60a5fa"),
-    ("exposed_comm", "exposed comm", "#dc2626"),
-    ("idle", "idle", "#9ca3af"),
-    ("data_wait", "data wait", "#7c3aed"),
+    layer("compute", "compute_only"),
+    layer("overlapped_comm"),
+    layer("exposed_comm"),
+    layer("idle"),
+    layer("data_wait"),
 ]
 BREAKDOWN_PHASES = [
-    ("forward", "forward", "#2563eb"),
-    ("backward", "backward", "#60a5fa"),
-    ("optimizer", "optimizer", "#059669"),
-    ("other", "other", "#9ca3af"),
-    ("data_wait", "data wait", "#7c3aed"),
+    layer("forward"),
+    layer("backward"),
+    layer("optimizer"),
+    layer("other"),
+    layer("data_wait"),
 ]
 _TEMPLATE = "plotly_white"
 TEMPLATES = {"light": "plotly_white", "dark": "plotly_dark"}
@@ -210,7 +212,7 @@ def breakdown_figure(parts: dict[str, Series], *, revision: str) -> go.Figure:
     elif "forward" in values:
         layers = BREAKDOWN_PHASES
     else:
-        layers = [("step_time", "step time", "#d97706"), ("data_wait", "data wait", "#7c3aed")]
+        layers = [layer("step_time"), layer("data_wait")]
     steps = sorted(values.get("step_time", {}))
     if not steps:
         return empty_figure("No step times yet: waiting for the first steps")

@@ -32,6 +32,7 @@ from trainwarden.collector.incidents.schemas import CloseIn, IncidentOut, NoteIn
 from trainwarden.collector.incidents.timeline import timeline
 from trainwarden.collector.read import data as data_view
 from trainwarden.collector.read import economics, identity, queries, replicas, series
+from trainwarden.collector.read import user_metrics as user_metric_reads
 from trainwarden.collector.read.schemas import (
     EventOut,
     FlaggedStep,
@@ -79,7 +80,7 @@ class Client(Protocol):
         to_step: int | None = None,
     ) -> Heatmap: ...
 
-    def user_metrics(self, run: str) -> list[str]: ...
+    def extra_metrics(self, run: str) -> list[str]: ...
 
     def rank_series(
         self,
@@ -254,10 +255,11 @@ class LocalClient:
                 conn, run=run, metric=metric, buckets=buckets, from_step=from_step, to_step=to_step
             )
 
-    def user_metrics(self, run: str) -> list[str]:
-        """The run's user metrics (``user.<name>``), once rolled up."""
+    def extra_metrics(self, run: str) -> list[str]:
+        """The metrics a picker offers, once rolled up: the catalog's extras the run has
+        (``lr``), then its user metrics (``user.<name>``)."""
         with self._engine.connect() as conn:
-            return list(queries.run_metrics(conn, run=run, builtin=[])["user"])
+            return user_metric_reads.offered(conn, run_id=queries.run_id_of(conn, run))
 
     def rank_series(
         self,

@@ -14,6 +14,8 @@ import dash
 from dash import dcc, html
 from plotly.io.json import to_json_plotly
 
+from trainwarden.agent import metric_catalog as catalog
+
 if TYPE_CHECKING:
     from .client import Client
 
@@ -144,16 +146,33 @@ def is_default_pick(
 
 
 def parse_user(search: str | None) -> str | None:
-    """The user metric picked in ``?user=moe.load``, as its series (``user.moe.load``)."""
+    """The metric picked in ``?user=``: a built-in extra by its name (``lr``), else a user
+    metric as its series (``?user=moe.load`` is ``user.moe.load``)."""
     found = (parse_qs((search or "").lstrip("?")).get("user") or [""])[0].strip()
-    return "user." + found.removeprefix("user.") if found else None
+    if not found:
+        return None
+    return found if found in catalog.EXTRAS else "user." + found.removeprefix("user.")
+
+
+def user_param(metric: str) -> str:
+    """A picked metric as ``?user=`` writes it (:func:`parse_user` reads it back): a user
+    metric's own name, or its series where that is a built-in's name (``user.lr``)."""
+    short = metric.removeprefix("user.")
+    return metric if metric in catalog.EXTRAS or short in catalog.EXTRAS else short
+
+
+def metric_label(metric: str) -> str:
+    """How a picked metric is named on the page: a built-in's label, a user metric's name."""
+    found = catalog.METRIC.get(metric)
+    return found.label if found is not None else metric.removeprefix("user.")
 
 
 def user_choices(
     client: Client, name: str, picked: str | None
 ) -> tuple[list[dict[str, str]], str | None]:
-    """(a user-metric picker's options, its value): ``picked`` (the URL's) when the run has
-    it, else the run's first metric, a default the URL does not get (:func:`is_default_pick`)."""
-    found = client.user_metrics(name)
-    options = [{"label": m.removeprefix("user."), "value": m} for m in found]
+    """(a metric picker's options, its value): the run's built-in extras and its own
+    metrics; ``picked`` (the URL's) when the run has it, else the first, a default the URL
+    does not get (:func:`is_default_pick`)."""
+    found = client.extra_metrics(name)
+    options = [{"label": metric_label(m), "value": m} for m in found]
     return options, picked if picked in found else (found[0] if found else None)

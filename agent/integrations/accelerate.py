@@ -44,7 +44,7 @@ reach this tracker on every rank too.
 - ``tw.watch`` on the prepared model and optimizer: **phases**, with DDP the **comm
   split** from its communication hook, the **gradient norm** on the device; the one
   ``accelerator.clip_grad_norm_`` returns (before clipping) wins when the loop clips.
-  The learning rate of the first parameter group is the user metric ``lr``.
+  The learning rate of the first parameter group is the built-in metric ``lr``.
 - ``log(values, step)``: the numbers logged (ints, floats, 0-d tensors, read off the
   training thread) become the step's user metrics (names lower-cased, other characters
   ``_``); a logged ``loss`` is the step's loss only when the step has none of its own.
@@ -341,8 +341,8 @@ class TrainwardenTracker(GeneralTracker):
             loss = (step._record.metrics or {}).get("loss")  # a logged one
         if self._optimizer is not None:
             lr = self._optimizer.param_groups[0].get("lr")
-            if isinstance(lr, (int, float)):
-                self._metric("lr", float(lr))
+            if isinstance(lr, (int, float)) and step is not None:
+                step.lr(float(lr))
         if self._complete:
             self._done = self._number
         self._complete = False

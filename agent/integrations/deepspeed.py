@@ -23,7 +23,9 @@ What :func:`watch` does to the engine it is given (the loop stays the user's own
 - **Gradient norm**: the one DeepSpeed computed in the step
   (``engine.get_global_grad_norm()``: under ZeRO-1/2 a tensor on the device, the norm
   over every rank's partition, before clipping): kept as it is and read off the
-  training thread.
+  training thread. **Learning rate**: the first parameter group's
+  (``engine.get_lr()``), read before ``engine.step()`` steps the scheduler: the built-in
+  metric ``lr``.
 - **Phases**: ``tw.watch`` on ``engine.module`` and the torch optimizer inside ZeRO's
   (forward, backward from the module's hooks; drills); ``optimizer`` is marked again at
   ``engine.step()``'s start, so the ZeRO work before the torch update (the norm's
@@ -209,6 +211,9 @@ class DeepSpeedWatch:
             if not self.engine.is_gradient_accumulation_boundary() or not self._span.open:
                 return False
             common.mark("optimizer")
+            rates = self.engine.get_lr()  # what this update uses: the scheduler steps after it
+            if rates and isinstance(rates[0], (int, float)) and self._span.step is not None:
+                self._span.step.lr(float(rates[0]))
             return True
         except Exception as exc:
             self._quiet(exc)

@@ -20,7 +20,7 @@ What the callback does, in the Trainer's own callbacks:
   logged loss is an average over ``logging_steps`` and across ranks).
 - ``on_optimizer_step``: the learning rate the update used (the first parameter group's,
   a Python float: no host sync), read before the scheduler steps, as the Trainer logs
-  its ``learning_rate``: the user metric ``lr``.
+  its ``learning_rate``: the built-in metric ``lr`` (``s.lr``).
 - ``on_save``: ``tw.checkpoint_saved`` for ``checkpoint-N`` (the weights after update
   ``N - 1``).
 - A **rollback** runs in-process at the step boundary: the checkpoint's weights,
@@ -135,9 +135,9 @@ class TrainwardenCallback(TrainerCallback):
         optimizer = self._trainer_refs.get("optimizer")
         lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
         if isinstance(lr, (int, float)):
-            self._span.step.metric("lr", float(lr))
+            self._span.step.lr(float(lr))
         elif lr is not None and hasattr(lr, "detach"):
-            self._span.step.metric("lr", lr.detach().clone())  # a tensor: read later
+            self._span.step.lr(lr.detach().clone())  # a tensor: read later
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if not self._on or not self._span.open:

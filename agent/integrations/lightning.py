@@ -27,7 +27,8 @@ What the callback does, in the Trainer's own hooks:
   (or the batch tensor, or the integer tensor first in a tuple), by shape.
 - ``on_before_backward`` / ``on_before_optimizer_step``: the backward and optimizer
   phases; the gradient norm (before clipping) is computed on the device in
-  ``on_before_optimizer_step``. The torch optimizer's own pre-hook, which ``tw.watch``
+  ``on_before_optimizer_step``, with the learning rate of the first parameter group
+  (the built-in metric ``lr``). The torch optimizer's own pre-hook, which ``tw.watch``
   uses in a hand-written loop, runs in Lightning *before* the closure that does the
   forward and backward (``optimizer.step(closure)``): its gradients would be the
   previous step's.
@@ -184,6 +185,10 @@ class TrainwardenCallback(Callback):
                 record.grad_norm = capture(_grad_norm(optimizer))
             except Exception as exc:  # e.g. gradients of a kind the norm cannot stack
                 log.warning("trainwarden: no gradient norm from this optimizer (%s)", exc)
+        groups = getattr(getattr(optimizer, "_optimizer", optimizer), "param_groups", None)
+        lr = groups[0].get("lr") if groups else None
+        if isinstance(lr, (int, float)) and self._span.step is not None:
+            self._span.step.lr(float(lr))  # the update's: schedulers step after it
 
     def on_train_batch_end(
         self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int

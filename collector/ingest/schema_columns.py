@@ -18,6 +18,7 @@ from pydantic import (
     model_validator,
 )
 
+from trainwarden.agent.metric_catalog import FIELDS
 from trainwarden.collector.ingest import user_metrics
 from trainwarden.collector.ingest.schema_checks import (
     MAX_FUTURE_S,
@@ -212,17 +213,17 @@ def _column_model() -> type[BaseModel]:
 
 
 _STEP_COLUMNS_MODEL = _column_model()
+_WORDS = tuple(f.name for f in FIELDS if f.words)  # NaN/Inf may come as words, as in ``StepIn``
 _FINITE_COLUMNS = tuple(
     name
     for name in StepIn.model_fields
-    if name not in ("loss", "grad_norm")
-    and StepIn.model_fields[name].annotation in (float, float | None)
+    if name not in _WORDS and StepIn.model_fields[name].annotation in (float, float | None)
 )
 _NONFINITE_WORDS = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 def _validate_columns(steps: dict[str, list[Any]]) -> dict[str, list[Any]]:
-    for name in ("loss", "grad_norm"):  # NaN/Inf may come as words, as in ``StepIn``
+    for name in _WORDS:
         values = steps.get(name)
         if values and str in map(type, values):
             steps = {

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, create_model, field_validator, model_validator
 
+from trainwarden.agent.metric_catalog import FIELDS
 from trainwarden.collector.ingest import user_metrics
 from trainwarden.collector.ingest.schema_checks import (
     FINGERPRINT_PATTERN,
@@ -22,45 +23,14 @@ from trainwarden.collector.ingest.schema_checks import (
 )
 
 
-class StepIn(BaseModel):
+class _StepRecord(BaseModel):
     """One rank's record of one step."""
 
     step: int = Field(ge=0, le=2**62)
     ts: float = Field(description="Wall-clock start of the step, epoch seconds")
-    duration_s: float = Field(ge=0)
-    data_wait_s: float | None = Field(default=None, ge=0)
-    tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    loss: float | None = Field(
-        default=None, description='NaN/Inf may be sent as "nan", "inf", "-inf"'
-    )
-    grad_norm: float | None = Field(
-        default=None, description="Global gradient norm; NaN/Inf as for loss"
-    )
-    fwd_s: float | None = Field(default=None, ge=0, description="Forward phase")
-    bwd_s: float | None = Field(
-        default=None, ge=0, description="Backward phase (with the loss and the gradient-sync tail)"
-    )
-    opt_s: float | None = Field(default=None, ge=0, description="Optimizer phase")
-    other_s: float | None = Field(default=None, ge=0, description="The rest of the step")
-    compute_s: float | None = Field(default=None, ge=0)
-    exposed_comm_s: float | None = Field(
-        default=None, ge=0, description="Waiting on collectives with no compute running"
-    )
-    overlapped_comm_s: float | None = Field(
-        default=None, ge=0, description="Collective time hidden behind compute"
-    )
-    idle_s: float | None = Field(default=None, ge=0)
     comm_source: Literal["hook", "profiler"] | None = None
-    flops: float | None = Field(
-        default=None, ge=0, description="Model FLOPs of the step on this rank"
-    )
-    mfu: float | None = Field(default=None, ge=0)
-    peak_flops: float | None = Field(default=None, gt=0)
     flops_source: str | None = Field(default=None, max_length=128)
     peak_source: str | None = Field(default=None, max_length=255)
-    mem_allocated_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    mem_reserved_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
-    rss_bytes: int | None = Field(default=None, ge=0, le=INT64_MAX)
     flags: list[str] | None = Field(default=None, max_length=16, description="Spike flags")
     issues: dict[str, str] | None = None
     metrics: dict[str, float | None] | None = Field(
@@ -140,7 +110,7 @@ class StepIn(BaseModel):
     _ts_now = field_validator("ts")(not_in_the_future)
 
     @model_validator(mode="after")
-    def _probe_with_its_check(self) -> StepIn:
+    def _probe_with_its_check(self) -> _StepRecord:
         if self.probe is not None and self.fingerprint is None:
             raise ValueError(PROBE_WITHOUT_CHECK)
         if self.samples_digest is None and (
@@ -174,22 +144,43 @@ class StepIn(BaseModel):
         return metrics
 
     @field_validator(
-        "ts",
-        "duration_s",
-        "fwd_s",
-        "bwd_s",
-        "opt_s",
-        "other_s",
-        "compute_s",
-        "exposed_comm_s",
-        "overlapped_comm_s",
-        "idle_s",
-        "flops",
-        "mfu",
-        "peak_flops",
+        "ts", *(f.name for f in FIELDS if not f.integer and not f.words), check_fields=False
     )
     @classmethod
     def _finite(cls, value: float | None) -> float | None:
         if value is not None and not math.isfinite(value):
             raise ValueError("must be a finite number")
         return value
+
+
+def _catalog_fields() -> dict[str, Any]:
+    """Each number of the metric catalog as a field: its type, its limits, its default."""
+    fields: dict[str, Any] = {}
+    for f in FIELDS:
+        limits: dict[str, Any] = {"description": f.description}
+        if f.positive:
+            limits["gt"] = 0
+        elif f.minimum is not None:
+            limits["ge"] = f.minimum
+        if f.integer:
+            limits["le"] = INT64_MAX
+        kind: Any = int if f.integer else float
+        if f.required:
+            fields[f.name] = (kind, Field(**limits))
+        else:
+            fields[f.name] = (kind | None, Field(default=None, **limits))
+    return fields
+
+
+if TYPE_CHECKING:
+    StepIn = _StepRecord
+else:
+    StepIn = create_model(
+        "StepIn",
+        __base__=_StepRecord,
+        __doc__=_StepRecord.__doc__,
+        __module__=__name__,
+        **_catalog_fields(),
+    )
+    """One rank's record of one step: the fields above and each number of the metric
+    catalog (``trainwarden.agent.metric_catalog.FIELDS``)."""

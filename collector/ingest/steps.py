@@ -18,6 +18,7 @@ from sqlalchemy import (
     tuple_,
 )
 
+from trainwarden.agent.metric_catalog import FIELDS
 from trainwarden.collector.ingest.schema_checks import all_finite
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.bulk import copy_rows, dialect_insert, upsert_columns, upsert_rows
@@ -59,12 +60,12 @@ STEP_ROW = (
 _STEP_KEY = ("run_id", "step", "rank", "day")
 
 
-_NONFINITE_OK = ("loss", "grad_norm")  # stored as NULL, the fact kept in ``issues``
+_NONFINITE_OK = tuple(f.name for f in FIELDS if f.words)  # stored as NULL, named in ``issues``
 
 
 def step_columns(run_id: int, steps: dict[str, list[Any]], now: float) -> dict[str, list[Any]]:
     """A request's validated step columns as ``rank_steps`` columns (``STEP_ROW``): a
-    column not sent is all NULL; a non-finite loss, grad norm or user metric is stored
+    column not sent is all NULL; a non-finite loss, grad norm, lr or user metric is stored
     as NULL and named in the row's ``issues`` ("nan", "inf", "-inf")."""
     n = len(steps["step"])
     nulls = [None] * n
@@ -203,18 +204,7 @@ def write_steps(
     return cols
 
 
-REPLACED_COLUMNS = (
-    "run_id",
-    "rank",
-    "step",
-    "day",
-    "ts",
-    "duration_s",
-    "loss",
-    "grad_norm",
-    "flags",
-    "issues",
-)
+REPLACED_COLUMNS = tuple(c.name for c in m.replaced_steps.columns if c.name != "replaced_at")
 
 
 def _keep_replaced(conn: Connection, keys: list[tuple[int, int, int, int]], *, now: float) -> None:

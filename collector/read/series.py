@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import Connection, Float, Integer, and_, case, cast, func, or_, select
 from sqlalchemy.dialects.postgresql import array
 
+from trainwarden.agent import metric_catalog as catalog
 from trainwarden.alerts.metrics import METRICS
 from trainwarden.collector.ingest import user_metrics
 from trainwarden.collector.read import user_metrics as user_metric_reads
@@ -393,7 +394,9 @@ def rank_series(
 
 
 # The metrics replaced_steps keeps, each one rank_steps column (the metric's ``source``).
-REPLACED_METRICS = ("loss", "grad_norm", "step_time")
+REPLACED_METRICS = tuple(
+    m.name for m in catalog.METRICS if m.field is not None and catalog.FIELD[m.field].replaced
+)
 
 
 def replaced_series(

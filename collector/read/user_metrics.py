@@ -1,9 +1,11 @@
-"""Which user metrics (``user.<name>``) a run has rolled up: reads of ``step_stats``."""
+"""Which user metrics (``user.<name>``) and extras (``lr``) a run has rolled up: reads of
+``step_stats``."""
 
 from __future__ import annotations
 
 from sqlalchemy import Connection, select, text
 
+from trainwarden.agent import metric_catalog as catalog
 from trainwarden.collector.ingest.user_metrics import is_user
 from trainwarden.collector.store import models as m
 
@@ -24,6 +26,13 @@ def names(conn: Connection, *, run_id: int) -> list[str]:
     listed once a step of it is rolled up."""
     found = conn.execute(_NAMES, {"run": run_id}).scalars()
     return sorted(name for name in found if is_user(name))
+
+
+def offered(conn: Connection, *, run_id: int) -> list[str]:
+    """The series a metric picker offers: the catalog's extras the run has rolled up
+    (``lr``), in the catalog's order, then its user metrics, sorted."""
+    found = set(conn.execute(_NAMES, {"run": run_id}).scalars())
+    return [n for n in catalog.EXTRAS if n in found] + sorted(n for n in found if is_user(n))
 
 
 def has(conn: Connection, *, run_id: int, metric: str) -> bool:

@@ -14,41 +14,38 @@ from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any
 
+from trainwarden.agent import metric_catalog as catalog
 from trainwarden.alerts.metrics import METRICS, MetricDef
 
 _LONGEST = "max(duration_s)"
 _RATED = "flops IS NOT NULL AND peak_flops <> 0"
-_SQL = {  # metric: (per-rank value, run-level total), the same as the Python definitions
-    "step_time": ("duration_s", "max(duration_s)"),
-    "data_wait": ("data_wait_s", "max(data_wait_s)"),
-    "loss": ("loss", "avg(loss)"),
-    "tokens": ("tokens", "sum(tokens)"),
+_DERIVED_SQL = {  # metric: (per-rank value or None: its field; run-level total), as in Python
     "tokens_per_s": (
         "tokens / NULLIF(duration_s, 0)",
         f"CASE WHEN count(tokens) = 0 OR coalesce({_LONGEST}, 0) = 0 THEN NULL "
         f"ELSE sum(tokens) / {_LONGEST} END",
     ),
     "mfu": (
-        "mfu",
+        None,
         f"CASE WHEN count(*) FILTER (WHERE {_RATED}) = 0 OR coalesce({_LONGEST}, 0) = 0 THEN NULL "
         f"ELSE sum(flops) FILTER (WHERE {_RATED}) / ({_LONGEST} * sum(peak_flops) FILTER "
         f"(WHERE {_RATED})) END",
     ),
-    "grad_norm": ("grad_norm", "max(grad_norm)"),
     "exposed_comm_frac": (
         "exposed_comm_s / NULLIF(duration_s, 0)",
         "avg(exposed_comm_s / NULLIF(duration_s, 0))",
     ),
-    "mem_allocated": ("mem_allocated_bytes", "max(mem_allocated_bytes)"),
-    "rss": ("rss_bytes", "max(rss_bytes)"),
 }
+_ACROSS_SQL = {"max": "max", "mean": "avg", "sum": "sum"}
 
 
 def sql_of(metric: MetricDef) -> tuple[str, str]:
     """``metric``'s per-rank value and run-level total as SQL over ``rank_steps``."""
-    if metric.name in _SQL:
-        return _SQL[metric.name]
-    return metric.source or "NULL", f"avg({metric.source})"  # a part: the mean over ranks
+    across = catalog.METRIC[metric.name].across
+    if across == "derived":
+        value, total = _DERIVED_SQL[metric.name]
+        return value or str(metric.source), total
+    return str(metric.source), f"{_ACROSS_SQL[across]}({metric.source})"
 
 
 def aggregate_sql() -> str:

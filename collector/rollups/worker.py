@@ -36,6 +36,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.dialects.postgresql import ARRAY
 
+from trainwarden.agent import metric_catalog as catalog
 from trainwarden.collector.loops import Loop
 from trainwarden.collector.rollups.aggregate import (
     USER_CHUNK,
@@ -234,13 +235,7 @@ def _aggregate_in_db(
 
 
 # Metrics a heatmap can show, and the bucket sizes (in steps) kept for them.
-HEATMAP_COLUMNS = {
-    "step_time": "duration_s",
-    "compute": "compute_s",
-    "exposed_comm": "exposed_comm_s",
-    "data_wait": "data_wait_s",
-    "loss": "loss",
-}
+HEATMAP_COLUMNS = {m.name: str(m.field) for m in catalog.METRICS if m.heatmap}
 LEVELS = (16, 64, 256)
 
 

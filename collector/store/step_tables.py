@@ -4,13 +4,27 @@ queue of steps to roll up, the per-rank maxima of heatmap buckets)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import Column, ForeignKey, Index, Table, text
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
 from sqlalchemy.types import JSON, BigInteger, Float, Integer, String
 
+from trainwarden.agent.metric_catalog import FIELDS
 from trainwarden.collector.store.table_base import PARTITION_BY, metadata
 
 USER_METRICS_TYPE = JSON(none_as_null=True).with_variant(JSONB(none_as_null=True), "postgresql")
+
+
+def _catalog_columns(*, replaced: bool = False) -> list[Column[Any]]:
+    """A column for each number of the metric catalog (``replaced``: those a replaced
+    execution keeps), named as its wire field."""
+    return [
+        Column(f.name, BigInteger if f.integer else Float, nullable=replaced or not f.required)
+        for f in FIELDS
+        if f.replaced or not replaced
+    ]
+
 
 # No foreign key to runs on the raw per-rank tables (migration 0015): PostgreSQL checked it
 # row by row, half of each insert's cost; ingest writes the run row first, nothing deletes
@@ -24,30 +38,12 @@ rank_steps = Table(
     Column("day", Integer, primary_key=True),  # floor(ts / 86400)
     Column("ts", Float, nullable=False),
     Column("recv_ts", Float, nullable=False),
-    Column("duration_s", Float, nullable=False),
-    Column("data_wait_s", Float),
-    Column("tokens", BigInteger),
-    Column("loss", Float),
+    # The step's numbers (the metric catalog: duration, loss, phases, comm split, MFU, ...).
+    *_catalog_columns(),
     Column("issues", JSON(none_as_null=True)),
-    # Step telemetry (migration 0002): phases, communication split, MFU, grad norm, memory.
-    Column("fwd_s", Float),
-    Column("bwd_s", Float),
-    Column("opt_s", Float),
-    Column("other_s", Float),
-    Column("compute_s", Float),
-    Column("exposed_comm_s", Float),
-    Column("overlapped_comm_s", Float),
-    Column("idle_s", Float),
     Column("comm_source", String(16)),
-    Column("grad_norm", Float),
-    Column("flops", Float),
-    Column("mfu", Float),
-    Column("peak_flops", Float),
     Column("flops_source", String(128)),
     Column("peak_source", String(255)),
-    Column("mem_allocated_bytes", BigInteger),
-    Column("mem_reserved_bytes", BigInteger),
-    Column("rss_bytes", BigInteger),
     Column("flags", JSON(none_as_null=True)),
     # User metrics (migration 0012): {name: value} from s.metric(); JSONB on PostgreSQL,
     # so that the rollup can take each value out (metrics->>name) next to the data.
@@ -78,9 +74,7 @@ replaced_steps = Table(
     Column("day", Integer, nullable=False),
     Column("ts", Float, nullable=False),
     Column("replaced_at", Float, nullable=False),
-    Column("duration_s", Float),
-    Column("loss", Float),
-    Column("grad_norm", Float),
+    *_catalog_columns(replaced=True),
     Column("flags", JSON(none_as_null=True)),
     Column("issues", JSON(none_as_null=True)),
     Index("ix_replaced_steps_run_step", "run_id", "step"),

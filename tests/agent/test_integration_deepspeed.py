@@ -128,6 +128,7 @@ def test_each_optimizer_step_is_a_step_with_its_loss_norm_tokens_and_checkpoints
     means = [(a + b) / 2 for a, b in zip(loop.losses[::2], loop.losses[1::2], strict=True)]
     assert [s["loss"] for s in steps] == [pytest.approx(m, rel=1e-6) for m in means]
     assert [s["grad_norm"] for s in steps] == [pytest.approx(n, rel=1e-6) for n in loop.norms]
+    assert [s["lr"] for s in steps] == [3e-3] * 4  # each update's learning rate
     for s in steps:
         assert math.isfinite(s["loss"]) and s["grad_norm"] > 0, s
         assert s["tokens"] == 2 * BATCH * 32  # two micro-batches of input ids

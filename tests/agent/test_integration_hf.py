@@ -128,7 +128,7 @@ def test_each_optimizer_step_is_a_step_with_its_loss_tokens_and_checkpoints(tmp_
     # the learning rate each update used (the linear schedule's), as the Trainer logs it
     rates = [h["learning_rate"] for h in hf.state.log_history if "learning_rate" in h]
     assert len(rates) == 6 and rates[0] > rates[-1] > 0, rates
-    assert [s["metrics"]["lr"] for s in steps] == [pytest.approx(v, rel=1e-9) for v in rates]
+    assert [s["lr"] for s in steps] == [pytest.approx(v, rel=1e-9) for v in rates]
     assert [s["step"] for s in steps] == list(range(6))
     # One process: the Trainer's own loss of each step (logged every step here, rounded
     # to 4 digits) is this rank's loss: the micro-batches' token-weighted mean.
@@ -176,7 +176,7 @@ def test_a_rollback_restores_the_checkpoint_in_process_and_goes_on_from_its_step
     assert inject.restored["adam_steps"] == {3.0}  # the optimizer's state, as saved
     # the step after the checkpoint, run again, at half the learning rate it had
     first, again = steps[3], steps[6]
-    assert again["metrics"]["lr"] == pytest.approx(0.5 * first["metrics"]["lr"], rel=1e-9)
+    assert again["lr"] == pytest.approx(0.5 * first["lr"], rel=1e-9)
     ack = applied(transport)
     assert (ack["applied"], ack["barrier_step"], ack["checkpoint_step"]) == (True, 5, 2), ack
     assert f"rolled back to {folder} (step 2) after step 5" in caplog.text

@@ -109,6 +109,7 @@ def test_each_optimizer_step_is_a_step_with_its_loss_tokens_and_checkpoints(tmp_
     assert [s["loss"] for s in steps] == [pytest.approx(m, rel=1e-6) for m in means]
     # the gradient norm of each update, before any clipping, as the model sees it
     assert [s["grad_norm"] for s in steps] == [pytest.approx(n, rel=1e-5) for n in model.norms]
+    assert [s["lr"] for s in steps] == [3e-3] * 6  # each update's learning rate
     for s in steps:
         assert math.isfinite(s["loss"]) and 0 < s["loss"] < 10, s
         assert s["tokens"] == 2 * BATCH * LENGTH  # two micro-batches' input_ids
@@ -183,7 +184,9 @@ def test_a_rollback_restores_the_checkpoint_in_process_and_goes_on_from_its_step
         )
     tw.shutdown()
     # After step 6 every rank is at update 4 again; the run goes on to max_steps.
-    assert [s["step"] for s in transport.steps()] == [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8, 9]
+    steps = transport.steps()
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4, 5, 6, 4, 5, 6, 7, 8, 9]
+    assert [s["lr"] for s in steps] == [pytest.approx(v) for v in [3e-3] * 7 + [1.5e-3] * 6]
     assert pl.global_step == 10
     saved = torch.load(path, weights_only=False)
     assert inject.restored["global_step"] == 4

@@ -127,3 +127,19 @@ def test_cuda_metrics_do_not_sync_the_training_thread() -> None:
     steps = transport.steps()
     assert [sorted(s["metrics"]) for s in steps] == [["aux_loss", "moe.balance"]] * 3
     assert all(isinstance(s["metrics"]["aux_loss"], float) for s in steps)
+
+
+def test_the_learning_rate_is_a_built_in_field_not_a_user_metric() -> None:
+    transport = RecordingTransport()
+    tw.init(run="lr-unit", transport=transport, gpu_interval_s=0)
+    with tw.step(0) as s:
+        s.lr(torch.tensor(3e-4))  # a tensor: read off the training thread
+    with tw.step(1) as s:
+        s.lr(float("nan"))  # kept, as for the loss: the collector names it in issues
+    with tw.step(2):
+        pass
+    tw.shutdown()
+    steps = transport.steps()
+    assert steps[0]["lr"] == pytest.approx(3e-4) and "metrics" not in steps[0]
+    assert steps[1]["lr"] == "nan"
+    assert "lr" not in steps[2]

@@ -1,8 +1,13 @@
-"""Build ingest bodies the way the agent does."""
+"""Build ingest bodies the way the agent does; send them and read a run's series back."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
+
+from fastapi.testclient import TestClient
+
+from trainwarden.collector.rollups.worker import flush
 
 
 def batch(
@@ -42,3 +47,19 @@ def step(
         "tokens": tokens,
         "loss": loss,
     }
+
+
+def ingest_rolled_up(
+    client: TestClient, body: dict[str, Any], path: str = "/api/v1/ingest"
+) -> None:
+    """POST ``body`` (a 200 expected), then roll up every step it queued."""
+    response = client.post(path, json=body)
+    assert response.status_code == 200, response.text
+    flush(client.app.state.engine, now=time.time(), grace_s=0)  # type: ignore[attr-defined]
+
+
+def run_series(client: TestClient, metric: str, **params: Any) -> dict[str, Any]:
+    """Run ``r1``'s series of ``metric`` from the API (a 200 expected)."""
+    response = client.get("/api/v1/runs/r1/series", params={"metric": metric, **params})
+    assert response.status_code == 200, response.text
+    return response.json()  # type: ignore[no-any-return]

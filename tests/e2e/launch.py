@@ -157,7 +157,8 @@ def rank_steps(db: Path, run: str, below: int) -> list[Any]:
             conn.execute(
                 text(
                     "SELECT s.step, s.rank, s.loss, s.grad_norm, s.tokens, s.fwd_s, s.bwd_s,"
-                    " s.opt_s, s.comm_source, s.exposed_comm_s, s.overlapped_comm_s, s.metrics"
+                    " s.opt_s, s.comm_source, s.exposed_comm_s, s.overlapped_comm_s, s.lr,"
+                    " s.metrics"
                     " FROM rank_steps s JOIN runs r ON r.id = s.run_id"
                     " WHERE r.name = :n AND s.step < :below"
                 ),

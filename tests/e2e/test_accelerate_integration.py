@@ -85,8 +85,8 @@ def test_steps_arrive_a_loss_spike_is_rolled_back_and_a_dead_rank_resumes_as_att
         assert r.fwd_s > 0 and r.bwd_s > 0 and r.opt_s > 0, r
         assert r.comm_source == "hook" and r.exposed_comm_s is not None, r
     assert len({r.loss for r in rows if r.step == 10}) == 2  # per rank: each its own batches
-    metrics = {(r.step, r.rank): json.loads(r.metrics) for r in rows}
-    assert all("lr" in m for m in metrics.values()), metrics
+    assert all(r.lr is not None and r.lr > 0 for r in rows), rows  # the built-in lr
+    metrics = {(r.step, r.rank): json.loads(r.metrics or "{}") for r in rows}
     # accelerator.log every 10 updates reaches the tracker on rank 1 too (Accelerate calls
     # trackers on the main process only): steps 9 and 19, never run again
     for key in [(9, 0), (9, 1), (19, 0), (19, 1)]:

@@ -90,28 +90,33 @@ def test_the_trainers_own_metrics_are_picked_and_drawn_on_the_run_page(
         for rank, agent in enumerate(ranks):
             with agent.step(step, tokens=512) as s:
                 s.loss(2.0)
-                s.metrics(lr=1e-3 * (1 + step), aux=0.1 * (rank + 1))
+                s.lr(1e-3 * (1 + step))  # built in: offered first
+                s.metric("aux", 0.1 * (rank + 1))
     for agent in ranks:
         agent.shutdown()
     page.goto(f"{server.url}/runs/ui-user")
-    # Without a pick, the run's first metric (by name) is drawn.
-    page.wait_for_function(f"{USER_TRACES}.includes('aux median')", timeout=20_000)
-    page.locator("#run-user-metric label", has_text="lr").click()
-    page.wait_for_function(f"{USER_TRACES}.includes('lr median')", timeout=20_000)
-    page.wait_for_function("() => location.search.includes('user=lr')", timeout=10_000)
+    # Without a pick, the first metric offered is drawn: the learning rate.
+    page.wait_for_function(f"{USER_TRACES}.includes('Learning rate median')", timeout=20_000)
     median = page.evaluate(
         "document.querySelector('#run-user .js-plotly-plot')"
-        ".data.find(t => t.name === 'lr median').y"
+        ".data.find(t => t.name === 'Learning rate median').y"
     )
     assert [round(v, 6) for v in median] == [round(1e-3 * (1 + i), 6) for i in range(12)]
+    page.locator("#run-user-metric label", has_text="aux").click()
+    page.wait_for_function(f"{USER_TRACES}.includes('aux median')", timeout=20_000)
+    page.wait_for_function("() => location.search.includes('user=aux')", timeout=10_000)
+    picked_aux = page.url
+    page.locator("#run-user-metric label", has_text="Learning rate").click()
+    page.wait_for_function(f"{USER_TRACES}.includes('Learning rate median')", timeout=20_000)
+    page.wait_for_function("() => location.search.includes('user=lr')", timeout=10_000)
     if os.environ.get("TRAINWARDEN_SCREENSHOTS"):
         page.screenshot(
             path=str(Path(os.environ["TRAINWARDEN_SCREENSHOTS"]) / "run-user.png"), full_page=True
         )
     # The pick is in the address: a shared link opens on it.
     fresh = page.context.browser.new_page()
-    fresh.goto(page.url)
-    fresh.wait_for_function(f"{USER_TRACES}.includes('lr median')", timeout=20_000)
+    fresh.goto(picked_aux)
+    fresh.wait_for_function(f"{USER_TRACES}.includes('aux median')", timeout=20_000)
     fresh.close()
     assert page.errors == []
 

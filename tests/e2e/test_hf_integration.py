@@ -122,12 +122,12 @@ def test_steps_arrive_a_loss_spike_is_rolled_back_and_a_dead_rank_resumes_as_att
         rows = conn.execute(
             text(
                 "SELECT s.step, s.rank, s.loss, s.grad_norm, s.tokens, s.fwd_s, s.bwd_s, s.opt_s,"
-                " s.comm_source, s.exposed_comm_s, s.metrics FROM rank_steps s"
+                " s.comm_source, s.exposed_comm_s, s.lr FROM rank_steps s"
                 " JOIN runs r ON r.id = s.run_id WHERE r.name = :n"
             ),
             {"n": run},
         ).all()
-    lr = {(r.step, r.rank): json.loads(r.metrics)["lr"] for r in rows}
+    lr = {(r.step, r.rank): r.lr for r in rows}
     last = max(r.step for r in rows)
     rows = [r for r in rows if r.step < 30]
     assert {(r.step, r.rank) for r in rows} == {(n, k) for n in range(30) for k in (0, 1)}

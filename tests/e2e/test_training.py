@@ -75,12 +75,9 @@ def test_both_ranks_steps_arrive(live_server: Server) -> None:
         values = live_server.get("/api/v1/runs/e2e/series", metric=metric).json()
         assert values["n"] and all(n == 2 for n in values["n"]), metric
 
-    # The trainer's own metrics (s.metrics): learning rate and batch accuracy, per rank.
-    assert live_server.get("/api/v1/runs/e2e/metrics").json()["user"] == [
-        "user.accuracy",
-        "user.lr",
-    ]
-    lr = live_server.get("/api/v1/runs/e2e/series", metric="user.lr").json()
+    # The learning rate (s.lr, built in) and the trainer's own batch accuracy (s.metric).
+    assert live_server.get("/api/v1/runs/e2e/metrics").json()["user"] == ["user.accuracy"]
+    lr = live_server.get("/api/v1/runs/e2e/series", metric="lr").json()
     assert lr["n"] == [2] * 30 and lr["max"] == [3e-3] * 30
     accuracy = live_server.get("/api/v1/runs/e2e/heatmap", metric="user.accuracy").json()
     assert accuracy["ranks"] == [0, 1] and all(

@@ -423,7 +423,7 @@ def test_a_refresh_sets_the_user_metric_picker_only_when_it_changed() -> None:
     class Metrics(LocalClient):
         found = ["user.lr", "user.moe.aux"]
 
-        def user_metrics(self, run: str) -> list[str]:
+        def extra_metrics(self, run: str) -> list[str]:
             return list(self.found)
 
     client = Metrics(create_engine("sqlite://"))
@@ -462,7 +462,7 @@ def test_a_refresh_between_a_pick_and_its_record_keeps_the_pick_and_the_address_
     from .dash_call import dash_call
 
     class Metrics(LocalClient):
-        def user_metrics(self, run: str) -> list[str]:
+        def extra_metrics(self, run: str) -> list[str]:
             return ["user.aux", "user.lr"]
 
     app = create_dash(Metrics(create_engine("sqlite://")))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -10,10 +9,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from trainwarden.collector.app import create_app
-from trainwarden.collector.rollups.worker import flush
 from trainwarden.collector.store import models as m
 
 from ..helpers import batch, step
+from ..helpers import ingest_rolled_up as ingest
+from ..helpers import run_series as series
 
 
 @pytest.fixture
@@ -22,20 +22,8 @@ def client(engine):  # type: ignore[no-untyped-def]
         yield c
 
 
-def ingest(client: TestClient, body: dict[str, Any], path: str = "/api/v1/ingest") -> None:
-    response = client.post(path, json=body)
-    assert response.status_code == 200, response.text
-    flush(client.app.state.engine, now=time.time(), grace_s=0)
-
-
 def with_metrics(n: int, **metrics: Any) -> dict[str, Any]:
     return {**step(n), "metrics": metrics}
-
-
-def series(client: TestClient, metric: str, **params: Any) -> dict[str, Any]:
-    response = client.get("/api/v1/runs/r1/series", params={"metric": metric, **params})
-    assert response.status_code == 200, response.text
-    return response.json()
 
 
 def test_user_metrics_roll_up_across_ranks(client: TestClient) -> None:

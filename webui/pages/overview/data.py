@@ -12,6 +12,8 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from trainwarden.agent import metric_catalog as catalog
+
 from ...charts import empty_figure, themed
 from ...client import Client
 from ...components import notice
@@ -23,17 +25,7 @@ from .traces import thin
 
 log = logging.getLogger(__name__)
 POINTS = 1_000  # per series: about one per pixel of a wide screen
-METRICS = [
-    "tokens_per_s",
-    "mfu",
-    "loss",
-    "grad_norm",
-    "step_time",
-    "compute",
-    "exposed_comm",
-    "overlapped_comm",
-    "data_wait",
-]
+METRICS = [m.name for m in catalog.METRICS if m.overview]
 LOSS_FLAGS = ("loss_spike", "nonfinite_loss")
 SPIKE_FLAGS = (*LOSS_FLAGS, "grad_norm_spike", "nonfinite_grad_norm")
 MAX_RANK_LINES = 3
@@ -208,8 +200,8 @@ def hang_banner(client: Client, run: Any) -> Any:
 
 
 USER_HINT = (
-    "No metrics of your own in this run: log them inside the step with "
-    "s.metric(name, value) (a learning rate, an eval loss, an MoE aux loss)."
+    "No learning rate and no metrics of your own in this run: log them inside the step "
+    "with s.lr(value) and s.metric(name, value) (an eval loss, an MoE aux loss)."
 )
 
 
@@ -218,7 +210,7 @@ def user_part(
 ) -> Any:
     """The picked user metric (else the run's first) across ranks, over the view's range."""
     if not metric:
-        found = client.user_metrics(name)
+        found = client.extra_metrics(name)
         if not found:
             return themed(empty_figure(USER_HINT), theme)
         metric = found[0]

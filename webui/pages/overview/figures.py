@@ -20,6 +20,7 @@ from trainwarden.collector.incidents.report_format import MFU_FORMAT
 from trainwarden.collector.read.schemas import ReplacedSeries, Series
 
 from ...charts import COLORS, empty_figure, prepare_templates, themed, themed_layout
+from ...components import metric_label
 from . import traces as tr
 from .traces import finite, when
 
@@ -259,7 +260,7 @@ def user_figure(
 ) -> dict[str, Any]:
     """One user metric (``s.metric``) across ranks: the min..max band, the median, and the
     p99 dashed (a few ranks apart from the rest show between p99 and max)."""
-    label = s.metric.removeprefix("user.")
+    label = metric_label(s.metric)
     title = {
         "text": f"{label}: median, p99, min..max across ranks",
         "x": 0.01,

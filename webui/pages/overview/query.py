@@ -11,7 +11,7 @@ import re
 from typing import Any, Literal
 from urllib.parse import parse_qs, urlencode
 
-from ...components import parse_user
+from ...components import parse_user, user_param
 
 AXES = ("step", "time")
 
@@ -48,7 +48,7 @@ def to_query(view: dict[str, Any]) -> str:
     if view.get("rank") is not None:
         items.append(("rank", view["rank"]))
     if view.get("user"):
-        items.append(("user", view["user"].removeprefix("user.")))
+        items.append(("user", user_param(view["user"])))
     return "?" + urlencode(items) if items else ""
 
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from trainwarden.collector.read.schemas import Series
 
-from ...charts import translucent
+from ...charts import layer, translucent
 
 if TYPE_CHECKING:
     from .figures import Marker, Overview
@@ -26,11 +26,11 @@ if TYPE_CHECKING:
 # The breakdown, bottom to top: (key, label, color). "other" is what the slowest rank's
 # step holds beyond the mean compute and exposed comm: idle, and waiting for that rank.
 BREAKDOWN = [
-    ("compute_only", "compute", "#2563eb"),
-    ("overlapped_comm", "overlapped comm", "#60a5fa"),
-    ("exposed_comm", "exposed comm", "#dc2626"),
-    ("other", "other (idle, slowest rank)", "#9ca3af"),
-    ("data_wait", "data wait", "#7c3aed"),
+    layer("compute", "compute_only"),
+    layer("overlapped_comm"),
+    layer("exposed_comm"),
+    layer("idle", "other", "other (idle, slowest rank)"),
+    layer("data_wait"),
 ]
 MARKER_STYLE = {  # (kind, tone): (symbol, color)
     ("alert", "bad"): ("triangle-down", "#dc2626"),

@@ -12,7 +12,7 @@ from dash import dcc, html
 from ... import components
 from ...charts import empty_figure, themed
 from ...client import Client, may_change
-from ...components import notice, parse_user
+from ...components import metric_label, notice, parse_user
 from . import collectives_panel as coll
 from . import figures as rf
 from .panels import rank_facts, states_table
@@ -90,8 +90,9 @@ def _stands_out(title: str, found: list[tuple[int, float]]) -> str:
 
 
 USER_EMPTY = (
-    "No user metrics in this run: log your own inside the step with s.metric(name, value) "
-    "(an MoE router's load, an eval loss) and pick one here."
+    "No learning rate and no user metrics in this run: log them inside the step with "
+    "s.lr(value) and s.metric(name, value) (an MoE router's load, an eval loss) and pick "
+    "one here."
 )
 
 
@@ -109,12 +110,13 @@ def user_heatmap_part(
     per cell)."""
     rank, lo, hi = parse_query(search)
     if not metric:
-        names = client.user_metrics(name)
+        names = client.extra_metrics(name)
         if not names:
             return themed(empty_figure(USER_EMPTY), theme)
         metric = names[0]
     grid = rf.grid_of(client.heatmap(name, metric, buckets=BUCKETS, from_step=lo, to_step=hi))
-    title = f"User metric {metric.removeprefix('user.')} (max per cell)"
+    kind = "User metric " if metric.startswith("user.") else ""
+    title = f"{kind}{metric_label(metric)} (max per cell)"
     # "x times its peers" means something for a metric that cannot go below zero only.
     positive = all(v is None or v >= 0 for row in grid.values for v in row)
     title = _stands_out(title, rf.stripes(grid) if positive else [])
@@ -124,7 +126,7 @@ def user_heatmap_part(
         theme=theme,
         revision=f"{name}:user:{metric}",
         selected=rank,
-        empty=f"No values of {metric} in these steps.",
+        empty=f"No values of {metric_label(metric)} in these steps.",
     )
 
 

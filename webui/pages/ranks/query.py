@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import parse_qs, urlencode
 
-from ...components import parse_user
+from ...components import parse_user, user_param
 
 
 def parse_query(search: str | None) -> tuple[int | None, int | None, int | None]:
@@ -28,7 +28,7 @@ def parse_query(search: str | None) -> tuple[int | None, int | None, int | None]
 def query_string(
     rank: int | None, lo: int | None, hi: int | None, *, user: str | None = None
 ) -> str:
-    shown = None if user is None else user.removeprefix("user.")
+    shown = None if user is None else user_param(user)
     pairs = [
         (k, v)
         for k, v in (("rank", rank), ("from", lo), ("to", hi), ("user", shown))

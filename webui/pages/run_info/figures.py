@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...charts import layer
+
 # Where the allocation went, left to right: what was kept, then the losses.
 BREAKDOWN = (
     ("kept", "kept", "#059669"),
     ("replayed", "replayed", "#dc2626"),
     ("recovery", "recovery", "#d97706"),
     ("checkpoint", "checkpoint", "#2563eb"),
-    ("data_wait", "data wait", "#7c3aed"),
+    layer("data_wait"),
     ("other", "other", "#9ca3af"),
 )
 # Plotly templates live in plotly.py, not plotly.js: a dict figure carries its colours.
