@@ -99,7 +99,7 @@ def hook_got(recv: Receiver, path: str, alertname: str, status: str) -> list[Any
 
 
 # The embedded default; the alert engine runs on PostgreSQL in
-# tests/collector/alerting/test_alerting.py.
+# tests/collector/alerting/ (test_alerting_*.py).
 @pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 def test_drills_page_through_alertmanager_pagerduty_slack_and_webhooks(
     db_url: str, tmp_path: Path

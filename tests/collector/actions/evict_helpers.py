@@ -1,0 +1,3 @@
+"""What the eviction backends' tests share: the reason their evictions carry."""
+
+REASON = "trainwarden: FatalXid XID 79 on rank 1"
