@@ -183,19 +183,39 @@ def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     yield from database_url(request, tmp_path)
 
 
+@pytest.fixture(scope="session")
+def sqlite_schema(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A SQLite file at the latest schema, made once a session: a test's own database
+    starts as a copy of it (33 migrations took 0.3 s a test, a copy 0.03 s)."""
+    path = tmp_path_factory.mktemp("schema") / "tw.db"
+    engine = make_engine(f"sqlite:///{path}")
+    upgrade(engine)
+    engine.dispose()
+    return path
+
+
+def _migrated(db_url: str, request: pytest.FixtureRequest) -> None:
+    """An empty SQLite file of ``db_url`` made a copy of the migrated schema."""
+    prefix = "sqlite:///"
+    if db_url.startswith(prefix) and not Path(db_url[len(prefix) :]).exists():
+        shutil.copyfile(request.getfixturevalue("sqlite_schema"), db_url[len(prefix) :])
+
+
 @pytest.fixture
-def engine(db_url: str):  # type: ignore[no-untyped-def]
+def engine(db_url: str, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
     from trainwarden.collector.read import mixture
 
+    _migrated(db_url, request)
     engine = make_engine(db_url)
-    upgrade(engine)
+    upgrade(engine)  # nothing to do on a copy; PostgreSQL's session database is migrated
     mixture.forget()  # declared mixtures are cached by run id; a fresh database reuses ids
     yield engine
     engine.dispose()
 
 
 @pytest.fixture
-def live_server(db_url: str, tmp_path: Path) -> Iterator[Server]:
+def live_server(db_url: str, tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Server]:
+    _migrated(db_url, request)
     server = start_serve(db_url, tmp_path / "serve.log")
     yield server
     stop_serve(server)
