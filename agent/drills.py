@@ -12,6 +12,8 @@
                                      the faulty GPU stays behind)
     die@rank=1,step=33,nth=2         nth=N (with step=S): the Nth time the process
                                      starts step S, e.g. its run again after a rollback
+    die@rank=1,step=20,attempts=all  in every attempt: the launcher's restarts die at
+                                     the same step again (a crash loop)
     desync@rank=1,step=60,for=60s    the rank issues an extra, empty all_reduce: its
                                      collectives are one sequence id ahead of its
                                      peers', so every rank blocks on gloo (for= 60s
@@ -101,7 +103,7 @@ _VALUE = {
 }
 _AT_STEP_START = ("xid", "thermal", "hang", "die", "desync")
 """The faults a step's start triggers (:meth:`Drill.on_step_start`)."""
-_PARAMS = {"rank", "step", "steps", "for", "nth"}
+_PARAMS = {"rank", "step", "steps", "for", "nth", "attempts"}
 
 
 class DrillError(ValueError):
@@ -119,6 +121,7 @@ class Fault:
     seconds: float | None = None
     form: str | None = None  # sdc's: bitflip or arith
     nth: int = 1  # the nth time the process starts step ``first`` (a replay after a rollback)
+    every_attempt: bool = False  # die: also in the launcher's restarts (attempts=all)
 
     def covers(self, step: int) -> bool:
         if self.last is None:
@@ -179,7 +182,8 @@ def _parse_one(text: str) -> Fault:
         key, eq, val = item.strip().partition("=")
         if not eq or key not in _PARAMS:
             raise fail(
-                f"bad parameter {item.strip()!r}; use rank=, step=, steps=A-B, for=30s, nth=N"
+                f"bad parameter {item.strip()!r}; use rank=, step=, steps=A-B, for=30s, nth=N, "
+                "attempts=all"
             )
         params[key] = val.strip()
     try:
@@ -207,6 +211,11 @@ def _parse_one(text: str) -> Fault:
         raise fail(
             "rank, step and steps take integers >= 0, nth one >= 1; for takes seconds like 30s"
         ) from None
+    if params.get("attempts", "first") not in ("first", "all"):
+        raise fail("attempts= takes first (the default) or all")
+    every_attempt = params.get("attempts") == "all"
+    if every_attempt and kind != "die":
+        raise fail("attempts= is die's only")
     if nth > 1 and (last is not None or kind not in _AT_STEP_START):
         raise fail(
             f"nth=N takes one step (step=S) of a fault at a step's start "
@@ -230,7 +239,7 @@ def _parse_one(text: str) -> Fault:
         if last is not None:
             raise fail(f"{kind}={form} lasts from step=S on, not steps=A-B")
         last = 2**62  # wrong from that step on
-    return Fault(kind, text, number, rank, first, last, seconds, form, nth)
+    return Fault(kind, text, number, rank, first, last, seconds, form, nth, every_attempt)
 
 
 class DrillHost(Protocol):
@@ -281,7 +290,7 @@ class Drill:
                 or not self._once(fault, step)
             ):
                 continue
-            if fault.kind == "die" and restarted():
+            if fault.kind == "die" and restarted() and not fault.every_attempt:
                 log.warning("trainwarden drill: %s skipped: the job was restarted", fault.text)
                 continue
             dist, skipped = _peers() if fault.kind == "desync" else (None, None)

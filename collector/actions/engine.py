@@ -28,6 +28,9 @@ Each action is a row of ``actions`` with a state machine and its history::
   (``collector/actions/rollback_check.py``): the alert's rule over the first steps run again.
   Still holding, the checkpoint was bad too: the rollback goes again to the next older
   clean checkpoint (within the budget), or fails and pages. Only then is it ``done``.
+- **Stop**: every rank ends after the same step, with ``STOPPED_EXIT_CODE``; an attempt
+  the same launch begins after a done stop of the run (a launcher's restart) is stopped
+  too (``collector/actions/stop_restarts.py``).
 - **Evict**: the node goes through the scheduler backend (``collector/actions/evict/``:
   Slurm, Kubernetes, a command), then the node's ranks get a *stop* command and exit
   with ``STOPPED_EXIT_CODE`` so the launcher restarts the job without them.
@@ -60,6 +63,7 @@ from trainwarden.collector.actions.records import (
 )
 from trainwarden.collector.actions.resumes import suspect_resumes
 from trainwarden.collector.actions.rollback_transitions import RollbackTransitions
+from trainwarden.collector.actions.stop_restarts import stop_restarts
 from trainwarden.collector.actions.transitions import Ctx
 from trainwarden.collector.store import models as m
 from trainwarden.collector.store.action_plans import RollbackPlan
@@ -134,6 +138,7 @@ class ActionEngine(RollbackTransitions, EvictTransitions):
                 margin_steps=self.policy.rollback.margin_steps,
                 checked=self._resumes_checked,
             )
+            stop_restarts(conn, self.policy, now=now)
             self._triggers(ctx)
             for row in conn.execute(
                 select(m.actions).where(m.actions.c.state.in_(ACTIVE)).order_by(m.actions.c.id)

@@ -46,7 +46,7 @@ from typing import Any
 from sqlalchemy import Connection, Engine, false, func, or_, select, text
 
 from trainwarden.alerts.snapshot import LIVE_STATES
-from trainwarden.collector.health import coverage, hang, mixture, replicas, samples
+from trainwarden.collector.health import coverage, crash_loops, hang, mixture, replicas, samples
 from trainwarden.collector.health.ended_hangs import place_ended
 from trainwarden.collector.health.rank_states import decide_states
 from trainwarden.collector.health.settings import HealthSettings
@@ -267,6 +267,7 @@ def evaluate(
             )
         else:
             hang.forget(conn.engine, run_id)
+        events += crash_loops.find(conn, run_id, now=now, settings=settings.crash_loop)
         moved, events = write_states(
             conn, run_id=run_id, ranks=ranks, states=states, events=events, now=now
         )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from trainwarden.collector.health.crash_loops import LoopSettings
+
 
 @dataclass(frozen=True)
 class HealthSettings:
@@ -16,3 +18,4 @@ class HealthSettings:
     divergence_window: int = 5
     interval_s: float = 1.0
     max_cpu_share: float = 0.15  # of one core; past it evaluations are spaced out (Loop)
+    crash_loop: LoopSettings = LoopSettings()  # what makes attempts a crash loop

@@ -76,12 +76,19 @@ def test_the_documented_spec_parses() -> None:
         ("die@rank=1,step=5,nth=0", "nth one >= 1"),
         ("die@rank=1,steps=5-9,nth=2", "nth=N takes one step"),
         ("slow=2x@rank=1,step=5,nth=2", "nth=N takes one step"),
+        ("die@rank=1,step=5,attempts=every", "attempts= takes first"),
+        ("xid=79@rank=1,step=5,attempts=all", "attempts= is die's only"),
     ],
 )
 def test_bad_specs_name_the_fault_and_the_fix(spec: str, message: str) -> None:
     with pytest.raises(DrillError, match=message) as info:
         parse(spec)
     assert spec.split(";")[0] in str(info.value)
+
+
+def test_die_in_every_attempt_is_asked_for() -> None:
+    once, always = parse("die@rank=1,step=5;die@rank=0,step=9,attempts=all")
+    assert (once.every_attempt, always.every_attempt) == (False, True)
 
 
 def test_desync_parses_with_its_default_timeout() -> None:

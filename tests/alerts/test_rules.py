@@ -38,6 +38,7 @@ PACK = [
     "LossSpike",
     "NonFiniteLoss",
     "ResumedFromSuspectCheckpoint",
+    "CrashLoop",
     "GradNormSpikeBurst",
     "RankLossDivergence",
     "GpuThermalThrottle",
@@ -114,11 +115,14 @@ def test_default_pack_loads_with_exactly_the_issue_rules() -> None:
     assert {rule.kind for rule in rules} == set(KINDS)  # the pack uses every kind
 
 
-def test_the_docs_say_how_many_rules_the_pack_ships() -> None:
+def test_the_docs_say_how_many_rules_the_pack_ships_and_list_each() -> None:
     said = (Path(__file__).resolve().parents[2] / "docs" / "alerts.md").read_text()
     count = re.search(r"`alerts/rules/default\.yaml` ships (\d+)", said)
     assert count is not None, "docs/alerts.md no longer says how many rules ship"
     assert int(count.group(1)) == len(load_rule_packs())
+    rows = {line.split("|")[1].strip() for line in said.splitlines() if line.startswith("| ")}
+    missing = sorted(rule.name for rule in load_rule_packs() if rule.name not in rows)
+    assert not missing, f"docs/alerts.md's table of the pack lacks {missing}"
 
 
 def test_default_thresholds_are_the_ones_documented() -> None:

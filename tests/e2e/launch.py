@@ -29,6 +29,22 @@ def torchrun(nproc: int, *target: str, restarts: int = 0) -> list[str]:
     ]
 
 
+def demo_job(nproc: int, run: str, url: str, *args: str, restarts: int = 0) -> list[str]:
+    """The demo trainer under torchrun (``torchrun``'s command line) for run ``run``,
+    sending to ``url``; ``args``: more of the trainer's own."""
+    return torchrun(
+        nproc,
+        "-m",
+        "trainwarden.agent.demo_trainer",
+        "--run-name",
+        run,
+        "--url",
+        url,
+        *args,
+        restarts=restarts,
+    )
+
+
 def run_example(
     example: Path,
     server_url: str,

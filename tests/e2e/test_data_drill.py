@@ -15,7 +15,7 @@ import pytest
 
 from ..helpers import Server, start_serve, stop_serve, wait_for
 from .helpers import launch, stop
-from .launch import torchrun as torchrun_cmd
+from .launch import demo_job
 
 
 def test_every_rank_on_rank_0_s_batch_is_flagged_on_the_first_step(tmp_path: Path) -> None:
@@ -63,13 +63,9 @@ def test_every_rank_on_rank_0_s_batch_is_flagged_on_the_first_step(tmp_path: Pat
 def torchrun(server: Server, run: str, ckpt: Path, log: Path, drill: str) -> int:
     """The demo trainer on 2 gloo ranks under ``torchrun --max-restarts=1``: checkpoints
     every 10 steps, ~10 ms steps; returns torchrun's exit code."""
-    cmd = torchrun_cmd(
+    cmd = demo_job(
         2,
-        "-m",
-        "trainwarden.agent.demo_trainer",
-        "--run-name",
         run,
-        "--url",
         server.url,
         "--steps",
         "300",  # on long enough after the resume for the evaluator's and alert engine's passes

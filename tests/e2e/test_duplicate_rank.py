@@ -22,7 +22,7 @@ from trainwarden.agent.relay import Relay
 from ..helpers import Server, start_serve, stop_serve, wait_for
 from ..net import free_port
 from .helpers import events, post_together, relay_batch
-from .launch import torchrun
+from .launch import demo_job
 
 # The first job trains until the second has run beside it, then is stopped (SIGTERM):
 # on a busy machine the second's start alone can take half a minute.
@@ -37,18 +37,7 @@ def server(tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def job(server: Server, run: str, losses: Path, log: Path, *args: str) -> subprocess.Popen[bytes]:
-    cmd = torchrun(
-        2,
-        "-m",
-        "trainwarden.agent.demo_trainer",
-        "--run-name",
-        run,
-        "--url",
-        server.url,
-        "--loss-log",
-        str(losses),
-        *args,
-    )
+    cmd = demo_job(2, run, server.url, "--loss-log", str(losses), *args)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRAINWARDEN_PROFILE_EVERY": "0"}
     return subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
 
