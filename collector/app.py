@@ -32,6 +32,7 @@ from trainwarden.collector.api.routes import data as data_api
 from trainwarden.collector.api.routes import economics as economics_api
 from trainwarden.collector.api.routes import incidents as incidents_api
 from trainwarden.collector.api.routes import ingest as ingest_api
+from trainwarden.collector.api.routes import nodes as nodes_api
 from trainwarden.collector.api.routes import ops, otlp, runs
 from trainwarden.collector.api.routes import replicas as replicas_api
 from trainwarden.collector.api.routes.ingest import EXTRA_SCHEMAS, DirectIngest
@@ -245,6 +246,7 @@ def create_app(
     app.include_router(collectives_api.router)
     app.include_router(replicas_api.router)
     app.include_router(data_api.router)
+    app.include_router(nodes_api.router)
     app.state.action_policy = actions or ActionPolicy()
     app.state.commands = CommandBoard()
     app.state.alert_engine = None

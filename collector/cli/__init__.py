@@ -1,5 +1,6 @@
 """The ``trainwarden`` command: ``serve``, ``demo``, ``loadgen``, ``relay``, ``note``,
-``postmortem``, ``token create|list|revoke``, ``db upgrade`` and ``db prune``.
+``postmortem``, ``token create|list|revoke``, ``nodes list|exclude|clear``, ``db upgrade`` and
+``db prune``.
 
 Each subcommand imports the server stack it needs (FastAPI, SQLAlchemy, Dash, the
 collector's modules) when it runs, not this module: ``trainwarden relay`` runs on
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from trainwarden.collector.cli.common import CliError, open_database, settings_of
+from trainwarden.collector.cli.nodes import add_parsers as add_node_parsers
 from trainwarden.collector.cli.reports import add_parsers, cmd_note, cmd_postmortem
 from trainwarden.collector.cli.tokens import add_parsers as add_token_parsers
 
@@ -469,6 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_parsers(sub, note=cmd_note, postmortem=cmd_postmortem, db_help=db_help)
 
     add_token_parsers(sub, db_help=db_help)
+    add_node_parsers(sub, db_help=db_help)
 
     load = sub.add_parser(
         "loadgen",

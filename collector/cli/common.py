@@ -1,10 +1,18 @@
-"""What every subcommand shares: its error type, its settings and opening the database."""
+"""What every subcommand shares: its error type, its settings, opening the database, and
+talking to a running collector (``--url``, with the token in ``TRAINWARDEN_TOKEN``)."""
 
 from __future__ import annotations
 
 import argparse
+import getpass
+import os
+from typing import Any
+from urllib.parse import urlsplit
 
 from trainwarden.collector.settings import Settings
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+URL_HELP = f"the collector (default TRAINWARDEN_URL, else {DEFAULT_URL})"
 
 
 class CliError(Exception):
@@ -54,3 +62,38 @@ def open_database(url: str):  # type: ignore[no-untyped-def]
     except Exception as exc:  # a migration that fails: still one line, URL masked
         raise CliError(f"cannot prepare database {masked(url)}: {exc}") from None
     return engine
+
+
+def collector_url(args: argparse.Namespace) -> str:
+    """The collector a command talks to: ``--url``, else ``TRAINWARDEN_URL``, else local."""
+    return (args.url or os.environ.get("TRAINWARDEN_URL") or DEFAULT_URL).rstrip("/")
+
+
+def request(method: str, url: str, **kwargs: Any) -> Any:
+    """A request to the collector (only: a webhook never gets the token); an error is one
+    line that says what the collector answered."""
+    # deferred: see collector/cli/__init__.py
+    import httpx
+
+    try:
+        token = os.environ.get("TRAINWARDEN_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        response = httpx.request(method, url, timeout=60, headers=headers, **kwargs)
+    except httpx.HTTPError as exc:
+        raise CliError(f"cannot reach the collector at {urlsplit(url).netloc}: {exc}") from None
+    if response.status_code >= 400:
+        try:
+            body = response.json()
+            detail = body.get("detail") or body.get("error") or body
+        except ValueError:
+            detail = response.text.strip()[:200]
+        raise CliError(f"the collector answered {response.status_code}: {detail}")
+    return response
+
+
+def user_name() -> str:
+    """Who runs the command, for the record (a note's author, a token's creator)."""
+    try:
+        return getpass.getuser()
+    except Exception:  # no user name in a bare container
+        return "operator"

@@ -10,7 +10,6 @@ database directly instead (a collector that is down, a copy of its database).
 from __future__ import annotations
 
 import argparse
-import getpass
 import os
 import sys
 from collections.abc import Callable
@@ -18,13 +17,14 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from trainwarden.collector.cli.common import CliError, open_database
-
-DEFAULT_URL = "http://127.0.0.1:8000"
-
-
-def _collector(args: argparse.Namespace) -> str:
-    return (args.url or os.environ.get("TRAINWARDEN_URL") or DEFAULT_URL).rstrip("/")
+from trainwarden.collector.cli.common import (
+    URL_HELP,
+    CliError,
+    collector_url,
+    open_database,
+    request,
+    user_name,
+)
 
 
 def _shown(url: str) -> str:
@@ -33,44 +33,16 @@ def _shown(url: str) -> str:
     return f"{parts.scheme}://{parts.netloc}/…" if parts.path not in ("", "/") else url
 
 
-def _request(method: str, url: str, **kwargs: Any) -> Any:
-    """A request to the collector (only: a webhook never gets the token)."""
-    # deferred: see collector/cli/__init__.py
-    import httpx
-
-    try:
-        token = os.environ.get("TRAINWARDEN_TOKEN")
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        response = httpx.request(method, url, timeout=60, headers=headers, **kwargs)
-    except httpx.HTTPError as exc:
-        raise CliError(f"cannot reach the collector at {urlsplit(url).netloc}: {exc}") from None
-    if response.status_code >= 400:
-        try:
-            body = response.json()
-            detail = body.get("detail") or body.get("error") or body
-        except ValueError:
-            detail = response.text.strip()[:200]
-        raise CliError(f"the collector answered {response.status_code}: {detail}")
-    return response
-
-
 def cmd_note(args: argparse.Namespace) -> None:
-    body: dict[str, Any] = {"author": args.author or _user(), "text": args.text}
+    body: dict[str, Any] = {"author": args.author or user_name(), "text": args.text}
     if args.incident is not None:
         body["incident"] = args.incident
     if args.step is not None:
         body["step"] = args.step
-    url = f"{_collector(args)}/api/v1/runs/{quote(args.run, safe='')}/notes"
-    note = _request("POST", url, json=body).json()
+    url = f"{collector_url(args)}/api/v1/runs/{quote(args.run, safe='')}/notes"
+    note = request("POST", url, json=body).json()
     where = f" (incident {note['incident']})" if note.get("incident") is not None else ""
     print(f"trainwarden: note {note['id']} added to run {args.run}{where}")
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # no user name in a bare container
-        return "operator"
 
 
 def _report(args: argparse.Namespace) -> dict[str, Any]:
@@ -101,8 +73,8 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         params["incident"] = args.incident
     if price is not None:
         params["price"] = price
-    url = f"{_collector(args)}/api/v1/runs/{quote(args.run, safe='')}/postmortem"
-    report: dict[str, Any] = _request("GET", url, params=params).json()
+    url = f"{collector_url(args)}/api/v1/runs/{quote(args.run, safe='')}/postmortem"
+    report: dict[str, Any] = request("GET", url, params=params).json()
     return report
 
 
@@ -139,7 +111,7 @@ def cmd_postmortem(args: argparse.Namespace) -> None:
 def add_parsers(
     sub: Any, *, note: Callable[..., None], postmortem: Callable[..., None], db_help: str
 ) -> None:
-    url_help = f"the collector (default TRAINWARDEN_URL, else {DEFAULT_URL})"
+    url_help = URL_HELP
     n = sub.add_parser("note", help="add a note to a run's logbook (shown in its timelines)")
     n.add_argument("run", help="run name")
     n.add_argument("text", help="the note")

@@ -7,11 +7,10 @@ Run it where the collector's database is reachable (``--db`` or ``TRAINWARDEN_DB
 from __future__ import annotations
 
 import argparse
-import getpass
 import time
 from typing import Any
 
-from trainwarden.collector.cli.common import CliError, open_database, settings_of
+from trainwarden.collector.cli.common import CliError, open_database, settings_of, user_name
 from trainwarden.collector.store.tokens import (
     SCOPES,
     TokenError,
@@ -31,7 +30,9 @@ def cmd_create(args: argparse.Namespace) -> None:
         raise CliError("--runs limits what an ingest token may send: add --scope ingest")
     try:
         with write(engine) as conn:
-            token = create_token(conn, name=args.name, scopes=scopes, runs=args.runs, by=_user())
+            token = create_token(
+                conn, name=args.name, scopes=scopes, runs=args.runs, by=user_name()
+            )
     except TokenError as exc:
         raise CliError(str(exc)) from None
     runs = f" for runs {args.runs!r}" if "ingest" in scopes else ""
@@ -91,13 +92,6 @@ def cmd_revoke(args: argparse.Namespace) -> None:
         f"trainwarden: token {args.name!r} revoked; collectors refuse it within their "
         "token cache time (5 s by default)"
     )
-
-
-def _user() -> str:
-    try:
-        return getpass.getuser()
-    except Exception:  # no user name in a bare container
-        return "unknown"
 
 
 def add_parsers(sub: Any, *, db_help: str) -> None:

@@ -36,6 +36,7 @@ from trainwarden.collector.store.run_tables import (
     attempt_sessions,
     attempts,
     collector_pressure,
+    node_clearances,
     ranks,
     runs,
 )
@@ -59,6 +60,7 @@ __all__ = [
     "attempts",
     "bucket_maxima",
     "collector_pressure",
+    "node_clearances",
     "events",
     "gpu_samples",
     "incident_items",

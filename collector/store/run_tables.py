@@ -1,5 +1,6 @@
-"""The runs, their ranks and attempts (one row per process of an attempt), and the
-ingest pressure each collector shares with the others on the database."""
+"""The runs, their ranks and attempts (one row per process of an attempt), the ingest
+pressure each collector shares with the others on the database, and the nodes marked
+repaired."""
 
 from __future__ import annotations
 
@@ -119,4 +120,17 @@ collector_pressure = Table(
     Column("lag_s", Float, nullable=False),  # its delay then
     Column("heard", JSON, nullable=False),  # {run: [[first rank, last rank, refused at], ...]}
     Column("updated_at", Float, nullable=False),
+)
+
+# A node marked repaired (``trainwarden nodes clear``): the findings that implicated it
+# before ``cleared_at`` no longer count against it (its record keeps them, marked).
+node_clearances = Table(
+    "node_clearances",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("node", String(255), nullable=False),
+    Column("cleared_at", Float, nullable=False),
+    Column("by", String(128), nullable=False),
+    Column("note", String(2000), nullable=False),
+    Index("ix_node_clearances_node", "node", "cleared_at"),
 )

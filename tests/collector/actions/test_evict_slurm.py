@@ -1,10 +1,12 @@
 """The Slurm eviction backend against a two-node Slurm cluster on this host: it drains
 the node and requeues the run's job without it; how its failures read, and a hung
-scontrol killed at the timeout."""
+scontrol killed at the timeout. And the exclude list ``trainwarden nodes exclude``
+prints keeps the next job off a node that hurt two runs."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -16,6 +18,7 @@ import pytest
 from trainwarden.collector.actions.evict import EvictError, Eviction, SlurmBackend
 
 from ...slurm import SlurmCluster, slurm_cluster
+from ..node_findings import HOUR, NOW, add_alert, add_run
 from .evict_helpers import REASON
 
 # Each task prints the environment a trainer reads, then trains (sleeps) until killed.
@@ -222,3 +225,29 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_job_started_with_the_printed_exclude_list_avoids_the_bad_node(
+    slurm: SlurmCluster, engine: Any, db_url: str
+) -> None:
+    with engine.begin() as conn:  # node1 hurt two runs: an XID in each
+        for name in ("a", "b"):
+            run_id = add_run(conn, name, {0: "node1", 1: "node2"})
+            add_alert(conn, run_id, "FatalXid", "node1", NOW - HOUR, finding="xid")
+    done = subprocess.run(
+        [sys.executable, "-m", "trainwarden.collector.cli", "nodes", "exclude"]
+        + ["--format", "slurm", "--db", db_url],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stdout) == (0, "--exclude=node1\n"), done.stderr
+    exclude = done.stdout.strip()
+    # Both nodes could take a one-node job, and a two-node job needs both: with the list,
+    # the first lands on node2 only and the second cannot be placed at all.
+    job = slurm.sbatch(exclude, "-N1", wrap="echo $SLURMD_NODENAME; sleep 30")
+    slurm.wait_job(job, "RUNNING")
+    assert slurm.job_nodes(job) == ["node2"]
+    with pytest.raises(RuntimeError, match="sbatch exited"):
+        slurm.sbatch(exclude, "-N2", wrap="true")
