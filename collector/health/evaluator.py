@@ -46,7 +46,15 @@ from typing import Any
 from sqlalchemy import Connection, Engine, false, func, or_, select, text
 
 from trainwarden.alerts.snapshot import LIVE_STATES
-from trainwarden.collector.health import coverage, crash_loops, hang, mixture, replicas, samples
+from trainwarden.collector.health import (
+    coverage,
+    crash_loops,
+    hang,
+    mixture,
+    repeat_offenders,
+    replicas,
+    samples,
+)
 from trainwarden.collector.health.ended_hangs import place_ended
 from trainwarden.collector.health.rank_states import decide_states
 from trainwarden.collector.health.settings import HealthSettings
@@ -145,6 +153,9 @@ def evaluate(
         events = coverage.judge(conn, run_id=run_id, world=world, now=now, ended=True)
         insert_events(conn, run_id=run_id, now=now, events=events)
     changes += place_ended(conn, now=now)
+    offending = repeat_offenders.find(
+        conn, (run_id for run_id, _, _ in runs), now=now, settings=settings.offenders
+    )
     for run_id, name, world in runs:
         window = max(settings.straggler_window, settings.divergence_window)
         steps = recent_views(conn, run_id, world, window)
@@ -268,6 +279,7 @@ def evaluate(
         else:
             hang.forget(conn.engine, run_id)
         events += crash_loops.find(conn, run_id, now=now, settings=settings.crash_loop)
+        events += offending.get(run_id, [])
         moved, events = write_states(
             conn, run_id=run_id, ranks=ranks, states=states, events=events, now=now
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trainwarden.collector.health.crash_loops import LoopSettings
+from trainwarden.collector.health.repeat_offenders import OffenderSettings
 
 
 @dataclass(frozen=True)
@@ -19,3 +20,4 @@ class HealthSettings:
     interval_s: float = 1.0
     max_cpu_share: float = 0.15  # of one core; past it evaluations are spaced out (Loop)
     crash_loop: LoopSettings = LoopSettings()  # what makes attempts a crash loop
+    offenders: OffenderSettings = OffenderSettings()  # what makes a node a repeat offender

@@ -39,6 +39,7 @@ PACK = [
     "NonFiniteLoss",
     "ResumedFromSuspectCheckpoint",
     "CrashLoop",
+    "RepeatOffenderNode",
     "GradNormSpikeBurst",
     "RankLossDivergence",
     "GpuThermalThrottle",
