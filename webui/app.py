@@ -3,8 +3,9 @@
 Each page is a folder of :mod:`.pages`: the runs list at ``/`` (``runs``), a run's
 overview at ``/runs/<name>`` (``overview``), its ranks, hardware, timeline and run pages
 at ``/runs/<name>/ranks``, ``/hardware``, ``/timeline`` and ``/info`` (``ranks``,
-``hardware``, ``timeline``, ``run_info``), and the alerts page at ``/alerts``
-(``alerts``). A page's ``layout.py`` makes its components, its ``callbacks.py``
+``hardware``, ``timeline``, ``run_info``), the alerts page at ``/alerts``
+(``alerts``), and the nodes' records at ``/nodes`` and ``/nodes/<name>`` (``nodes``). A
+page's ``layout.py`` makes its components, its ``callbacks.py``
 registers its callbacks; component ids carry the page prefix (``runs-``, ``run-``,
 ``ranks-``, ``alerts-``...); the shared chart helpers are in :mod:`.charts`. A data error
 shows as a message in the page, never as a traceback.
@@ -28,6 +29,8 @@ from .pages.alerts import callbacks as alerts_callbacks
 from .pages.alerts import layout as alerts_layout
 from .pages.hardware import callbacks as hardware_callbacks
 from .pages.hardware import layout as hardware_layout
+from .pages.nodes import callbacks as nodes_callbacks
+from .pages.nodes import layout as nodes_layout
 from .pages.overview import callbacks as overview_callbacks
 from .pages.overview import layout as overview_layout
 from .pages.ranks import callbacks as ranks_callbacks
@@ -86,6 +89,10 @@ def page(path: str, search: str | None, *, client: Client, refresh_s: float) -> 
     """The page at ``path`` (as :func:`page_path` keeps it), opened with ``search``."""
     if path in ("/", "/runs"):
         return runs_layout.layout()
+    if path == "/nodes":
+        return nodes_layout.layout()
+    if path.startswith("/nodes/") and len(path) > len("/nodes/"):
+        return nodes_layout.node_layout(unquote(path[len("/nodes/") :]))
     if path == "/alerts":
         return alerts_layout.layout(search, runs=_run_names(client), refresh_s=refresh_s)
     if path.startswith("/runs/"):
@@ -126,6 +133,7 @@ def shell(page: Callable[[str, str | None], Any]) -> html.Div:
                     dcc.Link("trainwarden", href="/", className="brand"),
                     dcc.Link("Runs", href="/", className="nav"),
                     dcc.Link("Alerts", href="/alerts", className="nav"),
+                    dcc.Link("Nodes", href="/nodes", className="nav"),
                     html.A("Runbooks", href="/runbooks", className="nav"),
                     html.Button(
                         "◐ Theme",
@@ -173,6 +181,7 @@ def create_dash(client: Client, *, refresh_s: float = 2.0) -> dash.Dash:
     timeline_callbacks.register(app, client)
     run_info_callbacks.register(app, client)
     overview_callbacks.register(app, client)
+    nodes_callbacks.register(app, client)
     register_theme(app)
     return app
 

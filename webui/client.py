@@ -32,6 +32,7 @@ from trainwarden.collector.incidents.schemas import CloseIn, IncidentOut, NoteIn
 from trainwarden.collector.incidents.timeline import timeline
 from trainwarden.collector.read import data as data_view
 from trainwarden.collector.read import economics, identity, queries, replicas, series
+from trainwarden.collector.read import nodes as node_records
 from trainwarden.collector.read import user_metrics as user_metric_reads
 from trainwarden.collector.read.schemas import (
     EventOut,
@@ -81,6 +82,10 @@ class Client(Protocol):
     ) -> Heatmap: ...
 
     def extra_metrics(self, run: str) -> list[str]: ...
+
+    def nodes(self, days: float = 7.0) -> list[dict[str, Any]]: ...
+
+    def node(self, name: str, days: float = 90.0) -> dict[str, Any]: ...
 
     def rank_series(
         self,
@@ -254,6 +259,16 @@ class LocalClient:
             return series.heatmap(
                 conn, run=run, metric=metric, buckets=buckets, from_step=from_step, to_step=to_step
             )
+
+    def nodes(self, days: float = 7.0) -> list[dict[str, Any]]:
+        """Each node with findings in the last ``days`` that still count (``GET /nodes``)."""
+        with self._engine.connect() as conn:
+            return node_records.nodes(conn, now=time.time(), days=days)
+
+    def node(self, name: str, days: float = 90.0) -> dict[str, Any]:
+        """One node's record across runs (``GET /nodes/{node}``)."""
+        with self._engine.connect() as conn:
+            return node_records.record(conn, name, now=time.time(), days=days)
 
     def extra_metrics(self, run: str) -> list[str]:
         """The metrics a picker offers, once rolled up: the catalog's extras the run has

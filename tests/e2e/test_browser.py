@@ -143,3 +143,14 @@ def test_an_unknown_run_shows_a_clear_state_not_a_traceback(server: Server, page
     assert "not found" in notice.inner_text()
     assert "Traceback" not in page.content()
     assert page.errors == []
+
+
+def test_the_top_bar_opens_the_nodes_page(server: Server, page) -> None:  # type: ignore[no-untyped-def]
+    page.goto(f"{server.url}/")
+    page.locator("header a.nav", has_text="Nodes").click()
+    page.wait_for_function("() => location.pathname === '/nodes'", timeout=10_000)
+    # No node of this server's runs has a finding: the page says so, once its callback ran.
+    page.wait_for_selector("#nodes-table >> text=No node has findings", timeout=20_000)
+    page.goto(f"{server.url}/nodes/gpu-03")
+    page.wait_for_selector("#node-record >> text=No findings on node gpu-03", timeout=20_000)
+    assert page.errors == []

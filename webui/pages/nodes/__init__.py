@@ -1,0 +1,1 @@
+"""The nodes' records across runs: the list at ``/nodes``, one node at ``/nodes/<name>``."""
