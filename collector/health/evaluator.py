@@ -236,6 +236,14 @@ def evaluate(
             now=now,
             events=replicas.compare(conn, run_id=run_id, world=world, now=now),
         )
+        # Attempts that are a crash loop; a rank on a node other runs found bad.
+        insert_events(
+            conn,
+            run_id=run_id,
+            now=now,
+            events=crash_loops.find(conn, run_id, now=now, settings=settings.crash_loop)
+            + offending.get(run_id, []),
+        )
         if not ranks:
             continue
         unread = select(k.rank).where(k.run_id == run_id, still_dead)
@@ -278,8 +286,6 @@ def evaluate(
             )
         else:
             hang.forget(conn.engine, run_id)
-        events += crash_loops.find(conn, run_id, now=now, settings=settings.crash_loop)
-        events += offending.get(run_id, [])
         moved, events = write_states(
             conn, run_id=run_id, ranks=ranks, states=states, events=events, now=now
         )

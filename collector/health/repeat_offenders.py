@@ -1,6 +1,6 @@
 """Repeat offenders: a running run on a node that other runs already found bad.
 
-Once a minute the health evaluator reads the nodes' records (``collector/read/nodes.py``)
+Every 10 s the health evaluator reads the nodes' records (``collector/read/nodes.py``)
 of the last ``days`` and, for each running run with a rank on a node implicated in at
 least ``runs`` runs (findings that still count: not cleared), stores one
 ``repeat_offender_node`` event on the run's lowest rank on that node, naming the node, its
@@ -28,7 +28,7 @@ class OffenderSettings:
     """Implicated in at least this many runs ..."""
     days: float = 7.0
     """... within this many days."""
-    every_s: float = 60.0
+    every_s: float = 10.0
     """How often the records are read again (a pass in between uses the last reading)."""
 
 
