@@ -27,6 +27,7 @@ from trainwarden.collector.incidents.report_html import render_html
 from trainwarden.collector.incidents.store import list_incidents
 from trainwarden.collector.incidents.timeline import DEFINITIONS, timeline
 from trainwarden.collector.ingest import crashes, endings
+from trainwarden.collector.read import nodes as node_records
 from trainwarden.collector.read.economics import EconomicsSettings, goodput
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.store import models as m
@@ -129,6 +130,10 @@ def report_of(
         "notes": notes,
         # Ranks that died of a signal: their last words, sent by survivors of their node.
         "crashes": [crash_report(c) for c in crashed],
+        # The run's nodes that other runs found bad this week (docs/nodes.md).
+        "nodes_elsewhere": node_records.elsewhere(
+            conn, run=ru.name, names={n for n in nodes.values() if n}, now=now
+        ),
         "definitions": DEFINITIONS,
     }
 

@@ -221,6 +221,10 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
             lines.append(("• " if slack else "- ") + head + c["summary"].replace("\n", " "))
             lines += [f"  - {text}" for text in crash_lines(c)]
         lines.append("")
+    if report.get("nodes_elsewhere"):
+        lines += [heading("Nodes implicated in other runs", 2), ""]
+        lines += [("• " if slack else "- ") + n["summary"] for n in report["nodes_elsewhere"]]
+        lines.append("")
     if report["notes"]:
         lines += [heading("Logbook", 2), ""]
         lines += [f"- `{clock(n['at'])}` {n['author']}: {n['text']}" for n in report["notes"]]

@@ -222,6 +222,12 @@ def render_html(report: dict[str, Any]) -> str:
             )
             + "</ul>"
         )
+    if report.get("nodes_elsewhere"):
+        body.append(
+            "<h2 id='nodes'>Nodes implicated in other runs</h2><ul>"
+            + "".join(f"<li>{esc(n['summary'])}</li>" for n in report["nodes_elsewhere"])
+            + "</ul>"
+        )
     if report["notes"]:
         body.append(
             "<h2>Logbook</h2><ul>"

@@ -226,3 +226,33 @@ def clear(conn: Connection, node: str, *, by: str, note: str, now: float) -> dic
     row = {"node": node, "cleared_at": now, "by": by[:128], "note": note[:2000]}
     conn.execute(insert(m.node_clearances).values(**row))
     return row
+
+
+def elsewhere(
+    conn: Connection, *, run: str, names: set[str], now: float, days: float = 7.0
+) -> list[dict[str, Any]]:
+    """The nodes among ``names`` (a run's) with findings that still count in *other* runs
+    of the last ``days``: for a post-mortem's "this node was implicated in N other runs"."""
+    by_node: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for f in findings(conn, since=now - days * DAY_S):
+        if f["node"] in names and f["run"] != run and not f["cleared"]:
+            by_node[f["node"]].append(f)
+    out = []
+    for name, found in sorted(by_node.items()):
+        runs = sorted({f["run"] for f in found})
+        kinds = dict(Counter(f["kind"] for f in found))
+        said = ", ".join(f"{k} {n}" for k, n in sorted(kinds.items()))
+        out.append(
+            {
+                "node": name,
+                "runs": runs,
+                "findings": len(found),
+                "kinds": kinds,
+                "summary": (
+                    f"{name} was implicated in {len(runs)} other "
+                    f"run{'s' if len(runs) > 1 else ''} in the {days:g} days before this "
+                    f"report ({said}): {', '.join(runs)}"
+                ),
+            }
+        )
+    return out

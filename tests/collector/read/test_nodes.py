@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from trainwarden.collector.app import create_app
 from trainwarden.collector.cli.nodes import slurm_hostlist
+from trainwarden.collector.incidents.postmortem import render, report_of
 
 from ..node_findings import HOUR, NOW, add_alert, add_event, add_eviction, add_run
 
@@ -118,3 +119,25 @@ def test_a_slurm_host_list_is_compressed_as_slurm_writes_it() -> None:
     assert slurm_hostlist(["n1", "n2", "n3", "n5", "login", "a9"]) == "a9,login,n[1-3,5]"
     assert slurm_hostlist(["node9", "node10"]) == "node10,node9"  # widths differ: two names
     assert slurm_hostlist([]) == ""
+
+
+def test_a_post_mortem_names_the_runs_nodes_that_other_runs_found_bad(fleet) -> None:  # type: ignore[no-untyped-def]
+    with fleet.begin() as conn:
+        add_run(conn, "c", {0: "gpu-03", 1: "gpu-09"})
+    with fleet.connect() as conn:
+        report = report_of(conn, run="c", now=NOW, charts=False)
+        own = report_of(conn, run="a", now=NOW, charts=False)["nodes_elsewhere"]
+    (said,) = report["nodes_elsewhere"]
+    assert (said["node"], said["runs"], said["kinds"]) == (
+        "gpu-03",
+        ["a", "b"],
+        {"xid": 1, "hang": 1},
+    )
+    assert said["summary"] == (
+        "gpu-03 was implicated in 2 other runs in the 7 days before this report "
+        "(hang 1, xid 1): a, b"
+    )
+    assert [n["node"] for n in own] == ["gpu-03", "gpu-04"]  # run a's own findings left out
+    assert own[0]["runs"] == ["b"]
+    for fmt in ("md", "html"):
+        assert "Nodes implicated in other runs" in render(report, fmt)
