@@ -45,7 +45,7 @@ def _env(name: str) -> str | None:
 
 def _dataset_size(value: Any) -> int | None:
     """``tw.init(dataset_size=N)`` or ``TRAINWARDEN_DATASET_SIZE``, checked."""
-    value = _pick(value, "TRAINWARDEN_DATASET_SIZE")
+    value = pick(value, "TRAINWARDEN_DATASET_SIZE")
     if value is None or value == "":
         return None
     if isinstance(value, str):
@@ -69,7 +69,7 @@ def _data_mixture(value: Any) -> dict[str, float] | None:
         raise ConfigError(str(exc)) from None
 
 
-def _pick(explicit: Any, env_name: str, default: Any = None) -> Any:
+def pick(explicit: Any, env_name: str, default: Any = None) -> Any:
     """The explicit argument, else the environment variable, else ``default``."""
     if explicit is not None:
         return explicit
@@ -77,7 +77,7 @@ def _pick(explicit: Any, env_name: str, default: Any = None) -> Any:
     return from_env if from_env is not None else default
 
 
-def _as_int(value: Any, what: str, *, minimum: int) -> int:
+def as_int(value: Any, what: str, *, minimum: int) -> int:
     try:
         number = int(value)
     except (TypeError, ValueError):
@@ -87,7 +87,19 @@ def _as_int(value: Any, what: str, *, minimum: int) -> int:
     return number
 
 
-def _as_float(value: Any, what: str, *, minimum: float, zero_is_off: bool = False) -> float:
+def as_flag(value: Any, what: str) -> bool:
+    """A yes / no option: a bool, or 1 / 0, true / false, yes / no, on / off."""
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{what} must be yes or no (1 / 0, true / false), got {value!r}")
+
+
+def as_float(value: Any, what: str, *, minimum: float, zero_is_off: bool = False) -> float:
     try:
         number = float(value)
     except (TypeError, ValueError):
@@ -177,7 +189,7 @@ def run_tags(tags: Any) -> tuple[str, ...]:
 def data_snapshot_name(value: Any) -> str | None:
     """``tw.init(data_snapshot=...)`` (or ``TRAINWARDEN_DATA_SNAPSHOT``): a name, a path or
     a URI of the data version the run trains on."""
-    value = _pick(value, "TRAINWARDEN_DATA_SNAPSHOT")
+    value = pick(value, "TRAINWARDEN_DATA_SNAPSHOT")
     if value is None:
         return None
     if isinstance(value, os.PathLike):
@@ -190,69 +202,13 @@ def data_snapshot_name(value: Any) -> str | None:
     return value
 
 
-REPLICA_CHECK_EVERY = 100
-"""``tw.watch``'s default: fingerprint the parameters after one optimizer step in 100."""
-
-
-def replica_check_every(value: Any) -> int:
-    """``tw.watch(..., replica_check_every=N)``, else ``TRAINWARDEN_REPLICA_CHECK_EVERY``,
-    else :data:`REPLICA_CHECK_EVERY`: check the replicas at steps whose number is a
-    multiple of N; 0 turns the check off."""
-    if isinstance(value, bool):  # True would read as 1: every step
-        raise ConfigError(
-            f"replica_check_every must be an integer (steps between checks, 0: off), got {value!r}"
-        )
-    return _as_int(
-        _pick(value, "TRAINWARDEN_REPLICA_CHECK_EVERY", REPLICA_CHECK_EVERY),
-        "replica_check_every (TRAINWARDEN_REPLICA_CHECK_EVERY; 0: off)",
-        minimum=0,
-    )
-
-
-def determinism_probe_every(value: Any) -> int:
-    """``tw.watch(..., determinism_probe_every=M)``, else
-    ``TRAINWARDEN_DETERMINISM_PROBE_EVERY``, else 0 (off): run the determinism probe
-    (:mod:`.probe`) at steps whose number is a multiple of M."""
-    if isinstance(value, bool):
-        raise ConfigError(
-            "determinism_probe_every must be an integer (steps between probes, 0: off), "
-            f"got {value!r}"
-        )
-    return _as_int(
-        _pick(value, "TRAINWARDEN_DETERMINISM_PROBE_EVERY", 0),
-        "determinism_probe_every (TRAINWARDEN_DETERMINISM_PROBE_EVERY; 0: off)",
-        minimum=0,
-    )
-
-
-MAX_PROBE_RTOL = 0.1
-"""A tolerance above this would hide real faults: refused."""
-
-
-def probe_rtol(value: Any) -> float:
-    """``tw.watch(..., probe_rtol=r)``, else ``TRAINWARDEN_PROBE_RTOL``, else 0 (the
-    probes must be bit-identical): how far two replicas' probe sums may differ, relative
-    to the output's L1 norm (:mod:`.probe`)."""
-    what = "probe_rtol (TRAINWARDEN_PROBE_RTOL)"
-    if isinstance(value, bool):
-        raise ConfigError(f"{what} must be a number, got {value!r}")
-    number = _as_float(
-        _pick(value, "TRAINWARDEN_PROBE_RTOL", 0.0), what, minimum=0.0, zero_is_off=True
-    )
-    if not number <= MAX_PROBE_RTOL:  # also NaN, inf
-        raise ConfigError(
-            f"{what} must be between 0 and {MAX_PROBE_RTOL} (0: bit-exact), got {number}"
-        )
-    return number
-
-
 def _option(
     options: Mapping[str, Any], name: str, env: str, parse: Any, default: Any, **check: Any
 ) -> Any:
     """The option ``name`` (``tw.init``'s argument, else the variable ``env``, else
-    ``default``) through ``parse`` (:func:`_as_int` or :func:`_as_float`) with ``check``;
+    ``default``) through ``parse`` (:func:`as_int` or :func:`as_float`) with ``check``;
     None stays None."""
-    value = _pick(options.get(name), env, default)
+    value = pick(options.get(name), env, default)
     return None if value is None else parse(value, f"{name} ({env})", **check)
 
 
@@ -289,6 +245,7 @@ class InitOptions(TypedDict, total=False):
     flight_recorder_entries: int | None
     dataset_size: int | None
     data_mixture: Any
+    preflight: bool | None
 
 
 @dataclass(frozen=True)
@@ -343,6 +300,9 @@ class AgentConfig:
     """Keep the sampled profiler's chrome traces here (default: analyse and discard)."""
     drill: str | None = None
     """Fault drill spec (see trainwarden.agent.drills), e.g. ``slow=1.5x@rank=1,steps=10-60``."""
+    preflight: bool = False
+    """Check this rank's device, memory and collectives before step 0 (:mod:`.preflight`);
+    ``TRAINWARDEN_PREFLIGHT=1``."""
     gpu_interval_s: float = 5.0
     """How often the NVML sampler reads this rank's GPU."""
     exporter: str = "http"
@@ -398,7 +358,7 @@ class AgentConfig:
                 f"tw.init got {', '.join(map(repr, unknown))}: not an argument of it; the "
                 f"arguments are run, url, token, {', '.join(InitOptions.__annotations__)}"
             )
-        run = _pick(run, "TRAINWARDEN_RUN")
+        run = pick(run, "TRAINWARDEN_RUN")
         if run is None:
             raise ConfigError(
                 "no run name: pass tw.init(run='my-run') or set TRAINWARDEN_RUN; "
@@ -410,7 +370,7 @@ class AgentConfig:
                 "and . _ : -, starting with a letter or digit (e.g. 'llama-8b-2026-11-21')"
             )
 
-        url = _pick(url, "TRAINWARDEN_URL")
+        url = pick(url, "TRAINWARDEN_URL")
         if url is not None:
             if not isinstance(url, str) or not re.match(r"^https?://[^/\s]+", url):
                 raise ConfigError(
@@ -426,10 +386,10 @@ class AgentConfig:
             if _env("RANK")
             else "pending"
         )
-        rank_v = _option(options, "rank", "RANK", _as_int, 0, minimum=0)
+        rank_v = _option(options, "rank", "RANK", as_int, 0, minimum=0)
         # WORLD_SIZE without RANK (Lightning's launcher sets it) says nothing of this rank.
         world_env = None if placement_v == "pending" else _env("WORLD_SIZE")
-        world_v = _as_int(
+        world_v = as_int(
             ws if (ws := options.get("world_size")) is not None else world_env or 1,
             "world_size (WORLD_SIZE)",
             minimum=1,
@@ -439,14 +399,14 @@ class AgentConfig:
                 f"rank {rank_v} is outside world_size {world_v}: check RANK and WORLD_SIZE "
                 "(torchrun and srun set both)"
             )
-        local_v = _option(options, "local_rank", "LOCAL_RANK", _as_int, 0, minimum=0)
-        identity_wait_v = _as_float(
-            _pick(None, "TRAINWARDEN_IDENTITY_WAIT", IDENTITY_WAIT_S),
+        local_v = _option(options, "local_rank", "LOCAL_RANK", as_int, 0, minimum=0)
+        identity_wait_v = as_float(
+            pick(None, "TRAINWARDEN_IDENTITY_WAIT", IDENTITY_WAIT_S),
             "TRAINWARDEN_IDENTITY_WAIT",
             minimum=0.0,
         )
         flops = {
-            name: _option(options, name, env, _as_float, None, minimum=0.0)
+            name: _option(options, name, env, as_float, None, minimum=0.0)
             for name, env in (
                 ("peak_flops", "TRAINWARDEN_PEAK_FLOPS"),
                 ("flops_per_step", "TRAINWARDEN_FLOPS_PER_STEP"),
@@ -459,18 +419,18 @@ class AgentConfig:
                 "give flops_per_step or flops_per_token, not both "
                 "(flops_per_token x tokens is used when tw.step gets tokens=...)"
             )
-        dtype_v = _pick(options.get("dtype"), "TRAINWARDEN_DTYPE", "bf16")
+        dtype_v = pick(options.get("dtype"), "TRAINWARDEN_DTYPE", "bf16")
         try:
             dtype_v = dtype_name(dtype_v)
         except ValueError as exc:
             raise ConfigError(f"dtype: {exc}") from None
-        exporter_v = _pick(options.get("exporter"), "TRAINWARDEN_EXPORTER", cls.exporter)
+        exporter_v = pick(options.get("exporter"), "TRAINWARDEN_EXPORTER", cls.exporter)
         if exporter_v not in EXPORTERS:
             raise ConfigError(
                 f"exporter {exporter_v!r} is not known: use one of {', '.join(EXPORTERS)} "
                 "(tw.init(exporter=...) or TRAINWARDEN_EXPORTER)"
             )
-        relay = _pick(options.get("relay"), "TRAINWARDEN_RELAY")
+        relay = pick(options.get("relay"), "TRAINWARDEN_RELAY")
         if relay is not None and str(relay).strip().lower() in ("off", "none", "0", "false"):
             relay = None
         elif relay is not None:
@@ -505,17 +465,21 @@ class AgentConfig:
                 options,
                 "profile_every",
                 "TRAINWARDEN_PROFILE_EVERY",
-                _as_int,
+                as_int,
                 cls.profile_every,
                 minimum=0,
             ),
-            profile_dir=_pick(options.get("profile_dir"), "TRAINWARDEN_PROFILE_DIR"),
-            drill=_pick(options.get("drill"), "TRAINWARDEN_DRILL"),
+            profile_dir=pick(options.get("profile_dir"), "TRAINWARDEN_PROFILE_DIR"),
+            drill=pick(options.get("drill"), "TRAINWARDEN_DRILL"),
+            preflight=as_flag(
+                pick(options.get("preflight"), "TRAINWARDEN_PREFLIGHT", False),
+                "preflight (TRAINWARDEN_PREFLIGHT)",
+            ),
             flight_recorder_entries=_option(
                 options,
                 "flight_recorder_entries",
                 "TRAINWARDEN_FLIGHT_RECORDER_ENTRIES",
-                _as_int,
+                as_int,
                 cls.flight_recorder_entries,
                 minimum=0,
             ),
@@ -523,25 +487,25 @@ class AgentConfig:
                 options,
                 "gpu_interval_s",
                 "TRAINWARDEN_GPU_INTERVAL",
-                _as_float,
+                as_float,
                 cls.gpu_interval_s,
                 minimum=0.0,
                 zero_is_off=True,
             ),
             exporter=exporter_v,
             relay=relay,
-            relay_port=_as_int(port, "relay port (TRAINWARDEN_RELAY_PORT)", minimum=1)
-            if (port := _pick(None, "TRAINWARDEN_RELAY_PORT", None)) is not None
+            relay_port=as_int(port, "relay port (TRAINWARDEN_RELAY_PORT)", minimum=1)
+            if (port := pick(None, "TRAINWARDEN_RELAY_PORT", None)) is not None
             else None,
-            spool_dir=_pick(options.get("spool_dir"), "TRAINWARDEN_SPOOL_DIR"),
-            flush_on_sigterm=str(_pick(None, "TRAINWARDEN_FLUSH_ON_SIGTERM", "1")).strip().lower()
+            spool_dir=pick(options.get("spool_dir"), "TRAINWARDEN_SPOOL_DIR"),
+            flush_on_sigterm=str(pick(None, "TRAINWARDEN_FLUSH_ON_SIGTERM", "1")).strip().lower()
             not in ("0", "false", "no", "off"),
             spool_max_bytes=int(
                 _option(
                     options,
                     "spool_max_mb",
                     "TRAINWARDEN_SPOOL_MAX_MB",
-                    _as_float,
+                    as_float,
                     cls.spool_max_bytes / 2**20,
                     minimum=0.0,
                 )
@@ -549,7 +513,7 @@ class AgentConfig:
             ),
             run=run,
             url=url,
-            token=_pick(token, "TRAINWARDEN_TOKEN"),
+            token=pick(token, "TRAINWARDEN_TOKEN"),
             rank=rank_v,
             world_size=world_v,
             local_rank=local_v,
@@ -561,7 +525,7 @@ class AgentConfig:
                 options,
                 "queue_size",
                 "TRAINWARDEN_QUEUE_SIZE",
-                _as_int,
+                as_int,
                 cls.queue_size,
                 minimum=1,
             ),
@@ -569,7 +533,7 @@ class AgentConfig:
                 options,
                 "flush_interval_s",
                 "TRAINWARDEN_FLUSH_INTERVAL",
-                _as_float,
+                as_float,
                 cls.flush_interval_s,
                 minimum=0.0,
             ),
@@ -577,7 +541,7 @@ class AgentConfig:
                 options,
                 "batch_size",
                 "TRAINWARDEN_BATCH_SIZE",
-                _as_int,
+                as_int,
                 cls.batch_size,
                 minimum=1,
             ),
@@ -585,7 +549,7 @@ class AgentConfig:
                 options,
                 "heartbeat_s",
                 "TRAINWARDEN_HEARTBEAT",
-                _as_float,
+                as_float,
                 cls.heartbeat_s,
                 minimum=0.0,
             ),
@@ -593,7 +557,7 @@ class AgentConfig:
                 options,
                 "request_timeout_s",
                 "TRAINWARDEN_REQUEST_TIMEOUT",
-                _as_float,
+                as_float,
                 cls.request_timeout_s,
                 minimum=0.0,
             ),

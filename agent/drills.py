@@ -28,6 +28,10 @@
                                      (a sampler that ignores the rank): the trainer
                                      makes it (the demo trainer does); the agent records
                                      the drill event; needs s.samples(ids) to be found
+    preflight=slow@rank=2            tw.init(preflight=True)'s checks before step 0:
+                                     the rank's GEMM and memory copy really run twice
+                                     per one counted (half its peers' speed); =ecc: an
+                                     uncorrectable ECC error, simulated (named so)
     data=forget_sampler_state        a resume restarts the sampler from its seed (the
                                      demo trainer's data cursor goes back to batch 0);
                                      @step=0 is accepted too (no other step means more)
@@ -89,9 +93,21 @@ log = logging.getLogger(__name__)
 DIE_EXIT_CODE = 75
 DESYNC_FOR_S = 60.0
 """How long a ``desync`` rank waits in the mismatched collective before it exits."""
-KINDS = ("xid", "thermal", "slow", "hang", "die", "desync", "loss_spike", "sdc", "data")
+KINDS = (
+    "xid",
+    "thermal",
+    "slow",
+    "hang",
+    "die",
+    "desync",
+    "loss_spike",
+    "sdc",
+    "data",
+    "preflight",
+)
 SDC_FORMS = ("bitflip", "arith")
 DATA_FORMS = ("same_batch", "forget_sampler_state")
+PREFLIGHT_FORMS = ("slow", "ecc")
 """What ``data=`` takes (made by the trainer): every rank on rank 0's batch; a resume that
 restarts the sampler from its seed."""
 """What ``sdc=`` takes: a flipped parameter bit, or a perturbed forward output."""
@@ -158,6 +174,12 @@ def _parse_one(text: str) -> Fault:
         form = value.strip()
         if form not in SDC_FORMS:
             raise fail(f"sdc needs its form: sdc=bitflip or sdc=arith, got {form!r}")
+    elif kind == "preflight":
+        form = value.strip()
+        if form not in PREFLIGHT_FORMS:
+            raise fail(f"preflight needs its form: preflight=slow or preflight=ecc, got {form!r}")
+        if "step" not in tail and "steps" not in tail:
+            tail += ",step=0"  # before step 0: no step to give
     elif kind == "data":
         form = value.strip()
         if form not in DATA_FORMS:
@@ -221,7 +243,9 @@ def _parse_one(text: str) -> Fault:
             f"nth=N takes one step (step=S) of a fault at a step's start "
             f"({', '.join(_AT_STEP_START)})"
         )
-    if kind in ("xid", "thermal", "slow", "hang", "die", "desync", "sdc") and rank is None:
+    if kind in ("xid", "thermal", "slow", "hang", "die", "desync", "sdc", "preflight") and (
+        rank is None
+    ):
         raise fail(f"{kind} needs rank=R (which rank fails)")
     if kind == "hang" and seconds is None:
         raise fail("hang needs for=DURATION, e.g. for=30s")
@@ -285,7 +309,7 @@ class Drill:
         for fault in self.faults:
             if (
                 not fault.covers(step)
-                or fault.kind in ("slow", "loss_spike", "sdc")
+                or fault.kind in ("slow", "loss_spike", "sdc", "preflight")
                 or (fault.nth > 1 and self._starts.get(step) != fault.nth)
                 or not self._once(fault, step)
             ):
@@ -318,6 +342,14 @@ class Drill:
                     log.warning("trainwarden drill: %s skipped: %s", fault.text, skipped)
                     continue
                 _desync(agent, dist, fault, step)
+
+    def preflight(self) -> str | None:
+        """The ``preflight=`` fault of this rank (``slow``: its checks take twice as long;
+        ``ecc``: a simulated uncorrectable ECC error), on the job's first attempt only."""
+        for fault in self.faults:
+            if fault.kind == "preflight":
+                return None if restarted() else fault.form
+        return None
 
     def slowdown(self, step: int) -> float | None:
         for fault in self.faults:

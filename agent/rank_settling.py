@@ -15,12 +15,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from . import placement
+from . import placement, preflight
 from .drills import Drill, DrillError
 
 if TYPE_CHECKING:
     from .config import AgentConfig
     from .drills import Fault
+    from .encode import StepEncoder
     from .rare import RareWork
 
 log = logging.getLogger(__name__)
@@ -29,7 +30,8 @@ _PLACE_POLL_S = 0.05  # how often a process with no rank yet looks for its proce
 
 
 class RankSettling:
-    """The ``Agent``'s methods that find, check and correct its rank (mixed into it)."""
+    """The ``Agent``'s methods that find, check and correct its rank, and what its first step
+    does (the drill, the preflight) (mixed into it)."""
 
     # What they use of the Agent (set in its __init__).
     config: AgentConfig
@@ -40,6 +42,7 @@ class RankSettling:
     _connected: threading.Event  # the rank is final and the exporter made
     _closed: bool
     _connect: Callable[[], None]
+    _encode: StepEncoder
     event: Callable[..., None]
 
     def _make_drill(self) -> None:
@@ -71,6 +74,23 @@ class RankSettling:
         if self._drill_spec is not None:
             self._make_drill()
         self._settle.set()
+        if self.config.preflight:
+            self._preflight()
+
+    def _preflight(self) -> None:
+        """``tw.init(preflight=True)``: this rank's checks before step 0, sent as its
+        ``preflight`` event (:mod:`.preflight`). One that cannot measure says why in the
+        event and the log; the training goes on."""
+        drill = self.rare.drill.preflight() if self.rare.drill is not None else None
+        peak = self._encode.peak
+        try:
+            found = preflight.measure(drill=drill, peak_flops=peak.flops if peak else None)
+        except Exception as exc:
+            log.warning("trainwarden: preflight could not measure: %s", exc)
+            self.event("preflight", severity="warning", error=f"{type(exc).__name__}: {exc}")
+            return
+        severity = "warning" if found["faults"] else "info"
+        self.event("preflight", severity=severity, **found)
 
     # -- the process's place in the job (placement.py) ----------------------------------
 

@@ -33,12 +33,12 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .config import determinism_probe_every as _determinism_probe_every
-from .config import probe_rtol as _probe_rtol
-from .config import replica_check_every as _replica_check_every
 from .probe import Probe
 from .replica import fingerprint, replica_group_of
 from .values import Captured, capture, capture_ints
+from .watch_options import determinism_probe_every as _determinism_probe_every
+from .watch_options import probe_rtol as _probe_rtol
+from .watch_options import replica_check_every as _replica_check_every
 
 if TYPE_CHECKING:
     from .core import Agent

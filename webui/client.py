@@ -33,6 +33,7 @@ from trainwarden.collector.incidents.timeline import timeline
 from trainwarden.collector.read import data as data_view
 from trainwarden.collector.read import economics, identity, queries, replicas, series
 from trainwarden.collector.read import nodes as node_records
+from trainwarden.collector.read import preflight as preflight_results
 from trainwarden.collector.read import user_metrics as user_metric_reads
 from trainwarden.collector.read.schemas import (
     EventOut,
@@ -84,6 +85,8 @@ class Client(Protocol):
     def extra_metrics(self, run: str) -> list[str]: ...
 
     def nodes(self, days: float = 7.0) -> list[dict[str, Any]]: ...
+
+    def preflight(self, run: str) -> dict[str, Any]: ...
 
     def node(self, name: str, days: float = 90.0) -> dict[str, Any]: ...
 
@@ -259,6 +262,11 @@ class LocalClient:
             return series.heatmap(
                 conn, run=run, metric=metric, buckets=buckets, from_step=from_step, to_step=to_step
             )
+
+    def preflight(self, run: str) -> dict[str, Any]:
+        """The newest attempt's preflight, judged (``GET /runs/{run}/preflight``)."""
+        with self._engine.connect() as conn:
+            return preflight_results.results(conn, run=run)
 
     def nodes(self, days: float = 7.0) -> list[dict[str, Any]]:
         """Each node with findings in the last ``days`` that still count (``GET /nodes``)."""

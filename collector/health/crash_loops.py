@@ -14,7 +14,8 @@ the first got no further than the one before it (its furthest step at most
 checkpoint) or failed within ``quick_s`` of its start, and all of them fit in
 ``window_s``. The loop's ``crash_loop`` event (once per attempt that completes one) names
 what the attempts have in common: the rank, the node, the way it ended (the exception, the
-exit code, or killed without a goodbye) and the step. The ``CrashLoop`` rule pages on it;
+exit code, or killed without a goodbye) and the step, of the process that failed first in
+each attempt (its peers' failures follow from it). The ``CrashLoop`` rule pages on it;
 its action (``stop`` in the shipped pack) goes through the action policy.
 """
 
@@ -60,6 +61,16 @@ class _Attempt:
     @property
     def crashed(self) -> bool:
         return bool(self.culprits)
+
+    @property
+    def first(self) -> Any:
+        """The failed process that went first: the one its peers' failures follow (a peer
+        killed by the launcher, or failing in a collective, ends after it). Its agent's
+        heartbeats stop when it dies; a blocked peer's go on until it is torn down."""
+        return min(
+            self.culprits or (),
+            key=lambda c: (c.ended_at or c.last_seen or 0.0, c.last_step or -1, c.rank),
+        )
 
 
 def _how(session: Any) -> str:
@@ -155,9 +166,9 @@ def find(
     last_end = loop[-1].ended_at or now
     if last_end - loop[0].started_at > settings.window_s:
         return []
-    ranks = _common([{c.rank for c in x.culprits or ()} for x in loop])
-    nodes = _common([{c.host for c in x.culprits or ()} for x in loop])
-    ways = _common([{_how(c) for c in x.culprits or ()} for x in loop])
+    ranks = _common([{x.first.rank} for x in loop])
+    nodes = _common([{x.first.host} for x in loop])
+    ways = _common([{_how(x.first)} for x in loop])
     steps = [x.reached if x.reached >= 0 else None for x in loop]
     numbers = [x.number for x in loop]
     said = [f"attempts {numbers[0]}-{numbers[-1]} each failed"]

@@ -51,6 +51,7 @@ from trainwarden.collector.health import (
     crash_loops,
     hang,
     mixture,
+    preflight,
     repeat_offenders,
     replicas,
     samples,
@@ -236,13 +237,15 @@ def evaluate(
             now=now,
             events=replicas.compare(conn, run_id=run_id, world=world, now=now),
         )
-        # Attempts that are a crash loop; a rank on a node other runs found bad.
+        # Attempts that are a crash loop; a rank on a node other runs found bad; ranks
+        # that failed their preflight.
         insert_events(
             conn,
             run_id=run_id,
             now=now,
             events=crash_loops.find(conn, run_id, now=now, settings=settings.crash_loop)
-            + offending.get(run_id, []),
+            + offending.get(run_id, [])
+            + preflight.failures(conn, run_id, world, now=now),
         )
         if not ranks:
             continue

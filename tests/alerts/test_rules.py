@@ -40,6 +40,7 @@ PACK = [
     "ResumedFromSuspectCheckpoint",
     "CrashLoop",
     "RepeatOffenderNode",
+    "PreflightFailed",
     "GradNormSpikeBurst",
     "RankLossDivergence",
     "GpuThermalThrottle",
@@ -112,6 +113,7 @@ def test_default_pack_loads_with_exactly_the_issue_rules() -> None:
     assert {n for n, rule in by_name.items() if rule.action == "evict"} == {
         "FatalXid",
         "EccUncorrectable",
+        "PreflightFailed",
     }
     assert {rule.kind for rule in rules} == set(KINDS)  # the pack uses every kind
 

@@ -53,16 +53,26 @@ def add_alert(conn: Any, run_id: int, rule: str, node: str, at: float, **labels:
     )
 
 
-def add_event(conn: Any, run_id: int, kind: str, at: float, data: dict[str, Any]) -> None:
+def add_event(
+    conn: Any,
+    run_id: int,
+    kind: str,
+    at: float,
+    data: dict[str, Any],
+    *,
+    rank: int | None = None,
+    step: int | None = 12,
+) -> None:
     conn.execute(
         insert(m.events).values(
-            uid=f"{kind}-{run_id}-{at}",
+            uid=f"{kind}-{run_id}-{rank}-{at}",
             run_id=run_id,
+            rank=rank,
             ts=at,
             recv_ts=at,
             kind=kind,
             severity="critical",
-            step=12,
+            step=step,
             data=data,
         )
     )

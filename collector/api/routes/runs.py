@@ -1,17 +1,17 @@
 """HTTP routes for runs (``/api/v1/runs``): list and read them, their ranks, events,
-series, heatmaps, flagged and replaced steps and GPU readings. Thin: the work is in
-``collector.read``."""
+series, heatmaps, flagged and replaced steps, GPU readings and preflight results. Thin:
+the work is in ``collector.read``."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Query
 
 from trainwarden.alerts.metrics import METRICS
 from trainwarden.collector.api.deps import EngineDep
 from trainwarden.collector.ingest.schema_checks import MAX_RANK, MAX_STEP
-from trainwarden.collector.read import queries, series
+from trainwarden.collector.read import preflight, queries, series
 from trainwarden.collector.read.schemas import (
     EventOut,
     FlaggedStep,
@@ -167,3 +167,12 @@ def get_gpu(
     """Retrieve NVML readings (temperature, power, clocks, throttle reasons, ECC, ...)."""
     with engine.connect() as conn:
         return queries.gpu_samples(conn, run=run, rank=rank, since=since, limit=limit)
+
+
+@router.get("/{run}/preflight")
+def get_preflight(run: str, engine: EngineDep) -> dict[str, Any]:
+    """The newest attempt's preflight (``tw.init(preflight=True)``): each rank's GEMM,
+    memory copy and all-reduce rates, NVML facts and faults, its ratios to the median
+    rank, and whether it failed (a fault, or under ``outlier`` times the median)."""
+    with engine.connect() as conn:
+        return preflight.results(conn, run=run)

@@ -42,8 +42,9 @@ def run_of(
                         started_at=started,
                         first_step=0,
                         last_step=s.get("last_step"),
-                        last_seen=started + gap_s - 10,
-                        ended_at=started + gap_s - 10 if ended else None,
+                        # the first to fail went silent first; its peers followed
+                        last_seen=started + gap_s - s.get("before_s", 10),
+                        ended_at=started + gap_s - s.get("before_s", 10) if ended else None,
                         end_reason=s.get("end_reason"),
                         end_detail=s.get("end_detail"),
                         exit_code=s.get("exit_code"),
@@ -58,7 +59,13 @@ def died(at: int = 33, *, rank: int = 1, host: str | None = None) -> list[dict[s
     other = 1 - rank
     return [
         {"rank": other, "last_step": at, "end_reason": "sigterm"},
-        {"rank": rank, "host": host or f"node{rank}", "last_step": at, "end_reason": "lost"},
+        {
+            "rank": rank,
+            "host": host or f"node{rank}",
+            "last_step": at,
+            "end_reason": "lost",
+            "before_s": 12,
+        },
     ]
 
 
@@ -124,3 +131,16 @@ def test_a_loop_with_nothing_in_common_says_so(engine) -> None:  # type: ignore[
     (event,) = verdict(engine, run_id, T0 + 400)
     assert event["rank"] is None and event["data"]["ranks"] == []
     assert event["data"]["reason"].endswith("; each time killed (no goodbye)")
+
+
+def test_the_process_that_failed_first_is_named_not_its_torn_down_peer(engine) -> None:  # type: ignore[no-untyped-def]
+    # Under load the launcher's SIGTERM can kill rank 0 before its goodbye is sent: it
+    # ends without one too, but its heartbeats went on (blocked in a collective) until
+    # then, after rank 1 had gone silent.
+    both_lost = [
+        {"rank": 0, "last_step": 20, "end_reason": "lost", "before_s": 10},
+        {"rank": 1, "last_step": 19, "end_reason": "lost", "before_s": 12},
+    ]
+    run_id = run_of(engine, [both_lost, both_lost, died(20), []])
+    (event,) = verdict(engine, run_id, T0 + 400)
+    assert (event["rank"], event["data"]["ranks"]) == (1, [1])

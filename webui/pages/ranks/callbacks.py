@@ -34,6 +34,7 @@ from .data import (
     user_choices,
     user_heatmap_part,
 )
+from .preflight_panel import preflight_table
 from .query import apply_gestures, parse_query, query_string
 from .replicas_panel import strips as replica_strips
 
@@ -56,6 +57,7 @@ def register(app: dash.Dash, client: Client) -> None:
     register_user_picker(app, client)
     register_user_heatmap(app, client)
     register_replicas(app, client)
+    register_preflight(app, client)
     register_states(app, client)
     register_collectives(app, client)
     register_gestures(app)
@@ -223,6 +225,25 @@ def register_replicas(app: dash.Dash, client: Client) -> None:
             "replica checks",
             name,
             lambda: replica_strips(client.replicas(name)),
+            lambda message: notice(message, "error"),
+        )
+
+
+def register_preflight(app: dash.Dash, client: Client) -> None:
+    """The preflight table (``tw.init(preflight=True)``), after the first heatmap."""
+
+    @app.callback(
+        Output("ranks-preflight", "children"),
+        Input("ranks-heat-interval", "n_intervals"),
+        Input("ranks-first", "data"),
+        State("ranks-run", "data"),
+        prevent_initial_call=True,
+    )
+    def draw_preflight(_n: int | None, _first: bool | None, name: str) -> Any:
+        return _guarded(
+            "preflight",
+            name,
+            lambda: preflight_table(client.preflight(name)),
             lambda message: notice(message, "error"),
         )
 

@@ -50,6 +50,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             html.Div(id="ranks-user-box"),
             html.Div(id="ranks-coll-bottom", className="coll-section"),
             html.Div(id="ranks-replicas"),  # replica agreement (silent data corruption)
+            html.Div(id="ranks-preflight"),  # the checks before step 0, when the run ran them
             html.Div(id="ranks-coll-feedback-bottom", role="status"),
             dcc.Store(id="ranks-coll-digest"),  # what the section shows: redrawn on a change
             dcc.Store(id="ranks-coll-changed", data=0),  # a request was made: read again now

@@ -1,0 +1,92 @@
+"""Preflight results (``tw.init(preflight=True)``, ``agent/preflight.py``): each rank's
+checks before step 0 in the run's newest attempt, compared with its peers'.
+
+A rank *fails* preflight with a hard fault (an uncorrectable ECC error, a pending row
+remap or page retirement, a downgraded PCIe link, clocks held by a fault) or as an
+outlier: its GEMM or memory copy under ``OUTLIER`` (0.85) times the ranks' median. The
+all-reduce is the group's: every rank waits for the slowest, so it is shown, not
+compared between ranks.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from sqlalchemy import Connection, func, select
+
+from trainwarden.collector.read.queries import run_id_of
+from trainwarden.collector.store import models as m
+
+KIND = "preflight"
+OUTLIER = 0.85
+"""A rank measured under this fraction of the median rank is an outlier."""
+MEASURES = {"gemm_flops": "GEMM", "copy_bytes_per_s": "memory copy"}
+SKEW_S = 60.0
+"""A rank's preflight counts for the newest attempt if sent at most this long before the
+attempt's start (the agents' clocks)."""
+
+
+def newest(conn: Connection, run_id: int) -> tuple[int | None, dict[int, dict[str, Any]]]:
+    """(the newest attempt's number, each rank's newest preflight of it)."""
+    a, e = m.attempts.c, m.events.c
+    attempt = conn.execute(
+        select(a.number, a.started_at).where(a.run_id == run_id).order_by(a.number.desc()).limit(1)
+    ).first()
+    since = (attempt.started_at - SKEW_S) if attempt is not None else 0.0
+    found: dict[int, dict[str, Any]] = {}
+    for row in conn.execute(
+        select(e.rank, e.ts, e.data)
+        .where(e.run_id == run_id, e.kind == KIND, e.ts >= since, e.rank.is_not(None))
+        .order_by(e.ts, e.id)
+    ):
+        found[int(row.rank)] = {"ts": row.ts, **(row.data or {})}
+    return (attempt.number if attempt is not None else None), found
+
+
+def judge(ranks: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Each rank's result with its ratios to the median rank and its verdict: ``failed``
+    and the ``reasons`` (or ``error``: it could not measure)."""
+    medians = {}
+    for key in MEASURES:
+        values = [r[key] for r in ranks.values() if isinstance(r.get(key), (int, float))]
+        medians[key] = statistics.median(values) if values else None
+    out = {}
+    for rank, r in sorted(ranks.items()):
+        reasons = list(r.get("faults") or [])
+        ratios: dict[str, float | None] = {}
+        for key, what in MEASURES.items():
+            value, median = r.get(key), medians[key]
+            ratio = value / median if isinstance(value, (int, float)) and median else None
+            ratios[key] = ratio
+            if ratio is not None and ratio < OUTLIER and len(ranks) > 1:
+                reasons.append(f"{what} at {ratio:.2f}x the median rank's")
+        out[rank] = {
+            **r,
+            "rank": rank,
+            "ratios": ratios,
+            "failed": bool(reasons),
+            "reasons": reasons,
+        }
+    return out
+
+
+def results(conn: Connection, *, run: str) -> dict[str, Any]:
+    """``GET /api/v1/runs/{run}/preflight``: the newest attempt's preflight, a rank a row
+    (with its node), judged against its peers."""
+    run_id = run_id_of(conn, run)
+    attempt, ranks = newest(conn, run_id)
+    k = m.ranks.c
+    nodes: dict[int, str | None] = dict(
+        conn.execute(select(k.rank, func.coalesce(k.node, k.host)).where(k.run_id == run_id)).all()
+    )
+    judged = judge(ranks)
+    for rank, r in judged.items():
+        r["node"] = nodes.get(rank)
+    return {
+        "run": run,
+        "attempt": attempt,
+        "outlier": OUTLIER,
+        "ranks": list(judged.values()),
+        "failed": sorted(rank for rank, r in judged.items() if r["failed"]),
+    }
