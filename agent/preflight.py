@@ -34,6 +34,7 @@ ALLREDUCE_BYTES = 32 << 20
 CPU_GEMM_N, GPU_GEMM_N = 384, 8192
 CPU_COPY_BYTES, GPU_COPY_BYTES = 32 << 20, 1 << 30
 MIN_TIMED_S = 0.2  # a CPU measure repeats its work for at least this long
+MAX_TURNS = 16  # CPU ranks of a group this size or smaller measure one after another
 NVML_THROTTLES = {  # the throttle reasons that hold clocks down for a fault, not for idling
     0x8: "hardware slowdown",
     0x20: "software thermal slowdown",
@@ -42,21 +43,23 @@ NVML_THROTTLES = {  # the throttle reasons that hold clocks down for a fault, no
 }
 
 
-def _timed(work: Any, sync: Any, clock: Any, *, repeat: int = 1) -> tuple[int, float]:
-    """Run ``work`` until ``MIN_TIMED_S`` has passed on ``clock`` (``repeat`` times a
-    counted round: the drill's slowdown); how many counted rounds and the seconds they
-    took."""
+def _timed(work: Any, sync: Any, clock: Any, *, repeat: int = 1) -> float:
+    """Run ``work`` in rounds until ``MIN_TIMED_S`` has passed on ``clock`` (``repeat``
+    times a counted round: the drill's slowdown); the shortest round's seconds: what the
+    device does when nothing else is in its way (a busy moment slows a round, never
+    speeds one up)."""
     work()  # warm up: allocation, kernels, caches
     sync()
-    rounds, started = 0, clock()
+    rounds, best, started = 0, float("inf"), clock()
     while True:
+        begun = clock()
         for _ in range(repeat):
             work()
-        rounds += 1
         sync()
-        took = clock() - started
-        if took >= MIN_TIMED_S and rounds >= 3:
-            return rounds, took
+        ended = clock()
+        rounds, best = rounds + 1, min(best, ended - begun)
+        if ended - started >= MIN_TIMED_S and rounds >= 5 and best > 0:
+            return best
 
 
 def _device(torch: Any) -> Any:
@@ -123,8 +126,7 @@ def _gemm_flops(
 ) -> float:
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
-    rounds, took = _timed(lambda: torch.mm(a, b), sync, clock, repeat=repeat)
-    return 2 * n**3 * rounds / took
+    return 2 * n**3 / _timed(lambda: torch.mm(a, b), sync, clock, repeat=repeat)
 
 
 def _copy_bytes_per_s(
@@ -132,8 +134,7 @@ def _copy_bytes_per_s(
 ) -> float:
     src = torch.empty(size // 4, device=device, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    rounds, took = _timed(lambda: dst.copy_(src), sync, clock, repeat=repeat)
-    return 2 * size * rounds / took  # read and written
+    return 2 * size / _timed(lambda: dst.copy_(src), sync, clock, repeat=repeat)  # read, written
 
 
 def measure(*, drill: str | None = None, peak_flops: float | None = None) -> dict[str, Any]:
@@ -152,19 +153,27 @@ def measure(*, drill: str | None = None, peak_flops: float | None = None) -> dic
     # job's other ranks among them) does not make the rank look slow; on a GPU, the wall.
     # One thread: a core's rate, comparable between ranks whatever their thread pools.
     clock = time.perf_counter if on_gpu else time.process_time
+    dist = torch.distributed
+    grouped = dist.is_available() and dist.is_initialized()
+    # On CPUs the ranks of a host share its memory bus (and SMT siblings a core): with a
+    # group of a test's size they take turns, so that each measures alone.
+    turns = not on_gpu and grouped and dist.get_world_size() <= MAX_TURNS
     threads = torch.get_num_threads()
     if not on_gpu:
         torch.set_num_threads(1)
     try:
-        gemm = _gemm_flops(torch, device, n, dtype, sync, clock, repeat)
-        size = GPU_COPY_BYTES if on_gpu else CPU_COPY_BYTES
-        copy = _copy_bytes_per_s(torch, device, size, sync, clock, repeat)
+        for turn in range(dist.get_world_size() if turns else 1):
+            if not turns or turn == dist.get_rank():
+                gemm = _gemm_flops(torch, device, n, dtype, sync, clock, repeat)
+                size = GPU_COPY_BYTES if on_gpu else CPU_COPY_BYTES
+                copy = _copy_bytes_per_s(torch, device, size, sync, clock, repeat)
+            if turns:
+                dist.barrier()
     finally:
         torch.set_num_threads(threads)
 
     allreduce = group = None
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized():
+    if grouped:
         group = dist.get_world_size()
         buf = torch.ones(ALLREDUCE_BYTES // 4, device=device, dtype=torch.float32)
         dist.all_reduce(buf)  # warm up: the connections

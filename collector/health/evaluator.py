@@ -150,6 +150,9 @@ def evaluate(
         events = samples.duplicates(conn, run_id=run_id, world=world, now=now, ended=True)
         events += samples.drift(conn, run_id=run_id, world=world, now=now, ended=True)
         insert_events(conn, run_id=run_id, now=now, events=events)
+    for run_id, world in preflight.ended_runs(conn, now=now):  # a short job's preflight
+        events = preflight.failures(conn, run_id, world, now=now, ended=True)
+        insert_events(conn, run_id=run_id, now=now, events=events)
     for run_id, world in coverage.ended_runs(conn, now=now):  # their last epochs
         events = coverage.judge(conn, run_id=run_id, world=world, now=now, ended=True)
         insert_events(conn, run_id=run_id, now=now, events=events)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import Connection, Engine, func, select
+from sqlalchemy import Connection, Engine, exists, func, select
 
 from trainwarden.collector.read import preflight as results
 from trainwarden.collector.store import models as m
@@ -25,8 +25,31 @@ WAIT_S = 120.0
 _judged: dict[Engine, dict[int, int | None]] = {}  # run -> its attempt judged whole
 
 
-def failures(conn: Connection, run_id: int, world: int, *, now: float) -> list[dict[str, Any]]:
-    """The run's ``preflight_failed`` events not said yet (their uid makes each once)."""
+def ended_runs(conn: Connection, *, now: float) -> list[tuple[int, int]]:
+    """Runs no longer running with a preflight received lately, (id, world size): a short
+    job can end before its ranks' results were judged (the evaluator reads running runs
+    only)."""
+    e, ru = m.events.c, m.runs.c
+    judged = _judged.get(conn.engine, {})
+    return [
+        (run_id, world)
+        for run_id, world in conn.execute(
+            select(ru.id, ru.world_size).where(
+                ru.status != "running",
+                exists().where(
+                    e.run_id == ru.id, e.kind == results.KIND, e.recv_ts >= now - 2 * WAIT_S
+                ),
+            )
+        )
+        if run_id not in judged
+    ]
+
+
+def failures(
+    conn: Connection, run_id: int, world: int, *, now: float, ended: bool = False
+) -> list[dict[str, Any]]:
+    """The run's ``preflight_failed`` events not said yet (their uid makes each once);
+    ``ended``: the run is over, so every result that will come is in."""
     judged = _judged.setdefault(conn.engine, {})
     a = m.attempts.c
     newest = conn.execute(select(func.max(a.number)).where(a.run_id == run_id)).scalar()
@@ -35,7 +58,7 @@ def failures(conn: Connection, run_id: int, world: int, *, now: float) -> list[d
     attempt, ranks = results.newest(conn, run_id)
     if not ranks:
         return []
-    whole = len(ranks) >= world or now - min(r["ts"] for r in ranks.values()) >= WAIT_S
+    whole = ended or len(ranks) >= world or now - min(r["ts"] for r in ranks.values()) >= WAIT_S
     if whole:
         judged[run_id] = attempt
     out = []

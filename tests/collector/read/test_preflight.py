@@ -74,3 +74,12 @@ def test_a_rank_that_never_reports_is_not_waited_for_past_wait_s(engine) -> None
         assert verdicts.failures(conn, run_id, 3, now=NOW + 5) == []
         late = verdicts.failures(conn, run_id, 3, now=NOW + verdicts.WAIT_S + 1)
     assert [e["rank"] for e in late] == [1]
+
+
+def test_on_a_cpu_the_copy_is_shown_not_judged() -> None:
+    cpu = {r: measured(device="cpu") for r in range(3)}
+    cpu[1] = measured(device="cpu", copy=3e9)  # 0.6x: within a host's spread on a CPU
+    cpu[2] = measured(device="cpu", gemm=0.5e10)
+    got = judge(cpu)
+    assert [r["failed"] for r in got.values()] == [False, False, True]
+    assert round(got[1]["ratios"]["copy_bytes_per_s"], 2) == 0.6
