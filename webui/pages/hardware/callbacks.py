@@ -15,6 +15,7 @@ from ...charts import empty_figure, themed
 from ...client import Client
 from ...components import notice
 from ...gestures import hold_while_pointing
+from ..ranks.preflight_panel import preflight_table
 from .data import GRAPHS, page_parts
 
 log = logging.getLogger(__name__)
@@ -47,3 +48,19 @@ def register(app: dash.Dash, client: Client) -> None:
             message = f"Cannot read GPU data: {exc.__class__.__name__}. Retrying."
         empty = themed(empty_figure("No data"), theme)
         return (notice(message, "error"), None, None, *[empty] * len(GRAPHS))
+
+    @app.callback(
+        Output("hw-preflight", "children"),
+        Input("hw-tick", "data"),
+        State("hw-run", "data"),
+    )
+    def refresh_preflight(_n: int | None, name: str) -> Any:
+        try:
+            return preflight_table(client.preflight(name))
+        except NotFound:
+            return None  # the page's notice says so
+        except Exception as exc:
+            log.exception("hardware page preflight %s", name)
+            return notice(
+                f"Cannot read the preflight: {exc.__class__.__name__}. Retrying.", "error"
+            )

@@ -1,5 +1,5 @@
 """The hardware page of a run, ``/runs/<name>/hardware``: per node / GPU temperature, power,
-clocks, throttling, ECC and XID events.
+clocks, throttling, ECC and XID events, and the ranks' preflight (as on the Ranks page).
 
 ``?rank=N`` narrows the page to that rank's GPU (its links come from the ranks page).
 """
@@ -26,6 +26,7 @@ def layout(name: str, search: str | None, *, refresh_s: float) -> html.Div:
             html.Div(id="hw-gpus", children=notice("Loading GPUs…")),
             html.H3("XID errors"),
             html.Div(id="hw-xids"),
+            html.Div(id="hw-preflight"),  # the checks before step 0, when the run ran them
             *[dcc.Graph(id=f"hw-{key}", **graph) for key in GRAPHS],
             dcc.Interval(id="hw-interval", interval=int(max(refresh_s, 2.0) * 1000)),
             dcc.Store(id="hw-tick"),  # its ticks, held while a pointer is down on a graph
