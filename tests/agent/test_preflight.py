@@ -13,6 +13,7 @@ from trainwarden.agent.config import AgentConfig
 
 from .helpers import RecordingTransport
 
+
 def test_a_cpu_preflight_measures_gemm_and_copy_and_names_no_fault() -> None:
     got = preflight.measure()
     assert (got["device"], got["dtype"], got["gemm_n"]) == ("cpu", "float32", 384)
