@@ -28,6 +28,7 @@ from trainwarden.collector.incidents.store import list_incidents
 from trainwarden.collector.incidents.timeline import DEFINITIONS, timeline
 from trainwarden.collector.ingest import crashes, endings
 from trainwarden.collector.read import nodes as node_records
+from trainwarden.collector.read import preflight
 from trainwarden.collector.read.economics import EconomicsSettings, goodput
 from trainwarden.collector.read.queries import NotFound
 from trainwarden.collector.store import models as m
@@ -130,11 +131,36 @@ def report_of(
         "notes": notes,
         # Ranks that died of a signal: their last words, sent by survivors of their node.
         "crashes": [crash_report(c) for c in crashed],
+        # The newest attempt's checks before step 0, when it ran them: who failed and why.
+        "preflight": preflight_summary(conn, ru.name),
         # The run's nodes that other runs found bad this week (docs/nodes.md).
         "nodes_elsewhere": node_records.elsewhere(
             conn, run=ru.name, names={n for n in nodes.values() if n}, now=now
         ),
         "definitions": DEFINITIONS,
+    }
+
+
+def preflight_summary(conn: Connection, run: str) -> dict[str, Any] | None:
+    """The run's preflight for a report: how many ranks ran it, and each that failed with
+    its node and reasons; None when it ran none."""
+    found = preflight.results(conn, run=run)
+    if not found["ranks"]:
+        return None
+    failed = [r for r in found["ranks"] if r["failed"]]
+    n, attempt = len(found["ranks"]), found["attempt"]
+    when = f" (attempt {attempt})" if attempt is not None else ""
+    return {
+        "attempt": attempt,
+        "ranks": n,
+        "failed": [
+            {"rank": r["rank"], "node": r.get("node"), "reasons": r["reasons"]} for r in failed
+        ],
+        "summary": (
+            f"{len(failed)} of {n} ranks failed preflight{when}"
+            if failed
+            else f"all {n} ranks passed preflight{when}"
+        ),
     }
 
 

@@ -221,6 +221,15 @@ def render_markdown(report: dict[str, Any], *, flavor: str = "github") -> str:
             lines.append(("• " if slack else "- ") + head + c["summary"].replace("\n", " "))
             lines += [f"  - {text}" for text in crash_lines(c)]
         lines.append("")
+    if report.get("preflight"):
+        pre = report["preflight"]
+        lines += [heading("Preflight", 2), "", pre["summary"] + ".", ""]
+        lines += [
+            ("• " if slack else "- ")
+            + f"rank {f['rank']} ({f['node'] or 'node unknown'}): {'; '.join(f['reasons'])}"
+            for f in pre["failed"]
+        ]
+        lines.append("")
     if report.get("nodes_elsewhere"):
         lines += [heading("Nodes implicated in other runs", 2), ""]
         lines += [("• " if slack else "- ") + n["summary"] for n in report["nodes_elsewhere"]]

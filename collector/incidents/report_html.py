@@ -222,6 +222,17 @@ def render_html(report: dict[str, Any]) -> str:
             )
             + "</ul>"
         )
+    if report.get("preflight"):
+        pre = report["preflight"]
+        body.append(
+            f"<h2 id='preflight'>Preflight</h2><p>{esc(pre['summary'])}.</p><ul>"
+            + "".join(
+                f"<li>rank {f['rank']} ({esc(f['node'] or 'node unknown')}): "
+                f"{esc('; '.join(f['reasons']))}</li>"
+                for f in pre["failed"]
+            )
+            + "</ul>"
+        )
     if report.get("nodes_elsewhere"):
         body.append(
             "<h2 id='nodes'>Nodes implicated in other runs</h2><ul>"

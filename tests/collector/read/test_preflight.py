@@ -10,6 +10,7 @@ from typing import Any
 from sqlalchemy import insert
 
 from trainwarden.collector.health import preflight as verdicts
+from trainwarden.collector.incidents.postmortem import render, report_of
 from trainwarden.collector.read.preflight import judge, results
 from trainwarden.collector.store import models as m
 
@@ -83,3 +84,22 @@ def test_on_a_cpu_the_copy_is_shown_not_judged() -> None:
     got = judge(cpu)
     assert [r["failed"] for r in got.values()] == [False, False, True]
     assert round(got[1]["ratios"]["copy_bytes_per_s"], 2) == 0.6
+
+
+def test_a_post_mortem_says_who_failed_preflight(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine.begin() as conn:
+        run_id = add_run(conn, "p", {r: f"node-{r}" for r in range(3)})
+        pre(conn, run_id, 0, NOW)
+        pre(conn, run_id, 1, NOW, gemm=0.4e10)
+        pre(conn, run_id, 2, NOW)
+        add_run(conn, "none", {0: "node-0"})
+    with engine.connect() as conn:
+        report = report_of(conn, run="p", now=NOW, charts=False)
+        assert report_of(conn, run="none", now=NOW, charts=False)["preflight"] is None
+    said = report["preflight"]
+    assert said["summary"] == "1 of 3 ranks failed preflight"
+    assert said["failed"] == [
+        {"rank": 1, "node": "node-1", "reasons": ["GEMM at 0.40x the median rank's"]}
+    ]
+    assert "rank 1 (node-1): GEMM at 0.40x the median rank's" in render(report, "md")
+    assert "id='preflight'" in render(report, "html")
