@@ -14,9 +14,10 @@ the first got no further than the one before it (its furthest step at most
 checkpoint) or failed within ``quick_s`` of its start, and all of them fit in
 ``window_s``. The loop's ``crash_loop`` event (once per attempt that completes one) names
 what the attempts have in common: the rank, the node, the way it ended (the exception, the
-exit code, or killed without a goodbye) and the step, of the process that failed first in
-each attempt (its peers' failures follow from it). The ``CrashLoop`` rule pages on it;
-its action (``stop`` in the shipped pack) goes through the action policy.
+exit code, the signal of its last words, or killed without a goodbye) and the step, of the
+process that failed first in each attempt (its peers' failures follow from it). The
+``CrashLoop`` rule pages on it; its action (``stop`` in the shipped pack) goes through
+the action policy.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 
 from sqlalchemy import Connection, func, select
 
+from trainwarden.collector.ingest import crashes
 from trainwarden.collector.store import models as m
 
 KIND = "crash_loop"
@@ -73,8 +75,13 @@ class _Attempt:
         )
 
 
-def _how(session: Any) -> str:
-    """How a failed process ended, in words."""
+def _how(session: Any, crash: dict[str, Any] | None = None) -> str:
+    """How a failed process ended, in words; ``crash``: its last words (a signal), if a
+    survivor of its node sent them."""
+    if crash is not None:
+        signal = crash.get("signal") or crash.get("fatal") or "a fatal signal"
+        where = f" in {crash['collective']}" if crash.get("collective") else ""
+        return f"died of {signal}{where}"
     if session.end_reason == "exception":
         detail = f": {session.end_detail}" if session.end_detail else ""
         return f"ended on an exception{detail}"
@@ -90,6 +97,7 @@ def _attempts(conn: Connection, run_id: int, since: float) -> list[_Attempt]:
             a.number,
             a.started_at,
             s.rank,
+            s.session,
             s.host,
             s.ended_at,
             s.last_seen,
@@ -134,6 +142,18 @@ def _attempts(conn: Connection, run_id: int, since: float) -> list[_Attempt]:
     return out
 
 
+def _last_words(conn: Connection, run_id: int, since: float) -> dict[str, dict[str, Any]]:
+    """The run's crashed processes' last words (``rank_crashed``), by session."""
+    e = m.events.c
+    rows = conn.execute(
+        select(e.data)
+        .where(e.run_id == run_id, e.kind == crashes.KIND, e.ts >= since)
+        .order_by(e.id)
+        .limit(1000)
+    ).scalars()
+    return {str(d["session"]): d for d in rows if isinstance(d, dict) and d.get("session")}
+
+
 def _common(values: list[set[Any]]) -> list[Any]:
     shared = set.intersection(*values) if values else set()
     return sorted(v for v in shared if v is not None)
@@ -168,7 +188,8 @@ def find(
         return []
     ranks = _common([{x.first.rank} for x in loop])
     nodes = _common([{x.first.host} for x in loop])
-    ways = _common([{_how(x.first)} for x in loop])
+    words = _last_words(conn, run_id, since)
+    ways = _common([{_how(x.first, words.get(x.first.session))} for x in loop])
     steps = [x.reached if x.reached >= 0 else None for x in loop]
     numbers = [x.number for x in loop]
     said = [f"attempts {numbers[0]}-{numbers[-1]} each failed"]

@@ -144,3 +144,31 @@ def test_the_process_that_failed_first_is_named_not_its_torn_down_peer(engine) -
     run_id = run_of(engine, [both_lost, both_lost, died(20), []])
     (event,) = verdict(engine, run_id, T0 + 400)
     assert (event["rank"], event["data"]["ranks"]) == (1, [1])
+
+
+def test_a_signal_in_the_last_words_is_the_way_they_failed(engine) -> None:  # type: ignore[no-untyped-def]
+    run_id = run_of(engine, [died(), died(), died(), []])
+    with engine.begin() as conn:
+        for number in (1, 2, 3):
+            conn.execute(
+                insert(m.events).values(
+                    uid=f"crash-{number}",
+                    run_id=run_id,
+                    rank=1,
+                    ts=T0 + 120 * (number - 1) + 100,
+                    recv_ts=T0 + 120 * (number - 1) + 100,
+                    kind="rank_crashed",
+                    severity="critical",
+                    data={
+                        "session": f"loop-a{number}-r1",
+                        "signal": "SIGSEGV",
+                        "collective": "all_reduce",
+                        "last_step": 33,
+                    },
+                )
+            )
+    (event,) = verdict(engine, run_id, T0 + 400)
+    assert event["data"]["ways"] == ["died of SIGSEGV in all_reduce"]
+    assert event["data"]["reason"].endswith(
+        "each time rank 1 on node node1 died of SIGSEGV in all_reduce"
+    )
