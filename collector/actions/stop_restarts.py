@@ -8,11 +8,12 @@ allocation the stop was meant to save.
 
 So each actions pass looks for an attempt that the same launch began after a stop of the
 whole run was done (its key is the launcher's id with a restart count: torchrun's
-``TORCHELASTIC_RUN_ID``, Slurm's job id; the same id, another count). Such an attempt
+``TORCHELASTIC_RUN_ID``, Slurm's job id; the same id, a higher count). Such an attempt
 gets a stop of its own, approved by the stop it follows, at once: its ranks stop after
 their first steps, and the launcher spends its restarts on start-ups, not on training. A
-new launch (another id) is a person starting the run again: it is left alone, as is an
-attempt whose launcher names none.
+new launch (another id, or the same ``--rdzv-id`` launched again: its count back at 0) is
+a person starting the run again: it is left alone, as is an attempt whose launcher names
+none.
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ WATCH_S = 6 * 3600.0
 TRIGGER = "restart after stop"
 
 
-def _launch(key: str | None) -> str | None:
-    """The launch an attempt key names (``torchelastic:ID``, ``slurm:JOB``): the key
-    without its restart count."""
+def _launch(key: str | None) -> tuple[str, int] | None:
+    """The launch an attempt key names (``torchelastic:ID``, ``slurm:JOB``) and its
+    restart count, or None when the key has no count."""
     if not key or key.count(":") < 2:
         return None
-    return key.rsplit(":", 1)[0]
+    launch, _, count = key.rpartition(":")
+    return (launch, int(count)) if count.isdigit() else None
 
 
 def stop_restarts(conn: Connection, policy: ActionPolicy, *, now: float) -> list[int]:
@@ -63,7 +65,13 @@ def stop_restarts(conn: Connection, policy: ActionPolicy, *, now: float) -> list
         if launch is None:
             continue  # its launcher names no launch: a restart cannot be told from a launch
         for attempt in attempts:
-            if attempt.started_at <= stop.finished_at or _launch(attempt.key) != launch:
+            later = _launch(attempt.key)
+            if (
+                attempt.started_at <= stop.finished_at
+                or later is None
+                or later[0] != launch[0]
+                or later[1] <= launch[1]  # the count back at 0: the same id launched again
+            ):
                 continue
             fingerprint = f"restart-after-stop:{stop.run_id}:{attempt.number}"
             if conn.execute(select(a.id).where(a.fingerprint == fingerprint)).first():

@@ -83,6 +83,11 @@ def test_a_new_launch_is_a_person_starting_the_run_again(engine) -> None:  # typ
     assert new_stops(engine) == []
 
 
+def test_the_same_rendezvous_id_launched_again_is_a_new_launch(engine) -> None:  # type: ignore[no-untyped-def]
+    setup(engine, ["torchelastic:job7:0", "torchelastic:job7:1", "torchelastic:job7:0"])
+    assert new_stops(engine) == []  # its count went back to 0: torchrun started anew
+
+
 def test_a_dry_run_a_rank_stop_a_keyless_launch_or_an_old_stop_leave_restarts_alone(engine) -> None:  # type: ignore[no-untyped-def]
     keys = ["slurm:42:0", "slurm:42:1", "slurm:42:2"]
     setup(engine, keys, stop={"mode": "dry-run"})
