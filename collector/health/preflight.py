@@ -62,7 +62,7 @@ def failures(
     if whole:
         judged[run_id] = attempt
     out = []
-    for rank, r in results.judge(ranks).items():
+    for rank, r in results.judge(ranks, results.nodes_of(conn, run_id)).items():
         if not r["failed"] or not (whole or r.get("faults")):
             continue  # an outlier is one among its peers: judged once they are in
         out.append(

@@ -103,3 +103,27 @@ def test_a_post_mortem_says_who_failed_preflight(engine) -> None:  # type: ignor
     ]
     assert "rank 1 (node-1): GEMM at 0.40x the median rank's" in render(report, "md")
     assert "id='preflight'" in render(report, "html")
+
+
+def test_a_node_whose_ranks_are_slow_together_fails_them() -> None:
+    # node b: one GPU far off (0.70x, failed on its own) and one marginal (0.95x, not):
+    # the node's median is 0.82x the median node's, so the marginal one fails with it.
+    ranks = {
+        0: measured(gemm=1.0e11),
+        1: measured(gemm=1.0e11),
+        2: measured(gemm=0.7e11),
+        3: measured(gemm=0.95e11),
+        4: measured(gemm=1.0e11),
+        5: measured(gemm=1.0e11),
+    }
+    nodes: dict[int, str | None] = {0: "a", 1: "a", 2: "b", 3: "b", 4: "c", 5: "c"}
+    got = judge(ranks, nodes)
+    assert [r["failed"] for r in got.values()] == [False, False, True, True, False, False]
+    assert got[3]["reasons"] == ["node b: GEMM at 0.82x the median node's"]
+    assert got[2]["reasons"] == [
+        "GEMM at 0.70x the median rank's",
+        "node b: GEMM at 0.82x the median node's",
+    ]
+    assert [r["failed"] for r in judge(ranks).values()].count(True) == 1  # without the nodes
+    one_each: dict[int, str | None] = {r: f"n{r}" for r in ranks}
+    assert [r["failed"] for r in judge(ranks, one_each).values()].count(True) == 1
