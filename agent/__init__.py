@@ -135,6 +135,11 @@ def init(
     source should give, e.g. ``{"web": 0.7, "code": 0.2, "math": 0.1}`` (weights >= 0
     summing to 1), compared with what ``s.data_source(name, tokens)`` reports.
 
+    Preflight: ``preflight=True`` (``TRAINWARDEN_PREFLIGHT=1``) checks this rank's device,
+    memory, collective path and (on a GPU) NVML at the first step's entry, before step 0
+    (:mod:`trainwarden.agent.preflight`); the collector compares the ranks and pages
+    PreflightFailed on an outlier or a hard fault.
+
     The keyword arguments are declared once, as :class:`InitOptions` (their types) and
     :class:`AgentConfig` (their defaults and meaning); ``transport`` replaces how batches
     are sent (tests). Raises :class:`ConfigError` at once when an argument is wrong or
