@@ -134,7 +134,9 @@ def _attempts(conn: Connection, run_id: int, since: float) -> list[_Attempt]:
             ended_at=max(ends) if ends else (started[numbers[i + 1]] if later else None),
             over=over,
         )
-        if over:
+        if over and not any(x.end_reason == "stopped" for x in mine):
+            # (an attempt trainwarden stopped did not crash: a peer that failed after its
+            # stop, in a collective the stopped rank left, is the stop's doing)
             attempt.culprits = [
                 x for x in mine if x.end_reason in FAILED or (x.end_reason is None and later)
             ]

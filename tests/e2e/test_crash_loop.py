@@ -75,7 +75,9 @@ def test_a_rank_that_dies_at_the_same_step_every_attempt_is_a_crash_loop_and_is_
     assert done.returncode != 0, said[-3000:]  # torchrun's restarts spent: the job failed
 
     def fired() -> list[dict]:  # type: ignore[type-arg]
-        alerts = server.get("/api/v1/alerts", run=run).json()
+        # resolved too: its stop done, it resolves once the next attempt begins
+        states = ["pending", "firing", "resolved"]
+        alerts = server.get("/api/v1/alerts", run=run, state=states).json()
         return [a for a in alerts if a["rule"] == "CrashLoop"]
 
     wait_for(lambda: fired(), 30, "CrashLoop")
@@ -98,9 +100,13 @@ def test_a_rank_that_dies_at_the_same_step_every_attempt_is_a_crash_loop_and_is_
         ("rule:CrashLoop", "done", None),
         ("restart after stop", "done", None),
     ], stops
-    assert said.count("(exitcode: 76)") == 2, said[-3000:]
+    assert "(exitcode: 76)" in said, said[-3000:]
     attempts = server.get(f"/api/v1/runs/{run}/attempts").json()
     assert [a["number"] for a in attempts] == [1, 2, 3, 4, 5]
+    for attempt in attempts[3:]:  # trainwarden's stop ended both (a rank of the fourth
+        # that was not in yet when it came may then fail in the collective its peer left)
+        ends = [p["end_reason"] for p in attempt["processes"]]
+        assert "stopped" in ends, attempt
 
     entries = server.get(f"/api/v1/runs/{run}/timeline").json()["entries"]
     text = "\n".join(str(e) for e in entries)

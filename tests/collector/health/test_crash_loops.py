@@ -172,3 +172,14 @@ def test_a_signal_in_the_last_words_is_the_way_they_failed(engine) -> None:  # t
     assert event["data"]["reason"].endswith(
         "each time rank 1 on node node1 died of SIGSEGV in all_reduce"
     )
+
+
+def test_an_attempt_trainwarden_stopped_did_not_crash(engine) -> None:  # type: ignore[no-untyped-def]
+    # The stop reached rank 0 only (rank 1 of the new attempt was not in yet): rank 1
+    # then failed in the collective rank 0 left. Not a fourth crash: no second loop.
+    stopped = [
+        {"rank": 0, "last_step": 0, "end_reason": "stopped", "exit_code": 76},
+        {"rank": 1, "last_step": 1, "end_reason": "exception", "end_detail": "gloo: peer gone"},
+    ]
+    run_id = run_of(engine, [died(), died(), died(), stopped, []])
+    assert verdict(engine, run_id, T0 + 600) == []
